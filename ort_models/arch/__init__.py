@@ -1,0 +1,1 @@
+"""specd.ort_models.arch"""

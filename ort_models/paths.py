@@ -1,0 +1,44 @@
+"""Where specd keeps things on disk (platformdirs; overridable with SPECD_* env vars)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP = "specd"
+
+
+def _dir(env: str, default: str) -> Path:
+    value = os.environ.get(env)
+    path = Path(value) if value else Path(default)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_dir() -> Path:
+    """Built ONNX graphs, content-hash index."""
+    return _dir("SPECD_CACHE_DIR", platformdirs.user_cache_dir(APP))
+
+
+def data_dir() -> Path:
+    """Downloaded models (the model store)."""
+    return _dir("SPECD_DATA_DIR", platformdirs.user_data_dir(APP))
+
+
+def config_dir() -> Path:
+    return _dir("SPECD_CONFIG_DIR", platformdirs.user_config_dir(APP))
+
+
+def state_dir() -> Path:
+    """Pid file, logs, token file."""
+    return _dir("SPECD_STATE_DIR", platformdirs.user_state_dir(APP))
+
+
+def runtime_dir() -> Path:
+    """The Unix socket."""
+    value = os.environ.get("SPECD_RUNTIME_DIR")
+    if value:
+        return _dir("SPECD_RUNTIME_DIR", value)
+    return _dir("SPECD_RUNTIME_DIR", platformdirs.user_runtime_dir(APP))
