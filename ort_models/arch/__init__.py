@@ -1,1 +1,26 @@
-"""specd.ort_models.arch"""
+"""Architecture registry: GGUF `general.architecture` -> hyper-parameter reader."""
+
+from collections.abc import Callable
+
+from ..gguf_file import GGUFError, GGUFFile
+from . import llama, qwen2, qwen3
+from .base import HParams
+
+READERS: dict[str, Callable[[GGUFFile], HParams]] = {
+    "llama": llama.read_hparams,
+    "qwen2": qwen2.read_hparams,
+    "qwen3": qwen3.read_hparams,
+}
+
+
+def read_hparams(f: GGUFFile) -> HParams:
+    reader = READERS.get(f.arch)
+    if reader is None:
+        raise GGUFError(
+            f"{f.path}: unsupported architecture {f.arch!r} "
+            f"(supported: {', '.join(sorted(READERS))})"
+        )
+    return reader(f)
+
+
+__all__ = ["HParams", "READERS", "read_hparams"]

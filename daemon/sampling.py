@@ -1,0 +1,321 @@
+"""Host-side token sampling (pure numpy, float64).
+
+The pipeline follows llama.cpp's default sampler chain::
+
+    repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw
+
+llama.cpp applies temperature *after* the truncation filters, so top-p and min-p
+see the untempered distribution.  ``SamplerParams.temperature_last=False`` moves
+temperature in front of the filters instead (the HF transformers / vLLM order).
+Temperature 0 means greedy: argmax of the penalised logits, ties to the lowest
+token id, no rng draw.
+
+Every non-greedy draw consumes exactly one uniform from the sampler's own PCG64
+generator and inverts the CDF of :meth:`Sampler.probs` in ascending token-id
+order, so a seeded request is reproducible token for token and the verifier can
+reason about how many draws each step takes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "Sampler",
+    "SamplerParams",
+    "derive_seeds",
+    "sample_from_probs",
+    "softmax",
+]
+
+# top-p without top-k: look at this many of the most likely tokens first and grow
+# the window (8x, then everything) until the nucleus fits, instead of sorting the
+# whole vocabulary up front.
+_TOP_P_FIRST_WINDOW = 1024
+
+
+@dataclass
+class SamplerParams:
+    """Per-request sampling settings (llama.cpp names and defaults for the 'off' values).
+
+    temperature: 0 = greedy.  top_k: 0 = off.  top_p: 1.0 = off.  min_p: 0 = off.
+    repeat_penalty: 1.0 = off; applied over the distinct tokens among the last
+    ``repeat_last_n`` accepted tokens (0 = off, -1 = the whole history).
+    seed: None = fresh OS entropy.  temperature_last: llama.cpp order (see module doc).
+    """
+
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    temperature_last: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplerParams:
+        """Raise ValueError naming the first out-of-range field; return self when valid."""
+        _check_real("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        _check_real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        _check_real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        _check_real("repeat_penalty", self.repeat_penalty)
+        if self.repeat_penalty <= 0.0:
+            raise ValueError(f"repeat_penalty must be > 0 (1 = off), got {self.repeat_penalty}")
+        _check_int("repeat_last_n", self.repeat_last_n)
+        if self.repeat_last_n < -1:
+            raise ValueError(
+                f"repeat_last_n must be >= -1 (0 = off, -1 = whole history), "
+                f"got {self.repeat_last_n}"
+            )
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if self.seed < 0:
+                raise ValueError(f"seed must be a non-negative integer or None, got {self.seed}")
+        return self
+
+
+def _check_real(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def derive_seeds(seed: int | None) -> tuple[int, int]:
+    """Split one request seed into independent (target_seed, draft_seed) streams.
+
+    Uses ``SeedSequence(seed).spawn(2)``; ``None`` draws fresh OS entropy.
+    """
+    children = np.random.SeedSequence(seed).spawn(2)
+    target, draft = (int(child.generate_state(1, np.uint64)[0]) for child in children)
+    return target, draft
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Stable float64 softmax over the last axis; -inf entries get probability 0."""
+    x = np.asarray(logits, dtype=np.float64)
+    e = x - np.max(x, axis=-1, keepdims=True)  # one fresh buffer, then in place
+    np.exp(e, out=e)
+    e /= np.sum(e, axis=-1, keepdims=True)
+    return e
+
+
+def sample_from_probs(probs: np.ndarray, u: float) -> int:
+    """Invert the CDF of ``probs`` ([vocab], need not be normalised) at ``u`` in [0, 1).
+
+    Tokens are ordered by ascending id; a zero-probability token is never returned.
+    """
+    cdf = np.cumsum(probs, dtype=np.float64)  # [vocab]
+    total = cdf[-1]
+    if not total > 0.0:
+        raise ValueError("cannot sample from an all-zero distribution")
+    idx = int(np.searchsorted(cdf, u * total, side="right"))
+    if idx >= cdf.shape[0] or probs[idx] <= 0.0:  # u * total rounded up to total
+        idx = int(np.flatnonzero(probs > 0.0)[-1])
+    return idx
+
+
+class Sampler:
+    """Sampling state for one request and one model role (target or draft).
+
+    Owns the parameters, a PCG64 generator and the recent-token history used by
+    the repetition penalty.  ``history`` seeds that history (llama.cpp feeds the
+    prompt tokens to the penalty sampler too); ``seed`` overrides ``params.seed``
+    (pass the values from :func:`derive_seeds`).
+    """
+
+    def __init__(
+        self,
+        params: SamplerParams,
+        *,
+        seed: int | None = None,
+        history: Iterable[int] = (),
+    ) -> None:
+        self.params = params.validate()
+        rng_seed = params.seed if seed is None else seed
+        self._rng = np.random.Generator(np.random.PCG64(rng_seed))
+        maxlen = None if params.repeat_last_n < 0 else params.repeat_last_n
+        self._history: deque[int] = deque((int(t) for t in history), maxlen=maxlen)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.params.is_greedy
+
+    @property
+    def history(self) -> list[int]:
+        """The tokens the repetition penalty currently looks at, oldest first."""
+        return list(self._history)
+
+    def accept(self, token: int) -> None:
+        """Record an emitted token in the repetition-penalty history."""
+        self._history.append(int(token))
+
+    def uniform(self) -> float:
+        """Draw one uniform in [0, 1) from this sampler's stream."""
+        return float(self._rng.random())
+
+    def copy(self) -> Sampler:
+        """Independent deep copy: same params, history and rng state."""
+        return copy.deepcopy(self)
+
+    # -- distribution ---------------------------------------------------------
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """The float64 [vocab] distribution :meth:`sample` draws from for these logits."""
+        ids, p = self._filtered(logits)
+        return _densify(ids, p, np.shape(logits)[-1])
+
+    def candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sparse form of :meth:`probs`: (token ids ascending [m], probabilities [m])."""
+        ids, p = self._filtered(logits)
+        return (np.arange(p.shape[0]) if ids is None else ids), p
+
+    def penalised_logits(self, logits: np.ndarray) -> np.ndarray:
+        """float64 copy of ``logits`` [vocab] with the repetition penalty applied."""
+        x = np.array(logits, dtype=np.float64)  # [vocab]
+        if x.ndim != 1:
+            raise ValueError(f"expected one row of logits [vocab], got shape {x.shape}")
+        penalty = self.params.repeat_penalty
+        if penalty == 1.0 or not self._history:
+            return x
+        seen = np.unique(np.fromiter(self._history, dtype=np.int64))
+        seen = seen[(seen >= 0) & (seen < x.shape[0])]
+        vals = x[seen]
+        x[seen] = np.where(vals > 0.0, vals / penalty, vals * penalty)
+        return x
+
+    def _filtered(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(surviving ids ascending [m] or None for all, their probabilities [m])."""
+        x = self.penalised_logits(logits)  # [vocab]
+        if self.is_greedy:
+            return np.array([int(np.argmax(x))]), np.ones(1)
+        temperature = self.params.temperature
+        ids = _top_k_ids(x, self.params.top_k)  # [m] or None
+        vals = x if ids is None else x[ids]  # [m]
+        if not self.params.temperature_last:
+            vals /= temperature  # vals is our own copy (penalised_logits copies)
+        for keep in (_top_p_keep, _min_p_keep):
+            kept = keep(vals, self.params)  # positions into vals, ascending, or None
+            if kept is not None:
+                ids = kept if ids is None else ids[kept]
+                vals = vals[kept]
+        if self.params.temperature_last:
+            vals /= temperature
+        return ids, softmax(vals)
+
+    # -- drawing --------------------------------------------------------------
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Greedy: argmax, no draw.  Otherwise one uniform, inverted through :meth:`probs`."""
+        token, _, _ = self._draw(logits)
+        return token
+
+    def sample_with_probs(self, logits: np.ndarray) -> tuple[int, np.ndarray]:
+        """Like :meth:`sample` but also return the dense [vocab] distribution drawn from.
+
+        This is what a draft model needs for rejection-sampling verification.
+        """
+        token, ids, p = self._draw(logits)
+        return token, _densify(ids, p, np.shape(logits)[-1])
+
+    def _draw(self, logits: np.ndarray) -> tuple[int, np.ndarray | None, np.ndarray]:
+        ids, p = self._filtered(logits)
+        pos = 0 if self.is_greedy else sample_from_probs(p, self.uniform())
+        return (pos if ids is None else int(ids[pos])), ids, p
+
+
+def _densify(ids: np.ndarray | None, p: np.ndarray, vocab: int) -> np.ndarray:
+    if ids is None:
+        return p
+    out = np.zeros(vocab, dtype=np.float64)  # [vocab]
+    out[ids] = p
+    return out
+
+
+# -- filters: each returns ascending positions to keep, or None for "all" -------
+
+
+def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray | None:
+    """Ids of the k largest entries of x [vocab], ties at the cut to the lowest ids."""
+    if k <= 0 or k >= x.shape[0]:
+        return None
+    return _top_ids(x, k, kth=_kth_largest(x, k))
+
+
+def _kth_largest(x: np.ndarray, k: int) -> float:
+    """The k-th largest value of x [n] (1 <= k < n) without partitioning all of x.
+
+    Split x into k blocks: the smallest block maximum is a lower bound for the k-th
+    largest value (the k maxima are k entries at or above it), so partitioning only
+    the entries at or above that bound gives the exact answer, usually from a few
+    hundred candidates instead of the whole vocabulary.
+    """
+    n = x.shape[0]
+    bound = x[: n - n % k].reshape(k, -1).max(axis=1).min()
+    cand = x[x >= bound]  # [c >= k]
+    return float(np.partition(cand, cand.shape[0] - k)[cand.shape[0] - k])
+
+
+def _top_ids(x: np.ndarray, k: int, kth: float) -> np.ndarray:
+    """Ascending ids of the k largest entries of x, given kth = the k-th largest value.
+
+    Everything above kth is kept; ties at kth are filled in from the lowest id.
+    """
+    above = np.flatnonzero(x > kth)
+    ties = np.flatnonzero(x == kth)[: k - above.shape[0]]
+    return np.sort(np.concatenate([above, ties]))
+
+
+def _top_p_keep(vals: np.ndarray, params: SamplerParams) -> np.ndarray | None:
+    """Positions of the minimal most-likely set whose probability mass reaches top_p.
+
+    Tokens are taken by descending probability (ties by lower position) and the one
+    that crosses top_p is kept, as llama.cpp does.  Only the largest values are
+    sorted: a window of 1024, then 8x larger, then everything, so a full sort of the
+    vocabulary happens only for flat distributions.
+    """
+    n = vals.shape[0]
+    if params.top_p >= 1.0 or n <= 1:
+        return None
+    p = softmax(vals)  # [m]
+    window = min(n, _TOP_P_FIRST_WINDOW)
+    while True:
+        top = p if window >= n else p[p >= _kth_largest(p, window)]  # [>= window]
+        desc = np.sort(top)[::-1][:window]  # [window] the largest values, descending
+        cut = int(np.searchsorted(np.cumsum(desc), params.top_p, side="left"))
+        if cut < window or window >= n:
+            n_keep = min(cut + 1, window)
+            return None if n_keep >= n else _top_ids(p, n_keep, kth=desc[n_keep - 1])
+        window = window * 8 if window * 8 <= n // 4 else n
+
+
+def _min_p_keep(vals: np.ndarray, params: SamplerParams) -> np.ndarray | None:
+    """Positions whose probability is at least min_p times the largest (max always kept)."""
+    if params.min_p <= 0.0 or vals.shape[0] <= 1:
+        return None
+    # in logit space: p_i >= min_p * p_max  <=>  v_i - v_max >= log(min_p)
+    return np.flatnonzero(vals - np.max(vals) >= math.log(params.min_p))

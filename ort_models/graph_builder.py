@@ -1,0 +1,286 @@
+"""Build one ONNX decoder graph from a GGUF file.
+
+Graph contract (one sequence per call, S >= 1 new tokens on top of the KV cache):
+
+inputs
+    input_ids    int64 [S]           tokens at positions pos .. pos+S-1
+    position     int64 [1]           pos: where the first new token goes
+    attn_len     int64 [1]           keys attended: a bucket end >= pos+S (see ATTN_BUCKET)
+    logits_rows  int64 [R]           rows of the S new tokens whose logits are wanted
+    past_key_i / past_value_i float32 [1, n_kv, n_ctx, head_dim]   per layer i
+outputs
+    logits       float32 [R, vocab]
+    present_key_i / present_value_i  the same buffers, written in place at pos..pos+S-1
+    hidden_l     float32 [S, n_embd] residual stream after layer l (optional)
+
+Batch invariance: every op computes a row the same way whatever S is, so a verified row
+equals a single-token step bit for bit. MatMulNBits (accuracy_level 4) and prepacked
+MatMul are row-invariant; attention is written out (TensorScatter + MatMul + Softmax)
+over `attn_len` keys, padded to a multiple of ATTN_BUCKET with masked keys, so a row's
+softmax and weighted sum see exactly the same numbers in a block as alone, as long as
+the block does not cross a bucket boundary (the runner guarantees that for verify).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from onnx import TensorProto
+
+from .arch import HParams
+from .gguf_file import GGUFFile
+from .onnx_writer import MS, GraphWriter
+from .quant import QuantizedMatrix, dense_float32, load_matrix
+
+BUILDER_VERSION = "1"
+ATTN_BUCKET = 256
+ACCURACY_LEVEL = 4
+F32 = TensorProto.FLOAT
+I64 = TensorProto.INT64
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    hidden_layers: tuple[int, ...] = ()  # extra outputs: residual stream after these layers
+    max_positions: int = 0  # rope table size; 0 = the model's trained context
+    # MatMulNBits accuracy: 4 = int8 activations (fast, row-invariant); 1 = fp32 (tests)
+    accuracy_level: int = ACCURACY_LEVEL
+
+    def key(self) -> str:
+        layers = "-".join(map(str, self.hidden_layers)) or "none"
+        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}"
+
+
+@dataclass
+class _Ctx:
+    g: GraphWriter
+    hp: HParams
+    f: GGUFFile
+    options: BuildOptions
+    progress: Progress | None
+    done: int = 0
+    total: int = 0
+    shared: dict[str, QuantizedMatrix | np.ndarray] = field(default_factory=dict)
+
+    def tick(self, label: str) -> None:
+        self.done += 1
+        if self.progress:
+            self.progress(self.done, self.total, label)
+
+
+def _matrix(c: _Ctx, name: str) -> QuantizedMatrix | np.ndarray:
+    if name not in c.shared:
+        c.shared[name] = load_matrix(c.f.tensor(name))
+    return c.shared[name]
+
+
+def _vector(c: _Ctx, name: str) -> str:
+    return c.g.weight(name, dense_float32(c.f.tensor(name)).reshape(-1))
+
+
+def _write_quant(g: GraphWriter, name: str, w: QuantizedMatrix) -> None:
+    """The MatMulNBits inputs of `name` (once, shared by the embedding and the output)."""
+    if g.has(f"{name}.B"):
+        return
+    g.weight(f"{name}.B", w.packed_b())  # [N, K/bs, bs*bits/8]
+    g.weight(f"{name}.scales", w.scales)  # [N, K/bs]
+    zp = w.packed_zero_points()
+    if zp is not None:
+        g.weight(f"{name}.zp", zp)
+    if w.bias is not None:
+        g.weight(f"{name}.rowbias", w.bias)  # [N, K/32]
+
+
+def _linear(c: _Ctx, x: str, name: str) -> str:
+    """x [S, K] @ W^T -> [S, N] for the GGUF matrix `name` [N, K]."""
+    g, w = c.g, _matrix(c, name)
+    if isinstance(w, np.ndarray):  # dense float32 [N, K]
+        wt = f"{name}.W"
+        if not g.has(wt):
+            g.weight(wt, np.ascontiguousarray(w.T))  # [K, N]
+        y = g.op("MatMul", [x, wt])
+    else:
+        _write_quant(g, name, w)
+        ins = [x, f"{name}.B", f"{name}.scales"]
+        if w.zero_point is not None:
+            ins.append(f"{name}.zp")
+        y = g.op("MatMulNBits", ins, domain=MS, K=w.k, N=w.n, bits=w.bits,
+                 block_size=w.block_size, accuracy_level=c.options.accuracy_level)
+        if w.bias is not None:  # + blocksum(x) @ bias^T: the exact min term
+            if not g.has(f"{name}.minT"):
+                g.weight(f"{name}.minT", np.ascontiguousarray(w.bias.T))  # [K/32, N]
+            blocks = g.op("Reshape", [x, g.const([0, w.k // 32, 32])])  # [S, K/32, 32]
+            sums = g.op("ReduceSum", [blocks, g.const([-1])], keepdims=0)  # [S, K/32]
+            y = g.op("Add", [y, g.op("MatMul", [sums, f"{name}.minT"])])
+    bias = name.replace(".weight", ".bias")
+    if name.startswith("blk.") and c.f.has_tensor(bias):
+        y = g.op("Add", [y, _vector(c, bias)])
+    return y
+
+
+def _embedding(c: _Ctx, ids: str) -> str:
+    """Rows of token_embd dequantized exactly as gguf.quants.dequantize does."""
+    g, name = c.g, "token_embd.weight"
+    w = _matrix(c, name)
+    if isinstance(w, np.ndarray):
+        table = g.weight(f"{name}.table", w)
+        return g.op("Gather", [table, ids], axis=0)  # [S, E]
+    _write_quant(g, name, w)
+    codes = g.op("Gather", [f"{name}.B", ids], axis=0)  # [S, nb, bs*bits/8]
+    if w.bits == 4:
+        lo = g.op("BitwiseAnd", [codes, g.const(15, np.uint8)])
+        hi = g.op("BitShift", [codes, g.const(4, np.uint8)], direction="RIGHT")
+        both = g.op("Concat", [g.op("Unsqueeze", [lo, g.const([-1])]),
+                               g.op("Unsqueeze", [hi, g.const([-1])])], axis=-1)
+        codes = g.op("Reshape", [both, g.const([0, w.k // w.block_size, w.block_size])])
+    zp = (1 << (w.bits - 1)) if w.zero_point is None else w.zero_point
+    q = g.op("Sub", [g.op("Cast", [codes], to=F32), g.const(float(zp), np.float32)])
+    scales = g.op("Unsqueeze", [g.op("Gather", [f"{name}.scales", ids], axis=0), g.const([-1])])
+    rows = g.op("Mul", [q, scales])  # [S, nb, bs]
+    if w.bias is not None:
+        rows = g.op("Reshape", [rows, g.const([0, w.k // 32, 32])])
+        bias = g.op("Unsqueeze", [g.op("Gather", [f"{name}.rowbias", ids], axis=0),
+                                  g.const([-1])])
+        rows = g.op("Add", [rows, bias])
+    return g.op("Reshape", [rows, g.const([0, w.k])])  # [S, E]
+
+
+def _rope_tables(hp: HParams, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    inv = hp.rope_base ** (-np.arange(0, hp.rope_dim, 2, dtype=np.float64) / hp.rope_dim)
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # [P, rot/2]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def _rms_norm(c: _Ctx, x: str, weight: str) -> str:
+    return c.g.op("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=c.hp.rms_eps,
+                  stash_type=1)
+
+
+def _head_norm(c: _Ctx, x: str, n_heads: int, weight: str) -> str:
+    """qwen3: RMSNorm over head_dim for each head of x [S, n_heads*hd]."""
+    g, hd = c.g, c.hp.head_dim
+    y = _rms_norm(c, g.op("Reshape", [x, g.const([0, n_heads, hd])]), _vector(c, weight))
+    return g.op("Reshape", [y, g.const([0, n_heads * hd])])
+
+
+def _attention(c: _Ctx, i: int, h: str, pos_ids: str, mask: str, io: dict[str, str]) -> str:
+    g, hp = c.g, c.hp
+    hd, nkv, grp = hp.head_dim, hp.n_head_kv, hp.group_size
+    p = f"blk.{i}."
+    q = _linear(c, h, p + "attn_q.weight")  # [S, H*hd]
+    k = _linear(c, h, p + "attn_k.weight")  # [S, Hkv*hd]
+    v = _linear(c, h, p + "attn_v.weight")
+    if hp.qk_norm:
+        q = _head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
+        k = _head_norm(c, k, nkv, p + "attn_k_norm.weight")
+    rot = dict(domain=MS, interleaved=int(hp.rope_interleaved), rotary_embedding_dim=hp.rope_dim)
+    q3 = g.op("RotaryEmbedding", [g.op("Unsqueeze", [q, g.const([0])]), pos_ids, "rope.cos",
+                                  "rope.sin"], num_heads=hp.n_head, **rot)  # [1, S, H*hd]
+    k3 = g.op("RotaryEmbedding", [g.op("Unsqueeze", [k, g.const([0])]), pos_ids, "rope.cos",
+                                  "rope.sin"], num_heads=nkv, **rot)
+    # new keys/values -> [1, Hkv, S, hd], written in place into the cache at `position`
+    k4 = g.op("Transpose", [g.op("Reshape", [k3, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
+    v4 = g.op("Transpose", [g.op("Reshape", [v, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
+    pk, pv = g.input(f"past_key_{i}", F32, [1, nkv, "n_ctx", hd]), f"past_value_{i}"
+    g.input(pv, F32, [1, nkv, "n_ctx", hd])
+    ck = g.op("TensorScatter", [pk, k4, "position"], axis=2, out=[f"present_key_{i}"])
+    cv = g.op("TensorScatter", [pv, v4, "position"], axis=2, out=[f"present_value_{i}"])
+    for name in (ck, cv):
+        g.output(name, F32, [1, nkv, "n_ctx", hd])
+    zero, two = g.const([0]), g.const([2])
+    keys = g.op("Reshape", [g.op("Slice", [ck, zero, "attn_len", two]), g.const([nkv, -1, hd])])
+    vals = g.op("Reshape", [g.op("Slice", [cv, zero, "attn_len", two]), g.const([nkv, -1, hd])])
+    # queries -> [Hkv, G*S, hd]; query head h uses kv head h // G
+    q4 = g.op("Transpose", [g.op("Reshape", [q3, g.const([-1, nkv, grp, hd])])],
+              perm=[1, 2, 0, 3])  # [Hkv, G, S, hd]
+    qm = g.op("Reshape", [q4, g.const([nkv, -1, hd])])
+    if grp == 1:  # keep M >= 2 so MLAS never takes its M == 1 GEMV path (not row-invariant)
+        qm = g.op("Concat", [qm, io["qpad"]], axis=1)
+    scores = g.op("MatMul", [qm, g.op("Transpose", [keys], perm=[0, 2, 1])])  # [Hkv, M, T]
+    scores = g.op("Mul", [scores, g.const(1.0 / math.sqrt(hd), np.float32)])
+    if grp == 1:
+        scores = g.op("Slice", [scores, g.const([0]), io["s_len"], g.const([1])])
+    s4 = g.op("Reshape", [scores, io["shape4"]])  # [Hkv, G, S, T]
+    probs = g.op("Softmax", [g.op("Add", [s4, mask])], axis=-1)
+    probs = g.op("Reshape", [probs, io["shape3"]])  # [Hkv, G*S, T]
+    if grp == 1:
+        probs = g.op("Concat", [probs, io["ppad"]], axis=1)
+    out = g.op("MatMul", [probs, vals])  # [Hkv, M, hd]
+    if grp == 1:
+        out = g.op("Slice", [out, g.const([0]), io["s_len"], g.const([1])])
+    out = g.op("Transpose", [g.op("Reshape", [out, g.const([nkv, grp, -1, hd])])],
+               perm=[2, 0, 1, 3])  # [S, Hkv, G, hd]
+    out = g.op("Reshape", [out, g.const([-1, hp.n_head * hd])])
+    return _linear(c, out, p + "attn_output.weight")
+
+
+def _causal_mask(g: GraphWriter, s_len: str) -> str:
+    """[S, T] additive mask: 0 where key t <= position of row s, -inf after."""
+    t = g.op("Range", [g.const(0), g.op("Squeeze", ["attn_len", g.const([0])]), g.const(1)])
+    rows = g.op("Range", [g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)])
+    row_pos = g.op("Unsqueeze", [g.op("Add", [rows, "position"]), g.const([1])])  # [S, 1]
+    allowed = g.op("LessOrEqual", [t, row_pos])  # [S, T]
+    return g.op("Where", [allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32)])
+
+
+def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
+                progress: Progress | None = None) -> None:
+    c = _Ctx(g, hp, f, options, progress, total=hp.n_layer + 2)
+    ids = g.input("input_ids", I64, ["S"])
+    g.input("position", I64, [1])
+    g.input("attn_len", I64, [1])
+    g.input("logits_rows", I64, ["R"])
+    s_len = g.op("Shape", [ids])  # [1]
+    pos_ids = g.op("Unsqueeze", [g.op("Add", [g.op("Range", [
+        g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)]), "position"]),
+        g.const([0])])  # [1, S]
+    max_pos = options.max_positions or hp.n_ctx_train
+    cos, sin = _rope_tables(hp, max_pos)
+    g.weight("rope.cos", cos)
+    g.weight("rope.sin", sin)
+    mask = _causal_mask(g, s_len)
+    nkv, grp = hp.n_head_kv, hp.group_size
+    io: dict[str, str] = {
+        "s_len": s_len,
+        "shape4": g.op("Concat", [g.const([nkv, grp, -1]), "attn_len"], axis=0),
+        "shape3": g.op("Concat", [g.const([nkv, -1]), "attn_len"], axis=0),
+    }
+    if hp.group_size == 1:
+        io["qpad"] = g.const(np.zeros((nkv, 1, hp.head_dim), np.float32), np.float32)
+        t_len = g.op("Concat", [g.const([hp.n_head_kv, 1]), "attn_len"], axis=0)
+        io["ppad"] = g.op("ConstantOfShape", [t_len], value=_f32_tensor(0.0))
+
+    x = _embedding(c, ids)  # [S, E]
+    c.tick("embedding")
+    for i in range(hp.n_layer):
+        p = f"blk.{i}."
+        h = _rms_norm(c, x, _vector(c, p + "attn_norm.weight"))
+        x = g.op("Add", [x, _attention(c, i, h, pos_ids, mask, io)])
+        h = _rms_norm(c, x, _vector(c, p + "ffn_norm.weight"))
+        gate = _linear(c, h, p + "ffn_gate.weight")
+        up = _linear(c, h, p + "ffn_up.weight")
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        x = g.op("Add", [x, _linear(c, act, p + "ffn_down.weight")])
+        if i in options.hidden_layers:
+            g.op("Identity", [x], out=[f"hidden_{i}"])
+            g.output(f"hidden_{i}", F32, ["S", hp.n_embd])
+        c.shared.clear()
+        c.tick(f"layer {i + 1}/{hp.n_layer}")
+
+    rows = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]
+    h = _rms_norm(c, rows, _vector(c, "output_norm.weight"))
+    out_name = "token_embd.weight" if hp.tied_embeddings else "output.weight"
+    g.op("Identity", [_linear(c, h, out_name)], out=["logits"])
+    g.output("logits", F32, ["R", hp.n_vocab])
+    c.tick("output")
+
+
+def _f32_tensor(value: float):  # noqa: ANN202 - onnx TensorProto
+    from onnx import helper
+
+    return helper.make_tensor("value", F32, [1], [value])

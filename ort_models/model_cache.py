@@ -1,0 +1,87 @@
+"""Built graphs on disk: one folder per (GGUF content hash, builder version, options).
+
+A second load of the same file finds the folder and builds nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .arch import HParams, read_hparams
+from .gguf_file import GGUFFile
+from .graph_builder import BUILDER_VERSION, BuildOptions, Progress, build_graph
+from .onnx_writer import GraphWriter
+from .paths import cache_dir
+from .quant import check_supported
+
+MODEL_FILE = "model.onnx"
+WEIGHTS_FILE = "weights.bin"
+META_FILE = "meta.json"
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    folder: Path
+    hparams: HParams
+    options: BuildOptions
+    gguf_path: Path
+    gguf_sha256: str
+    built_now: bool = False
+
+    @property
+    def model_path(self) -> Path:
+        return self.folder / MODEL_FILE
+
+    @property
+    def weights_bytes(self) -> int:
+        return (self.folder / WEIGHTS_FILE).stat().st_size
+
+
+def validate_gguf(f: GGUFFile) -> HParams:
+    """Everything that can be checked before a build: architecture, tensor types."""
+    hp = read_hparams(f)
+    for t in f.tensors.values():
+        check_supported(t)
+    return hp
+
+
+def graph_folder(sha256: str, options: BuildOptions) -> Path:
+    return cache_dir() / "graphs" / f"{sha256[:24]}-b{BUILDER_VERSION}-{options.key()}"
+
+
+def load_or_build(path: str | os.PathLike[str], options: BuildOptions | None = None,
+                  progress: Progress | None = None) -> BuiltModel:
+    options = options or BuildOptions()
+    f = GGUFFile(path)
+    hp = validate_gguf(f)
+    sha = f.content_hash()
+    folder = graph_folder(sha, options)
+    built_now = False
+    if not (folder / META_FILE).is_file():
+        _build_into(f, hp, options, folder, progress)
+        built_now = True
+    return BuiltModel(folder, hp, options, Path(path), sha, built_now)
+
+
+def _build_into(f: GGUFFile, hp: HParams, options: BuildOptions, folder: Path,
+                progress: Progress | None) -> None:
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with open(tmp / WEIGHTS_FILE, "wb") as wf:
+            g = GraphWriter(wf, WEIGHTS_FILE)
+            build_graph(f, hp, g, options, progress)
+        g.save(tmp / MODEL_FILE)
+        meta = {"builder_version": BUILDER_VERSION, "gguf": str(f.path),
+                "hparams": dataclasses.asdict(hp), "options": dataclasses.asdict(options)}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

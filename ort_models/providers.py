@@ -1,0 +1,59 @@
+"""Which ONNX Runtime and execution provider specd uses, and why."""
+
+from __future__ import annotations
+
+import ctypes.util
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    ort_version: str
+    package: str  # "onnxruntime" or "onnxruntime-gpu"
+    provider: str  # "CUDAExecutionProvider" / "CPUExecutionProvider"
+    device: str  # "cuda:0" / "cpu"
+    reason: str
+
+    def describe(self) -> str:
+        return (f"ONNX Runtime {self.ort_version} ({self.package}), {self.provider} "
+                f"on {self.device}: {self.reason}")
+
+
+def _package_name() -> str:
+    from importlib import metadata
+
+    for name in ("onnxruntime-gpu", "onnxruntime"):
+        try:
+            metadata.version(name)
+            return name
+        except metadata.PackageNotFoundError:
+            continue
+    return "onnxruntime"
+
+
+def choose_runtime(device: str = "auto") -> RuntimeChoice:
+    """device: "auto", "cpu" or "cuda[:N]"."""
+    import onnxruntime as ort
+
+    pkg, version = _package_name(), ort.__version__
+    available = ort.get_available_providers()
+    if device == "cpu":
+        return RuntimeChoice(version, pkg, "CPUExecutionProvider", "cpu", "CPU requested")
+    if "CUDAExecutionProvider" not in available:
+        why = ("CUDA EP not available: the CPU package onnxruntime is installed"
+               if pkg == "onnxruntime" else "CUDA EP not available in this build")
+        if device.startswith("cuda"):
+            raise RuntimeError(why)
+        return RuntimeChoice(version, pkg, "CPUExecutionProvider", "cpu", why)
+    missing = [lib for lib in ("cudart", "cublas") if ctypes.util.find_library(lib) is None]
+    try:
+        ort.preload_dlls()  # onnxruntime-gpu >= 1.21 finds the nvidia-* wheels' libraries
+        missing = []
+    except Exception:  # noqa: BLE001 - older versions lack it; keep the ldconfig answer
+        pass
+    if missing and device == "auto":
+        return RuntimeChoice(version, pkg, "CPUExecutionProvider", "cpu",
+                             f"CUDA EP not available: lib{missing[0]} missing")
+    index = int(device.split(":")[1]) if ":" in device else 0
+    return RuntimeChoice(version, pkg, "CUDAExecutionProvider", f"cuda:{index}",
+                         "onnxruntime-gpu with a CUDA device")

@@ -1,0 +1,223 @@
+"""Lossless mapping of GGUF tensor types onto ONNX Runtime weight layouts.
+
+Every quantized GGUF matrix [N, K] (a row is an output channel) is rewritten as the
+inputs of `com.microsoft.MatMulNBits` without re-quantizing:
+
+    W[n, k] = (q[n, k] - zp[n, b]) * scale[n, b] + bias[n, k // 32]
+
+with b = k // block_size. `q` is an unsigned integer code (4 or 8 bits), `scale` float32,
+`zp` an unsigned integer zero point (explicit, or MatMulNBits' default 2^(bits-1)), and
+`bias` an optional per-32-column additive term (the "min" of Q4_1 / Q4_K / Q5_K) that
+the graph adds as `blocksum(A) @ bias^T`. The products scale*q and the bias are exact in
+float32 for these types, so the dequantized rows the embedding gathers equal
+`gguf.quants.dequantize` bit for bit.
+
+F32 / F16 / BF16 matrices stay dense float32 (lossless widening).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gguf_file import GGUFError, TensorInfo
+
+QK_K = 256
+
+
+class UnsupportedTensorType(GGUFError):
+    pass
+
+
+@dataclass
+class QuantizedMatrix:
+    """MatMulNBits inputs for one [N, K] matrix."""
+
+    n: int
+    k: int
+    bits: int  # 4 or 8
+    block_size: int  # 16 or 32
+    q: np.ndarray  # [N, K] uint8 codes (unpacked)
+    scales: np.ndarray  # [N, K/bs] float32
+    zero_point: int | None  # None: MatMulNBits default 2^(bits-1); else explicit (same for all)
+    bias: np.ndarray | None  # [N, K/32] float32 added per 32-column block, or None
+
+    def packed_b(self) -> np.ndarray:
+        """[N, K/bs, bs*bits/8] uint8 in MatMulNBits order (element 2i low nibble)."""
+        n_blocks = self.k // self.block_size
+        if self.bits == 8:
+            return np.ascontiguousarray(self.q.reshape(self.n, n_blocks, self.block_size))
+        pairs = self.q.reshape(self.n, n_blocks, self.block_size // 2, 2)
+        return np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+
+    def packed_zero_points(self) -> np.ndarray | None:
+        """[N, ceil(K/bs * bits / 8)] uint8, or None for the default zero point."""
+        if self.zero_point is None:
+            return None
+        n_blocks = self.k // self.block_size
+        if self.bits == 8:
+            return np.full((self.n, n_blocks), self.zero_point, np.uint8)
+        z = self.zero_point & 0x0F
+        return np.full((self.n, (n_blocks + 1) // 2), z | (z << 4), np.uint8)
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] float32 with the same arithmetic the graph's embedding gather uses."""
+        zp = (1 << (self.bits - 1)) if self.zero_point is None else self.zero_point
+        q = self.q.reshape(self.n, self.k // self.block_size, self.block_size).astype(np.float32)
+        w = ((q - np.float32(zp)) * self.scales[:, :, None]).reshape(self.n, self.k)
+        if self.bias is not None:
+            w = (w.reshape(self.n, -1, 32) + self.bias[:, :, None]).reshape(self.n, self.k)
+        return w
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _blocks(t: TensorInfo, block_bytes: int) -> np.ndarray:
+    return np.ascontiguousarray(t.data).view(np.uint8).reshape(-1, block_bytes)
+
+
+def _nibbles_split(qs: np.ndarray) -> np.ndarray:
+    """GGUF 32-wide nibble layout: byte j holds element j (low) and j+16 (high)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4_0(t: TensorInfo, n: int, k: int) -> QuantizedMatrix:
+    b = _blocks(t, 18)
+    d = _f16(b[:, :2])  # [nb, 1]
+    q = _nibbles_split(b[:, 2:])  # [nb, 32]
+    return QuantizedMatrix(n, k, 4, 32, q.reshape(n, k), d.reshape(n, k // 32), None, None)
+
+
+def _q4_1(t: TensorInfo, n: int, k: int) -> QuantizedMatrix:
+    b = _blocks(t, 20)
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    q = _nibbles_split(b[:, 4:])
+    return QuantizedMatrix(
+        n, k, 4, 32, q.reshape(n, k), d.reshape(n, k // 32), 0, m.reshape(n, k // 32)
+    )
+
+
+def _q5_0(t: TensorInfo, n: int, k: int) -> QuantizedMatrix:
+    b = _blocks(t, 22)
+    d = _f16(b[:, :2])
+    qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)  # [nb, 1]
+    hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [nb, 32]
+    q = _nibbles_split(b[:, 6:]) | (hi << 4)  # 0..31, value d*(q-16)
+    return QuantizedMatrix(n, k, 8, 32, (q + 112).reshape(n, k), d.reshape(n, k // 32), None, None)
+
+
+def _q8_0(t: TensorInfo, n: int, k: int) -> QuantizedMatrix:
+    b = _blocks(t, 34)
+    d = _f16(b[:, :2])
+    q = b[:, 2:] ^ np.uint8(0x80)  # int8 -> q + 128
+    return QuantizedMatrix(n, k, 8, 32, q.reshape(n, k), d.reshape(n, k // 32), None, None)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K 12-byte packed 6-bit scales and mins -> ([nb, 8], [nb, 8]) uint8."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])  # [nb, 1]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    scale = d * sc.astype(np.float32)  # [nb, 8]
+    bias = -(dmin * mn.astype(np.float32))  # [nb, 8]
+    return scale, bias
+
+
+def _q4_k(t: TensorInfo, n: int, k: int) -> QuantizedMatrix:
+    b = _blocks(t, 144)
+    scale, bias = _k_scales(b)
+    qs = b[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 32 bytes -> 64 values each
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, QK_K)  # [nb, 256]
+    return QuantizedMatrix(
+        n, k, 4, 32, q.reshape(n, k), scale.reshape(n, k // 32), 0, bias.reshape(n, k // 32)
+    )
+
+
+def _q5_k(t: TensorInfo, n: int, k: int) -> QuantizedMatrix:
+    b = _blocks(t, 176)
+    scale, bias = _k_scales(b)
+    qh = b[:, 16:48]  # [nb, 32]
+    qs = b[:, 48:].reshape(-1, 4, 32)
+    ql = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+    hi = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [nb, 8, 32]
+    q = (ql | (hi << 4)).reshape(-1, QK_K) + np.uint8(128)  # stored q+128, default zp
+    return QuantizedMatrix(
+        n, k, 8, 32, q.reshape(n, k), scale.reshape(n, k // 32), None, bias.reshape(n, k // 32)
+    )
+
+
+def _q6_k(t: TensorInfo, n: int, k: int) -> QuantizedMatrix:
+    b = _blocks(t, 210)
+    ql = b[:, :128].reshape(-1, 2, 1, 64)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)  # [nb, 16]
+    d = _f16(b[:, 208:210])
+    lo = ((ql >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(-1, 2, 4, 32)
+    hi = ((qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03).reshape(-1, 2, 4, 32)
+    q = (lo | (hi << 4)).reshape(-1, QK_K) + np.uint8(96)  # (q6 - 32) + 128
+    scale = d * sc  # [nb, 16]
+    return QuantizedMatrix(n, k, 8, 16, q.reshape(n, k), scale.reshape(n, k // 16), None, None)
+
+
+_QUANT = {
+    "Q4_0": (_q4_0, 32),
+    "Q4_1": (_q4_1, 32),
+    "Q5_0": (_q5_0, 32),
+    "Q8_0": (_q8_0, 32),
+    "Q4_K": (_q4_k, QK_K),
+    "Q5_K": (_q5_k, QK_K),
+    "Q6_K": (_q6_k, QK_K),
+}
+DENSE_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = tuple(_QUANT) + DENSE_TYPES
+
+
+def dense_float32(t: TensorInfo) -> np.ndarray:
+    """A dense tensor as float32 with its GGUF shape (lossless)."""
+    raw = np.ascontiguousarray(t.data)
+    if t.type_name == "F32":
+        return raw.view(np.float32).reshape(t.shape)
+    if t.type_name == "F16":
+        return raw.view(np.float16).astype(np.float32).reshape(t.shape)
+    if t.type_name == "BF16":
+        bits = raw.view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(t.shape)
+    raise UnsupportedTensorType(
+        f"tensor {t.name!r} has type {t.type_name}, expected a float type (F32, F16, BF16)"
+    )
+
+
+def load_matrix(t: TensorInfo) -> QuantizedMatrix | np.ndarray:
+    """A 2-D weight as MatMulNBits inputs (quantized types) or dense float32 [N, K]."""
+    if len(t.shape) != 2:
+        raise GGUFError(f"tensor {t.name!r} should be a matrix, has shape {t.shape}")
+    n, k = t.shape
+    if t.type_name in DENSE_TYPES:
+        return dense_float32(t)
+    if t.type_name not in _QUANT:
+        raise UnsupportedTensorType(
+            f"tensor {t.name!r} has GGUF type {t.type_name}, which specd does not support "
+            f"(supported: {', '.join(SUPPORTED_TYPES)})"
+        )
+    fn, row_block = _QUANT[t.type_name]
+    if k % row_block:
+        raise GGUFError(f"tensor {t.name!r}: row size {k} is not a multiple of {row_block}")
+    return fn(t, n, k)
+
+
+def check_supported(t: TensorInfo) -> None:
+    if t.type_name not in SUPPORTED_TYPES:
+        raise UnsupportedTensorType(
+            f"tensor {t.name!r} has GGUF type {t.type_name}, which specd does not support "
+            f"(supported: {', '.join(SUPPORTED_TYPES)})"
+        )

@@ -1,0 +1,180 @@
+"""One model on ONNX Runtime: the session, its IOBindings and the KV buffers it owns.
+
+Each sequence slot has one static K and one V buffer per layer, [1, n_kv, n_ctx, hd],
+bound as both past and present so the graph writes new rows in place. Rolling back is
+free: the next call simply starts at a smaller position and overwrites the old rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from .graph_builder import ATTN_BUCKET
+from .model_cache import BuiltModel
+from .providers import RuntimeChoice, choose_runtime
+
+log = logging.getLogger("specd.runner")
+
+
+class ContextFull(Exception):
+    """The tokens asked for do not fit in the sequence's context."""
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def attn_len_for(end: int, n_ctx: int) -> int:
+    """Keys a call ending at position `end` (exclusive) attends over: a bucket boundary."""
+    return min(n_ctx, round_up(max(end, 1), ATTN_BUCKET))
+
+
+def invariant_block_limit(pos: int, n_ctx: int) -> int:
+    """Most tokens a call starting at `pos` may hold so each row equals a single step.
+
+    Rows of one call share `attn_len`; a row alone at position q would use
+    attn_len_for(q + 1). They agree while the block stays inside one bucket.
+    """
+    return min(round_up(pos + 1, ATTN_BUCKET), n_ctx) - pos
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else (os.cpu_count() or 1))
+
+
+class ModelRunner:
+    def __init__(self, built: BuiltModel, *, n_ctx: int, n_seq: int = 1,
+                 threads: int | None = None, runtime: RuntimeChoice | None = None,
+                 spinning: bool = True):
+        import onnxruntime as ort
+
+        self.built = built
+        self.hp = built.hparams
+        self.n_ctx = min(round_up(n_ctx, ATTN_BUCKET), round_up(self._max_positions(),
+                                                                ATTN_BUCKET))
+        self.runtime = runtime or choose_runtime()
+        self.threads = threads or default_threads()
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        providers = [self.runtime.provider]
+        if self.runtime.provider == "CUDAExecutionProvider":
+            dev_id = int(self.runtime.device.split(":")[1])
+            providers = [("CUDAExecutionProvider", {"device_id": dev_id}),
+                         "CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(built.model_path), so, providers=providers)
+        self._device = "cuda" if self.runtime.provider == "CUDAExecutionProvider" else "cpu"
+        self._dev_id = int(self.runtime.device.split(":")[1]) if self._device == "cuda" else 0
+        self.hidden_names = [o.name for o in self.session.get_outputs()
+                             if o.name.startswith("hidden_")]
+        self._kv: list[list[tuple[object, object]]] = []
+        self._bindings: list[object] = []
+        for _ in range(n_seq):
+            self.add_sequence()
+
+    def _max_positions(self) -> int:
+        return self.built.options.max_positions or self.hp.n_ctx_train
+
+    @property
+    def n_seq(self) -> int:
+        return len(self._kv)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.n_seq * self.n_ctx * self.hp.kv_bytes_per_token()
+
+    def add_sequence(self) -> int:
+        """Allocate the KV buffers of one more sequence slot; returns its index."""
+        import onnxruntime as ort
+
+        hp = self.hp
+        shape = (1, hp.n_head_kv, self.n_ctx, hp.head_dim)
+        layers = []
+        binding = self.session.io_binding()
+        for i in range(hp.n_layer):
+            k = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self._device,
+                                                          self._dev_id)
+            v = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self._device,
+                                                          self._dev_id)
+            if self._device == "cpu":  # finite contents: masked keys must multiply to 0
+                k.numpy()[...] = 0
+                v.numpy()[...] = 0
+            else:
+                zeros = np.zeros(shape, np.float32)
+                k.update_inplace(zeros)
+                v.update_inplace(zeros)
+            binding.bind_ortvalue_input(f"past_key_{i}", k)
+            binding.bind_ortvalue_output(f"present_key_{i}", k)
+            binding.bind_ortvalue_input(f"past_value_{i}", v)
+            binding.bind_ortvalue_output(f"present_value_{i}", v)
+            layers.append((k, v))
+        self._kv.append(layers)
+        self._bindings.append(binding)
+        return len(self._kv) - 1
+
+    def forward(self, seq: int, tokens: Sequence[int], pos: int,
+                rows: Sequence[int] | None = None, *, hidden: bool = False
+                ) -> np.ndarray | tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Run `tokens` at positions pos.. on sequence `seq`.
+
+        Returns logits [len(rows), vocab] (rows default to the last token); with
+        hidden=True also the hidden-state outputs {name: [S, n_embd]}.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if pos < 0 or pos + n > self.n_ctx:
+            raise ContextFull(f"positions {pos}..{pos + n - 1} do not fit in the context of "
+                              f"{self.n_ctx} tokens")
+        rows = [n - 1] if rows is None else list(rows)
+        b = self._bindings[seq]
+        b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
+        b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
+        b.bind_cpu_input("attn_len", np.array([attn_len_for(pos + n, self.n_ctx)], np.int64))
+        b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
+        b.bind_output("logits", "cpu")
+        for name in self.hidden_names:
+            b.bind_output(name, "cpu")
+        self.session.run_with_iobinding(b)
+        outs = b.get_outputs()
+        # outputs come in the order bound: KV first (2 per layer), then logits, hidden
+        k0 = 2 * self.hp.n_layer
+        logits = outs[k0].numpy()
+        if not hidden:
+            return logits
+        return logits, {name: outs[k0 + 1 + j].numpy()
+                        for j, name in enumerate(self.hidden_names)}
+
+    def prefill(self, seq: int, tokens: Sequence[int], pos: int = 0,
+                chunk: int = ATTN_BUCKET) -> np.ndarray:
+        """Evaluate a prompt in chunks; returns the logits of its last token [vocab].
+
+        Chunks end on bucket boundaries, so prefill is the same computation whoever
+        calls it (with or without speculation).
+        """
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        if pos + len(tokens) > self.n_ctx:
+            raise ContextFull(f"prompt of {len(tokens)} tokens at position {pos} does not fit "
+                              f"in the context of {self.n_ctx} tokens")
+        logits = None
+        i = 0
+        while i < len(tokens):
+            p = pos + i
+            n = min(len(tokens) - i, chunk - (p % chunk))
+            last = i + n == len(tokens)
+            logits = self.forward(seq, tokens[i:i + n], p, [n - 1])
+            i += n
+            if last:
+                break
+        assert logits is not None
+        return logits[0]

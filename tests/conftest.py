@@ -1,0 +1,33 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`factory(**write_tiny_gguf_kwargs) -> Path`, one file per distinct kwargs per session.
+
+    The files are shared between tests: open them read-only, never modify them.
+    """
+    root = tmp_path_factory.mktemp("tiny_gguf")
+    cache: dict[str, Path] = {}
+
+    def make(**kwargs: Any) -> Path:
+        key = json.dumps(kwargs, sort_keys=True, default=repr)
+        path = cache.get(key)
+        if path is None:
+            name = hashlib.sha256(key.encode()).hexdigest()[:16]
+            path = write_tiny_gguf(root / f"tiny-{name}.gguf", **kwargs)
+            cache[key] = path
+        return path
+
+    return make

@@ -1,0 +1,221 @@
+"""An independent float64 numpy forward pass for llama / qwen2 / qwen3 GGUF files.
+
+Reads the file with `gguf.GGUFReader`, dequantizes every tensor with
+`gguf.quants.dequantize` and follows llama.cpp's semantics:
+
+* RMSNorm: x / sqrt(mean(x^2) + eps) * w   (eps = {arch}.attention.layer_norm_rms_epsilon)
+* q = Wq x (+ bq for qwen2), k, v likewise; split into heads of head_dim
+  (head_dim = {arch}.attention.key_length, else n_embd / n_head).
+* qwen3: per-head RMSNorm of q and k with attn_q_norm / attn_k_norm (same eps) before RoPE.
+* RoPE over the first n_rot = {arch}.rope.dimension_count dims (default head_dim),
+  theta_i = pos * base^(-2i / n_rot), i = 0 .. n_rot/2 - 1:
+    llama ("NORM" rope):        pairs (x[2i], x[2i+1])
+    qwen2/qwen3 ("NEOX" rope):  pairs (x[i], x[i + n_rot/2])
+  (a, b) -> (a cos - b sin, a sin + b cos).
+* GQA: kv head j serves query heads j*G .. j*G+G-1, G = n_head / n_head_kv.
+* scores = q.k / sqrt(head_dim), causal softmax, then attn_output.
+* SwiGLU FFN: down(silu(gate(x)) * up(x)); pre-norm residual blocks.
+* final output_norm, logits = output.weight @ h (token_embd.weight when output is absent).
+
+Nothing from specd is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+SUPPORTED_ARCHES = ("llama", "qwen2", "qwen3")
+
+
+def _field_value(f: Any) -> Any:
+    main = f.types[0]
+    if main == GGUFValueType.ARRAY:
+        return f.contents()
+    if main == GGUFValueType.STRING:
+        return bytes(f.parts[-1]).decode("utf-8")
+    return f.parts[-1].tolist()[0]
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis, float64."""
+    ms = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(ms + eps) * w
+
+
+def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, neox: bool) -> np.ndarray:
+    """Rotate x [..., T, head_dim] at integer `positions` [T] (llama.cpp NORM or NEOX)."""
+    half = n_rot // 2
+    inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)  # [half]
+    theta = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
+    cos, sin = np.cos(theta), np.sin(theta)
+    out = x.copy()
+    if neox:
+        a, b = x[..., :half], x[..., half:n_rot]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:n_rot] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        out[..., 0:n_rot:2] = a * cos - b * sin
+        out[..., 1:n_rot:2] = a * sin + b * cos
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+@dataclass
+class KVCache:
+    """Per layer: keys/values after RoPE, [n_head_kv, T, head_dim] float64."""
+
+    keys: list[np.ndarray] = field(default_factory=list)
+    values: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys else int(self.keys[0].shape[1])
+
+
+class ReferenceModel:
+    """float64 oracle for a GGUF file (see the module docstring for the semantics)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        reader = GGUFReader(str(self.path), "r")
+        self.metadata: dict[str, Any] = {
+            name: _field_value(f) for name, f in reader.fields.items()
+            if not name.startswith("GGUF.")
+        }
+        self.tensor_types: dict[str, str] = {}
+        self.weights: dict[str, np.ndarray] = {}
+        for t in reader.tensors:
+            values = dequantize(np.asarray(t.data), t.tensor_type)
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order
+            self.weights[t.name] = np.asarray(values, dtype=np.float64).reshape(shape)
+            self.tensor_types[t.name] = t.tensor_type.name
+        del reader
+
+        md = self.metadata
+        arch = md["general.architecture"]
+        if arch not in SUPPORTED_ARCHES:
+            raise ValueError(f"reference model does not support architecture {arch!r}")
+        self.arch: str = arch
+        self.n_layer = int(md[f"{arch}.block_count"])
+        self.n_embd = int(md[f"{arch}.embedding_length"])
+        self.n_ff = int(md[f"{arch}.feed_forward_length"])
+        self.n_head = int(md[f"{arch}.attention.head_count"])
+        self.n_head_kv = int(md.get(f"{arch}.attention.head_count_kv", self.n_head))
+        self.head_dim = int(md.get(f"{arch}.attention.key_length", self.n_embd // self.n_head))
+        value_dim = int(md.get(f"{arch}.attention.value_length", self.head_dim))
+        if value_dim != self.head_dim:
+            raise ValueError("value_length != key_length is not supported")
+        self.n_rot = int(md.get(f"{arch}.rope.dimension_count", self.head_dim))
+        self.eps = float(md[f"{arch}.attention.layer_norm_rms_epsilon"])
+        self.rope_base = float(md.get(f"{arch}.rope.freq_base", 10000.0))
+        self.neox = arch in ("qwen2", "qwen3")
+        self.vocab_size = int(self.weights["token_embd.weight"].shape[0])
+        self.bos_id: int | None = md.get("tokenizer.ggml.bos_token_id")
+        self.eos_id: int | None = md.get("tokenizer.ggml.eos_token_id")
+        self.tied = "output.weight" not in self.weights
+        self.output_weight = self.weights["output.weight" if not self.tied else "token_embd.weight"]
+
+    # -- forward -------------------------------------------------------------------------
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def step(self, tokens: list[int] | np.ndarray, cache: KVCache) -> np.ndarray:
+        """Run `tokens` at positions cache.length.., append to `cache`; logits [T, vocab]."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            return np.zeros((0, self.vocab_size), dtype=np.float64)
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError("token id out of range")
+        start = cache.length
+        n_new = ids.size
+        positions = np.arange(start, start + n_new)
+        hd, nh, nkv = self.head_dim, self.n_head, self.n_head_kv
+        group = nh // nkv
+        scale = 1.0 / np.sqrt(float(hd))
+        # causal mask over [new queries, all keys]
+        key_pos = np.arange(start + n_new)
+        mask = key_pos[None, :] > positions[:, None]  # True = masked
+
+        x = self.weights["token_embd.weight"][ids]  # [T, n_embd]
+        first = not cache.keys
+        for layer in range(self.n_layer):
+            p = f"blk.{layer}."
+            w = self.weights
+            h = rms_norm(x, w[p + "attn_norm.weight"], self.eps)
+            q = h @ w[p + "attn_q.weight"].T
+            k = h @ w[p + "attn_k.weight"].T
+            v = h @ w[p + "attn_v.weight"].T
+            if p + "attn_q.bias" in w:
+                q = q + w[p + "attn_q.bias"]
+                k = k + w[p + "attn_k.bias"]
+                v = v + w[p + "attn_v.bias"]
+            q = q.reshape(n_new, nh, hd).transpose(1, 0, 2)  # [nh, T, hd]
+            k = k.reshape(n_new, nkv, hd).transpose(1, 0, 2)  # [nkv, T, hd]
+            v = v.reshape(n_new, nkv, hd).transpose(1, 0, 2)
+            if p + "attn_q_norm.weight" in w:
+                q = rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
+                k = rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
+            q = rope(q, positions, self.n_rot, self.rope_base, self.neox)
+            k = rope(k, positions, self.n_rot, self.rope_base, self.neox)
+            if first:
+                cache.keys.append(k)
+                cache.values.append(v)
+            else:
+                cache.keys[layer] = np.concatenate([cache.keys[layer], k], axis=1)
+                cache.values[layer] = np.concatenate([cache.values[layer], v], axis=1)
+            keys = np.repeat(cache.keys[layer], group, axis=0)  # [nh, S, hd]
+            vals = np.repeat(cache.values[layer], group, axis=0)
+            scores = (q @ keys.transpose(0, 2, 1)) * scale  # [nh, T, S]
+            scores = np.where(mask[None], -np.inf, scores)
+            scores = scores - scores.max(axis=-1, keepdims=True)
+            probs = np.exp(scores)
+            probs = probs / probs.sum(axis=-1, keepdims=True)
+            attn = (probs @ vals).transpose(1, 0, 2).reshape(n_new, nh * hd)
+            x = x + attn @ w[p + "attn_output.weight"].T
+
+            h = rms_norm(x, w[p + "ffn_norm.weight"], self.eps)
+            gate = h @ w[p + "ffn_gate.weight"].T
+            up = h @ w[p + "ffn_up.weight"].T
+            x = x + (silu(gate) * up) @ w[p + "ffn_down.weight"].T
+
+        h = rms_norm(x, self.weights["output_norm.weight"], self.eps)
+        return h @ self.output_weight.T
+
+    def forward(self, tokens: list[int] | np.ndarray) -> np.ndarray:
+        """Full causal forward from position 0: logits [len(tokens), vocab] float64."""
+        return self.step(tokens, self.new_cache())
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        """`n` greedily generated token ids after `prompt` (no stop on eos)."""
+        return self.greedy_with_margins(prompt, n)[0]
+
+    def greedy_with_margins(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        """Greedy tokens and, per step, top-1 minus top-2 logit (small = a near tie that a
+        lower-precision implementation may legitimately break the other way)."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        cache = self.new_cache()
+        logits = self.step(prompt, cache)
+        out: list[int] = []
+        margins: list[float] = []
+        for _ in range(n):
+            row = logits[-1]
+            top2 = np.partition(row, -2)[-2:]
+            nxt = int(np.argmax(row))
+            out.append(nxt)
+            margins.append(float(top2[1] - top2[0]))
+            if len(out) == n:
+                break
+            logits = self.step([nxt], cache)
+        return out, margins
