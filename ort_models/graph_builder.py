@@ -35,7 +35,7 @@ from .gguf_file import GGUFFile
 from .onnx_writer import MS, GraphWriter
 from .quant import QuantizedMatrix, dense_float32, load_matrix
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 F32 = TensorProto.FLOAT
@@ -92,12 +92,52 @@ def _write_quant(g: GraphWriter, name: str, w: QuantizedMatrix) -> None:
     zp = w.packed_zero_points()
     if zp is not None:
         g.weight(f"{name}.zp", zp)
-    if w.bias is not None:
-        g.weight(f"{name}.rowbias", w.bias)  # [N, K/32]
 
 
-def _linear(c: _Ctx, x: str, name: str) -> str:
-    """x [S, K] @ W^T -> [S, N] for the GGUF matrix `name` [N, K]."""
+def _fusable(a: QuantizedMatrix | np.ndarray, b: QuantizedMatrix | np.ndarray) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+    return (a.k, a.bits, a.block_size, a.zero_point, a.bias is None) == (
+        b.k, b.bits, b.block_size, b.zero_point, b.bias is None)
+
+
+def _concat_rows(ws: list[QuantizedMatrix | np.ndarray]) -> QuantizedMatrix | np.ndarray:
+    if isinstance(ws[0], np.ndarray):
+        return np.concatenate(ws, axis=0)
+    w0 = ws[0]
+    return QuantizedMatrix(
+        n=sum(w.n for w in ws), k=w0.k, bits=w0.bits, block_size=w0.block_size,
+        q=np.concatenate([w.q for w in ws]), scales=np.concatenate([w.scales for w in ws]),
+        zero_point=w0.zero_point,
+        bias=None if w0.bias is None else np.concatenate([w.bias for w in ws]))
+
+
+def _linears(c: _Ctx, x: str, names: list[str]) -> list[str]:
+    """Several matrices applied to one input; runs of compatible ones share one MatMul."""
+    outs: list[str] = []
+    i = 0
+    while i < len(names):
+        j = i + 1
+        while j < len(names) and _fusable(_matrix(c, names[i]), _matrix(c, names[j])):
+            j += 1
+        group = names[i:j]
+        if len(group) == 1:
+            outs.append(_linear(c, x, group[0]))
+        else:
+            fused = group[0].rsplit(".", 2)[0] + "." + "+".join(
+                n.split(".")[-2] for n in group) + ".weight"
+            c.shared[fused] = _concat_rows([_matrix(c, n) for n in group])
+            biases = [n.replace(".weight", ".bias") for n in group]
+            y = _linear(c, x, fused, bias=[b for b in biases if c.f.has_tensor(b)])
+            sizes = [_matrix(c, n).shape[0] if isinstance(_matrix(c, n), np.ndarray)
+                     else _matrix(c, n).n for n in group]
+            outs.extend(c.g.op("Split", [y, c.g.const(sizes)], len(group), axis=-1))
+        i = j
+    return outs
+
+
+def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
+    """x [S, K] @ W^T (+ bias) -> [S, N] for the GGUF matrix `name` [N, K]."""
     g, w = c.g, _matrix(c, name)
     if isinstance(w, np.ndarray):  # dense float32 [N, K]
         wt = f"{name}.W"
@@ -117,9 +157,12 @@ def _linear(c: _Ctx, x: str, name: str) -> str:
             blocks = g.op("Reshape", [x, g.const([0, w.k // 32, 32])])  # [S, K/32, 32]
             sums = g.op("ReduceSum", [blocks, g.const([-1])], keepdims=0)  # [S, K/32]
             y = g.op("Add", [y, g.op("MatMul", [sums, f"{name}.minT"])])
-    bias = name.replace(".weight", ".bias")
-    if name.startswith("blk.") and c.f.has_tensor(bias):
-        y = g.op("Add", [y, _vector(c, bias)])
+    if bias is None:
+        own = name.replace(".weight", ".bias")
+        bias = [own] if name.startswith("blk.") and c.f.has_tensor(own) else []
+    if bias:
+        vec = np.concatenate([dense_float32(c.f.tensor(b)).reshape(-1) for b in bias])
+        y = g.op("Add", [y, g.weight(name.replace(".weight", ".bias"), vec)])
     return y
 
 
@@ -131,6 +174,8 @@ def _embedding(c: _Ctx, ids: str) -> str:
         table = g.weight(f"{name}.table", w)
         return g.op("Gather", [table, ids], axis=0)  # [S, E]
     _write_quant(g, name, w)
+    if w.bias is not None:
+        g.weight(f"{name}.rowbias", w.bias)  # [V, K/32]
     codes = g.op("Gather", [f"{name}.B", ids], axis=0)  # [S, nb, bs*bits/8]
     if w.bits == 4:
         lo = g.op("BitwiseAnd", [codes, g.const(15, np.uint8)])
@@ -172,9 +217,8 @@ def _attention(c: _Ctx, i: int, h: str, pos_ids: str, mask: str, io: dict[str, s
     g, hp = c.g, c.hp
     hd, nkv, grp = hp.head_dim, hp.n_head_kv, hp.group_size
     p = f"blk.{i}."
-    q = _linear(c, h, p + "attn_q.weight")  # [S, H*hd]
-    k = _linear(c, h, p + "attn_k.weight")  # [S, Hkv*hd]
-    v = _linear(c, h, p + "attn_v.weight")
+    q, k, v = _linears(c, h, [p + "attn_q.weight", p + "attn_k.weight",
+                              p + "attn_v.weight"])  # [S, H*hd], [S, Hkv*hd], [S, Hkv*hd]
     if hp.qk_norm:
         q = _head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
         k = _head_norm(c, k, nkv, p + "attn_k_norm.weight")
@@ -262,8 +306,7 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
         h = _rms_norm(c, x, _vector(c, p + "attn_norm.weight"))
         x = g.op("Add", [x, _attention(c, i, h, pos_ids, mask, io)])
         h = _rms_norm(c, x, _vector(c, p + "ffn_norm.weight"))
-        gate = _linear(c, h, p + "ffn_gate.weight")
-        up = _linear(c, h, p + "ffn_up.weight")
+        gate, up = _linears(c, h, [p + "ffn_gate.weight", p + "ffn_up.weight"])
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         x = g.op("Add", [x, _linear(c, act, p + "ffn_down.weight")])
         if i in options.hidden_layers:

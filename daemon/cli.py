@@ -1,0 +1,149 @@
+"""`specd` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from . import cli_generate
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from .catalog import DEFAULT_TARGET
+
+    p.add_argument("-m", "--model", default=DEFAULT_TARGET,
+                   help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
+    p.add_argument("-md", "--model-draft", dest="draft", default=None,
+                   help="draft GGUF path or catalog name")
+    p.add_argument("--spec-type", default="auto",
+                   choices=["auto", "none", "draft", "ngram", "synthetic"],
+                   help="speculation: auto = draft model if -md is given, else none")
+    p.add_argument("--spec-draft-n-max", dest="n_max", type=int, default=8,
+                   help="most tokens drafted per round (default 8)")
+    p.add_argument("--spec-draft-n-min", dest="n_min", type=int, default=0,
+                   help="drafts shorter than this are not verified (default 0)")
+    p.add_argument("--spec-draft-p-min", dest="p_min", type=float, default=0.0,
+                   help="stop drafting when the draft's top probability is below this")
+    p.add_argument("--spec-draft-probabilistic", action="store_true",
+                   help="sample drafts and verify by rejection sampling (default: greedy)")
+    p.add_argument("--spec-adaptive", action="store_true",
+                   help="choose the draft length per round from measured acceptance and costs")
+    p.add_argument("--spec-ngram-min", type=int, default=2)
+    p.add_argument("--spec-ngram-max", type=int, default=4)
+    p.add_argument("--spec-synthetic-rates", default=None,
+                   help="synthetic acceptance: comma-separated per-position rates")
+    p.add_argument("--spec-synthetic-mean", type=float, default=None,
+                   help="synthetic acceptance: target mean acceptance length")
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=4096,
+                   help="context length per sequence (default 4096)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--no-fetch", action="store_true", help="never download catalog models")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", "--temp", type=float, default=0.0,
+                   help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description=(
+        "Local speculative-decoding daemon: GGUF models on ONNX Runtime."))
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("prompt", nargs="?", default=None, help="raw prompt text")
+    g.add_argument("--chat", default=None, help="a user message, through the chat template")
+    g.add_argument("--prompt-file", default=None, help="raw prompt text from a file (verbatim)")
+    g.add_argument("--json", action="store_true", help="print the stats as JSON on stderr")
+    g.set_defaults(func=cli_generate.run)
+
+    models = sub.add_parser("models", help="the model catalog and local store")
+    msub = models.add_subparsers(dest="models_command", metavar="ACTION")
+    ml = msub.add_parser("list", help="catalog models and which are downloaded")
+    ml.add_argument("--json", action="store_true")
+    ml.set_defaults(func=_models_list)
+    mp = msub.add_parser("pull", help="download a catalog model (sha256 verified)")
+    mp.add_argument("name")
+    mp.set_defaults(func=_models_pull)
+    mr = msub.add_parser("rm", help="remove a downloaded model")
+    mr.add_argument("name")
+    mr.set_defaults(func=_models_rm)
+    return parser
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from .catalog import CATALOG
+    from .model_store import model_path
+
+    rows = [{"name": e.name, "size": e.size, "downloaded": model_path(e.name).is_file(),
+             "description": e.description} for e in CATALOG.values()]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            mark = "*" if r["downloaded"] else " "
+            print(f"{mark} {r['name']:32s} {r['size'] / 1e6:8.1f} MB  {r['description']}")
+    return EXIT_OK
+
+
+def _models_pull(args: argparse.Namespace) -> int:
+    from .model_store import ProgressBar, pull
+
+    print(pull(args.name, progress=ProgressBar()))
+    return EXIT_OK
+
+
+def _models_rm(args: argparse.Namespace) -> int:
+    from .model_store import remove
+
+    if remove(args.name):
+        print(f"removed {args.name}")
+        return EXIT_OK
+    print(f"{args.name} is not downloaded", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="specd: %(message)s", stream=sys.stderr)
+    if not hasattr(args, "func"):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one clear line, no traceback for users
+        from ..ort_models.gguf_file import GGUFError
+        from .engine import EngineError
+        from .generation import RequestError
+        from .model_store import ModelStoreError
+
+        if args.verbose or not isinstance(
+                exc, GGUFError | EngineError | ModelStoreError | RequestError | ValueError
+                | OSError):
+            raise
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The one drafter interface.
+
+A round for sequence `seq`, with `last` the newest token (at position `pos`, not yet
+evaluated by the target):
+
+    draft = drafter.draft(seq, last, pos, n_max, params)   # propose up to n_max tokens
+    ... target verifies [last, *draft.tokens] in one pass ...
+    drafter.accept(seq, n_accepted)                        # roll back rejected drafts
+    drafter.process(seq, emitted)                          # tokens the sequence grew by
+
+`begin(seq, prompt, sampler)` starts a sequence (the prompt is already evaluated by the
+target); `end(seq)` frees it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..sampling import Sampler
+
+
+@dataclass(frozen=True)
+class DraftParams:
+    n_max: int = 8  # most tokens drafted per round
+    n_min: int = 0  # drafts shorter than this are not verified
+    p_min: float = 0.0  # stop drafting when the draft's top probability falls below
+    probabilistic: bool = False  # sample drafts from q and verify by rejection sampling
+
+    def validate(self) -> DraftParams:
+        if not 0 <= self.n_min <= max(self.n_max, 0) or self.n_max < 0:
+            raise ValueError(f"need 0 <= n_min <= n_max, got n_min={self.n_min} "
+                             f"n_max={self.n_max}")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"p_min must be in [0, 1], got {self.p_min}")
+        return self
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: np.ndarray | None = None  # [n, vocab] q rows when drafted probabilistically
+    valid: bool = True  # False: synthetic acceptance (benchmark only), output not the target's
+
+    def truncate(self, n: int) -> Draft:
+        """Drop drafts past n, with their q rows."""
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                     self.valid)
+
+
+class Drafter(ABC):
+    name: str = "none"
+    #: True when acceptance is decided by the drafter (synthetic), not by verification
+    decides_acceptance: bool = False
+
+    def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None) -> None:
+        """A new sequence whose prompt the target has evaluated."""
+
+    @abstractmethod
+    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams) -> Draft:
+        """Propose up to n_max tokens to follow `last` (at position `pos`)."""
+
+    def accept(self, seq: int, n_accepted: int) -> None:
+        """The target accepted the first n_accepted tokens of the last draft."""
+
+    def process(self, seq: int, tokens: Sequence[int]) -> None:
+        """The sequence grew by these tokens (accepted drafts and the target's token)."""
+
+    def end(self, seq: int) -> None:
+        """The sequence is finished; free what it holds."""
+
+    @property
+    def step_cost_s(self) -> float:
+        """Measured seconds per drafted token (0 for free drafters)."""
+        return 0.0

@@ -1,0 +1,106 @@
+"""A smaller LLM as the draft: its own runner and KV cache, following the target's context.
+
+Per sequence the drafter keeps the token history and how much of it its cache holds.
+Drafting first evaluates whatever the cache lacks (the last token, and after a fully
+accepted round the last draft too) in one call, then one token per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...ort_models.runner import ModelRunner
+from ..sampling import Sampler, softmax
+from .base import Draft, Drafter, DraftParams
+
+
+@dataclass
+class _SeqState:
+    history: list[int] = field(default_factory=list)  # tokens at positions 0..
+    n_cached: int = 0  # positions [0, n_cached) are in the draft's KV cache
+    drafted: list[int] = field(default_factory=list)
+    draft_pos: int = 0
+    sampler: Sampler | None = None
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft"
+
+    def __init__(self, runner: ModelRunner, *, vocab_limit: int | None = None):
+        self.runner = runner
+        self.vocab_limit = vocab_limit  # the target's vocab size, if smaller
+        self._seqs: dict[int, _SeqState] = {}
+        self._step_s = 0.0
+        self._steps = 0
+
+    @property
+    def n_ctx(self) -> int:
+        return self.runner.n_ctx
+
+    def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None) -> None:
+        while self.runner.n_seq <= seq:
+            self.runner.add_sequence()
+        st = _SeqState(history=list(prompt), sampler=sampler)
+        self._seqs[seq] = st
+        if len(prompt) > 0:
+            self.runner.prefill(seq, list(prompt), 0)
+            st.n_cached = len(prompt)
+
+    def _logits(self, row: np.ndarray) -> np.ndarray:
+        return row[: self.vocab_limit] if self.vocab_limit else row
+
+    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams) -> Draft:
+        st = self._seqs[seq]
+        if len(st.history) != pos:
+            raise RuntimeError(f"draft history has {len(st.history)} tokens, target at {pos}")
+        st.n_cached = min(st.n_cached, pos)
+        st.draft_pos = pos
+        n_max = min(n_max, self.n_ctx - pos - 1)
+        st.drafted = []
+        if n_max <= 0:
+            return Draft([])
+        t0 = time.perf_counter()
+        q_rows: list[np.ndarray] = []
+        pending = [*st.history[st.n_cached:], last]
+        p = st.n_cached
+        for _ in range(n_max):
+            row = self._logits(self.runner.forward(seq, pending, p)[0])  # [vocab]
+            p += len(pending)
+            st.n_cached = p
+            if params.probabilistic and st.sampler is not None:
+                tok, q = st.sampler.sample_with_probs(row)
+                top = float(q.max())
+                q_rows.append(q)
+            else:
+                tok = int(np.argmax(row))
+                top = float(softmax(row).max()) if params.p_min > 0 else 1.0
+            if params.p_min > 0 and top < params.p_min:
+                if q_rows:
+                    q_rows.pop()
+                break
+            st.drafted.append(tok)
+            pending = [tok]
+        self._steps += max(1, len(st.drafted))
+        self._step_s += time.perf_counter() - t0
+        probs = np.stack(q_rows) if q_rows else None
+        return Draft(list(st.drafted), probs)
+
+    def accept(self, seq: int, n_accepted: int) -> None:
+        st = self._seqs[seq]
+        # the cache holds last, d0 .. d_{n-2}; keep last and the accepted drafts
+        st.n_cached = min(st.n_cached, st.draft_pos + 1 + n_accepted)
+        st.drafted = []
+
+    def process(self, seq: int, tokens: Sequence[int]) -> None:
+        self._seqs[seq].history.extend(tokens)
+
+    def end(self, seq: int) -> None:
+        self._seqs.pop(seq, None)
+
+    @property
+    def step_cost_s(self) -> float:
+        return self._step_s / self._steps if self._steps else 0.0

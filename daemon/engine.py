@@ -1,0 +1,166 @@
+"""The engine: target model, drafter, tokenizer and chat template, ready to generate.
+
+Owns the models (ORT runners and their KV caches); a `Generation` per request owns
+that request's samplers and position. The scheduler (server) and `specd generate` both
+go through `Engine.start()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..ort_models.gguf_file import GGUFError, GGUFFile
+from ..ort_models.graph_builder import BuildOptions
+from ..ort_models.model_cache import BuiltModel, load_or_build
+from ..ort_models.providers import RuntimeChoice, choose_runtime
+from ..ort_models.runner import ModelRunner
+from .chat_template import render_chat
+from .compat import draft_incompatibilities
+from .drafters.base import Drafter
+from .drafters.draft_model import DraftModelDrafter
+from .drafters.ngram import NgramDrafter
+from .drafters.synthetic import SyntheticDrafter
+from .generation import Generation, GenerationParams
+from .model_store import resolve_model
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("specd.engine")
+
+SPEC_TYPES = ("auto", "none", "draft", "ngram", "synthetic")
+Progress = Callable[[int, int, str], None]
+
+
+class EngineError(Exception):
+    """A configuration that cannot be loaded (message for the user)."""
+
+
+@dataclass
+class EngineConfig:
+    target: str
+    draft: str | None = None
+    spec_type: str = "auto"
+    n_ctx: int = 4096
+    slots: int = 1
+    threads: int | None = None
+    device: str = "auto"
+    ngram_min: int = 2
+    ngram_max: int = 4
+    synthetic_rates: list[float] | None = None
+    synthetic_mean: float | None = None
+    synthetic_seed: int = 0
+    fetch: bool = True
+    defaults: GenerationParams = field(default_factory=GenerationParams)
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    gguf: GGUFFile
+    built: BuiltModel
+    runner: ModelRunner
+
+    @property
+    def name(self) -> str:
+        return self.gguf.name
+
+
+def resolve_spec_type(spec_type: str, draft: str | None) -> str:
+    if spec_type not in SPEC_TYPES:
+        raise EngineError(f"unknown spec type {spec_type!r} (one of {', '.join(SPEC_TYPES)})")
+    if spec_type == "auto":
+        return "draft" if draft else "none"
+    if spec_type == "draft" and not draft:
+        raise EngineError("--spec-type draft needs a draft model (-md)")
+    return spec_type
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, *, progress: Progress | None = None,
+                 build_progress: Callable[[str], Progress | None] | None = None):
+        self.cfg = cfg
+        self.runtime: RuntimeChoice = choose_runtime(cfg.device)
+        log.info("%s", self.runtime.describe())
+        self.spec_type = resolve_spec_type(cfg.spec_type, cfg.draft)
+        target_path = self._resolve(cfg.target, progress)
+        draft_path = self._resolve(cfg.draft, progress) if self.spec_type == "draft" else None
+        tgt_file = GGUFFile(target_path)
+        if draft_path is not None:
+            d_file = GGUFFile(draft_path)
+            problems = draft_incompatibilities(tgt_file.metadata, d_file.metadata)
+            if problems:
+                raise EngineError(f"draft {draft_path.name} cannot draft for "
+                                  f"{target_path.name}: " + "; ".join(problems))
+        self.tokenizer = Tokenizer.from_metadata(tgt_file.metadata)
+        self.chat_template: str | None = tgt_file.get("tokenizer.chat_template")
+        bp = build_progress or (lambda label: None)
+        self.target = self._load(target_path, tgt_file, bp("target"))
+        self.n_ctx = self.target.runner.n_ctx
+        self.drafter: Drafter | None = None
+        self.draft: LoadedModel | None = None
+        if draft_path is not None:
+            self.draft = self._load(draft_path, GGUFFile(draft_path), bp("draft"))
+            self.drafter = DraftModelDrafter(self.draft.runner,
+                                             vocab_limit=self.target.built.hparams.n_vocab)
+        elif self.spec_type == "ngram":
+            self.drafter = NgramDrafter(min_ngram=cfg.ngram_min, max_ngram=cfg.ngram_max)
+        elif self.spec_type == "synthetic":
+            self.drafter = SyntheticDrafter(cfg.synthetic_rates, mean_length=cfg.synthetic_mean,
+                                            n_max=cfg.defaults.draft.n_max,
+                                            seed=cfg.synthetic_seed)
+
+    def _resolve(self, name: str | None, progress: Progress | None) -> Path:
+        assert name is not None
+        try:
+            return resolve_model(name, fetch=self.cfg.fetch, progress=progress)
+        except Exception as exc:  # noqa: BLE001 - store errors are user-facing already
+            raise EngineError(str(exc)) from None
+
+    def _load(self, path: Path, f: GGUFFile, progress: Progress | None) -> LoadedModel:
+        try:
+            built = load_or_build(path, BuildOptions(), progress)
+        except GGUFError:
+            raise
+        runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=self.cfg.slots,
+                             threads=self.cfg.threads, runtime=self.runtime)
+        return LoadedModel(path, f, built, runner)
+
+    # -- requests -------------------------------------------------------------------------
+    @property
+    def eog_ids(self) -> set[int]:
+        return set(self.tokenizer.eot_ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        return render_chat(self.chat_template or "", messages, add_generation_prompt=True,
+                           bos_token=self.tokenizer.token_text(self.tokenizer.bos_id)
+                           if self.tokenizer.bos_id is not None else "",
+                           eos_token=self.tokenizer.token_text(self.tokenizer.eos_id)
+                           if self.tokenizer.eos_id is not None else "")
+
+    def encode_prompt(self, text: str, *, chat: bool = False) -> list[int]:
+        """Raw text (BOS as the file says, specials parsed) or a rendered chat prompt."""
+        if chat:
+            text = self.render_chat([{"role": "user", "content": text}])
+        return self.tokenizer.encode(text, parse_special=True)
+
+    def start(self, seq: int, prompt: Sequence[int], params: GenerationParams,
+              reuse: int = 0) -> Generation:
+        return Generation(self.target.runner, seq, prompt, params, eog=self.eog_ids,
+                          drafter=self.drafter, reuse=reuse)
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "runtime": self.runtime.describe(),
+            "target": {"name": self.target.name, "path": str(self.target.path),
+                       "arch": self.target.built.hparams.arch},
+            "spec_type": self.spec_type,
+            "n_ctx": self.n_ctx,
+            "slots": self.cfg.slots,
+        }
+        if self.draft is not None:
+            d["draft"] = {"name": self.draft.name, "path": str(self.draft.path),
+                          "arch": self.draft.built.hparams.arch, "n_ctx": self.draft.runner.n_ctx}
+        return d

@@ -1,0 +1,201 @@
+"""One request's decode: prefill, then speculative rounds, one round per `step()`.
+
+The speculative round (see docs/architecture.md for the invariants):
+ 1. choose n: min(n_max or adaptive choice, room in the context, room in the attention
+    bucket so every verified row equals a single-token step, tokens left to generate - 1)
+ 2. draft = drafter.draft(seq, last, pos, n)          (drafts shorter than n_min dropped)
+ 3. target.forward(seq, [last, *draft], pos, all rows) (one pass; writes KV in place)
+ 4. verify: greedy (target's choice per row) or rejection sampling (p vs q)
+ 5. drafter.accept(k); drafter.process(emitted); stats; the rejected rows of both KV
+    caches are simply overwritten next round (position pos + k + 1)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ort_models.runner import ModelRunner, invariant_block_limit
+from .adaptive import AdaptiveDraftLength
+from .drafters.base import Draft, Drafter, DraftParams
+from .drafters.synthetic import SyntheticDrafter
+from .sampling import Sampler, SamplerParams, derive_seeds
+from .stats import SpecStats
+from .verify import verify_greedy, verify_rejection
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked (message for the client)."""
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int = 256
+    sampling: SamplerParams = field(default_factory=lambda: SamplerParams(temperature=0.0))
+    draft: DraftParams = field(default_factory=DraftParams)
+    adaptive: bool = False
+    draft_top_k: int = 10  # q is the draft's top-k, renormalised, at the request temperature
+    ignore_eos: bool = False
+
+
+class Generation:
+    """State of one sequence slot while it generates."""
+
+    def __init__(self, target: ModelRunner, seq: int, prompt: Sequence[int],
+                 params: GenerationParams, *, eog: set[int], drafter: Drafter | None = None,
+                 reuse: int = 0):
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        room = target.n_ctx - 1
+        if len(prompt) > room:
+            raise RequestError(f"the prompt is {len(prompt)} tokens long but the context "
+                               f"holds {target.n_ctx}: at most {room} prompt tokens fit")
+        params.sampling.validate()
+        params.draft.validate()
+        self.target, self.seq, self.params = target, seq, params
+        self.prompt = list(prompt)
+        self.eog = set() if params.ignore_eos else set(eog)
+        self.drafter = drafter
+        seed = params.sampling.seed
+        t_seed, d_seed = derive_seeds(seed)
+        self.sampler = Sampler(params.sampling, seed=t_seed)
+        dp = params.sampling
+        self.draft_sampler = Sampler(
+            SamplerParams(temperature=dp.temperature, top_k=params.draft_top_k,
+                          seed=d_seed), seed=d_seed) if not dp.is_greedy else None
+        self.adaptive = AdaptiveDraftLength(params.draft.n_max) if params.adaptive else None
+        self.stats = SpecStats(prompt_tokens=len(prompt), cached_tokens=reuse)
+        self.tokens: list[int] = []  # generated
+        self.finish_reason: str | None = None
+        self._reuse = reuse
+        self._last: int | None = None
+        self._pos = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    # -- prefill --------------------------------------------------------------------------
+    def prefill(self) -> list[int]:
+        """Evaluate the prompt (after any reused prefix); returns the first token."""
+        t0 = time.perf_counter()
+        start = min(self._reuse, len(self.prompt) - 1)
+        logits = self.target.prefill(self.seq, self.prompt[start:], start)  # [vocab]
+        self.stats.prefill_s = time.perf_counter() - t0
+        if self.drafter is not None:
+            try:
+                self.drafter.begin(self.seq, self.prompt, self.draft_sampler)
+            except Exception:  # noqa: BLE001 - a failing draft never fails the request
+                self.drafter = None
+        self._pos = len(self.prompt)
+        self._t_decode = time.perf_counter()
+        tok = self.sampler.sample(logits)
+        self.sampler.accept(tok)
+        return self._emit([tok])
+
+    # -- one round ------------------------------------------------------------------------
+    def step(self) -> list[int]:
+        """One round: returns the tokens it emitted (empty once done)."""
+        if self.done:
+            return []
+        last, pos = self._last, self._pos
+        assert last is not None
+        limit = min(invariant_block_limit(pos, self.target.n_ctx) - 1,
+                    self.target.n_ctx - pos - 1,
+                    self.params.max_tokens - len(self.tokens) - 1)
+        if limit < 0:
+            self.finish_reason = "length"
+            return []
+        draft = self._draft(last, pos, limit)
+        t0 = time.perf_counter()
+        rows = self.target.forward(self.seq, [last, *draft.tokens], pos,
+                                   list(range(len(draft.tokens) + 1)))  # [n+1, vocab]
+        dt = time.perf_counter() - t0
+        self.stats.verify_s += dt
+        if self.adaptive is not None:
+            self.adaptive.observe_verify(len(draft.tokens) + 1, dt)
+        emitted = self._verify(rows, draft)
+        k = len(emitted) - 1
+        self.stats.record_round(len(draft.tokens), k)
+        if self.adaptive is not None and draft.tokens:
+            self.adaptive.observe_acceptance(len(draft.tokens), k)
+        if self.drafter is not None:
+            self.drafter.accept(self.seq, k)
+            self.drafter.process(self.seq, [last, *emitted[:-1]])  # now in the target's KV
+        self._pos = pos + len(emitted)
+        return self._emit(emitted)
+
+    def _draft(self, last: int, pos: int, limit: int) -> Draft:
+        dp = self.params.draft
+        if self.drafter is None or limit <= 0 or dp.n_max <= 0:
+            return Draft([])
+        n = self.adaptive.choose(limit) if self.adaptive is not None else min(dp.n_max, limit)
+        if n <= 0:
+            return Draft([])
+        t0 = time.perf_counter()
+        try:
+            draft = self.drafter.draft(self.seq, last, pos, n, dp)
+        except Exception:  # noqa: BLE001 - fall back to target-only decoding
+            self.drafter = None
+            return Draft([])
+        dt = time.perf_counter() - t0
+        self.stats.draft_s += dt
+        if self.adaptive is not None:
+            self.adaptive.observe_draft(len(draft.tokens), dt)
+        draft = draft.truncate(n)
+        if len(draft.tokens) < max(dp.n_min, 1):
+            self.drafter.accept(self.seq, 0)
+            return Draft([])
+        if not draft.valid:
+            self.stats.valid = False
+        return draft
+
+    def _verify(self, rows: np.ndarray, draft: Draft) -> list[int]:
+        if isinstance(self.drafter, SyntheticDrafter) and draft.tokens:
+            return self._verify_synthetic(rows, draft)
+        if draft.probs is not None and self.params.draft.probabilistic:
+            return verify_rejection(rows, draft.tokens, draft.probs, self.sampler).tokens
+        return verify_greedy(rows, draft.tokens, self.sampler).tokens
+
+    def _verify_synthetic(self, rows: np.ndarray, draft: Draft) -> list[int]:
+        assert isinstance(self.drafter, SyntheticDrafter)
+        out: list[int] = []
+        for i in range(len(draft.tokens) + 1):
+            choice = self.sampler.sample(rows[i])
+            self.sampler.accept(choice)
+            out.append(choice)
+            if i == len(draft.tokens) or not self.drafter.accept_position(i, choice, self.eog):
+                break
+        return out
+
+    # -- output ---------------------------------------------------------------------------
+    def _emit(self, toks: list[int]) -> list[int]:
+        out: list[int] = []
+        for t in toks:
+            self.tokens.append(t)
+            out.append(t)
+            if t in self.eog:
+                self.finish_reason = "stop"
+                break
+            if len(self.tokens) >= self.params.max_tokens:
+                self.finish_reason = "length"
+                break
+        self._last = out[-1] if out else self._last
+        self.stats.generated_tokens = len(self.tokens)
+        self.stats.decode_s = time.perf_counter() - self._t_decode
+        return out
+
+    def finish(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
+    def close(self) -> None:
+        if self.drafter is not None:
+            self.drafter.end(self.seq)

@@ -1,0 +1,87 @@
+"""Speculation and speed statistics, per request and in total."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0  # verify passes that carried at least one drafted token
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: accepted
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: drafted
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # n -> rounds drafted n
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    valid: bool = True  # False after synthetic acceptance
+
+    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+        self.draft_lengths[n_drafted] = self.draft_lengths.get(n_drafted, 0) + 1
+        if n_drafted == 0:
+            return
+        self.rounds += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        while len(self.drafted_at) < n_drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(n_drafted):
+            self.drafted_at[i] += 1
+            if i < n_accepted:
+                self.accepted_at[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / rounds (tokens per verify pass that carried a draft)."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at,
+                                                     strict=True)]
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def merge(self, other: SpecStats) -> None:
+        for name in ("rounds", "drafted", "accepted", "draft_s", "verify_s", "prompt_tokens",
+                     "generated_tokens", "cached_tokens", "prefill_s", "decode_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for i in range(len(other.drafted_at)):
+            if i >= len(self.drafted_at):
+                self.drafted_at.append(0)
+                self.accepted_at.append(0)
+            self.drafted_at[i] += other.drafted_at[i]
+            self.accepted_at[i] += other.accepted_at[i]
+        for n, c in other.draft_lengths.items():
+            self.draft_lengths[n] = self.draft_lengths.get(n, 0) + c
+        self.valid = self.valid and other.valid
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
+            "draft_lengths": dict(sorted(self.draft_lengths.items())),
+            "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
+            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefill_tps": round(self.prefill_tps, 2), "decode_tps": round(self.decode_tps, 2),
+            "valid": self.valid,
+        }

@@ -1,0 +1,187 @@
+"""Speculative decoding on tiny random models: exactness, rollback, limits, seeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from specd.daemon.drafters.base import DraftParams
+from specd.daemon.drafters.draft_model import DraftModelDrafter
+from specd.daemon.drafters.ngram import NgramDrafter
+from specd.daemon.drafters.synthetic import SyntheticDrafter
+from specd.daemon.generation import Generation, GenerationParams, RequestError
+from specd.daemon.sampling import SamplerParams
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+EOG = {349}
+PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_factory):  # noqa: ANN001, ANN201
+    target = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
+                                              context_length=1024))
+    draft = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
+                                             perturb=0.01, context_length=1024))
+    return target, draft
+
+
+def run(target, drafter=None, *, n_ctx=512, prompt=PROMPT, **kw):  # noqa: ANN001, ANN003, ANN201
+    runner = ModelRunner(target, n_ctx=n_ctx)
+    params = GenerationParams(**kw)
+    if drafter is not None and hasattr(drafter, "runner") is False:
+        pass
+    gen = Generation(runner, 0, prompt, params, eog=EOG, drafter=drafter)
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    gen.close()
+    return out, gen
+
+
+def draft_drafter(draft, n_ctx=512):  # noqa: ANN001, ANN201
+    return DraftModelDrafter(ModelRunner(draft, n_ctx=n_ctx))
+
+
+@pytest.mark.parametrize("n_max", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("p_min", [0.0, 0.5])
+def test_greedy_speculation_is_byte_identical(models, n_max, p_min) -> None:  # noqa: ANN001
+    target, draft = models
+    want, _ = run(target, max_tokens=64, ignore_eos=True)
+    got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
+                   draft=DraftParams(n_max=n_max, p_min=p_min))
+    assert got == want
+    assert gen.stats.rounds > 0
+    if p_min == 0.0:
+        assert gen.stats.accepted > 0  # the perturbed copy mostly agrees
+
+
+def test_draft_equal_to_target_accepts_everything(models) -> None:  # noqa: ANN001
+    target, _ = models
+    want, _ = run(target, max_tokens=40, ignore_eos=True)
+    got, gen = run(target, draft_drafter(target), max_tokens=40, ignore_eos=True,
+                   draft=DraftParams(n_max=4))
+    assert got == want
+    assert gen.stats.accepted == gen.stats.drafted
+
+
+def test_ngram_speculation_is_byte_identical(models) -> None:  # noqa: ANN001
+    target, _ = models
+    prompt = PROMPT + PROMPT[1:] + PROMPT[1:]  # repetition for lookup to find
+    want, _ = run(target, prompt=prompt, max_tokens=64, ignore_eos=True)
+    got, gen = run(target, NgramDrafter(), prompt=prompt, max_tokens=64, ignore_eos=True,
+                   draft=DraftParams(n_max=6))
+    assert got == want
+    assert gen.stats.rounds > 0
+
+
+def test_adaptive_is_byte_identical(models) -> None:  # noqa: ANN001
+    target, draft = models
+    want, _ = run(target, max_tokens=64, ignore_eos=True)
+    got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
+                   draft=DraftParams(n_max=8), adaptive=True)
+    assert got == want
+    assert sum(gen.stats.draft_lengths.values()) > 0
+
+
+def test_sampled_with_greedy_verification_equals_target_only(models) -> None:  # noqa: ANN001
+    """Greedy verification of a sampled target draws one uniform per token either way."""
+    target, draft = models
+    sp = SamplerParams(temperature=0.9, top_k=40, seed=11)
+    want, _ = run(target, max_tokens=48, ignore_eos=True, sampling=sp)
+    got, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
+                 draft=DraftParams(n_max=4))
+    assert got == want
+
+
+def test_rejection_sampling_seeded_runs_repeat(models) -> None:  # noqa: ANN001
+    target, draft = models
+    sp = SamplerParams(temperature=0.8, seed=5)
+    dp = DraftParams(n_max=4, probabilistic=True)
+    a, ga = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
+                draft=dp)
+    b, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
+               draft=dp)
+    assert a == b
+    assert ga.stats.accepted > 0
+    c, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True,
+               sampling=SamplerParams(temperature=0.8, seed=6), draft=dp)
+    assert c != a
+
+
+def test_target_rng_unchanged_by_the_draft_when_nothing_is_drafted(models) -> None:  # noqa: ANN001
+    """Separate streams: a drafter that never proposes leaves the target's draws alone."""
+    target, draft = models
+    sp = SamplerParams(temperature=1.0, seed=21)
+    want, _ = run(target, max_tokens=32, ignore_eos=True, sampling=sp)
+    got, gen = run(target, draft_drafter(draft), max_tokens=32, ignore_eos=True, sampling=sp,
+                   draft=DraftParams(n_max=4, p_min=1.0, probabilistic=True))
+    assert gen.stats.drafted == 0
+    assert got == want
+
+
+def test_synthetic_rates_zero_equal_target_only(models) -> None:  # noqa: ANN001
+    target, _ = models
+    want, _ = run(target, max_tokens=40, ignore_eos=True)
+    got, gen = run(target, SyntheticDrafter([0.0] * 4), max_tokens=40, ignore_eos=True,
+                   draft=DraftParams(n_max=4))
+    assert got == want
+    assert gen.stats.accepted == 0 and gen.stats.rounds > 0
+    assert not gen.stats.valid
+
+
+def test_synthetic_rates_one_accept_every_draft(models) -> None:  # noqa: ANN001
+    target, _ = models
+    _, gen = run(target, SyntheticDrafter([1.0] * 4), max_tokens=41, ignore_eos=True,
+                 draft=DraftParams(n_max=4))
+    assert gen.stats.accepted == gen.stats.drafted > 0
+
+
+def test_synthetic_mean_length_is_close(models) -> None:  # noqa: ANN001
+    target, _ = models
+    _, gen = run(target, SyntheticDrafter(mean_length=3.0, n_max=4, seed=1), max_tokens=300,
+                 ignore_eos=True, draft=DraftParams(n_max=4), n_ctx=1024)
+    assert 2.5 < gen.stats.mean_acceptance_length < 3.5
+
+
+@pytest.mark.parametrize("rates", [[1.2], [-0.1], [0.2, 0.5], []])
+def test_synthetic_bad_rates_are_clear_errors(rates) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="rate"):
+        SyntheticDrafter(rates)
+
+
+def test_prompt_filling_the_context_completes(models) -> None:  # noqa: ANN001
+    target, draft = models
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 340, size=256 - 3).tolist()
+    want, g0 = run(target, n_ctx=256, prompt=prompt, max_tokens=50, ignore_eos=True)
+    got, g1 = run(target, draft_drafter(draft, 256), n_ctx=256, prompt=prompt, max_tokens=50,
+                  ignore_eos=True, draft=DraftParams(n_max=8))
+    assert got == want
+    assert g0.finish_reason == g1.finish_reason == "length"
+    assert len(got) == 4  # positions 253, 254, 255 evaluated + the token after
+
+
+def test_speculation_across_a_bucket_boundary_is_exact(models) -> None:  # noqa: ANN001
+    target, draft = models
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(3, 340, size=240).tolist()
+    want, _ = run(target, prompt=prompt, max_tokens=40, ignore_eos=True)
+    got, _ = run(target, draft_drafter(draft), prompt=prompt, max_tokens=40, ignore_eos=True,
+                 draft=DraftParams(n_max=16))
+    assert got == want
+
+
+def test_oversize_prompt_is_a_request_error(models) -> None:  # noqa: ANN001
+    target, _ = models
+    with pytest.raises(RequestError, match="300 tokens long .* at most 255"):
+        run(target, n_ctx=256, prompt=[5] * 300)
+
+
+def test_n_min_skips_short_drafts(models) -> None:  # noqa: ANN001
+    target, draft = models
+    want, _ = run(target, max_tokens=32, ignore_eos=True)
+    got, gen = run(target, draft_drafter(draft), max_tokens=32, ignore_eos=True,
+                   draft=DraftParams(n_max=4, n_min=3, p_min=0.6))
+    assert got == want
+    assert all(n == 0 or n >= 3 for n in gen.stats.draft_lengths)
