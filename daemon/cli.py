@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import cli_generate
+from . import cli_generate, cli_serve
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", default=None, help="raw prompt text from a file (verbatim)")
     g.add_argument("--json", action="store_true", help="print the stats as JSON on stderr")
     g.set_defaults(func=cli_generate.run)
+
+    sv = sub.add_parser("serve", help="run the daemon in the foreground")
+    _add_model_args(sv)
+    _add_sampling_args(sv)
+    cli_serve.add_serve_args(sv)
+    sv.set_defaults(func=cli_serve.run)
 
     models = sub.add_parser("models", help="the model catalog and local store")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")

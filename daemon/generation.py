@@ -73,6 +73,8 @@ class Generation:
         self._reuse = reuse
         self._last: int | None = None
         self._pos = 0
+        self._cursor: int | None = None
+        self._t_decode = time.perf_counter()
 
     @property
     def done(self) -> bool:
@@ -82,13 +84,34 @@ class Generation:
     def all_tokens(self) -> list[int]:
         return self.prompt + self.tokens
 
+    @property
+    def evaluated_tokens(self) -> list[int]:
+        """Tokens whose KV the target's cache holds for this sequence, in order."""
+        return self.all_tokens[: self._pos]
+
     # -- prefill --------------------------------------------------------------------------
-    def prefill(self) -> list[int]:
-        """Evaluate the prompt (after any reused prefix); returns the first token."""
+    @property
+    def prefilled(self) -> bool:
+        return self._last is not None or self.done
+
+    def prefill(self, budget: int | None = None) -> list[int]:
+        """Evaluate the prompt (after any reused prefix), at most `budget` tokens per call.
+
+        Returns [] while prompt remains, then the first generated token. Chunks end on
+        attention-bucket boundaries, so the KV is the same however the prompt is split.
+        """
+        if self.prefilled:
+            return []
         t0 = time.perf_counter()
-        start = min(self._reuse, len(self.prompt) - 1)
-        logits = self.target.prefill(self.seq, self.prompt[start:], start)  # [vocab]
-        self.stats.prefill_s = time.perf_counter() - t0
+        if self._cursor is None:
+            self._cursor = min(self._reuse, len(self.prompt) - 1)
+        start = self._cursor
+        end = len(self.prompt) if budget is None else min(len(self.prompt), start + budget)
+        logits = self.target.prefill(self.seq, self.prompt[start:end], start)  # [vocab]
+        self._cursor = end
+        self.stats.prefill_s += time.perf_counter() - t0
+        if end < len(self.prompt):
+            return []
         if self.drafter is not None:
             try:
                 self.drafter.begin(self.seq, self.prompt, self.draft_sampler)
@@ -105,6 +128,8 @@ class Generation:
         """One round: returns the tokens it emitted (empty once done)."""
         if self.done:
             return []
+        if not self.prefilled:
+            return self.prefill()
         last, pos = self._last, self._pos
         assert last is not None
         limit = min(invariant_block_limit(pos, self.target.n_ctx) - 1,

@@ -1,0 +1,68 @@
+"""`specd serve`: the daemon in the foreground, with logs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from .cli_generate import _build_progress, engine_config_from_args
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from ..ipc.server import DEFAULT_PORT
+
+    p.add_argument("--host", default="127.0.0.1", help="TCP address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
+    p.add_argument("--socket", default=None, help="Unix socket path (default: runtime dir)")
+    p.add_argument("--no-socket", action="store_true", help="TCP only")
+    p.add_argument("--slots", type=int, default=2, help="parallel sequences (default 2)")
+    p.add_argument("--queue", type=int, default=64, help="most queued requests (then 503)")
+    p.add_argument("--require-token", action="store_true",
+                   help="require the bearer token (state dir file) on TCP")
+    p.add_argument("--allow-non-loopback", action="store_true",
+                   help="allow a non-loopback --host (a token is then always required)")
+    p.add_argument("--allow-origin", action="append", default=[],
+                   help="a browser Origin allowed to call the API (repeatable)")
+
+
+def build_service(args: argparse.Namespace):  # noqa: ANN201
+    from .engine import Engine
+    from .model_store import ProgressBar
+    from .scheduler import Scheduler
+    from .service import Service
+
+    cfg = engine_config_from_args(args, slots=args.slots)
+    engine = Engine(cfg, progress=ProgressBar(), build_progress=_build_progress)
+    return Service(engine, Scheduler(engine, max_queue=args.queue))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..ipc.http_api import create_app
+    from ..ipc.server import ServeConfig, default_socket_path, resolve_token, serve_forever
+
+    logging.getLogger("specd").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    scfg = ServeConfig(host=args.host, port=args.port,
+                       socket_path=None if args.no_socket else Path(args.socket)
+                       if args.socket else default_socket_path(),
+                       require_token=args.require_token,
+                       allow_non_loopback=args.allow_non_loopback,
+                       allowed_origins=set(args.allow_origin))
+    token = resolve_token(scfg)
+    service = build_service(args)
+    print(f"specd: {service.engine.runtime.describe()}", file=sys.stderr)
+    d = service.engine.describe()
+    print(f"specd: target {d['target']['name']}, spec {d['spec_type']}"
+          + (f", draft {d['draft']['name']}" if "draft" in d else "")
+          + f", n_ctx {d['n_ctx']}, slots {d['slots']}", file=sys.stderr, flush=True)
+    app = create_app(service, allowed_origins=scfg.allowed_origins, token=token)
+    try:
+        asyncio.run(serve_forever(app, scfg))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.scheduler.stop()
+    return 0

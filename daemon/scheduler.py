@@ -1,0 +1,195 @@
+"""Slots and continuous batching: one worker thread drives every active generation.
+
+Each slot owns one target KV sequence (and the drafter's sequence of the same index).
+Between rounds new requests join free slots and finished or cancelled ones leave. A new
+request takes the free slot whose cached tokens share the longest prefix with its prompt
+and reuses that KV. Prefill runs in chunks of `prefill_chunk` tokens interleaved with the
+other slots' rounds, so a long prompt does not stall running streams.
+
+Rows are computed the same way however they are batched or chunked (see
+ort_models/graph_builder.py), so a request's output does not depend on what else runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .engine import Engine
+from .generation import Generation, GenerationParams, RequestError
+from .stats import SpecStats
+
+log = logging.getLogger("specd.scheduler")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: GenerationParams
+    on_tokens: Callable[[list[int]], None]  # called from the worker thread
+    on_done: Callable[[Request], None]
+    cache_prompt: bool = True
+    deadline: float | None = None  # time.monotonic() after which generation stops
+    id: int = 0
+    gen: Generation | None = None
+    slot: int | None = None
+    error: str | None = None
+    cancelled: bool = False
+    t_submit: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class Slot:
+    index: int
+    cached: list[int] = field(default_factory=list)  # tokens whose KV the slot holds
+    request: Request | None = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, max_queue: int = 64, prefill_chunk: int = 256):
+        self.engine = engine
+        self.slots = [Slot(i) for i in range(engine.cfg.slots)]
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.queue: deque[Request] = deque()
+        self.totals = SpecStats()
+        self.requests_total = 0
+        self.requests_failed = 0
+        self._lock = threading.Condition()
+        self._next_id = 1
+        self._stop = False
+        self._busy_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- API (any thread) -----------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        with self._lock:
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            req.id = self._next_id
+            self._next_id += 1
+            self.queue.append(req)
+            self._lock.notify()
+        return req
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.queue)
+
+    def slot_info(self) -> list[dict[str, object]]:
+        out = []
+        for s in self.slots:
+            r = s.request
+            out.append({
+                "id": s.index,
+                "state": "idle" if r is None else ("prefill" if r.gen is None
+                                                   or not r.gen.prefilled else "generating"),
+                "n_cached": len(s.cached),
+                "request_id": None if r is None else r.id,
+                "n_generated": 0 if r is None or r.gen is None else len(r.gen.tokens),
+            })
+        return out
+
+    # -- worker ---------------------------------------------------------------------------
+    def _admit(self) -> None:
+        with self._lock:
+            while self.queue:
+                free = [s for s in self.slots if s.request is None]
+                if not free:
+                    return
+                req = self.queue.popleft()
+                if req.cancelled:
+                    self._finish(req, None)
+                    continue
+                slot = max(free, key=lambda s: common_prefix(s.cached, req.prompt)
+                           if req.cache_prompt else -len(s.cached))
+                reuse = common_prefix(slot.cached, req.prompt) if req.cache_prompt else 0
+                try:
+                    req.gen = self.engine.start(slot.index, req.prompt, req.params, reuse=reuse)
+                except (RequestError, ValueError) as exc:
+                    req.error = str(exc)
+                    self._finish(req, None)
+                    continue
+                slot.cached = list(req.prompt[:reuse])
+                slot.request, req.slot = slot, slot.index
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self.queue and all(
+                        s.request is None for s in self.slots):
+                    self._lock.wait()
+                if self._stop:
+                    return
+            self._admit()
+            t0 = time.perf_counter()
+            for slot in self.slots:
+                if slot.request is not None:
+                    self._advance(slot)
+            self._busy_s += time.perf_counter() - t0
+
+    def _advance(self, slot: Slot) -> None:
+        req = slot.request
+        assert req is not None and req.gen is not None
+        gen = req.gen
+        try:
+            if req.cancelled:
+                gen.finish("cancelled")
+            elif req.deadline is not None and time.monotonic() > req.deadline:
+                gen.finish("time_limit")
+            elif not gen.prefilled:
+                out = gen.prefill(self.prefill_chunk)
+                if out:
+                    req.on_tokens(out)
+            else:
+                out = gen.step()
+                if out:
+                    req.on_tokens(out)
+        except Exception as exc:  # noqa: BLE001 - one bad request never stops the daemon
+            log.exception("request %d failed", req.id)
+            req.error = f"internal error: {exc}"
+            gen.finish("error")
+        if gen.done:
+            # the KV now holds the prompt and everything evaluated after it
+            slot.cached = gen.evaluated_tokens if gen.finish_reason != "error" else []
+            self._finish(req, slot)
+
+    def _finish(self, req: Request, slot: Slot | None) -> None:
+        if slot is not None:
+            slot.request = None
+        if req.gen is not None:
+            req.gen.close()
+            self.totals.merge(req.gen.stats)
+        self.requests_total += 1
+        if req.error:
+            self.requests_failed += 1
+        try:
+            req.on_done(req)
+        except Exception:  # noqa: BLE001
+            log.exception("on_done callback failed")

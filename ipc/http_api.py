@@ -1,0 +1,377 @@
+"""The HTTP API: OpenAI-compatible and llama.cpp-compatible routes over one Service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from ..daemon.drafters.base import DraftParams
+from ..daemon.generation import GenerationParams, RequestError
+from ..daemon.sampling import SamplerParams
+from ..daemon.scheduler import QueueFull
+from ..daemon.service import Piece, Result, Service
+from .metrics import render_metrics
+from .security import error_response, make_middlewares
+from .validation import BadRequest, get, json_body, stop_list, token_list
+
+SERVICE = web.AppKey("service", Service)
+
+
+def _svc(request: web.Request) -> Service:
+    return request.app[SERVICE]
+
+
+# -- request parsing ----------------------------------------------------------------------
+def _params(svc: Service, body: dict[str, Any], *, max_key: str,
+            default_max: int) -> GenerationParams:
+    d = svc.engine.cfg.defaults
+    max_tokens = get(body, max_key, int, None, lo=-1, hi=1 << 20)
+    if max_tokens is None or max_tokens < 0:
+        max_tokens = default_max
+    spec = body.get("speculative") or {}
+    if not isinstance(spec, dict):
+        raise BadRequest("'speculative' must be an object", param="speculative")
+    seed = get(body, "seed", int, None)
+    try:
+        sampling = SamplerParams(
+            temperature=get(body, "temperature", float, d.sampling.temperature, lo=0, hi=100),
+            top_k=get(body, "top_k", int, d.sampling.top_k, lo=0),
+            top_p=get(body, "top_p", float, d.sampling.top_p, lo=0, hi=1),
+            min_p=get(body, "min_p", float, d.sampling.min_p, lo=0, hi=1),
+            repeat_penalty=get(body, "repeat_penalty", float, d.sampling.repeat_penalty, lo=0),
+            seed=None if seed is None or seed < 0 else seed).validate()
+        draft = DraftParams(
+            n_max=get(spec, "n_max", int, get(body, "speculative.n_max", int, d.draft.n_max),
+                      lo=0, hi=64),
+            n_min=get(spec, "n_min", int, get(body, "speculative.n_min", int, d.draft.n_min),
+                      lo=0, hi=64),
+            p_min=get(spec, "p_min", float, get(body, "speculative.p_min", float,
+                                                d.draft.p_min), lo=0, hi=1),
+            probabilistic=d.draft.probabilistic).validate()
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    return GenerationParams(max_tokens=max_tokens, sampling=sampling, draft=draft,
+                            adaptive=d.adaptive, ignore_eos=bool(body.get("ignore_eos")))
+
+
+def _check_model(svc: Service, body: dict[str, Any]) -> None:
+    model = get(body, "model", str, None)
+    if model is None:
+        return
+    if model not in _model_names(svc):
+        raise BadRequest(f"unknown model {model!r}; this daemon serves "
+                         f"{svc.engine.target.name!r}", code="model_not_found", param="model")
+
+
+def _model_names(svc: Service) -> set[str]:
+    t = svc.engine.target
+    return {t.name, t.path.name, t.path.stem, svc.engine.cfg.target, "specd", "default"}
+
+
+def _prompt_tokens(svc: Service, value: Any, name: str = "prompt") -> list[int]:
+    tok = svc.tokenizer
+    if isinstance(value, str):
+        return tok.encode(value, parse_special=True)
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        return _prompt_tokens(svc, value[0], name)
+    return token_list(value, name, tok.vocab_size)
+
+
+def _n_is_one(body: dict[str, Any]) -> None:
+    if get(body, "n", int, 1) != 1:
+        raise BadRequest("only n=1 is supported", param="n")
+
+
+# -- running ------------------------------------------------------------------------------
+async def _collect(svc: Service, prompt: list[int], params: GenerationParams,
+                   **kw: Any) -> Result:
+    result: Result | None = None
+    async for ev in svc.generate(prompt, params, **kw):
+        if isinstance(ev, Result):
+            result = ev
+    assert result is not None
+    if result.error:
+        raise RuntimeError(result.error)
+    return result
+
+
+async def _sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+async def _send(resp: web.StreamResponse, payload: Any) -> None:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    await resp.write(f"data: {data}\n\n".encode())
+
+
+def _spec_block(r: Result) -> dict[str, Any]:
+    s = r.stats
+    return {"drafted": s.drafted, "accepted": s.accepted,
+            "mean_acceptance_length": round(s.mean_acceptance_length, 4),
+            "rounds": s.rounds, "valid": s.valid}
+
+
+def _usage(r: Result) -> dict[str, Any]:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+            "speculative": _spec_block(r)}
+
+
+def _oai_finish(reason: str) -> str:
+    return "length" if reason in ("length", "time_limit") else "stop"
+
+
+async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    svc = _svc(request)
+    body = await json_body(request)
+    _check_model(svc, body)
+    _n_is_one(body)
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise BadRequest("'messages' must be a non-empty array of {role, content}",
+                             param="messages")
+        try:
+            text = svc.engine.render_chat(messages)
+        except ValueError as exc:
+            raise BadRequest(f"chat template: {exc}") from None
+        prompt = svc.tokenizer.encode(text, parse_special=True)
+    else:
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", param="prompt")
+        prompt = _prompt_tokens(svc, body["prompt"])
+    params = _params(svc, body, max_key="max_tokens", default_max=256)
+    if chat and "max_completion_tokens" in body:
+        params.max_tokens = get(body, "max_completion_tokens", int, params.max_tokens, lo=1)
+    stop = stop_list(body)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    model = svc.engine.target.name
+    obj = "chat.completion" if chat else "text_completion"
+    try:
+        svc.check_prompt(prompt, params.max_tokens)
+    except RequestError as exc:
+        raise BadRequest(str(exc), code="context_length_exceeded", param="messages"
+                         if chat else "prompt") from None
+    if not get(body, "stream", bool, False):
+        r = await _collect(svc, prompt, params, stop=stop)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _oai_finish(r.finish_reason),
+                                  "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": r.text}
+        else:
+            choice["text"] = r.text
+        return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
+                                  "choices": [choice], "usage": _usage(r)})
+    resp = await _sse(request)
+    chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            c["delta"] = ({"role": "assistant", "content": delta or ""} if first
+                          else ({"content": delta} if delta else {}))
+        else:
+            c["text"] = delta or ""
+        return {"id": rid, "object": chunk_obj, "created": created, "model": model,
+                "choices": [c]}
+
+    if chat:
+        await _send(resp, chunk("", None, first=True))
+    async for ev in svc.generate(prompt, params, stop=stop):
+        if isinstance(ev, Piece):
+            if ev.text:
+                await _send(resp, chunk(ev.text, None))
+        else:
+            final = chunk(None, _oai_finish(ev.finish_reason))
+            final["usage"] = _usage(ev)
+            await _send(resp, final)
+    await _send(resp, "[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, chat=False)
+
+
+# -- llama.cpp-compatible -----------------------------------------------------------------
+def _infill_prompt(svc: Service, body: dict[str, Any]) -> list[int]:
+    tok = svc.tokenizer
+    if tok.fim_prefix_id is None or tok.fim_suffix_id is None or tok.fim_middle_id is None:
+        raise BadRequest("this model's vocabulary has no FIM tokens; /infill is unavailable")
+    prefix = get(body, "input_prefix", str, "")
+    suffix = get(body, "input_suffix", str, "")
+    prompt = get(body, "prompt", str, "")
+    extra = body.get("input_extra") or []
+    if not isinstance(extra, list) or not all(isinstance(e, dict) for e in extra):
+        raise BadRequest("'input_extra' must be an array of {filename, text}",
+                         param="input_extra")
+    ids: list[int] = []
+    sep = tok.token_id("<|file_sep|>")
+    for e in extra:
+        text = f"{e.get('filename', '')}\n{e.get('text', '')}"
+        if sep is not None:
+            ids += [sep]
+        ids += tok.encode(text, add_bos=False, parse_special=False)
+    if sep is not None and extra:
+        ids += [sep]
+    ids += [tok.fim_prefix_id, *tok.encode(prefix, add_bos=False, parse_special=False),
+            tok.fim_suffix_id, *tok.encode(suffix, add_bos=False, parse_special=False),
+            tok.fim_middle_id, *tok.encode(prompt, add_bos=False, parse_special=False)]
+    return ids
+
+
+async def _llama_completion(request: web.Request, *, infill: bool) -> web.StreamResponse:
+    svc = _svc(request)
+    body = await json_body(request)
+    if infill:
+        prompt = _infill_prompt(svc, body)
+    else:
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", param="prompt")
+        prompt = _prompt_tokens(svc, body["prompt"])
+    params = _params(svc, body, max_key="n_predict", default_max=256 if not infill else 128)
+    stop = stop_list(body)
+    cache_prompt = get(body, "cache_prompt", bool, True)
+    t_max = get(body, "t_max_predict_ms", (int, float), None, lo=0)
+    try:
+        svc.check_prompt(prompt, params.max_tokens)
+    except RequestError as exc:
+        raise BadRequest(str(exc), code="context_length_exceeded", param="prompt") from None
+    kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max)
+
+    def final(r: Result) -> dict[str, Any]:
+        return {"content": r.text if not stream else "", "stop": True,
+                "model": svc.engine.target.name, "tokens_predicted": r.completion_tokens,
+                "tokens_evaluated": r.prompt_tokens, "tokens_cached": r.cached_tokens,
+                "stop_type": {"stop": "eos" if not r.stopping_word else "word",
+                              "length": "limit", "time_limit": "limit"}.get(
+                                  r.finish_reason, r.finish_reason),
+                "stopping_word": r.stopping_word, "truncated": False,
+                "timings": r.timings, "speculative": _spec_block(r)}
+
+    stream = get(body, "stream", bool, False)
+    if not stream:
+        return web.json_response(final(await _collect(svc, prompt, params, **kw)))
+    resp = await _sse(request)
+    async for ev in svc.generate(prompt, params, **kw):
+        if isinstance(ev, Piece):
+            await _send(resp, {"content": ev.text, "tokens": ev.tokens, "stop": False})
+        else:
+            await _send(resp, final(ev))
+    await resp.write_eof()
+    return resp
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    return await _llama_completion(request, infill=False)
+
+
+async def infill(request: web.Request) -> web.StreamResponse:
+    return await _llama_completion(request, infill=True)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    body = await json_body(request)
+    content = get(body, "content", str, "")
+    add_special = get(body, "add_special", bool, False)
+    ids = svc.tokenizer.encode(content, add_bos=add_special, parse_special=True)
+    if get(body, "with_pieces", bool, False):
+        return web.json_response({"tokens": [
+            {"id": i, "piece": svc.tokenizer.token_bytes(i).decode("utf-8", "replace")}
+            for i in ids]})
+    return web.json_response({"tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    body = await json_body(request)
+    ids = token_list(body.get("tokens", []), "tokens", svc.tokenizer.vocab_size)
+    return web.json_response({"content": svc.tokenizer.decode(ids)})
+
+
+# -- status -------------------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def models(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    return web.json_response({"object": "list", "data": [
+        {"id": svc.engine.target.name, "object": "model", "created": int(svc.started),
+         "owned_by": "specd"}]})
+
+
+async def props(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    info = svc.engine.describe()
+    info.update({"total_slots": len(svc.scheduler.slots), "n_ctx": svc.engine.n_ctx,
+                 "memory_plan": request.app.get("memory_plan"),
+                 "default_generation_settings": {
+                     "n_predict": svc.engine.cfg.defaults.max_tokens,
+                     "speculative.n_max": svc.engine.cfg.defaults.draft.n_max,
+                     "speculative.n_min": svc.engine.cfg.defaults.draft.n_min,
+                     "speculative.p_min": svc.engine.cfg.defaults.draft.p_min}})
+    return web.json_response(info)
+
+
+async def slots(request: web.Request) -> web.Response:
+    return web.json_response(_svc(request).scheduler.slot_info())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=render_metrics(_svc(request)),
+                        content_type="text/plain", charset="utf-8")
+
+
+def _busy(handler):  # noqa: ANN001, ANN202
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except QueueFull as exc:
+            return error_response(503, str(exc))
+        except RequestError as exc:
+            return error_response(400, str(exc))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+    return wrapped
+
+
+def create_app(service: Service, *, allowed_origins: set[str] | None = None,
+               token: str | None = None, max_body: int = 8 << 20,
+               memory_plan: dict[str, Any] | None = None) -> web.Application:
+    app = web.Application(client_max_size=max_body, middlewares=make_middlewares(
+        allowed_origins=allowed_origins or set(), token=token))
+    app[SERVICE] = service
+    app["max_body"] = max_body
+    app["memory_plan"] = memory_plan
+    r = app.router
+    r.add_get("/health", health)
+    r.add_get("/v1/models", models)
+    r.add_post("/v1/completions", _busy(completions))
+    r.add_post("/v1/chat/completions", _busy(chat_completions))
+    r.add_post("/completion", _busy(completion))
+    r.add_post("/completions", _busy(completion))
+    r.add_post("/infill", _busy(infill))
+    r.add_post("/tokenize", tokenize)
+    r.add_post("/detokenize", detokenize)
+    r.add_get("/props", props)
+    r.add_get("/slots", slots)
+    r.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,76 @@
+"""Reading request JSON fields with clear 400 errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"request body too large (limit {request.app['max_body']} bytes)",
+                         status=413) from None
+    try:
+        body = json.loads(raw or b"{}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the JSON body must be an object")
+    return body
+
+
+def get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None,
+        *, lo: float | None = None, hi: float | None = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and bool not in kinds:
+        raise BadRequest(f"'{name}' must be {_names(kinds)}, got a boolean", param=name)
+    if not isinstance(value, kinds):
+        raise BadRequest(f"'{name}' must be {_names(kinds)}, got {type(value).__name__}",
+                         param=name)
+    if lo is not None and value < lo or hi is not None and value > hi:
+        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
+    return value
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "an array", dict: "an object"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def stop_list(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise BadRequest("'stop' must be a string or an array of strings", param="stop")
+
+
+def token_list(value: Any, name: str, vocab: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in value):
+        raise BadRequest(f"'{name}' must be a string or an array of token ids", param=name)
+    bad = [t for t in value if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(f"'{name}' has token ids outside the vocabulary (0..{vocab - 1}): "
+                         f"{bad[:5]}", param=name)
+    return list(value)
