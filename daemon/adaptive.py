@@ -75,9 +75,11 @@ class AdaptiveDraftLength:
         limit = min(limit, self.n_max)
         if limit <= 0:
             return 0
-        t1 = self.verify_cost(1)
-        if t1 is None or self._draft_step is None:
-            return limit  # no measurements yet: draft fully once to learn
+        if 1 not in self._verify:
+            return 0  # first measure a plain target step
+        if self._draft_step is None:
+            return min(2, limit)  # then a short probe for the draft and verify costs
+        t1 = self._verify[1]
         best_n, best_rate = 0, 1.0 / t1
         for n in range(1, limit + 1):
             cost = n * self._draft_step + (self.verify_cost(n + 1) or t1)

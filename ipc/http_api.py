@@ -222,7 +222,7 @@ def _infill_prompt(svc: Service, body: dict[str, Any]) -> list[int]:
         raise BadRequest("'input_extra' must be an array of {filename, text}",
                          param="input_extra")
     ids: list[int] = []
-    sep = tok.token_id("<|file_sep|>")
+    sep = tok.token_to_id("<|file_sep|>")
     for e in extra:
         text = f"{e.get('filename', '')}\n{e.get('text', '')}"
         if sep is not None:

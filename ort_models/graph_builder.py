@@ -35,7 +35,7 @@ from .gguf_file import GGUFFile
 from .onnx_writer import MS, GraphWriter
 from .quant import QuantizedMatrix, dense_float32, load_matrix
 
-BUILDER_VERSION = "2"
+BUILDER_VERSION = "3"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 F32 = TensorProto.FLOAT
@@ -299,28 +299,40 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
         t_len = g.op("Concat", [g.const([hp.n_head_kv, 1]), "attn_len"], axis=0)
         io["ppad"] = g.op("ConstantOfShape", [t_len], value=_f32_tensor(0.0))
 
-    x = _embedding(c, ids)  # [S, E]
+    x = _embedding(c, ids)  # [S, E] residual stream
     c.tick("embedding")
+    delta: str | None = None  # the block output not yet added to x
     for i in range(hp.n_layer):
         p = f"blk.{i}."
-        h = _rms_norm(c, x, _vector(c, p + "attn_norm.weight"))
-        x = g.op("Add", [x, _attention(c, i, h, pos_ids, mask, io)])
-        h = _rms_norm(c, x, _vector(c, p + "ffn_norm.weight"))
+        x, h = _add_norm(c, x, delta, p + "attn_norm.weight")
+        x, h = _add_norm(c, x, _attention(c, i, h, pos_ids, mask, io), p + "ffn_norm.weight")
         gate, up = _linears(c, h, [p + "ffn_gate.weight", p + "ffn_up.weight"])
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, _linear(c, act, p + "ffn_down.weight")])
+        delta = _linear(c, act, p + "ffn_down.weight")
         if i in options.hidden_layers:
-            g.op("Identity", [x], out=[f"hidden_{i}"])
+            g.op("Add", [x, delta], out=[f"hidden_{i}"])
             g.output(f"hidden_{i}", F32, ["S", hp.n_embd])
         c.shared.clear()
         c.tick(f"layer {i + 1}/{hp.n_layer}")
 
-    rows = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]
-    h = _rms_norm(c, rows, _vector(c, "output_norm.weight"))
+    assert delta is not None
+    rows_x = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]
+    rows_d = g.op("Gather", [delta, "logits_rows"], axis=0)
+    _, h = _add_norm(c, rows_x, rows_d, "output_norm.weight")
     out_name = "token_embd.weight" if hp.tied_embeddings else "output.weight"
     g.op("Identity", [_linear(c, h, out_name)], out=["logits"])
     g.output("logits", F32, ["R", hp.n_vocab])
     c.tick("output")
+
+
+def _add_norm(c: _Ctx, x: str, delta: str | None, weight: str) -> tuple[str, str]:
+    """(x + delta, RMSNorm(x + delta)) in one SkipSimplifiedLayerNormalization."""
+    w = _vector(c, weight)
+    if delta is None:
+        return x, _rms_norm(c, x, w)
+    h, _, _, total = c.g.op("SkipSimplifiedLayerNormalization", [delta, x, w], 4, domain=MS,
+                            epsilon=c.hp.rms_eps)
+    return total, h
 
 
 def _f32_tensor(value: float):  # noqa: ANN202 - onnx TensorProto

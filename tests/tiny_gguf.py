@@ -127,7 +127,10 @@ def natural_vocab_size() -> int:
     return 256 + len(_MERGES) + len(SPECIAL_TOKENS)
 
 
-def build_vocab(arch: str, vocab_size: int | None = None) -> TinyVocab:
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>")
+
+
+def build_vocab(arch: str, vocab_size: int | None = None, fim: bool = False) -> TinyVocab:
     """The tokenizer for `arch`.
 
     qwen2/qwen3 (like Qwen2.5): bytes, merges, then <|endoftext|> <|im_start|> <|im_end|>;
@@ -148,7 +151,7 @@ def build_vocab(arch: str, vocab_size: int | None = None) -> TinyVocab:
         known.add(merged)
         merge_tokens.append(merged)
     normal = byte_tokens + merge_tokens
-    specials = list(SPECIAL_TOKENS)
+    specials = list(SPECIAL_TOKENS) + (list(FIM_TOKENS) if fim else [])
     if arch == "llama":
         tokens = specials + normal
         types = [TokenType.CONTROL] * len(specials) + [TokenType.NORMAL] * len(normal)
@@ -509,7 +512,7 @@ def _make_config(
     arch: str, weight_type: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int,
     head_dim: int | None, n_ff: int, vocab_size: int | None, tie_embeddings: bool | None,
     embed_type: str | None, output_type: str | None, norm_type: str, context_length: int,
-    rms_eps: float | None, rope_freq_base: float | None,
+    rms_eps: float | None, rope_freq_base: float | None, fim: bool = False,
 ) -> _Config:
     _check_type(arch, "architecture", ARCHES)
     _check_type(weight_type, "weight_type", WEIGHT_TYPES)
@@ -543,7 +546,7 @@ def _make_config(
         rope_freq_base = 10000.0 if arch == "llama" else 1000000.0
     return _Config(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-        head_dim=head_dim, n_ff=n_ff, vocab=build_vocab(arch, vocab_size), tied=tie_embeddings,
+        head_dim=head_dim, n_ff=n_ff, vocab=build_vocab(arch, vocab_size, fim), tied=tie_embeddings,
         weight_type=weight_type, embed_type=embed_type, output_type=output_type,
         norm_type=norm_type, context_length=context_length, rms_eps=rms_eps,
         rope_freq_base=rope_freq_base,
@@ -571,8 +574,9 @@ def write_tiny_gguf(
     context_length: int = 512,
     rms_eps: float | None = None,
     rope_freq_base: float | None = None,
+    fim: bool = False,
 ) -> Path:
-    """Write a tiny random model and return its path.
+    """Write a tiny random model and return its path (fim: add Qwen's FIM specials).
 
     `weight_type` is used for every 2-D matmul weight and, unless `embed_type` /
     `output_type` say otherwise, for token_embd.weight / output.weight.  Norm weights use
@@ -585,7 +589,7 @@ def write_tiny_gguf(
     cfg = _make_config(
         arch, weight_type, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, vocab_size,
         tie_embeddings, embed_type, output_type, norm_type, context_length, rms_eps,
-        rope_freq_base,
+        rope_freq_base, fim,
     )
     return _write(Path(path), cfg, seed=seed, perturb=perturb)
 

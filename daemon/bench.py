@@ -1,0 +1,308 @@
+"""`specd bench`: speed of every speculation configuration on the same prompts, side by side.
+
+One process loads the target (and draft) once; each (prompt, temperature, configuration)
+runs `repeats` times, interleaved round-robin so every configuration sees the same
+machine state; medians and spread are reported. The optional peer (llama-cpp-python)
+runs the same prompts on the same GGUF files in the same rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .drafters.base import Drafter, DraftParams
+from .drafters.draft_model import DraftModelDrafter
+from .drafters.ngram import NgramDrafter
+from .engine import Engine
+from .generation import Generation, GenerationParams
+from .sampling import SamplerParams
+
+PROMPTS: dict[str, str] = {
+    "code": "Write a Python function `merge_intervals(intervals)` that merges overlapping "
+            "intervals, with a docstring and three doctest examples.",
+    "refactor": (
+        "Refactor this function to use a dataclass and type hints, keeping its behaviour:\n\n"
+        "```python\n"
+        "def make_user(name, email, age, admin=False):\n"
+        "    user = {}\n"
+        "    user['name'] = name\n"
+        "    user['email'] = email\n"
+        "    user['age'] = age\n"
+        "    user['admin'] = admin\n"
+        "    if age < 0:\n"
+        "        raise ValueError('age must be positive')\n"
+        "    if '@' not in email:\n"
+        "        raise ValueError('bad email')\n"
+        "    return user\n"
+        "```"),
+    "prose": "Write a short story (about 200 words) about a lighthouse keeper who finds a "
+             "message in a bottle.",
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    spec: str  # none | draft | ngram
+    n_max: int = 0
+    adaptive: bool = False
+    p_min: float = 0.0
+
+
+def default_configs(has_draft: bool) -> list[BenchConfig]:
+    cfgs = [BenchConfig("target-only", "none")]
+    if has_draft:
+        cfgs += [BenchConfig(f"draft n_max={n}", "draft", n, p_min=0.0) for n in (2, 4, 8)]
+        cfgs += [BenchConfig("draft adaptive", "draft", 8, adaptive=True)]
+    cfgs += [BenchConfig("ngram n_max=8", "ngram", 8), BenchConfig("ngram adaptive", "ngram", 8,
+                                                                    adaptive=True)]
+    return cfgs
+
+
+@dataclass
+class RunResult:
+    prefill_tps: float
+    decode_tps: float
+    ttft_s: float
+    mean_acceptance_length: float
+    per_position: list[float]
+    draft_lengths: dict[int, int]
+    tokens: int
+    text_hash: int
+
+
+@dataclass
+class Cell:
+    prompt: str
+    temperature: float
+    config: str
+    runs: list[RunResult] = field(default_factory=list)
+
+    def median(self, attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in self.runs)
+
+    def spread(self, attr: str) -> tuple[float, float]:
+        vals = [getattr(r, attr) for r in self.runs]
+        return min(vals), max(vals)
+
+
+def peak_rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s (numpy sum over a buffer far larger than the caches)."""
+    a = np.ones(int(gib * (1 << 30)) // 8, dtype=np.float64)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = max(best, a.nbytes / (time.perf_counter() - t))
+    return best
+
+
+class SpecdRunner:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def drafter_for(self, cfg: BenchConfig) -> Drafter | None:
+        if cfg.spec == "draft":
+            assert self.engine.draft is not None
+            return DraftModelDrafter(self.engine.draft.runner,
+                                     vocab_limit=self.engine.target.built.hparams.n_vocab)
+        if cfg.spec == "ngram":
+            return NgramDrafter()
+        return None
+
+    def run(self, prompt: list[int], cfg: BenchConfig, temperature: float, max_tokens: int,
+            seed: int) -> RunResult:
+        params = GenerationParams(
+            max_tokens=max_tokens, ignore_eos=True,
+            sampling=SamplerParams(temperature=temperature, seed=seed),
+            draft=DraftParams(n_max=cfg.n_max, p_min=cfg.p_min), adaptive=cfg.adaptive)
+        gen = Generation(self.engine.target.runner, 0, prompt, params,
+                         eog=self.engine.eog_ids, drafter=self.drafter_for(cfg))
+        t0 = time.perf_counter()
+        gen.prefill()
+        ttft = time.perf_counter() - t0
+        while not gen.done:
+            gen.step()
+        gen.close()
+        s = gen.stats
+        return RunResult(s.prefill_tps, s.decode_tps, ttft, s.mean_acceptance_length,
+                         s.per_position_acceptance(), dict(s.draft_lengths),
+                         s.generated_tokens, hash(tuple(gen.tokens)))
+
+
+class PeerRunner:
+    """llama.cpp through llama-cpp-python (optional), target-only and prompt lookup."""
+
+    def __init__(self, target_path: Path, threads: int, n_ctx: int):
+        from llama_cpp import Llama  # optional dependency
+
+        self._Llama = Llama
+        self.llm = Llama(model_path=str(target_path), n_threads=threads,
+                         n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
+        self._lookup = None
+        self.path, self.threads, self.n_ctx = target_path, threads, n_ctx
+
+    def run(self, prompt: list[int], lookup: bool, temperature: float,
+            max_tokens: int, seed: int) -> RunResult:
+        llm = self.llm
+        if lookup:
+            if self._lookup is None:
+                from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+                self._lookup = self._Llama(
+                    model_path=str(self.path), n_threads=self.threads,
+                    n_threads_batch=self.threads, n_ctx=self.n_ctx, verbose=False,
+                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8))
+            llm = self._lookup
+        llm.reset()
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for _tok in llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
+                                 repeat_penalty=1.0, reset=True):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+            if n >= max_tokens:
+                break
+        end = time.perf_counter()
+        assert first is not None
+        decode = (n - 1) / (end - first) if n > 1 else 0.0
+        return RunResult(len(prompt) / (first - t0), decode, first - t0, 1.0, [], {}, n, 0)
+
+
+def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
+              temperatures: tuple[float, ...] = (0.0, 0.7), max_tokens: int = 256,
+              repeats: int = 3, configs: list[BenchConfig] | None = None,
+              peer: PeerRunner | None = None, seed: int = 1234,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    prompts = prompts or PROMPTS
+    configs = configs or default_configs(engine.draft is not None)
+    runner = SpecdRunner(engine)
+    cells: dict[tuple[str, float, str], Cell] = {}
+    encoded = {k: engine.encode_prompt(v, chat=True) for k, v in prompts.items()}
+    names = [c.name for c in configs] + (["llama.cpp target-only", "llama.cpp lookup"]
+                                         if peer else [])
+    for rep in range(repeats):
+        for pname, ids in encoded.items():
+            for temp in temperatures:
+                for name in names:
+                    key = (pname, temp, name)
+                    cell = cells.setdefault(key, Cell(pname, temp, name))
+                    if name.startswith("llama.cpp"):
+                        assert peer is not None
+                        r = peer.run(ids, name.endswith("lookup"), temp, max_tokens, seed)
+                    else:
+                        cfg = next(c for c in configs if c.name == name)
+                        r = runner.run(ids, cfg, temp, max_tokens, seed)
+                    cell.runs.append(r)
+                    log(f"[{rep + 1}/{repeats}] {pname:8s} T={temp:.1f} {name:24s} "
+                        f"{r.decode_tps:6.2f} tok/s  accept-len {r.mean_acceptance_length:.2f}")
+    return {"cells": cells, "configs": names, "peak_rss": peak_rss_bytes()}
+
+
+def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: dict[str, int],
+              machine: str, command: str) -> dict[str, Any]:
+    cells: dict[tuple[str, float, str], Cell] = result["cells"]
+    rows = []
+    for (pname, temp, name), cell in cells.items():
+        base = cells.get((pname, temp, "llama.cpp target-only"))
+        own = cells.get((pname, temp, "target-only"))
+        row = {
+            "prompt": pname, "temperature": temp, "config": name,
+            "decode_tps": round(cell.median("decode_tps"), 2),
+            "decode_tps_range": [round(x, 2) for x in cell.spread("decode_tps")],
+            "prefill_tps": round(cell.median("prefill_tps"), 1),
+            "ttft_s": round(cell.median("ttft_s"), 3),
+            "mean_acceptance_length": round(cell.median("mean_acceptance_length"), 3),
+            "per_position": [round(statistics.median(v), 3) for v in zip(
+                *[r.per_position for r in cell.runs if r.per_position], strict=False)],
+            "vs_target_only": round(cell.median("decode_tps") / own.median("decode_tps"), 3)
+            if own else None,
+            "vs_llama_cpp": round(cell.median("decode_tps") / base.median("decode_tps"), 3)
+            if base else None,
+        }
+        rows.append(row)
+    bound = {k: bandwidth / v for k, v in weight_bytes.items()} if bandwidth else {}
+    return {"machine": machine, "command": command, "date": time.strftime("%Y-%m-%d"),
+            "bandwidth_gbs": round(bandwidth / 1e9, 2) if bandwidth else None,
+            "weight_bytes": weight_bytes,
+            "bound_tps": {k: round(v, 1) for k, v in bound.items()},
+            "peak_rss_mb": round(result["peak_rss"] / 1e6, 1), "rows": rows}
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    lines = ["| prompt | T | config | decode tok/s (min–max) | × target-only | × llama.cpp "
+             "| accept len | per-position acceptance | prefill tok/s | TTFT s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        lo, hi = r["decode_tps_range"]
+        lines.append(
+            f"| {r['prompt']} | {r['temperature']} | {r['config']} | {r['decode_tps']} "
+            f"({lo}–{hi}) | {r['vs_target_only'] or ''} | {r['vs_llama_cpp'] or ''} | "
+            f"{r['mean_acceptance_length']} | {' '.join(map(str, r['per_position']))} | "
+            f"{r['prefill_tps']} | {r['ttft_s']} |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = summary["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    labels = [f"{r['prompt']} T{r['temperature']}\n{r['config']}" for r in rows]
+    ax1.barh(range(len(rows)), [r["decode_tps"] for r in rows])
+    ax1.set_yticks(range(len(rows)), labels, fontsize=6)
+    ax1.set_xlabel("decode tokens/s (median)")
+    for r in rows:
+        if r["per_position"]:
+            ax2.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="o",
+                     label=f"{r['prompt']} T{r['temperature']} {r['config']}")
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("acceptance")
+    ax2.legend(fontsize=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    return True
+
+
+def write_outputs(summary: dict[str, Any], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "bench.json", out_dir / "bench.md"]
+    paths[0].write_text(json.dumps(summary, indent=1))
+    paths[1].write_text(markdown_table(summary) + "\n")
+    if plot(summary, out_dir / "bench.png"):
+        paths.append(out_dir / "bench.png")
+    return paths
+
+
+def machine_description() -> str:
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"

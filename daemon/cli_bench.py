@@ -1,0 +1,62 @@
+"""`specd bench`: the benchmark suite (JSON, markdown table, PNG plot)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from .catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    b = sub.add_parser("bench", help="benchmark speculation configurations (and llama.cpp)")
+    b.add_argument("-m", "--model", default=DEFAULT_TARGET)
+    b.add_argument("-md", "--model-draft", dest="draft", default=DEFAULT_DRAFT)
+    b.add_argument("--no-draft", action="store_true", help="benchmark without a draft model")
+    b.add_argument("-t", "--threads", type=int, default=None)
+    b.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=2048)
+    b.add_argument("-n", "--max-tokens", type=int, default=256)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--prompts", default="code,refactor,prose")
+    b.add_argument("--temperatures", default="0,0.7")
+    b.add_argument("--configs", default=None, help="comma-separated config names to run")
+    b.add_argument("--peer", action="store_true", help="also run llama.cpp (llama-cpp-python)")
+    b.add_argument("--out", default="bench-results", help="output folder")
+    b.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..ort_models.runner import default_threads
+    from . import bench
+    from .engine import Engine, EngineConfig
+    from .model_store import ProgressBar
+
+    threads = args.threads or default_threads()
+    draft = None if args.no_draft else args.draft
+    engine = Engine(EngineConfig(target=args.model, draft=draft,
+                                 spec_type="draft" if draft else "none", n_ctx=args.n_ctx,
+                                 threads=threads), progress=ProgressBar())
+    print(f"specd: {engine.runtime.describe()}", file=sys.stderr)
+    prompts = {k: bench.PROMPTS[k] for k in args.prompts.split(",")}
+    temps = tuple(float(t) for t in args.temperatures.split(","))
+    configs = bench.default_configs(draft is not None)
+    if args.configs:
+        wanted = set(args.configs.split(","))
+        configs = [c for c in configs if c.name in wanted]
+    peer = bench.PeerRunner(engine.target.path, threads, args.n_ctx) if args.peer else None
+    result = bench.run_bench(engine, prompts=prompts, temperatures=temps,
+                             max_tokens=args.max_tokens, repeats=args.repeats,
+                             configs=configs, peer=peer,
+                             log=lambda s: print(s, file=sys.stderr, flush=True))
+    weights = {"target": engine.target.built.weights_bytes}
+    if engine.draft is not None:
+        weights["draft"] = engine.draft.built.weights_bytes
+    summary = bench.summarize(result, bandwidth=bench.measure_bandwidth(),
+                              weight_bytes=weights, machine=bench.machine_description(),
+                              command="specd " + shlex.join(sys.argv[1:]))
+    for p in bench.write_outputs(summary, Path(args.out)):
+        print(f"specd: wrote {p}", file=sys.stderr)
+    print(bench.markdown_table(summary))
+    return 0

@@ -1,0 +1,378 @@
+"""What one model costs in memory under ONNX Runtime, measured, and cached in its graph folder.
+
+* weights: what the session holds after prepacking, the process RSS delta across session
+  creation on CPU (the device's used-memory delta on CUDA). A throw-away one-node session
+  is created first so that ORT's environment (and on CUDA the context) is not billed to
+  the model; on CUDA that one-time cost is recorded as `runtime_bytes`.
+* KV: from the hyper-parameters, layers x kv heads x head dim x 2 (K, V) x 4 bytes per
+  token per sequence (the runner's float32 buffers [1, n_kv, n_ctx, head_dim]).
+* workspace: the activations and arena growth of the worst call, a full prefill chunk of
+  ATTN_BUCKET tokens that attends over the whole context. It is measured at two context
+  sizes A < B (chunks at positions A-256 and B-256, attn_len A and B, on one session) as
+  the peak RSS above the settled "weights + KV" level (VmHWM after clear_refs on Linux, a
+  sampling thread elsewhere; the device's used memory on CUDA, whose arena keeps its peak),
+  and interpolated linearly: workspace(n_ctx) = base + per_ctx * n_ctx.
+
+The measurement runs in a fresh subprocess by default (`isolate=True`): a clean process
+has no freed heap to hide allocations in, and gives the memory back when it exits. The
+result is stored in `<graph folder>/memory_cost.json` keyed by device, ORT version and
+thread count, so the second run reads it instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..ort_models.graph_builder import ATTN_BUCKET
+
+COST_FILE = "memory_cost.json"
+COST_VERSION = 1
+DEFAULT_POINTS_CAP = 2048  # largest context measured by default (B)
+
+
+class MeasureError(RuntimeError):
+    """A measurement could not be made (message for the user)."""
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Bytes one model needs on a device; workspace is linear in the context length."""
+
+    weights_bytes: int
+    kv_bytes_per_token: int  # per sequence, all layers, K and V
+    workspace_base: int = 0  # workspace at n_ctx = 0 (intercept)
+    workspace_per_ctx: float = 0.0  # extra workspace per token of context
+    n_ctx_train: int = 0  # the model's trained context; 0 = unknown
+    runtime_bytes: int = 0  # once per process on this device (CUDA context), not per model
+    name: str = ""
+    points: tuple[tuple[int, int], ...] = ()  # measured (n_ctx, workspace bytes)
+
+    def workspace_bytes_at(self, n_ctx: int) -> int:
+        return max(0, round(self.workspace_base + self.workspace_per_ctx * n_ctx))
+
+    def kv_bytes(self, n_ctx: int, slots: int) -> int:
+        return self.kv_bytes_per_token * n_ctx * slots
+
+    @classmethod
+    def from_points(cls, weights_bytes: int, kv_bytes_per_token: int,
+                    points: Sequence[tuple[int, int]], **kw: Any) -> ModelCost:
+        """Linear workspace through measured (n_ctx, bytes) points (slope >= 0, and never
+        below any measured point)."""
+        pts = sorted((int(n), int(b)) for n, b in points)
+        if not pts:
+            raise ValueError("need at least one workspace point")
+        (a, wa), (b, wb) = pts[0], pts[-1]
+        slope = max(0.0, (wb - wa) / (b - a)) if b > a else 0.0
+        base = max(w - slope * n for n, w in pts)
+        return cls(weights_bytes, kv_bytes_per_token, round(base), slope,
+                   points=tuple(pts), **kw)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["points"] = [list(p) for p in self.points]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelCost:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        kw["points"] = tuple(tuple(p) for p in kw.get("points", ()))
+        return cls(**kw)
+
+
+# --------------------------------------------------------------------------- peak memory
+
+def rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class PeakRss:
+    """Peak resident set size of this process over a block.
+
+    Linux: VmHWM from /proc/self/status, reset to the current RSS by writing 5 to
+    /proc/self/clear_refs. Elsewhere (or if that is refused) a thread samples the RSS.
+    """
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s = interval_s
+        self.peak = 0
+        self._hwm = _reset_hwm()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRss:
+        self.peak = rss_bytes()
+        if not self._hwm:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.interval_s)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        if self._hwm:
+            self.peak = max(self.peak, read_hwm())
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return read_hwm() > 0
+    except OSError:
+        return False
+
+
+def read_hwm() -> int:
+    """Peak RSS (VmHWM) in bytes; 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# --------------------------------------------------------------------------- cache
+
+def _ort_version() -> str:
+    from importlib import metadata
+
+    for name in ("onnxruntime-gpu", "onnxruntime"):
+        try:
+            return f"{name}-{metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "onnxruntime-unknown"
+
+
+def cache_key(device: str, threads: int) -> str:
+    return f"{device}|{_ort_version()}|t{threads}"
+
+
+def _read_cache(folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((folder / COST_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != COST_VERSION:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(folder: Path, key: str, cost: ModelCost) -> None:
+    entries = _read_cache(folder)
+    entries[key] = cost.as_dict()
+    tmp = folder / f"{COST_FILE}.tmp{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({"version": COST_VERSION, "entries": entries}, indent=1))
+        os.replace(tmp, folder / COST_FILE)
+    except OSError:  # a read-only cache only costs a re-measure next time
+        tmp.unlink(missing_ok=True)
+
+
+def cached_cost(folder: Path, device: str, threads: int) -> ModelCost | None:
+    entry = _read_cache(folder).get(cache_key(device, threads))
+    try:
+        return ModelCost.from_dict(entry) if entry else None
+    except (TypeError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- measuring
+
+def default_points(n_ctx_train: int, cap: int = DEFAULT_POINTS_CAP) -> tuple[int, int]:
+    """Two context sizes (multiples of ATTN_BUCKET) to measure at: B <= trained, A < B."""
+    top = max(ATTN_BUCKET, n_ctx_train // ATTN_BUCKET * ATTN_BUCKET)
+    b = max(2 * ATTN_BUCKET, min(cap, top))
+    a = max(ATTN_BUCKET, b // 4 // ATTN_BUCKET * ATTN_BUCKET)
+    return a, b
+
+
+def measure(built: Any, device: str = "cpu", *, threads: int | None = None,
+            use_cache: bool = True, isolate: bool = True,
+            points: tuple[int, int] | None = None) -> ModelCost:
+    """The ModelCost of a BuiltModel on `device` ("cpu" / "cuda:N"), cached per folder."""
+    from ..ort_models.runner import default_threads
+
+    threads = threads or default_threads()
+    folder = Path(built.folder)
+    key_device = _canonical_device(device)
+    if use_cache:
+        hit = cached_cost(folder, key_device, threads)
+        if hit is not None:
+            return hit
+    pts = points or default_points(built.hparams.n_ctx_train)
+    if isolate:
+        cost = _measure_subprocess(folder, key_device, threads, pts)
+    else:
+        cost = measure_in_process(built, key_device, threads, pts)
+    _write_cache(folder, cache_key(key_device, threads), cost)
+    return cost
+
+
+def _canonical_device(device: str) -> str:
+    from .probes import parse_device
+
+    kind, index = parse_device(device)
+    return "cpu" if kind == "cpu" else f"cuda:{index}"
+
+
+def _measure_subprocess(folder: Path, device: str, threads: int,
+                        points: tuple[int, int]) -> ModelCost:
+    cmd = [sys.executable, "-m", "specd.memory_fit.measure", str(folder), "--device", device,
+           "--threads", str(threads), "--points", f"{points[0]},{points[1]}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise MeasureError(f"measuring {folder.name} on {device} failed: {err}")
+    return ModelCost.from_dict(json.loads(lines[-1]))
+
+
+def built_from_folder(folder: str | os.PathLike[str]) -> Any:
+    """A BuiltModel from a graph folder's meta.json (no GGUF parsing, no hashing)."""
+    from ..ort_models.arch import HParams
+    from ..ort_models.graph_builder import BuildOptions
+    from ..ort_models.model_cache import META_FILE, BuiltModel
+
+    folder = Path(folder)
+    meta = json.loads((folder / META_FILE).read_text())
+    opts = dict(meta["options"])
+    opts["hidden_layers"] = tuple(opts.get("hidden_layers", ()))
+    return BuiltModel(folder, HParams(**meta["hparams"]), BuildOptions(**opts),
+                      Path(meta["gguf"]), "")
+
+
+class _DeviceUsed:
+    """Memory in use on a device: process RSS on CPU, NVML used on CUDA."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self._probe = None
+        if device != "cpu":
+            from .probes import CudaProbe
+
+            self._probe = CudaProbe(int(device.split(":")[1]))
+
+    def now(self) -> int:
+        if self._probe is None:
+            return rss_bytes()
+        return self._probe.read().used_bytes
+
+    def peak_of(self, fn: Any) -> int:
+        """Run fn(); the peak in use during it (CUDA: after it, the arena keeps its peak)."""
+        if self._probe is not None:
+            fn()
+            return self.now()
+        with PeakRss() as p:
+            fn()
+        return p.peak
+
+
+def _warm_runtime(device: str, threads: int) -> None:
+    """Create ORT's environment (and a CUDA context) with a one-node session."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])],
+                                                "warm", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    providers: list[Any] = ["CPUExecutionProvider"]
+    if device != "cpu":
+        providers = [("CUDAExecutionProvider", {"device_id": int(device.split(":")[1])}),
+                     "CPUExecutionProvider"]
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+    sess.run(None, {"x": np.zeros(1, np.float32)})
+
+
+def measure_in_process(built: Any, device: str, threads: int,
+                       points: tuple[int, int]) -> ModelCost:
+    """Measure in this process (best in a fresh one: see `measure(isolate=True)`)."""
+    import gc
+
+    import numpy as np
+
+    from ..ort_models.providers import choose_runtime
+    from ..ort_models.runner import ModelRunner
+
+    hp = built.hparams
+    a, b = sorted(points)
+    if a < ATTN_BUCKET or b % ATTN_BUCKET or a % ATTN_BUCKET or a == b:
+        raise MeasureError(f"bad measuring points {points}: two distinct multiples of "
+                           f"{ATTN_BUCKET}")
+    used = _DeviceUsed(device)
+    before_env = used.now()
+    _warm_runtime(device, threads)
+    gc.collect()
+    r0 = used.now()
+    runtime = choose_runtime(device)
+    runner = ModelRunner(built, n_ctx=b, n_seq=0, threads=threads, runtime=runtime)
+    gc.collect()
+    r1 = used.now()
+    runner.add_sequence()  # KV for n_ctx = b
+    r2 = used.now()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, hp.n_vocab, ATTN_BUCKET).tolist()  # one full chunk [256]
+    pts = []
+    for ctx in (a, b):
+        # the chunk at positions ctx-256 .. ctx-1 attends over ctx keys (attn_len = ctx)
+        peak = used.peak_of(lambda c=ctx: runner.forward(0, tokens, c - ATTN_BUCKET))
+        pts.append((ctx, max(0, peak - r2)))
+
+    return ModelCost.from_points(
+        max(0, r1 - r0), hp.kv_bytes_per_token(), pts, n_ctx_train=hp.n_ctx_train,
+        runtime_bytes=max(0, r0 - before_env) if device != "cpu" else 0,
+        name=Path(str(built.gguf_path)).stem)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="measure one built graph's memory (JSON out)")
+    ap.add_argument("folder")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--points", default="")
+    args = ap.parse_args(argv)
+    built = built_from_folder(args.folder)
+    pts = (tuple(int(x) for x in args.points.split(",")) if args.points
+           else default_points(built.hparams.n_ctx_train))
+    from ..ort_models.runner import default_threads
+
+    cost = measure_in_process(built, args.device, args.threads or default_threads(),
+                              (pts[0], pts[1]))
+    print(json.dumps(cost.as_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

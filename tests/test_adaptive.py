@@ -1,0 +1,50 @@
+"""The adaptive draft length controller."""
+
+from specd.daemon.adaptive import AdaptiveDraftLength
+
+
+def _warm(a: AdaptiveDraftLength, t1: float, slope: float, draft: float) -> None:
+    for s in (1, 3, 5, 9):
+        a.observe_verify(s, t1 + slope * (s - 1))
+    a.observe_draft(4, 4 * draft)
+
+
+def test_starts_by_measuring_then_probes() -> None:
+    a = AdaptiveDraftLength(n_max=8)
+    assert a.choose(8) == 0
+    a.observe_verify(1, 0.07)
+    assert a.choose(8) == 2
+
+
+def test_cheap_draft_and_high_acceptance_draft_long() -> None:
+    a = AdaptiveDraftLength(n_max=8)
+    _warm(a, 0.07, 0.012, 0.002)  # near-free draft (n-gram like)
+    for _ in range(50):
+        a.observe_acceptance(8, 8)
+    assert a.choose(8) == 8
+
+
+def test_expensive_draft_and_low_acceptance_stop_drafting() -> None:
+    a = AdaptiveDraftLength(n_max=8)
+    _warm(a, 0.07, 0.012, 0.035)  # draft costs half a target step
+    for _ in range(50):
+        a.observe_acceptance(4, 0)
+    assert a.choose(8) == 0
+
+
+def test_probe_recovers_from_zero() -> None:
+    a = AdaptiveDraftLength(n_max=8, probe_every=4)
+    _warm(a, 0.07, 0.012, 0.035)
+    for _ in range(50):
+        a.observe_acceptance(4, 0)
+    choices = [a.choose(8) for _ in range(8)]
+    assert choices.count(2) == 2 and choices.count(0) == 6
+
+
+def test_respects_limit() -> None:
+    a = AdaptiveDraftLength(n_max=8)
+    _warm(a, 0.07, 0.001, 0.0001)
+    for _ in range(50):
+        a.observe_acceptance(8, 8)
+    assert a.choose(3) == 3
+    assert a.choose(0) == 0
