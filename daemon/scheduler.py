@@ -77,7 +77,6 @@ class Scheduler:
         self._lock = threading.Condition()
         self._next_id = 1
         self._stop = False
-        self._busy_s = 0.0
         self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
         self._thread.start()
 
@@ -137,7 +136,8 @@ class Scheduler:
                     self._finish(req, None)
                     continue
                 slot.cached = list(req.prompt[:reuse])
-                slot.request, req.slot = slot, slot.index
+                slot.request = req
+                req.slot = slot.index
 
     def _run(self) -> None:
         while True:
@@ -147,12 +147,13 @@ class Scheduler:
                     self._lock.wait()
                 if self._stop:
                     return
-            self._admit()
-            t0 = time.perf_counter()
-            for slot in self.slots:
-                if slot.request is not None:
-                    self._advance(slot)
-            self._busy_s += time.perf_counter() - t0
+            try:
+                self._admit()
+                for slot in self.slots:
+                    if slot.request is not None:
+                        self._advance(slot)
+            except Exception:  # noqa: BLE001 - the worker must outlive any bug
+                log.exception("scheduler round failed")
 
     def _advance(self, slot: Slot) -> None:
         req = slot.request

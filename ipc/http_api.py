@@ -20,6 +20,8 @@ from .security import error_response, make_middlewares
 from .validation import BadRequest, get, json_body, stop_list, token_list
 
 SERVICE = web.AppKey("service", Service)
+MAX_BODY = web.AppKey("max_body", int)
+MEMORY_PLAN = web.AppKey("memory_plan", object)
 
 
 def _svc(request: web.Request) -> Service:
@@ -322,7 +324,7 @@ async def props(request: web.Request) -> web.Response:
     svc = _svc(request)
     info = svc.engine.describe()
     info.update({"total_slots": len(svc.scheduler.slots), "n_ctx": svc.engine.n_ctx,
-                 "memory_plan": request.app.get("memory_plan"),
+                 "memory_plan": request.app.get(MEMORY_PLAN),
                  "default_generation_settings": {
                      "n_predict": svc.engine.cfg.defaults.max_tokens,
                      "speculative.n_max": svc.engine.cfg.defaults.draft.n_max,
@@ -359,8 +361,8 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     app = web.Application(client_max_size=max_body, middlewares=make_middlewares(
         allowed_origins=allowed_origins or set(), token=token))
     app[SERVICE] = service
-    app["max_body"] = max_body
-    app["memory_plan"] = memory_plan
+    app[MAX_BODY] = max_body
+    app[MEMORY_PLAN] = memory_plan
     r = app.router
     r.add_get("/health", health)
     r.add_get("/v1/models", models)

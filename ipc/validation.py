@@ -19,7 +19,7 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise BadRequest(f"request body too large (limit {request.app['max_body']} bytes)",
+        raise BadRequest(f"request body too large (limit {request.client_max_size} bytes)",
                          status=413) from None
     try:
         body = json.loads(raw or b"{}")

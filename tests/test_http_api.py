@@ -11,7 +11,6 @@ import time
 
 import pytest
 from live_server import live_server
-
 from specd.daemon.engine import EngineConfig
 from specd.ipc.client import AsyncClient, Client, DaemonError
 
@@ -123,12 +122,14 @@ def test_eight_concurrent_streams_equal_their_solo_runs(server, tiny_path, tmp_p
 
 def test_disconnect_mid_stream_frees_the_slot(server) -> None:  # noqa: ANN001
     sock = socket.create_connection(("127.0.0.1", server.port))
-    body = json.dumps({"prompt": "go on", "n_predict": 400, "ignore_eos": True,
+    body = json.dumps({"prompt": "go on", "n_predict": 480, "ignore_eos": True,
                        "stream": True}).encode()
     sock.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                  b"application/json\r\nContent-Length: " + str(len(body)).encode() +
                  b"\r\n\r\n" + body)
-    sock.recv(4096)  # headers and the first chunks
+    got = b""
+    while b"data:" not in got:  # headers, then the first streamed chunk
+        got += sock.recv(4096)
     busy = [s for s in server.request("GET", "/slots")[1] if s["state"] != "idle"]
     assert busy
     other = Client(port=server.port).post("/completion", {"prompt": "x", "n_predict": 4,
