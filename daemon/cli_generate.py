@@ -62,7 +62,7 @@ def _prompt_text(args: argparse.Namespace) -> tuple[str, bool]:
 def _build_progress(label: str):  # noqa: ANN202
     from .model_store import ProgressBar
 
-    bar = ProgressBar()
+    bar = ProgressBar(unit="steps")
 
     def report(done: int, total: int, what: str) -> None:
         if done == 1:

@@ -255,9 +255,11 @@ def _mb(n: int) -> str:
 class ProgressBar:
     """A stderr progress callable: a redrawn ``\\r`` bar on a tty, else a line every ~10 %."""
 
-    def __init__(self, stream: IO[str] | None = None, width: int = 30) -> None:
+    def __init__(self, stream: IO[str] | None = None, width: int = 30, *,
+                 unit: str = "bytes") -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
+        self._amount = _mb if unit == "bytes" else (lambda n: f"{n} {unit}")
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._last_decile = -1
         self._last_done = -1
@@ -284,7 +286,8 @@ class ProgressBar:
         self._last_draw = now
         filled = int(frac * self.width)
         bar = "#" * filled + "-" * (self.width - filled)
-        text = f"\r{label[:48]:<48} [{bar}] {frac * 100:5.1f}% {_mb(done)}/{_mb(total)}"
+        amount = f"{self._amount(done)}/{self._amount(total)}"
+        text = f"\r{label[:48]:<48} [{bar}] {frac * 100:5.1f}% {amount}"
         self.stream.write(text + ("\n" if final else ""))
         self.stream.flush()
         self._finished = final
@@ -294,5 +297,6 @@ class ProgressBar:
         if decile <= self._last_decile:
             return
         self._last_decile = decile
-        self.stream.write(f"{label}: {frac * 100:.0f}% ({_mb(done)}/{_mb(total)})\n")
+        self.stream.write(
+            f"{label}: {frac * 100:.0f}% ({self._amount(done)}/{self._amount(total)})\n")
         self.stream.flush()

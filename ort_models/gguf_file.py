@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,70 +27,130 @@ class TensorInfo:
     ggml_type: int  # gguf.GGMLQuantizationType value
     type_name: str
     shape: tuple[int, ...]  # numpy order: (rows, cols) == (ne1, ne0)
-    data: np.ndarray  # raw bytes/elements as memory-mapped by gguf.GGUFReader
+    data: np.ndarray  # the tensor's raw bytes, uint8, memory-mapped
 
 
-_ARRAY_STR_LIMIT = 1 << 22
+class _Cursor:
+    """Little-endian reads over the memory-mapped file with bounds checks."""
+
+    def __init__(self, buf: np.ndarray, path: Path):
+        self.mv, self.pos, self.path = memoryview(buf), 0, path
+
+    def take(self, n: int) -> memoryview:
+        if self.pos + n > len(self.mv):
+            raise GGUFError(f"{self.path}: truncated file (header needs byte {self.pos + n:,}, "
+                            f"file has {len(self.mv):,})")
+        out = self.mv[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack_from("<" + fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        if n > 1 << 30:
+            raise GGUFError(f"{self.path}: corrupt string length {n} at byte {self.pos}")
+        return str(self.take(n), "utf-8", "replace")
 
 
-def _field_value(field: Any) -> Any:
-    from gguf import GGUFValueType
+# GGUF value types -> struct format (8 = string, 9 = array)
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+           12: "d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+          10: "<u8", 11: "<i8", 12: "<f8"}
 
-    if not field.types:
-        return None
-    main = field.types[0]
-    if main == GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        # numeric arrays: one part per element; join them with numpy for speed
-        parts = [field.parts[i] for i in field.data]
-        if not parts:
-            return []
-        return np.concatenate(parts).tolist()
-    if main == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
-    return field.parts[-1].tolist()[0]
+
+def _strings(cur: _Cursor, count: int) -> list[str]:
+    out = []
+    mv, pos, size = cur.mv, cur.pos, len(cur.mv)
+    for _ in range(count):  # hot loop: 150k+ vocabulary strings
+        if pos + 8 > size:
+            raise GGUFError(f"{cur.path}: truncated string array")
+        (n,) = struct.unpack_from("<Q", mv, pos)
+        pos += 8
+        if pos + n > size:
+            raise GGUFError(f"{cur.path}: truncated string array")
+        out.append(str(mv[pos:pos + n], "utf-8", "replace"))
+        pos += n
+    cur.pos = pos
+    return out
+
+
+def _value(cur: _Cursor, vtype: int) -> Any:
+    if vtype in _SCALAR:
+        return cur.scalar(_SCALAR[vtype])
+    if vtype == 8:
+        return cur.string()
+    if vtype == 9:
+        etype, count = cur.scalar("I"), cur.scalar("Q")
+        if etype in _NUMPY:
+            dt = np.dtype(_NUMPY[etype])
+            return np.frombuffer(cur.take(count * dt.itemsize), dtype=dt).tolist()
+        if etype == 8:
+            return _strings(cur, count)
+        return [_value(cur, etype) for _ in range(count)]
+    raise GGUFError(f"{cur.path}: unknown metadata value type {vtype} at byte {cur.pos}")
 
 
 class GGUFFile:
-    """A GGUF file opened read-only (memory-mapped)."""
+    """A GGUF file opened read-only (memory-mapped).
+
+    The header is parsed here: gguf's own reader builds a numpy view per vocabulary
+    string (about 10 s for a 150k-token vocabulary); this takes a fraction of a second.
+    The gguf package supplies the type tables.
+    """
 
     def __init__(self, path: str | os.PathLike[str]):
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such GGUF file")
-        try:
-            from gguf import GGUFReader
-
-            self._reader = GGUFReader(str(self.path), "r")
-        except Exception as exc:  # the reader raises many kinds on bad input
-            raise GGUFError(f"{self.path}: not a readable GGUF file ({_describe(exc)})") from None
-        self.metadata: dict[str, Any] = {}
-        for name, field in self._reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[name] = _field_value(field)
-            except Exception as exc:
-                raise GGUFError(f"{self.path}: metadata key {name!r} is corrupt ({exc})") from None
-        self.tensors: dict[str, TensorInfo] = {}
         size = self.path.stat().st_size
-        for t in self._reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
+        if size < 24:
+            raise GGUFError(f"{self.path}: not a readable GGUF file (only {size} bytes)")
+        buf = np.memmap(self.path, dtype=np.uint8, mode="r")
+        cur = _Cursor(buf, self.path)
+        if bytes(cur.take(4)) != b"GGUF":
+            raise GGUFError(f"{self.path}: not a readable GGUF file (bad magic bytes)")
+        version = cur.scalar("I")
+        if version not in (2, 3):
+            raise GGUFError(f"{self.path}: unsupported GGUF version {version}")
+        n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
+        if n_tensors > 1 << 20 or n_kv > 1 << 20:
+            raise GGUFError(f"{self.path}: not a readable GGUF file (corrupt header counts)")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = _value(cur, cur.scalar("I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.scalar("I")
+            if n_dims > 8:
+                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dimensions")
+            dims = [cur.scalar("Q") for _ in range(n_dims)]
+            infos.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
+        align = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-cur.pos // align) * align
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dims, ggml_type, offset in infos:
+            try:
+                qtype = GGMLQuantizationType(ggml_type)
+                block, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise GGUFError(f"{self.path}: tensor {name!r} has unknown GGUF type id "
+                                f"{ggml_type}") from None
+            n_bytes = int(np.prod(dims, dtype=np.int64)) // block * type_size
+            start = data_start + offset
+            if start + n_bytes > size:
                 raise GGUFError(
-                    f"{self.path}: truncated file: tensor {t.name!r} needs bytes up to {end:,} "
-                    f"but the file has {size:,}"
-                )
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            self.tensors[t.name] = TensorInfo(
-                name=t.name,
-                ggml_type=int(t.tensor_type),
-                type_name=t.tensor_type.name,
-                shape=shape,
-                data=t.data,
-            )
+                    f"{self.path}: truncated file: tensor {name!r} needs bytes up to "
+                    f"{start + n_bytes:,} but the file has {size:,}")
+            self.tensors[name] = TensorInfo(
+                name=name, ggml_type=ggml_type, type_name=qtype.name,
+                shape=tuple(int(d) for d in reversed(dims)), data=buf[start:start + n_bytes])
         if "general.architecture" not in self.metadata:
             raise GGUFError(f"{self.path}: GGUF file has no general.architecture key")
 

@@ -1,0 +1,213 @@
+"""Rendering a model's chat template (`tokenizer.chat_template`) the way transformers does.
+
+Templates come with downloaded models, so they are untrusted code: they run in jinja2's
+`ImmutableSandboxedEnvironment`, with the environment transformers' `apply_chat_template` sets
+up (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson`
+that does not escape HTML, a `{% generation %}` tag, namespaces without underscore names).
+Every failure, a template bug or a sandbox refusal, comes out as `ValueError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = logging.getLogger(__name__)
+
+# Used when a model ships no template. Content may be a string or a list of text parts.
+CHATML_FALLBACK = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+FALLBACK_NOTE = (
+    "the model has no chat template (tokenizer.chat_template); using a ChatML fallback "
+    "(<|im_start|>role ... <|im_end|>), which may not be what the model was trained on"
+)
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that failed to compile or render; the message says why."""
+
+
+def render_chat(
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    **extra: Any,
+) -> str:
+    """The prompt text `template` makes of `messages`.
+
+    `template` None or empty: the ChatML fallback (with a logged note). `extra` goes to the
+    template as variables (`tools`, `documents`, `enable_thinking`, ...); `tools` and
+    `documents` are None unless given, as transformers passes them.
+    """
+    if not template:
+        log.warning(FALLBACK_NOTE)
+        template = CHATML_FALLBACK
+    compiled = _compile(template)
+    variables: dict[str, Any] = {"tools": None, "documents": None}
+    variables.update(_plain(extra))
+    variables.update(
+        messages=[_message(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+    )
+    try:
+        return compiled.render(**variables)
+    except jinja2.exceptions.SecurityError as exc:
+        raise ChatTemplateError(f"chat template blocked by the sandbox: {exc}") from None
+    except jinja2.exceptions.TemplateError as exc:
+        raise ChatTemplateError(f"chat template error: {exc}") from None
+    except Exception as exc:  # templates can fail in any way Python can
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+
+def _message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain copy; keys whose value is None are dropped (templates handle a missing key)."""
+    if not isinstance(message, Mapping):
+        raise ChatTemplateError(f"chat messages must be dicts, got {type(message).__name__}")
+    return {str(k): _plain(v) for k, v in message.items() if v is not None}
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild template data from plain JSON types, so no object's methods reach the template."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"chat template does not compile: {exc.message} (line {exc.lineno})"
+        ) from None
+    except jinja2.exceptions.TemplateError as exc:
+        raise ChatTemplateError(f"chat template does not compile: {exc}") from None
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Refuses unsafe attribute access at once (jinja would render it as an empty Undefined)."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = _Sandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    env.globals["dict"] = _TemplateDict()
+    return env
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Unlike jinja's own tojson: no HTML escaping, and json.dumps' options (as transformers).
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    """`dict(...)` for templates, without exposing the dict type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's namespace, refusing underscore-prefixed names (no reaching into internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (jinja's signature trick)
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot set underscore-prefixed namespace attributes ({name!r})"
+            )
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): the body
+    renders as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render", [])
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
