@@ -185,3 +185,23 @@ def test_n_min_skips_short_drafts(models) -> None:  # noqa: ANN001
                    draft=DraftParams(n_max=4, n_min=3, p_min=0.6))
     assert got == want
     assert all(n == 0 or n >= 3 for n in gen.stats.draft_lengths)
+
+
+def test_draft_model_reuses_its_cached_prefix(models) -> None:  # noqa: ANN001
+    target, draft = models
+    drafter = draft_drafter(draft)
+    first, _ = run(target, drafter, max_tokens=24, ignore_eos=True, draft=DraftParams(n_max=4))
+    calls: list[int] = []
+    real_prefill = drafter.runner.prefill
+
+    def counting(seq, tokens, pos=0, chunk=256):  # noqa: ANN001, ANN202
+        calls.append(len(tokens))
+        return real_prefill(seq, tokens, pos, chunk)
+
+    drafter.runner.prefill = counting  # type: ignore[method-assign]
+    longer = PROMPT + first[:8]
+    want, _ = run(target, prompt=longer, max_tokens=24, ignore_eos=True)
+    got, _ = run(target, drafter, prompt=longer, max_tokens=24, ignore_eos=True,
+                 draft=DraftParams(n_max=4))
+    assert got == want
+    assert calls and calls[0] < len(longer)

@@ -42,13 +42,21 @@ class DraftModelDrafter(Drafter):
         return self.runner.n_ctx
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None) -> None:
+        """Evaluate the prompt on the draft, reusing the prefix its cache already holds."""
         while self.runner.n_seq <= seq:
             self.runner.add_sequence()
+        old = self._seqs.get(seq)
+        reuse = 0
+        if old is not None:
+            cached = old.history[: old.n_cached]
+            n = min(len(cached), len(prompt) - 1)
+            while reuse < n and cached[reuse] == prompt[reuse]:
+                reuse += 1
         st = _SeqState(history=list(prompt), sampler=sampler)
         self._seqs[seq] = st
-        if len(prompt) > 0:
-            self.runner.prefill(seq, list(prompt), 0)
-            st.n_cached = len(prompt)
+        if len(prompt) > reuse:
+            self.runner.prefill(seq, list(prompt[reuse:]), reuse)
+        st.n_cached = len(prompt)
 
     def _logits(self, row: np.ndarray) -> np.ndarray:
         return row[: self.vocab_limit] if self.vocab_limit else row
@@ -99,7 +107,10 @@ class DraftModelDrafter(Drafter):
         self._seqs[seq].history.extend(tokens)
 
     def end(self, seq: int) -> None:
-        self._seqs.pop(seq, None)
+        """Keep the history and cache length: the next request on this slot may reuse it."""
+        st = self._seqs.get(seq)
+        if st is not None:
+            st.drafted, st.sampler = [], None
 
     @property
     def step_cost_s(self) -> float:
