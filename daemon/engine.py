@@ -25,6 +25,7 @@ from .drafters.draft_model import DraftModelDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.synthetic import SyntheticDrafter
 from .generation import Generation, GenerationParams
+from .grammar import GrammarState
 from .model_store import resolve_model
 from .tokenizer import Tokenizer
 
@@ -147,9 +148,9 @@ class Engine:
         return self.tokenizer.encode(text, parse_special=True)
 
     def start(self, seq: int, prompt: Sequence[int], params: GenerationParams,
-              reuse: int = 0) -> Generation:
+              reuse: int = 0, grammar: GrammarState | None = None) -> Generation:
         return Generation(self.target.runner, seq, prompt, params, eog=self.eog_ids,
-                          drafter=self.drafter, reuse=reuse)
+                          drafter=self.drafter, reuse=reuse, grammar=grammar)
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {

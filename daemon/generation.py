@@ -22,6 +22,7 @@ from ..ort_models.runner import ModelRunner, invariant_block_limit
 from .adaptive import AdaptiveDraftLength
 from .drafters.base import Draft, Drafter, DraftParams
 from .drafters.synthetic import SyntheticDrafter
+from .grammar import GrammarState
 from .sampling import Sampler, SamplerParams, derive_seeds
 from .stats import SpecStats
 from .verify import verify_greedy, verify_rejection
@@ -46,7 +47,7 @@ class Generation:
 
     def __init__(self, target: ModelRunner, seq: int, prompt: Sequence[int],
                  params: GenerationParams, *, eog: set[int], drafter: Drafter | None = None,
-                 reuse: int = 0):
+                 reuse: int = 0, grammar: GrammarState | None = None):
         if not prompt:
             raise RequestError("the prompt is empty")
         room = target.n_ctx - 1
@@ -59,6 +60,7 @@ class Generation:
         self.prompt = list(prompt)
         self.eog = set() if params.ignore_eos else set(eog)
         self.drafter = drafter
+        self.grammar = grammar  # the request's constraint state (advanced on emitted tokens)
         seed = params.sampling.seed
         t_seed, d_seed = derive_seeds(seed)
         self.sampler = Sampler(params.sampling, seed=t_seed)
@@ -119,9 +121,27 @@ class Generation:
                 self.drafter = None
         self._pos = len(self.prompt)
         self._t_decode = time.perf_counter()
-        tok = self.sampler.sample(logits)
+        if self._grammar_finished():
+            return []
+        mask = None if self.grammar is None else self.grammar.allowed(len(logits))
+        tok = self.sampler.sample(logits, mask)
         self.sampler.accept(tok)
-        return self._emit([tok])
+        if self.grammar is not None:
+            self.grammar.consume(tok)
+        out = self._emit([tok])
+        self._grammar_finished()
+        return out
+
+    def _grammar_finished(self, dead: bool = False) -> bool:
+        """Stop at a grammar dead end, or once the grammar allows nothing but the end."""
+        g = self.grammar
+        if g is None or self.done:
+            return self.done
+        if dead or g.dead_end:
+            self.finish_reason = "grammar_dead_end"
+        elif g.is_stopped():
+            self.finish_reason = "stop"
+        return self.done
 
     # -- one round ------------------------------------------------------------------------
     def step(self) -> list[int]:
@@ -130,6 +150,8 @@ class Generation:
             return []
         if not self.prefilled:
             return self.prefill()
+        if self._grammar_finished():
+            return []
         last, pos = self._last, self._pos
         assert last is not None
         limit = min(invariant_block_limit(pos, self.target.n_ctx) - 1,
@@ -146,7 +168,7 @@ class Generation:
         self.stats.verify_s += dt
         if self.adaptive is not None:
             self.adaptive.observe_verify(len(draft.tokens) + 1, dt)
-        emitted = self._verify(rows, draft)
+        emitted, dead = self._verify(rows, draft)
         k = len(emitted) - 1
         self.stats.record_round(len(draft.tokens), k)
         if self.adaptive is not None and draft.tokens:
@@ -155,7 +177,9 @@ class Generation:
             self.drafter.accept(self.seq, k)
             self.drafter.process(self.seq, [last, *emitted[:-1]])  # now in the target's KV
         self._pos = pos + len(emitted)
-        return self._emit(emitted)
+        out = self._emit(emitted)
+        self._grammar_finished(dead)
+        return out
 
     def _draft(self, last: int, pos: int, limit: int) -> Draft:
         dp = self.params.draft
@@ -165,8 +189,9 @@ class Generation:
         if n <= 0:
             return Draft([])
         t0 = time.perf_counter()
+        fork = None if self.grammar is None else self.grammar.fork()
         try:
-            draft = self.drafter.draft(self.seq, last, pos, n, dp)
+            draft = self.drafter.draft(self.seq, last, pos, n, dp, fork)
         except Exception:  # noqa: BLE001 - fall back to target-only decoding
             self.drafter = None
             return Draft([])
@@ -175,6 +200,10 @@ class Generation:
         if self.adaptive is not None:
             self.adaptive.observe_draft(len(draft.tokens), dt)
         draft = draft.truncate(n)
+        if self.grammar is not None and draft.probs is None:
+            # drafts made without the grammar (n-gram): keep the part it allows (exact:
+            # greedy verification is exact for any draft)
+            draft = draft.truncate(self.grammar.valid_prefix(draft.tokens))
         if len(draft.tokens) < max(dp.n_min, 1):
             self.drafter.accept(self.seq, 0)
             return Draft([])
@@ -182,21 +211,30 @@ class Generation:
             self.stats.valid = False
         return draft
 
-    def _verify(self, rows: np.ndarray, draft: Draft) -> list[int]:
+    def _verify(self, rows: np.ndarray, draft: Draft) -> tuple[list[int], bool]:
+        """(emitted tokens, grammar dead end reached)."""
         if isinstance(self.drafter, SyntheticDrafter) and draft.tokens:
-            return self._verify_synthetic(rows, draft)
+            return self._verify_synthetic(rows, draft), False
         if draft.probs is not None and self.params.draft.probabilistic:
-            return verify_rejection(rows, draft.tokens, draft.probs, self.sampler).tokens
-        return verify_greedy(rows, draft.tokens, self.sampler).tokens
+            r = verify_rejection(rows, draft.tokens, draft.probs, self.sampler, self.grammar,
+                                 draft_masked=True)
+        else:
+            r = verify_greedy(rows, draft.tokens, self.sampler, self.grammar)
+        return r.tokens, r.grammar_dead_end
 
     def _verify_synthetic(self, rows: np.ndarray, draft: Draft) -> list[int]:
         assert isinstance(self.drafter, SyntheticDrafter)
         out: list[int] = []
         for i in range(len(draft.tokens) + 1):
-            choice = self.sampler.sample(rows[i])
+            g = self.grammar
+            choice = self.sampler.sample(rows[i], None if g is None else g.allowed(len(rows[i])))
             self.sampler.accept(choice)
+            if g is not None:
+                g.consume(choice)
             out.append(choice)
             if i == len(draft.tokens) or not self.drafter.accept_position(i, choice, self.eog):
+                break
+            if g is not None and g.is_stopped():
                 break
         return out
 

@@ -14,6 +14,11 @@ Every non-greedy draw consumes exactly one uniform from the sampler's own PCG64
 generator and inverts the CDF of :meth:`Sampler.probs` in ascending token-id
 order, so a seeded request is reproducible token for token and the verifier can
 reason about how many draws each step takes.
+
+Constrained generation passes a ``mask`` ([vocab] bool, e.g. ``GrammarState.allowed``):
+disallowed tokens are removed before everything else (as if their logits were -inf), so
+the filters and the temperature act on the allowed tokens only and the result is the
+renormalised distribution over them; greedy is the argmax among the allowed tokens.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "NoAllowedToken",
     "Sampler",
     "SamplerParams",
     "derive_seeds",
+    "mask_logits",
     "sample_from_probs",
     "softmax",
 ]
@@ -124,6 +131,26 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e
 
 
+class NoAllowedToken(ValueError):
+    """The token mask allows nothing: there is no distribution to sample from."""
+
+
+def mask_logits(logits: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """float64 copy of ``logits`` [vocab] with disallowed tokens set to -inf."""
+    x = np.array(logits, dtype=np.float64)  # [vocab]
+    if mask is None:
+        return x
+    x[~_check_mask(mask, x.shape[-1])] = -np.inf
+    return x
+
+
+def _check_mask(mask: np.ndarray, vocab: int) -> np.ndarray:
+    m = np.asarray(mask)
+    if m.dtype != np.bool_ or m.shape != (vocab,):
+        raise ValueError(f"mask must be a bool array [vocab] = [{vocab}], got {m.dtype} {m.shape}")
+    return m
+
+
 def sample_from_probs(probs: np.ndarray, u: float) -> int:
     """Invert the CDF of ``probs`` ([vocab], need not be normalised) at ``u`` in [0, 1).
 
@@ -184,14 +211,19 @@ class Sampler:
 
     # -- distribution ---------------------------------------------------------
 
-    def probs(self, logits: np.ndarray) -> np.ndarray:
-        """The float64 [vocab] distribution :meth:`sample` draws from for these logits."""
-        ids, p = self._filtered(logits)
+    def probs(self, logits: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """The float64 [vocab] distribution :meth:`sample` draws from for these logits.
+
+        ``mask`` [vocab] bool: only these tokens may be drawn (0 elsewhere, renormalised).
+        """
+        ids, p = self._filtered(logits, mask)
         return _densify(ids, p, np.shape(logits)[-1])
 
-    def candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def candidates(
+        self, logits: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Sparse form of :meth:`probs`: (token ids ascending [m], probabilities [m])."""
-        ids, p = self._filtered(logits)
+        ids, p = self._filtered(logits, mask)
         return (np.arange(p.shape[0]) if ids is None else ids), p
 
     def penalised_logits(self, logits: np.ndarray) -> np.ndarray:
@@ -208,9 +240,24 @@ class Sampler:
         x[seen] = np.where(vals > 0.0, vals / penalty, vals * penalty)
         return x
 
-    def _filtered(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    def _filtered(
+        self, logits: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray | None, np.ndarray]:
         """(surviving ids ascending [m] or None for all, their probabilities [m])."""
         x = self.penalised_logits(logits)  # [vocab]
+        if mask is None:
+            return self._filter_values(x)
+        allowed = np.flatnonzero(_check_mask(mask, x.shape[0]))  # [a] ascending ids
+        if allowed.shape[0] == 0:
+            raise NoAllowedToken("the token mask allows no token")
+        if allowed.shape[0] == x.shape[0]:
+            return self._filter_values(x)
+        # the filters see only the allowed tokens; positions map back through `allowed`
+        pos, p = self._filter_values(x[allowed])  # x[allowed] is a fresh copy
+        return (allowed if pos is None else allowed[pos]), p
+
+    def _filter_values(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """The filter chain over x [m] (our own copy, modified): (positions or None, p)."""
         if self.is_greedy:
             return np.array([int(np.argmax(x))]), np.ones(1)
         temperature = self.params.temperature
@@ -229,21 +276,30 @@ class Sampler:
 
     # -- drawing --------------------------------------------------------------
 
-    def sample(self, logits: np.ndarray) -> int:
-        """Greedy: argmax, no draw.  Otherwise one uniform, inverted through :meth:`probs`."""
-        token, _, _ = self._draw(logits)
+    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> int:
+        """Greedy: argmax, no draw.  Otherwise one uniform, inverted through :meth:`probs`.
+
+        With ``mask`` [vocab] bool only allowed tokens can come out (greedy: the argmax
+        among them); NoAllowedToken if the mask allows nothing.
+        """
+        token, _, _ = self._draw(logits, mask)
         return token
 
-    def sample_with_probs(self, logits: np.ndarray) -> tuple[int, np.ndarray]:
+    def sample_with_probs(
+        self, logits: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[int, np.ndarray]:
         """Like :meth:`sample` but also return the dense [vocab] distribution drawn from.
 
-        This is what a draft model needs for rejection-sampling verification.
+        This is what a draft model needs for rejection-sampling verification (under a
+        mask: the masked, renormalised distribution, zero off the mask).
         """
-        token, ids, p = self._draw(logits)
+        token, ids, p = self._draw(logits, mask)
         return token, _densify(ids, p, np.shape(logits)[-1])
 
-    def _draw(self, logits: np.ndarray) -> tuple[int, np.ndarray | None, np.ndarray]:
-        ids, p = self._filtered(logits)
+    def _draw(
+        self, logits: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[int, np.ndarray | None, np.ndarray]:
+        ids, p = self._filtered(logits, mask)
         pos = 0 if self.is_greedy else sample_from_probs(p, self.uniform())
         return (pos if ids is None else int(ids[pos])), ids, p
 

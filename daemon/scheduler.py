@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .engine import Engine
 from .generation import Generation, GenerationParams, RequestError
+from .grammar import Grammar
 from .stats import SpecStats
 
 log = logging.getLogger("specd.scheduler")
@@ -38,6 +39,7 @@ class Request:
     on_done: Callable[[Request], None]
     cache_prompt: bool = True
     deadline: float | None = None  # time.monotonic() after which generation stops
+    grammar: Grammar | None = None  # compiled constraint; a fresh state per request
     id: int = 0
     gen: Generation | None = None
     slot: int | None = None
@@ -130,7 +132,9 @@ class Scheduler:
                            if req.cache_prompt else -len(s.cached))
                 reuse = common_prefix(slot.cached, req.prompt) if req.cache_prompt else 0
                 try:
-                    req.gen = self.engine.start(slot.index, req.prompt, req.params, reuse=reuse)
+                    req.gen = self.engine.start(
+                        slot.index, req.prompt, req.params, reuse=reuse,
+                        grammar=None if req.grammar is None else req.grammar.start())
                 except (RequestError, ValueError) as exc:
                     req.error = str(exc)
                     self._finish(req, None)

@@ -16,6 +16,7 @@ from typing import Any
 from .detokenize import IncrementalDetokenizer
 from .engine import Engine
 from .generation import GenerationParams
+from .grammar import Grammar, compile_constraint
 from .scheduler import Request, Scheduler
 from .stats import SpecStats
 
@@ -85,6 +86,11 @@ class Service:
     def tokenizer(self):  # noqa: ANN201
         return self.engine.tokenizer
 
+    async def compile_constraint(self, kind: str, spec: Any) -> Grammar:
+        """Compile off the event loop (the first use builds llguidance's tokenizer)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, compile_constraint, kind, spec, self.tokenizer)
+
     def check_prompt(self, prompt: list[int], max_tokens: int) -> None:
         from .generation import RequestError
 
@@ -97,13 +103,14 @@ class Service:
 
     async def generate(self, prompt: list[int], params: GenerationParams, *,
                        stop: list[str] | None = None, cache_prompt: bool = True,
-                       t_max_ms: float | None = None) -> AsyncIterator[Piece | Result]:
+                       t_max_ms: float | None = None,
+                       grammar: Grammar | None = None) -> AsyncIterator[Piece | Result]:
         """Yields Pieces as text becomes final, then one Result. Cancel by closing."""
         self.check_prompt(prompt, params.max_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         req = Request(
-            prompt=prompt, params=params, cache_prompt=cache_prompt,
+            prompt=prompt, params=params, cache_prompt=cache_prompt, grammar=grammar,
             deadline=None if not t_max_ms else time.monotonic() + t_max_ms / 1000.0,
             on_tokens=lambda toks: loop.call_soon_threadsafe(events.put_nowait, ("tok", toks)),
             on_done=lambda r: loop.call_soon_threadsafe(events.put_nowait, ("done", r)),

@@ -17,19 +17,31 @@ sparse, as :class:`SparseDraftProbs` with ``token_ids``/``probs`` of shape
 embeddings differently) columns are zero-padded / dropped to the target width;
 this keeps the method exact as long as the target never puts mass on ids it
 does not have.
+
+Grammar-constrained requests pass ``grammar`` (a :class:`TokenConstraint`, e.g.
+``specd.daemon.grammar.GrammarState``) positioned after ``last_token``.  Row i is then
+decided under ``grammar.allowed(vocab)`` for the prefix accepted so far, and the verifier
+``consume``s every emitted token in order, so afterwards the state sits after the last
+emitted token.  If the mask at row i > 0 allows nothing (a grammar dead end) the block
+ends after the i tokens accepted so far: the last of them stands in for the target's
+token (``n_accepted = i - 1``) and ``VerifyResult.grammar_dead_end`` is set; at row 0 it
+raises :class:`~specd.daemon.sampling.NoAllowedToken` (check ``dead_end`` before a
+round).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from .sampling import Sampler, sample_from_probs
+from .sampling import NoAllowedToken, Sampler, sample_from_probs
 
 __all__ = [
     "SparseDraftProbs",
+    "TokenConstraint",
     "VerifyResult",
     "accepts_draft",
     "residual_distribution",
@@ -43,11 +55,14 @@ class VerifyResult:
     """Outcome of verifying one drafted block.
 
     tokens: accepted drafts then one target token, ``len == n_accepted + 1``.
+    grammar_dead_end: the grammar allowed no token after ``tokens`` (the block was cut
+    there; the request must stop).
     """
 
     n_accepted: int
     tokens: list[int]
     n_drafted: int
+    grammar_dead_end: bool = False
 
     @property
     def all_accepted(self) -> bool:
@@ -83,24 +98,45 @@ class SparseDraftProbs:
 DraftProbs = np.ndarray | SparseDraftProbs
 
 
+class TokenConstraint(Protocol):
+    """What the verifiers need of a grammar state (``grammar.GrammarState`` has it)."""
+
+    def allowed(self, n_vocab: int) -> np.ndarray:
+        """[n_vocab] bool: the tokens that may come next."""
+        ...
+
+    def consume(self, token: int) -> None:
+        """Advance past ``token`` (one the mask allowed)."""
+        ...
+
+
 def verify_greedy(
-    target_rows: np.ndarray, draft_tokens: Sequence[int], sampler: Sampler
+    target_rows: np.ndarray,
+    draft_tokens: Sequence[int],
+    sampler: Sampler,
+    grammar: TokenConstraint | None = None,
 ) -> VerifyResult:
     """Accept drafts while they equal the target sampler's own choice at each row.
 
     With a greedy sampler this is exact-match verification; with a stochastic one
     each emitted token is still a plain sample from the target, so it stays exact
-    (it just accepts less often than :func:`verify_rejection`).
+    (it just accepts less often than :func:`verify_rejection`).  With ``grammar`` the
+    choice at each row is made under the grammar's mask after the tokens emitted so
+    far, so the output equals constrained decoding without a draft.
     """
     rows = _check_rows(target_rows, draft_tokens)  # [n+1, vocab]
+    vocab = rows.shape[1]
+    n = len(draft_tokens)
     tokens: list[int] = []
     for i, drafted in enumerate(draft_tokens):
-        choice = sampler.sample(rows[i])
-        sampler.accept(choice)
-        tokens.append(choice)
-        if choice != int(drafted):
-            return VerifyResult(i, tokens, len(draft_tokens))
-    return _with_bonus(rows, tokens, sampler, len(draft_tokens))
+        mask = _mask(grammar, vocab)  # [vocab] or None
+        if mask is not None and i > 0 and not mask.any():
+            return _dead_end(tokens, n)
+        choice = sampler.sample(rows[i], mask)
+        _emit(choice, tokens, sampler, grammar)
+        if choice != int(drafted) or _stopped(grammar):
+            return VerifyResult(i, tokens, n)
+    return _with_bonus(rows, tokens, sampler, n, grammar)
 
 
 def verify_rejection(
@@ -108,6 +144,9 @@ def verify_rejection(
     draft_tokens: Sequence[int],
     draft_probs: DraftProbs,
     sampler: Sampler,
+    grammar: TokenConstraint | None = None,
+    *,
+    draft_masked: bool = True,
 ) -> VerifyResult:
     """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
 
@@ -117,26 +156,50 @@ def verify_rejection(
     correction from normalise(max(0, p_i - q_i)) (p_i if that is all zero) and the
     block ends; after full acceptance the bonus is ``sampler.sample(row n)``.  Every
     emitted token is thereby distributed exactly as sampling the target directly.
+
+    With ``grammar``, p_i is the target's distribution under the grammar's mask for the
+    prefix accepted so far (``sampler.probs(row, mask)``), and q_i is restricted to the
+    same mask.  ``draft_masked=True`` (the normal case: the draft sampled d_i under a
+    fork of the same grammar, which sits at the same position whenever row i is
+    reached) renormalises q_i over the mask, so a draft that reports its unmasked
+    distribution but drew from the masked one is still verified exactly; a no-op for
+    q rows that are already masked.  ``draft_masked=False`` is for a draft that ignored
+    the grammar (d_i drawn from q_i itself): q_i is used as is (its mass off the mask
+    is rejected), which is what keeps that case exact.  Either way every emitted token
+    follows the constrained target distribution exactly.
     """
     rows = _check_rows(target_rows, draft_tokens)  # [n+1, vocab]
-    _check_draft_probs(draft_probs, len(draft_tokens))
+    n = len(draft_tokens)
+    _check_draft_probs(draft_probs, n)
     vocab = rows.shape[1]
     tokens: list[int] = []
     for i, drafted in enumerate(draft_tokens):
         d = int(drafted)
-        p = sampler.probs(rows[i])  # [vocab]
+        mask = _mask(grammar, vocab)  # [vocab] or None
+        if mask is not None and i > 0 and not mask.any():
+            return _dead_end(tokens, n)
+        p = sampler.probs(rows[i], mask)  # [vocab]
         q = _draft_row(draft_probs, i, vocab)  # [vocab]
+        if mask is not None and draft_masked:
+            q = _restrict(q, mask)
         p_d = p[d] if 0 <= d < vocab else 0.0
         q_d = q[d] if 0 <= d < vocab else 0.0
         if accepts_draft(sampler.uniform(), p_d, q_d):
-            sampler.accept(d)
-            tokens.append(d)
+            _emit(d, tokens, sampler, grammar)
+            if _stopped(grammar):  # the constraint is complete: end as plain decoding does
+                return VerifyResult(i, tokens, n)
             continue
         correction = sample_from_probs(residual_distribution(p, q), sampler.uniform())
-        sampler.accept(correction)
-        tokens.append(correction)
-        return VerifyResult(i, tokens, len(draft_tokens))
-    return _with_bonus(rows, tokens, sampler, len(draft_tokens))
+        _emit(correction, tokens, sampler, grammar)
+        return VerifyResult(i, tokens, n)
+    return _with_bonus(rows, tokens, sampler, n, grammar)
+
+
+def _stopped(grammar: TokenConstraint | None) -> bool:
+    """The constraint allows nothing but the end: the request stops here."""
+    if grammar is None or getattr(grammar, "dead_end", False):
+        return False  # a dead end is reported by the next row's empty mask
+    return bool(getattr(grammar, "is_stopped", lambda: False)())
 
 
 def accepts_draft(u: float, p_d: float, q_d: float) -> bool:
@@ -157,12 +220,43 @@ def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 def _with_bonus(
-    rows: np.ndarray, tokens: list[int], sampler: Sampler, n_drafted: int
+    rows: np.ndarray,
+    tokens: list[int],
+    sampler: Sampler,
+    n_drafted: int,
+    grammar: TokenConstraint | None = None,
 ) -> VerifyResult:
-    bonus = sampler.sample(rows[n_drafted])
-    sampler.accept(bonus)
-    tokens.append(bonus)
+    mask = _mask(grammar, rows.shape[1])  # [vocab] or None
+    if mask is not None and n_drafted > 0 and not mask.any():
+        return _dead_end(tokens, n_drafted)
+    bonus = sampler.sample(rows[n_drafted], mask)
+    _emit(bonus, tokens, sampler, grammar)
     return VerifyResult(n_drafted, tokens, n_drafted)
+
+
+def _emit(token: int, tokens: list[int], sampler: Sampler, grammar: TokenConstraint | None) -> None:
+    sampler.accept(token)
+    if grammar is not None:
+        grammar.consume(token)
+    tokens.append(token)
+
+
+def _mask(grammar: TokenConstraint | None, vocab: int) -> np.ndarray | None:
+    return None if grammar is None else grammar.allowed(vocab)
+
+
+def _dead_end(tokens: list[int], n_drafted: int) -> VerifyResult:
+    """Cut the block after the accepted drafts: the last one is the round's final token."""
+    if not tokens:  # only reachable at row 0, which the caller must check beforehand
+        raise NoAllowedToken("the grammar allows no token")
+    return VerifyResult(len(tokens) - 1, tokens, n_drafted, grammar_dead_end=True)
+
+
+def _restrict(q: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """q [vocab] zeroed off the mask and renormalised (all zero if no mass is left)."""
+    r = np.where(mask, q, 0.0)  # [vocab]
+    total = r.sum()
+    return r / total if total > 0.0 else r
 
 
 def _check_rows(target_rows: np.ndarray, draft_tokens: Sequence[int]) -> np.ndarray:

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from ..daemon.drafters.base import DraftParams
 from ..daemon.generation import GenerationParams, RequestError
+from ..daemon.grammar import Grammar, GrammarError
 from ..daemon.sampling import SamplerParams
 from ..daemon.scheduler import QueueFull
 from ..daemon.service import Piece, Result, Service
@@ -84,6 +85,41 @@ def _prompt_tokens(svc: Service, value: Any, name: str = "prompt") -> list[int]:
     return token_list(value, name, tok.vocab_size)
 
 
+async def _constraint(svc: Service, body: dict[str, Any]) -> Grammar | None:
+    """OpenAI `response_format`, or the native `json_schema` / `grammar` / `regex` fields."""
+    kind, spec = None, None
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise BadRequest("'response_format' must be an object with a 'type'",
+                             param="response_format")
+        if rf["type"] == "json_object":
+            kind, spec = "json_object", rf.get("schema")
+            if spec is not None:
+                kind = "json_schema"
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise BadRequest("'response_format.json_schema' must be an object with a "
+                                 "'schema'", param="response_format")
+            kind, spec = "json_schema", js["schema"]
+        elif rf["type"] != "text":
+            raise BadRequest(f"unsupported response_format type {rf['type']!r}",
+                             param="response_format")
+    for field, k in (("json_schema", "json_schema"), ("grammar", "lark"), ("regex", "regex")):
+        if body.get(field) is not None:
+            if kind is not None:
+                raise BadRequest("give only one constraint (response_format, json_schema, "
+                                 "grammar or regex)", param=field)
+            kind, spec = k, body[field]
+    if kind is None:
+        return None
+    try:
+        return await svc.compile_constraint(kind, spec)
+    except GrammarError as exc:
+        raise BadRequest(str(exc), param="response_format" if rf else None) from None
+
+
 def _n_is_one(body: dict[str, Any]) -> None:
     if get(body, "n", int, 1) != 1:
         raise BadRequest("only n=1 is supported", param="n")
@@ -129,6 +165,8 @@ def _usage(r: Result) -> dict[str, Any]:
 
 
 def _oai_finish(reason: str) -> str:
+    if reason == "grammar_dead_end":
+        return reason
     return "length" if reason in ("length", "time_limit") else "stop"
 
 
@@ -156,6 +194,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     if chat and "max_completion_tokens" in body:
         params.max_tokens = get(body, "max_completion_tokens", int, params.max_tokens, lo=1)
     stop = stop_list(body)
+    grammar = await _constraint(svc, body)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     model = svc.engine.target.name
@@ -166,7 +205,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         raise BadRequest(str(exc), code="context_length_exceeded", param="messages"
                          if chat else "prompt") from None
     if not get(body, "stream", bool, False):
-        r = await _collect(svc, prompt, params, stop=stop)
+        r = await _collect(svc, prompt, params, stop=stop, grammar=grammar)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _oai_finish(r.finish_reason),
                                   "logprobs": None}
         if chat:
@@ -190,7 +229,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
 
     if chat:
         await _send(resp, chunk("", None, first=True))
-    async for ev in svc.generate(prompt, params, stop=stop):
+    async for ev in svc.generate(prompt, params, stop=stop, grammar=grammar):
         if isinstance(ev, Piece):
             if ev.text:
                 await _send(resp, chunk(ev.text, None))
@@ -255,7 +294,8 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
         svc.check_prompt(prompt, params.max_tokens)
     except RequestError as exc:
         raise BadRequest(str(exc), code="context_length_exceeded", param="prompt") from None
-    kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max)
+    kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max,
+              grammar=await _constraint(svc, body))
 
     def final(r: Result) -> dict[str, Any]:
         return {"content": r.text if not stream else "", "stop": True,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..grammar import GrammarState
 from ..sampling import Sampler
 
 
@@ -60,8 +61,12 @@ class Drafter(ABC):
         """A new sequence whose prompt the target has evaluated."""
 
     @abstractmethod
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams) -> Draft:
-        """Propose up to n_max tokens to follow `last` (at position `pos`)."""
+    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+              grammar: GrammarState | None = None) -> Draft:
+        """Propose up to n_max tokens to follow `last` (at position `pos`).
+
+        `grammar` is a fork of the request's constraint state, the drafter's to advance
+        along its proposals (model drafters sample under its masks)."""
 
     def accept(self, seq: int, n_accepted: int) -> None:
         """The target accepted the first n_accepted tokens of the last draft."""

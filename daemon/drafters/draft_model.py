@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...ort_models.runner import ModelRunner
-from ..sampling import Sampler, softmax
+from ..grammar import GrammarState
+from ..sampling import Sampler, mask_logits, softmax
 from .base import Draft, Drafter, DraftParams
 
 
@@ -61,7 +62,8 @@ class DraftModelDrafter(Drafter):
     def _logits(self, row: np.ndarray) -> np.ndarray:
         return row[: self.vocab_limit] if self.vocab_limit else row
 
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams) -> Draft:
+    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+              grammar: GrammarState | None = None) -> Draft:
         st = self._seqs[seq]
         if len(st.history) != pos:
             raise RuntimeError(f"draft history has {len(st.history)} tokens, target at {pos}")
@@ -79,19 +81,27 @@ class DraftModelDrafter(Drafter):
             row = self._logits(self.runner.forward(seq, pending, p)[0])  # [vocab]
             p += len(pending)
             st.n_cached = p
+            mask = None if grammar is None else grammar.allowed(row.shape[0])  # [vocab]
+            if mask is not None and not mask.any():
+                break
             if params.probabilistic and st.sampler is not None:
-                tok, q = st.sampler.sample_with_probs(row)
+                tok, q = st.sampler.sample_with_probs(row, mask)
                 top = float(q.max())
                 q_rows.append(q)
             else:
-                tok = int(np.argmax(row))
-                top = float(softmax(row).max()) if params.p_min > 0 else 1.0
+                masked = row if mask is None else mask_logits(row, mask)
+                tok = int(np.argmax(masked))
+                top = float(softmax(masked).max()) if params.p_min > 0 else 1.0
             if params.p_min > 0 and top < params.p_min:
                 if q_rows:
                     q_rows.pop()
                 break
             st.drafted.append(tok)
             pending = [tok]
+            if grammar is not None:
+                grammar.consume(tok)
+                if grammar.is_stopped():
+                    break
         self._steps += max(1, len(st.drafted))
         self._step_s += time.perf_counter() - t0
         probs = np.stack(q_rows) if q_rows else None

@@ -30,7 +30,8 @@ class NgramDrafter(Drafter):
         if len(h) > 2 * self.max_history:
             del h[: len(h) - self.max_history]
 
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams) -> Draft:
+    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+              grammar: object = None) -> Draft:
         if n_max <= 0:
             return Draft([])
         h = self._hist.get(seq, [])

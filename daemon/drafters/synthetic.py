@@ -51,7 +51,8 @@ class SyntheticDrafter(Drafter):
         self.rates = rates
         self._rng = np.random.default_rng(seed)
 
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams) -> Draft:
+    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+              grammar: object = None) -> Draft:
         n = min(n_max, len(self.rates))
         return Draft([last] * n, valid=False)
 

@@ -1,0 +1,388 @@
+"""Grammar-constrained generation: llguidance matchers over specd's tokenizer.
+
+One request with a constraint::
+
+    grammar = compile_constraint("json_schema", schema, tokenizer)   # GrammarError -> 400
+    state = grammar.start()                                           # one per request
+    mask = state.allowed(n_vocab)        # [n_vocab] bool: tokens that may come next
+    token = sampler.sample(logits, mask)
+    state.consume(token)
+
+Under speculation the draft advances ``state.fork()`` along its own proposals (sampling
+each under the fork's mask), and the verifier advances the request's state only over the
+tokens it emits (``verify_greedy`` / ``verify_rejection`` with ``grammar=state``).
+
+The llguidance tokenizer is built from :meth:`Tokenizer.token_bytes` (the bytes each id
+stands for, the same table specd decodes with), so the grammar sees exactly the text the
+client will get.  Control, unknown and unused tokens (and user-defined ones spelled
+``<...>``) are special to llguidance: they never match grammar text.  Every
+end-of-generation id (``Tokenizer.eot_ids``) is an EOS for llguidance: those are allowed
+exactly when the text so far is a complete match.  Ids at or past the tokenizer's size
+(logits rows that pad the vocabulary, e.g. Qwen2.5's) are never allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance as llg
+import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
+from tokenizers import Tokenizer as _Backend
+from tokenizers import normalizers
+
+from .tokenizer import CONTROL, SPIECE_SPACE, UNKNOWN, UNUSED, USER_DEFINED, Tokenizer
+
+__all__ = [
+    "CONSTRAINT_KINDS",
+    "JSON_WHITESPACE",
+    "Grammar",
+    "GrammarError",
+    "GrammarState",
+    "GrammarViolation",
+    "compile_constraint",
+    "lltokenizer_for",
+]
+
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "lark", "gbnf")
+
+# Whitespace a JSON constraint allows between tokens: none, one space, or one or two
+# newlines and an indent of at most 20 (llama.cpp's json-schema-to-grammar `space` rule).
+# llguidance's own default allows any amount, which lets a model loop on whitespace.
+# A schema's "x-guidance" options override this.
+JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
+
+_JSON_DEFAULTS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE}
+_COMPILED_CACHE_SIZE = 64  # compiled constraints kept per tokenizer
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled; the message names the problem."""
+
+
+class GrammarViolation(ValueError):
+    """A token the grammar does not allow at this point was consumed."""
+
+
+# --- the llguidance tokenizer, one per specd Tokenizer -------------------------------------
+
+
+class _TokenizerView:
+    """What ``llguidance.TokenizerWrapper`` needs: token bytes, EOS, special ids, encode."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        eog = sorted(tok.eot_ids) or ([tok.eos_id] if tok.eos_id is not None else [])
+        if not eog:
+            raise GrammarError(
+                "the model's vocabulary has no end-of-generation token, so a constrained "
+                "output could never end"
+            )
+        self.eog_ids: list[int] = eog
+        self.eos_token_id = tok.eos_id if tok.eos_id is not None else eog[0]
+        self.bos_token_id = tok.bos_id
+        n = tok.vocab_size
+        self.tokens: list[bytes] = [tok.token_bytes(i) for i in range(n)]
+        self.special_token_ids: list[int] = [
+            i for i in range(n) if _is_special(tok.token_type(i), self.tokens[i])
+        ]
+        self._tok = tok
+        self._plain: _Backend | None = None
+        if tok.strips_leading_space:
+            # encode() puts "▁" in front of the text; llguidance wants the text's own tokens
+            plain = _Backend(tok.backend.model)
+            plain.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+            self._plain = plain
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # TokenizerWrapper probes with bytes: say we take str
+            raise TypeError("text must be str")
+        if self._plain is not None:
+            return list(self._plain.encode(text, add_special_tokens=False).ids)
+        return self._tok.encode(text, add_bos=False, add_eos=False, parse_special=False)
+
+
+def _is_special(token_type: int, data: bytes) -> bool:
+    if token_type in (CONTROL, UNKNOWN, UNUSED):
+        return True
+    return token_type == USER_DEFINED and data.startswith(b"<") and data.endswith(b">")
+
+
+@dataclass
+class _TokenizerEntry:
+    lltok: llg.LLTokenizer
+    n_tokens: int
+    eog_ids: tuple[int, ...]
+    compiled: OrderedDict[tuple[str, str], Grammar]
+
+
+_entries: weakref.WeakKeyDictionary[Tokenizer, _TokenizerEntry] = weakref.WeakKeyDictionary()
+_entries_lock = threading.Lock()
+_copy_lock = threading.Lock()  # LLMatcher.deep_copy of a template shared between requests
+
+
+def _entry(tok: Tokenizer) -> _TokenizerEntry:
+    with _entries_lock:
+        entry = _entries.get(tok)
+        if entry is None:
+            view = _TokenizerView(tok)
+            lltok = llg.LLTokenizer(llg.TokenizerWrapper(view), eos_token=view.eog_ids)
+            entry = _TokenizerEntry(lltok, len(view.tokens), tuple(view.eog_ids), OrderedDict())
+            _entries[tok] = entry
+        return entry
+
+
+def lltokenizer_for(tok: Tokenizer) -> llg.LLTokenizer:
+    """The llguidance tokenizer for ``tok`` (built once per Tokenizer object, ~0.5-2 s)."""
+    return _entry(tok).lltok
+
+
+# --- compiling ------------------------------------------------------------------------------
+
+
+def compile_constraint(kind: str, spec: Any, tokenizer: Tokenizer) -> Grammar:
+    """Compile a constraint for ``tokenizer``'s vocabulary.
+
+    kind:
+      * ``json_object``: any JSON object (``spec`` ignored; may be None).
+      * ``json_schema``: ``spec`` is a JSON Schema, as a dict or a JSON string.
+      * ``regex``: ``spec`` is a regular expression (Rust ``regex`` syntax) the whole
+        output must match.
+      * ``lark``: llguidance's Lark-like grammar text (a GBNF grammar, with ``::=`` rules
+        and no ``start:`` rule, is converted).
+      * ``gbnf``: llama.cpp GBNF grammar text (Lark text is accepted as is).
+
+    Raises GrammarError with llguidance's message when the constraint does not compile.
+    Compiled constraints are cached per tokenizer (the result is immutable: call
+    :meth:`Grammar.start` for each request).
+    """
+    key_text, source = _grammar_source(kind, spec)
+    entry = _entry(tokenizer)
+    key = (kind, key_text)
+    with _entries_lock:
+        cached = entry.compiled.get(key)
+        if cached is not None:
+            entry.compiled.move_to_end(key)
+            return cached
+    matcher = llg.LLMatcher(entry.lltok, source, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(f"invalid {kind} constraint: {_clean_error(matcher.get_error())}")
+    grammar = Grammar(kind, source, matcher, entry.n_tokens, entry.eog_ids)
+    with _entries_lock:
+        entry.compiled[key] = grammar
+        while len(entry.compiled) > _COMPILED_CACHE_SIZE:
+            entry.compiled.popitem(last=False)
+    return grammar
+
+
+def _grammar_source(kind: str, spec: Any) -> tuple[str, str]:
+    """(cache key text, llguidance grammar definition) for one constraint."""
+    if kind == "json_object":
+        return "", llg.LLMatcher.grammar_from_json_schema({"type": "object"}, _JSON_DEFAULTS)
+    if kind == "json_schema":
+        schema = _schema_dict(spec)
+        try:
+            text = json.dumps(schema, sort_keys=True)
+            return text, llg.LLMatcher.grammar_from_json_schema(text, _JSON_DEFAULTS)
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"invalid json_schema constraint: {e}") from None
+    if not isinstance(spec, str):
+        raise GrammarError(f"a {kind} constraint must be a string, got {type(spec).__name__}")
+    if kind == "regex":
+        return spec, llg.LLMatcher.grammar_from_regex(spec)
+    if kind in ("lark", "gbnf"):
+        text = spec
+        if kind == "gbnf" or (not is_lark_syntax(text) and "::=" in text):
+            try:
+                text = any_to_lark(text)
+            except Exception as e:  # noqa: BLE001 - the converter raises assorted errors
+                raise GrammarError(f"invalid {kind} grammar: {e}") from None
+        return spec, llg.LLMatcher.grammar_from_lark(text)
+    raise GrammarError(
+        f"unknown constraint kind {kind!r}; supported: {', '.join(CONSTRAINT_KINDS)}"
+    )
+
+
+def _schema_dict(spec: Any) -> dict[str, Any]:
+    if isinstance(spec, str | bytes):
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise GrammarError(f"invalid json_schema constraint: not JSON: {e}") from None
+    if isinstance(spec, bool):  # JSON Schema allows true (anything) / false (nothing)
+        spec = {} if spec else {"not": {}}
+    if not isinstance(spec, dict):
+        raise GrammarError(
+            f"invalid json_schema constraint: a schema is a JSON object, got {type(spec).__name__}"
+        )
+    return spec
+
+
+_STATE_DUMP = re.compile(r"\n<state>.*", re.DOTALL)
+
+
+def _clean_error(message: str) -> str:
+    """llguidance's message without the parser-state dump it may append."""
+    return _STATE_DUMP.sub("", message).strip() or "unknown grammar error"
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """A compiled constraint for one vocabulary; :meth:`start` one state per request."""
+
+    kind: str
+    source: str  # the llguidance grammar definition (JSON text)
+    _template: llg.LLMatcher
+    n_tokens: int  # the tokenizer's vocabulary size: ids >= this are never allowed
+    eog_ids: tuple[int, ...]  # the ids llguidance treats as EOS
+
+    def start(self) -> GrammarState:
+        """A fresh matcher at the start of the output."""
+        with _copy_lock:
+            matcher = self._template.deep_copy()
+        return GrammarState(matcher, self.n_tokens)
+
+
+# --- per-request state ------------------------------------------------------------------------
+
+
+class GrammarState:
+    """Where one output stands in its grammar.
+
+    ``allowed(n)`` is the mask of tokens that may come next (EOS ids included once the text
+    is a complete match); ``consume`` advances by one token, ``rollback`` undoes tokens,
+    ``fork`` gives an independent copy (for a draft to advance along its proposals).
+    """
+
+    def __init__(self, matcher: llg.LLMatcher, n_tokens: int, counted: Sequence[bool] = ()) -> None:
+        self._m = matcher
+        self._n_tokens = n_tokens
+        # one entry per consumed token: did llguidance record it?  (A token consumed once
+        # the matcher is stopped, i.e. an EOS, is not in its history and must not be
+        # rolled back there.)
+        self._counted: list[bool] = list(counted)
+        self._mask: np.ndarray | None = None  # [n_tokens] bool for the current state
+        self._padded: dict[int, np.ndarray] = {}  # n_vocab -> [n_vocab] read-only
+
+    # -- the mask ------------------------------------------------------------------------
+
+    def allowed(self, n_vocab: int) -> np.ndarray:
+        """[n_vocab] bool (read-only): which tokens may come next.
+
+        Ids at or past the tokenizer's vocabulary are False (the logits may have more rows).
+        After a violation or a dead end every entry is False.
+        """
+        out = self._padded.get(n_vocab)
+        if out is None:
+            base = self._base_mask()  # [n_tokens]
+            out = np.zeros(n_vocab, dtype=bool)  # [n_vocab]
+            width = min(n_vocab, base.shape[0])
+            out[:width] = base[:width]
+            out.setflags(write=False)
+            self._padded[n_vocab] = out
+        return out
+
+    def _base_mask(self) -> np.ndarray:
+        if self._mask is None:
+            if self._m.is_error():
+                mask = np.zeros(self._n_tokens, dtype=bool)
+            else:
+                bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+                mask = np.unpackbits(bits, bitorder="little")[: self._n_tokens].astype(bool)
+                if self._m.is_error():  # the mask computation itself can hit a limit
+                    mask[:] = False
+            mask.setflags(write=False)
+            self._mask = mask
+        return self._mask
+
+    def is_allowed(self, token: int) -> bool:
+        token = int(token)
+        return 0 <= token < self._n_tokens and bool(self._base_mask()[token])
+
+    # -- moving ---------------------------------------------------------------------------
+
+    def consume(self, token: int) -> None:
+        """Advance by ``token``; GrammarViolation (state unchanged) if it is not allowed."""
+        token = int(token)
+        if not self.is_allowed(token):
+            raise GrammarViolation(f"token {token} is not allowed by the grammar here")
+        counted = not self._m.is_stopped()
+        ok = self._m.consume_token(token)
+        self._changed()
+        if not ok:  # allowed by the mask, so this is llguidance's internal failure
+            raise GrammarViolation(
+                f"the grammar failed on token {token}: {_clean_error(self._m.get_error())}"
+            )
+        self._counted.append(counted)
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar would accept in turn (state unchanged)."""
+        ids = [int(t) for t in tokens]
+        n_ok = next((i for i, t in enumerate(ids) if not 0 <= t < self._n_tokens), len(ids))
+        if n_ok == 0 or self._m.is_error():
+            return 0
+        return int(self._m.validate_tokens(ids[:n_ok]))
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` consumed tokens."""
+        if n < 0 or n > len(self._counted):
+            raise ValueError(f"cannot roll back {n} of {len(self._counted)} consumed tokens")
+        if n == 0:
+            return
+        k = sum(self._counted[-n:])
+        if k and not self._m.rollback(k):
+            raise GrammarViolation(f"rollback failed: {_clean_error(self._m.get_error())}")
+        del self._counted[-n:]
+        self._changed()
+
+    def fork(self) -> GrammarState:
+        """An independent copy (same position); advancing it leaves this state alone."""
+        other = GrammarState(self._m.deep_copy(), self._n_tokens, self._counted)
+        other._mask, other._padded = self._mask, dict(self._padded)  # immutable arrays
+        return other
+
+    def _changed(self) -> None:
+        self._mask = None
+        self._padded = {}
+
+    # -- where it stands ------------------------------------------------------------------------
+
+    @property
+    def n_consumed(self) -> int:
+        return len(self._counted)
+
+    def is_accepting(self) -> bool:
+        """The text so far is a complete match (the output may end here: EOS is allowed)."""
+        return not self._m.is_error() and self._m.is_accepting()
+
+    def is_stopped(self) -> bool:
+        """Nothing but EOS can follow (or the grammar is dead): the request should end."""
+        return self._m.is_stopped() or self.dead_end
+
+    @property
+    def dead_end(self) -> bool:
+        """No token can continue and the text is not a complete match (or the grammar
+        failed): the request must stop (finish reason "grammar_dead_end")."""
+        if self._m.is_error():
+            return True
+        if self._m.is_accepting():
+            return False
+        return bool(self._m.is_stopped()) or not self._base_mask().any()
+
+    @property
+    def stop_reason(self) -> str | None:
+        """None while the output can go on; otherwise why not (llguidance's reason:
+        "EndOfSentence", "NoExtension", ..., "error: <message>" or "no allowed token")."""
+        if self._m.is_error():
+            return f"error: {_clean_error(self._m.get_error())}"
+        if self._m.is_stopped():
+            return str(self._m.stop_reason())
+        if not self._m.is_accepting() and not self._base_mask().any():
+            return "no allowed token"
+        return None
