@@ -7,7 +7,6 @@ import json
 import jsonschema
 import pytest
 from live_server import live_server
-
 from specd.daemon.drafters.base import DraftParams
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
