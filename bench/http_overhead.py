@@ -18,10 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from live_server import live_server  # noqa: E402
 from specd.daemon.engine import EngineConfig  # noqa: E402
 from specd.daemon.generation import GenerationParams  # noqa: E402
 from specd.ipc.client import Client  # noqa: E402
+
+from live_server import live_server  # noqa: E402
 
 
 def in_process(engine, prompt: list[int], n: int) -> float:  # noqa: ANN001

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tiny_gguf import write_tiny_gguf
 
 

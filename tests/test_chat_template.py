@@ -8,12 +8,13 @@ import logging
 from datetime import datetime
 
 import pytest
+from test_tokenizer import GOLDEN, real_metadata
+
 from specd.daemon.chat_template import (
     CHATML_FALLBACK,
     ChatTemplateError,
     render_chat,
 )
-from test_tokenizer import GOLDEN, real_metadata
 
 TEMPLATE_MODELS = sorted(
     name for name in GOLDEN if not name.startswith("_") and GOLDEN[name].get("chats")

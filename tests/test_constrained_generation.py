@@ -6,7 +6,7 @@ import json
 
 import jsonschema
 import pytest
-from live_server import live_server
+
 from specd.daemon.drafters.base import DraftParams
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
@@ -18,6 +18,8 @@ from specd.daemon.tokenizer import Tokenizer
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
+
+from live_server import live_server
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

@@ -24,6 +24,7 @@ from typing import Any
 import jsonschema
 import numpy as np
 import pytest
+
 from specd.daemon import grammar as grammar_mod
 from specd.daemon.grammar import (
     Grammar,

@@ -10,9 +10,11 @@ import threading
 import time
 
 import pytest
-from live_server import live_server
+
 from specd.daemon.engine import EngineConfig
 from specd.ipc.client import AsyncClient, Client, DaemonError
+
+from live_server import live_server
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numpy_reference import ReferenceModel
+
 from specd.ort_models.gguf_file import GGUFError
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ContextFull, ModelRunner
+
+from numpy_reference import ReferenceModel
 from tiny_gguf import write_corrupt_variants
 
 K_DIMS = {"n_embd": 256, "n_ff": 512}

@@ -6,6 +6,7 @@ import ast
 import re
 
 import pytest
+
 from specd.daemon.drafters.base import DraftParams
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.engine import Engine, EngineConfig

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
+
 from numpy_reference import ReferenceModel, rms_norm, rope
 from tiny_gguf import (
     CHATML_TEMPLATE,

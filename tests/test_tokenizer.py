@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from specd.daemon.detokenize import IncrementalDetokenizer
 from specd.daemon.tokenizer import (
     BYTE,
