@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from specd.daemon import model_store
 from specd.daemon.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, CatalogEntry
 from specd.daemon.model_store import (

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from specd.daemon.sampling import (
     Sampler,
     SamplerParams,

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import pytest
+
 from specd.daemon import verify
 from specd.daemon.sampling import Sampler, SamplerParams, softmax
 from specd.daemon.verify import (
