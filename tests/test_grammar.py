@@ -46,44 +46,11 @@ from specd.daemon.tokenizer import Tokenizer
 from specd.daemon.verify import verify_greedy, verify_rejection
 from specd.ort_models.gguf_file import GGUFFile
 
-PASS_P = 1e-4  # a correct rule must not look this unlikely
-FAIL_P = 1e-12  # a broken rule must look at least this unlikely
+from chi_square import FAIL_P, PASS_P, chi2_pvalue  # noqa: F401
+
 TINY_LOGITS = 384  # the tiny vocabulary has 352 ids; the "model" has more logits rows
 
 SMOLLM2 = Path("~/.local/share/specd/models/smollm2-135m-instruct.gguf").expanduser()
-
-
-# -- chi-square (as in tests/test_verify.py) ---------------------------------------------
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """Survival function of the chi-square distribution (closed form for integer df)."""
-    if x <= 0.0:
-        return 1.0
-    h = x / 2.0
-    if df % 2 == 0:
-        return math.fsum(math.exp(j * math.log(h) - h - math.lgamma(j + 1)) for j in range(df // 2))
-    tail = math.fsum(
-        math.exp((j - 0.5) * math.log(h) - h - math.lgamma(j + 0.5))
-        for j in range(1, (df - 1) // 2 + 1)
-    )
-    return math.erfc(math.sqrt(h)) + tail
-
-
-def chi2_pvalue(counts: np.ndarray, expected_p: np.ndarray) -> float:
-    """Goodness-of-fit p-value of ``counts`` against ``expected_p``.
-
-    A hit where the expected probability is 0 gives p = 0 (the token can never be produced).
-    """
-    counts = np.asarray(counts, dtype=np.float64).ravel()
-    p = np.asarray(expected_p, dtype=np.float64).ravel()
-    if counts[p == 0].sum() > 0:
-        return 0.0
-    support = p > 0
-    expected = counts.sum() * p[support]
-    assert expected.min() >= 5, "test design: too few expected counts for chi-square"
-    stat = float(np.sum((counts[support] - expected) ** 2 / expected))
-    return chi2_sf(stat, int(support.sum()) - 1)
 
 
 # -- fixtures ------------------------------------------------------------------------------

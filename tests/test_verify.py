@@ -10,8 +10,6 @@ the power to see the bias they guard against.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -25,59 +23,7 @@ from specd.daemon.verify import (
     verify_rejection,
 )
 
-PASS_P = 1e-4  # a correct rule must not look this unlikely
-FAIL_P = 1e-12  # a broken rule must look at least this unlikely
-
-
-# -- chi-square ----------------------------------------------------------------
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """Survival function of the chi-square distribution (closed form for integer df)."""
-    if x <= 0.0:
-        return 1.0
-    h = x / 2.0
-    if df % 2 == 0:  # Q(k, h) = e^-h sum_{j<k} h^j / j!
-        return math.fsum(math.exp(j * math.log(h) - h - math.lgamma(j + 1)) for j in range(df // 2))
-    # Q(k + 1/2, h) = erfc(sqrt h) + e^-h sum_{j=1..k} h^(j-1/2) / Gamma(j+1/2)
-    tail = math.fsum(
-        math.exp((j - 0.5) * math.log(h) - h - math.lgamma(j + 0.5))
-        for j in range(1, (df - 1) // 2 + 1)
-    )
-    return math.erfc(math.sqrt(h)) + tail
-
-
-def chi2_pvalue(counts: np.ndarray, expected_p: np.ndarray) -> float:
-    """Goodness-of-fit p-value of ``counts`` against ``expected_p`` (any shape).
-
-    Cells the target gives probability 0 must be empty: one hit there is a hard error.
-    """
-    counts = np.asarray(counts, dtype=np.float64).ravel()
-    p = np.asarray(expected_p, dtype=np.float64).ravel()
-    assert counts[p == 0].sum() == 0, "token emitted that the target can never produce"
-    support = p > 0
-    expected = counts.sum() * p[support]
-    assert expected.min() >= 5, "test design: too few expected counts for chi-square"
-    stat = float(np.sum((counts[support] - expected) ** 2 / expected))
-    return chi2_sf(stat, int(support.sum()) - 1)
-
-
-@pytest.mark.parametrize(
-    ("x", "df", "sf"),
-    [
-        (3.841459, 1, 0.05),
-        (5.991465, 2, 0.05),
-        (7.814728, 3, 0.05),
-        (11.0705, 5, 0.05),
-        (18.30704, 10, 0.05),
-        (23.20925, 10, 0.01),
-        (42.55697, 29, 0.05),
-        (0.0, 4, 1.0),
-    ],
-)
-def test_chi2_sf_matches_tabulated_critical_values(x: float, df: int, sf: float) -> None:
-    assert chi2_sf(x, df) == pytest.approx(sf, rel=1e-4)
-
+from chi_square import FAIL_P, PASS_P, chi2_pvalue, chi2_sf  # noqa: F401
 
 # -- helpers -------------------------------------------------------------------
 
@@ -366,3 +312,20 @@ def test_joint_test_catches_a_history_that_does_not_advance(
     params = SamplerParams(temperature=1.0, repeat_penalty=3.0)
     counts = _first_two_tokens(params, n_trials=12_000, seed=8)
     assert chi2_pvalue(counts, _expected_joint(params)) < FAIL_P
+
+
+@pytest.mark.parametrize(
+    ("x", "df", "sf"),
+    [
+        (3.841459, 1, 0.05),
+        (5.991465, 2, 0.05),
+        (7.814728, 3, 0.05),
+        (11.0705, 5, 0.05),
+        (18.30704, 10, 0.05),
+        (23.20925, 10, 0.01),
+        (42.55697, 29, 0.05),
+        (0.0, 4, 1.0),
+    ],
+)
+def test_chi2_sf_matches_tabulated_critical_values(x: float, df: int, sf: float) -> None:
+    assert chi2_sf(x, df) == pytest.approx(sf, rel=1e-4)
