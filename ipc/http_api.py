@@ -120,6 +120,13 @@ async def _constraint(svc: Service, body: dict[str, Any]) -> Grammar | None:
         raise BadRequest(str(exc), param="response_format" if rf else None) from None
 
 
+def _check_fits(svc: Service, prompt: list[int], params: GenerationParams, param: str) -> None:
+    try:
+        svc.check_prompt(prompt, params.max_tokens)
+    except RequestError as exc:
+        raise BadRequest(str(exc), code="context_length_exceeded", param=param) from None
+
+
 def _n_is_one(body: dict[str, Any]) -> None:
     if get(body, "n", int, 1) != 1:
         raise BadRequest("only n=1 is supported", param="n")
@@ -199,11 +206,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     created = int(time.time())
     model = svc.engine.target.name
     obj = "chat.completion" if chat else "text_completion"
-    try:
-        svc.check_prompt(prompt, params.max_tokens)
-    except RequestError as exc:
-        raise BadRequest(str(exc), code="context_length_exceeded", param="messages"
-                         if chat else "prompt") from None
+    _check_fits(svc, prompt, params, "messages" if chat else "prompt")
     if not get(body, "stream", bool, False):
         r = await _collect(svc, prompt, params, stop=stop, grammar=grammar)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _oai_finish(r.finish_reason),
@@ -290,10 +293,7 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
     stop = stop_list(body)
     cache_prompt = get(body, "cache_prompt", bool, True)
     t_max = get(body, "t_max_predict_ms", (int, float), None, lo=0)
-    try:
-        svc.check_prompt(prompt, params.max_tokens)
-    except RequestError as exc:
-        raise BadRequest(str(exc), code="context_length_exceeded", param="prompt") from None
+    _check_fits(svc, prompt, params, "prompt")
     kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max,
               grammar=await _constraint(svc, body))
 
