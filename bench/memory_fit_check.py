@@ -20,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+
 from specd.daemon.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from specd.daemon.cli_fit import fit_models
 from specd.daemon.engine import Engine, EngineConfig

@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import cli_bench, cli_generate, cli_serve
+from . import cli_bench, cli_fit, cli_generate, cli_serve
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cli_serve.run)
 
     cli_bench.add_bench_parser(sub)
+    cli_fit.add_fit_parser(sub)
 
     models = sub.add_parser("models", help="the model catalog and local store")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")

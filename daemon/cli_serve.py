@@ -27,6 +27,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="allow a non-loopback --host (a token is then always required)")
     p.add_argument("--allow-origin", action="append", default=[],
                    help="a browser Origin allowed to call the API (repeatable)")
+    p.add_argument("--no-fit", action="store_true",
+                   help="use -c and --slots as given instead of the measured memory plan")
+
+
+def plan_memory(args: argparse.Namespace) -> dict | None:
+    """Fit the context and slots to measured memory (-c is the upper bound); may drop the
+    draft, with a warning. Returns the plan for /props."""
+    from .cli_fit import fit_models
+
+    if args.no_fit:
+        return None
+    plan, _ = fit_models(args.model, args.draft if args.spec_type in ("auto", "draft") else None,
+                         device=args.device, slots=args.slots, max_ctx=args.n_ctx,
+                         threads=args.threads, fetch=not args.no_fetch)
+    for w in plan.warnings:
+        print(f"specd: warning: {w}", file=sys.stderr)
+    print(f"specd: memory plan: n_ctx {plan.n_ctx}, slots {plan.slots}"
+          + (", draft dropped" if plan.draft_dropped else ""), file=sys.stderr)
+    args.n_ctx, args.slots = plan.n_ctx, plan.slots
+    if plan.draft_dropped:
+        args.draft = None
+        if args.spec_type == "draft":
+            args.spec_type = "none"
+    return plan.as_dict()
 
 
 def build_service(args: argparse.Namespace):  # noqa: ANN201
@@ -52,13 +76,15 @@ def run(args: argparse.Namespace) -> int:
                        allow_non_loopback=args.allow_non_loopback,
                        allowed_origins=set(args.allow_origin))
     token = resolve_token(scfg)
+    memory_plan = plan_memory(args)
     service = build_service(args)
     print(f"specd: {service.engine.runtime.describe()}", file=sys.stderr)
     d = service.engine.describe()
     print(f"specd: target {d['target']['name']}, spec {d['spec_type']}"
           + (f", draft {d['draft']['name']}" if "draft" in d else "")
           + f", n_ctx {d['n_ctx']}, slots {d['slots']}", file=sys.stderr, flush=True)
-    app = create_app(service, allowed_origins=scfg.allowed_origins, token=token)
+    app = create_app(service, allowed_origins=scfg.allowed_origins, token=token,
+                     memory_plan=memory_plan)
     try:
         asyncio.run(serve_forever(app, scfg))
     except KeyboardInterrupt:

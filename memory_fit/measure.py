@@ -6,6 +6,11 @@
   the model; on CUDA that one-time cost is recorded as `runtime_bytes`.
 * KV: from the hyper-parameters, layers x kv heads x head dim x 2 (K, V) x 4 bytes per
   token per sequence (the runner's float32 buffers [1, n_kv, n_ctx, head_dim]).
+* host (CPU only): the parsed GGUF header (GGUFFile) and the tokenizer built from it, RSS
+  deltas measured last (the tokenizer's freed scratch would otherwise be reused by the
+  session and hide ~100 MB of workspace); the engine keeps both for the target and the
+  header for the draft.
+* load overhead: the peak above the settled weights while the session is created.
 * workspace: the activations and arena growth of the worst call, a full prefill chunk of
   ATTN_BUCKET tokens that attends over the whole context. It is measured at two context
   sizes A < B (chunks at positions A-256 and B-256, attn_len A and B, on one session) as
@@ -29,15 +34,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..ort_models.graph_builder import ATTN_BUCKET
 
+if TYPE_CHECKING:
+    from ..ort_models.model_cache import BuiltModel
+
 COST_FILE = "memory_cost.json"
-COST_VERSION = 1
+COST_VERSION = 2
 DEFAULT_POINTS_CAP = 2048  # largest context measured by default (B)
 
 
@@ -55,6 +63,9 @@ class ModelCost:
     workspace_per_ctx: float = 0.0  # extra workspace per token of context
     n_ctx_train: int = 0  # the model's trained context; 0 = unknown
     runtime_bytes: int = 0  # once per process on this device (CUDA context), not per model
+    load_extra_bytes: int = 0  # transient above weights_bytes while the session is created
+    metadata_bytes: int = 0  # host RAM of the parsed GGUF header the engine keeps
+    tokenizer_bytes: int = 0  # host RAM of its tokenizer (built for the target only)
     name: str = ""
     points: tuple[tuple[int, int], ...] = ()  # measured (n_ctx, workspace bytes)
 
@@ -212,7 +223,7 @@ def default_points(n_ctx_train: int, cap: int = DEFAULT_POINTS_CAP) -> tuple[int
     return a, b
 
 
-def measure(built: Any, device: str = "cpu", *, threads: int | None = None,
+def measure(built: BuiltModel, device: str = "cpu", *, threads: int | None = None,
             use_cache: bool = True, isolate: bool = True,
             points: tuple[int, int] | None = None) -> ModelCost:
     """The ModelCost of a BuiltModel on `device` ("cpu" / "cuda:N"), cached per folder."""
@@ -227,7 +238,7 @@ def measure(built: Any, device: str = "cpu", *, threads: int | None = None,
             return hit
     pts = points or default_points(built.hparams.n_ctx_train)
     if isolate:
-        cost = _measure_subprocess(folder, key_device, threads, pts)
+        cost = _measure_subprocess(folder, key_device, threads, pts, Path(built.gguf_path))
     else:
         cost = measure_in_process(built, key_device, threads, pts)
     _write_cache(folder, cache_key(key_device, threads), cost)
@@ -241,10 +252,11 @@ def _canonical_device(device: str) -> str:
     return "cpu" if kind == "cpu" else f"cuda:{index}"
 
 
-def _measure_subprocess(folder: Path, device: str, threads: int,
-                        points: tuple[int, int]) -> ModelCost:
+def _measure_subprocess(folder: Path, device: str, threads: int, points: tuple[int, int],
+                        gguf: Path) -> ModelCost:
     cmd = [sys.executable, "-m", "specd.memory_fit.measure", str(folder), "--device", device,
-           "--threads", str(threads), "--points", f"{points[0]},{points[1]}"]
+           "--threads", str(threads), "--points", f"{points[0]},{points[1]}",
+           "--gguf", str(gguf)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -253,7 +265,7 @@ def _measure_subprocess(folder: Path, device: str, threads: int,
     return ModelCost.from_dict(json.loads(lines[-1]))
 
 
-def built_from_folder(folder: str | os.PathLike[str]) -> Any:
+def built_from_folder(folder: str | os.PathLike[str]) -> BuiltModel:
     """A BuiltModel from a graph folder's meta.json (no GGUF parsing, no hashing)."""
     from ..ort_models.arch import HParams
     from ..ort_models.graph_builder import BuildOptions
@@ -283,7 +295,7 @@ class _DeviceUsed:
             return rss_bytes()
         return self._probe.read().used_bytes
 
-    def peak_of(self, fn: Any) -> int:
+    def peak_of(self, fn: Callable[[], object]) -> int:
         """Run fn(); the peak in use during it (CUDA: after it, the arena keeps its peak)."""
         if self._probe is not None:
             fn()
@@ -316,7 +328,7 @@ def _warm_runtime(device: str, threads: int) -> None:
     sess.run(None, {"x": np.zeros(1, np.float32)})
 
 
-def measure_in_process(built: Any, device: str, threads: int,
+def measure_in_process(built: BuiltModel, device: str, threads: int,
                        points: tuple[int, int]) -> ModelCost:
     """Measure in this process (best in a fresh one: see `measure(isolate=True)`)."""
     import gc
@@ -337,7 +349,10 @@ def measure_in_process(built: Any, device: str, threads: int,
     gc.collect()
     r0 = used.now()
     runtime = choose_runtime(device)
-    runner = ModelRunner(built, n_ctx=b, n_seq=0, threads=threads, runtime=runtime)
+    box: list[ModelRunner] = []
+    load_peak = used.peak_of(lambda: box.append(
+        ModelRunner(built, n_ctx=b, n_seq=0, threads=threads, runtime=runtime)))
+    runner = box[0]
     gc.collect()
     r1 = used.now()
     runner.add_sequence()  # KV for n_ctx = b
@@ -349,11 +364,40 @@ def measure_in_process(built: Any, device: str, threads: int,
         # the chunk at positions ctx-256 .. ctx-1 attends over ctx keys (attn_len = ctx)
         peak = used.peak_of(lambda c=ctx: runner.forward(0, tokens, c - ATTN_BUCKET))
         pts.append((ctx, max(0, peak - r2)))
-
+    # last, so the session and its runs see a heap without freed blocks to reuse
+    host = _HostCost(Path(built.gguf_path)) if device == "cpu" else None  # RAM = the device
     return ModelCost.from_points(
         max(0, r1 - r0), hp.kv_bytes_per_token(), pts, n_ctx_train=hp.n_ctx_train,
         runtime_bytes=max(0, r0 - before_env) if device != "cpu" else 0,
+        load_extra_bytes=max(0, load_peak - r1) if device == "cpu" else 0,
+        metadata_bytes=host.metadata_bytes if host else 0,
+        tokenizer_bytes=host.tokenizer_bytes if host else 0,
         name=Path(str(built.gguf_path)).stem)
+
+
+class _HostCost:
+    """RSS of what the engine keeps per model besides the session: the parsed GGUF header
+    and the tokenizer built from it (kept alive here, so later deltas do not reuse it)."""
+
+    def __init__(self, gguf: Path):
+        self.metadata_bytes = self.tokenizer_bytes = 0
+        self._keep: list[object] = []
+        if not gguf.is_file():  # graph folder built from a file since moved: no host part
+            return
+        from ..ort_models.gguf_file import GGUFFile
+
+        r = rss_bytes()
+        f = GGUFFile(gguf)
+        self._keep.append(f)
+        self.metadata_bytes = max(0, rss_bytes() - r)
+        try:
+            from ..daemon.tokenizer import Tokenizer
+
+            r = rss_bytes()
+            self._keep.append(Tokenizer.from_metadata(f.metadata))
+            self.tokenizer_bytes = max(0, rss_bytes() - r)
+        except Exception:  # noqa: BLE001 - no usable tokenizer: nothing to count
+            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -362,8 +406,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--points", default="")
+    ap.add_argument("--gguf", default="", help="the GGUF file (default: meta.json's)")
     args = ap.parse_args(argv)
     built = built_from_folder(args.folder)
+    if args.gguf:
+        built = dataclasses.replace(built, gguf_path=Path(args.gguf))
     pts = (tuple(int(x) for x in args.points.split(",")) if args.points
            else default_points(built.hparams.n_ctx_train))
     from ..ort_models.runner import default_threads

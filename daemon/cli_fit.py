@@ -1,0 +1,130 @@
+"""`specd fit`: measure the models on the device and show the context/slots that fit.
+
+`fit_models()` is the same path for `specd serve` start: snapshot the free memory first
+(measuring loads the models, in a subprocess), build/load the graphs, measure (cached in
+each graph folder), then plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..memory_fit.measure import MeasureError, ModelCost, measure
+from ..memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError, Plan, fit
+from ..memory_fit.probes import FakeProbe, MemoryProbe, ProbeError, probe_for
+
+if TYPE_CHECKING:
+    from ..ort_models.model_cache import BuiltModel
+
+EXIT_OK, EXIT_ERROR = 0, 1
+
+BuildProgress = Callable[[str], Any]
+
+
+def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `specd fit` to the `specd` subparsers; the handler is `args.func(args) -> int`."""
+    from .catalog import DEFAULT_TARGET
+
+    p = subparsers.add_parser("fit", help="measure the models and show what fits in memory")
+    p.add_argument("-m", "--model", default=DEFAULT_TARGET,
+                   help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
+    p.add_argument("-md", "--model-draft", dest="draft", default=None,
+                   help="draft GGUF path or catalog name")
+    p.add_argument("--slots", type=int, default=1, help="parallel sequences (default 1)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda:N (default auto)")
+    p.add_argument("--margin-mb", type=float, default=DEFAULT_MARGIN_BYTES / 2**20,
+                   help=f"memory left free, MiB (default {DEFAULT_MARGIN_BYTES >> 20})")
+    p.add_argument("--min-ctx", type=int, default=DEFAULT_MIN_CTX,
+                   help=f"smallest acceptable context (default {DEFAULT_MIN_CTX})")
+    p.add_argument("--max-ctx", type=int, default=None,
+                   help="largest context wanted (default: the models' trained context)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
+    p.add_argument("--remeasure", action="store_true", help="ignore cached measurements")
+    p.add_argument("--no-fetch", action="store_true", help="never download catalog models")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run_fit)
+    return p
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> what the engine would use ("cpu" / "cuda:N"); "cuda" -> "cuda:0"."""
+    from ..ort_models.providers import choose_runtime
+
+    if device == "auto":
+        return choose_runtime("auto").device
+    if device == "cuda":
+        return "cuda:0"
+    return device
+
+
+def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | None = None,
+               *, device: str = "auto", slots: int = 1,
+               margin_bytes: int = DEFAULT_MARGIN_BYTES, min_ctx: int = DEFAULT_MIN_CTX,
+               max_ctx: int | None = None, threads: int | None = None, fetch: bool = True,
+               use_cache: bool = True, probe: MemoryProbe | None = None,
+               build_progress: BuildProgress | None = None) -> tuple[Plan, list[ModelCost]]:
+    """Resolve, build, measure and fit target (+ draft); returns the plan and the costs."""
+    from .model_store import resolve_model
+
+    dev = resolve_device(device)
+    free = FakeProbe.snapshot(probe or probe_for(dev))  # before anything is loaded
+    bp = build_progress or (lambda label: None)
+    costs = []
+    for label, name in (("target", target), ("draft", draft)):
+        if name is None:
+            continue
+        path = resolve_model(name, fetch=fetch)
+        built = built_model(path, bp(label))
+        costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
+    plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
+               margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx)
+    return plan, costs
+
+
+def built_model(path: str | os.PathLike[str], progress: Any = None) -> BuiltModel:
+    """The BuiltModel of a GGUF (default options): from its graph folder's meta.json when it
+    is built already (no GGUF parsing: instant), else load_or_build (builds it)."""
+    from ..memory_fit.measure import built_from_folder
+    from ..ort_models.gguf_file import content_hash
+    from ..ort_models.graph_builder import BuildOptions
+    from ..ort_models.model_cache import META_FILE, graph_folder, load_or_build
+
+    options = BuildOptions()
+    folder = graph_folder(content_hash(path), options)
+    if (folder / META_FILE).is_file():
+        try:
+            return dataclasses.replace(built_from_folder(folder), gguf_path=Path(path))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # an unreadable meta.json: let load_or_build check and rebuild
+    return load_or_build(path, options, progress)
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from ..ort_models.gguf_file import GGUFError
+    from .cli_generate import _build_progress
+    from .model_store import ModelStoreError
+
+    try:
+        plan, _ = fit_models(args.model, args.draft, device=args.device, slots=args.slots,
+                             margin_bytes=int(args.margin_mb * 2**20), min_ctx=args.min_ctx,
+                             max_ctx=args.max_ctx, threads=args.threads,
+                             fetch=not args.no_fetch, use_cache=not args.remeasure,
+                             build_progress=_build_progress)
+    except (FitError, MeasureError, ProbeError, ModelStoreError, GGUFError, ValueError,
+            RuntimeError, OSError) as exc:
+        if getattr(args, "verbose", False):
+            raise
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=1))
+    else:
+        print(plan.table())
+    return EXIT_OK
