@@ -26,6 +26,7 @@ class AdaptiveDraftLength:
 
     def __post_init__(self) -> None:
         self.accept = [self.prior_accept] * max(self.n_max, 0)
+        self._seen = [0] * max(self.n_max, 0)
 
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
         old = self._verify.get(n_tokens)
@@ -41,6 +42,9 @@ class AdaptiveDraftLength:
     def observe_acceptance(self, n_drafted: int, n_accepted: int) -> None:
         for i in range(min(n_drafted, len(self.accept))):
             hit = 1.0 if i < n_accepted else 0.0
+            if self._seen[i] == 0:  # first observation replaces the extrapolated value
+                self.accept[i] = self._rate(i)
+            self._seen[i] += 1
             self.accept[i] += self.alpha * (hit - self.accept[i])
             if i >= n_accepted:
                 break  # positions past the first rejection were not reached
@@ -63,10 +67,16 @@ class AdaptiveDraftLength:
         b = sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var else 0.0
         return max(my + b * (s - mx), 1e-6)
 
+    def _rate(self, i: int) -> float:
+        """Acceptance at position i; positions never drafted take the last one observed."""
+        while i > 0 and self._seen[i] == 0:
+            i -= 1
+        return self.accept[i] if self._seen[i] else self.prior_accept
+
     def expected_tokens(self, n: int) -> float:
         e, run = 1.0, 1.0
         for i in range(n):
-            run *= self.accept[i]
+            run *= self._rate(i)
             e += run
         return e
 

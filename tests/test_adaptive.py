@@ -48,3 +48,12 @@ def test_respects_limit() -> None:
         a.observe_acceptance(8, 8)
     assert a.choose(3) == 3
     assert a.choose(0) == 0
+
+
+def test_unexplored_positions_extrapolate_from_the_last_observed() -> None:
+    """After short probes that were always accepted, longer drafts are worth trying."""
+    a = AdaptiveDraftLength(n_max=8)
+    _warm(a, 0.07, 0.004, 0.002)
+    for _ in range(30):
+        a.observe_acceptance(2, 2)
+    assert a.choose(8) == 8
