@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     cli_serve.add_serve_args(sv)
     sv.set_defaults(func=cli_serve.run)
 
+    from ..tray.app import add_tray_command
+    from .cli_service import add_service_commands
+
+    add_service_commands(sub, _add_model_args, _add_sampling_args, cli_serve.add_serve_args)
+    add_tray_command(sub)
+
     cli_bench.add_bench_parser(sub)
     cli_fit.add_fit_parser(sub)
 
@@ -90,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     mp = msub.add_parser("pull", help="download a catalog model (sha256 verified)")
     mp.add_argument("name")
     mp.set_defaults(func=_models_pull)
+    mi = msub.add_parser("info", help="architecture, quant types, vocabulary, chat template; "
+                                      "with --draft: can it draft for this model, and why not")
+    mi.add_argument("name", help="catalog name or GGUF path")
+    mi.add_argument("--draft", default=None, help="a draft model to check against it")
+    mi.add_argument("--json", action="store_true")
+    mi.add_argument("--no-fetch", action="store_true")
+    mi.set_defaults(func=_models_info)
     mr = msub.add_parser("rm", help="remove a downloaded model")
     mr.add_argument("name")
     mr.set_defaults(func=_models_rm)
@@ -109,6 +122,66 @@ def _models_list(args: argparse.Namespace) -> int:
             mark = "*" if r["downloaded"] else " "
             print(f"{mark} {r['name']:32s} {r['size'] / 1e6:8.1f} MB  {r['description']}")
     return EXIT_OK
+
+
+def model_info(path: object) -> dict[str, object]:
+    from collections import Counter
+
+    from ..ort_models.arch import read_hparams
+    from ..ort_models.gguf_file import GGUFFile
+
+    f = GGUFFile(path)  # type: ignore[arg-type]
+    hp = read_hparams(f)
+    types = Counter(t.type_name for t in f.tensors.values())
+    tokens = f.get("tokenizer.ggml.tokens") or []
+    return {
+        "path": str(f.path), "name": f.name, "architecture": f.arch,
+        "layers": hp.n_layer, "embedding": hp.n_embd, "heads": hp.n_head,
+        "kv_heads": hp.n_head_kv, "head_dim": hp.head_dim, "context_length": hp.n_ctx_train,
+        "tensor_types": dict(types.most_common()),
+        "vocab": {"type": f.get("tokenizer.ggml.model"), "pre": f.get("tokenizer.ggml.pre"),
+                  "size": len(tokens), "bos_id": f.get("tokenizer.ggml.bos_token_id"),
+                  "eos_id": f.get("tokenizer.ggml.eos_token_id")},
+        "chat_template": f.get("tokenizer.chat_template"),
+    }
+
+
+def _models_info(args: argparse.Namespace) -> int:
+    from ..ort_models.gguf_file import GGUFFile
+    from .compat import draft_incompatibilities
+    from .model_store import resolve_model
+
+    path = resolve_model(args.name, fetch=not args.no_fetch)
+    info = model_info(path)
+    problems = None
+    if args.draft:
+        dpath = resolve_model(args.draft, fetch=not args.no_fetch)
+        problems = draft_incompatibilities(GGUFFile(path).metadata, GGUFFile(dpath).metadata)
+        info["draft"] = {"path": str(dpath), "compatible": not problems, "problems": problems}
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        v = info["vocab"]
+        assert isinstance(v, dict)
+        print(f"{info['name']}  ({info['path']})")
+        print(f"  architecture   {info['architecture']}: {info['layers']} layers, embedding "
+              f"{info['embedding']}, {info['heads']} heads / {info['kv_heads']} kv, head dim "
+              f"{info['head_dim']}, trained context {info['context_length']}")
+        types = info["tensor_types"]
+        assert isinstance(types, dict)
+        print("  tensor types   " + ", ".join(f"{k} x{n}" for k, n in types.items()))
+        print(f"  vocabulary     {v['type']} (pre {v['pre']}), {v['size']} tokens, "
+              f"BOS {v['bos_id']}, EOS {v['eos_id']}")
+        tmpl = info["chat_template"]
+        print("  chat template  " + ("none" if not tmpl else f"{len(str(tmpl))} chars"))
+        if problems is not None:
+            if problems:
+                print(f"  draft {args.draft}: NOT compatible:")
+                for p in problems:
+                    print(f"    - {p}")
+            else:
+                print(f"  draft {args.draft}: compatible")
+    return EXIT_OK if not problems else EXIT_ERROR
 
 
 def _models_pull(args: argparse.Namespace) -> int:

@@ -53,9 +53,9 @@ def ensure_env() -> None:
     other = "onnxruntime" if extra == "gpu" else "onnxruntime-gpu"
     subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", other], check=False,
                    capture_output=True)
-    print(f"quickstart: installing specd[{extra},test] (first run only)", file=sys.stderr)
+    print(f"quickstart: installing specd[{extra},test,tray] (first run only)", file=sys.stderr)
     subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e",
-                    f"{ROOT}[{extra},test]"], check=True)
+                    f"{ROOT}[{extra},test,tray]"], check=True)
     stamp.write_text(stamp_text)
 
 

@@ -1,0 +1,1 @@
+"""specd.installers: quick start, service unit templates, install script."""

@@ -1,0 +1,78 @@
+"""The `specd` command line as a user runs it (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny_gguf import write_corrupt_variants
+
+from specd.daemon.model_store import model_path
+
+
+def specd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specd.daemon.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_streams_text_to_stdout_and_stats_to_stderr(tiny_model_factory) -> None:  # noqa: ANN001
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
+    r = specd("generate", "-m", str(path), "hello world", "-n", "12", "--ignore-eos",
+              "--spec-type", "ngram", "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stderr.strip().splitlines()[-1])
+    assert stats["generated_tokens"] == 12 and stats["spec_type"] == "ngram"
+    assert r.stdout.strip()
+
+
+def test_prompt_file_and_chat(tiny_model_factory, tmp_path) -> None:  # noqa: ANN001
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
+    pf = tmp_path / "p.txt"
+    pf.write_text("hello world\n")
+    assert specd("generate", "-m", str(path), "--prompt-file", str(pf), "-n", "4").returncode == 0
+    r = specd("generate", "-m", str(path), "--chat", "hi", "-n", "4")
+    assert r.returncode == 0, r.stderr
+    r = specd("generate", "-m", str(path), "-n", "4")
+    assert r.returncode == 1 and "give exactly one of" in r.stderr
+
+
+@pytest.mark.parametrize("variant", ["truncated", "garbage", "unknown_arch", "unsupported_type"])
+def test_bad_files_are_one_line_errors(tmp_path, variant) -> None:  # noqa: ANN001
+    bad = write_corrupt_variants(tmp_path)[variant]
+    r = specd("generate", "-m", str(bad), "hi", "-n", "2")
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("specd: error:") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_unknown_model_name_lists_the_catalog() -> None:
+    r = specd("generate", "-m", "no-such-model", "hi", "--no-fetch")
+    assert r.returncode == 1 and "qwen2.5-coder-1.5b-instruct" in r.stderr
+
+
+def test_synthetic_needs_rates(tiny_model_factory) -> None:  # noqa: ANN001
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
+    r = specd("generate", "-m", str(path), "hi", "--spec-type", "synthetic")
+    assert r.returncode == 1 and "--spec-synthetic-rates" in r.stderr
+    r = specd("generate", "-m", str(path), "hi", "-n", "8", "--spec-type", "synthetic",
+              "--spec-synthetic-rates", "0.9,0.5", "--spec-draft-n-max", "2")
+    assert r.returncode == 0 and "SYNTHETIC: output not valid" in r.stderr
+
+
+@pytest.mark.real
+def test_models_info_explains_compatibility() -> None:
+    for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct",
+                 "smollm2-135m-instruct"):
+        if not model_path(name).is_file():
+            pytest.skip(f"{name} not downloaded")
+    ok = specd("models", "info", "qwen2.5-coder-1.5b-instruct", "--draft",
+               "qwen2.5-coder-0.5b-instruct", "--no-fetch")
+    assert ok.returncode == 0 and "compatible" in ok.stdout and "Q4_K" in ok.stdout
+    bad = specd("models", "info", "smollm2-135m-instruct", "--draft",
+                "qwen2.5-coder-0.5b-instruct", "--no-fetch", "--json")
+    assert bad.returncode == 1
+    info = json.loads(bad.stdout)
+    assert not info["draft"]["compatible"]
+    assert any("vocab size differs" in p for p in info["draft"]["problems"])

@@ -1,0 +1,247 @@
+"""`specd start/status/stop/restart/config` as subprocesses against a tiny model, plus the
+config file, stale pid files and `serve`'s SIGTERM handling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from specd.daemon import config as config_mod
+from specd.daemon import service_control as sc
+
+CLI = [sys.executable, "-m", "specd.daemon.cli"]
+NAME = "tiny-qwen2-Q8_0"  # general.name of the tiny model
+
+
+def _cli_has(command: str) -> bool:
+    from specd.daemon import cli
+
+    sub = next(a for a in cli.build_parser()._actions  # noqa: SLF001
+               if a.__class__.__name__ == "_SubParsersAction")
+    return command in sub.choices
+
+
+needs_wiring = pytest.mark.skipif(not _cli_has("start"),
+                                  reason="`specd start` is not wired into daemon/cli.py")
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """Private state/runtime/config dirs (the cache stays shared: built graphs are reused).
+    The runtime dir is short: Unix socket paths are limited to ~100 bytes."""
+    run = Path(tempfile.mkdtemp(prefix="specd-run-"))
+    values = {"SPECD_STATE_DIR": str(tmp_path / "state"), "SPECD_RUNTIME_DIR": str(run),
+              "SPECD_CONFIG_DIR": str(tmp_path / "config")}
+    for k, v in values.items():
+        monkeypatch.setenv(k, v)
+    for key in config_mod.KEYS:
+        monkeypatch.delenv(f"SPECD_{key.upper()}", raising=False)
+    yield {**os.environ, **values}
+    pid = sc.read_pid()  # never leave a daemon behind
+    if pid and pid > 0 and sc.is_specd_process(pid):
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(run, ignore_errors=True)
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory(arch="qwen2", weight_type="Q8_0")
+
+
+# -- config -------------------------------------------------------------------------------
+def test_config_file_and_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert config_mod.load_config() == {}
+    config_mod.set_value("port", "0")
+    config_mod.set_value("model", 'a "quoted" \\ name')
+    assert config_mod.load_config() == {"port": 0, "model": 'a "quoted" \\ name'}
+    assert config_mod.config_path().read_text().startswith("# specd configuration")
+    monkeypatch.setenv("SPECD_PORT", "1234")
+    monkeypatch.setenv("SPECD_SLOTS", "3")
+    assert config_mod.load_config() == {"port": 1234, "slots": 3,
+                                        "model": 'a "quoted" \\ name'}
+    config_mod.set_value("model", None)
+    assert config_mod.read_file() == {"port": 0}
+    with pytest.raises(config_mod.ConfigError, match="unknown config key"):
+        config_mod.set_value("colour", "red")
+    with pytest.raises(config_mod.ConfigError, match="must be an integer"):
+        config_mod.set_value("slots", "many")
+    monkeypatch.setenv("SPECD_SLOTS", "x")
+    with pytest.raises(config_mod.ConfigError, match="SPECD_SLOTS"):
+        config_mod.load_config()
+    config_mod.config_path().write_text("port = [")
+    with pytest.raises(config_mod.ConfigError, match="config.toml"):
+        config_mod.read_file()
+
+
+def test_start_argv_from_options_and_config(env: dict[str, str], tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from specd.daemon import cli, cli_serve
+    from specd.daemon.cli_service import _argv_for, _start_args
+
+    p = argparse.ArgumentParser()
+    actions = _start_args(p, cli._add_model_args, cli._add_sampling_args,  # noqa: SLF001
+                          cli_serve.add_serve_args)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    args = p.parse_args(["-m", "m.gguf", "--slots", "3", "--allow-origin", "a",
+                         "--allow-origin", "b", "--require-token"])
+    assert _argv_for(args, actions, None) == [
+        "--model", str(model), "--slots", "3", "--require-token",
+        "--allow-origin", "a", "--allow-origin", "b"]
+    cfg = {"model": "catalog-name", "slots": 5, "port": 0, "host": "127.0.0.1"}
+    argv = _argv_for(p.parse_args([]), actions, cfg)
+    assert argv == ["--model", "catalog-name", "--port", "0", "--slots", "5"]  # host: default
+    assert _argv_for(p.parse_args(["--slots", "1"]), actions, cfg)[-2:] == ["--slots", "1"]
+
+
+# -- pid files ----------------------------------------------------------------------------
+@needs_wiring
+@pytest.mark.parametrize("content", ["pytest", "dead", "garbage"])
+def test_stale_pid_file(env: dict[str, str], content: str) -> None:
+    if content == "pytest":  # alive, but not a specd daemon
+        text = str(os.getpid())
+    elif content == "dead":
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        text = str(proc.pid)
+    else:
+        text = "not a pid"
+    sc.pid_path().write_text(text + "\n")
+    sc.info_path().write_text("{}")
+    r = cli(env, "status")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "not running" in r.stdout
+    assert not sc.pid_path().exists() and not sc.info_path().exists()
+    sc.pid_path().write_text(text + "\n")
+    r = cli(env, "stop")
+    assert r.returncode == 3 and "not running" in r.stderr
+    assert not sc.pid_path().exists()
+
+
+@needs_wiring
+def test_failed_start_reports_the_log(env: dict[str, str], tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    r = cli(env, "start", "-m", str(bad), "--port", "0", "--no-fetch")
+    assert r.returncode == 1
+    assert r.stderr.startswith("specd: error: specd exited with status")
+    assert "broken.gguf" in r.stderr  # the daemon's own error, from the log's tail
+    assert not sc.pid_path().exists()
+    assert "specd start: --model" in sc.log_path().read_text()
+
+
+# -- the real thing -----------------------------------------------------------------------
+@needs_wiring
+def test_start_status_request_restart_stop(env: dict[str, str], tiny: Path) -> None:
+    from specd.ipc.client import Client
+
+    assert cli(env, "config", "set", "model", str(tiny)).returncode == 0
+    assert cli(env, "config", "set", "port", "0").returncode == 0
+    t0 = time.monotonic()
+    r = cli(env, "start", "--slots", "1")  # model and port from the config
+    assert r.returncode == 0, r.stderr
+    assert "specd started (pid" in r.stdout and NAME in r.stdout
+    started_in = time.monotonic() - t0
+    pid = sc.read_pid()
+    assert pid and sc.is_specd_process(pid)
+
+    r = cli(env, "start", "-m", str(tiny), "--port", "0")
+    assert r.returncode == 1 and "already running" in r.stderr
+
+    sock = Path(env["SPECD_RUNTIME_DIR"]) / "specd.sock"
+    out = Client(sock, timeout=120).post("/completion", {"prompt": "hello", "n_predict": 8})
+    assert isinstance(out["content"], str)
+    assert out.get("tokens_predicted", 8) > 0
+
+    r = cli(env, "status")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"pid {pid}" in r.stdout and NAME in r.stdout and str(sock) in r.stdout
+    assert "slots:      1 (1 idle)" in r.stdout
+    st = json.loads(cli(env, "status", "--json").stdout)
+    assert st["running"] and st["pid"] == pid and st["socket"] == str(sock)
+    assert st["props"]["target"]["name"] == NAME
+    assert st["slots"][0]["state"] == "idle"
+    assert st["metrics"]["specd_requests_total"] >= 1
+    assert st["url"].startswith("http://127.0.0.1:") and not st["url"].endswith(":0")
+
+    r = cli(env, "restart")  # same options as the last start (--slots 1) + config
+    assert r.returncode == 0, r.stderr
+    assert f"specd stopped (pid {pid})" in r.stdout
+    new_pid = sc.read_pid()
+    assert new_pid and new_pid != pid and not sc.is_alive(pid)
+    assert json.loads(cli(env, "status", "--json").stdout)["props"]["slots"] == 1
+
+    t1 = time.monotonic()
+    r = cli(env, "stop")
+    assert r.returncode == 0, r.stderr
+    assert f"specd stopped (pid {new_pid})" in r.stdout and "killed" not in r.stdout
+    assert time.monotonic() - t1 < 15
+    assert not sc.is_alive(new_pid)
+    assert not sc.pid_path().exists() and not sock.exists()
+    r = cli(env, "stop")
+    assert r.returncode == 3 and "not running" in r.stderr
+    r = cli(env, "status")
+    assert r.returncode == 3 and "not running" in r.stdout
+    assert started_in < 120
+
+
+@needs_wiring
+def test_start_refuses_when_a_foreground_serve_answers(env: dict[str, str],
+                                                       tiny: Path) -> None:
+    sock = Path(env["SPECD_RUNTIME_DIR"]) / "specd.sock"
+    proc = subprocess.Popen([*CLI, "serve", "-m", str(tiny), "--port", "0"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_socket(proc, sock)
+        r = cli(env, "start", "-m", str(tiny), "--port", "0")
+        assert r.returncode == 1 and "already answers" in r.stderr
+        r = cli(env, "status")
+        assert r.returncode == 0 and "not started by `specd start`" in r.stdout
+        r = cli(env, "stop")
+        assert r.returncode == 1 and "not started by `specd start`" in r.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _wait_socket(proc: subprocess.Popen, sock: Path, timeout: float = 120) -> None:
+    from specd.ipc.client import Client
+
+    deadline = time.monotonic() + timeout
+    while not Client(sock, timeout=2).health():
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, "serve did not come up"
+        time.sleep(0.2)
+
+
+def test_serve_exits_cleanly_on_sigterm(env: dict[str, str], tiny: Path) -> None:
+    """`specd stop` and service managers send SIGTERM: exit 0, socket removed."""
+    sock = Path(env["SPECD_RUNTIME_DIR"]) / "specd.sock"
+    proc = subprocess.Popen([*CLI, "serve", "-m", str(tiny), "--port", "0"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_socket(proc, sock)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,101 @@
+"""What the tray shows for a daemon snapshot: pure logic, no GUI (tested without a display).
+
+`view(observation)` takes what the poller saw: None (nothing answers: the daemon is down),
+a `DaemonSnapshot` (/props, /slots, /metrics), or an exception (it answers, but badly), and
+returns the icon state, the tooltip and the menu items.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from ..daemon.service_control import DaemonSnapshot
+
+
+class IconState(StrEnum):
+    DOWN = "down"  # no daemon
+    IDLE = "idle"  # up, no slot busy
+    GENERATING = "generating"  # a slot is in prefill or generating
+    ERROR = "error"  # something answers but not properly
+
+
+@dataclass(frozen=True)
+class MenuItem:
+    text: str
+    action: str | None = None  # None: an information line (disabled)
+    enabled: bool = True
+    default: bool = False  # the action of a click on the icon
+
+
+SEPARATOR = MenuItem("-", None, enabled=False)
+
+
+@dataclass
+class TrayView:
+    state: IconState
+    title: str  # the tooltip
+    items: list[MenuItem] = field(default_factory=list)
+
+    def actions(self) -> list[str]:
+        return [i.action for i in self.items if i.action and i.enabled]
+
+
+Observation = DaemonSnapshot | BaseException | None
+
+
+def _info_lines(s: DaemonSnapshot) -> list[MenuItem]:
+    lines = [MenuItem(f"Target: {s.target}", enabled=False),
+             MenuItem(f"Draft: {s.draft}" if s.draft else "Draft: none", enabled=False),
+             MenuItem(f"Speculation: {s.spec_type}", enabled=False)]
+    states = s.slot_states()
+    busy = states.get("generating", 0) + states.get("prefill", 0)
+    lines.append(MenuItem(f"Slots: {busy}/{len(s.slots)} busy", enabled=False))
+    lines.append(MenuItem(f"Speed: {s.tokens_per_second:.1f} tokens/s", enabled=False))
+    if s.metrics.get("specd_draft_tokens_total", 0) > 0:
+        lines.append(MenuItem(f"Acceptance: {s.acceptance:.2f} tokens/round", enabled=False))
+    else:
+        lines.append(MenuItem("Acceptance: -", enabled=False))
+    return lines
+
+
+def _common() -> list[MenuItem]:
+    return [SEPARATOR, MenuItem("Open log", "open_log"), MenuItem("Open config", "open_config"),
+            SEPARATOR, MenuItem("Quit tray", "quit")]
+
+
+def view(obs: Observation) -> TrayView:
+    if obs is None:
+        return TrayView(IconState.DOWN, "specd: not running", [
+            MenuItem("specd is not running", enabled=False),
+            SEPARATOR,
+            MenuItem("Start", "start", default=True),
+            MenuItem("Stop", "stop", enabled=False),
+            MenuItem("Restart", "restart", enabled=False),
+            *_common()])
+    if isinstance(obs, BaseException):
+        msg = str(obs).splitlines()[0][:80] if str(obs) else type(obs).__name__
+        return TrayView(IconState.ERROR, f"specd: error: {msg}", [
+            MenuItem(f"Error: {msg}", enabled=False),
+            SEPARATOR,
+            MenuItem("Start", "start", enabled=False),
+            MenuItem("Stop", "stop"),
+            MenuItem("Restart", "restart", default=True),
+            *_common()])
+    state = IconState.GENERATING if obs.busy else IconState.IDLE
+    title = f"specd: {state.value} - {obs.target}"
+    if obs.draft:
+        title += f" + {obs.draft}"
+    if state is IconState.GENERATING or obs.tokens_per_second > 0:
+        title += f", {obs.tokens_per_second:.1f} tok/s"
+    if obs.metrics.get("specd_draft_tokens_total", 0) > 0:
+        title += f", acceptance {obs.acceptance:.2f}"
+    return TrayView(state, title, [
+        *_info_lines(obs),
+        SEPARATOR,
+        MenuItem("Start", "start", enabled=False),
+        MenuItem("Stop", "stop"),
+        MenuItem("Restart", "restart"),
+        MenuItem("Open log", "open_log", default=True),
+        MenuItem("Open config", "open_config"),
+        SEPARATOR, MenuItem("Quit tray", "quit")])
