@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from tiny_gguf import write_corrupt_variants
 
 from specd.daemon.model_store import model_path
+
+from tiny_gguf import write_corrupt_variants
 
 
 def specd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
