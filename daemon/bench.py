@@ -195,15 +195,16 @@ class PeerRunner:
 def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
               temperatures: tuple[float, ...] = (0.0, 0.7), max_tokens: int = 256,
               repeats: int = 3, configs: list[BenchConfig] | None = None,
-              peer: PeerRunner | None = None, seed: int = 1234,
+              peer: PeerRunner | None = None, peer_lookup: bool = False, seed: int = 1234,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     prompts = prompts or PROMPTS
     configs = configs or default_configs(engine.draft is not None)
     runner = SpecdRunner(engine)
     cells: dict[tuple[str, float, str], Cell] = {}
     encoded = {k: engine.encode_prompt(v, chat=True) for k, v in prompts.items()}
-    names = [c.name for c in configs] + (["llama.cpp target-only", "llama.cpp lookup"]
-                                         if peer else [])
+    names = [c.name for c in configs]
+    if peer is not None:
+        names += ["llama.cpp target-only"] + (["llama.cpp lookup"] if peer_lookup else [])
     for rep in range(repeats):
         for pname, ids in encoded.items():
             for temp in temperatures:

@@ -23,6 +23,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--temperatures", default="0,0.7")
     b.add_argument("--configs", default=None, help="comma-separated config names to run")
     b.add_argument("--peer", action="store_true", help="also run llama.cpp (llama-cpp-python)")
+    b.add_argument("--peer-lookup", action="store_true",
+                   help="also run llama-cpp-python's prompt-lookup decoding")
     b.add_argument("--out", default="bench-results", help="output folder")
     b.set_defaults(func=run)
 
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     peer = bench.PeerRunner(engine.target.path, threads, args.n_ctx) if args.peer else None
     result = bench.run_bench(engine, prompts=prompts, temperatures=temps,
                              max_tokens=args.max_tokens, repeats=args.repeats,
-                             configs=configs, peer=peer,
+                             configs=configs, peer=peer, peer_lookup=args.peer_lookup,
                              log=lambda s: print(s, file=sys.stderr, flush=True))
     weights = {"target": engine.target.built.weights_bytes}
     if engine.draft is not None:
