@@ -188,11 +188,6 @@ class GGUFFile:
         return content_hash(self.path)
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def content_hash(path: str | os.PathLike[str]) -> str:
     """sha256 of a file, remembered per (path, size, mtime) so big files hash once."""
     from .paths import cache_dir

@@ -30,8 +30,6 @@ def models(tiny_model_factory):  # noqa: ANN001, ANN201
 def run(target, drafter=None, *, n_ctx=512, prompt=PROMPT, **kw):  # noqa: ANN001, ANN003, ANN201
     runner = ModelRunner(target, n_ctx=n_ctx)
     params = GenerationParams(**kw)
-    if drafter is not None and hasattr(drafter, "runner") is False:
-        pass
     gen = Generation(runner, 0, prompt, params, eog=EOG, drafter=drafter)
     out = gen.prefill()
     while not gen.done:
