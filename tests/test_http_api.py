@@ -221,12 +221,11 @@ def test_queue_full_is_503(tiny_path, tmp_path, monkeypatch) -> None:  # noqa: A
 
         def hit() -> None:
             codes.append(srv.request("POST", "/completion", {
-                "prompt": "a", "n_predict": 300, "ignore_eos": True})[0])
+                "prompt": "a", "n_predict": 450, "ignore_eos": True})[0])
 
-        threads = [threading.Thread(target=hit) for _ in range(4)]
-        for t in threads:
+        threads = [threading.Thread(target=hit) for _ in range(6)]
+        for t in threads:  # one runs, one waits in the queue, the rest are refused
             t.start()
-            time.sleep(0.05)
         for t in threads:
             t.join(120)
         assert 503 in codes and 200 in codes
