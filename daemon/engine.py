@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..ort_models.gguf_file import GGUFError, GGUFFile
+from ..ort_models.gguf_file import GGUFFile
 from ..ort_models.graph_builder import BuildOptions
 from ..ort_models.model_cache import BuiltModel, load_or_build
 from ..ort_models.providers import RuntimeChoice, choose_runtime
@@ -89,8 +89,8 @@ class Engine:
         target_path = self._resolve(cfg.target, progress)
         draft_path = self._resolve(cfg.draft, progress) if self.spec_type == "draft" else None
         tgt_file = GGUFFile(target_path)
-        if draft_path is not None:
-            d_file = GGUFFile(draft_path)
+        d_file = GGUFFile(draft_path) if draft_path is not None else None
+        if draft_path is not None and d_file is not None:
             problems = draft_incompatibilities(tgt_file.metadata, d_file.metadata)
             if problems:
                 raise EngineError(f"draft {draft_path.name} cannot draft for "
@@ -102,8 +102,8 @@ class Engine:
         self.n_ctx = self.target.runner.n_ctx
         self.drafter: Drafter | None = None
         self.draft: LoadedModel | None = None
-        if draft_path is not None:
-            self.draft = self._load(draft_path, GGUFFile(draft_path), bp("draft"))
+        if draft_path is not None and d_file is not None:
+            self.draft = self._load(draft_path, d_file, bp("draft"))
             self.drafter = DraftModelDrafter(self.draft.runner,
                                              vocab_limit=self.target.built.hparams.n_vocab)
         elif self.spec_type == "ngram":
@@ -121,10 +121,7 @@ class Engine:
             raise EngineError(str(exc)) from None
 
     def _load(self, path: Path, f: GGUFFile, progress: Progress | None) -> LoadedModel:
-        try:
-            built = load_or_build(path, BuildOptions(), progress)
-        except GGUFError:
-            raise
+        built = load_or_build(path, BuildOptions(), progress)
         runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=self.cfg.slots,
                              threads=self.cfg.threads, runtime=self.runtime)
         return LoadedModel(path, f, built, runner)

@@ -32,6 +32,16 @@ class RequestError(ValueError):
     """A request that cannot be served as asked (message for the client)."""
 
 
+def check_prompt_fits(prompt: Sequence[int], n_ctx: int) -> None:
+    """A prompt must leave room for at least one generated token."""
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    room = n_ctx - 1
+    if len(prompt) > room:
+        raise RequestError(f"the prompt is {len(prompt)} tokens long but the context "
+                           f"holds {n_ctx}: at most {room} prompt tokens fit")
+
+
 @dataclass
 class GenerationParams:
     max_tokens: int = 256
@@ -48,12 +58,7 @@ class Generation:
     def __init__(self, target: ModelRunner, seq: int, prompt: Sequence[int],
                  params: GenerationParams, *, eog: set[int], drafter: Drafter | None = None,
                  reuse: int = 0, grammar: GrammarState | None = None):
-        if not prompt:
-            raise RequestError("the prompt is empty")
-        room = target.n_ctx - 1
-        if len(prompt) > room:
-            raise RequestError(f"the prompt is {len(prompt)} tokens long but the context "
-                               f"holds {target.n_ctx}: at most {room} prompt tokens fit")
+        check_prompt_fits(prompt, target.n_ctx)
         params.sampling.validate()
         params.draft.validate()
         self.target, self.seq, self.params = target, seq, params

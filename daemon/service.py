@@ -15,7 +15,7 @@ from typing import Any
 
 from .detokenize import IncrementalDetokenizer
 from .engine import Engine
-from .generation import GenerationParams
+from .generation import GenerationParams, check_prompt_fits
 from .grammar import Grammar, compile_constraint
 from .scheduler import Request, Scheduler
 from .stats import SpecStats
@@ -91,22 +91,16 @@ class Service:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, compile_constraint, kind, spec, self.tokenizer)
 
-    def check_prompt(self, prompt: list[int], max_tokens: int) -> None:
-        from .generation import RequestError
-
-        room = self.engine.n_ctx - 1
-        if not prompt:
-            raise RequestError("the prompt is empty")
-        if len(prompt) > room:
-            raise RequestError(f"the prompt is {len(prompt)} tokens long but the context "
-                               f"holds {self.engine.n_ctx}: at most {room} prompt tokens fit")
+    def check_prompt(self, prompt: list[int]) -> None:
+        """RequestError unless the prompt fits the context (before queueing it)."""
+        check_prompt_fits(prompt, self.engine.n_ctx)
 
     async def generate(self, prompt: list[int], params: GenerationParams, *,
                        stop: list[str] | None = None, cache_prompt: bool = True,
                        t_max_ms: float | None = None,
                        grammar: Grammar | None = None) -> AsyncIterator[Piece | Result]:
         """Yields Pieces as text becomes final, then one Result. Cancel by closing."""
-        self.check_prompt(prompt, params.max_tokens)
+        self.check_prompt(prompt)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         req = Request(

@@ -120,9 +120,9 @@ async def _constraint(svc: Service, body: dict[str, Any]) -> Grammar | None:
         raise BadRequest(str(exc), param="response_format" if rf else None) from None
 
 
-def _check_fits(svc: Service, prompt: list[int], params: GenerationParams, param: str) -> None:
+def _check_fits(svc: Service, prompt: list[int], param: str) -> None:
     try:
-        svc.check_prompt(prompt, params.max_tokens)
+        svc.check_prompt(prompt)
     except RequestError as exc:
         raise BadRequest(str(exc), code="context_length_exceeded", param=param) from None
 
@@ -206,7 +206,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     created = int(time.time())
     model = svc.engine.target.name
     obj = "chat.completion" if chat else "text_completion"
-    _check_fits(svc, prompt, params, "messages" if chat else "prompt")
+    _check_fits(svc, prompt, "messages" if chat else "prompt")
     if not get(body, "stream", bool, False):
         r = await _collect(svc, prompt, params, stop=stop, grammar=grammar)
         choice: dict[str, Any] = {"index": 0, "finish_reason": _oai_finish(r.finish_reason),
@@ -293,7 +293,7 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
     stop = stop_list(body)
     cache_prompt = get(body, "cache_prompt", bool, True)
     t_max = get(body, "t_max_predict_ms", (int, float), None, lo=0)
-    _check_fits(svc, prompt, params, "prompt")
+    _check_fits(svc, prompt, "prompt")
     kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max,
               grammar=await _constraint(svc, body))
 
