@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from ..memory_fit.measure import MeasureError, ModelCost, measure
 from ..memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError, Plan, fit
 from ..memory_fit.probes import FakeProbe, MemoryProbe, ProbeError, probe_for
+from ..ort_models.graph_builder import BuildOptions
+from .engine import DRAFT_QUANTS, build_options
 
 if TYPE_CHECKING:
     from ..ort_models.model_cache import BuiltModel
@@ -37,6 +39,7 @@ def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
     p.add_argument("-md", "--model-draft", dest="draft", default=None,
                    help="draft GGUF path or catalog name")
+    add_draft_quant_arg(p)
     p.add_argument("--slots", type=int, default=1, help="parallel sequences (default 1)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda:N (default auto)")
     p.add_argument("--margin-mb", type=float, default=DEFAULT_MARGIN_BYTES / 2**20,
@@ -64,12 +67,19 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def add_draft_quant_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-quant", default="q4", choices=list(DRAFT_QUANTS),
+                   help="draft weights: re-quantized to 4 bits (default: cheaper draft steps) "
+                        "or exactly as in its GGUF; the output is the target's either way")
+
+
 def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | None = None,
                *, device: str = "auto", slots: int = 1,
                margin_bytes: int = DEFAULT_MARGIN_BYTES, min_ctx: int = DEFAULT_MIN_CTX,
                max_ctx: int | None = None, threads: int | None = None, fetch: bool = True,
                use_cache: bool = True, probe: MemoryProbe | None = None,
-               build_progress: BuildProgress | None = None) -> tuple[Plan, list[ModelCost]]:
+               build_progress: BuildProgress | None = None, draft_quant: str = "q4",
+               ) -> tuple[Plan, list[ModelCost]]:
     """Resolve, build, measure and fit target (+ draft); returns the plan and the costs."""
     from .model_store import resolve_model
 
@@ -81,22 +91,22 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
         if name is None:
             continue
         path = resolve_model(name, fetch=fetch)
-        built = built_model(path, bp(label))
+        built = built_model(path, bp(label), build_options(label, draft_quant))
         costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
                margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx)
     return plan, costs
 
 
-def built_model(path: str | os.PathLike[str], progress: Any = None) -> BuiltModel:
-    """The BuiltModel of a GGUF (default options): from its graph folder's meta.json when it
-    is built already (no GGUF parsing: instant), else load_or_build (builds it)."""
+def built_model(path: str | os.PathLike[str], progress: Any = None,
+                options: BuildOptions | None = None) -> BuiltModel:
+    """The BuiltModel of a GGUF: from its graph folder's meta.json when it is built
+    already (no GGUF parsing: instant), else load_or_build (builds it)."""
     from ..memory_fit.measure import built_from_folder
     from ..ort_models.gguf_file import content_hash
-    from ..ort_models.graph_builder import BuildOptions
     from ..ort_models.model_cache import META_FILE, graph_folder, load_or_build
 
-    options = BuildOptions()
+    options = options or BuildOptions()
     folder = graph_folder(content_hash(path), options)
     if (folder / META_FILE).is_file():
         try:
@@ -116,7 +126,7 @@ def run_fit(args: argparse.Namespace) -> int:
                              margin_bytes=int(args.margin_mb * 2**20), min_ctx=args.min_ctx,
                              max_ctx=args.max_ctx, threads=args.threads,
                              fetch=not args.no_fetch, use_cache=not args.remeasure,
-                             build_progress=_build_progress)
+                             build_progress=_build_progress, draft_quant=args.draft_quant)
     except (FitError, MeasureError, ProbeError, ModelStoreError, GGUFError, ValueError,
             RuntimeError, OSError) as exc:
         if getattr(args, "verbose", False):

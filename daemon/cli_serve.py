@@ -41,7 +41,8 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
         return None
     plan, _ = fit_models(args.model, args.draft if args.spec_type in ("auto", "draft") else None,
                          device=args.device, slots=args.slots, max_ctx=args.n_ctx,
-                         threads=args.threads, fetch=not args.no_fetch)
+                         threads=args.threads, fetch=not args.no_fetch,
+                         draft_quant=args.draft_quant)
     for w in plan.warnings:
         print(f"specd: warning: {w}", file=sys.stderr)
     print(f"specd: memory plan: n_ctx {plan.n_ctx}, slots {plan.slots}"

@@ -32,6 +32,9 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("specd.engine")
 
 SPEC_TYPES = ("auto", "none", "draft", "ngram", "synthetic")
+# how a draft model's weights are laid out: re-quantized to 4 bits (fewer bytes per draft
+# step; acceptance barely moves) or exactly as its GGUF holds them. Targets are always exact.
+DRAFT_QUANTS = {"q4": "q4", "exact": ""}
 Progress = Callable[[int, int, str], None]
 
 
@@ -53,6 +56,7 @@ class EngineConfig:
     synthetic_rates: list[float] | None = None
     synthetic_mean: float | None = None
     synthetic_seed: int = 0
+    draft_quant: str = "q4"  # a key of DRAFT_QUANTS
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
 
@@ -67,6 +71,14 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return self.gguf.name
+
+
+def build_options(role: str, draft_quant: str = "q4") -> BuildOptions:
+    """Graph options of the target or the draft model."""
+    if draft_quant not in DRAFT_QUANTS:
+        raise EngineError(f"unknown draft quant {draft_quant!r} (one of "
+                          f"{', '.join(DRAFT_QUANTS)})")
+    return BuildOptions(requant=DRAFT_QUANTS[draft_quant] if role == "draft" else "")
 
 
 def resolve_spec_type(spec_type: str, draft: str | None) -> str:
@@ -98,12 +110,13 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(tgt_file.metadata)
         self.chat_template: str | None = tgt_file.get("tokenizer.chat_template")
         bp = build_progress or (lambda label: None)
-        self.target = self._load(target_path, tgt_file, bp("target"))
+        self.target = self._load(target_path, tgt_file, bp("target"), build_options("target"))
         self.n_ctx = self.target.runner.n_ctx
         self.drafter: Drafter | None = None
         self.draft: LoadedModel | None = None
         if draft_path is not None and d_file is not None:
-            self.draft = self._load(draft_path, d_file, bp("draft"))
+            self.draft = self._load(draft_path, d_file, bp("draft"),
+                                    build_options("draft", cfg.draft_quant))
             self.drafter = DraftModelDrafter(self.draft.runner,
                                              vocab_limit=self.target.built.hparams.n_vocab)
         elif self.spec_type == "ngram":
@@ -120,8 +133,9 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - store errors are user-facing already
             raise EngineError(str(exc)) from None
 
-    def _load(self, path: Path, f: GGUFFile, progress: Progress | None) -> LoadedModel:
-        built = load_or_build(path, BuildOptions(), progress)
+    def _load(self, path: Path, f: GGUFFile, progress: Progress | None,
+              options: BuildOptions) -> LoadedModel:
+        built = load_or_build(path, options, progress)
         runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=self.cfg.slots,
                              threads=self.cfg.threads, runtime=self.runtime)
         return LoadedModel(path, f, built, runner)
@@ -160,5 +174,6 @@ class Engine:
         }
         if self.draft is not None:
             d["draft"] = {"name": self.draft.name, "path": str(self.draft.path),
-                          "arch": self.draft.built.hparams.arch, "n_ctx": self.draft.runner.n_ctx}
+                          "arch": self.draft.built.hparams.arch, "n_ctx": self.draft.runner.n_ctx,
+                          "quant": self.cfg.draft_quant}
         return d

@@ -203,7 +203,10 @@ class Generation:
         dt = time.perf_counter() - t0
         self.stats.draft_s += dt
         if self.adaptive is not None:
-            self.adaptive.observe_draft(len(draft.tokens), dt)
+            if draft.step_s is not None:
+                self.adaptive.observe_draft(1, draft.step_s)
+            else:
+                self.adaptive.observe_draft(len(draft.tokens), dt)
         draft = draft.truncate(n)
         if self.grammar is not None and draft.probs is None:
             # drafts made without the grammar (n-gram): keep the part it allows (exact:

@@ -33,7 +33,7 @@ from onnx import TensorProto
 from .arch import HParams
 from .gguf_file import GGUFFile
 from .onnx_writer import MS, GraphWriter
-from .quant import QuantizedMatrix, dense_float32, load_matrix
+from .quant import REQUANT_KINDS, QuantizedMatrix, dense_float32, load_matrix, requantize_q4
 
 BUILDER_VERSION = "3"
 ATTN_BUCKET = 256
@@ -50,10 +50,19 @@ class BuildOptions:
     max_positions: int = 0  # rope table size; 0 = the model's trained context
     # MatMulNBits accuracy: 4 = int8 activations (fast, row-invariant); 1 = fp32 (tests)
     accuracy_level: int = ACCURACY_LEVEL
+    # "" keeps every weight exactly as the GGUF has it (targets); "q4" re-quantizes the
+    # matrices to 4 bits (drafts: fewer bytes per step, the output stays the target's)
+    requant: str = ""
+
+    def __post_init__(self) -> None:
+        if self.requant not in REQUANT_KINDS:
+            raise ValueError(f"unknown requant {self.requant!r} (one of "
+                             f"{', '.join(repr(k) for k in REQUANT_KINDS)})")
 
     def key(self) -> str:
         layers = "-".join(map(str, self.hidden_layers)) or "none"
-        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}"
+        rq = f"_r{self.requant}" if self.requant else ""
+        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}"
 
 
 @dataclass
@@ -73,10 +82,15 @@ class _Ctx:
             self.progress(self.done, self.total, label)
 
 
-def _matrix(c: _Ctx, name: str) -> QuantizedMatrix | np.ndarray:
-    if name not in c.shared:
-        c.shared[name] = load_matrix(c.f.tensor(name))
-    return c.shared[name]
+def _matrix(c: _Ctx, name: str, *, exact: bool = False) -> QuantizedMatrix | np.ndarray:
+    """The GGUF matrix `name` as the graph multiplies by it (re-quantized if asked);
+    exact=True: as the GGUF holds it, whatever the options (the embedding lookup)."""
+    requant = "" if exact else c.options.requant
+    key = name if not exact else f"{name}@exact"
+    if key not in c.shared:
+        w = load_matrix(c.f.tensor(name))
+        c.shared[key] = requantize_q4(w) if requant == "q4" else w
+    return c.shared[key]
 
 
 def _vector(c: _Ctx, name: str) -> str:
@@ -97,8 +111,11 @@ def _write_quant(g: GraphWriter, name: str, w: QuantizedMatrix) -> None:
 def _fusable(a: QuantizedMatrix | np.ndarray, b: QuantizedMatrix | np.ndarray) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
-    return (a.k, a.bits, a.block_size, a.zero_point, a.bias is None) == (
-        b.k, b.bits, b.block_size, b.zero_point, b.bias is None)
+    def zp_kind(w: QuantizedMatrix) -> object:
+        return "per-block" if isinstance(w.zero_point, np.ndarray) else w.zero_point
+
+    return (a.k, a.bits, a.block_size, zp_kind(a), a.bias is None) == (
+        b.k, b.bits, b.block_size, zp_kind(b), b.bias is None)
 
 
 def _concat_rows(ws: list[QuantizedMatrix | np.ndarray]) -> QuantizedMatrix | np.ndarray:
@@ -108,7 +125,8 @@ def _concat_rows(ws: list[QuantizedMatrix | np.ndarray]) -> QuantizedMatrix | np
     return QuantizedMatrix(
         n=sum(w.n for w in ws), k=w0.k, bits=w0.bits, block_size=w0.block_size,
         q=np.concatenate([w.q for w in ws]), scales=np.concatenate([w.scales for w in ws]),
-        zero_point=w0.zero_point,
+        zero_point=np.concatenate([w.zero_point for w in ws])
+        if isinstance(w0.zero_point, np.ndarray) else w0.zero_point,
         bias=None if w0.bias is None else np.concatenate([w.bias for w in ws]))
 
 
@@ -168,8 +186,10 @@ def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
 
 def _embedding(c: _Ctx, ids: str) -> str:
     """Rows of token_embd dequantized exactly as gguf.quants.dequantize does."""
-    g, name = c.g, "token_embd.weight"
-    w = _matrix(c, name)
+    g, src = c.g, "token_embd.weight"
+    w = _matrix(c, src, exact=True)
+    # a re-quantized tied output must not share the lookup's initializers
+    name = f"{src}.exact" if c.options.requant else src
     if isinstance(w, np.ndarray):
         table = g.weight(f"{name}.table", w)
         return g.op("Gather", [table, ids], axis=0)  # [S, E]

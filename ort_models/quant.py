@@ -40,7 +40,9 @@ class QuantizedMatrix:
     block_size: int  # 16 or 32
     q: np.ndarray  # [N, K] uint8 codes (unpacked)
     scales: np.ndarray  # [N, K/bs] float32
-    zero_point: int | None  # None: MatMulNBits default 2^(bits-1); else explicit (same for all)
+    # None: MatMulNBits' default 2^(bits-1); an int: that code for every block;
+    # an array: one code per block [N, K/bs] (re-quantized drafts)
+    zero_point: int | np.ndarray | None
     bias: np.ndarray | None  # [N, K/32] float32 added per 32-column block, or None
 
     def packed_b(self) -> np.ndarray:
@@ -56,16 +58,21 @@ class QuantizedMatrix:
         if self.zero_point is None:
             return None
         n_blocks = self.k // self.block_size
+        zp = np.broadcast_to(np.asarray(self.zero_point, np.uint8), (self.n, n_blocks))
         if self.bits == 8:
-            return np.full((self.n, n_blocks), self.zero_point, np.uint8)
-        z = self.zero_point & 0x0F
-        return np.full((self.n, (n_blocks + 1) // 2), z | (z << 4), np.uint8)
+            return np.ascontiguousarray(zp)
+        if n_blocks % 2:
+            zp = np.concatenate([zp, np.zeros((self.n, 1), np.uint8)], axis=1)
+        z = zp & 0x0F
+        return np.ascontiguousarray(z[:, 0::2] | (z[:, 1::2] << 4))
 
     def dequantize(self) -> np.ndarray:
         """[N, K] float32 with the same arithmetic the graph's embedding gather uses."""
         zp = (1 << (self.bits - 1)) if self.zero_point is None else self.zero_point
+        zp = np.asarray(zp, np.float32)
+        zp = zp[:, :, None] if zp.ndim else zp  # [N, K/bs, 1] or a scalar
         q = self.q.reshape(self.n, self.k // self.block_size, self.block_size).astype(np.float32)
-        w = ((q - np.float32(zp)) * self.scales[:, :, None]).reshape(self.n, self.k)
+        w = ((q - zp) * self.scales[:, :, None]).reshape(self.n, self.k)
         if self.bias is not None:
             w = (w.reshape(self.n, -1, 32) + self.bias[:, :, None]).reshape(self.n, self.k)
         return w
@@ -213,6 +220,37 @@ def load_matrix(t: TensorInfo) -> QuantizedMatrix | np.ndarray:
     if k % row_block:
         raise GGUFError(f"tensor {t.name!r}: row size {k} is not a multiple of {row_block}")
     return fn(t, n, k)
+
+
+def requantize_q4(w: QuantizedMatrix | np.ndarray, block_size: int = 32) -> QuantizedMatrix:
+    """Re-quantize a matrix to 4-bit codes with a float32 scale and a 4-bit zero point per
+    block: min/max rounding, as GGUF's Q4_1 does. Lossy, so only for drafts, whose
+    weights decide acceptance, never the output: ~5.1 bits/weight instead of the 8-9
+    that Q5_0 / Q8_0 / Q6_K take in the lossless layout.
+    """
+    x = w.dequantize() if isinstance(w, QuantizedMatrix) else np.asarray(w, np.float32)
+    n, k = x.shape
+    if k % block_size:
+        raise GGUFError(f"cannot re-quantize a matrix with rows of {k} in blocks of {block_size}")
+    scales = np.empty((n, k // block_size), np.float32)
+    zps = np.empty((n, k // block_size), np.uint8)
+    q = np.empty((n, k), np.uint8)
+    step = max(1, (1 << 22) // k)  # rows per chunk: bounded temporaries
+    for r in range(0, n, step):
+        xb = x[r:r + step].reshape(-1, k // block_size, block_size)  # [rows, nb, bs]
+        lo = np.minimum(xb.min(axis=-1), 0.0)  # the grid holds 0 exactly
+        hi = np.maximum(xb.max(axis=-1), 0.0)
+        scale = (hi - lo) / 15.0
+        scale[scale == 0] = 1.0
+        zp = np.clip(np.rint(-lo / scale), 0, 15)
+        codes = np.clip(np.rint(xb / scale[..., None]) + zp[..., None], 0, 15)
+        scales[r:r + step] = scale
+        zps[r:r + step] = zp.astype(np.uint8)
+        q[r:r + step] = codes.astype(np.uint8).reshape(-1, k)
+    return QuantizedMatrix(n, k, 4, block_size, q, scales, zps, None)
+
+
+REQUANT_KINDS = ("", "q4")  # "" = lossless (targets); "q4" = requantize_q4 (drafts)
 
 
 def check_supported(t: TensorInfo) -> None:

@@ -11,6 +11,7 @@ from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.synthetic import SyntheticDrafter
 from specd.daemon.generation import Generation, GenerationParams, RequestError
 from specd.daemon.sampling import SamplerParams
+from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
@@ -53,6 +54,20 @@ def test_greedy_speculation_is_byte_identical(models, n_max, p_min) -> None:  # 
     assert gen.stats.rounds > 0
     if p_min == 0.0:
         assert gen.stats.accepted > 0  # the perturbed copy mostly agrees
+
+
+def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None:  # noqa: ANN001
+    """A draft built with requant="q4" (as the engine builds drafts) changes acceptance only."""
+    target, _ = models
+    draft = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
+                                             perturb=0.01, context_length=1024),
+                          BuildOptions(requant="q4"))
+    assert draft.options.requant == "q4"
+    want, _ = run(target, max_tokens=64, ignore_eos=True)
+    got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
+                   draft=DraftParams(n_max=4))
+    assert got == want
+    assert gen.stats.accepted > 0
 
 
 def test_draft_equal_to_target_accepts_everything(models) -> None:  # noqa: ANN001

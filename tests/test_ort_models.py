@@ -157,3 +157,40 @@ def test_bad_files_give_one_clear_error(tmp_path, variant, message) -> None:  # 
     with pytest.raises(GGUFError, match=message) as info:
         load_or_build(paths[variant])
     assert "\n" not in str(info.value)
+
+
+def _requantized_reference(path) -> ReferenceModel:  # noqa: ANN001
+    """The reference with every multiplied matrix replaced by its 4-bit re-quantization
+    (the embedding lookup keeps the GGUF's exact rows)."""
+    from specd.ort_models.quant import requantize_q4
+
+    ref = ReferenceModel(path)
+    for name, w in list(ref.weights.items()):
+        if w.ndim == 2 and name != "token_embd.weight":
+            ref.weights[name] = requantize_q4(w.astype(np.float32)).dequantize().astype(np.float64)
+    ref.output_weight = requantize_q4(ref.output_weight.astype(np.float32)).dequantize(
+        ).astype(np.float64)
+    return ref
+
+
+@pytest.mark.parametrize("arch, wt", [("qwen2", "Q5_0"), ("llama", "Q4_K"), ("llama", "F16")])
+def test_requantized_draft_graph_matches_its_reference(tiny_model_factory, arch, wt) -> None:
+    """requant="q4": per-block zero points, fused matrices and a tied output that must
+    not share the exact embedding's initializers, all computed as the reference says."""
+    path = tiny_model_factory(arch=arch, weight_type=wt, **(K_DIMS if wt == "Q4_K" else {}))
+    built = load_or_build(path, BuildOptions(accuracy_level=1, requant="q4"))
+    exact = load_or_build(path, BuildOptions(accuracy_level=1))
+    assert built.folder != exact.folder
+    assert built.weights_bytes < exact.weights_bytes or wt != "Q5_0"
+    got = _all_rows(ModelRunner(built, n_ctx=256), TOKENS)
+    want = _requantized_reference(path).forward(TOKENS)
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel < 2e-5, rel
+    # and it is a different model from the exact one (the test above is not vacuous)
+    plain = ReferenceModel(path).forward(TOKENS)
+    assert np.abs(plain - want).max() / np.abs(want).max() > 1e-4
+
+
+def test_unknown_requant_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown requant 'q3'"):
+        BuildOptions(requant="q3")

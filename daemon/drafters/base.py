@@ -45,11 +45,14 @@ class Draft:
     tokens: list[int]
     probs: np.ndarray | None = None  # [n, vocab] q rows when drafted probabilistically
     valid: bool = True  # False: synthetic acceptance (benchmark only), output not the target's
+    # seconds per proposal step, not counting a catch-up over tokens the drafter skipped
+    # while the target decoded alone (None: the drafter did not measure it)
+    step_s: float | None = None
 
     def truncate(self, n: int) -> Draft:
         """Drop drafts past n, with their q rows."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     self.valid)
+                     self.valid, self.step_s)
 
 
 class Drafter(ABC):
@@ -76,8 +79,3 @@ class Drafter(ABC):
 
     def end(self, seq: int) -> None:
         """The sequence is finished; free what it holds."""
-
-    @property
-    def step_cost_s(self) -> float:
-        """Measured seconds per drafted token (0 for free drafters)."""
-        return 0.0

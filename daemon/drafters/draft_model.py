@@ -35,8 +35,6 @@ class DraftModelDrafter(Drafter):
         self.runner = runner
         self.vocab_limit = vocab_limit  # the target's vocab size, if smaller
         self._seqs: dict[int, _SeqState] = {}
-        self._step_s = 0.0
-        self._steps = 0
 
     @property
     def n_ctx(self) -> int:
@@ -73,11 +71,13 @@ class DraftModelDrafter(Drafter):
         st.drafted = []
         if n_max <= 0:
             return Draft([])
-        t0 = time.perf_counter()
         q_rows: list[np.ndarray] = []
         pending = [*st.history[st.n_cached:], last]
         p = st.n_cached
+        step_times: list[float] = []  # proposal steps, without catching up on skipped tokens
         for _ in range(n_max):
+            t0 = time.perf_counter()
+            catching_up = len(pending) > 2  # after target-only rounds: a small prefill
             row = self._logits(self.runner.forward(seq, pending, p)[0])  # [vocab]
             p += len(pending)
             st.n_cached = p
@@ -98,14 +98,15 @@ class DraftModelDrafter(Drafter):
                 break
             st.drafted.append(tok)
             pending = [tok]
+            if not catching_up:
+                step_times.append(time.perf_counter() - t0)
             if grammar is not None:
                 grammar.consume(tok)
                 if grammar.is_stopped():
                     break
-        self._steps += max(1, len(st.drafted))
-        self._step_s += time.perf_counter() - t0
         probs = np.stack(q_rows) if q_rows else None
-        return Draft(list(st.drafted), probs)
+        step_s = sum(step_times) / len(step_times) if step_times else None
+        return Draft(list(st.drafted), probs, step_s=step_s)
 
     def accept(self, seq: int, n_accepted: int) -> None:
         st = self._seqs[seq]
@@ -121,7 +122,3 @@ class DraftModelDrafter(Drafter):
         st = self._seqs.get(seq)
         if st is not None:
             st.drafted, st.sampler = [], None
-
-    @property
-    def step_cost_s(self) -> float:
-        return self._step_s / self._steps if self._steps else 0.0

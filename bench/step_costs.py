@@ -1,0 +1,98 @@
+"""Cost of one forward pass by tokens in the call, per model: what speculation trades.
+
+    python bench/step_costs.py [--models a,b:q4] [--sizes 1,2,3,5,9] [--repeats 15]
+                               [--spinning] [--profile]
+
+Each model is built as the engine builds it (`name:q4` re-quantized, as drafts are),
+run at a position past 256 (a realistic cache), and timed per call size, interleaved
+across models and sizes so both see the same machine state. Prints medians in ms and
+each size as a multiple of the model's single-token step. `--profile` adds the share of
+kernel time per op type from ORT's profiler for a single-token step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from specd.daemon.model_store import resolve_model
+from specd.ort_models.graph_builder import BuildOptions
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+POS = 300
+
+
+def op_shares(built, threads: int | None, spinning: bool) -> dict[str, float]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or 2
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "prof")
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    runner = ModelRunner(built, n_ctx=1024, threads=threads, spinning=spinning)
+    runner.session = ort.InferenceSession(str(built.model_path), so,
+                                          providers=["CPUExecutionProvider"])
+    runner._kv, runner._bindings = [], []  # noqa: SLF001 - rebind to the profiled session
+    runner.add_sequence()
+    for i in range(20):
+        runner.forward(0, [100 + i], POS + i)
+    prof = runner.session.end_profiling()
+    per_op: dict[str, float] = defaultdict(float)
+    for ev in json.loads(Path(prof).read_text()):
+        if ev.get("cat") == "Node" and ev["name"].endswith("_kernel_time"):
+            per_op[ev["args"]["op_name"]] += ev["dur"]
+    total = sum(per_op.values())
+    return {k: v / total for k, v in sorted(per_op.items(), key=lambda kv: -kv[1])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct,"
+                                        "qwen2.5-coder-0.5b-instruct:q4")
+    ap.add_argument("--sizes", default="1,2,3,5,9")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--spinning", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    runners = {}
+    for m in args.models.split(","):
+        name, _, requant = m.partition(":")
+        built = load_or_build(resolve_model(name, fetch=True), BuildOptions(requant=requant))
+        runners[m] = ModelRunner(built, n_ctx=1024, threads=args.threads,
+                                 spinning=args.spinning)
+        runners[m].prefill(0, list(range(100, 100 + POS)))
+    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for r in range(args.repeats + 2):
+        for m, runner in runners.items():
+            for s in sizes:
+                t0 = time.perf_counter()
+                runner.forward(0, list(range(200, 200 + s)), POS, list(range(s)))
+                if r >= 2:  # two warm-up rounds
+                    times[m, s].append(time.perf_counter() - t0)
+    print(f"| model | {' | '.join(f'S={s}' for s in sizes)} |")
+    print(f"|---|{'---|' * len(sizes)}")
+    for m in runners:
+        one = statistics.median(times[m, 1]) if 1 in sizes else None
+        cells = []
+        for s in sizes:
+            med = statistics.median(times[m, s])
+            rel = f" ({med / one:.2f}×)" if one else ""
+            cells.append(f"{med * 1e3:.1f} ms{rel}")
+        print(f"| {m} | {' | '.join(cells)} |")
+    if args.profile:
+        for m, runner in runners.items():
+            shares = op_shares(runner.built, args.threads, args.spinning)
+            print(m, ", ".join(f"{k} {v:.1%}" for k, v in list(shares.items())[:8]))
+
+
+if __name__ == "__main__":
+    main()
