@@ -57,6 +57,7 @@ class EngineConfig:
     synthetic_mean: float | None = None
     synthetic_seed: int = 0
     draft_quant: str = "q4"  # a key of DRAFT_QUANTS
+    spin: bool = False  # CPU pool threads spin during a run (faster only on an idle machine)
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
 
@@ -137,7 +138,8 @@ class Engine:
               options: BuildOptions) -> LoadedModel:
         built = load_or_build(path, options, progress)
         runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=self.cfg.slots,
-                             threads=self.cfg.threads, runtime=self.runtime)
+                             threads=self.cfg.threads, runtime=self.runtime,
+                             spinning=self.cfg.spin)
         return LoadedModel(path, f, built, runner)
 
     # -- requests -------------------------------------------------------------------------

@@ -65,9 +65,10 @@ class ModelRunner:
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
-        # Spinning pool threads win a little on an idle machine but lose badly when the
-        # cores are shared (two sessions alternating, other apps): measured 6.5 vs 10
-        # tok/s target-only and 7.5 vs 15.9 speculative on this 2-core box under load.
+        # Spinning pool threads win a little on an idle machine and lose badly when the
+        # cores are shared. Qwen 1.5B (+0.5B draft, n=2), 2 threads, this 2-core box:
+        # idle 14.5 vs 13.2 tok/s (19.4 vs 17.4 speculative) with/without spinning; one
+        # busy process beside it 7.5 vs 10.7 (10.5 vs 14.2). So off by default.
         # spinning=True spins only while a run lasts; "always" keeps spinning.
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         if spinning is True:
