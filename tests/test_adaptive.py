@@ -57,3 +57,26 @@ def test_unexplored_positions_extrapolate_from_the_last_observed() -> None:
     for _ in range(30):
         a.observe_acceptance(2, 2)
     assert a.choose(8) == 8
+
+
+def test_one_slow_pass_does_not_flip_the_choice() -> None:
+    """Long-memory estimates: a single 3x outlier (another program on the core) leaves a
+    well-established choice alone."""
+    a = AdaptiveDraftLength(n_max=8)
+    for _ in range(30):
+        _warm(a, 0.07, 0.01, 0.02)
+        a.observe_acceptance(4, 3)
+    before = a.choose(8)
+    assert before >= 2
+    a.observe_verify(before + 1, 3 * (0.07 + 0.01 * before))
+    assert a.choose(8) == before
+
+
+def test_acceptance_estimate_needs_evidence_to_move_far() -> None:
+    a = AdaptiveDraftLength(n_max=4, prior_accept=0.7)
+    a.observe_acceptance(1, 0)
+    assert 0.4 < a.accept[0] < 0.7  # one miss moves it, but not to 0
+    for _ in range(60):
+        a.observe_acceptance(1, 1)
+    assert a.accept[0] > 0.95
+    assert a.accept[1] == a.accept[0]  # never drafted: extrapolated from position 1
