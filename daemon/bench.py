@@ -151,30 +151,73 @@ class SpecdRunner:
                          s.generated_tokens, hash(tuple(gen.tokens)))
 
 
-class PeerRunner:
-    """llama.cpp through llama-cpp-python (optional), target-only and prompt lookup."""
+PEER_DRAFT_N = 4
 
-    def __init__(self, target_path: Path, threads: int, n_ctx: int):
+
+def _llama_draft_model(llm: Any, n: int) -> Any:
+    """A llama-cpp-python draft model backed by a second Llama (the same draft GGUF
+    specd uses): n greedy tokens per call, its KV cache reused by prefix matching."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaDraftModel
+
+    def greedy() -> int:
+        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),))))
+
+    class LlamaModelDraft(LlamaDraftModel):
+        def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
+            ids = input_ids.tolist()
+            cached = llm.input_ids[: llm.n_tokens].tolist()
+            keep, most = 0, min(len(cached), len(ids) - 1)
+            while keep < most and cached[keep] == ids[keep]:
+                keep += 1
+            llm.n_tokens = keep  # eval drops the cache from here on
+            llm.eval(ids[keep:])
+            out = [greedy()]
+            while len(out) < n:
+                llm.eval(out[-1:])
+                out.append(greedy())
+            return np.array(out, dtype=np.intc)
+
+    return LlamaModelDraft()
+
+
+class PeerRunner:
+    """llama.cpp through llama-cpp-python (optional): target-only, prompt lookup, and
+    speculation with a draft model (llama-cpp-python's verify loop over llama.cpp)."""
+
+    MODES = ("target-only", "lookup", f"draft n_max={PEER_DRAFT_N}")
+
+    def __init__(self, target_path: Path, threads: int, n_ctx: int,
+                 draft_path: Path | None = None):
         from llama_cpp import Llama  # optional dependency
 
         self._Llama = Llama
-        self.llm = Llama(model_path=str(target_path), n_threads=threads,
-                         n_threads_batch=threads, n_ctx=n_ctx, verbose=False)
-        self._lookup = None
         self.path, self.threads, self.n_ctx = target_path, threads, n_ctx
+        self.draft_path = draft_path
+        self._llms: dict[str, Any] = {"target-only": self._new(target_path)}
 
-    def run(self, prompt: list[int], lookup: bool, temperature: float,
-            max_tokens: int, seed: int) -> RunResult:
-        llm = self.llm
-        if lookup:
-            if self._lookup is None:
+    def _new(self, path: Path, draft_model: Any = None) -> Any:
+        return self._Llama(model_path=str(path), n_threads=self.threads,
+                           n_threads_batch=self.threads, n_ctx=self.n_ctx, verbose=False,
+                           draft_model=draft_model)
+
+    def _llm(self, mode: str) -> Any:
+        if mode not in self._llms:
+            if mode == "lookup":
                 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-                self._lookup = self._Llama(
-                    model_path=str(self.path), n_threads=self.threads,
-                    n_threads_batch=self.threads, n_ctx=self.n_ctx, verbose=False,
-                    draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8))
-            llm = self._lookup
+                dm = LlamaPromptLookupDecoding(num_pred_tokens=8)
+            elif mode.startswith("draft") and self.draft_path is not None:
+                dm = _llama_draft_model(self._new(self.draft_path), PEER_DRAFT_N)
+            else:
+                raise ValueError(f"peer mode {mode!r} is not available")
+            self._llms[mode] = self._new(self.path, dm)
+        return self._llms[mode]
+
+    def run(self, prompt: list[int], mode: str, temperature: float,
+            max_tokens: int, seed: int) -> RunResult:
+        llm = self._llm(mode)
         llm.reset()
         t0 = time.perf_counter()
         first = None
@@ -195,7 +238,8 @@ class PeerRunner:
 def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
               temperatures: tuple[float, ...] = (0.0, 0.7), max_tokens: int = 256,
               repeats: int = 3, configs: list[BenchConfig] | None = None,
-              peer: PeerRunner | None = None, peer_lookup: bool = False, seed: int = 1234,
+              peer: PeerRunner | None = None, peer_modes: tuple[str, ...] = ("target-only",),
+              seed: int = 1234,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     prompts = prompts or PROMPTS
     configs = configs or default_configs(engine.draft is not None)
@@ -204,7 +248,7 @@ def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
     encoded = {k: engine.encode_prompt(v, chat=True) for k, v in prompts.items()}
     names = [c.name for c in configs]
     if peer is not None:
-        names += ["llama.cpp target-only"] + (["llama.cpp lookup"] if peer_lookup else [])
+        names += [f"llama.cpp {m}" for m in peer_modes]
     for rep in range(repeats):
         for pname, ids in encoded.items():
             for temp in temperatures:
@@ -213,7 +257,8 @@ def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
                     cell = cells.setdefault(key, Cell(pname, temp, name))
                     if name.startswith("llama.cpp"):
                         assert peer is not None
-                        r = peer.run(ids, name.endswith("lookup"), temp, max_tokens, seed)
+                        r = peer.run(ids, name.removeprefix("llama.cpp "), temp, max_tokens,
+                                     seed)
                     else:
                         cfg = next(c for c in configs if c.name == name)
                         r = runner.run(ids, cfg, temp, max_tokens, seed)

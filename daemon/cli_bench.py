@@ -28,6 +28,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--peer", action="store_true", help="also run llama.cpp (llama-cpp-python)")
     b.add_argument("--peer-lookup", action="store_true",
                    help="also run llama-cpp-python's prompt-lookup decoding")
+    b.add_argument("--peer-draft", action="store_true",
+                   help="also run llama-cpp-python's speculative decoding with the same draft")
     b.add_argument("--out", default="bench-results", help="output folder")
     b.set_defaults(func=run)
 
@@ -52,10 +54,14 @@ def run(args: argparse.Namespace) -> int:
     if args.configs:
         wanted = set(args.configs.split(","))
         configs = [c for c in configs if c.name in wanted]
-    peer = bench.PeerRunner(engine.target.path, threads, args.n_ctx) if args.peer else None
+    peer = (bench.PeerRunner(engine.target.path, threads, args.n_ctx,
+                             draft_path=engine.draft.path if engine.draft else None)
+            if args.peer else None)
+    modes = ("target-only",) + (("lookup",) if args.peer_lookup else ()) + (
+        (bench.PeerRunner.MODES[2],) if args.peer_draft and engine.draft else ())
     result = bench.run_bench(engine, prompts=prompts, temperatures=temps,
                              max_tokens=args.max_tokens, repeats=args.repeats,
-                             configs=configs, peer=peer, peer_lookup=args.peer_lookup,
+                             configs=configs, peer=peer, peer_modes=modes,
                              log=lambda s: print(s, file=sys.stderr, flush=True))
     weights = {"target": engine.target.built.weights_bytes}
     if engine.draft is not None:
