@@ -78,6 +78,9 @@ class RunResult:
     draft_lengths: dict[int, int]
     tokens: int
     text_hash: int
+    # decode time per emitted token, ms: draft, verify (target passes), the rest (Python:
+    # sampling, acceptance, bookkeeping)
+    split_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 @dataclass
@@ -146,9 +149,13 @@ class SpecdRunner:
             gen.step()
         gen.close()
         s = gen.stats
+        per = 1e3 / max(s.generated_tokens - 1, 1)  # the first token comes from prefill
+        split = (s.draft_s * per, s.verify_s * per,
+                 max(s.decode_s - s.draft_s - s.verify_s, 0.0) * per)
         return RunResult(s.prefill_tps, s.decode_tps, ttft, s.mean_acceptance_length,
                          s.per_position_acceptance(), dict(s.draft_lengths),
-                         s.generated_tokens, hash(tuple(gen.tokens)))
+                         s.generated_tokens, hash(tuple(gen.tokens)),
+                         tuple(round(x, 2) for x in split))
 
 
 PEER_DRAFT_N = 4
@@ -284,6 +291,8 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
             "mean_acceptance_length": round(cell.median("mean_acceptance_length"), 3),
             "per_position": [round(statistics.median(v), 3) for v in zip(
                 *[r.per_position for r in cell.runs if r.per_position], strict=False)],
+            "split_ms_per_token": [round(statistics.median(v), 2) for v in zip(
+                *[r.split_ms for r in cell.runs], strict=True)],
             "vs_target_only": round(cell.median("decode_tps") / own.median("decode_tps"), 3)
             if own else None,
             "vs_llama_cpp": round(cell.median("decode_tps") / base.median("decode_tps"), 3)
@@ -300,15 +309,17 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
 
 def markdown_table(summary: dict[str, Any]) -> str:
     lines = ["| prompt | T | config | decode tok/s (min–max) | × target-only | × llama.cpp "
-             "| accept len | per-position acceptance | prefill tok/s | TTFT s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| accept len | per-position acceptance | ms/token draft+verify+other "
+             "| prefill tok/s | TTFT s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         lo, hi = r["decode_tps_range"]
         lines.append(
             f"| {r['prompt']} | {r['temperature']} | {r['config']} | {r['decode_tps']} "
             f"({lo}–{hi}) | {r['vs_target_only'] or ''} | {r['vs_llama_cpp'] or ''} | "
             f"{r['mean_acceptance_length']} | {' '.join(map(str, r['per_position']))} | "
-            f"{r['prefill_tps']} | {r['ttft_s']} |")
+            f"{'+'.join(map(str, r['split_ms_per_token'])) if any(r['split_ms_per_token']) else ''}"
+            f" | {r['prefill_tps']} | {r['ttft_s']} |")
     return "\n".join(lines)
 
 
@@ -332,7 +343,8 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
                      label=f"{r['prompt']} T{r['temperature']} {r['config']}")
     ax2.set_xlabel("draft position")
     ax2.set_ylabel("acceptance")
-    ax2.legend(fontsize=5)
+    if ax2.lines:
+        ax2.legend(fontsize=5)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     return True
