@@ -3,9 +3,10 @@
 Expected tokens from a round drafting n:  E(n) = 1 + sum_{i=1..n} prod_{j<=i} a_j,
 with a_j the conditional acceptance at draft position j. Its time:
 T(n) = n * t_draft + t_verify(n + 1), t_verify a line a + b*S fitted to observed passes.
-The chosen n maximises E(n) / T(n); n = 0 (target-only step) wins whenever drafting does
-not pay, so speculation never runs slower than plain decoding. While at n = 0 a short
-probe round runs now and then so the estimates can recover.
+The chosen n maximises E(n) / T(n); n = 0 (target-only step) wins unless drafting is
+predicted 6% faster (2% once drafting), so speculation does not run slower than plain
+decoding. While at n = 0 a probe round (n = 2) runs after 16 rounds, then 32, 64, 128
+while probes do not pay, so the estimates can recover at a bounded cost.
 
 Estimates are discounted averages with a long memory (about the last 50 observations):
 a round costs ~0.1 s here and timings on a shared machine swing by 20%, so short
@@ -20,9 +21,14 @@ from dataclasses import dataclass, field
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior at each draft position
 
 
+MIN_WEIGHT_AT_SIZE = 3.0  # observations of one pass size before its own mean is used
+
+
 @dataclass
 class _Line:
-    """Discounted least-squares fit of seconds against tokens per pass."""
+    """Seconds against tokens per pass: the discounted mean at sizes observed often
+    enough (kernels have steps: M = 2 costs about M = 1 here, M = 3 much more), else a
+    discounted least-squares line through all observations."""
 
     decay: float
     w: float = 0.0
@@ -31,16 +37,26 @@ class _Line:
     sxx: float = 0.0
     sxy: float = 0.0
     seen: set[int] = field(default_factory=set)
+    at_size: dict[int, list[float]] = field(default_factory=dict)  # S -> [weight, sum]
 
-    def add(self, x: float, y: float) -> None:
+    def add(self, x: int, y: float) -> None:
         d = self.decay
         self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
-        self.seen.add(int(x))
+        self.seen.add(x)
+        for acc in self.at_size.values():
+            acc[0] *= d
+            acc[1] *= d
+        acc = self.at_size.setdefault(x, [0.0, 0.0])
+        acc[0] += 1.0
+        acc[1] += y
 
-    def at(self, x: float) -> float | None:
+    def at(self, x: int) -> float | None:
         if self.w == 0:
             return None
+        own = self.at_size.get(x)
+        if own is not None and own[0] >= MIN_WEIGHT_AT_SIZE:
+            return own[1] / own[0]
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
         if len(self.seen) < 2 or var <= 1e-12:
@@ -53,12 +69,15 @@ class _Line:
 class AdaptiveDraftLength:
     n_max: int
     decay: float = 0.98  # weight kept by older observations at each new one
-    probe_every: int = 16  # rounds at n=0 between probes
+    probe_every: int = 16  # rounds at n=0 between probes (doubling while probes fail)
+    max_probe_every: int = 128
     prior_accept: float = 0.7
     _verify: _Line = field(init=False)
     _single: float | None = None  # discounted mean of target-only steps (S = 1)
     _draft_step: float | None = None
     _idle_rounds: int = 0
+    _probe_gap: int = 0  # current rounds between probes
+    _drafting: bool = False  # the last choice drafted (not counting probes)
 
     def __post_init__(self) -> None:
         n = max(self.n_max, 0)
@@ -131,16 +150,23 @@ class AdaptiveDraftLength:
             return 0  # first measure a plain target step
         if self._draft_step is None:
             return min(2, limit)  # then a short probe for the draft and verify costs
-        best_n, best_rate = 0, self.rate(0) or 0.0
+        # hysteresis: leaving n = 0 must be predicted clearly faster (a wrong start costs
+        # a catch-up on the draft as well); between draft lengths 2% decides
+        start = 1.02 if self._drafting else 1.06
+        base = self.rate(0) or 0.0
+        best_n, best_rate = 0, base
         for n in range(1, limit + 1):
             r = self.rate(n) or 0.0
-            if r > best_rate * 1.02:
+            if r > max(best_rate * 1.02, base * start):
                 best_n, best_rate = n, r
+        self._drafting = best_n > 0
         if best_n == 0:
+            self._probe_gap = self._probe_gap or self.probe_every
             self._idle_rounds += 1
-            if self._idle_rounds >= self.probe_every:
+            if self._idle_rounds >= self._probe_gap:
                 self._idle_rounds = 0
+                self._probe_gap = min(2 * self._probe_gap, self.max_probe_every)
                 return min(2, limit)
         else:
-            self._idle_rounds = 0
+            self._idle_rounds, self._probe_gap = 0, 0
         return best_n

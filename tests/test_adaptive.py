@@ -37,8 +37,13 @@ def test_probe_recovers_from_zero() -> None:
     _warm(a, 0.07, 0.012, 0.035)
     for _ in range(50):
         a.observe_acceptance(4, 0)
-    choices = [a.choose(8) for _ in range(8)]
-    assert choices.count(2) == 2 and choices.count(0) == 6
+    choices = [a.choose(8) for _ in range(4 + 8 + 16)]
+    probes = [i for i, n in enumerate(choices) if n]
+    assert probes == [3, 3 + 8, 3 + 8 + 16]  # gaps double while probes do not pay
+    assert set(choices) == {0, 2}
+    for _ in range(80):  # acceptance recovers: it drafts again, and probing resets
+        a.observe_acceptance(4, 4)
+    assert a.choose(8) > 0
 
 
 def test_respects_limit() -> None:
@@ -80,3 +85,12 @@ def test_acceptance_estimate_needs_evidence_to_move_far() -> None:
         a.observe_acceptance(1, 1)
     assert a.accept[0] > 0.95
     assert a.accept[1] == a.accept[0]  # never drafted: extrapolated from position 1
+
+
+def test_verify_cost_uses_each_well_observed_size() -> None:
+    a = AdaptiveDraftLength(n_max=8)
+    for _ in range(5):
+        for s, t in ((1, 0.070), (2, 0.072), (3, 0.090), (5, 0.110)):
+            a.observe_verify(s, t)
+    assert abs(a.verify_cost(2) - 0.072) < 1e-9  # its own mean, not the line's 0.08
+    assert 0.09 < a.verify_cost(4) < 0.11  # unobserved: the fitted line
