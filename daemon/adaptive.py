@@ -36,14 +36,12 @@ class _Line:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
-    seen: set[int] = field(default_factory=set)
     at_size: dict[int, list[float]] = field(default_factory=dict)  # S -> [weight, sum]
 
     def add(self, x: int, y: float) -> None:
         d = self.decay
         self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
-        self.seen.add(x)
         for acc in self.at_size.values():
             acc[0] *= d
             acc[1] *= d
@@ -59,7 +57,7 @@ class _Line:
             return own[1] / own[0]
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
-        if len(self.seen) < 2 or var <= 1e-12:
+        if len(self.at_size) < 2 or var <= 1e-12:
             return my * (1.0 + 0.15 * (x - mx))  # prior slope: verify is nearly flat
         b = max((self.sxy / self.w - mx * my) / var, 0.0)
         return max(my + b * (x - mx), 1e-6)
@@ -73,7 +71,6 @@ class AdaptiveDraftLength:
     max_probe_every: int = 128
     prior_accept: float = 0.7
     _verify: _Line = field(init=False)
-    _single: float | None = None  # discounted mean of target-only steps (S = 1)
     _draft_step: float | None = None
     _idle_rounds: int = 0
     _probe_gap: int = 0  # current rounds between probes
@@ -88,9 +85,6 @@ class AdaptiveDraftLength:
     # -- observations ---------------------------------------------------------------------
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
         self._verify.add(n_tokens, seconds)
-        if n_tokens == 1:
-            old = self._single
-            self._single = seconds if old is None else old + 0.1 * (seconds - old)
 
     def observe_draft(self, n_steps: int, seconds: float) -> None:
         if n_steps <= 0:
@@ -132,7 +126,7 @@ class AdaptiveDraftLength:
 
     def rate(self, n: int) -> float | None:
         """Predicted tokens per second of a round drafting n (None before any data)."""
-        t1 = self._single if self._single is not None else self.verify_cost(1)
+        t1 = self.verify_cost(1)
         if t1 is None:
             return None
         if n == 0:

@@ -207,6 +207,8 @@ class Generation:
                 self.adaptive.observe_draft(1, draft.step_s)
             else:
                 self.adaptive.observe_draft(len(draft.tokens), dt)
+            for hit in draft.forced or ():
+                self.adaptive.observe_acceptance(1, int(hit))
         draft = draft.truncate(n)
         if self.grammar is not None and draft.probs is None:
             # drafts made without the grammar (n-gram): keep the part it allows (exact:

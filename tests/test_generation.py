@@ -219,3 +219,18 @@ def test_draft_model_reuses_its_cached_prefix(models) -> None:  # noqa: ANN001
                  draft=DraftParams(n_max=4))
     assert got == want
     assert calls and calls[0] < len(longer)
+
+
+def test_catch_up_checks_the_drafters_guesses_against_emitted_tokens(models) -> None:  # noqa: ANN001
+    """After target-only rounds the draft evaluates the skipped tokens and reports, per
+    row, whether its greedy guess was the token that followed (teacher forcing)."""
+    target, _ = models
+    drafter = draft_drafter(target)  # the target as its own draft: every guess is right
+    want, _ = run(target, max_tokens=40, ignore_eos=True)
+    drafter.begin(0, PROMPT)
+    drafter.process(0, want[:10])  # 10 target-only tokens, then a drafting round
+    d = drafter.draft(0, want[10], len(PROMPT) + 10, 2, DraftParams(n_max=2))
+    assert d.forced is not None and len(d.forced) == 10 and all(d.forced)  # <= FORCED_ROWS
+    assert d.tokens == want[11:13]
+    d2 = drafter.draft(0, want[10], len(PROMPT) + 10, 2, DraftParams(n_max=2))
+    assert d2.forced is None  # nothing skipped this time

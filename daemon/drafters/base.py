@@ -48,11 +48,14 @@ class Draft:
     # seconds per proposal step, not counting a catch-up over tokens the drafter skipped
     # while the target decoded alone (None: the drafter did not measure it)
     step_s: float | None = None
+    # the drafter's greedy guesses at position 1 checked, in order, against tokens the
+    # target emitted while it was idle (a free acceptance measurement), or None
+    forced: tuple[bool, ...] | None = None
 
     def truncate(self, n: int) -> Draft:
         """Drop drafts past n, with their q rows."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     self.valid, self.step_s)
+                     self.valid, self.step_s, self.forced)
 
 
 class Drafter(ABC):

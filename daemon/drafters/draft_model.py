@@ -28,6 +28,10 @@ class _SeqState:
     sampler: Sampler | None = None
 
 
+FORCED_ROWS = 16  # catch-up rows checked against the tokens that followed them (their
+# logits cost an lm_head pass each)
+
+
 class DraftModelDrafter(Drafter):
     name = "draft"
 
@@ -57,8 +61,8 @@ class DraftModelDrafter(Drafter):
             self.runner.prefill(seq, list(prompt[reuse:]), reuse)
         st.n_cached = len(prompt)
 
-    def _logits(self, row: np.ndarray) -> np.ndarray:
-        return row[: self.vocab_limit] if self.vocab_limit else row
+    def _logits(self, rows: np.ndarray) -> np.ndarray:
+        return rows[..., : self.vocab_limit] if self.vocab_limit else rows
 
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
               grammar: GrammarState | None = None) -> Draft:
@@ -75,10 +79,14 @@ class DraftModelDrafter(Drafter):
         pending = [*st.history[st.n_cached:], last]
         p = st.n_cached
         step_times: list[float] = []  # proposal steps, without catching up on skipped tokens
+        forced: tuple[bool, ...] | None = None
         for _ in range(n_max):
             t0 = time.perf_counter()
             catching_up = len(pending) > 2  # after target-only rounds: a small prefill
-            row = self._logits(self.runner.forward(seq, pending, p)[0])  # [vocab]
+            if catching_up and not params.probabilistic:
+                row, forced = self._catch_up(seq, pending, p)
+            else:
+                row = self._logits(self.runner.forward(seq, pending, p)[0])  # [vocab]
             p += len(pending)
             st.n_cached = p
             mask = None if grammar is None else grammar.allowed(row.shape[0])  # [vocab]
@@ -106,7 +114,18 @@ class DraftModelDrafter(Drafter):
                     break
         probs = np.stack(q_rows) if q_rows else None
         step_s = sum(step_times) / len(step_times) if step_times else None
-        return Draft(list(st.drafted), probs, step_s=step_s)
+        return Draft(list(st.drafted), probs, step_s=step_s, forced=forced)
+
+    def _catch_up(self, seq: int, pending: list[int], pos: int
+                  ) -> tuple[np.ndarray, tuple[bool, ...]]:
+        """Evaluate skipped tokens; the last rows' greedy guesses are checked against the
+        tokens that really followed (teacher-forced acceptance at draft position 1)."""
+        k = min(len(pending) - 1, FORCED_ROWS)
+        rows = list(range(len(pending) - 1 - k, len(pending)))
+        out = self.runner.forward(seq, pending, pos, rows)  # [k + 1, vocab]
+        guesses = self._logits(out[:-1]).argmax(axis=-1)  # [k]
+        hits = guesses == np.asarray(pending[len(pending) - k:])  # [k]
+        return self._logits(out[-1]), tuple(bool(h) for h in hits)
 
     def accept(self, seq: int, n_accepted: int) -> None:
         st = self._seqs[seq]
