@@ -5,7 +5,7 @@ with a_j the conditional acceptance at draft position j. Its time:
 T(n) = n * t_draft + t_verify(n + 1), t_verify a line a + b*S fitted to observed passes.
 The chosen n maximises E(n) / T(n); n = 0 (target-only step) wins unless drafting is
 predicted 6% faster (2% once drafting), so speculation does not run slower than plain
-decoding. While at n = 0 a probe round (n = 2) runs after 16 rounds, then 32, 64, 128
+decoding. While at n = 0 a probe round (n = 2) runs after 4 rounds, then 8, 16, ... 128
 while probes do not pay, so the estimates can recover at a bounded cost.
 
 Estimates are discounted averages with a long memory (about the last 50 observations):
@@ -67,7 +67,7 @@ class _Line:
 class AdaptiveDraftLength:
     n_max: int
     decay: float = 0.98  # weight kept by older observations at each new one
-    probe_every: int = 16  # rounds at n=0 between probes (doubling while probes fail)
+    probe_every: int = 4  # rounds at n=0 before the first probe (doubling while probes fail)
     max_probe_every: int = 128
     prior_accept: float = 0.7
     _verify: _Line = field(init=False)
