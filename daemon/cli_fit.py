@@ -69,8 +69,9 @@ def resolve_device(device: str) -> str:
 
 def add_draft_quant_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quant", default="q4", choices=list(DRAFT_QUANTS),
-                   help="draft weights: re-quantized to 4 bits (default: cheaper draft steps) "
-                        "or exactly as in its GGUF; the output is the target's either way")
+                   help="draft weights: re-quantized to 4 bits in blocks of 32 (q4, default: "
+                        "cheaper draft steps) or 128 (q4g128: cheaper still, coarser), or "
+                        "exactly as in its GGUF; the output is the target's either way")
 
 
 def add_spin_arg(p: argparse.ArgumentParser) -> None:

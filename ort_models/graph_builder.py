@@ -33,7 +33,14 @@ from onnx import TensorProto
 from .arch import HParams
 from .gguf_file import GGUFFile
 from .onnx_writer import MS, GraphWriter
-from .quant import REQUANT_KINDS, QuantizedMatrix, dense_float32, load_matrix, requantize_q4
+from .quant import (
+    REQUANT_KINDS,
+    QuantizedMatrix,
+    dense_float32,
+    load_matrix,
+    requant_block_size,
+    requantize_q4,
+)
 
 BUILDER_VERSION = "3"
 ATTN_BUCKET = 256
@@ -89,7 +96,8 @@ def _matrix(c: _Ctx, name: str, *, exact: bool = False) -> QuantizedMatrix | np.
     key = name if not exact else f"{name}@exact"
     if key not in c.shared:
         w = load_matrix(c.f.tensor(name))
-        c.shared[key] = requantize_q4(w) if requant == "q4" else w
+        bs = requant_block_size(requant, w.shape[1] if isinstance(w, np.ndarray) else w.k)
+        c.shared[key] = requantize_q4(w, bs) if bs else w
     return c.shared[key]
 
 

@@ -159,31 +159,37 @@ def test_bad_files_give_one_clear_error(tmp_path, variant, message) -> None:  # 
     assert "\n" not in str(info.value)
 
 
-def _requantized_reference(path) -> ReferenceModel:  # noqa: ANN001
+def _requantized_reference(path, kind: str) -> ReferenceModel:  # noqa: ANN001
     """The reference with every multiplied matrix replaced by its 4-bit re-quantization
     (the embedding lookup keeps the GGUF's exact rows)."""
-    from specd.ort_models.quant import requantize_q4
+    from specd.ort_models.quant import requant_block_size, requantize_q4
+
+    def requantized(w: np.ndarray) -> np.ndarray:
+        bs = requant_block_size(kind, w.shape[1])
+        return requantize_q4(w.astype(np.float32), bs).dequantize().astype(np.float64)
 
     ref = ReferenceModel(path)
     for name, w in list(ref.weights.items()):
         if w.ndim == 2 and name != "token_embd.weight":
-            ref.weights[name] = requantize_q4(w.astype(np.float32)).dequantize().astype(np.float64)
-    ref.output_weight = requantize_q4(ref.output_weight.astype(np.float32)).dequantize(
-        ).astype(np.float64)
+            ref.weights[name] = requantized(w)
+    ref.output_weight = requantized(ref.output_weight)
     return ref
 
 
-@pytest.mark.parametrize("arch, wt", [("qwen2", "Q5_0"), ("llama", "Q4_K"), ("llama", "F16")])
-def test_requantized_draft_graph_matches_its_reference(tiny_model_factory, arch, wt) -> None:
-    """requant="q4": per-block zero points, fused matrices and a tied output that must
-    not share the exact embedding's initializers, all computed as the reference says."""
+@pytest.mark.parametrize("arch, wt, kind", [("qwen2", "Q5_0", "q4"), ("llama", "Q4_K", "q4"),
+                                            ("llama", "F16", "q4"), ("llama", "Q4_K", "q4g128"),
+                                            ("qwen2", "Q5_0", "q4g128")])
+def test_requantized_draft_graph_matches_its_reference(tiny_model_factory, arch, wt,
+                                                       kind) -> None:
+    """requant="q4"/"q4g128": per-block zero points, fused matrices and a tied output that
+    must not share the exact embedding's initializers, all computed as the reference says."""
     path = tiny_model_factory(arch=arch, weight_type=wt, **(K_DIMS if wt == "Q4_K" else {}))
-    built = load_or_build(path, BuildOptions(accuracy_level=1, requant="q4"))
+    built = load_or_build(path, BuildOptions(accuracy_level=1, requant=kind))
     exact = load_or_build(path, BuildOptions(accuracy_level=1))
     assert built.folder != exact.folder
     assert built.weights_bytes < exact.weights_bytes or wt != "Q5_0"
     got = _all_rows(ModelRunner(built, n_ctx=256), TOKENS)
-    want = _requantized_reference(path).forward(TOKENS)
+    want = _requantized_reference(path, kind).forward(TOKENS)
     rel = np.abs(got - want).max() / np.abs(want).max()
     assert rel < 2e-5, rel
     # and it is a different model from the exact one (the test above is not vacuous)
