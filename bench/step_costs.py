@@ -1,9 +1,10 @@
 """Cost of one forward pass by tokens in the call, per model: what speculation trades.
 
-    python bench/step_costs.py [--models a,b:q4] [--sizes 1,2,3,5,9] [--repeats 15]
+    python bench/step_costs.py [--models a,b:q4,b:q4:fused] [--sizes 1,2,3,5,9] [--repeats 15]
                                [--spinning] [--profile]
 
-Each model is built as the engine builds it (`name:q4` re-quantized, as drafts are),
+Each model is built as the engine builds it (`name:q4` re-quantized, as drafts are;
+`name:q4:fused` with GroupQueryAttention),
 run at a position past 256 (a realistic cache), and timed per call size, interleaved
 across models and sizes so both see the same machine state. Prints medians in ms and
 each size as a multiple of the model's single-token step. `--profile` adds the share of
@@ -65,8 +66,9 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     runners = {}
     for m in args.models.split(","):
-        name, _, requant = m.partition(":")
-        built = load_or_build(resolve_model(name, fetch=True), BuildOptions(requant=requant))
+        name, requant, attention = (m.split(":") + ["", "exact"])[:3]
+        built = load_or_build(resolve_model(name, fetch=True),
+                              BuildOptions(requant=requant, attention=attention or "exact"))
         runners[m] = ModelRunner(built, n_ctx=1024, threads=args.threads,
                                  spinning=args.spinning)
         runners[m].prefill(0, list(range(100, 100 + POS)))

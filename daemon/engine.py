@@ -76,11 +76,18 @@ class LoadedModel:
 
 
 def build_options(role: str, draft_quant: str = "q4") -> BuildOptions:
-    """Graph options of the target or the draft model."""
+    """Graph options of the target or the draft model.
+
+    A draft's numbers only choose what is proposed, so it also gets the fused attention,
+    which is faster but not batch-invariant; the target keeps the exact one, so that a
+    verified row equals a single step.
+    """
     if draft_quant not in DRAFT_QUANTS:
         raise EngineError(f"unknown draft quant {draft_quant!r} (one of "
                           f"{', '.join(DRAFT_QUANTS)})")
-    return BuildOptions(requant=DRAFT_QUANTS[draft_quant] if role == "draft" else "")
+    if role != "draft":
+        return BuildOptions()
+    return BuildOptions(requant=DRAFT_QUANTS[draft_quant], attention="fused")
 
 
 def resolve_spec_type(spec_type: str, draft: str | None) -> str:

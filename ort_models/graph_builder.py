@@ -19,6 +19,8 @@ MatMul are row-invariant; attention is written out (TensorScatter + MatMul + Sof
 over `attn_len` keys, padded to a multiple of ATTN_BUCKET with masked keys, so a row's
 softmax and weighted sum see exactly the same numbers in a block as alone, as long as
 the block does not cross a bucket boundary (the runner guarantees that for verify).
+Drafts may take attention="fused" instead: GroupQueryAttention, faster, not row-invariant
+(`attn_len` is then unused).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from .quant import (
     requantize_q4,
 )
 
-BUILDER_VERSION = "3"
+BUILDER_VERSION = "4"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
+ATTENTION_KINDS = ("exact", "fused")
 F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
 
@@ -60,16 +63,24 @@ class BuildOptions:
     # "" keeps every weight exactly as the GGUF has it (targets); "q4" re-quantizes the
     # matrices to 4 bits (drafts: fewer bytes per step, the output stays the target's)
     requant: str = ""
+    # "exact": attention written out, batch-invariant (targets: a verified row must equal
+    # a single step); "fused": ORT's GroupQueryAttention, fewer nodes and no KV prefix
+    # copy, but a row's result depends on the block around it (~1e-7), so drafts only
+    attention: str = "exact"
 
     def __post_init__(self) -> None:
         if self.requant not in REQUANT_KINDS:
             raise ValueError(f"unknown requant {self.requant!r} (one of "
                              f"{', '.join(repr(k) for k in REQUANT_KINDS)})")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention {self.attention!r} (one of "
+                             f"{', '.join(ATTENTION_KINDS)})")
 
     def key(self) -> str:
         layers = "-".join(map(str, self.hidden_layers)) or "none"
         rq = f"_r{self.requant}" if self.requant else ""
-        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}"
+        at = "_gqa" if self.attention == "fused" else ""
+        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}"
 
 
 @dataclass
@@ -243,27 +254,58 @@ def _head_norm(c: _Ctx, x: str, n_heads: int, weight: str) -> str:
 
 def _attention(c: _Ctx, i: int, h: str, pos_ids: str, mask: str, io: dict[str, str]) -> str:
     g, hp = c.g, c.hp
-    hd, nkv, grp = hp.head_dim, hp.n_head_kv, hp.group_size
+    hd, nkv = hp.head_dim, hp.n_head_kv
     p = f"blk.{i}."
     q, k, v = _linears(c, h, [p + "attn_q.weight", p + "attn_k.weight",
                               p + "attn_v.weight"])  # [S, H*hd], [S, Hkv*hd], [S, Hkv*hd]
     if hp.qk_norm:
         q = _head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
         k = _head_norm(c, k, nkv, p + "attn_k_norm.weight")
-    rot = dict(domain=MS, interleaved=int(hp.rope_interleaved), rotary_embedding_dim=hp.rope_dim)
-    q3 = g.op("RotaryEmbedding", [g.op("Unsqueeze", [q, g.const([0])]), pos_ids, "rope.cos",
-                                  "rope.sin"], num_heads=hp.n_head, **rot)  # [1, S, H*hd]
-    k3 = g.op("RotaryEmbedding", [g.op("Unsqueeze", [k, g.const([0])]), pos_ids, "rope.cos",
-                                  "rope.sin"], num_heads=nkv, **rot)
+    for name in (f"past_key_{i}", f"past_value_{i}"):
+        g.input(name, F32, [1, nkv, "n_ctx", hd])
+    for name in (f"present_key_{i}", f"present_value_{i}"):
+        g.output(name, F32, [1, nkv, "n_ctx", hd])
+    q3, k3 = (g.op("Unsqueeze", [t, g.const([0])]) for t in (q, k))  # [1, S, *]
+    fused = c.options.attention == "fused"
+    v3 = g.op("Unsqueeze", [v, g.const([0])]) if fused else ""
+    if fused and hp.rope_dim == hd:
+        out = _fused_attention(c, i, q3, k3, v3, io, rotary=True)
+    else:
+        rot = dict(domain=MS, interleaved=int(hp.rope_interleaved),
+                   rotary_embedding_dim=hp.rope_dim)
+        q3 = g.op("RotaryEmbedding", [q3, pos_ids, "rope.cos", "rope.sin"],
+                  num_heads=hp.n_head, **rot)  # [1, S, H*hd]
+        k3 = g.op("RotaryEmbedding", [k3, pos_ids, "rope.cos", "rope.sin"], num_heads=nkv, **rot)
+        out = (_fused_attention(c, i, q3, k3, v3, io, rotary=False) if fused
+               else _exact_attention(c, i, q3, k3, v, mask, io))
+    return _linear(c, out, p + "attn_output.weight")
+
+
+def _fused_attention(c: _Ctx, i: int, q3: str, k3: str, v3: str, io: dict[str, str], *,
+                     rotary: bool) -> str:
+    """GroupQueryAttention on [1, S, *] projections (rotated inside if `rotary`), writing
+    the cache buffers in place."""
+    g, hp = c.g, c.hp
+    extra = ["rope.cos", "rope.sin"] if rotary else []
+    out, _, _ = g.op("GroupQueryAttention", [q3, k3, v3, f"past_key_{i}", f"past_value_{i}",
+                                             io["seqlens_k"], io["total_len"], *extra], 3,
+                     domain=MS, out=[g.fresh("gqa"), f"present_key_{i}", f"present_value_{i}"],
+                     num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
+                     scale=1.0 / math.sqrt(hp.head_dim), do_rotary=int(rotary),
+                     rotary_interleaved=int(hp.rope_interleaved))  # [1, S, H*hd]
+    return g.op("Reshape", [out, g.const([-1, hp.n_head * hp.head_dim])])
+
+
+def _exact_attention(c: _Ctx, i: int, q3: str, k3: str, v: str, mask: str,
+                     io: dict[str, str]) -> str:
+    g, hp = c.g, c.hp
+    hd, nkv, grp = hp.head_dim, hp.n_head_kv, hp.group_size
+    pk, pv = f"past_key_{i}", f"past_value_{i}"
     # new keys/values -> [1, Hkv, S, hd], written in place into the cache at `position`
     k4 = g.op("Transpose", [g.op("Reshape", [k3, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
     v4 = g.op("Transpose", [g.op("Reshape", [v, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
-    pk, pv = g.input(f"past_key_{i}", F32, [1, nkv, "n_ctx", hd]), f"past_value_{i}"
-    g.input(pv, F32, [1, nkv, "n_ctx", hd])
     ck = g.op("TensorScatter", [pk, k4, "position"], axis=2, out=[f"present_key_{i}"])
     cv = g.op("TensorScatter", [pv, v4, "position"], axis=2, out=[f"present_value_{i}"])
-    for name in (ck, cv):
-        g.output(name, F32, [1, nkv, "n_ctx", hd])
     zero, two = g.const([0]), g.const([2])
     keys = g.op("Reshape", [g.op("Slice", [ck, zero, "attn_len", two]), g.const([nkv, -1, hd])])
     vals = g.op("Reshape", [g.op("Slice", [cv, zero, "attn_len", two]), g.const([nkv, -1, hd])])
@@ -287,8 +329,7 @@ def _attention(c: _Ctx, i: int, h: str, pos_ids: str, mask: str, io: dict[str, s
         out = g.op("Slice", [out, g.const([0]), io["s_len"], g.const([1])])
     out = g.op("Transpose", [g.op("Reshape", [out, g.const([nkv, grp, -1, hd])])],
                perm=[2, 0, 1, 3])  # [S, Hkv, G, hd]
-    out = g.op("Reshape", [out, g.const([-1, hp.n_head * hd])])
-    return _linear(c, out, p + "attn_output.weight")
+    return g.op("Reshape", [out, g.const([-1, hp.n_head * hd])])
 
 
 def _causal_mask(g: GraphWriter, s_len: str) -> str:
@@ -315,13 +356,17 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
     cos, sin = _rope_tables(hp, max_pos)
     g.weight("rope.cos", cos)
     g.weight("rope.sin", sin)
-    mask = _causal_mask(g, s_len)
+    mask = _causal_mask(g, s_len) if options.attention == "exact" else ""
     nkv, grp = hp.n_head_kv, hp.group_size
     io: dict[str, str] = {
         "s_len": s_len,
         "shape4": g.op("Concat", [g.const([nkv, grp, -1]), "attn_len"], axis=0),
         "shape3": g.op("Concat", [g.const([nkv, -1]), "attn_len"], axis=0),
     }
+    if options.attention == "fused":  # GroupQueryAttention's int32 lengths
+        end = g.op("Cast", [g.op("Add", ["position", s_len])], to=TensorProto.INT32)
+        io["seqlens_k"] = g.op("Sub", [end, g.const([1], np.int32)])  # [1]
+        io["total_len"] = g.op("Squeeze", [end, g.const([0])])  # scalar
     if hp.group_size == 1:
         io["qpad"] = g.const(np.zeros((nkv, 1, hp.head_dim), np.float32), np.float32)
         t_len = g.op("Concat", [g.const([hp.n_head_kv, 1]), "attn_len"], axis=0)

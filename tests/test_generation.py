@@ -9,6 +9,7 @@ from specd.daemon.drafters.base import DraftParams
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.synthetic import SyntheticDrafter
+from specd.daemon.engine import build_options
 from specd.daemon.generation import Generation, GenerationParams, RequestError
 from specd.daemon.sampling import SamplerParams
 from specd.ort_models.graph_builder import BuildOptions
@@ -57,12 +58,14 @@ def test_greedy_speculation_is_byte_identical(models, n_max, p_min) -> None:  # 
 
 
 def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None:  # noqa: ANN001
-    """A draft built with requant="q4" (as the engine builds drafts) changes acceptance only."""
+    """A draft built as the engine builds drafts (re-quantized to 4 bits, fused attention,
+    neither batch-invariant nor exact) changes acceptance only."""
     target, _ = models
     draft = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
                                              perturb=0.01, context_length=1024),
-                          BuildOptions(requant="q4"))
-    assert draft.options.requant == "q4"
+                          build_options("draft"))
+    assert (draft.options.requant, draft.options.attention) == ("q4", "fused")
+    assert build_options("target") == BuildOptions()  # exact weights, exact attention
     want, _ = run(target, max_tokens=64, ignore_eos=True)
     got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
                    draft=DraftParams(n_max=4))

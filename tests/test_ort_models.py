@@ -119,6 +119,34 @@ def test_bucket_crossing_prefill_matches_reference(tiny_model_factory) -> None:
     assert np.abs(got - want).max() / np.abs(want).max() < 2e-5
 
 
+@pytest.mark.parametrize("arch, kw", [("qwen2", {}), ("llama", {"n_head_kv": 4}),
+                                      ("qwen3", {})])
+def test_fused_attention_matches_reference(tiny_model_factory, arch, kw) -> None:  # noqa: ANN001
+    """attention="fused" (GroupQueryAttention, drafts): chunked prefill across a bucket
+    boundary, a multi-token block and a rolled-back block, all as the reference says."""
+    path = tiny_model_factory(arch=arch, weight_type="F32", context_length=1024, **kw)
+    toks = np.random.default_rng(2).integers(3, 340, size=300).tolist()
+    want = ReferenceModel(path).forward(toks)  # [300, vocab]
+    built = load_or_build(path, BuildOptions(accuracy_level=1, attention="fused"))
+    assert built.folder != load_or_build(path, BuildOptions(accuracy_level=1)).folder
+    r = ModelRunner(built, n_ctx=512)
+    r.forward(0, toks[:296] + [7, 7, 7], 0)  # 3 wrong tokens after 296, also past 256
+    got = {
+        "prefill": r.prefill(0, toks[:290])[None],
+        "block": r.forward(0, toks[290:295], 290, list(range(5))),  # rolls back to 290
+        "rolled back": r.forward(0, toks[292:300], 292, list(range(8))),
+    }
+    for name, rows in {"prefill": [289], "block": range(290, 295),
+                       "rolled back": range(292, 300)}.items():
+        w = want[list(rows)]
+        assert np.abs(got[name] - w).max() / np.abs(w).max() < 2e-5, name
+
+
+def test_unknown_attention_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        BuildOptions(attention="flash")
+
+
 def test_hidden_state_outputs(tiny_model_factory) -> None:
     path = tiny_model_factory(arch="llama", weight_type="F32")
     built = load_or_build(path, BuildOptions(hidden_layers=(0, 1)))
