@@ -2,7 +2,11 @@
 
 Expected tokens from a round drafting n:  E(n) = 1 + sum_{i=1..n} prod_{j<=i} a_j,
 with a_j the conditional acceptance at draft position j. Its time:
-T(n) = n * t_draft + t_verify(n + 1), t_verify a line a + b*S fitted to observed passes.
+T(n) = t_draft(n) + t_verify(n + 1), t_verify a line a + b*S fitted to observed passes
+and t_draft(n) = t_first + (n - 1) * t_next: the first proposal of a call costs more
+(it also feeds the token the draft has not seen, two after a full acceptance, and the
+call's fixed overheads), so a mean per step made n = 1 look as good as n = 2 on the
+Qwen pair when it was 10-20% slower.
 The chosen n maximises E(n) / T(n); n = 0 (target-only step) wins unless drafting is
 predicted 6% faster (2% once drafting), so speculation does not run slower than plain
 decoding. While at n = 0 a probe round (n = 2) runs after 4 rounds, then 8, 16, ... 128
@@ -16,9 +20,15 @@ last observed position's; positions seen only a few times lean on that prior.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior at each draft position
+DRAFT_COST_RATE = 0.1  # weight of each new draft timing (a ~10-observation memory)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + DRAFT_COST_RATE * (new - old)
 
 
 MIN_WEIGHT_AT_SIZE = 3.0  # observations of one pass size before its own mean is used
@@ -70,8 +80,14 @@ class AdaptiveDraftLength:
     probe_every: int = 4  # rounds at n=0 before the first probe (doubling while probes fail)
     max_probe_every: int = 128
     prior_accept: float = 0.7
+    # every this many drafting rounds, draft one more when that is predicted within 5%:
+    # costs seen only at lengths no longer chosen would otherwise never be corrected
+    explore_every: int = 8
     _verify: _Line = field(init=False)
-    _draft_step: float | None = None
+    _draft_first: float | None = None  # seconds: a steady drafting call, but its later steps
+    _draft_next: float | None = None  # seconds: each proposal step after the first
+    _draft_calls: int = 0
+    _drafting_rounds: int = 0
     _idle_rounds: int = 0
     _probe_gap: int = 0  # current rounds between probes
     _drafting: bool = False  # the last choice drafted (not counting probes)
@@ -86,12 +102,17 @@ class AdaptiveDraftLength:
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
         self._verify.add(n_tokens, seconds)
 
-    def observe_draft(self, n_steps: int, seconds: float) -> None:
-        if n_steps <= 0:
+    def observe_draft(self, seconds: float, later_steps: Sequence[float] = ()) -> None:
+        """A steady drafting call took `seconds`, of which `later_steps` were its second,
+        third, ... proposal steps (a drafter that does not time its steps passes none).
+        The first call is not used: its passes run at shapes and cache states not seen
+        again (up to 2x slower), and an outlier stays long where lengths are rarely tried."""
+        self._draft_calls += 1
+        if self._draft_calls == 1:
             return
-        per = seconds / n_steps
-        old = self._draft_step
-        self._draft_step = per if old is None else old + 0.1 * (per - old)
+        self._draft_first = _ema(self._draft_first, seconds - sum(later_steps))
+        for t in later_steps:
+            self._draft_next = _ema(self._draft_next, t)
 
     def observe_acceptance(self, n_drafted: int, n_accepted: int) -> None:
         for i in range(min(n_drafted, len(self._hits))):
@@ -117,6 +138,15 @@ class AdaptiveDraftLength:
         """Fitted seconds for a target pass over s tokens (None before any data)."""
         return self._verify.at(s)
 
+    def draft_cost(self, n: int) -> float | None:
+        """Estimated seconds of a steady drafting call proposing n (None before any data);
+        before any later step was seen each one is taken to cost as much as the first."""
+        first = self._draft_first
+        if first is None:
+            return None
+        nxt = first if self._draft_next is None else self._draft_next
+        return first + (n - 1) * nxt
+
     def expected_tokens(self, n: int) -> float:
         e, run = 1.0, 1.0
         for a in self.accept[:n]:
@@ -131,9 +161,10 @@ class AdaptiveDraftLength:
             return None
         if n == 0:
             return 1.0 / t1
-        if self._draft_step is None:
+        draft = self.draft_cost(n)
+        if draft is None:
             return None
-        return self.expected_tokens(n) / (n * self._draft_step + (self.verify_cost(n + 1) or t1))
+        return self.expected_tokens(n) / (draft + (self.verify_cost(n + 1) or t1))
 
     def choose(self, limit: int) -> int:
         """Draft length for the next round, at most `limit`."""
@@ -142,7 +173,7 @@ class AdaptiveDraftLength:
             return 0
         if self.rate(0) is None:
             return 0  # first measure a plain target step
-        if self._draft_step is None:
+        if self.draft_cost(1) is None:
             return min(2, limit)  # then a short probe for the draft and verify costs
         # hysteresis: leaving n = 0 must be predicted clearly faster (a wrong start costs
         # a catch-up on the draft as well); between draft lengths 2% decides
@@ -163,4 +194,8 @@ class AdaptiveDraftLength:
                 return min(2, limit)
         else:
             self._idle_rounds, self._probe_gap = 0, 0
+            self._drafting_rounds += 1
+            if (best_n < limit and self._drafting_rounds % self.explore_every == 0
+                    and (self.rate(best_n + 1) or 0.0) >= 0.95 * best_rate):
+                return best_n + 1
         return best_n

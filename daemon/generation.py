@@ -203,10 +203,8 @@ class Generation:
         dt = time.perf_counter() - t0
         self.stats.draft_s += dt
         if self.adaptive is not None:
-            if draft.step_s is not None:
-                self.adaptive.observe_draft(1, draft.step_s)
-            else:
-                self.adaptive.observe_draft(len(draft.tokens), dt)
+            if not draft.caught_up and draft.tokens:  # a steady round, overheads included
+                self.adaptive.observe_draft(dt, draft.step_s[1:])
             for hit in draft.forced or ():
                 self.adaptive.observe_acceptance(1, int(hit))
         draft = draft.truncate(n)

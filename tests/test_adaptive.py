@@ -6,7 +6,8 @@ from specd.daemon.adaptive import AdaptiveDraftLength
 def _warm(a: AdaptiveDraftLength, t1: float, slope: float, draft: float) -> None:
     for s in (1, 3, 5, 9):
         a.observe_verify(s, t1 + slope * (s - 1))
-    a.observe_draft(4, 4 * draft)
+    for _ in range(2):  # the first drafting call is a warm-up, not used
+        a.observe_draft(4 * draft, [draft] * 3)
 
 
 def test_starts_by_measuring_then_probes() -> None:
@@ -94,3 +95,52 @@ def test_verify_cost_uses_each_well_observed_size() -> None:
             a.observe_verify(s, t)
     assert abs(a.verify_cost(2) - 0.072) < 1e-9  # its own mean, not the line's 0.08
     assert 0.09 < a.verify_cost(4) < 0.11  # unobserved: the fitted line
+
+
+def test_a_fixed_cost_per_drafting_call_favours_longer_drafts() -> None:
+    """Measured on the Qwen pair at T 0.7: one proposal costs 25 ms per call (the first
+    step also feeds the token the draft has not seen), two cost 35 ms. A mean per step
+    (~20 ms) made n = 1 look as good as n = 2; first + later steps does not."""
+    a = AdaptiveDraftLength(n_max=8)
+    for _ in range(10):
+        a.observe_verify(1, 0.076)
+        a.observe_verify(2, 0.078)
+        a.observe_verify(3, 0.098)
+        a.observe_verify(4, 0.112)
+        a.observe_draft(0.025)
+        a.observe_draft(0.035, [0.010])
+        a.observe_draft(0.045, [0.010, 0.010])
+    for _ in range(50):
+        a.observe_acceptance(3, 3)
+        a.observe_acceptance(3, 2)
+        a.observe_acceptance(3, 1)
+        a.observe_acceptance(3, 3)
+    assert a.draft_cost(2) is not None and abs(a.draft_cost(2) - 0.035) < 1e-9
+    assert a.rate(2) > 1.05 * a.rate(1)
+    assert a.choose(3) >= 2
+
+
+def test_the_first_drafting_call_is_a_warm_up() -> None:
+    a = AdaptiveDraftLength(n_max=4)
+    a.observe_draft(0.060, [0.030])  # cold: new shapes, cold caches
+    assert a.draft_cost(2) is None
+    a.observe_draft(0.035, [0.010])
+    assert abs(a.draft_cost(2) - 0.035) < 1e-9
+
+
+def test_explores_one_longer_draft_when_it_is_nearly_as_good() -> None:
+    """A stale estimate at a length no longer chosen gets another look: every 8th
+    drafting round tries n + 1 while it is predicted within 5%."""
+    a = AdaptiveDraftLength(n_max=4)
+    for _ in range(10):
+        for s in (1, 2, 3):
+            a.observe_verify(s, 0.070 + 0.010 * (s - 1))
+        a.observe_draft(0.020, [0.018])
+    for _ in range(40):
+        a.observe_acceptance(2, 2)
+        a.observe_acceptance(2, 2)
+        a.observe_acceptance(2, 1)
+    n = a.choose(4)
+    assert n == 1 and a.rate(2) > 0.95 * a.rate(1)
+    choices = [a.choose(4) for _ in range(31)]
+    assert choices.count(n + 1) == 4 and set(choices) == {n, n + 1}

@@ -45,9 +45,12 @@ class Draft:
     tokens: list[int]
     probs: np.ndarray | None = None  # [n, vocab] q rows when drafted probabilistically
     valid: bool = True  # False: synthetic acceptance (benchmark only), output not the target's
-    # seconds per proposal step, not counting a catch-up over tokens the drafter skipped
-    # while the target decoded alone (None: the drafter did not measure it)
-    step_s: float | None = None
+    # seconds of each proposal step, if the drafter timed them (the first step also feeds
+    # what the draft has not seen yet: the last token, after a full acceptance two)
+    step_s: tuple[float, ...] = ()
+    # the call also caught up on tokens the drafter skipped while the target decoded alone,
+    # so its time is not what a steady round costs
+    caught_up: bool = False
     # the drafter's greedy guesses at position 1 checked, in order, against tokens the
     # target emitted while it was idle (a free acceptance measurement), or None
     forced: tuple[bool, ...] | None = None
@@ -55,7 +58,7 @@ class Draft:
     def truncate(self, n: int) -> Draft:
         """Drop drafts past n, with their q rows."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     self.valid, self.step_s, self.forced)
+                     self.valid, self.step_s, self.caught_up, self.forced)
 
 
 class Drafter(ABC):

@@ -78,11 +78,12 @@ class DraftModelDrafter(Drafter):
         q_rows: list[np.ndarray] = []
         pending = [*st.history[st.n_cached:], last]
         p = st.n_cached
-        step_times: list[float] = []  # proposal steps, without catching up on skipped tokens
         forced: tuple[bool, ...] | None = None
+        caught_up = len(pending) > 2  # after target-only rounds: a small prefill first
+        step_s: list[float] = []
         for _ in range(n_max):
             t0 = time.perf_counter()
-            catching_up = len(pending) > 2  # after target-only rounds: a small prefill
+            catching_up = len(pending) > 2
             if catching_up and not params.probabilistic:
                 row, forced = self._catch_up(seq, pending, p)
             else:
@@ -106,15 +107,14 @@ class DraftModelDrafter(Drafter):
                 break
             st.drafted.append(tok)
             pending = [tok]
-            if not catching_up:
-                step_times.append(time.perf_counter() - t0)
+            step_s.append(time.perf_counter() - t0)
             if grammar is not None:
                 grammar.consume(tok)
                 if grammar.is_stopped():
                     break
         probs = np.stack(q_rows) if q_rows else None
-        step_s = sum(step_times) / len(step_times) if step_times else None
-        return Draft(list(st.drafted), probs, step_s=step_s, forced=forced)
+        return Draft(list(st.drafted), probs, step_s=tuple(step_s), caught_up=caught_up,
+                     forced=forced)
 
     def _catch_up(self, seq: int, pending: list[int], pos: int
                   ) -> tuple[np.ndarray, tuple[bool, ...]]:
