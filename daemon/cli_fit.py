@@ -98,7 +98,7 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
         if name is None:
             continue
         path = resolve_model(name, fetch=fetch)
-        built = built_model(path, bp(label), build_options(label, draft_quant))
+        built = built_model(path, bp(label), build_options(label, draft_quant, dev))
         costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
                margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx)

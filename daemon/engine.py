@@ -75,19 +75,21 @@ class LoadedModel:
         return self.gguf.name
 
 
-def build_options(role: str, draft_quant: str = "q4") -> BuildOptions:
-    """Graph options of the target or the draft model.
+def build_options(role: str, draft_quant: str = "q4", device: str = "cpu") -> BuildOptions:
+    """Graph options of the target or the draft model on `device` ("cpu" / "cuda:N").
 
-    A draft's numbers only choose what is proposed, so it also gets the fused attention,
-    which is faster but not batch-invariant; the target keeps the exact one, so that a
-    verified row equals a single step.
+    A draft's numbers only choose what is proposed, so on CPU it also gets the fused
+    attention, which is faster but not batch-invariant; the target keeps the exact one,
+    so that a verified row equals a single step. On CUDA drafts keep the exact one too:
+    ORT's CUDA GroupQueryAttention takes fp16/bf16 only, and these graphs are fp32.
     """
     if draft_quant not in DRAFT_QUANTS:
         raise EngineError(f"unknown draft quant {draft_quant!r} (one of "
                           f"{', '.join(DRAFT_QUANTS)})")
     if role != "draft":
         return BuildOptions()
-    return BuildOptions(requant=DRAFT_QUANTS[draft_quant], attention="fused")
+    return BuildOptions(requant=DRAFT_QUANTS[draft_quant],
+                        attention="fused" if device == "cpu" else "exact")
 
 
 def resolve_spec_type(spec_type: str, draft: str | None) -> str:
@@ -125,7 +127,8 @@ class Engine:
         self.draft: LoadedModel | None = None
         if draft_path is not None and d_file is not None:
             self.draft = self._load(draft_path, d_file, bp("draft"),
-                                    build_options("draft", cfg.draft_quant))
+                                    build_options("draft", cfg.draft_quant,
+                                                  self.runtime.device))
             self.drafter = DraftModelDrafter(self.draft.runner,
                                              vocab_limit=self.target.built.hparams.n_vocab)
         elif self.spec_type == "ngram":

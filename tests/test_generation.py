@@ -66,6 +66,7 @@ def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None
                           build_options("draft"))
     assert (draft.options.requant, draft.options.attention) == ("q4", "fused")
     assert build_options("target") == BuildOptions()  # exact weights, exact attention
+    assert build_options("draft", device="cuda:0").attention == "exact"  # fp32 GQA: CPU only
     want, _ = run(target, max_tokens=64, ignore_eos=True)
     got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
                    draft=DraftParams(n_max=4))
