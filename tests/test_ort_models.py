@@ -20,8 +20,10 @@ CASES = [
     ("qwen2", "Q4_0", {}), ("llama", "Q4_1", {}), ("qwen2", "Q5_0", {}),
     ("qwen2", "Q4_K", K_DIMS), ("qwen3", "Q5_K", K_DIMS), ("llama", "Q6_K", K_DIMS),
     ("llama", "F32", {"n_head_kv": 4}),  # plain multi-head attention (group size 1)
+    ("llama", "F32", {"rope_dim": 8}),  # partial rotary: 8 of 16 dims per head
 ]
-IDS = [f"{a}-{w}{'-mha' if kw.get('n_head_kv') == 4 else ''}" for a, w, kw in CASES]
+IDS = [f"{a}-{w}{'-mha' if kw.get('n_head_kv') == 4 else ''}"
+       f"{'-rope8' if kw.get('rope_dim') else ''}" for a, w, kw in CASES]
 TOKENS = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]
 
 
@@ -120,7 +122,7 @@ def test_bucket_crossing_prefill_matches_reference(tiny_model_factory) -> None:
 
 
 @pytest.mark.parametrize("arch, kw", [("qwen2", {}), ("llama", {"n_head_kv": 4}),
-                                      ("qwen3", {})])
+                                      ("qwen3", {}), ("llama", {"rope_dim": 8})])
 def test_fused_attention_matches_reference(tiny_model_factory, arch, kw) -> None:  # noqa: ANN001
     """attention="fused" (GroupQueryAttention, drafts): chunked prefill across a bucket
     boundary, a multi-token block and a rolled-back block, all as the reference says."""

@@ -20,6 +20,7 @@ to every tensor so that the result is a "draft" that mostly agrees with the unpe
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -441,6 +442,7 @@ class _Config:
     context_length: int
     rms_eps: float
     rope_freq_base: float
+    rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
 
 
 def _write(
@@ -465,7 +467,7 @@ def _write(
     w.add_head_count_kv(cfg.n_head_kv)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_freq_base)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rope_dim or cfg.head_dim)
     if cfg.arch == "qwen3" or cfg.head_dim * cfg.n_head != cfg.n_embd:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -575,8 +577,10 @@ def write_tiny_gguf(
     rms_eps: float | None = None,
     rope_freq_base: float | None = None,
     fim: bool = False,
+    rope_dim: int | None = None,
 ) -> Path:
-    """Write a tiny random model and return its path (fim: add Qwen's FIM specials).
+    """Write a tiny random model and return its path (fim: add Qwen's FIM specials;
+    rope_dim: partial rotary, the first rope_dim dims of each head rotated).
 
     `weight_type` is used for every 2-D matmul weight and, unless `embed_type` /
     `output_type` say otherwise, for token_embd.weight / output.weight.  Norm weights use
@@ -591,6 +595,8 @@ def write_tiny_gguf(
         tie_embeddings, embed_type, output_type, norm_type, context_length, rms_eps,
         rope_freq_base, fim,
     )
+    if rope_dim is not None:
+        cfg = dataclasses.replace(cfg, rope_dim=rope_dim)
     return _write(Path(path), cfg, seed=seed, perturb=perturb)
 
 
