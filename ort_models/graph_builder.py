@@ -44,7 +44,7 @@ from .quant import (
     requantize_q4,
 )
 
-BUILDER_VERSION = "4"
+BUILDER_VERSION = "5"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 ATTENTION_KINDS = ("exact", "fused")
@@ -356,21 +356,7 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
     cos, sin = _rope_tables(hp, max_pos)
     g.weight("rope.cos", cos)
     g.weight("rope.sin", sin)
-    mask = _causal_mask(g, s_len) if options.attention == "exact" else ""
-    nkv, grp = hp.n_head_kv, hp.group_size
-    io: dict[str, str] = {
-        "s_len": s_len,
-        "shape4": g.op("Concat", [g.const([nkv, grp, -1]), "attn_len"], axis=0),
-        "shape3": g.op("Concat", [g.const([nkv, -1]), "attn_len"], axis=0),
-    }
-    if options.attention == "fused":  # GroupQueryAttention's int32 lengths
-        end = g.op("Cast", [g.op("Add", ["position", s_len])], to=TensorProto.INT32)
-        io["seqlens_k"] = g.op("Sub", [end, g.const([1], np.int32)])  # [1]
-        io["total_len"] = g.op("Squeeze", [end, g.const([0])])  # scalar
-    if hp.group_size == 1:
-        io["qpad"] = g.const(np.zeros((nkv, 1, hp.head_dim), np.float32), np.float32)
-        t_len = g.op("Concat", [g.const([hp.n_head_kv, 1]), "attn_len"], axis=0)
-        io["ppad"] = g.op("ConstantOfShape", [t_len], value=_f32_tensor(0.0))
+    mask, io = _attention_inputs(g, hp, options.attention, s_len)
 
     x = _embedding(c, ids)  # [S, E] residual stream
     c.tick("embedding")
@@ -396,6 +382,26 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
     g.op("Identity", [_linear(c, h, out_name)], out=["logits"])
     g.output("logits", F32, ["R", hp.n_vocab])
     c.tick("output")
+
+
+def _attention_inputs(g: GraphWriter, hp: HParams, attention: str, s_len: str
+                      ) -> tuple[str, dict[str, str]]:
+    """What every layer's attention shares: (causal mask, named tensors), built only for
+    the kind of attention the graph uses."""
+    io: dict[str, str] = {"s_len": s_len}
+    if attention == "fused":  # GroupQueryAttention's int32 lengths; it masks by itself
+        end = g.op("Cast", [g.op("Add", ["position", s_len])], to=TensorProto.INT32)
+        io["seqlens_k"] = g.op("Sub", [end, g.const([1], np.int32)])  # [1]
+        io["total_len"] = g.op("Squeeze", [end, g.const([0])])  # scalar
+        return "", io
+    nkv, grp = hp.n_head_kv, hp.group_size
+    io["shape4"] = g.op("Concat", [g.const([nkv, grp, -1]), "attn_len"], axis=0)
+    io["shape3"] = g.op("Concat", [g.const([nkv, -1]), "attn_len"], axis=0)
+    if grp == 1:
+        io["qpad"] = g.const(np.zeros((nkv, 1, hp.head_dim), np.float32), np.float32)
+        t_len = g.op("Concat", [g.const([nkv, 1]), "attn_len"], axis=0)
+        io["ppad"] = g.op("ConstantOfShape", [t_len], value=_f32_tensor(0.0))
+    return _causal_mask(g, s_len), io
 
 
 def _add_norm(c: _Ctx, x: str, delta: str | None, weight: str) -> tuple[str, str]:
