@@ -14,25 +14,12 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 from specd.daemon.bench import measure_bandwidth
 from specd.daemon.model_store import resolve_model
 from specd.ort_models.gguf_file import GGUFFile
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
-
-
-def weight_bytes_per_token(path: Path) -> int:
-    """GGUF bytes read per decoded token: all tensors but the embedding lookup table
-    (which is read only when it doubles as the tied output matrix)."""
-    f = GGUFFile(path)
-    total = 0
-    for name, t in f.tensors.items():
-        if name == "token_embd.weight" and f.has_tensor("output.weight"):
-            continue
-        total += int(t.data.nbytes)
-    return total
 
 
 def run_once(model: str, tokens: int, threads: int | None) -> dict:
@@ -67,7 +54,7 @@ def main() -> None:
     for m in models:
         dec = [r["decode_tps"] for r in runs[m]]
         pre = statistics.median(r["prefill_tps"] for r in runs[m])
-        wb = weight_bytes_per_token(resolve_model(m))
+        wb = GGUFFile(resolve_model(m)).bytes_read_per_token()
         bound = bw / wb
         med = statistics.median(dec)
         print(f"| {m} | {pre:.1f} | {med:.1f} ({min(dec):.1f}–{max(dec):.1f}) | "

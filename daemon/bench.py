@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..memory_fit.measure import PeakRss, read_hwm, rss_bytes
 from .drafters.base import Drafter, DraftParams
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.ngram import NgramDrafter
@@ -58,14 +59,27 @@ class BenchConfig:
     p_min: float = 0.0
 
 
+def parse_config(name: str) -> BenchConfig:
+    """`target-only`, `draft n_max=K`, `draft adaptive`, `ngram n_max=K`, `ngram adaptive`
+    (adaptive drafts at most 8)."""
+    spec, _, rest = name.strip().partition(" ")
+    if spec == "target-only" and not rest:
+        return BenchConfig("target-only", "none")
+    if spec in ("draft", "ngram"):
+        if rest == "adaptive":
+            return BenchConfig(name, spec, 8, adaptive=True)
+        key, _, value = rest.partition("=")
+        if key == "n_max" and value.isdigit() and int(value) > 0:
+            return BenchConfig(f"{spec} n_max={int(value)}", spec, int(value))
+    raise ValueError(f"unknown bench configuration {name!r} (target-only, draft n_max=K, "
+                     "draft adaptive, ngram n_max=K, ngram adaptive)")
+
+
 def default_configs(has_draft: bool) -> list[BenchConfig]:
-    cfgs = [BenchConfig("target-only", "none")]
+    names = ["target-only"]
     if has_draft:
-        cfgs += [BenchConfig(f"draft n_max={n}", "draft", n, p_min=0.0) for n in (2, 4, 8)]
-        cfgs += [BenchConfig("draft adaptive", "draft", 8, adaptive=True)]
-    cfgs += [BenchConfig("ngram n_max=8", "ngram", 8), BenchConfig("ngram adaptive", "ngram", 8,
-                                                                    adaptive=True)]
-    return cfgs
+        names += ["draft n_max=2", "draft n_max=4", "draft n_max=8", "draft adaptive"]
+    return [parse_config(n) for n in names + ["ngram n_max=8", "ngram adaptive"]]
 
 
 @dataclass
@@ -81,6 +95,8 @@ class RunResult:
     # decode time per emitted token, ms: draft, verify (target passes), the rest (Python:
     # sampling, acceptance, bookkeeping)
     split_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    run_peak_bytes: int = 0  # peak RSS during the run above the RSS it started at
+    memory_bytes: int = 0  # the configuration's models (Footprint) + run_peak_bytes
 
 
 @dataclass
@@ -98,16 +114,30 @@ class Cell:
         return min(vals), max(vals)
 
 
-def peak_rss_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
+class Footprint:
+    """Memory each configuration needs, measured in the one process that holds them all:
+    the RSS growth while each model loaded and during its first (warm-up) run, which
+    grows the runtime's arenas and pages in what was mapped, plus, per timed run, the
+    peak above the RSS the run started at."""
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    def __init__(self) -> None:
+        self.resident: dict[frozenset[str], int] = {}
+        self.warm: set[str] = set()
+
+    def loaded(self, model: str, nbytes: int) -> None:
+        key = frozenset({model})
+        self.resident[key] = self.resident.get(key, 0) + max(nbytes, 0)
+
+    def warmed(self, models: frozenset[str], growth: int) -> None:
+        """RSS growth of a warm-up run, charged to the models it ran first (if several
+        ran first together, to them as a group)."""
+        cold = frozenset(models - self.warm)
+        if cold:
+            self.resident[cold] = self.resident.get(cold, 0) + max(growth, 0)
+        self.warm |= models
+
+    def of(self, models: frozenset[str], run_peak: int) -> int:
+        return sum(v for k, v in self.resident.items() if k <= models) + run_peak
 
 
 def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -142,12 +172,14 @@ class SpecdRunner:
             draft=DraftParams(n_max=cfg.n_max, p_min=cfg.p_min), adaptive=cfg.adaptive)
         gen = Generation(self.engine.target.runner, 0, prompt, params,
                          eog=self.engine.eog_ids, drafter=self.drafter_for(cfg))
-        t0 = time.perf_counter()
-        gen.prefill()
-        ttft = time.perf_counter() - t0
-        while not gen.done:
-            gen.step()
-        gen.close()
+        with PeakRss() as peak:
+            start = rss_bytes()
+            t0 = time.perf_counter()
+            gen.prefill()
+            ttft = time.perf_counter() - t0
+            while not gen.done:
+                gen.step()
+            gen.close()
         s = gen.stats
         per = 1e3 / max(s.generated_tokens - 1, 1)  # the first token comes from prefill
         split = (s.draft_s * per, s.verify_s * per,
@@ -155,7 +187,11 @@ class SpecdRunner:
         return RunResult(s.prefill_tps, s.decode_tps, ttft, s.mean_acceptance_length,
                          s.per_position_acceptance(), dict(s.draft_lengths),
                          s.generated_tokens, hash(tuple(gen.tokens)),
-                         tuple(round(x, 2) for x in split))
+                         tuple(round(x, 2) for x in split), max(peak.peak - start, 0))
+
+    @staticmethod
+    def models_of(cfg: BenchConfig) -> frozenset[str]:
+        return frozenset({"target", "draft"} if cfg.spec == "draft" else {"target"})
 
 
 PEER_DRAFT_N = 4
@@ -202,7 +238,7 @@ class PeerRunner:
         self._Llama = Llama
         self.path, self.threads, self.n_ctx = target_path, threads, n_ctx
         self.draft_path = draft_path
-        self._llms: dict[str, Any] = {"target-only": self._new(target_path)}
+        self._llms: dict[str, Any] = {}
 
     def _new(self, path: Path, draft_model: Any = None) -> Any:
         return self._Llama(model_path=str(path), n_threads=self.threads,
@@ -217,6 +253,8 @@ class PeerRunner:
                 dm = LlamaPromptLookupDecoding(num_pred_tokens=8)
             elif mode.startswith("draft") and self.draft_path is not None:
                 dm = _llama_draft_model(self._new(self.draft_path), PEER_DRAFT_N)
+            elif mode == "target-only":
+                dm = None
             else:
                 raise ValueError(f"peer mode {mode!r} is not available")
             self._llms[mode] = self._new(self.path, dm)
@@ -224,62 +262,97 @@ class PeerRunner:
 
     def run(self, prompt: list[int], mode: str, temperature: float,
             max_tokens: int, seed: int) -> RunResult:
-        llm = self._llm(mode)
-        llm.reset()
-        t0 = time.perf_counter()
-        first = None
-        n = 0
-        for _tok in llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0,
-                                 repeat_penalty=1.0, reset=True):
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-            if n >= max_tokens:
-                break
-        end = time.perf_counter()
+        with PeakRss() as peak:
+            start = rss_bytes()
+            llm = self._llm(mode)  # created (and its file mapped) on its first run
+            llm.reset()
+            t0 = time.perf_counter()
+            first = None
+            n = 0
+            for _tok in llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0,
+                                     min_p=0.0, repeat_penalty=1.0, reset=True):
+                n += 1
+                if first is None:
+                    first = time.perf_counter()
+                if n >= max_tokens:
+                    break
+            end = time.perf_counter()
         assert first is not None
         decode = (n - 1) / (end - first) if n > 1 else 0.0
-        return RunResult(len(prompt) / (first - t0), decode, first - t0, 1.0, [], {}, n, 0)
+        return RunResult(len(prompt) / (first - t0), decode, first - t0, 1.0, [], {}, n, 0,
+                         run_peak_bytes=max(peak.peak - start, 0))
 
 
 def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
               temperatures: tuple[float, ...] = (0.0, 0.7), max_tokens: int = 256,
               repeats: int = 3, configs: list[BenchConfig] | None = None,
               peer: PeerRunner | None = None, peer_modes: tuple[str, ...] = ("target-only",),
-              seed: int = 1234,
+              seed: int = 1234, warmup_tokens: int = 16,
               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every (prompt, temperature, configuration) `repeats` times, round-robin, after one
+    untimed warm-up run per configuration (first-run allocations are not timed, and are
+    charged to the configuration's memory)."""
     prompts = prompts or PROMPTS
     configs = configs or default_configs(engine.draft is not None)
     runner = SpecdRunner(engine)
     cells: dict[tuple[str, float, str], Cell] = {}
     encoded = {k: engine.encode_prompt(v, chat=True) for k, v in prompts.items()}
+    by_name = {c.name: c for c in configs}
     names = [c.name for c in configs]
     if peer is not None:
         names += [f"llama.cpp {m}" for m in peer_modes]
+    footprint = Footprint()
+    footprint.loaded("target", engine.target.resident_bytes)
+    if engine.draft is not None:
+        footprint.loaded("draft", engine.draft.resident_bytes)
+    overall_peak = read_hwm()  # covers the loads, before any run resets the mark
+
+    def run_one(name: str, ids: list[int], temp: float, tokens: int) -> RunResult:
+        if name.startswith("llama.cpp"):
+            assert peer is not None
+            return peer.run(ids, name.removeprefix("llama.cpp "), temp, tokens, seed)
+        return runner.run(ids, by_name[name], temp, tokens, seed)
+
+    def models_of(name: str) -> frozenset[str]:
+        if name.startswith("llama.cpp"):
+            return frozenset({name})
+        return runner.models_of(by_name[name])
+
+    warm_ids = next(iter(encoded.values()))
+    for name in names:
+        before = rss_bytes()
+        r = run_one(name, warm_ids, temperatures[0], warmup_tokens)
+        footprint.warmed(models_of(name), rss_bytes() - before)
+        overall_peak = max(overall_peak, before + r.run_peak_bytes)
     for rep in range(repeats):
         for pname, ids in encoded.items():
             for temp in temperatures:
                 for name in names:
-                    key = (pname, temp, name)
-                    cell = cells.setdefault(key, Cell(pname, temp, name))
-                    if name.startswith("llama.cpp"):
-                        assert peer is not None
-                        r = peer.run(ids, name.removeprefix("llama.cpp "), temp, max_tokens,
-                                     seed)
-                    else:
-                        cfg = next(c for c in configs if c.name == name)
-                        r = runner.run(ids, cfg, temp, max_tokens, seed)
+                    cell = cells.setdefault((pname, temp, name), Cell(pname, temp, name))
+                    start = rss_bytes()
+                    r = run_one(name, ids, temp, max_tokens)
+                    r.memory_bytes = footprint.of(models_of(name), r.run_peak_bytes)
+                    overall_peak = max(overall_peak, start + r.run_peak_bytes)
                     cell.runs.append(r)
                     log(f"[{rep + 1}/{repeats}] {pname:8s} T={temp:.1f} {name:24s} "
-                        f"{r.decode_tps:6.2f} tok/s  accept-len {r.mean_acceptance_length:.2f}")
-    return {"cells": cells, "configs": names, "peak_rss": peak_rss_bytes()}
+                        f"{r.decode_tps:6.2f} tok/s  accept-len {r.mean_acceptance_length:.2f}"
+                        f"  {r.memory_bytes / 1e6:7.0f} MB")
+    return {"cells": cells, "configs": names, "peak_rss": overall_peak}
+
+
+PEER_TARGET = "llama.cpp target"  # weight_bytes key: the target's GGUF bytes read per token
 
 
 def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: dict[str, int],
               machine: str, command: str) -> dict[str, Any]:
+    """`weight_bytes`: bytes read per decode step, by "target", "draft" (specd's layouts)
+    and PEER_TARGET; each decode rate is also given as a multiple of the memory-bandwidth
+    bound of a single target step of its runner (speculation can exceed 1)."""
     cells: dict[tuple[str, float, str], Cell] = result["cells"]
+    bound = {k: bandwidth / v for k, v in weight_bytes.items()} if bandwidth else {}
     rows = []
     for (pname, temp, name), cell in cells.items():
+        limit = bound.get(PEER_TARGET if name.startswith("llama.cpp") else "target")
         base = cells.get((pname, temp, "llama.cpp target-only"))
         own = cells.get((pname, temp, "target-only"))
         row = {
@@ -297,9 +370,10 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
             if own else None,
             "vs_llama_cpp": round(cell.median("decode_tps") / base.median("decode_tps"), 3)
             if base else None,
+            "vs_bound": round(cell.median("decode_tps") / limit, 3) if limit else None,
+            "memory_mb": round(cell.median("memory_bytes") / 1e6),
         }
         rows.append(row)
-    bound = {k: bandwidth / v for k, v in weight_bytes.items()} if bandwidth else {}
     return {"machine": machine, "command": command, "date": time.strftime("%Y-%m-%d"),
             "bandwidth_gbs": round(bandwidth / 1e9, 2) if bandwidth else None,
             "weight_bytes": weight_bytes,
@@ -309,17 +383,18 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
 
 def markdown_table(summary: dict[str, Any]) -> str:
     lines = ["| prompt | T | config | decode tok/s (min–max) | × target-only | × llama.cpp "
-             "| accept len | per-position acceptance | ms/token draft+verify+other "
-             "| prefill tok/s | TTFT s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| × bound | accept len | per-position acceptance | ms/token draft+verify+other "
+             "| prefill tok/s | TTFT s | memory MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         lo, hi = r["decode_tps_range"]
-        lines.append(
-            f"| {r['prompt']} | {r['temperature']} | {r['config']} | {r['decode_tps']} "
-            f"({lo}–{hi}) | {r['vs_target_only'] or ''} | {r['vs_llama_cpp'] or ''} | "
-            f"{r['mean_acceptance_length']} | {' '.join(map(str, r['per_position']))} | "
-            f"{'+'.join(map(str, r['split_ms_per_token'])) if any(r['split_ms_per_token']) else ''}"
-            f" | {r['prefill_tps']} | {r['ttft_s']} |")
+        split = r["split_ms_per_token"]
+        cols = [r["prompt"], r["temperature"], r["config"], f"{r['decode_tps']} ({lo}–{hi})",
+                r["vs_target_only"] or "", r["vs_llama_cpp"] or "", r["vs_bound"] or "",
+                r["mean_acceptance_length"], " ".join(map(str, r["per_position"])),
+                "+".join(map(str, split)) if any(split) else "", r["prefill_tps"],
+                r["ttft_s"], r["memory_mb"]]
+        lines.append("| " + " | ".join(map(str, cols)) + " |")
     return "\n".join(lines)
 
 

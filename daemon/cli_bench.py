@@ -24,7 +24,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--prompts", default="code,refactor,prose")
     b.add_argument("--temperatures", default="0,0.7")
-    b.add_argument("--configs", default=None, help="comma-separated config names to run")
+    b.add_argument("--configs", default=None,
+                   help="comma-separated: target-only, draft n_max=K, draft adaptive, "
+                        "ngram n_max=K, ngram adaptive (default: a set of each)")
     b.add_argument("--peer", action="store_true", help="also run llama.cpp (llama-cpp-python)")
     b.add_argument("--peer-lookup", action="store_true",
                    help="also run llama-cpp-python's prompt-lookup decoding")
@@ -52,8 +54,14 @@ def run(args: argparse.Namespace) -> int:
     temps = tuple(float(t) for t in args.temperatures.split(","))
     configs = bench.default_configs(draft is not None)
     if args.configs:
-        wanted = set(args.configs.split(","))
-        configs = [c for c in configs if c.name in wanted]
+        try:
+            configs = [bench.parse_config(n) for n in args.configs.split(",")]
+        except ValueError as exc:
+            print(f"specd bench: {exc}", file=sys.stderr)
+            return 2
+        if draft is None and any(c.spec == "draft" for c in configs):
+            print("specd bench: draft configurations need a draft model", file=sys.stderr)
+            return 2
     peer = (bench.PeerRunner(engine.target.path, threads, args.n_ctx,
                              draft_path=engine.draft.path if engine.draft else None)
             if args.peer else None)
@@ -63,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
                              max_tokens=args.max_tokens, repeats=args.repeats,
                              configs=configs, peer=peer, peer_modes=modes,
                              log=lambda s: print(s, file=sys.stderr, flush=True))
-    weights = {"target": engine.target.built.weights_bytes}
+    weights = {"target": engine.target.built.read_bytes_per_token,
+               bench.PEER_TARGET: engine.target.gguf.bytes_read_per_token()}
     if engine.draft is not None:
-        weights["draft"] = engine.draft.built.weights_bytes
+        weights["draft"] = engine.draft.built.read_bytes_per_token
     summary = bench.summarize(result, bandwidth=bench.measure_bandwidth(),
                               weight_bytes=weights, machine=bench.machine_description(),
                               command="specd " + shlex.join(sys.argv[1:]))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..memory_fit.measure import rss_bytes
 from ..ort_models.gguf_file import GGUFFile
 from ..ort_models.graph_builder import BuildOptions
 from ..ort_models.model_cache import BuiltModel, load_or_build
@@ -69,6 +70,7 @@ class LoadedModel:
     gguf: GGUFFile
     built: BuiltModel
     runner: ModelRunner
+    resident_bytes: int = 0  # RSS growth of this process while the model loaded
 
     @property
     def name(self) -> str:
@@ -147,11 +149,12 @@ class Engine:
 
     def _load(self, path: Path, f: GGUFFile, progress: Progress | None,
               options: BuildOptions) -> LoadedModel:
+        before = rss_bytes()
         built = load_or_build(path, options, progress)
         runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=self.cfg.slots,
                              threads=self.cfg.threads, runtime=self.runtime,
                              spinning=self.cfg.spin)
-        return LoadedModel(path, f, built, runner)
+        return LoadedModel(path, f, built, runner, max(rss_bytes() - before, 0))
 
     # -- requests -------------------------------------------------------------------------
     @property

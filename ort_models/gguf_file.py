@@ -187,6 +187,14 @@ class GGUFFile:
     def content_hash(self) -> str:
         return content_hash(self.path)
 
+    def bytes_read_per_token(self) -> int:
+        """Tensor bytes a decode step reads as the file lays them out: all but the
+        token-embedding table, which is only looked up by rows unless it doubles as the
+        (tied) output matrix."""
+        tied = not self.has_tensor("output.weight")
+        return sum(int(t.data.nbytes) for name, t in self.tensors.items()
+                   if tied or name != "token_embd.weight")
+
 
 def content_hash(path: str | os.PathLike[str]) -> str:
     """sha256 of a file, remembered per (path, size, mtime) so big files hash once."""

@@ -6,6 +6,7 @@ A second load of the same file finds the folder and builds nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -40,6 +41,23 @@ class BuiltModel:
     @property
     def weights_bytes(self) -> int:
         return (self.folder / WEIGHTS_FILE).stat().st_size
+
+    @functools.cached_property
+    def read_bytes_per_token(self) -> int:
+        """Initializer bytes a decode step reads: all but those only looked up by rows
+        (the token-embedding table, rotary tables), unless the output matrix shares them."""
+        return graph_read_bytes(self.model_path)
+
+
+def graph_read_bytes(model_path: Path) -> int:
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    sizes = {t.name: int(next((e.value for e in t.external_data if e.key == "length"), 0))
+             or len(t.raw_data) for t in model.graph.initializer}
+    read = {name for node in model.graph.node if node.op_type != "Gather"
+            for name in node.input if name in sizes}
+    return sum(sizes[n] for n in read)
 
 
 def validate_gguf(f: GGUFFile) -> HParams:

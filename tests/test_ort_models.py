@@ -230,3 +230,26 @@ def test_requantized_draft_graph_matches_its_reference(tiny_model_factory, arch,
 def test_unknown_requant_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown requant 'q3'"):
         BuildOptions(requant="q3")
+
+
+def test_bytes_read_per_token_leave_out_only_row_lookups(tiny_model_factory) -> None:
+    """A decode step reads every matrix but the embedding table, unless the output
+    matrix is that table (tied)."""
+    from specd.ort_models.gguf_file import GGUFFile
+
+    kw = {"arch": "qwen2", "weight_type": "Q8_0", "seed": 3}
+    untied = load_or_build(tiny_model_factory(**kw, tie_embeddings=False))
+    tied = load_or_build(tiny_model_factory(**kw, tie_embeddings=True))
+    v, e = untied.hparams.n_vocab, untied.hparams.n_embd
+    table = v * e * 34 // 32  # Q8_0: a byte per weight and an fp16 scale per 32
+    # both read one [V, E] output matrix (tied: the table itself) and the same blocks
+    assert untied.read_bytes_per_token == tied.read_bytes_per_token > table
+    # the untied file also holds the table (initializers are aligned to 4 KiB)
+    skipped = untied.weights_bytes - untied.read_bytes_per_token
+    assert table <= skipped - (tied.weights_bytes - tied.read_bytes_per_token) <= table * 2
+    g_untied = GGUFFile(untied.gguf_path)
+    embd = g_untied.tensor("token_embd.weight").data.nbytes
+    total = sum(t.data.nbytes for t in g_untied.tensors.values())
+    assert g_untied.bytes_read_per_token() == total - embd
+    g_tied = GGUFFile(tied.gguf_path)
+    assert g_tied.bytes_read_per_token() == sum(t.data.nbytes for t in g_tied.tensors.values())
