@@ -399,6 +399,9 @@ def markdown_table(summary: dict[str, Any]) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path) -> bool:
+    """Decode tokens/s per configuration, grouped by prompt and temperature (min–max as
+    error bars, llama.cpp hatched), and acceptance per draft position of the fixed-length
+    configurations (adaptive ones reach late positions too rarely to draw)."""
     try:
         import matplotlib
 
@@ -407,21 +410,51 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     rows = summary["rows"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
-    labels = [f"{r['prompt']} T{r['temperature']}\n{r['config']}" for r in rows]
-    ax1.barh(range(len(rows)), [r["decode_tps"] for r in rows])
-    ax1.set_yticks(range(len(rows)), labels, fontsize=6)
-    ax1.set_xlabel("decode tokens/s (median)")
-    for r in rows:
-        if r["per_position"]:
+    groups = list(dict.fromkeys((r["prompt"], r["temperature"]) for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    by_key = {(r["prompt"], r["temperature"], r["config"]): r for r in rows}
+    colors = plt.get_cmap("tab10")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5),
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / max(len(configs), 1)
+    for ci, name in enumerate(configs):
+        xs, ys, lo, hi = [], [], [], []
+        for gi, (p, t) in enumerate(groups):
+            r = by_key.get((p, t, name))
+            if r is None:
+                continue
+            xs.append(gi - 0.4 + width * (ci + 0.5))
+            ys.append(r["decode_tps"])
+            lo.append(r["decode_tps"] - r["decode_tps_range"][0])
+            hi.append(r["decode_tps_range"][1] - r["decode_tps"])
+        ax1.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name, color=colors(ci % 10),
+                hatch="//" if name.startswith("llama.cpp") else None, edgecolor="white")
+    ax1.set_xticks(range(len(groups)), [f"{p}\nT = {t}" for p, t in groups])
+    ax1.set_ylabel("decode tokens/s (median, min–max)")
+    ax1.legend(fontsize=7, ncol=4, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax1.grid(axis="y", alpha=0.3)
+    styles = {0.0: "-", 0.7: "--"}
+    prompts = list(dict.fromkeys(p for p, _ in groups))
+    for p, t in groups:
+        for ci, name in enumerate(configs):
+            r = by_key.get((p, t, name))
+            if r is None or not r["per_position"] or "adaptive" in name:
+                continue
             ax2.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="o",
-                     label=f"{r['prompt']} T{r['temperature']} {r['config']}")
+                     markersize=3, color=colors(prompts.index(p) % 10),
+                     linestyle=styles.get(t, ":"),
+                     alpha=0.4 + 0.6 * (ci + 1) / len(configs), label=f"{p} T {t} {name}")
     ax2.set_xlabel("draft position")
-    ax2.set_ylabel("acceptance")
+    ax2.set_ylabel("conditional acceptance (median)")
+    ax2.set_ylim(0, 1.02)
+    ax2.xaxis.get_major_locator().set_params(integer=True)
+    ax2.grid(alpha=0.3)
     if ax2.lines:
-        ax2.legend(fontsize=5)
+        ax2.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"{summary.get('machine', '')}   {summary.get('date', '')}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
+    plt.close(fig)
     return True
 
 

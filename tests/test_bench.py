@@ -48,6 +48,11 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
     assert summary["bound_tps"] == {"target": 20000.0, bench.PEER_TARGET: 40000.0}
     paths = bench.write_outputs(summary, tmp_path)
     assert json.loads(paths[0].read_text())["rows"] == summary["rows"]
+    assert paths[2].name == "bench.png"  # matplotlib is a test dependency
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(paths[2]).shape
+    assert width > 1000 and height > 400
     table = paths[1].read_text().splitlines()
     assert len(table) == 2 + len(configs)
     assert all(line.count("|") == table[0].count("|") for line in table)
