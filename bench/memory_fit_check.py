@@ -25,8 +25,8 @@ from specd.daemon.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from specd.daemon.cli_fit import fit_models
 from specd.daemon.engine import Engine, EngineConfig
 from specd.daemon.generation import GenerationParams
-from specd.memory_fit.measure import PeakRss, read_hwm, rss_bytes
 from specd.memory_fit.plan import fmt_bytes
+from specd.memory_fit.rss import PeakRss, read_hwm, rss_bytes
 
 PROMPT_TEXT = ("def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n"
                "    pivot = xs[len(xs) // 2]\n    return quicksort([x for x in xs if x < pivot])"

@@ -6,6 +6,7 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,49 +37,80 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=run)
 
 
+def _choices(args: argparse.Namespace, has_draft: bool) -> tuple[dict[str, str],
+                                                                tuple[float, ...], list[Any]]:
+    """Prompts, temperatures and configurations asked for (ValueError naming a bad one)."""
+    from . import bench
+
+    prompts = {}
+    for k in dict.fromkeys(p.strip() for p in args.prompts.split(",")):
+        if k not in bench.PROMPTS:
+            raise ValueError(f"unknown prompt {k!r} (one of {', '.join(bench.PROMPTS)})")
+        prompts[k] = bench.PROMPTS[k]
+    try:
+        temps = tuple(dict.fromkeys(float(t) for t in args.temperatures.split(",")))
+    except ValueError:
+        raise ValueError(f"--temperatures takes numbers, got {args.temperatures!r}") from None
+    if any(not 0.0 <= t <= 5.0 for t in temps):
+        raise ValueError(f"temperatures must be in [0, 5], got {args.temperatures!r}")
+    configs = bench.default_configs(has_draft)
+    if args.configs:
+        parsed = [bench.parse_config(n) for n in args.configs.split(",")]
+        configs = list({c.name: c for c in parsed}.values())
+        if not has_draft and any(c.spec == "draft" for c in configs):
+            raise ValueError("draft configurations need a draft model (-md; not --no-draft)")
+    return prompts, temps, configs
+
+
 def run(args: argparse.Namespace) -> int:
     from ..ort_models.runner import default_threads
-    from . import bench
+    from . import bench, bench_report
     from .engine import Engine, EngineConfig
     from .model_store import ProgressBar
 
     threads = args.threads or default_threads()
     draft = None if args.no_draft else args.draft
+    try:
+        prompts, temps, configs = _choices(args, draft is not None)
+    except ValueError as exc:
+        print(f"specd bench: {exc}", file=sys.stderr)
+        return 2
+    peer_cls = None
+    if args.peer:
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            print("specd bench: --peer needs llama-cpp-python (pip install "
+                  "'specd[bench]')", file=sys.stderr)
+            return 2
+        from .bench_peer import PeerRunner as peer_cls
     engine = Engine(EngineConfig(target=args.model, draft=draft,
                                  spec_type="draft" if draft else "none", n_ctx=args.n_ctx,
                                  threads=threads, draft_quant=args.draft_quant,
                                  spin=args.spin),
                     progress=ProgressBar())
     print(f"specd: {engine.runtime.describe()}", file=sys.stderr)
-    prompts = {k: bench.PROMPTS[k] for k in args.prompts.split(",")}
-    temps = tuple(float(t) for t in args.temperatures.split(","))
-    configs = bench.default_configs(draft is not None)
-    if args.configs:
-        try:
-            configs = [bench.parse_config(n) for n in args.configs.split(",")]
-        except ValueError as exc:
-            print(f"specd bench: {exc}", file=sys.stderr)
-            return 2
-        if draft is None and any(c.spec == "draft" for c in configs):
-            print("specd bench: draft configurations need a draft model", file=sys.stderr)
-            return 2
-    peer = (bench.PeerRunner(engine.target.path, threads, args.n_ctx,
-                             draft_path=engine.draft.path if engine.draft else None)
-            if args.peer else None)
+    peer = (peer_cls(engine.target.path, threads, args.n_ctx,
+                     draft_path=engine.draft.path if engine.draft else None)
+            if peer_cls is not None else None)
     modes = ("target-only",) + (("lookup",) if args.peer_lookup else ()) + (
-        (bench.PeerRunner.MODES[2],) if args.peer_draft and engine.draft else ())
+        (peer_cls.MODES[2],) if peer_cls is not None and args.peer_draft and engine.draft
+        else ())
     result = bench.run_bench(engine, prompts=prompts, temperatures=temps,
                              max_tokens=args.max_tokens, repeats=args.repeats,
                              configs=configs, peer=peer, peer_modes=modes,
                              log=lambda s: print(s, file=sys.stderr, flush=True))
-    weights = {"target": engine.target.built.read_bytes_per_token,
-               bench.PEER_TARGET: engine.target.gguf.bytes_read_per_token()}
+    weights = {"target": engine.target.built.read_bytes_per_token}
     if engine.draft is not None:
         weights["draft"] = engine.draft.built.read_bytes_per_token
-    summary = bench.summarize(result, bandwidth=bench.measure_bandwidth(),
-                              weight_bytes=weights, machine=bench.machine_description(),
-                              command="specd " + shlex.join(sys.argv[1:]))
-    for p in bench.write_outputs(summary, Path(args.out)):
+    if peer is not None:
+        weights[bench_report.PEER_TARGET] = engine.target.gguf.bytes_read_per_token()
+    on_cpu = engine.runtime.device == "cpu"  # else RSS and host bandwidth say nothing
+    summary = bench_report.summarize(
+        result, bandwidth=bench.measure_bandwidth(threads=threads) if on_cpu else None,
+        weight_bytes=weights, machine=bench_report.machine_description(),
+        command="specd " + shlex.join(sys.argv[1:]), memory=on_cpu)
+    for p in bench_report.write_outputs(summary, Path(args.out)):
         print(f"specd: wrote {p}", file=sys.stderr)
-    print(bench.markdown_table(summary))
+    print(bench_report.markdown_table(summary))
     return 0

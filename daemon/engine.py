@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..memory_fit.measure import rss_bytes
+from ..memory_fit.rss import rss_bytes
 from ..ort_models.gguf_file import GGUFFile
 from ..ort_models.graph_builder import BuildOptions
 from ..ort_models.model_cache import BuiltModel, load_or_build
@@ -70,7 +70,9 @@ class LoadedModel:
     gguf: GGUFFile
     built: BuiltModel
     runner: ModelRunner
-    resident_bytes: int = 0  # RSS growth of this process while the model loaded
+    # RSS growth while its session (weights, KV buffers) was created; the target's also
+    # counts the tokenizer
+    resident_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -120,10 +122,13 @@ class Engine:
             if problems:
                 raise EngineError(f"draft {draft_path.name} cannot draft for "
                                   f"{target_path.name}: " + "; ".join(problems))
+        before_tokenizer = rss_bytes()
         self.tokenizer = Tokenizer.from_metadata(tgt_file.metadata)
         self.chat_template: str | None = tgt_file.get("tokenizer.chat_template")
+        tokenizer_bytes = rss_bytes() - before_tokenizer
         bp = build_progress or (lambda label: None)
         self.target = self._load(target_path, tgt_file, bp("target"), build_options("target"))
+        self.target.resident_bytes += max(tokenizer_bytes, 0)
         self.n_ctx = self.target.runner.n_ctx
         self.drafter: Drafter | None = None
         self.draft: LoadedModel | None = None
@@ -149,8 +154,8 @@ class Engine:
 
     def _load(self, path: Path, f: GGUFFile, progress: Progress | None,
               options: BuildOptions) -> LoadedModel:
-        before = rss_bytes()
         built = load_or_build(path, options, progress)
+        before = rss_bytes()  # after any build: its freed scratch is not the model's
         runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=self.cfg.slots,
                              threads=self.cfg.threads, runtime=self.runtime,
                              spinning=self.cfg.spin)

@@ -32,14 +32,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..ort_models.graph_builder import ATTN_BUCKET
+from .rss import PeakRss, rss_bytes
 
 if TYPE_CHECKING:
     from ..ort_models.model_cache import BuiltModel
@@ -100,70 +99,6 @@ class ModelCost:
         kw = {k: v for k, v in d.items() if k in fields}
         kw["points"] = tuple(tuple(p) for p in kw.get("points", ()))
         return cls(**kw)
-
-
-# --------------------------------------------------------------------------- peak memory
-
-def rss_bytes() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-class PeakRss:
-    """Peak resident set size of this process over a block.
-
-    Linux: VmHWM from /proc/self/status, reset to the current RSS by writing 5 to
-    /proc/self/clear_refs. Elsewhere (or if that is refused) a thread samples the RSS.
-    """
-
-    def __init__(self, interval_s: float = 0.002):
-        self.interval_s = interval_s
-        self.peak = 0
-        self._hwm = _reset_hwm()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> PeakRss:
-        self.peak = rss_bytes()
-        if not self._hwm:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(self.interval_s)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-        if self._hwm:
-            self.peak = max(self.peak, read_hwm())
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return read_hwm() > 0
-    except OSError:
-        return False
-
-
-def read_hwm() -> int:
-    """Peak RSS (VmHWM) in bytes; 0 where /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 # --------------------------------------------------------------------------- cache

@@ -44,9 +44,14 @@ class BuiltModel:
 
     @functools.cached_property
     def read_bytes_per_token(self) -> int:
-        """Initializer bytes a decode step reads: all but those only looked up by rows
-        (the token-embedding table, rotary tables), unless the output matrix shares them."""
+        """Initializer bytes a decode step reads: all but those it only looks rows up in
+        (the token-embedding table unless the output matrix shares it, rotary tables)."""
         return graph_read_bytes(self.model_path)
+
+
+# (op, input index) of inputs read by rows at the step's tokens or positions
+ROW_LOOKUPS = {("Gather", 0), ("RotaryEmbedding", 2), ("RotaryEmbedding", 3),
+               ("GroupQueryAttention", 7), ("GroupQueryAttention", 8)}
 
 
 def graph_read_bytes(model_path: Path) -> int:
@@ -55,8 +60,8 @@ def graph_read_bytes(model_path: Path) -> int:
     model = onnx.load(str(model_path), load_external_data=False)
     sizes = {t.name: int(next((e.value for e in t.external_data if e.key == "length"), 0))
              or len(t.raw_data) for t in model.graph.initializer}
-    read = {name for node in model.graph.node if node.op_type != "Gather"
-            for name in node.input if name in sizes}
+    read = {name for node in model.graph.node for i, name in enumerate(node.input)
+            if name in sizes and (node.op_type, i) not in ROW_LOOKUPS}
     return sum(sizes[n] for n in read)
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specd.daemon import bench
+from specd.daemon import bench, bench_report
 from specd.daemon.engine import Engine, EngineConfig
 
 
@@ -23,15 +23,15 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
     result = bench.run_bench(engine, prompts={"p": "hello world hello world"},
                              temperatures=(0.0,), max_tokens=24, repeats=2, configs=configs,
                              log=lines.append)
-    assert len(lines) == 2 * len(configs)  # warm-up runs are not logged
+    assert len(lines) == 3 * len(configs)  # a warm-up run each, then the timed ones
     cells = result["cells"]
     greedy = {cell.config: cell.runs for cell in cells.values()}
     # greedy speculation is exact: every configuration emits the same tokens
     hashes = {r.text_hash for runs in greedy.values() for r in runs}
     assert len(hashes) == 1
-    summary = bench.summarize(result, bandwidth=20e9,
-                              weight_bytes={"target": 10**6, bench.PEER_TARGET: 5 * 10**5},
-                              machine="test", command="pytest")
+    weights = {"target": 10**6, bench_report.PEER_TARGET: 5 * 10**5}
+    summary = bench_report.summarize(result, bandwidth=20e9, weight_bytes=weights,
+                                     machine="test", command="pytest")
     rows = {r["config"]: r for r in summary["rows"]}
     assert rows["target-only"]["vs_target_only"] == 1.0
     assert rows["target-only"]["vs_llama_cpp"] is None
@@ -45,15 +45,15 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
     assert engine.target.resident_bytes > 0
     assert summary["peak_rss_mb"] * 1e6 >= engine.target.resident_bytes
     assert rows["ngram n_max=8"]["mean_acceptance_length"] >= 1.0
-    assert summary["bound_tps"] == {"target": 20000.0, bench.PEER_TARGET: 40000.0}
-    paths = bench.write_outputs(summary, tmp_path)
+    assert summary["bound_tps"] == {"target": 20000.0, bench_report.PEER_TARGET: 40000.0}
+    paths = bench_report.write_outputs(summary, tmp_path)
     assert json.loads(paths[0].read_text())["rows"] == summary["rows"]
     assert paths[2].name == "bench.png"  # matplotlib is a test dependency
     import matplotlib.image
 
     height, width, _ = matplotlib.image.imread(paths[2]).shape
     assert width > 1000 and height > 400
-    table = paths[1].read_text().splitlines()
+    table = [line for line in paths[1].read_text().splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(configs)
     assert all(line.count("|") == table[0].count("|") for line in table)
 
@@ -63,21 +63,29 @@ def test_bandwidth_is_measured() -> None:
     assert 1e8 < bw < 1e13
 
 
-def test_footprint_charges_first_runs_to_the_models_that_ran_cold() -> None:
+def _run(start: int, peak: int, growth: int) -> bench.RunResult:
+    return bench.RunResult(1.0, 1.0, 0.1, 1.0, [], {}, 1, 0, peak_bytes=peak,
+                           start_bytes=start, growth_bytes=growth)
+
+
+def test_footprint_charges_lasting_growth_to_what_ran_cold() -> None:
     fp = bench.Footprint()
     fp.loaded("target", 1000)
     fp.loaded("draft", 300)
     target, both = frozenset({"target"}), frozenset({"target", "draft"})
-    fp.warmed(target, 50)  # the target's arena grew on its first run
-    fp.warmed(both, 20)  # then only the draft ran for the first time
-    fp.warmed(both, 999)  # later growth is a run's own, not the models'
-    assert fp.of(target, 7) == 1057
-    assert fp.of(both, 7) == 1377
-    fp2 = bench.Footprint()
-    fp2.loaded("target", 1000)
-    fp2.loaded("draft", 300)
-    fp2.warmed(both, 70)  # both cold in one run: charged to the pair
-    assert fp2.of(target, 0) == 1000 and fp2.of(both, 0) == 1370
+    fp.grew("target-only", target, 50)  # the target's arena grew on its first run
+    fp.grew("draft n_max=2", both, 20)  # then only the draft ran for the first time
+    fp.grew("draft n_max=8", both, 40)  # a longer verify block grew the arena again
+    fp.grew("draft n_max=2", both, -5)  # memory handed back is not credited
+    assert fp.of("target-only", target, _run(5000, 5007, 0)) == 1057
+    assert fp.of("draft n_max=2", both, _run(5000, 5007, 0)) == 1377
+    assert fp.of("draft n_max=8", both, _run(5000, 5000, 0)) == 1410
+    first = bench.Footprint()
+    first.loaded("target", 1000)
+    first.loaded("draft", 300)
+    first.grew("draft n_max=2", both, 70)  # both cold in one run: charged to the pair
+    assert first.of("target-only", target, _run(0, 0, 0)) == 1000
+    assert first.of("draft n_max=2", both, _run(0, 0, 0)) == 1370
 
 
 @pytest.mark.parametrize("name, spec, n_max, adaptive", [

@@ -77,3 +77,28 @@ def test_models_info_explains_compatibility() -> None:
     info = json.loads(bad.stdout)
     assert not info["draft"]["compatible"]
     assert any("vocab size differs" in p for p in info["draft"]["problems"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--configs", "draft n=2"], "unknown bench configuration 'draft n=2'"),
+    (["--configs", "draft n_max=2"], "draft configurations need a draft model"),
+    (["--prompts", "code,poetry"], "unknown prompt 'poetry'"),
+    (["--temperatures", "0,warm"], "--temperatures takes numbers"),
+])
+def test_bench_refuses_bad_choices_before_loading(tiny_model_factory, args, message) -> None:  # noqa: ANN001
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
+    r = specd("bench", "-m", str(path), "--no-draft", *args, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bench_runs_end_to_end(tiny_model_factory, tmp_path) -> None:  # noqa: ANN001
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
+    r = specd("bench", "-m", str(path), "--no-draft", "--configs", "target-only,ngram n_max=4",
+              "--prompts", "code", "--temperatures", "0", "-n", "8", "--repeats", "1",
+              "-c", "512", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert [row["config"] for row in summary["rows"]] == ["target-only", "ngram n_max=4"]
+    assert summary["bandwidth_gbs"] > 0 and all(row["memory_mb"] > 0 for row in summary["rows"])
+    assert "× bound" in r.stdout and (tmp_path / "bench.png").is_file()

@@ -270,3 +270,19 @@ def test_draft_trained_context_caps() -> None:
     plan = fit(TARGET, short, probe=probe(60 * GiB), margin_bytes=MARGIN)
     assert plan.n_ctx == 19968 and plan.has_draft
     assert any("draft's trained context (20000)" in w for w in plan.warnings)
+
+
+def test_peak_rss_nests_and_reports_growth() -> None:
+    from specd.memory_fit.rss import PeakRss, lifetime_peak
+
+    mib = 1 << 20
+    with PeakRss() as outer:
+        with PeakRss() as inner:
+            scratch = np.ones(64 * mib // 8)  # touched: resident
+            del scratch
+        kept = np.ones(32 * mib // 8)
+    assert inner.peak - inner.start >= 60 * mib
+    assert outer.peak >= inner.peak  # the inner block's reset did not lose the outer's peak
+    assert outer.growth >= 30 * mib
+    assert lifetime_peak() >= outer.start
+    del kept

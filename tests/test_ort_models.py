@@ -247,6 +247,13 @@ def test_bytes_read_per_token_leave_out_only_row_lookups(tiny_model_factory) -> 
     # the untied file also holds the table (initializers are aligned to 4 KiB)
     skipped = untied.weights_bytes - untied.read_bytes_per_token
     assert table <= skipped - (tied.weights_bytes - tied.read_bytes_per_token) <= table * 2
+    # tied: only the rotary tables (looked up at the positions) are left out
+    import onnx
+
+    inits = onnx.load(str(tied.model_path), load_external_data=False).graph.initializer
+    size = {t.name: int({e.key: e.value for e in t.external_data}.get("length", 0))
+            or len(t.raw_data) for t in inits}
+    assert sum(size.values()) - tied.read_bytes_per_token == size["rope.cos"] + size["rope.sin"]
     g_untied = GGUFFile(untied.gguf_path)
     embd = g_untied.tensor("token_embd.weight").data.nbytes
     total = sum(t.data.nbytes for t in g_untied.tensors.values())

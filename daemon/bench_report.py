@@ -1,0 +1,163 @@
+"""`specd bench` results: medians and ratios per cell, a markdown table, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from .bench import Cell
+
+PEER_TARGET = "llama.cpp target"  # weight_bytes key: the target's GGUF bytes read per token
+
+
+def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: dict[str, int],
+              machine: str, command: str, memory: bool = True) -> dict[str, Any]:
+    """`weight_bytes`: bytes read per decode step, by "target", "draft" (specd's layouts)
+    and PEER_TARGET; each decode rate is also given as a multiple of the memory-bandwidth
+    bound of a single target step of its runner (speculation can exceed 1). `memory`:
+    whether process RSS is the models' memory (not on a GPU)."""
+    cells: dict[tuple[str, float, str], Cell] = result["cells"]
+    bound = {k: bandwidth / v for k, v in weight_bytes.items()} if bandwidth else {}
+    rows = []
+    for (pname, temp, name), cell in cells.items():
+        limit = bound.get(PEER_TARGET if name.startswith("llama.cpp") else "target")
+        base = cells.get((pname, temp, "llama.cpp target-only"))
+        own = cells.get((pname, temp, "target-only"))
+        row = {
+            "prompt": pname, "temperature": temp, "config": name,
+            "decode_tps": round(cell.median("decode_tps"), 2),
+            "decode_tps_range": [round(x, 2) for x in cell.spread("decode_tps")],
+            "prefill_tps": round(cell.median("prefill_tps"), 1),
+            "ttft_s": round(cell.median("ttft_s"), 3),
+            "mean_acceptance_length": round(cell.median("mean_acceptance_length"), 3),
+            "per_position": [round(statistics.median(v), 3) for v in zip(
+                *[r.per_position for r in cell.runs if r.per_position], strict=False)],
+            "split_ms_per_token": [round(statistics.median(v), 2) for v in zip(
+                *[r.split_ms for r in cell.runs], strict=True)],
+            "vs_target_only": round(cell.median("decode_tps") / own.median("decode_tps"), 3)
+            if own else None,
+            "vs_llama_cpp": round(cell.median("decode_tps") / base.median("decode_tps"), 3)
+            if base else None,
+            "vs_bound": round(cell.median("decode_tps") / limit, 3) if limit else None,
+            "memory_mb": round(cell.median("memory_bytes") / 1e6) if memory else None,
+        }
+        rows.append(row)
+    return {"machine": machine, "command": command, "date": time.strftime("%Y-%m-%d"),
+            "bandwidth_gbs": round(bandwidth / 1e9, 2) if bandwidth else None,
+            "weight_bytes": weight_bytes,
+            "bound_tps": {k: round(v, 1) for k, v in bound.items()},
+            "weight_mb_per_token": {k: round(v / 1e6, 1) for k, v in weight_bytes.items()},
+            "peak_rss_mb": round(result["peak_rss"] / 1e6, 1), "rows": rows}
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    lines = ["| prompt | T | config | decode tok/s (min–max) | × target-only | × llama.cpp "
+             "| × bound | accept len | per-position acceptance | ms/token draft+verify+other "
+             "| prefill tok/s | TTFT s | memory MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        lo, hi = r["decode_tps_range"]
+        split = r["split_ms_per_token"]
+        cols = [r["prompt"], r["temperature"], r["config"], f"{r['decode_tps']} ({lo}–{hi})",
+                r["vs_target_only"] or "", r["vs_llama_cpp"] or "", r["vs_bound"] or "",
+                r["mean_acceptance_length"], " ".join(map(str, r["per_position"])),
+                "+".join(map(str, split)) if any(split) else "", r["prefill_tps"],
+                r["ttft_s"], r["memory_mb"]]
+        lines.append("| " + " | ".join("" if c is None else str(c) for c in cols) + " |")
+    lines += ["", footnote(summary)]
+    return "\n".join(lines)
+
+
+def footnote(summary: dict[str, Any]) -> str:
+    """What the × bound and memory columns are measured against."""
+    parts = []
+    if summary.get("bandwidth_gbs"):
+        bounds = ", ".join(f"{k} {summary['weight_mb_per_token'][k]:.0f} MB/token → "
+                           f"{v} tok/s" for k, v in summary["bound_tps"].items())
+        parts.append(f"× bound: decode tok/s over the read bandwidth "
+                     f"({summary['bandwidth_gbs']} GB/s, measured) / bytes a single target "
+                     f"step reads in its runner's layout ({bounds}).")
+    parts.append("memory MB: process RSS growth at the configuration's model loads and "
+                 "first runs plus the run's peak above its start (median); "
+                 f"peak RSS of the process {summary['peak_rss_mb']:.0f} MB.")
+    return " ".join(parts)
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """Decode tokens/s per configuration, grouped by prompt and temperature (min–max as
+    error bars, llama.cpp hatched), and acceptance per draft position of the fixed-length
+    configurations (adaptive ones reach late positions too rarely to draw)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = summary["rows"]
+    groups = list(dict.fromkeys((r["prompt"], r["temperature"]) for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    by_key = {(r["prompt"], r["temperature"], r["config"]): r for r in rows}
+    colors = plt.get_cmap("tab10")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5),
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / max(len(configs), 1)
+    for ci, name in enumerate(configs):
+        xs, ys, lo, hi = [], [], [], []
+        for gi, (p, t) in enumerate(groups):
+            r = by_key.get((p, t, name))
+            if r is None:
+                continue
+            xs.append(gi - 0.4 + width * (ci + 0.5))
+            ys.append(r["decode_tps"])
+            lo.append(r["decode_tps"] - r["decode_tps_range"][0])
+            hi.append(r["decode_tps_range"][1] - r["decode_tps"])
+        ax1.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name, color=colors(ci % 10),
+                hatch="//" if name.startswith("llama.cpp") else None, edgecolor="white")
+    ax1.set_xticks(range(len(groups)), [f"{p}\nT = {t}" for p, t in groups])
+    ax1.set_ylabel("decode tokens/s (median, min–max)")
+    ax1.legend(fontsize=7, ncol=4, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax1.grid(axis="y", alpha=0.3)
+    styles = {0.0: "-", 0.7: "--"}
+    prompts = list(dict.fromkeys(p for p, _ in groups))
+    for p, t in groups:
+        for ci, name in enumerate(configs):
+            r = by_key.get((p, t, name))
+            if r is None or not r["per_position"] or "adaptive" in name:
+                continue
+            ax2.plot(range(1, len(r["per_position"]) + 1), r["per_position"],
+                     marker="os^vD<>p*h"[ci % 10], markersize=4,
+                     color=colors(prompts.index(p) % 10), linestyle=styles.get(t, ":"),
+                     label=f"{p} T {t} {name}")
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("conditional acceptance (median)")
+    ax2.set_ylim(0, 1.02)
+    ax2.xaxis.get_major_locator().set_params(integer=True)
+    ax2.grid(alpha=0.3)
+    if ax2.lines:
+        ax2.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"{summary.get('machine', '')}   {summary.get('date', '')}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(summary: dict[str, Any], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "bench.json", out_dir / "bench.md"]
+    paths[0].write_text(json.dumps(summary, indent=1))
+    paths[1].write_text(markdown_table(summary) + "\n")
+    if plot(summary, out_dir / "bench.png"):
+        paths.append(out_dir / "bench.png")
+    return paths
+
+
+def machine_description() -> str:
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
