@@ -50,7 +50,6 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
             "bandwidth_gbs": round(bandwidth / 1e9, 2) if bandwidth else None,
             "weight_bytes": weight_bytes,
             "bound_tps": {k: round(v, 1) for k, v in bound.items()},
-            "weight_mb_per_token": {k: round(v / 1e6, 1) for k, v in weight_bytes.items()},
             "peak_rss_mb": round(result["peak_rss"] / 1e6, 1), "rows": rows}
 
 
@@ -76,7 +75,7 @@ def footnote(summary: dict[str, Any]) -> str:
     """What the × bound and memory columns are measured against."""
     parts = []
     if summary.get("bandwidth_gbs"):
-        bounds = ", ".join(f"{k} {summary['weight_mb_per_token'][k]:.0f} MB/token → "
+        bounds = ", ".join(f"{k} {summary['weight_bytes'][k] / 1e6:.0f} MB/token → "
                            f"{v} tok/s" for k, v in summary["bound_tps"].items())
         parts.append(f"× bound: decode tok/s over the read bandwidth "
                      f"({summary['bandwidth_gbs']} GB/s, measured) / bytes a single target "

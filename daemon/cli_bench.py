@@ -6,7 +6,10 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .bench import BenchConfig
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,8 +40,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=run)
 
 
-def _choices(args: argparse.Namespace, has_draft: bool) -> tuple[dict[str, str],
-                                                                tuple[float, ...], list[Any]]:
+def _choices(args: argparse.Namespace, has_draft: bool
+             ) -> tuple[dict[str, str], tuple[float, ...], list[BenchConfig]]:
     """Prompts, temperatures and configurations asked for (ValueError naming a bad one)."""
     from . import bench
 

@@ -12,6 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .arch import HParams, read_hparams
 from .gguf_file import GGUFFile
@@ -19,6 +20,9 @@ from .graph_builder import BUILDER_VERSION, BuildOptions, Progress, build_graph
 from .onnx_writer import GraphWriter
 from .paths import cache_dir
 from .quant import check_supported
+
+if TYPE_CHECKING:
+    import onnx
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
@@ -54,12 +58,17 @@ ROW_LOOKUPS = {("Gather", 0), ("RotaryEmbedding", 2), ("RotaryEmbedding", 3),
                ("GroupQueryAttention", 7), ("GroupQueryAttention", 8)}
 
 
+def initializer_sizes(model: onnx.ModelProto) -> dict[str, int]:
+    """Bytes of each initializer: its external-data length, else its inline data."""
+    return {t.name: int(next((e.value for e in t.external_data if e.key == "length"), 0))
+            or len(t.raw_data) for t in model.graph.initializer}
+
+
 def graph_read_bytes(model_path: Path) -> int:
     import onnx
 
     model = onnx.load(str(model_path), load_external_data=False)
-    sizes = {t.name: int(next((e.value for e in t.external_data if e.key == "length"), 0))
-             or len(t.raw_data) for t in model.graph.initializer}
+    sizes = initializer_sizes(model)
     read = {name for node in model.graph.node for i, name in enumerate(node.input)
             if name in sizes and (node.op_type, i) not in ROW_LOOKUPS}
     return sum(sizes[n] for n in read)

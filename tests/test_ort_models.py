@@ -250,9 +250,9 @@ def test_bytes_read_per_token_leave_out_only_row_lookups(tiny_model_factory) -> 
     # tied: only the rotary tables (looked up at the positions) are left out
     import onnx
 
-    inits = onnx.load(str(tied.model_path), load_external_data=False).graph.initializer
-    size = {t.name: int({e.key: e.value for e in t.external_data}.get("length", 0))
-            or len(t.raw_data) for t in inits}
+    from specd.ort_models.model_cache import initializer_sizes
+
+    size = initializer_sizes(onnx.load(str(tied.model_path), load_external_data=False))
     assert sum(size.values()) - tied.read_bytes_per_token == size["rope.cos"] + size["rope.sin"]
     g_untied = GGUFFile(untied.gguf_path)
     embd = g_untied.tensor("token_embd.weight").data.nbytes
