@@ -1,0 +1,116 @@
+"""How fast ONNX Runtime's MatMulNBits streams each weight layout, against the machine.
+
+    python bench/matmul_layouts.py [--k 1536] [--n 8960] [--threads 2] [--repeats 15]
+                                   [--layouts 4:32:zp,4:32,4:64,4:128,4:256,8:16,8:32]
+
+A layout is bits:block_size[:zp] (zp: an explicit uint8 zero point per block, as specd
+writes Q4_K). For each one a session multiplies a [M, K] activation by enough distinct
+[N, K] matrices (random codes and scales, accuracy_level 4 as specd runs them) that they
+cannot stay in the CPU caches, so each call reads its weights from memory the way a
+decode step does; a second session repeats one matrix, which the caches then hold.
+Prints ms per matrix and the layout's bytes over that time (data + fp32 scales + zero
+points), next to numpy's read bandwidth over the same threads: the gap between the two
+is what the kernel, not the memory, costs. GGUF Q4_K maps to 4:32:zp and Q6_K to 8:16
+(see ort_models/quant.py); llama.cpp reads those files at 4.5 and 6.56 bits per weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from specd.daemon.bench import measure_bandwidth
+
+STREAM_BYTES = 512 << 20  # weights per streaming session: far past any L3
+
+
+def layout_bytes(bits: int, bs: int, zp: bool, n: int, k: int) -> int:
+    blocks = n * (k // bs)
+    return n * k * bits // 8 + blocks * 4 + (n * ((k // bs * bits + 7) // 8) if zp else 0)
+
+
+def build(bits: int, bs: int, zp: bool, n: int, k: int, copies: int, threads: int,
+          rng: np.random.Generator) -> ort.InferenceSession:
+    nb = k // bs
+    nodes, inits, outs = [], [], []
+    for c in range(copies):
+        ins = ["A", f"B{c}", f"S{c}"]
+        inits.append(numpy_helper.from_array(
+            rng.integers(0, 256, size=(n, nb, bs * bits // 8), dtype=np.uint8), f"B{c}"))
+        inits.append(numpy_helper.from_array(
+            (rng.random((n, nb), dtype=np.float32) * 0.01 + 1e-3).astype(np.float32), f"S{c}"))
+        if zp:
+            inits.append(numpy_helper.from_array(
+                np.zeros((n, (nb * bits + 7) // 8), np.uint8), f"Z{c}"))
+            ins.append(f"Z{c}")
+        nodes.append(helper.make_node("MatMulNBits", ins, [f"Y{c}"], domain="com.microsoft",
+                                      K=k, N=n, bits=bits, block_size=bs, accuracy_level=4))
+        outs.append(helper.make_tensor_value_info(f"Y{c}", TensorProto.FLOAT, [None, n]))
+    graph = helper.make_graph(
+        nodes, "layouts", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, k])],
+        outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k", type=int, default=1536)
+    ap.add_argument("--n", type=int, default=8960)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--layouts", default="4:32:zp,4:32,4:64,4:128,4:256,8:16,8:32")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    layouts = []
+    for spec in args.layouts.split(","):
+        parts = spec.split(":")
+        layouts.append((int(parts[0]), int(parts[1]), parts[2:] == ["zp"]))
+    sessions = {}
+    for bits, bs, zp in layouts:
+        size = layout_bytes(bits, bs, zp, args.n, args.k)
+        copies = max(STREAM_BYTES // size, 1)
+        sessions[bits, bs, zp] = (size, copies,
+                                  build(bits, bs, zp, args.n, args.k, copies, args.threads, rng),
+                                  build(bits, bs, zp, args.n, args.k, 1, args.threads, rng))
+    times: dict[tuple, list[float]] = {}
+    for rep in range(args.repeats + 1):  # interleaved: every layout sees the same machine
+        for key, (_, copies, stream, cached) in sessions.items():
+            for m in (1, 3):
+                a = {"A": rng.standard_normal((m, args.k), dtype=np.float32)}
+                t0 = time.perf_counter()
+                stream.run(None, a)
+                t1 = time.perf_counter()
+                for _ in range(copies):
+                    cached.run(None, a)
+                t2 = time.perf_counter()
+                if rep:  # the first round warms up
+                    times.setdefault((key, m, "mem"), []).append((t1 - t0) / copies)
+                    times.setdefault((key, m, "cache"), []).append((t2 - t1) / copies)
+    bw = measure_bandwidth(threads=args.threads)
+    print(f"K={args.k} N={args.n}, {args.threads} threads, numpy read bandwidth "
+          f"{bw / 1e9:.1f} GB/s\n")
+    print("| layout | bits/weight | from memory M=1 | M=3 | cache-resident M=1 |")
+    print("|---|---|---|---|---|")
+    for (bits, bs, zp), (size, _, _, _) in sessions.items():
+        cells = []
+        for m, where in ((1, "mem"), (3, "mem"), (1, "cache")):
+            t = statistics.median(times[(bits, bs, zp), m, where])
+            cells.append(f"{t * 1e3:.3f} ms ({size / t / 1e9:.1f} GB/s)" if m == 1
+                         else f"{t * 1e3:.3f} ms")
+        name = f"{bits}-bit bs{bs}{' + zp' if zp else ''}"
+        print(f"| {name} | {size * 8 / (args.n * args.k):.2f} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
