@@ -9,8 +9,13 @@ call's fixed overheads), so a mean per step made n = 1 look as good as n = 2 on 
 Qwen pair when it was 10-20% slower.
 The chosen n maximises E(n) / T(n); n = 0 (target-only step) wins unless drafting is
 predicted 6% faster (2% once drafting), so speculation does not run slower than plain
-decoding. While at n = 0 a probe round (n = 2) runs after 4 rounds, then 8, 16, ... 128
-while probes do not pay, so the estimates can recover at a bounded cost.
+decoding. While at n = 0 a probe round (n = 2) lets the estimates recover, but a probe
+is not cheap: the draft must first evaluate every token it skipped (~5 ms a token for
+the 0.5B beside a 1.5B step of ~75 ms), so probing on a fixed schedule cost ~6% of
+decode time on prose, where drafting never pays. Probes therefore run on a budget: at
+least `probe_every` idle rounds apart, and only while what probes have cost beyond
+plain steps, plus the predicted cost of this one (catch-up included), stays within
+`probe_budget` of the decode time so far.
 
 Estimates are discounted averages with a long memory (about the last 50 observations):
 a round costs ~0.1 s here and timings on a shared machine swing by 20%, so short
@@ -77,8 +82,8 @@ class _Line:
 class AdaptiveDraftLength:
     n_max: int
     decay: float = 0.98  # weight kept by older observations at each new one
-    probe_every: int = 4  # rounds at n=0 before the first probe (doubling while probes fail)
-    max_probe_every: int = 128
+    probe_every: int = 4  # fewest rounds at n=0 between probes
+    probe_budget: float = 0.03  # share of decode time probes may cost beyond plain steps
     prior_accept: float = 0.7
     # every this many drafting rounds, draft one more when that is predicted within 5%:
     # costs seen only at lengths no longer chosen would otherwise never be corrected
@@ -89,8 +94,12 @@ class AdaptiveDraftLength:
     _draft_calls: int = 0
     _drafting_rounds: int = 0
     _idle_rounds: int = 0
-    _probe_gap: int = 0  # current rounds between probes
     _drafting: bool = False  # the last choice drafted (not counting probes)
+    _probing: bool = False  # the last choice was a probe
+    _elapsed: float = 0.0  # seconds of the rounds observed
+    _probe_overhead: float = 0.0  # seconds probes took beyond plain steps for their tokens
+    _skipped: int = 0  # tokens emitted since the draft last ran: its next catch-up
+    _catch_up: float | None = None  # seconds per skipped token the draft evaluates
 
     def __post_init__(self) -> None:
         n = max(self.n_max, 0)
@@ -113,6 +122,23 @@ class AdaptiveDraftLength:
         self._draft_first = _ema(self._draft_first, seconds - sum(later_steps))
         for t in later_steps:
             self._draft_next = _ema(self._draft_next, t)
+
+    def observe_round(self, n_drafted: int, n_emitted: int, seconds: float,
+                      draft_seconds: float) -> None:
+        """A whole round: `draft_seconds` of its `seconds` were the drafter's call (0 when
+        the draft did not run), which first caught up on the tokens skipped before it."""
+        self._elapsed += seconds
+        if draft_seconds > 0:
+            if self._skipped >= 2 and self._draft_first is not None:
+                own = self.draft_cost(max(n_drafted, 1)) or 0.0
+                per = max(draft_seconds - own, 0.0) / self._skipped
+                self._catch_up = _ema(self._catch_up, per)
+            self._skipped = 0
+        else:
+            self._skipped += n_emitted
+        if self._probing:
+            self._probing = False
+            self._probe_overhead += seconds - n_emitted * (self.verify_cost(1) or 0.0)
 
     def observe_acceptance(self, n_drafted: int, n_accepted: int) -> None:
         for i in range(min(n_drafted, len(self._hits))):
@@ -146,6 +172,20 @@ class AdaptiveDraftLength:
             return None
         nxt = first if self._draft_next is None else self._draft_next
         return first + (n - 1) * nxt
+
+    def catch_up_cost(self) -> float:
+        """Estimated seconds per skipped token the draft evaluates before it drafts
+        (before any was measured: a fifth of a drafting step, as prefill runs here)."""
+        if self._catch_up is not None:
+            return self._catch_up
+        return 0.2 * (self._draft_first or 0.0)
+
+    def probe_cost(self, n: int = 2) -> float:
+        """Predicted seconds a probe of n costs beyond plain steps for the same tokens."""
+        t1 = self.verify_cost(1) or 0.0
+        own = ((self.draft_cost(n) or 0.0) + (self.verify_cost(n + 1) or t1)
+               - self.expected_tokens(n) * t1)
+        return self.catch_up_cost() * self._skipped + max(own, 0.0)
 
     def expected_tokens(self, n: int) -> float:
         e, run = 1.0, 1.0
@@ -186,14 +226,15 @@ class AdaptiveDraftLength:
                 best_n, best_rate = n, r
         self._drafting = best_n > 0
         if best_n == 0:
-            self._probe_gap = self._probe_gap or self.probe_every
             self._idle_rounds += 1
-            if self._idle_rounds >= self._probe_gap:
+            n = min(2, limit)
+            if (self._idle_rounds >= self.probe_every and self._probe_overhead
+                    + self.probe_cost(n) <= self.probe_budget * self._elapsed):
                 self._idle_rounds = 0
-                self._probe_gap = min(2 * self._probe_gap, self.max_probe_every)
-                return min(2, limit)
+                self._probing = True
+                return n
         else:
-            self._idle_rounds, self._probe_gap = 0, 0
+            self._idle_rounds = 0
             self._drafting_rounds += 1
             if (best_n < limit and self._drafting_rounds % self.explore_every == 0
                     and (self.rate(best_n + 1) or 0.0) >= 0.95 * best_rate):

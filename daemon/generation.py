@@ -165,7 +165,8 @@ class Generation:
         if limit < 0:
             self.finish_reason = "length"
             return []
-        draft = self._draft(last, pos, limit)
+        t_round = time.perf_counter()
+        draft, draft_s = self._draft(last, pos, limit)
         t0 = time.perf_counter()
         rows = self.target.forward(self.seq, [last, *draft.tokens], pos,
                                    list(range(len(draft.tokens) + 1)))  # [n+1, vocab]
@@ -182,24 +183,28 @@ class Generation:
             self.drafter.accept(self.seq, k)
             self.drafter.process(self.seq, [last, *emitted[:-1]])  # now in the target's KV
         self._pos = pos + len(emitted)
+        if self.adaptive is not None:
+            self.adaptive.observe_round(len(draft.tokens), len(emitted),
+                                        time.perf_counter() - t_round, draft_s)
         out = self._emit(emitted)
         self._grammar_finished(dead)
         return out
 
-    def _draft(self, last: int, pos: int, limit: int) -> Draft:
+    def _draft(self, last: int, pos: int, limit: int) -> tuple[Draft, float]:
+        """The round's draft and the seconds the drafter took (0 if it did not run)."""
         dp = self.params.draft
         if self.drafter is None or limit <= 0 or dp.n_max <= 0:
-            return Draft([])
+            return Draft([]), 0.0
         n = self.adaptive.choose(limit) if self.adaptive is not None else min(dp.n_max, limit)
         if n <= 0:
-            return Draft([])
+            return Draft([]), 0.0
         t0 = time.perf_counter()
         fork = None if self.grammar is None else self.grammar.fork()
         try:
             draft = self.drafter.draft(self.seq, last, pos, n, dp, fork)
         except Exception:  # noqa: BLE001 - fall back to target-only decoding
             self.drafter = None
-            return Draft([])
+            return Draft([]), 0.0
         dt = time.perf_counter() - t0
         self.stats.draft_s += dt
         if self.adaptive is not None:
@@ -214,10 +219,10 @@ class Generation:
             draft = draft.truncate(self.grammar.valid_prefix(draft.tokens))
         if len(draft.tokens) < max(dp.n_min, 1):
             self.drafter.accept(self.seq, 0)
-            return Draft([])
+            return Draft([]), dt
         if not draft.valid:
             self.stats.valid = False
-        return draft
+        return draft, dt
 
     def _verify(self, rows: np.ndarray, draft: Draft) -> tuple[list[int], bool]:
         """(emitted tokens, grammar dead end reached)."""

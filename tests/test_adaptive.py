@@ -33,18 +33,51 @@ def test_expensive_draft_and_low_acceptance_stop_drafting() -> None:
     assert a.choose(8) == 0
 
 
-def test_probe_recovers_from_zero() -> None:
-    a = AdaptiveDraftLength(n_max=8, probe_every=4)
+def _idle(a: AdaptiveDraftLength, rounds: int, t1: float) -> list[int]:
+    """Rounds as Generation runs them: a probe drafts 2, none is accepted."""
+    choices = []
+    for _ in range(rounds):
+        n = a.choose(8)
+        choices.append(n)
+        if n:
+            a.observe_acceptance(n, 0)
+            a.observe_round(n, 1, 2 * t1, t1)
+        else:
+            a.observe_round(0, 1, t1, 0.0)
+    return choices
+
+
+def test_probes_recover_from_zero_within_a_budget() -> None:
+    a = AdaptiveDraftLength(n_max=8, probe_every=4, probe_budget=0.1)
     _warm(a, 0.07, 0.012, 0.035)
     for _ in range(50):
         a.observe_acceptance(4, 0)
-    choices = [a.choose(8) for _ in range(4 + 8 + 16)]
+    a.observe_round(2, 1, 10.0, 0.07)  # ten seconds of decoding so far: 1 s to probe
+    choices = _idle(a, 40, 0.07)
     probes = [i for i, n in enumerate(choices) if n]
-    assert probes == [3, 3 + 8, 3 + 8 + 16]  # gaps double while probes do not pay
+    assert probes[0] == 3  # probe_every idle rounds first
+    assert all(b - a >= 4 for a, b in zip(probes, probes[1:], strict=False))
     assert set(choices) == {0, 2}
-    for _ in range(80):  # acceptance recovers: it drafts again, and probing resets
+    for _ in range(80):  # acceptance recovers: it drafts again
         a.observe_acceptance(4, 4)
     assert a.choose(8) > 0
+
+
+def test_probing_stops_when_catching_up_costs_more_than_the_budget() -> None:
+    """The prose case: each probe first evaluates every skipped token on the draft; once
+    that costs more than the budget allows, target-only steps run undisturbed."""
+    a = AdaptiveDraftLength(n_max=8, probe_every=4, probe_budget=0.03)
+    _warm(a, 0.075, 0.012, 0.02)
+    for _ in range(50):
+        a.observe_acceptance(4, 0)
+    a.observe_round(0, 1, 0.075, 0.0)
+    a.observe_round(0, 1, 0.075, 0.0)
+    a.observe_round(2, 1, 0.075 + 0.04 + 2 * 0.005, 0.04 + 2 * 0.005)  # caught up 2
+    assert abs(a.catch_up_cost() - 0.005) < 1e-9
+    choices = _idle(a, 300, 0.075)
+    assert sum(1 for n in choices if n) <= 2
+    spent = a._probe_overhead  # noqa: SLF001 - the accounting under test
+    assert spent <= 0.03 * a._elapsed + 0.2  # noqa: SLF001
 
 
 def test_respects_limit() -> None:
