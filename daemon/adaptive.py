@@ -15,7 +15,14 @@ the 0.5B beside a 1.5B step of ~75 ms), so probing on a fixed schedule cost ~6% 
 decode time on prose, where drafting never pays. Probes therefore run on a budget: at
 least `probe_every` idle rounds apart, and only while what probes have cost beyond
 plain steps, plus the predicted cost of this one (catch-up included), stays within
-`probe_budget` of the decode time so far.
+`probe_budget` of the decode time so far; until position 1 has MIN_EVIDENCE trials
+(the catch-ups' teacher-forced rows count), probes are not budgeted, or two or three
+unlucky first rounds at temperature 0.7 left code at n = 0 for the whole request.
+
+Both sides also carry the round's remaining time (sampling, acceptance, bookkeeping),
+measured apart for plain and drafting rounds: at temperature > 0 a drafting round
+samples p and q over 152k logits per row, a few ms that made n = 1 on prose look ~4%
+better than it ran.
 
 Estimates are discounted averages with a long memory (about the last 50 observations):
 a round costs ~0.1 s here and timings on a shared machine swing by 20%, so short
@@ -36,6 +43,7 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + DRAFT_COST_RATE * (new - old)
 
 
+MIN_EVIDENCE = 8.0  # (discounted) trials at draft position 1 before probes cost budget
 MIN_WEIGHT_AT_SIZE = 3.0  # observations of one pass size before its own mean is used
 
 
@@ -100,6 +108,11 @@ class AdaptiveDraftLength:
     _probe_overhead: float = 0.0  # seconds probes took beyond plain steps for their tokens
     _skipped: int = 0  # tokens emitted since the draft last ran: its next catch-up
     _catch_up: float | None = None  # seconds per skipped token the draft evaluates
+    _last_verify: float = 0.0  # seconds of the latest target pass
+    # seconds of a round outside the draft call and the target pass (sampling, acceptance,
+    # bookkeeping): a drafting round samples more rows (p and q at temperature > 0)
+    _rest_plain: float | None = None
+    _rest_drafting: float | None = None
 
     def __post_init__(self) -> None:
         n = max(self.n_max, 0)
@@ -110,6 +123,7 @@ class AdaptiveDraftLength:
     # -- observations ---------------------------------------------------------------------
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
         self._verify.add(n_tokens, seconds)
+        self._last_verify = seconds
 
     def observe_draft(self, seconds: float, later_steps: Sequence[float] = ()) -> None:
         """A steady drafting call took `seconds`, of which `later_steps` were its second,
@@ -128,6 +142,11 @@ class AdaptiveDraftLength:
         """A whole round: `draft_seconds` of its `seconds` were the drafter's call (0 when
         the draft did not run), which first caught up on the tokens skipped before it."""
         self._elapsed += seconds
+        rest = max(seconds - draft_seconds - self._last_verify, 0.0)
+        if n_drafted > 0:
+            self._rest_drafting = _ema(self._rest_drafting, rest)
+        elif draft_seconds == 0:
+            self._rest_plain = _ema(self._rest_plain, rest)
         if draft_seconds > 0:
             if self._skipped >= 2 and self._draft_first is not None:
                 own = self.draft_cost(max(n_drafted, 1)) or 0.0
@@ -199,12 +218,14 @@ class AdaptiveDraftLength:
         t1 = self.verify_cost(1)
         if t1 is None:
             return None
+        plain = self._rest_plain or 0.0
         if n == 0:
-            return 1.0 / t1
+            return 1.0 / (t1 + plain)
         draft = self.draft_cost(n)
         if draft is None:
             return None
-        return self.expected_tokens(n) / (draft + (self.verify_cost(n + 1) or t1))
+        rest = plain if self._rest_drafting is None else self._rest_drafting
+        return self.expected_tokens(n) / (draft + (self.verify_cost(n + 1) or t1) + rest)
 
     def choose(self, limit: int) -> int:
         """Draft length for the next round, at most `limit`."""
@@ -228,7 +249,10 @@ class AdaptiveDraftLength:
         if best_n == 0:
             self._idle_rounds += 1
             n = min(2, limit)
-            if (self._idle_rounds >= self.probe_every and self._probe_overhead
+            # a few unlucky first rounds must not settle the request at n = 0 for good:
+            # until position 1 has some evidence, probes (cheap then) are not budgeted
+            thin = bool(self._trials) and self._trials[0] < MIN_EVIDENCE
+            if self._idle_rounds >= self.probe_every and (thin or self._probe_overhead
                     + self.probe_cost(n) <= self.probe_budget * self._elapsed):
                 self._idle_rounds = 0
                 self._probing = True

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -66,10 +65,6 @@ def build_service(args: argparse.Namespace):  # noqa: ANN201
     return Service(engine, Scheduler(engine, max_queue=args.queue))
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds asyncio.run: the server closes, the socket is removed
-
-
 def run(args: argparse.Namespace) -> int:
     from ..ipc.http_api import create_app
     from ..ipc.server import ServeConfig, default_socket_path, resolve_token, serve_forever
@@ -91,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
           + f", n_ctx {d['n_ctx']}, slots {d['slots']}", file=sys.stderr, flush=True)
     app = create_app(service, allowed_origins=scfg.allowed_origins, token=token,
                      memory_plan=memory_plan)
-    signal.signal(signal.SIGTERM, _terminate)  # `specd stop`, systemd, launchd: clean exit
     try:
         asyncio.run(serve_forever(app, scfg))
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -85,7 +86,10 @@ class RunningServer:
 
 
 async def start_server(app: web.Application, cfg: ServeConfig) -> RunningServer:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # on stop, requests in flight get SHUTDOWN_GRACE s to finish; idle keep-alive
+    # connections must not hold the exit for aiohttp's default 60 s
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_GRACE)
     await runner.setup()
     tcp = web.TCPSite(runner, cfg.host, cfg.port)
     await tcp.start()
@@ -103,8 +107,20 @@ async def start_server(app: web.Application, cfg: ServeConfig) -> RunningServer:
     return RunningServer(runner, port, sock_path)
 
 
+SHUTDOWN_GRACE = 5.0  # seconds
+
+
 async def serve_forever(app: web.Application, cfg: ServeConfig,
                         ready: asyncio.Event | None = None) -> None:
+    """Serve until cancelled or SIGTERM (`specd stop`, systemd, launchd), then close the
+    server and remove the socket. SIGTERM sets an event inside the loop: raising from a
+    plain signal handler could land anywhere, a cleanup half done included."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handles_term = False
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.add_signal_handler(signal.SIGTERM, stop.set)  # main thread, Unix only
+        handles_term = True
     srv = await start_server(app, cfg)
     print(f"specd: serving http://{cfg.host}:{srv.port}"
           + (f" and unix:{srv.socket_path}" if srv.socket_path else ""), file=sys.stderr,
@@ -112,6 +128,8 @@ async def serve_forever(app: web.Application, cfg: ServeConfig,
     if ready is not None:
         ready.set()
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await srv.close()
+        if handles_term:
+            loop.remove_signal_handler(signal.SIGTERM)

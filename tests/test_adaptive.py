@@ -41,8 +41,10 @@ def _idle(a: AdaptiveDraftLength, rounds: int, t1: float) -> list[int]:
         choices.append(n)
         if n:
             a.observe_acceptance(n, 0)
+            a.observe_verify(n + 1, t1)
             a.observe_round(n, 1, 2 * t1, t1)
         else:
+            a.observe_verify(1, t1)
             a.observe_round(0, 1, t1, 0.0)
     return choices
 
@@ -52,7 +54,9 @@ def test_probes_recover_from_zero_within_a_budget() -> None:
     _warm(a, 0.07, 0.012, 0.035)
     for _ in range(50):
         a.observe_acceptance(4, 0)
-    a.observe_round(2, 1, 10.0, 0.07)  # ten seconds of decoding so far: 1 s to probe
+    for _ in range(100):  # ten seconds of drafting rounds so far: 1 s to probe with
+        a.observe_verify(3, 0.07)
+        a.observe_round(2, 1, 0.1, 0.03)
     choices = _idle(a, 40, 0.07)
     probes = [i for i, n in enumerate(choices) if n]
     assert probes[0] == 3  # probe_every idle rounds first
@@ -78,6 +82,35 @@ def test_probing_stops_when_catching_up_costs_more_than_the_budget() -> None:
     assert sum(1 for n in choices if n) <= 2
     spent = a._probe_overhead  # noqa: SLF001 - the accounting under test
     assert spent <= 0.03 * a._elapsed + 0.2  # noqa: SLF001
+
+
+def test_unlucky_first_rounds_do_not_end_probing() -> None:
+    """Two rejections right at the start (code at temperature 0.7 can begin so) leave
+    thin evidence: probes go on until position 1 has been tried a few times."""
+    a = AdaptiveDraftLength(n_max=4, probe_every=4)
+    _warm(a, 0.085, 0.012, 0.025)
+    a.observe_acceptance(2, 0)
+    a.observe_acceptance(2, 0)
+    choices = _idle(a, 40, 0.085)  # no time budget has accrued yet
+    assert sum(1 for n in choices if n) >= 3
+
+
+def test_time_outside_draft_and_verify_counts_against_drafting() -> None:
+    """Sampling p and q at temperature > 0 costs drafting rounds a few ms more than plain
+    ones; a gain of a few percent on paper must survive it."""
+    a = AdaptiveDraftLength(n_max=1)
+    _warm(a, 0.085, 0.01, 0.025)
+    for _ in range(50):
+        a.observe_acceptance(1, 1 if _ % 20 < 11 else 0)  # 0.55 at position 1
+    for _ in range(20):
+        a.observe_verify(1, 0.085)
+        a.observe_round(0, 1, 0.0855, 0.0)
+    before = a.rate(1) / a.rate(0)
+    v2 = a.verify_cost(2)
+    for _ in range(20):  # passes as predicted; 6 ms more outside them than plain rounds
+        a.observe_verify(2, v2)
+        a.observe_round(1, 2, 0.025 + v2 + 0.0065, 0.025)
+    assert before > 1.05 and a.rate(1) / a.rate(0) < before - 0.03
 
 
 def test_respects_limit() -> None:

@@ -245,3 +245,29 @@ def test_serve_exits_cleanly_on_sigterm(env: dict[str, str], tiny: Path) -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_does_not_wait_for_idle_keep_alive_connections(env: dict[str, str],
+                                                                tiny: Path) -> None:
+    """An editor plugin holding a keep-alive connection must not delay `specd stop`
+    (aiohttp's default grace is 60 s)."""
+    import socket
+
+    sock = Path(env["SPECD_RUNTIME_DIR"]) / "specd.sock"
+    proc = subprocess.Popen([*CLI, "serve", "-m", str(tiny), "--port", "0"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_socket(proc, sock)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(sock))
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: specd\r\n\r\n")
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            assert time.monotonic() - t0 < 20
+        assert not sock.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
