@@ -225,6 +225,50 @@ def test_draft_model_reuses_its_cached_prefix(models) -> None:  # noqa: ANN001
     assert calls and calls[0] < len(longer)
 
 
+def test_target_only_rounds_keep_the_drafts_cache(models) -> None:  # noqa: ANN001
+    """Rounds at n = 0 report accept(0) with no draft: the draft's cache must keep the
+    prompt, or the next draft re-evaluates all of it (seconds for a long prompt)."""
+    target, _ = models
+    drafter = draft_drafter(target)
+    want, _ = run(target, max_tokens=40, ignore_eos=True)
+    drafter.begin(0, PROMPT)
+    for tok in want[:3]:  # three target-only rounds, as Generation reports them
+        drafter.accept(0, 0)
+        drafter.process(0, [tok])
+    d = drafter.draft(0, want[3], len(PROMPT) + 3, 2, DraftParams(n_max=2))
+    assert d.forced is not None and len(d.forced) == 3  # caught up on 3 tokens, not the prompt
+    drafter.accept(0, 2)
+    drafter.process(0, [want[3], *d.tokens])
+    drafter.accept(0, 0)  # a target-only round after a full acceptance
+    drafter.process(0, [want[6]])
+    d2 = drafter.draft(0, want[7], len(PROMPT) + 7, 2, DraftParams(n_max=2))
+    # pending: the draft's last proposal (never evaluated), the target's token, last
+    assert d2.forced is not None and len(d2.forced) == 2
+    assert d2.tokens == want[8:10]
+
+
+def test_adaptive_never_re_evaluates_the_prompt_on_the_draft(models) -> None:  # noqa: ANN001
+    target, draft = models
+    drafter = draft_drafter(draft)
+    starts: list[int] = []
+    forward = drafter.runner.forward
+
+    def spy(seq, tokens, pos, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        starts.append(pos)
+        return forward(seq, tokens, pos, *args, **kw)
+
+    begin = drafter.begin
+
+    def begin_then_spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        begin(*args, **kw)  # evaluates the prompt once
+        drafter.runner.forward = spy
+
+    drafter.begin = begin_then_spy
+    run(target, drafter, max_tokens=48, ignore_eos=True, draft=DraftParams(n_max=4),
+        adaptive=True)
+    assert starts and min(starts) >= len(PROMPT)
+
+
 def test_catch_up_checks_the_drafters_guesses_against_emitted_tokens(models) -> None:  # noqa: ANN001
     """After target-only rounds the draft evaluates the skipped tokens and reports, per
     row, whether its greedy guess was the token that followed (teacher forcing)."""

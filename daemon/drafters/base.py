@@ -78,7 +78,8 @@ class Drafter(ABC):
         along its proposals (model drafters sample under its masks)."""
 
     def accept(self, seq: int, n_accepted: int) -> None:
-        """The target accepted the first n_accepted tokens of the last draft."""
+        """The target accepted the first n_accepted tokens of the last draft; a no-op when
+        nothing was drafted since the last call (rounds the target decoded alone)."""
 
     def process(self, seq: int, tokens: Sequence[int]) -> None:
         """The sequence grew by these tokens (accepted drafts and the target's token)."""

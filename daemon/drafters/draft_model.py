@@ -24,7 +24,7 @@ class _SeqState:
     history: list[int] = field(default_factory=list)  # tokens at positions 0..
     n_cached: int = 0  # positions [0, n_cached) are in the draft's KV cache
     drafted: list[int] = field(default_factory=list)
-    draft_pos: int = 0
+    draft_pos: int | None = None  # position of `last` in the draft not yet accepted
     sampler: Sampler | None = None
 
 
@@ -129,9 +129,11 @@ class DraftModelDrafter(Drafter):
 
     def accept(self, seq: int, n_accepted: int) -> None:
         st = self._seqs[seq]
+        if st.draft_pos is None:
+            return  # no draft since the last accept (a target-only round): nothing to drop
         # the cache holds last, d0 .. d_{n-2}; keep last and the accepted drafts
         st.n_cached = min(st.n_cached, st.draft_pos + 1 + n_accepted)
-        st.drafted = []
+        st.drafted, st.draft_pos = [], None
 
     def process(self, seq: int, tokens: Sequence[int]) -> None:
         self._seqs[seq].history.extend(tokens)
