@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from specd.daemon import bench
 from specd.daemon.drafters.base import DraftParams
-from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.engine import Engine, EngineConfig
 from specd.daemon.generation import Generation, GenerationParams
 from specd.daemon.sampling import SamplerParams
@@ -40,11 +39,8 @@ def run_once(engine: Engine, ids: list[int], *, adaptive: bool, temperature: flo
                               sampling=SamplerParams(temperature=temperature, seed=1234),
                               draft=DraftParams(n_max=n_max if adaptive else 0),
                               adaptive=adaptive)
-    drafter = None
-    if adaptive:
-        assert engine.draft is not None
-        drafter = DraftModelDrafter(engine.draft.runner,
-                                    vocab_limit=engine.target.built.hparams.n_vocab)
+    drafter = bench.SpecdRunner(engine).drafter_for(
+        bench.parse_config("draft adaptive" if adaptive else "target-only"))
     gen = Generation(engine.target.runner, 0, ids, params, eog=engine.eog_ids,
                      drafter=drafter)
     gen.prefill()

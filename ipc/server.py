@@ -85,6 +85,9 @@ class RunningServer:
                 self.socket_path.unlink()
 
 
+SHUTDOWN_GRACE = 5.0  # seconds
+
+
 async def start_server(app: web.Application, cfg: ServeConfig) -> RunningServer:
     # on stop, requests in flight get SHUTDOWN_GRACE s to finish; idle keep-alive
     # connections must not hold the exit for aiohttp's default 60 s
@@ -105,9 +108,6 @@ async def start_server(app: web.Application, cfg: ServeConfig) -> RunningServer:
     log.info("listening on http://%s:%d%s", cfg.host, port,
              f" and unix:{sock_path}" if sock_path else "")
     return RunningServer(runner, port, sock_path)
-
-
-SHUTDOWN_GRACE = 5.0  # seconds
 
 
 async def serve_forever(app: web.Application, cfg: ServeConfig,
