@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = Engine(EngineConfig(target="qwen2.5-coder-1.5b-instruct",
                                  draft="qwen2.5-coder-0.5b-instruct", spec_type="draft",
-                                 n_ctx=4096, threads=args.threads, draft_quant="q4"))
+                                 n_ctx=4096, threads=args.threads))
     ids = engine.encode_prompt(bench.PROMPTS[args.prompt], chat=True)
     results: dict[bool, list[RunResult]] = {False: [], True: []}
     for _ in range(args.pairs):

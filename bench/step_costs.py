@@ -4,7 +4,8 @@
                                [--spinning] [--profile]
 
 Each model is built as the engine builds it (`name:q4` re-quantized, as drafts are;
-`name:q4:fused` with GroupQueryAttention),
+`name:q4:fused` with GroupQueryAttention; `name:::gguf` with specd's GgufMatMul kernels,
+`name:::ort` with MatMulNBits only),
 run at a position past 256 (a realistic cache), and timed per call size, interleaved
 across models and sizes so both see the same machine state. Prints medians in ms and
 each size as a multiple of the model's single-token step. `--profile` adds the share of
@@ -22,6 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specd.daemon.model_store import resolve_model
+from specd.ort_models import native_ops
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
@@ -37,6 +39,8 @@ def op_shares(built, threads: int | None, spinning: bool) -> dict[str, float]:
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "prof")
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if built.options.kernels == "gguf":
+        native_ops.register(so)
     runner = ModelRunner(built, n_ctx=1024, threads=threads, spinning=spinning)
     runner.session = ort.InferenceSession(str(built.model_path), so,
                                           providers=["CPUExecutionProvider"])
@@ -66,9 +70,10 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     runners = {}
     for m in args.models.split(","):
-        name, requant, attention = (m.split(":") + ["", "exact"])[:3]
+        name, requant, attention, kernels = (m.split(":") + ["", "", ""])[:4]
         built = load_or_build(resolve_model(name, fetch=True),
-                              BuildOptions(requant=requant, attention=attention or "exact"))
+                              BuildOptions(requant=requant, attention=attention or "exact",
+                                           kernels=kernels or "ort"))
         runners[m] = ModelRunner(built, n_ctx=1024, threads=args.threads,
                                  spinning=args.spinning)
         runners[m].prefill(0, list(range(100, 100 + POS)))

@@ -68,10 +68,11 @@ def resolve_device(device: str) -> str:
 
 
 def add_draft_quant_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-quant", default="q4", choices=list(DRAFT_QUANTS),
-                   help="draft weights: re-quantized to 4 bits in blocks of 32 (q4, default: "
-                        "cheaper draft steps) or 128 (q4g128: cheaper still, coarser), or "
-                        "exactly as in its GGUF; the output is the target's either way")
+    p.add_argument("--draft-quant", default="auto", choices=list(DRAFT_QUANTS),
+                   help="draft weights: re-quantized to GGUF Q4_K blocks for specd's CPU "
+                        "kernel (q4k), to 4 bits in blocks of 32 (q4) or 128 (q4g128) for "
+                        "MatMulNBits, or exactly as in its GGUF; auto (default): q4k where "
+                        "the kernels compiled, else q4. The output is the target's either way")
 
 
 def add_spin_arg(p: argparse.ArgumentParser) -> None:
@@ -85,7 +86,7 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                margin_bytes: int = DEFAULT_MARGIN_BYTES, min_ctx: int = DEFAULT_MIN_CTX,
                max_ctx: int | None = None, threads: int | None = None, fetch: bool = True,
                use_cache: bool = True, probe: MemoryProbe | None = None,
-               build_progress: BuildProgress | None = None, draft_quant: str = "q4",
+               build_progress: BuildProgress | None = None, draft_quant: str = "auto",
                ) -> tuple[Plan, list[ModelCost]]:
     """Resolve, build, measure and fit target (+ draft); returns the plan and the costs."""
     from .model_store import resolve_model

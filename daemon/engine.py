@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..memory_fit.rss import rss_bytes
+from ..ort_models import native_ops
 from ..ort_models.gguf_file import GGUFFile
 from ..ort_models.graph_builder import BuildOptions
 from ..ort_models.model_cache import BuiltModel, load_or_build
@@ -36,7 +37,9 @@ SPEC_TYPES = ("auto", "none", "draft", "ngram", "synthetic")
 # how a draft model's weights are laid out: re-quantized to 4 bits in blocks of 32 or 128
 # (fewer bytes per draft step; acceptance barely moves, a little more at 128) or exactly as
 # its GGUF holds them. Targets are always exact. BENCHMARKS.md compares them.
-DRAFT_QUANTS = {"q4": "q4", "q4g128": "q4g128", "exact": ""}
+# "q4k": Q4_K blocks read by specd's GgufMatMul (fastest where the kernels compiled);
+# "auto" picks q4k where they did, else q4
+DRAFT_QUANTS = {"auto": "", "q4k": "q4k", "q4": "q4", "q4g128": "q4g128", "exact": ""}
 Progress = Callable[[int, int, str], None]
 
 
@@ -58,7 +61,7 @@ class EngineConfig:
     synthetic_rates: list[float] | None = None
     synthetic_mean: float | None = None
     synthetic_seed: int = 0
-    draft_quant: str = "q4"  # a key of DRAFT_QUANTS
+    draft_quant: str = "auto"  # a key of DRAFT_QUANTS
     spin: bool = False  # CPU pool threads spin during a run (faster only on an idle machine)
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
@@ -79,8 +82,25 @@ class LoadedModel:
         return self.gguf.name
 
 
-def build_options(role: str, draft_quant: str = "q4", device: str = "cpu") -> BuildOptions:
+def target_kernels(device: str = "cpu") -> str:
+    """"gguf" (specd's kernels on the GGUF's own blocks: fewer bytes per token) where
+    they run, i.e. on the CPU and where they compiled; else "ort" (MatMulNBits)."""
+    return "gguf" if device == "cpu" and native_ops.library() is not None else "ort"
+
+
+def resolve_draft_quant(draft_quant: str, device: str = "cpu") -> str:
+    """"auto" -> "q4k" where specd's kernels run on `device`, else "q4"."""
+    if draft_quant != "auto":
+        return draft_quant
+    return "q4k" if target_kernels(device) == "gguf" else "q4"
+
+
+def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> BuildOptions:
     """Graph options of the target or the draft model on `device` ("cpu" / "cuda:N").
+
+    A target's Q4_K / Q6_K matrices go through specd's GgufMatMul on the CPU when it is
+    available (`target_kernels`): the same weights, 4.5 / 6.6 bits read per weight
+    instead of the 6 / 10 of the lossless MatMulNBits layout.
 
     A draft's numbers only choose what is proposed, so on CPU it also gets the fused
     attention, which is faster but not batch-invariant; the target keeps the exact one,
@@ -91,8 +111,12 @@ def build_options(role: str, draft_quant: str = "q4", device: str = "cpu") -> Bu
         raise EngineError(f"unknown draft quant {draft_quant!r} (one of "
                           f"{', '.join(DRAFT_QUANTS)})")
     if role != "draft":
-        return BuildOptions()
-    return BuildOptions(requant=DRAFT_QUANTS[draft_quant],
+        return BuildOptions(kernels=target_kernels(device))
+    requant = DRAFT_QUANTS[resolve_draft_quant(draft_quant, device)]
+    if requant == "q4k" and target_kernels(device) != "gguf":
+        raise EngineError(f"--draft-quant q4k needs specd's kernels on the CPU "
+                          f"({native_ops.unavailable_reason() or 'device ' + device})")
+    return BuildOptions(requant=requant, kernels="gguf" if requant == "q4k" else "ort",
                         attention="fused" if device == "cpu" else "exact")
 
 
@@ -127,7 +151,8 @@ class Engine:
         self.chat_template: str | None = tgt_file.get("tokenizer.chat_template")
         tokenizer_bytes = rss_bytes() - before_tokenizer
         bp = build_progress or (lambda label: None)
-        self.target = self._load(target_path, tgt_file, bp("target"), build_options("target"))
+        self.target = self._load(target_path, tgt_file, bp("target"),
+                                 build_options("target", device=self.runtime.device))
         self.target.resident_bytes += max(tokenizer_bytes, 0)
         self.n_ctx = self.target.runner.n_ctx
         self.drafter: Drafter | None = None
@@ -196,5 +221,6 @@ class Engine:
         if self.draft is not None:
             d["draft"] = {"name": self.draft.name, "path": str(self.draft.path),
                           "arch": self.draft.built.hparams.arch, "n_ctx": self.draft.runner.n_ctx,
-                          "quant": self.cfg.draft_quant}
+                          "quant": resolve_draft_quant(self.cfg.draft_quant,
+                                                       self.runtime.device)}
         return d

@@ -34,20 +34,28 @@ from onnx import TensorProto
 
 from .arch import HParams
 from .gguf_file import GGUFFile
+from .gguf_layouts import regroup
+from .native_ops import DOMAIN as NATIVE
+from .native_ops import GGUF_MATMUL_TYPES
 from .onnx_writer import MS, GraphWriter
 from .quant import (
+    QK_K,
     REQUANT_KINDS,
     QuantizedMatrix,
     dense_float32,
     load_matrix,
+    quantize_q4_k,
     requant_block_size,
     requantize_q4,
 )
 
-BUILDER_VERSION = "5"
+BUILDER_VERSION = "6"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 ATTENTION_KINDS = ("exact", "fused")
+# "ort": every quantized matrix through MatMulNBits (lossless re-layout); "gguf": Q4_K /
+# Q6_K matrices through specd's GgufMatMul kernel on the GGUF's own blocks (native_ops)
+KERNEL_KINDS = ("ort", "gguf")
 F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
 
@@ -67,6 +75,7 @@ class BuildOptions:
     # a single step); "fused": ORT's GroupQueryAttention, fewer nodes and no KV prefix
     # copy, but a row's result depends on the block around it (~1e-7), so drafts only
     attention: str = "exact"
+    kernels: str = "ort"
 
     def __post_init__(self) -> None:
         if self.requant not in REQUANT_KINDS:
@@ -75,12 +84,40 @@ class BuildOptions:
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"unknown attention {self.attention!r} (one of "
                              f"{', '.join(ATTENTION_KINDS)})")
+        if self.kernels not in KERNEL_KINDS:
+            raise ValueError(f"unknown kernels {self.kernels!r} (one of "
+                             f"{', '.join(KERNEL_KINDS)})")
+        if self.requant == "q4k" and self.kernels != "gguf":
+            raise ValueError("requant 'q4k' makes Q4_K blocks for GgufMatMul: it needs "
+                             "kernels='gguf'")
 
     def key(self) -> str:
         layers = "-".join(map(str, self.hidden_layers)) or "none"
         rq = f"_r{self.requant}" if self.requant else ""
         at = "_gqa" if self.attention == "fused" else ""
-        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}"
+        kn = "_kgguf" if self.kernels == "gguf" else ""
+        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}"
+
+
+@dataclass
+class GgufRows:
+    """A matrix [N, K] as the GGUF's raw rows of blocks, for GgufMatMul."""
+
+    type_name: str
+    n: int
+    k: int  # the product's K; rows hold ceil(K / 256) superblocks (zero-padded)
+    data: np.ndarray  # [N, row_bytes] uint8
+
+    @property
+    def k_padded(self) -> int:
+        return -(-self.k // QK_K) * QK_K
+
+
+Matrix = QuantizedMatrix | GgufRows | np.ndarray
+
+
+def _rows(w: Matrix) -> int:
+    return w.shape[0] if isinstance(w, np.ndarray) else w.n
 
 
 @dataclass
@@ -92,7 +129,7 @@ class _Ctx:
     progress: Progress | None
     done: int = 0
     total: int = 0
-    shared: dict[str, QuantizedMatrix | np.ndarray] = field(default_factory=dict)
+    shared: dict[str, Matrix] = field(default_factory=dict)
 
     def tick(self, label: str) -> None:
         self.done += 1
@@ -100,15 +137,29 @@ class _Ctx:
             self.progress(self.done, self.total, label)
 
 
-def _matrix(c: _Ctx, name: str, *, exact: bool = False) -> QuantizedMatrix | np.ndarray:
-    """The GGUF matrix `name` as the graph multiplies by it (re-quantized if asked);
-    exact=True: as the GGUF holds it, whatever the options (the embedding lookup)."""
+def _matrix(c: _Ctx, name: str, *, exact: bool = False) -> Matrix:
+    """The GGUF matrix `name` as the graph multiplies by it: raw GGUF rows where the
+    options ask for specd's kernels and they read its type, else MatMulNBits inputs
+    (re-quantized if asked) or dense float32; exact=True: as MatMulNBits inputs holding
+    the GGUF's values, whatever the options (the embedding lookup)."""
     requant = "" if exact else c.options.requant
     key = name if not exact else f"{name}@exact"
     if key not in c.shared:
-        w = load_matrix(c.f.tensor(name))
-        bs = requant_block_size(requant, w.shape[1] if isinstance(w, np.ndarray) else w.k)
-        c.shared[key] = requantize_q4(w, bs) if bs else w
+        t = c.f.tensor(name)
+        n, k = t.shape
+        if (not exact and not requant and c.options.kernels == "gguf"
+                and t.type_name in GGUF_MATMUL_TYPES and k % QK_K == 0):
+            data = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, -1)
+            c.shared[key] = GgufRows(t.type_name, n, k, data)
+        elif requant == "q4k":  # drafts: Q4_K blocks for GgufMatMul, rows zero-padded
+            w = load_matrix(t)
+            x = w.dequantize() if isinstance(w, QuantizedMatrix) else w
+            x = np.pad(x, ((0, 0), (0, -k % QK_K)))
+            c.shared[key] = GgufRows("Q4_K", n, k, quantize_q4_k(x))
+        else:
+            w = load_matrix(t)
+            bs = requant_block_size(requant, w.shape[1] if isinstance(w, np.ndarray) else w.k)
+            c.shared[key] = requantize_q4(w, bs) if bs else w
     return c.shared[key]
 
 
@@ -127,9 +178,15 @@ def _write_quant(g: GraphWriter, name: str, w: QuantizedMatrix) -> None:
         g.weight(f"{name}.zp", zp)
 
 
-def _fusable(a: QuantizedMatrix | np.ndarray, b: QuantizedMatrix | np.ndarray) -> bool:
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+def _fusable(a: Matrix, b: Matrix) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return True
+    if isinstance(a, GgufRows):
+        return (a.type_name, a.k) == (b.type_name, b.k)  # type: ignore[union-attr]
+    assert isinstance(b, QuantizedMatrix) and isinstance(a, QuantizedMatrix)
+
     def zp_kind(w: QuantizedMatrix) -> object:
         return "per-block" if isinstance(w.zero_point, np.ndarray) else w.zero_point
 
@@ -137,16 +194,20 @@ def _fusable(a: QuantizedMatrix | np.ndarray, b: QuantizedMatrix | np.ndarray) -
         b.k, b.bits, b.block_size, zp_kind(b), b.bias is None)
 
 
-def _concat_rows(ws: list[QuantizedMatrix | np.ndarray]) -> QuantizedMatrix | np.ndarray:
-    if isinstance(ws[0], np.ndarray):
-        return np.concatenate(ws, axis=0)
+def _concat_rows(ws: list[Matrix]) -> Matrix:
     w0 = ws[0]
+    if isinstance(w0, np.ndarray):
+        return np.concatenate(ws, axis=0)
+    if isinstance(w0, GgufRows):
+        return GgufRows(w0.type_name, sum(_rows(w) for w in ws), w0.k,
+                        np.concatenate([w.data for w in ws]))  # type: ignore[union-attr]
+    qs: list[QuantizedMatrix] = ws  # type: ignore[assignment]
     return QuantizedMatrix(
-        n=sum(w.n for w in ws), k=w0.k, bits=w0.bits, block_size=w0.block_size,
-        q=np.concatenate([w.q for w in ws]), scales=np.concatenate([w.scales for w in ws]),
-        zero_point=np.concatenate([w.zero_point for w in ws])
+        n=sum(w.n for w in qs), k=w0.k, bits=w0.bits, block_size=w0.block_size,
+        q=np.concatenate([w.q for w in qs]), scales=np.concatenate([w.scales for w in qs]),
+        zero_point=np.concatenate([w.zero_point for w in qs])  # type: ignore[misc]
         if isinstance(w0.zero_point, np.ndarray) else w0.zero_point,
-        bias=None if w0.bias is None else np.concatenate([w.bias for w in ws]))
+        bias=None if w0.bias is None else np.concatenate([w.bias for w in qs]))  # type: ignore[misc]
 
 
 def _linears(c: _Ctx, x: str, names: list[str]) -> list[str]:
@@ -166,8 +227,7 @@ def _linears(c: _Ctx, x: str, names: list[str]) -> list[str]:
             c.shared[fused] = _concat_rows([_matrix(c, n) for n in group])
             biases = [n.replace(".weight", ".bias") for n in group]
             y = _linear(c, x, fused, bias=[b for b in biases if c.f.has_tensor(b)])
-            sizes = [_matrix(c, n).shape[0] if isinstance(_matrix(c, n), np.ndarray)
-                     else _matrix(c, n).n for n in group]
+            sizes = [_rows(_matrix(c, n)) for n in group]
             outs.extend(c.g.op("Split", [y, c.g.const(sizes)], len(group), axis=-1))
         i = j
     return outs
@@ -181,6 +241,12 @@ def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
         if not g.has(wt):
             g.weight(wt, np.ascontiguousarray(w.T))  # [K, N]
         y = g.op("MatMul", [x, wt])
+    elif isinstance(w, GgufRows):  # specd's kernel on the GGUF's own blocks
+        raw = f"{name}.gguf"
+        if not g.has(raw):
+            g.weight(raw, regroup(w.type_name, w.data, w.n, w.k_padded))  # [N/8, nb * group]
+        y = g.op("GgufMatMul", [x, raw], domain=NATIVE,
+                 ggml_type=GGUF_MATMUL_TYPES[w.type_name], K=w.k, N=w.n)
     else:
         _write_quant(g, name, w)
         ins = [x, f"{name}.B", f"{name}.scales"]

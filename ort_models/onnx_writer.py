@@ -92,9 +92,11 @@ class GraphWriter:
     def save(self, path: Path, *, opset: int = 24) -> None:
         graph = helper.make_graph(self.nodes, "specd", self.inputs, self.outputs,
                                   self.initializers)
+        domains = sorted({n.domain for n in self.nodes} - {"", MS})
         model = helper.make_model(
             graph,
-            opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)],
+            opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
+            + [helper.make_opsetid(d, 1) for d in domains],
             producer_name="specd",
         )
         model.ir_version = 10

@@ -123,7 +123,7 @@ def _q8_0(t: TensorInfo, n: int, k: int) -> QuantizedMatrix:
     return QuantizedMatrix(n, k, 8, 32, q.reshape(n, k), d.reshape(n, k // 32), None, None)
 
 
-def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K 12-byte packed 6-bit scales and mins -> ([nb, 8], [nb, 8]) uint8."""
     s = scales.reshape(-1, 3, 4)
     d, m, md = s[:, 0], s[:, 1], s[:, 2]
@@ -134,7 +134,7 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])  # [nb, 1]
-    sc, mn = _k_scale_min(b[:, 4:16])
+    sc, mn = k_scale_min(b[:, 4:16])
     scale = d * sc.astype(np.float32)  # [nb, 8]
     bias = -(dmin * mn.astype(np.float32))  # [nb, 8]
     return scale, bias
@@ -250,10 +250,49 @@ def requantize_q4(w: QuantizedMatrix | np.ndarray, block_size: int = 32) -> Quan
     return QuantizedMatrix(n, k, 4, block_size, q, scales, zps, None)
 
 
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Float rows [N, K] (K a multiple of 256) -> GGUF Q4_K blocks [N, K/256*144] uint8.
+
+    Lossy, for drafts only (like requantize_q4): per 32 values a min/max grid of 16
+    levels, w = d*sc*q - dmin*m with 6-bit sc, m and f16 d, dmin per 256, as ggml's
+    simplest Q4_K quantizer does (no iterative refinement).
+    """
+    x = np.asarray(x, np.float32)
+    n, k = x.shape
+    if k % QK_K:
+        raise GGUFError(f"cannot quantize rows of {k} values to Q4_K (blocks of {QK_K})")
+    out = np.empty((n, k // QK_K, 144), np.uint8)
+    step = max(1, (1 << 21) // k)  # rows per chunk: bounded temporaries
+    for r in range(0, n, step):
+        xb = x[r:r + step].reshape(-1, QK_K // 32, 32).astype(np.float64)  # [nb, 8, 32]
+        lo = np.minimum(xb.min(axis=-1), 0.0)
+        hi = np.maximum(xb.max(axis=-1), 0.0)
+        scale, offset = (hi - lo) / 15.0, -lo  # per sub-block, >= 0
+        d = (scale.max(axis=-1) / 63.0).astype(np.float16)  # [nb]
+        dmin = (offset.max(axis=-1) / 63.0).astype(np.float16)
+        df, dminf = d.astype(np.float64)[:, None], dmin.astype(np.float64)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.where(df > 0, np.clip(np.rint(scale / df), 0, 63), 0)
+            m = np.where(dminf > 0, np.clip(np.rint(offset / dminf), 0, 63), 0)
+            step_w = (df * sc)[..., None]  # the grid as stored
+            q = np.where(step_w > 0, np.rint((xb + (dminf * m)[..., None]) / step_w), 0)
+        q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)  # [nb, chunk, half, l]
+        sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+        blk = out[r:r + step].reshape(-1, 144)
+        blk[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        blk[:, 2:4] = dmin.view(np.uint8).reshape(-1, 2)
+        blk[:, 4:8] = (sc[:, 0:4] & 0x3F) | ((sc[:, 4:8] >> 4) << 6)
+        blk[:, 8:12] = (m[:, 0:4] & 0x3F) | ((m[:, 4:8] >> 4) << 6)
+        blk[:, 12:16] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
+        blk[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    return out.reshape(n, -1)
+
+
 # requant kind -> block size: "" = lossless (targets, 0 = keep the GGUF's blocks);
 # "q4" = requantize_q4 in blocks of 32 (drafts); "q4g128" in blocks of 128 along K (fewer
-# scale and zero-point bytes and a faster MLAS kernel, a coarser grid)
-REQUANT_KINDS = {"": 0, "q4": 32, "q4g128": 128}
+# scale and zero-point bytes and a faster MLAS kernel, a coarser grid); "q4k" = GGUF Q4_K
+# blocks (quantize_q4_k) for specd's GgufMatMul kernel, rows padded to a multiple of 256
+REQUANT_KINDS = {"": 0, "q4": 32, "q4g128": 128, "q4k": QK_K}
 
 
 def requant_block_size(kind: str, k: int) -> int:

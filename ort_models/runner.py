@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from . import native_ops
 from .graph_builder import ATTN_BUCKET
 from .model_cache import BuiltModel
 from .providers import RuntimeChoice, choose_runtime
@@ -73,6 +74,8 @@ class ModelRunner:
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         if spinning is True:
             so.add_session_config_entry("session.force_spinning_stop", "1")
+        if built.options.kernels == "gguf":
+            native_ops.register(so)
         providers = [self.runtime.provider]
         if self.runtime.provider == "CUDAExecutionProvider":
             dev_id = int(self.runtime.device.split(":")[1])

@@ -219,3 +219,52 @@ class ReferenceModel:
                 break
             logits = self.step([nxt], cache)
         return out, margins
+
+
+# ---------------------------------------------------------------------------------------
+# specd.GgufMatMul's arithmetic contract (ort_models/kernels/gguf_matmul.c), from the
+# blocks' logical fields (tiny_gguf.KQuantBlocks), not from their bytes
+# ---------------------------------------------------------------------------------------
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[M, K] float32 -> (q [M, K/256, 256] int64, da [M, K/256] float32): per 256 values
+    q = rint(x * (127 / amax)), da = amax / 127 (zeros where amax = 0)."""
+    xb = np.asarray(x, np.float32).reshape(x.shape[0], -1, 256)
+    amax = np.abs(xb).max(axis=-1)
+    safe = np.where(amax > 0, amax, np.float32(1))
+    inv = (np.float32(127) / safe).astype(np.float32)
+    q = np.where(amax[..., None] > 0, np.rint(xb * inv[..., None]), 0).astype(np.int64)
+    da = np.where(amax > 0, safe / np.float32(127), np.float32(0)).astype(np.float32)
+    return q, da
+
+
+def gguf_matmul(x: np.ndarray, blocks: Any) -> np.ndarray:
+    """x [M, K] @ W^T for Q4_K / Q6_K blocks, rounding exactly as the kernel does."""
+    n, k = blocks.rows, blocks.cols
+    nb = k // 256
+    x = np.pad(np.asarray(x, np.float32), ((0, 0), (0, k - x.shape[1])))  # K < row: zeros
+    xq, da = quantize_activations(x)  # [M, nb, 256], [M, nb]
+    d = blocks.d.astype(np.float32).reshape(n, nb)
+    q = blocks.q.astype(np.int64)
+    if blocks.qtype == "Q4_K":
+        q = q.reshape(n, nb, 8, 32)
+        sc = blocks.sc.astype(np.int64).reshape(n, nb, 8)
+        mn = blocks.m.astype(np.int64).reshape(n, nb, 8)
+        xs = xq.reshape(-1, nb, 8, 32)
+        isum = np.einsum("nbjl,mbjl,nbj->mnb", q, xs, sc)
+        imin = np.einsum("mbjl,nbj->mnb", xs, mn)
+        dmin = blocks.dmin.astype(np.float32).reshape(n, nb)
+        part = da[:, None, :] * (d[None] * isum.astype(np.float32)
+                                 - dmin[None] * imin.astype(np.float32))
+    elif blocks.qtype == "Q6_K":
+        q = q.reshape(n, nb, 16, 16)  # signed, -32..31
+        sc = blocks.sc.astype(np.int64).reshape(n, nb, 16)
+        isum = np.einsum("nbjl,mbjl,nbj->mnb", q, xq.reshape(-1, nb, 16, 16), sc)
+        part = da[:, None, :] * (d[None] * isum.astype(np.float32))
+    else:
+        raise ValueError(f"GgufMatMul does not read {blocks.qtype}")
+    y = np.zeros(part.shape[:2], np.float32)
+    for b in range(nb):  # superblocks in order, float32 adds
+        y = y + part[:, :, b]
+    return y

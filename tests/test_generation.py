@@ -9,7 +9,7 @@ from specd.daemon.drafters.base import DraftParams
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.synthetic import SyntheticDrafter
-from specd.daemon.engine import build_options
+from specd.daemon.engine import build_options, target_kernels
 from specd.daemon.generation import Generation, GenerationParams, RequestError
 from specd.daemon.sampling import SamplerParams
 from specd.ort_models.graph_builder import BuildOptions
@@ -64,14 +64,37 @@ def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None
     draft = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
                                              perturb=0.01, context_length=1024),
                           build_options("draft"))
-    assert (draft.options.requant, draft.options.attention) == ("q4", "fused")
-    assert build_options("target") == BuildOptions()  # exact weights, exact attention
+    assert (draft.options.requant, draft.options.attention) == (
+        "q4k" if target_kernels() == "gguf" else "q4", "fused")
+    # exact weights (GGUF blocks in specd's kernel where it compiled), exact attention
+    assert build_options("target") == BuildOptions(kernels=target_kernels())
+    assert build_options("target", device="cuda:0") == BuildOptions()
     assert build_options("draft", device="cuda:0").attention == "exact"  # fp32 GQA: CPU only
     want, _ = run(target, max_tokens=64, ignore_eos=True)
     got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
                    draft=DraftParams(n_max=4))
     assert got == want
     assert gen.stats.accepted > 0
+
+
+@pytest.mark.skipif(target_kernels() != "gguf", reason="specd's kernels did not compile")
+@pytest.mark.parametrize("n_max", [3, 8])
+def test_gguf_kernel_target_with_q4k_draft_is_byte_identical(tiny_model_factory,
+                                                             n_max) -> None:  # noqa: ANN001
+    """A K-quant target on GgufMatMul (verify blocks through the same kernel as single
+    steps) and a Q4_K-requantized draft of a perturbed copy (K = 64: padded superblocks)."""
+    dims = {"n_embd": 256, "n_ff": 512, "context_length": 1024}
+    target = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q4_K", seed=5, **dims),
+                           build_options("target"))
+    draft = load_or_build(tiny_model_factory(arch="qwen2", weight_type="F16", seed=5,
+                                             perturb=0.01, context_length=1024),
+                          build_options("draft", "q4k"))
+    assert target.options.kernels == draft.options.kernels == "gguf"
+    want, _ = run(target, max_tokens=64, ignore_eos=True)
+    got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
+                   draft=DraftParams(n_max=n_max))
+    assert got == want
+    assert gen.stats.rounds > 0
 
 
 def test_draft_equal_to_target_accepts_everything(models) -> None:  # noqa: ANN001

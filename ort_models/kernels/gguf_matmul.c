@@ -1,0 +1,534 @@
+/* specd.GgufMatMul: Y = A @ W^T with W kept in GGUF's own block layout.
+ *
+ *   A  float32 [..., K]        activations
+ *   W  uint8   [ceil(N/8), nb * group bytes]  GGUF rows (a row is an output channel) in
+ *                                            groups of 8, see below and gguf_layouts.py
+ *   Y  float32 [..., N]
+ *   attributes: ggml_type (12 = Q4_K, 14 = Q6_K), K, N (rows of W hold ceil(K/256)
+ *               superblocks; A's values past K count as zeros)
+ *
+ * Arithmetic (the contract tests/numpy_reference.py's gguf_matmul reproduces bit for bit):
+ * each row of A is quantized per 256 values to int8, q = rint(a * (127 / amax)),
+ * da = amax / 127 (da = 0 and q = 0 where amax = 0). Per superblock the integer dot
+ * products are exact; the float32 combination, in superblock order, is
+ *   Q4_K: y += da * (d * isum - dmin * imin)
+ *         isum = sum_j sc[j] * sum_{i in j} q4[i] a[i]     (8 sub-blocks of 32)
+ *         imin = sum_j  m[j] * sum_{i in j} a[i]
+ *   Q6_K: y += da * (d * isum)
+ *         isum = sum_j sc[j] * sum_{i in j} (q6[i] - 32) a[i]   (16 sub-blocks of 16)
+ * Every (row of A, row of W) pair runs the same sequence of float operations whatever
+ * the number of rows in the call, the tiling or the thread that computes it, so a row of
+ * a multi-token call equals a single-token call bit for bit (speculative verification
+ * relies on it). Built with -ffp-contract=off so that no FMA changes the rounding.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ort_api_subset.h"
+
+/* The C API version this file needs (KernelContext_ParallelFor): ORT 1.17 and newer. */
+#define SPECD_ORT_API_VERSION ORT_API_VERSION_SUBSET_MIN
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define SPECD_AVX2 1
+#endif
+
+enum { QK_K = 256, TYPE_Q4_K = 12, TYPE_Q6_K = 14 };
+enum { ROW_TILE = 16, COL_TILE = 4, MAX_TASKS = 256 };
+
+static const OrtApi *g_api;
+
+/* ---------------------------------------------------------------------------------- */
+/* numbers                                                                             */
+
+static float f16_to_f32(const uint8_t *p) {
+  uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else { /* subnormal half: normalise */
+    exp = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      exp--;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* Activations of a call, quantized: q [M, K], d [M, K/256], sums of 16 and of 32. */
+typedef struct {
+  int8_t *q;
+  float *d;
+  int16_t *sum16;
+  int32_t *sum32;
+  size_t k;
+} Act;
+
+/* x [k_in] -> k (a multiple of 256, >= k_in) quantized values, zeros past k_in */
+static void quantize_row(const float *x, size_t k_in, size_t k, int8_t *q, float *d,
+                         int16_t *s16, int32_t *s32) {
+  float tail[QK_K];
+  for (size_t b = 0; b < k / QK_K; b++) {
+    const float *xb = x + b * QK_K;
+    if ((b + 1) * QK_K > k_in) { /* the last, partial superblock */
+      memset(tail, 0, sizeof tail);
+      memcpy(tail, xb, (k_in - b * QK_K) * sizeof(float));
+      xb = tail;
+    }
+    int8_t *qb = q + b * QK_K;
+    float amax = 0.0f;
+    for (int i = 0; i < QK_K; i++) {
+      float v = fabsf(xb[i]);
+      amax = v > amax ? v : amax;
+    }
+    if (amax == 0.0f) {
+      d[b] = 0.0f;
+      memset(qb, 0, QK_K);
+    } else {
+      const float id = 127.0f / amax;
+      d[b] = amax / 127.0f;
+#if SPECD_AVX2
+      const __m256 vid = _mm256_set1_ps(id);
+      for (int i = 0; i < QK_K; i += 32) {
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vid));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), vid));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 16), vid));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 24), vid));
+        __m256i w01 = _mm256_packs_epi32(i0, i1), w23 = _mm256_packs_epi32(i2, i3);
+        __m256i bytes = _mm256_packs_epi16(w01, w23); /* lanes interleaved by 128 bits */
+        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(qb + i), bytes);
+      }
+#else
+      for (int i = 0; i < QK_K; i++) qb[i] = (int8_t)nearbyintf(xb[i] * id);
+#endif
+    }
+  }
+  for (size_t j = 0; j < k / 16; j++) {
+    int s = 0;
+    for (int i = 0; i < 16; i++) s += q[j * 16 + i];
+    s16[j] = (int16_t)s;
+  }
+  for (size_t j = 0; j < k / 32; j++) s32[j] = s16[2 * j] + s16[2 * j + 1];
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* Weights: GGUF blocks of 8 rows interleaved (ort_models/gguf_layouts.py writes them),  */
+/* so one vector lane holds one row and the per-block scales of 8 rows load as a vector. */
+/*                                                                                      */
+/* Q4_K, 1184 bytes per superblock of 8 rows:                                           */
+/*   d[8] f16 | dmin[8] f16 | sc[8 sub][8 rows] u8 | m[8 sub][8 rows] u8 |             */
+/*   codes: per sub-block j, per p < 4, 32 bytes; byte 4r+e holds row r's code          */
+/*   32j+8p+e (low nibble) and 32j+8p+4+e (high nibble)                                 */
+/* Q6_K, 1680 bytes per superblock of 8 rows:                                           */
+/*   d[8] f16 | sc[16 sub][8 rows] i8 | per sub-block j, 96 bytes: low nibbles, per     */
+/*   p < 2, 32 bytes, byte 4r+e: code 16j+8p+e (low), 16j+8p+4+e (high) | high 2 bits,  */
+/*   32 bytes, byte 4r+e: bits 2t..2t+1 = code 16j+4t+e >> 4                            */
+
+enum { GROUP = 8, Q4_K_GROUP_BYTES = 1184, Q6_K_GROUP_BYTES = 1680 };
+
+static void load_f16x8(const uint8_t *p, float out[GROUP]) {
+  for (int r = 0; r < GROUP; r++) out[r] = f16_to_f32(p + 2 * r);
+}
+
+#if SPECD_AVX2
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#else
+#define DPBUSD(acc, u, s) \
+  _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#endif
+#if defined(__F16C__)
+#define LOAD_F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#else
+static inline __m256 LOAD_F16X8(const uint8_t *p) {
+  float f[GROUP];
+  load_f16x8(p, f);
+  return _mm256_loadu_ps(f);
+}
+#endif
+static inline __m256i bcast4(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+static inline __m256i u8x8(const uint8_t *p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline __m256i i8x8(const uint8_t *p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#endif
+
+/* y[m][r] += row group (nb superblocks at w) . rows m0 .. m0+mt-1 of A, r < 8 */
+static void group_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, size_t mt,
+                       float (*y)[GROUP]) {
+  const size_t k = a->k;
+  for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
+    const uint8_t *sc = w + 32, *mn = w + 96, *qs = w + 160;
+#if SPECD_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256 d = LOAD_F16X8(w), dmin = LOAD_F16X8(w + 16);
+    __m256i isum[ROW_TILE], imin[ROW_TILE];
+    for (size_t m = 0; m < mt; m++) isum[m] = imin[m] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+      __m256i lo[4], hi[4];
+      for (int p = 0; p < 4; p++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 128 * j + 32 * p));
+        lo[p] = _mm256_and_si256(v, m4);
+        hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      }
+      const __m256i scj = u8x8(sc + 8 * j), mnj = u8x8(mn + 8 * j);
+      for (size_t m = 0; m < mt; m++) {
+        const size_t row = m0 + m;
+        const int8_t *x = a->q + row * k + i * QK_K + 32 * j;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) {
+          s0 = DPBUSD(s0, lo[p], bcast4(x + 8 * p));
+          s1 = DPBUSD(s1, hi[p], bcast4(x + 8 * p + 4));
+        }
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), scj));
+        const __m256i bs = _mm256_set1_epi32(a->sum32[row * (k / 32) + i * 8 + j]);
+        imin[m] = _mm256_add_epi32(imin[m], _mm256_mullo_epi32(mnj, bs));
+      }
+    }
+    for (size_t m = 0; m < mt; m++) {
+      const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+      __m256 t = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m])),
+                               _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(imin[m])));
+      _mm256_storeu_ps(y[m], _mm256_add_ps(_mm256_loadu_ps(y[m]), _mm256_mul_ps(da, t)));
+    }
+#else
+    float d[GROUP], dmin[GROUP];
+    load_f16x8(w, d);
+    load_f16x8(w + 16, dmin);
+    for (size_t m = 0; m < mt; m++) {
+      const size_t row = m0 + m;
+      const int8_t *x = a->q + row * k + i * QK_K;
+      const int32_t *bs = a->sum32 + row * (k / 32) + i * 8;
+      for (int r = 0; r < GROUP; r++) {
+        int isum = 0, imin = 0;
+        for (int j = 0; j < 8; j++) {
+          int s = 0;
+          for (int p = 0; p < 4; p++) {
+            for (int e = 0; e < 4; e++) {
+              const uint8_t b = qs[128 * j + 32 * p + 4 * r + e];
+              s += (b & 0xF) * x[32 * j + 8 * p + e] + (b >> 4) * x[32 * j + 8 * p + 4 + e];
+            }
+          }
+          isum += sc[8 * j + r] * s;
+          imin += mn[8 * j + r] * bs[j];
+        }
+        const float da = a->d[row * (k / QK_K) + i];
+        y[m][r] += da * (d[r] * (float)isum - dmin[r] * (float)imin);
+      }
+    }
+#endif
+  }
+}
+
+static void group_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, size_t mt,
+                       float (*y)[GROUP]) {
+  const size_t k = a->k;
+  for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES) {
+    const uint8_t *sc = w + 16, *ql = w + 144, *qh = w + 144 + 64; /* sub-block stride 96 */
+#if SPECD_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256 d = LOAD_F16X8(w);
+    __m256i isum[ROW_TILE];
+    for (size_t m = 0; m < mt; m++) isum[m] = _mm256_setzero_si256();
+    for (int j = 0; j < 16; j++) {
+      const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 96 * j));
+      const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 96 * j + 32));
+      const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 96 * j));
+      /* bits 2t..2t+1 of each byte of h moved to bits 4..5 (16-bit shifts: the bits that
+         cross into the next byte land outside the mask) */
+      const __m256i c0 =
+          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+      const __m256i c1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                         _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+      const __m256i c2 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(h, m30));
+      const __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                         _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+      const __m256i scj = i8x8(sc + 8 * j);
+      for (size_t m = 0; m < mt; m++) {
+        const size_t row = m0 + m;
+        const int8_t *x = a->q + row * k + i * QK_K + 16 * j;
+        __m256i s0 = DPBUSD(_mm256_setzero_si256(), c0, bcast4(x));
+        __m256i s1 = DPBUSD(_mm256_setzero_si256(), c1, bcast4(x + 4));
+        s0 = DPBUSD(s0, c2, bcast4(x + 8));
+        s1 = DPBUSD(s1, c3, bcast4(x + 12));
+        const __m256i off = _mm256_set1_epi32(32 * a->sum16[row * (k / 16) + i * 16 + j]);
+        const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), off);
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(s, scj));
+      }
+    }
+    for (size_t m = 0; m < mt; m++) {
+      const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+      const __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m]));
+      _mm256_storeu_ps(y[m], _mm256_add_ps(_mm256_loadu_ps(y[m]), _mm256_mul_ps(da, t)));
+    }
+#else
+    float d[GROUP];
+    load_f16x8(w, d);
+    const int8_t *sci = (const int8_t *)sc;
+    for (size_t m = 0; m < mt; m++) {
+      const size_t row = m0 + m;
+      const int8_t *x = a->q + row * k + i * QK_K;
+      const int16_t *bs = a->sum16 + row * (k / 16) + i * 16;
+      for (int r = 0; r < GROUP; r++) {
+        int isum = 0;
+        for (int j = 0; j < 16; j++) {
+          int s = 0;
+          for (int e = 0; e < 4; e++) {
+            const uint8_t b0 = ql[96 * j + 4 * r + e], b1 = ql[96 * j + 32 + 4 * r + e];
+            const uint8_t h = qh[96 * j + 4 * r + e];
+            s += ((b0 & 0xF) | ((h & 3) << 4)) * x[16 * j + e];
+            s += ((b0 >> 4) | (((h >> 2) & 3) << 4)) * x[16 * j + 4 + e];
+            s += ((b1 & 0xF) | (((h >> 4) & 3) << 4)) * x[16 * j + 8 + e];
+            s += ((b1 >> 4) | (((h >> 6) & 3) << 4)) * x[16 * j + 12 + e];
+          }
+          isum += sci[8 * j + r] * (s - 32 * bs[j]);
+        }
+        const float da = a->d[row * (k / QK_K) + i];
+        y[m][r] += da * (d[r] * (float)isum);
+      }
+    }
+#endif
+  }
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* the call: quantize A, then columns of Y in tasks over ORT's intra-op thread pool     */
+
+typedef void (*GroupFn)(const uint8_t *, size_t, const Act *, size_t, size_t,
+                        float (*)[GROUP]);
+
+typedef struct {
+  GroupFn fn;
+  const uint8_t *w;
+  size_t group_bytes, nb, m, n, groups_per_task;
+  Act act;
+  float *y;
+} Job;
+
+static void run_task(void *p, size_t t) {
+  const Job *job = (const Job *)p;
+  const size_t n_groups = (job->n + GROUP - 1) / GROUP;
+  const size_t g0 = t * job->groups_per_task;
+  const size_t g1 = g0 + job->groups_per_task < n_groups ? g0 + job->groups_per_task : n_groups;
+  float acc[ROW_TILE][GROUP];
+  for (size_t c0 = g0; c0 < g1; c0 += COL_TILE) { /* these row groups stay in cache ... */
+    const size_t c1 = c0 + COL_TILE < g1 ? c0 + COL_TILE : g1;
+    for (size_t m0 = 0; m0 < job->m; m0 += ROW_TILE) { /* ... across tiles of A */
+      const size_t mt = job->m - m0 < ROW_TILE ? job->m - m0 : ROW_TILE;
+      for (size_t c = c0; c < c1; c++) {
+        memset(acc, 0, sizeof acc);
+        job->fn(job->w + c * job->group_bytes, job->nb, &job->act, m0, mt, acc);
+        const size_t cols = job->n - c * GROUP < GROUP ? job->n - c * GROUP : GROUP;
+        for (size_t m = 0; m < mt; m++)
+          memcpy(job->y + (m0 + m) * job->n + c * GROUP, acc[m], cols * sizeof(float));
+      }
+    }
+  }
+}
+
+typedef struct {
+  int64_t type, k, n;
+} Kernel;
+
+static OrtStatus *fail(const char *msg) { return g_api->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
+
+#define CHECK(expr)                  \
+  do {                               \
+    OrtStatus *st_ = (expr);         \
+    if (st_) return st_;             \
+  } while (0)
+
+static OrtStatus *tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank) {
+  OrtTensorTypeAndShapeInfo *info;
+  CHECK(g_api->GetTensorTypeAndShape(v, &info));
+  OrtStatus *st = g_api->GetDimensionsCount(info, rank);
+  if (!st && *rank > 8) st = fail("GgufMatMul: input rank above 8");
+  if (!st) st = g_api->GetDimensions(info, dims, *rank);
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  return st;
+}
+
+static OrtStatus *compute(const Kernel *kn, OrtKernelContext *ctx) {
+  const OrtValue *a_val, *w_val;
+  CHECK(g_api->KernelContext_GetInput(ctx, 0, &a_val));
+  CHECK(g_api->KernelContext_GetInput(ctx, 1, &w_val));
+  int64_t adims[8], wdims[8];
+  size_t arank, wrank;
+  CHECK(tensor_shape(a_val, adims, &arank));
+  CHECK(tensor_shape(w_val, wdims, &wrank));
+  const size_t k_in = (size_t)kn->k, n = (size_t)kn->n, nb = (k_in + QK_K - 1) / QK_K;
+  const size_t k = nb * QK_K; /* rows of W hold whole superblocks, zero-padded */
+  const size_t group_bytes = nb * (kn->type == TYPE_Q4_K ? Q4_K_GROUP_BYTES : Q6_K_GROUP_BYTES);
+  const size_t n_groups = (n + GROUP - 1) / GROUP;
+  if (arank < 1 || adims[arank - 1] != kn->k)
+    return fail("GgufMatMul: the last dimension of A is not K");
+  if (wrank != 2 || (size_t)wdims[0] != n_groups || (size_t)wdims[1] != group_bytes)
+    return fail("GgufMatMul: W is not [ceil(N/8), group bytes] of its GGUF type's 8-row layout");
+  size_t m = 1;
+  for (size_t i = 0; i + 1 < arank; i++) m *= (size_t)adims[i];
+  adims[arank - 1] = kn->n;
+  OrtValue *y_val;
+  CHECK(g_api->KernelContext_GetOutput(ctx, 0, adims, arank, &y_val));
+  const float *a;
+  const uint8_t *w;
+  float *y;
+  CHECK(g_api->GetTensorMutableData((OrtValue *)a_val, (void **)&a));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)w_val, (void **)&w));
+  CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
+  if (m == 0) return NULL;
+
+  /* one allocation: q [M, K] | d [M, K/256] | sum32 [M, K/32] | sum16 [M, K/16] */
+  const size_t bytes = m * k + m * nb * 4 + m * (k / 32) * 4 + m * (k / 16) * 2;
+  uint8_t *scratch = (uint8_t *)malloc(bytes);
+  if (!scratch) return g_api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
+  Job job = {kn->type == TYPE_Q4_K ? group_q4_k : group_q6_k, w, group_bytes, nb, m, n, 0,
+             {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k}, y};
+  job.act.sum32 = (int32_t *)(scratch + m * k + m * nb * 4);
+  job.act.sum16 = (int16_t *)((uint8_t *)job.act.sum32 + m * (k / 32) * 4);
+  for (size_t r = 0; r < m; r++)
+    quantize_row(a + r * k_in, k_in, k, job.act.q + r * k, job.act.d + r * nb,
+                 job.act.sum16 + r * (k / 16), job.act.sum32 + r * (k / 32));
+  size_t per = (n_groups + MAX_TASKS - 1) / MAX_TASKS;
+  job.groups_per_task = per;
+  OrtStatus *st =
+      g_api->KernelContext_ParallelFor(ctx, run_task, (n_groups + per - 1) / per, 0, &job);
+  free(scratch);
+  return st;
+}
+
+/* ---------------------------------------------------------------------------------- */
+/* ORT custom-op glue                                                                  */
+
+static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api,
+                                             const OrtKernelInfo *info, void **kernel) {
+  (void)op;
+  Kernel kn;
+  CHECK(api->KernelInfoGetAttribute_int64(info, "ggml_type", &kn.type));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "K", &kn.k));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "N", &kn.n));
+  if (kn.type != TYPE_Q4_K && kn.type != TYPE_Q6_K)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT,
+                             "GgufMatMul: ggml_type must be 12 (Q4_K) or 14 (Q6_K)");
+  if (kn.k <= 0 || kn.n <= 0)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "GgufMatMul: K and N must be positive");
+  Kernel *p = (Kernel *)malloc(sizeof *p);
+  if (!p) return api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
+  *p = kn;
+  *kernel = p;
+  return NULL;
+}
+
+static OrtStatus *ORT_API_CALL compute_v2(void *kernel, OrtKernelContext *ctx) {
+  return compute((const Kernel *)kernel, ctx);
+}
+
+static void ORT_API_CALL destroy_kernel(void *kernel) { free(kernel); }
+static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
+  (void)op;
+  return "GgufMatMul";
+}
+static const char *ORT_API_CALL op_provider(const OrtCustomOp *op) {
+  (void)op;
+  return "CPUExecutionProvider";
+}
+static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+}
+static size_t ORT_API_CALL input_count(const OrtCustomOp *op) {
+  (void)op;
+  return 2;
+}
+static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static size_t ORT_API_CALL output_count(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL io_required(const OrtCustomOp *op,
+                                                                     size_t i) {
+  (void)op;
+  (void)i;
+  return INPUT_OUTPUT_REQUIRED;
+}
+static OrtMemType ORT_API_CALL input_mem(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return OrtMemTypeDefault;
+}
+static int ORT_API_CALL arity_one(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static int ORT_API_CALL homogeneous(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static int ORT_API_CALL start_version(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static int ORT_API_CALL end_version(const OrtCustomOp *op) {
+  (void)op;
+  return 2147483647;
+}
+
+static OrtCustomOp g_op;
+static OrtCustomOpDomain *g_domain;
+
+/* The entry point SessionOptions.register_custom_ops_library looks up. */
+OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+  g_api = base->GetApi(SPECD_ORT_API_VERSION);
+  if (!g_api) { /* the first slots are the same in every version */
+    const OrtApi *v1 = base->GetApi(1);
+    return v1 ? v1->CreateStatus(ORT_FAIL, "specd kernels need ONNX Runtime 1.17 or newer")
+              : NULL;
+  }
+  if (!g_domain) {
+    memset(&g_op, 0, sizeof g_op);
+    g_op.version = SPECD_ORT_API_VERSION;
+    g_op.GetName = op_name;
+    g_op.GetExecutionProviderType = op_provider;
+    g_op.GetInputType = input_type;
+    g_op.GetInputTypeCount = input_count;
+    g_op.GetOutputType = output_type;
+    g_op.GetOutputTypeCount = output_count;
+    g_op.KernelDestroy = destroy_kernel;
+    g_op.GetInputCharacteristic = io_required;
+    g_op.GetOutputCharacteristic = io_required;
+    g_op.GetInputMemoryType = input_mem;
+    g_op.GetVariadicInputMinArity = arity_one;
+    g_op.GetVariadicInputHomogeneity = homogeneous;
+    g_op.GetVariadicOutputMinArity = arity_one;
+    g_op.GetVariadicOutputHomogeneity = homogeneous;
+    g_op.CreateKernelV2 = create_kernel;
+    g_op.KernelComputeV2 = compute_v2;
+    g_op.GetStartVersion = start_version;
+    g_op.GetEndVersion = end_version;
+    CHECK(g_api->CreateCustomOpDomain("specd", &g_domain));
+    CHECK(g_api->CustomOpDomain_Add(g_domain, &g_op));
+  }
+  return g_api->AddCustomOpDomain(options, g_domain);
+}

@@ -1,0 +1,127 @@
+"""specd's own ONNX Runtime kernels, compiled on first use for the CPU they run on.
+
+`kernels/gguf_matmul.c` multiplies by weights kept in GGUF's own block layout
+(`specd.GgufMatMul`; Q4_K and Q6_K), reading the file's bytes per token instead of the
+wider lossless MatMulNBits layout. It is built with the machine's C compiler
+(`$CC`, else cc / gcc / clang) and `-march=native` into the cache dir, once per source,
+compiler and CPU; ORT loads it with `SessionOptions.register_custom_ops_library`.
+
+Where no compiler works the graphs use MatMulNBits as before: `library()` returns None
+and `unavailable_reason()` says why. `SPECD_NATIVE=0` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from .paths import cache_dir
+
+log = logging.getLogger("specd.native")
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+SOURCES = ("gguf_matmul.c",)
+HEADERS = ("ort_api_subset.h",)
+DOMAIN = "specd"
+# GGUF tensor types GgufMatMul reads (name -> ggml type id)
+GGUF_MATMUL_TYPES = {"Q4_K": 12, "Q6_K": 14}
+# -ffp-contract=off: no FMA contraction, so every build rounds as the contract says
+BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+
+_lock = threading.Lock()
+_cached: dict[tuple[str, ...], Path | None] = {}
+_reasons: dict[tuple[str, ...], str] = {}
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines()
+            if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def build(flags: tuple[str, ...] = ("-march=native",), out_dir: Path | None = None) -> Path:
+    """Compile the kernels with `flags` (cached by source, compiler, flags and CPU);
+    returns the shared library's path. Raises NativeBuildError with the compiler's
+    message when it cannot."""
+    cc = _compiler()
+    if cc is None:
+        raise NativeBuildError("no C compiler found (set CC, or install cc / gcc / clang)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update((KERNEL_DIR / name).read_bytes())
+    for part in (cc, version, " ".join(BASE_FLAGS + flags), _cpu_signature()):
+        h.update(part.encode())
+    folder = (out_dir or cache_dir() / "native") / h.hexdigest()[:24]
+    lib = folder / "libspecd_kernels.so"
+    if lib.is_file():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".build{os.getpid()}-{threading.get_ident()}.so"
+    cmd = [cc, *BASE_FLAGS, *flags, f"-I{KERNEL_DIR}", "-o", str(tmp),
+           *(str(KERNEL_DIR / s) for s in SOURCES), "-lm"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise NativeBuildError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()[-2000:]}")
+    os.replace(tmp, lib)
+    log.info("built specd kernels: %s", lib)
+    return lib
+
+
+def library(flags: tuple[str, ...] = ("-march=native",)) -> Path | None:
+    """The kernels' shared library for this machine, or None (see unavailable_reason)."""
+    with _lock:
+        if flags in _cached:
+            return _cached[flags]
+        lib: Path | None = None
+        if os.environ.get("SPECD_NATIVE", "1") == "0":
+            _reasons[flags] = "turned off by SPECD_NATIVE=0"
+        else:
+            try:
+                lib = build(flags)
+            except (NativeBuildError, OSError) as exc:
+                _reasons[flags] = str(exc)
+                log.warning("specd kernels unavailable, using MatMulNBits: %s", exc)
+        _cached[flags] = lib
+        return lib
+
+
+def unavailable_reason(flags: tuple[str, ...] = ("-march=native",)) -> str | None:
+    library(flags)
+    return _reasons.get(flags)
+
+
+def register(session_options: object, lib: Path | None = None) -> None:
+    """Make the kernels known to sessions created with `session_options`."""
+    lib = lib or library()
+    if lib is None:
+        raise NativeBuildError("this graph uses specd's kernels, which are unavailable: "
+                               f"{unavailable_reason()}")
+    session_options.register_custom_ops_library(str(lib))  # type: ignore[attr-defined]

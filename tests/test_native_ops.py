@@ -1,0 +1,186 @@
+"""specd's GgufMatMul kernel (ort_models/kernels) against the numpy contract, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from onnx import TensorProto, helper, numpy_helper
+
+from specd.ort_models import native_ops
+from specd.ort_models.gguf_layouts import regroup
+from specd.ort_models.graph_builder import BuildOptions
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+from numpy_reference import ReferenceModel, gguf_matmul
+from tiny_gguf import random_kquant_blocks
+
+LIB = native_ops.library()
+pytestmark = pytest.mark.skipif(LIB is None, reason=f"no specd kernels: "
+                                f"{native_ops.unavailable_reason()}")
+TYPES = {"Q4_K": 12, "Q6_K": 14}
+
+
+def _session(raw: np.ndarray, ggml_type: int, k: int, n: int, lib: Path | None = None,
+             threads: int = 2, grouped: np.ndarray | None = None) -> ort.InferenceSession:
+    """GgufMatMul over GGUF rows `raw` [N, row_bytes] (or W as given in `grouped`)."""
+    qtype = {v: k for k, v in TYPES.items()}.get(ggml_type, "Q4_K")
+    w = regroup(qtype, raw, n, k) if grouped is None else grouped
+    node = helper.make_node("GgufMatMul", ["A", "W"], ["Y"], domain="specd",
+                            ggml_type=ggml_type, K=k, N=n)
+    graph = helper.make_graph(
+        [node], "t", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("specd", 1)])
+    model.ir_version = 10
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    native_ops.register(so, lib)
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def _inputs(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
+    x = rng.normal(0, 1, size=(m, k)).astype(np.float32)
+    x[0, :256] = 0  # a zero block: da = 0
+    x[-1, -3] = 40.0  # one outlier sets a block's scale
+    return x
+
+
+@pytest.mark.parametrize("qtype", list(TYPES))
+@pytest.mark.parametrize("k, n", [(256, 40), (768, 33)])
+def test_matches_the_numpy_contract_bitwise(qtype: str, k: int, n: int) -> None:
+    rng = np.random.default_rng(k + n)
+    blocks = random_kquant_blocks(rng, n, k, qtype, std=0.05)
+    sess = _session(blocks.pack(), TYPES[qtype], k, n)
+    for m in (1, 3, 17, 40):  # one row, a verify block, across the 16-row tile
+        x = _inputs(rng, m, k)
+        got = sess.run(None, {"A": x})[0]
+        np.testing.assert_array_equal(got, gguf_matmul(x, blocks))
+
+
+@pytest.mark.parametrize("qtype", list(TYPES))
+def test_k_short_of_whole_superblocks_counts_zeros(qtype: str) -> None:
+    """K = 896 (the 0.5B draft's width): rows hold 4 superblocks, A's missing values are 0."""
+    rng = np.random.default_rng(11)
+    blocks = random_kquant_blocks(rng, 24, 1024, qtype, std=0.05)
+    sess = _session(blocks.pack(), TYPES[qtype], 896, 24, grouped=regroup(
+        qtype, blocks.pack(), 24, 1024))
+    x = rng.normal(0, 1, size=(3, 896)).astype(np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"A": x})[0], gguf_matmul(x, blocks))
+
+
+@pytest.mark.parametrize("qtype", list(TYPES))
+def test_close_to_the_float_product(qtype: str) -> None:
+    """Only the int8 activations round: compared with gguf-py's own dequantization."""
+    rng = np.random.default_rng(7)
+    k, n = 512, 64
+    blocks = random_kquant_blocks(rng, n, k, qtype, std=0.05)
+    raw = blocks.pack()
+    w = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
+    x = rng.normal(0, 1, size=(5, k)).astype(np.float32)
+    got = _session(raw, TYPES[qtype], k, n).run(None, {"A": x})[0]
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+
+
+def test_rows_of_a_block_equal_single_rows_and_any_thread_count() -> None:
+    rng = np.random.default_rng(3)
+    k, n = 1024, 300
+    blocks = random_kquant_blocks(rng, n, k, "Q4_K", std=0.05)
+    x = rng.normal(0, 1, size=(9, k)).astype(np.float32)
+    block = _session(blocks.pack(), 12, k, n, threads=2).run(None, {"A": x})[0]
+    one = _session(blocks.pack(), 12, k, n, threads=1)
+    singles = np.concatenate([one.run(None, {"A": x[i:i + 1]})[0] for i in range(9)])
+    np.testing.assert_array_equal(block, singles)
+
+
+def test_portable_build_equals_the_native_one(tmp_path: Path) -> None:
+    """Without -march=native the kernel takes its plain C path: same bits."""
+    try:
+        portable = native_ops.build(flags=("-O2",), out_dir=tmp_path)
+    except native_ops.NativeBuildError as exc:
+        pytest.skip(str(exc))
+    rng = np.random.default_rng(5)
+    for qtype, t in TYPES.items():
+        blocks = random_kquant_blocks(rng, 24, 512, qtype, std=0.05)
+        x = _inputs(rng, 4, 512)
+        a = _session(blocks.pack(), t, 512, 24).run(None, {"A": x})[0]
+        b = _session(blocks.pack(), t, 512, 24, lib=portable).run(None, {"A": x})[0]
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bad_shapes_and_attributes_are_named() -> None:
+    rng = np.random.default_rng(1)
+    blocks = random_kquant_blocks(rng, 8, 256, "Q4_K", std=0.05)
+    sess = _session(blocks.pack(), 12, 256, 8)
+    with pytest.raises(Exception, match="last dimension of A is not K"):
+        sess.run(None, {"A": np.zeros((1, 255), np.float32)})
+    with pytest.raises(Exception, match="ggml_type must be"):
+        _session(blocks.pack(), 2, 256, 8)
+    short = regroup("Q4_K", blocks.pack(), 8, 256)[:, :-1].copy()
+    with pytest.raises(Exception, match="W is not"):
+        _session(blocks.pack(), 12, 256, 8, grouped=short).run(
+            None, {"A": np.zeros((1, 256), np.float32)})
+
+
+def test_unavailable_kernels_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECD_NATIVE", "0")
+    monkeypatch.setattr(native_ops, "_cached", {})
+    monkeypatch.setattr(native_ops, "_reasons", {})
+    assert native_ops.library() is None
+    assert "SPECD_NATIVE=0" in (native_ops.unavailable_reason() or "")
+    with pytest.raises(native_ops.NativeBuildError, match="unavailable"):
+        native_ops.register(ort.SessionOptions())
+
+
+# -- whole models ----------------------------------------------------------------------
+
+K_DIMS = {"n_embd": 256, "n_ff": 512}
+TOKENS = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]
+
+
+@pytest.fixture(scope="module", params=[("qwen2", "Q4_K"), ("llama", "Q6_K")],
+                ids=["qwen2-Q4_K", "llama-Q6_K"])
+def kquant_model(request, tiny_model_factory):  # noqa: ANN001, ANN201
+    arch, wt = request.param
+    return tiny_model_factory(arch=arch, weight_type=wt, **K_DIMS)
+
+
+def test_model_uses_the_kernel_and_reads_the_gguf_bytes(kquant_model: Path) -> None:
+    import onnx
+
+    gguf = load_or_build(kquant_model, BuildOptions(kernels="gguf"))
+    ort_built = load_or_build(kquant_model)
+    model = onnx.load(str(gguf.model_path), load_external_data=False)
+    ops = {n.op_type for n in model.graph.node}
+    assert "GgufMatMul" in ops and "MatMulNBits" not in ops
+    assert gguf.read_bytes_per_token < ort_built.read_bytes_per_token
+
+
+def test_model_logits_match_reference(kquant_model: Path) -> None:
+    r = ModelRunner(load_or_build(kquant_model, BuildOptions(kernels="gguf")), n_ctx=256)
+    want = ReferenceModel(kquant_model).forward(TOKENS)
+    got = r.forward(0, TOKENS, 0, list(range(len(TOKENS))))
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel < 0.1, rel  # int8 activations, as MatMulNBits at accuracy level 4
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.5
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
+
+
+def test_model_block_equals_single_steps_bitwise(kquant_model: Path) -> None:
+    built = load_or_build(kquant_model, BuildOptions(kernels="gguf"))
+    singles_r = ModelRunner(built, n_ctx=512)
+    singles = np.stack([singles_r.forward(0, [t], i)[0] for i, t in enumerate(TOKENS)])
+    block_r = ModelRunner(built, n_ctx=512)
+    block_r.forward(0, TOKENS[:4], 0)
+    block = block_r.forward(0, TOKENS[4:], 4, list(range(len(TOKENS) - 4)))
+    np.testing.assert_array_equal(block, singles[4:])
