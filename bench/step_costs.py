@@ -39,7 +39,7 @@ def op_shares(built, threads: int | None, spinning: bool) -> dict[str, float]:
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "prof")
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    if built.options.kernels == "gguf":
+    if built.options.uses_native:
         native_ops.register(so)
     runner = ModelRunner(built, n_ctx=1024, threads=threads, spinning=spinning)
     runner.session = ort.InferenceSession(str(built.model_path), so,
@@ -98,7 +98,7 @@ def main() -> None:
     if args.profile:
         for m, runner in runners.items():
             shares = op_shares(runner.built, args.threads, args.spinning)
-            print(m, ", ".join(f"{k} {v:.1%}" for k, v in list(shares.items())[:8]))
+            print(m, ", ".join(f"{k} {v:.1%}" for k, v in list(shares.items())[:16]))
 
 
 if __name__ == "__main__":

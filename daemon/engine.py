@@ -111,7 +111,9 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
         raise EngineError(f"unknown draft quant {draft_quant!r} (one of "
                           f"{', '.join(DRAFT_QUANTS)})")
     if role != "draft":
-        return BuildOptions(kernels=target_kernels(device))
+        if target_kernels(device) == "gguf":
+            return BuildOptions(kernels="gguf", attention="native")
+        return BuildOptions()
     requant = DRAFT_QUANTS[resolve_draft_quant(draft_quant, device)]
     if requant == "q4k" and target_kernels(device) != "gguf":
         raise EngineError(f"--draft-quant q4k needs specd's kernels on the CPU "

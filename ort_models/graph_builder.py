@@ -52,7 +52,7 @@ from .quant import (
 BUILDER_VERSION = "6"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
-ATTENTION_KINDS = ("exact", "fused")
+ATTENTION_KINDS = ("exact", "fused", "native")
 # "ort": every quantized matrix through MatMulNBits (lossless re-layout); "gguf": Q4_K /
 # Q6_K matrices through specd's GgufMatMul kernel on the GGUF's own blocks (native_ops)
 KERNEL_KINDS = ("ort", "gguf")
@@ -73,7 +73,8 @@ class BuildOptions:
     requant: str = ""
     # "exact": attention written out, batch-invariant (targets: a verified row must equal
     # a single step); "fused": ORT's GroupQueryAttention, fewer nodes and no KV prefix
-    # copy, but a row's result depends on the block around it (~1e-7), so drafts only
+    # copy, but a row's result depends on the block around it (~1e-7), so drafts only;
+    # "native": specd's CausalAttention kernel, batch-invariant, no copy (native_ops)
     attention: str = "exact"
     kernels: str = "ort"
 
@@ -94,9 +95,14 @@ class BuildOptions:
     def key(self) -> str:
         layers = "-".join(map(str, self.hidden_layers)) or "none"
         rq = f"_r{self.requant}" if self.requant else ""
-        at = "_gqa" if self.attention == "fused" else ""
+        at = {"exact": "", "fused": "_gqa", "native": "_natt"}[self.attention]
         kn = "_kgguf" if self.kernels == "gguf" else ""
         return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}"
+
+    @property
+    def uses_native(self) -> bool:
+        """Whether the graph holds specd's own ops (sessions must register native_ops)."""
+        return self.kernels == "gguf" or self.attention == "native"
 
 
 @dataclass
@@ -342,8 +348,12 @@ def _attention(c: _Ctx, i: int, h: str, pos_ids: str, mask: str, io: dict[str, s
         q3 = g.op("RotaryEmbedding", [q3, pos_ids, "rope.cos", "rope.sin"],
                   num_heads=hp.n_head, **rot)  # [1, S, H*hd]
         k3 = g.op("RotaryEmbedding", [k3, pos_ids, "rope.cos", "rope.sin"], num_heads=nkv, **rot)
-        out = (_fused_attention(c, i, q3, k3, v3, io, rotary=False) if fused
-               else _exact_attention(c, i, q3, k3, v, mask, io))
+        if fused:
+            out = _fused_attention(c, i, q3, k3, v3, io, rotary=False)
+        elif c.options.attention == "native":
+            out = _native_attention(c, i, q3, k3, v)
+        else:
+            out = _exact_attention(c, i, q3, k3, v, mask, io)
     return _linear(c, out, p + "attn_output.weight")
 
 
@@ -362,16 +372,35 @@ def _fused_attention(c: _Ctx, i: int, q3: str, k3: str, v3: str, io: dict[str, s
     return g.op("Reshape", [out, g.const([-1, hp.n_head * hp.head_dim])])
 
 
+def _write_kv(c: _Ctx, i: int, k3: str, v: str) -> tuple[str, str]:
+    """New keys/values -> [1, Hkv, S, hd], written in place into layer i's cache at
+    `position`; returns the updated caches."""
+    g, hp = c.g, c.hp
+    hd, nkv = hp.head_dim, hp.n_head_kv
+    k4 = g.op("Transpose", [g.op("Reshape", [k3, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
+    v4 = g.op("Transpose", [g.op("Reshape", [v, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
+    ck = g.op("TensorScatter", [f"past_key_{i}", k4, "position"], axis=2,
+              out=[f"present_key_{i}"])
+    cv = g.op("TensorScatter", [f"past_value_{i}", v4, "position"], axis=2,
+              out=[f"present_value_{i}"])
+    return ck, cv
+
+
+def _native_attention(c: _Ctx, i: int, q3: str, k3: str, v: str) -> str:
+    """specd's CausalAttention over the cache in place: [S, H*hd]."""
+    g, hp = c.g, c.hp
+    ck, cv = _write_kv(c, i, k3, v)
+    q = g.op("Reshape", [q3, g.const([-1, hp.n_head * hp.head_dim])])
+    return g.op("CausalAttention", [q, ck, cv, "position"], domain=NATIVE,
+                num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
+                scale=1.0 / math.sqrt(hp.head_dim))
+
+
 def _exact_attention(c: _Ctx, i: int, q3: str, k3: str, v: str, mask: str,
                      io: dict[str, str]) -> str:
     g, hp = c.g, c.hp
     hd, nkv, grp = hp.head_dim, hp.n_head_kv, hp.group_size
-    pk, pv = f"past_key_{i}", f"past_value_{i}"
-    # new keys/values -> [1, Hkv, S, hd], written in place into the cache at `position`
-    k4 = g.op("Transpose", [g.op("Reshape", [k3, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
-    v4 = g.op("Transpose", [g.op("Reshape", [v, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
-    ck = g.op("TensorScatter", [pk, k4, "position"], axis=2, out=[f"present_key_{i}"])
-    cv = g.op("TensorScatter", [pv, v4, "position"], axis=2, out=[f"present_value_{i}"])
+    ck, cv = _write_kv(c, i, k3, v)
     zero, two = g.const([0]), g.const([2])
     keys = g.op("Reshape", [g.op("Slice", [ck, zero, "attn_len", two]), g.const([nkv, -1, hd])])
     vals = g.op("Reshape", [g.op("Slice", [cv, zero, "attn_len", two]), g.const([nkv, -1, hd])])
@@ -455,6 +484,8 @@ def _attention_inputs(g: GraphWriter, hp: HParams, attention: str, s_len: str
     """What every layer's attention shares: (causal mask, named tensors), built only for
     the kind of attention the graph uses."""
     io: dict[str, str] = {"s_len": s_len}
+    if attention == "native":  # CausalAttention takes `position` and masks by itself
+        return "", io
     if attention == "fused":  # GroupQueryAttention's int32 lengths; it masks by itself
         end = g.op("Cast", [g.op("Add", ["position", s_len])], to=TensorProto.INT32)
         io["seqlens_k"] = g.op("Sub", [end, g.const([1], np.int32)])  # [1]

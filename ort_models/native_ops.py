@@ -2,7 +2,8 @@
 
 `kernels/gguf_matmul.c` multiplies by weights kept in GGUF's own block layout
 (`specd.GgufMatMul`; Q4_K and Q6_K), reading the file's bytes per token instead of the
-wider lossless MatMulNBits layout. It is built with the machine's C compiler
+wider lossless MatMulNBits layout; `kernels/causal_attention.c` (`specd.CausalAttention`)
+attends over the KV cache in place, row-invariant by construction. It is built with the machine's C compiler
 (`$CC`, else cc / gcc / clang) and `-march=native` into the cache dir, once per source,
 compiler and CPU; ORT loads it with `SessionOptions.register_custom_ops_library`.
 
@@ -26,8 +27,8 @@ from .paths import cache_dir
 log = logging.getLogger("specd.native")
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-SOURCES = ("gguf_matmul.c",)
-HEADERS = ("ort_api_subset.h",)
+SOURCES = ("specd_ops.c", "gguf_matmul.c", "causal_attention.c")
+HEADERS = ("ort_api_subset.h", "specd_ops.h")
 DOMAIN = "specd"
 # GGUF tensor types GgufMatMul reads (name -> ggml type id)
 GGUF_MATMUL_TYPES = {"Q4_K": 12, "Q6_K": 14}

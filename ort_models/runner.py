@@ -74,7 +74,7 @@ class ModelRunner:
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         if spinning is True:
             so.add_session_config_entry("session.force_spinning_stop", "1")
-        if built.options.kernels == "gguf":
+        if built.options.uses_native:
             native_ops.register(so)
         providers = [self.runtime.provider]
         if self.runtime.provider == "CUDAExecutionProvider":

@@ -184,3 +184,99 @@ def test_model_block_equals_single_steps_bitwise(kquant_model: Path) -> None:
     block_r.forward(0, TOKENS[:4], 0)
     block = block_r.forward(0, TOKENS[4:], 4, list(range(len(TOKENS) - 4)))
     np.testing.assert_array_equal(block, singles[4:])
+
+
+# -- CausalAttention -------------------------------------------------------------------
+
+
+def _attention_session(heads: int, kv_heads: int, hd: int, lib: Path | None = None
+                       ) -> ort.InferenceSession:
+    node = helper.make_node("CausalAttention", ["Q", "K", "V", "pos"], ["Y"], domain="specd",
+                            num_heads=heads, kv_num_heads=kv_heads, scale=hd ** -0.5)
+    cache = ["b", kv_heads, "T", hd]
+    graph = helper.make_graph(
+        [node], "t",
+        [helper.make_tensor_value_info("Q", TensorProto.FLOAT, ["S", heads * hd]),
+         helper.make_tensor_value_info("K", TensorProto.FLOAT, cache),
+         helper.make_tensor_value_info("V", TensorProto.FLOAT, cache),
+         helper.make_tensor_value_info("pos", TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", heads * hd])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("specd", 1)])
+    model.ir_version = 10
+    so = ort.SessionOptions()
+    native_ops.register(so, lib)
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def _attention_case(rng: np.random.Generator, s: int, heads: int = 6, kv: int = 2,
+                    hd: int = 32, n_ctx: int = 64) -> dict[str, np.ndarray]:
+    return {"Q": rng.normal(0, 1, (s, heads * hd)).astype(np.float32),
+            "K": rng.normal(0, 1, (1, kv, n_ctx, hd)).astype(np.float32),
+            "V": rng.normal(0, 1, (1, kv, n_ctx, hd)).astype(np.float32)}
+
+
+def test_attention_matches_softmax_attention() -> None:
+    rng = np.random.default_rng(0)
+    case, pos = _attention_case(rng, 5), 37
+    got = _attention_session(6, 2, 32).run(None, {**case, "pos": np.array([pos])})[0]
+    q = case["Q"].reshape(5, 6, 32).astype(np.float64)
+    k, v = case["K"][0].astype(np.float64), case["V"][0].astype(np.float64)
+    for s in range(5):
+        for h in range(6):
+            keys, vals = k[h // 3, :pos + s + 1], v[h // 3, :pos + s + 1]
+            w = np.exp(keys @ q[s, h] / np.sqrt(32) - (keys @ q[s, h] / np.sqrt(32)).max())
+            want = (w / w.sum()) @ vals
+            np.testing.assert_allclose(got[s, h * 32:(h + 1) * 32], want, rtol=2e-5, atol=2e-6)
+
+
+def test_attention_rows_of_a_block_equal_single_rows() -> None:
+    rng = np.random.default_rng(1)
+    case, pos = _attention_case(rng, 9), 20
+    sess = _attention_session(6, 2, 32)
+    block = sess.run(None, {**case, "pos": np.array([pos])})[0]
+    for s in range(9):
+        one = sess.run(None, {**case, "Q": case["Q"][s:s + 1], "pos": np.array([pos + s])})[0]
+        np.testing.assert_array_equal(block[s], one[0])
+
+
+def test_attention_portable_build_equals_the_native_one(tmp_path: Path) -> None:
+    try:
+        portable = native_ops.build(flags=("-O2",), out_dir=tmp_path)
+    except native_ops.NativeBuildError as exc:
+        pytest.skip(str(exc))
+    rng = np.random.default_rng(2)
+    case = {**_attention_case(rng, 4, n_ctx=128), "pos": np.array([100])}
+    case["Q"][0, :32] *= 40  # a sharp row: exp underflows for most keys
+    a = _attention_session(6, 2, 32).run(None, case)[0]
+    b = _attention_session(6, 2, 32, lib=portable).run(None, case)[0]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_attention_refuses_a_block_past_the_cache() -> None:
+    rng = np.random.default_rng(3)
+    case = _attention_case(rng, 4, n_ctx=16)
+    with pytest.raises(Exception, match="exceeds the cache"):
+        _attention_session(6, 2, 32).run(None, {**case, "pos": np.array([13])})
+
+
+ATTN_CASES = [("qwen2", {}), ("llama", {"n_head_kv": 4}), ("qwen3", {}),
+              ("llama", {"rope_dim": 8})]
+
+
+@pytest.mark.parametrize("arch, kw", ATTN_CASES, ids=[a + str(kw) for a, kw in ATTN_CASES])
+def test_native_attention_model_matches_reference(tiny_model_factory, arch, kw) -> None:  # noqa: ANN001
+    """attention="native" in fp32: prefill across a bucket boundary as the reference says,
+    and a verify block equal to single steps bit for bit."""
+    path = tiny_model_factory(arch=arch, weight_type="F32", context_length=1024, **kw)
+    toks = np.random.default_rng(2).integers(3, 340, size=300).tolist()
+    built = load_or_build(path, BuildOptions(accuracy_level=1, attention="native"))
+    r = ModelRunner(built, n_ctx=512)
+    got = r.prefill(0, toks[:290])
+    want = ReferenceModel(path).forward(toks)
+    assert np.abs(got - want[289]).max() / np.abs(want).max() < 2e-5
+    block = r.forward(0, toks[290:], 290, list(range(10)))
+    assert np.abs(block - want[290:]).max() / np.abs(want).max() < 2e-5
+    singles = np.stack([r.forward(0, [t], 290 + i)[0] for i, t in enumerate(toks[290:])])
+    np.testing.assert_array_equal(block, singles)

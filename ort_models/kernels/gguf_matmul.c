@@ -27,10 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ort_api_subset.h"
-
-/* The C API version this file needs (KernelContext_ParallelFor): ORT 1.17 and newer. */
-#define SPECD_ORT_API_VERSION ORT_API_VERSION_SUBSET_MIN
+#include "specd_ops.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -39,8 +36,6 @@
 
 enum { QK_K = 256, TYPE_Q4_K = 12, TYPE_Q6_K = 14 };
 enum { ROW_TILE = 16, COL_TILE = 4, MAX_TASKS = 256 };
-
-static const OrtApi *g_api;
 
 /* ---------------------------------------------------------------------------------- */
 /* numbers                                                                             */
@@ -349,40 +344,23 @@ typedef struct {
   int64_t type, k, n;
 } Kernel;
 
-static OrtStatus *fail(const char *msg) { return g_api->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
-
-#define CHECK(expr)                  \
-  do {                               \
-    OrtStatus *st_ = (expr);         \
-    if (st_) return st_;             \
-  } while (0)
-
-static OrtStatus *tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank) {
-  OrtTensorTypeAndShapeInfo *info;
-  CHECK(g_api->GetTensorTypeAndShape(v, &info));
-  OrtStatus *st = g_api->GetDimensionsCount(info, rank);
-  if (!st && *rank > 8) st = fail("GgufMatMul: input rank above 8");
-  if (!st) st = g_api->GetDimensions(info, dims, *rank);
-  g_api->ReleaseTensorTypeAndShapeInfo(info);
-  return st;
-}
-
-static OrtStatus *compute(const Kernel *kn, OrtKernelContext *ctx) {
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+  const Kernel *kn = (const Kernel *)kernel;
   const OrtValue *a_val, *w_val;
   CHECK(g_api->KernelContext_GetInput(ctx, 0, &a_val));
   CHECK(g_api->KernelContext_GetInput(ctx, 1, &w_val));
   int64_t adims[8], wdims[8];
   size_t arank, wrank;
-  CHECK(tensor_shape(a_val, adims, &arank));
-  CHECK(tensor_shape(w_val, wdims, &wrank));
+  CHECK(specd_tensor_shape(a_val, adims, &arank));
+  CHECK(specd_tensor_shape(w_val, wdims, &wrank));
   const size_t k_in = (size_t)kn->k, n = (size_t)kn->n, nb = (k_in + QK_K - 1) / QK_K;
   const size_t k = nb * QK_K; /* rows of W hold whole superblocks, zero-padded */
   const size_t group_bytes = nb * (kn->type == TYPE_Q4_K ? Q4_K_GROUP_BYTES : Q6_K_GROUP_BYTES);
   const size_t n_groups = (n + GROUP - 1) / GROUP;
   if (arank < 1 || adims[arank - 1] != kn->k)
-    return fail("GgufMatMul: the last dimension of A is not K");
+    return specd_fail("GgufMatMul: the last dimension of A is not K");
   if (wrank != 2 || (size_t)wdims[0] != n_groups || (size_t)wdims[1] != group_bytes)
-    return fail("GgufMatMul: W is not [ceil(N/8), group bytes] of its GGUF type's 8-row layout");
+    return specd_fail("GgufMatMul: W is not [ceil(N/8), group bytes] of its GGUF type's 8-row layout");
   size_t m = 1;
   for (size_t i = 0; i + 1 < arank; i++) m *= (size_t)adims[i];
   adims[arank - 1] = kn->n;
@@ -415,12 +393,7 @@ static OrtStatus *compute(const Kernel *kn, OrtKernelContext *ctx) {
   return st;
 }
 
-/* ---------------------------------------------------------------------------------- */
-/* ORT custom-op glue                                                                  */
-
-static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api,
-                                             const OrtKernelInfo *info, void **kernel) {
-  (void)op;
+static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
   Kernel kn;
   CHECK(api->KernelInfoGetAttribute_int64(info, "ggml_type", &kn.type));
   CHECK(api->KernelInfoGetAttribute_int64(info, "K", &kn.k));
@@ -437,98 +410,7 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   return NULL;
 }
 
-static OrtStatus *ORT_API_CALL compute_v2(void *kernel, OrtKernelContext *ctx) {
-  return compute((const Kernel *)kernel, ctx);
-}
 
-static void ORT_API_CALL destroy_kernel(void *kernel) { free(kernel); }
-static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
-  (void)op;
-  return "GgufMatMul";
-}
-static const char *ORT_API_CALL op_provider(const OrtCustomOp *op) {
-  (void)op;
-  return "CPUExecutionProvider";
-}
-static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
-}
-static size_t ORT_API_CALL input_count(const OrtCustomOp *op) {
-  (void)op;
-  return 2;
-}
-static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  (void)i;
-  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-}
-static size_t ORT_API_CALL output_count(const OrtCustomOp *op) {
-  (void)op;
-  return 1;
-}
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL io_required(const OrtCustomOp *op,
-                                                                     size_t i) {
-  (void)op;
-  (void)i;
-  return INPUT_OUTPUT_REQUIRED;
-}
-static OrtMemType ORT_API_CALL input_mem(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  (void)i;
-  return OrtMemTypeDefault;
-}
-static int ORT_API_CALL arity_one(const OrtCustomOp *op) {
-  (void)op;
-  return 1;
-}
-static int ORT_API_CALL homogeneous(const OrtCustomOp *op) {
-  (void)op;
-  return 1;
-}
-static int ORT_API_CALL start_version(const OrtCustomOp *op) {
-  (void)op;
-  return 1;
-}
-static int ORT_API_CALL end_version(const OrtCustomOp *op) {
-  (void)op;
-  return 2147483647;
-}
-
-static OrtCustomOp g_op;
-static OrtCustomOpDomain *g_domain;
-
-/* The entry point SessionOptions.register_custom_ops_library looks up. */
-OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
-  g_api = base->GetApi(SPECD_ORT_API_VERSION);
-  if (!g_api) { /* the first slots are the same in every version */
-    const OrtApi *v1 = base->GetApi(1);
-    return v1 ? v1->CreateStatus(ORT_FAIL, "specd kernels need ONNX Runtime 1.17 or newer")
-              : NULL;
-  }
-  if (!g_domain) {
-    memset(&g_op, 0, sizeof g_op);
-    g_op.version = SPECD_ORT_API_VERSION;
-    g_op.GetName = op_name;
-    g_op.GetExecutionProviderType = op_provider;
-    g_op.GetInputType = input_type;
-    g_op.GetInputTypeCount = input_count;
-    g_op.GetOutputType = output_type;
-    g_op.GetOutputTypeCount = output_count;
-    g_op.KernelDestroy = destroy_kernel;
-    g_op.GetInputCharacteristic = io_required;
-    g_op.GetOutputCharacteristic = io_required;
-    g_op.GetInputMemoryType = input_mem;
-    g_op.GetVariadicInputMinArity = arity_one;
-    g_op.GetVariadicInputHomogeneity = homogeneous;
-    g_op.GetVariadicOutputMinArity = arity_one;
-    g_op.GetVariadicOutputHomogeneity = homogeneous;
-    g_op.CreateKernelV2 = create_kernel;
-    g_op.KernelComputeV2 = compute_v2;
-    g_op.GetStartVersion = start_version;
-    g_op.GetEndVersion = end_version;
-    CHECK(g_api->CreateCustomOpDomain("specd", &g_domain));
-    CHECK(g_api->CustomOpDomain_Add(g_domain, &g_op));
-  }
-  return g_api->AddCustomOpDomain(options, g_domain);
-}
+static const ONNXTensorElementDataType INPUTS[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+                                                   ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8};
+const SpecdOpDef specd_gguf_matmul = {"GgufMatMul", 2, INPUTS, create, compute};

@@ -301,7 +301,7 @@ struct OrtApi {
   void* CreateValue;
   void* CreateOpaqueValue;
   void* GetOpaqueValue;
-  void* KernelInfoGetAttribute_float;
+  ORT_API2_STATUS(KernelInfoGetAttribute_float, const OrtKernelInfo* info, const char* name, float* out);  /* [85] API 1, typed */
   ORT_API2_STATUS(KernelInfoGetAttribute_int64, const OrtKernelInfo* info, const char* name, int64_t* out);  /* [86] API 1, typed */
   void* KernelInfoGetAttribute_string;
   ORT_API2_STATUS(KernelContext_GetInputCount, const OrtKernelContext* context, size_t* out);  /* [88] API 1, typed */

@@ -1,0 +1,219 @@
+/* specd.CausalAttention: exact, row-invariant causal attention, reading the KV cache in place.
+ *
+ *   Q         float32 [S, H*hd]            queries of the S new tokens (rotated), at
+ *                                          positions pos .. pos+S-1
+ *   K, V      float32 [1, Hkv, n_ctx, hd]  the caches, rows 0 .. pos+S-1 already written
+ *   position  int64   [1]                  pos
+ *   Y         float32 [S, H*hd]
+ *   attributes: num_heads (H), kv_num_heads (Hkv, dividing H), scale
+ *
+ * Every (row, head) is computed alone, in one fixed order: scores q.k_t * scale over keys
+ * t = 0 .. p (p = pos + row; dot products in 8 lanes summed in a fixed tree), their max,
+ * exp(score - max), the sum of those in 8 lanes, the values weighted in key order, and a
+ * division by the sum. A row of a block therefore equals the same row computed alone, bit
+ * for bit (speculative verification relies on it), and no key past p is ever read. The
+ * plain C path follows the same lanes, so it rounds as the AVX2 path does.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "specd_ops.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define SPECD_AVX2 1
+#endif
+
+enum { LANES = 8 };
+
+typedef struct {
+  int64_t heads, kv_heads;
+  float scale;
+} Attn;
+
+/* exp for x <= 0 (softmax arguments): Cephes' expf polynomial, ~1 ulp; 0 below -87 */
+static float exp_scalar(float x) {
+  if (x < -87.0f) return 0.0f;
+  float fx = floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  int32_t bits;
+  memcpy(&bits, &y, 4);
+  bits += (int32_t)fx << 23;
+  memcpy(&y, &bits, 4);
+  return y;
+}
+
+/* ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)): the tree both paths sum 8 lanes in */
+static float lanes_sum(const float l[LANES]) {
+  const float a0 = l[0] + l[4], a1 = l[1] + l[5], a2 = l[2] + l[6], a3 = l[3] + l[7];
+  return (a0 + a2) + (a1 + a3);
+}
+
+#if SPECD_AVX2
+static inline float hsum8(__m256 v) {
+  float l[LANES];
+  _mm256_storeu_ps(l, v);
+  return lanes_sum(l);
+}
+
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                            _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  __m256i bits = _mm256_add_epi32(_mm256_castps_si256(y),
+                                  _mm256_slli_epi32(_mm256_cvtps_epi32(fx), 23));
+  return _mm256_andnot_ps(zero_mask, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* q . k over hd values (hd a multiple of 8) */
+static float dot(const float *q, const float *k, size_t hd) {
+#if SPECD_AVX2
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+  for (size_t d = LANES; d < hd; d += LANES)
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d)));
+  return hsum8(acc);
+#else
+  float l[LANES];
+  for (int i = 0; i < LANES; i++) l[i] = q[i] * k[i];
+  for (size_t d = LANES; d < hd; d += LANES)
+    for (int i = 0; i < LANES; i++) l[i] = l[i] + q[d + i] * k[d + i];
+  return lanes_sum(l);
+#endif
+}
+
+typedef struct {
+  const float *q, *k, *v;
+  float *y;
+  size_t heads, group, hd, n_ctx, pos;
+  float scale;
+} Job;
+
+static void run_task(void *p, size_t task) {
+  const Job *job = (const Job *)p;
+  const size_t row = task / job->heads, h = task % job->heads, hd = job->hd;
+  const size_t n_keys = job->pos + row + 1, kvh = h / job->group;
+  const float *q = job->q + (row * job->heads + h) * hd;
+  const float *kc = job->k + kvh * job->n_ctx * hd, *vc = job->v + kvh * job->n_ctx * hd;
+  float *out = job->y + (row * job->heads + h) * hd;
+  const size_t padded = (n_keys + LANES - 1) / LANES * LANES;
+  float *w = (float *)malloc(padded * sizeof(float));
+  if (!w) { /* cannot happen short of exhausting memory: NaNs make it visible */
+    for (size_t d = 0; d < hd; d++) out[d] = NAN;
+    return;
+  }
+  float mx = -INFINITY;
+  for (size_t t = 0; t < n_keys; t++) {
+    w[t] = dot(q, kc + t * hd, hd) * job->scale;
+    mx = w[t] > mx ? w[t] : mx;
+  }
+  for (size_t t = n_keys; t < padded; t++) w[t] = -INFINITY;
+  float l[LANES] = {0};
+#if SPECD_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (size_t t = 0; t < padded; t += LANES) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(w + t), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(w + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  _mm256_storeu_ps(l, acc);
+#else
+  for (size_t t = 0; t < padded; t += LANES)
+    for (int i = 0; i < LANES; i++) {
+      w[t + i] = exp_scalar(w[t + i] - mx);
+      l[i] = l[i] + w[t + i];
+    }
+#endif
+  const float sum = lanes_sum(l);
+  for (size_t d = 0; d < hd; d++) out[d] = 0.0f;
+  for (size_t t = 0; t < n_keys; t++) {
+    const float wt = w[t], *vt = vc + t * hd;
+#if SPECD_AVX2
+    const __m256 ww = _mm256_set1_ps(wt);
+    for (size_t d = 0; d < hd; d += LANES)
+      _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_loadu_ps(out + d),
+                                              _mm256_mul_ps(ww, _mm256_loadu_ps(vt + d))));
+#else
+    for (size_t d = 0; d < hd; d++) out[d] = out[d] + wt * vt[d];
+#endif
+  }
+  for (size_t d = 0; d < hd; d++) out[d] = out[d] / sum;
+  free(w);
+}
+
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+  const Attn *at = (const Attn *)kernel;
+  const OrtValue *q_val, *k_val, *v_val, *pos_val;
+  CHECK(g_api->KernelContext_GetInput(ctx, 0, &q_val));
+  CHECK(g_api->KernelContext_GetInput(ctx, 1, &k_val));
+  CHECK(g_api->KernelContext_GetInput(ctx, 2, &v_val));
+  CHECK(g_api->KernelContext_GetInput(ctx, 3, &pos_val));
+  int64_t qd[8], kd[8], vd[8], pd[8];
+  size_t qr, kr, vr, pr;
+  CHECK(specd_tensor_shape(q_val, qd, &qr));
+  CHECK(specd_tensor_shape(k_val, kd, &kr));
+  CHECK(specd_tensor_shape(v_val, vd, &vr));
+  CHECK(specd_tensor_shape(pos_val, pd, &pr));
+  if (qr != 2 || qd[1] % at->heads) return specd_fail("CausalAttention: Q is not [S, H*hd]");
+  const int64_t hd = qd[1] / at->heads;
+  if (kr != 4 || kd[0] != 1 || kd[1] != at->kv_heads || kd[3] != hd || vr != 4 ||
+      memcmp(kd, vd, sizeof(int64_t) * 4) != 0)
+    return specd_fail("CausalAttention: K and V are not both [1, Hkv, n_ctx, hd]");
+  if (hd % LANES) return specd_fail("CausalAttention: head_dim must be a multiple of 8");
+  if (pr != 1 || pd[0] != 1) return specd_fail("CausalAttention: position is not [1]");
+  const float *q, *k, *v;
+  const int64_t *pos;
+  CHECK(g_api->GetTensorMutableData((OrtValue *)q_val, (void **)&q));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)k_val, (void **)&k));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)v_val, (void **)&v));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)pos_val, (void **)&pos));
+  if (pos[0] < 0 || pos[0] + qd[0] > kd[2])
+    return specd_fail("CausalAttention: position + S exceeds the cache");
+  OrtValue *y_val;
+  float *y;
+  CHECK(g_api->KernelContext_GetOutput(ctx, 0, qd, 2, &y_val));
+  CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
+  Job job = {q, k, v, y, (size_t)at->heads, (size_t)(at->heads / at->kv_heads), (size_t)hd,
+             (size_t)kd[2], (size_t)pos[0], at->scale};
+  return g_api->KernelContext_ParallelFor(ctx, run_task, (size_t)qd[0] * job.heads, 0, &job);
+}
+
+static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
+  Attn at;
+  CHECK(api->KernelInfoGetAttribute_int64(info, "num_heads", &at.heads));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &at.kv_heads));
+  CHECK(api->KernelInfoGetAttribute_float(info, "scale", &at.scale));
+  if (at.heads <= 0 || at.kv_heads <= 0 || at.heads % at.kv_heads)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT,
+                             "CausalAttention: kv_num_heads must divide num_heads");
+  Attn *p = (Attn *)malloc(sizeof *p);
+  if (!p) return api->CreateStatus(ORT_FAIL, "CausalAttention: out of memory");
+  *p = at;
+  *kernel = p;
+  return NULL;
+}
+
+static const ONNXTensorElementDataType INPUTS[] = {
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
+const SpecdOpDef specd_causal_attention = {"CausalAttention", 4, INPUTS, create, compute};

@@ -1,0 +1,151 @@
+/* The "specd" custom-op domain for ONNX Runtime: registration and the OrtCustomOp glue
+ * shared by every op (one SpecdOpDef per op, see specd_ops.h). */
+#include "specd_ops.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+const OrtApi *g_api;
+
+OrtStatus *specd_fail(const char *msg) { return g_api->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
+
+OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank) {
+  OrtTensorTypeAndShapeInfo *info;
+  CHECK(g_api->GetTensorTypeAndShape(v, &info));
+  OrtStatus *st = g_api->GetDimensionsCount(info, rank);
+  if (!st && *rank > 8) st = specd_fail("specd op: input rank above 8");
+  if (!st) st = g_api->GetDimensions(info, dims, *rank);
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  return st;
+}
+
+/* OrtCustomOp first, so that ORT's op pointer leads back to the definition */
+typedef struct {
+  OrtCustomOp op;
+  const SpecdOpDef *def;
+} Op;
+
+static const SpecdOpDef *def_of(const OrtCustomOp *op) { return ((const Op *)op)->def; }
+
+static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api,
+                                             const OrtKernelInfo *info, void **kernel) {
+  return def_of(op)->create(api, info, kernel);
+}
+static void ORT_API_CALL destroy_kernel(void *kernel) { free(kernel); }
+static const char *ORT_API_CALL op_name(const OrtCustomOp *op) { return def_of(op)->name; }
+static const char *ORT_API_CALL op_provider(const OrtCustomOp *op) {
+  (void)op;
+  return "CPUExecutionProvider";
+}
+static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
+  return i < def_of(op)->n_inputs ? def_of(op)->input_types[i]
+                                  : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+}
+static size_t ORT_API_CALL input_count(const OrtCustomOp *op) { return def_of(op)->n_inputs; }
+static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static size_t ORT_API_CALL output_count(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL io_required(const OrtCustomOp *op,
+                                                                     size_t i) {
+  (void)op;
+  (void)i;
+  return INPUT_OUTPUT_REQUIRED;
+}
+static OrtMemType ORT_API_CALL input_mem(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return OrtMemTypeDefault;
+}
+static int ORT_API_CALL one(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static int ORT_API_CALL end_version(const OrtCustomOp *op) {
+  (void)op;
+  return 2147483647;
+}
+
+static OrtStatus *ORT_API_CALL compute_kernel(void *kernel, OrtKernelContext *ctx);
+
+/* which definition a kernel belongs to travels in a small header before its state */
+typedef struct {
+  const SpecdOpDef *def;
+  void *state;
+} Kernel;
+
+static OrtStatus *ORT_API_CALL create_any(const OrtCustomOp *op, const OrtApi *api,
+                                          const OrtKernelInfo *info, void **kernel) {
+  Kernel *k = (Kernel *)malloc(sizeof *k);
+  if (!k) return api->CreateStatus(ORT_FAIL, "specd op: out of memory");
+  k->def = def_of(op);
+  OrtStatus *st = create_kernel(op, api, info, &k->state);
+  if (st) {
+    free(k);
+    return st;
+  }
+  *kernel = k;
+  return NULL;
+}
+
+static OrtStatus *ORT_API_CALL compute_kernel(void *kernel, OrtKernelContext *ctx) {
+  Kernel *k = (Kernel *)kernel;
+  return k->def->compute(k->state, ctx);
+}
+
+static void ORT_API_CALL destroy_any(void *kernel) {
+  Kernel *k = (Kernel *)kernel;
+  if (k) destroy_kernel(k->state);
+  free(k);
+}
+
+static const SpecdOpDef *const DEFS[] = {&specd_gguf_matmul, &specd_causal_attention};
+enum { N_OPS = sizeof DEFS / sizeof DEFS[0] };
+static Op g_ops[N_OPS];
+static OrtCustomOpDomain *g_domain;
+
+/* The entry point SessionOptions.register_custom_ops_library looks up. */
+OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+  g_api = base->GetApi(SPECD_ORT_API_VERSION);
+  if (!g_api) { /* the first slots are the same in every version */
+    const OrtApi *v1 = base->GetApi(1);
+    return v1 ? v1->CreateStatus(ORT_FAIL, "specd kernels need ONNX Runtime 1.17 or newer")
+              : NULL;
+  }
+  if (!g_domain) {
+    OrtCustomOpDomain *domain;
+    CHECK(g_api->CreateCustomOpDomain("specd", &domain));
+    for (int i = 0; i < N_OPS; i++) {
+      OrtCustomOp *op = &g_ops[i].op;
+      memset(op, 0, sizeof *op);
+      g_ops[i].def = DEFS[i];
+      op->version = SPECD_ORT_API_VERSION;
+      op->GetName = op_name;
+      op->GetExecutionProviderType = op_provider;
+      op->GetInputType = input_type;
+      op->GetInputTypeCount = input_count;
+      op->GetOutputType = output_type;
+      op->GetOutputTypeCount = output_count;
+      op->KernelDestroy = destroy_any;
+      op->GetInputCharacteristic = io_required;
+      op->GetOutputCharacteristic = io_required;
+      op->GetInputMemoryType = input_mem;
+      op->GetVariadicInputMinArity = one;
+      op->GetVariadicInputHomogeneity = one;
+      op->GetVariadicOutputMinArity = one;
+      op->GetVariadicOutputHomogeneity = one;
+      op->CreateKernelV2 = create_any;
+      op->KernelComputeV2 = compute_kernel;
+      op->GetStartVersion = one;
+      op->GetEndVersion = end_version;
+      CHECK(g_api->CustomOpDomain_Add(domain, op));
+    }
+    g_domain = domain;
+  }
+  return g_api->AddCustomOpDomain(options, g_domain);
+}

@@ -1,0 +1,38 @@
+/* What specd's custom-op sources share: the ORT API table, errors, shapes, op definitions. */
+#ifndef SPECD_OPS_H
+#define SPECD_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ort_api_subset.h"
+
+/* The C API version the kernels need (KernelContext_ParallelFor): ORT 1.17 and newer. */
+#define SPECD_ORT_API_VERSION ORT_API_VERSION_SUBSET_MIN
+
+extern const OrtApi *g_api;
+
+/* An ORT_INVALID_ARGUMENT status carrying `msg`. */
+OrtStatus *specd_fail(const char *msg);
+/* dims[0..rank) of a tensor (rank <= 8). */
+OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank);
+
+#define CHECK(expr)          \
+  do {                       \
+    OrtStatus *st_ = (expr); \
+    if (st_) return st_;     \
+  } while (0)
+
+/* One op of the "specd" domain: float32 output 0, inputs of the given types. */
+typedef struct {
+  const char *name;
+  size_t n_inputs;
+  const ONNXTensorElementDataType *input_types;
+  OrtStatus *(*create)(const OrtApi *api, const OrtKernelInfo *info, void **kernel);
+  OrtStatus *(*compute)(void *kernel, OrtKernelContext *ctx); /* kernel is freed with free() */
+} SpecdOpDef;
+
+extern const SpecdOpDef specd_gguf_matmul;
+extern const SpecdOpDef specd_causal_attention;
+
+#endif
