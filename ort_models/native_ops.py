@@ -5,7 +5,8 @@
 wider lossless MatMulNBits layout; `kernels/causal_attention.c` (`specd.CausalAttention`)
 attends over the KV cache in place, row-invariant by construction. They are built with
 the machine's C compiler (`$CC`, else cc / gcc / clang) and `-march=native` into the
-cache dir, once per source, compiler and CPU; ORT loads it with `SessionOptions.register_custom_ops_library`.
+cache dir, once per source, compiler and CPU; ORT loads them with
+`SessionOptions.register_custom_ops_library`.
 
 Where no compiler works the graphs use MatMulNBits as before: `library()` returns None
 and `unavailable_reason()` says why. `SPECD_NATIVE=0` turns the kernels off.
