@@ -138,6 +138,10 @@ class Engine:
         self.cfg = cfg
         self.runtime: RuntimeChoice = choose_runtime(cfg.device)
         log.info("%s", self.runtime.describe())
+        if self.runtime.device == "cpu":
+            why = native_ops.unavailable_reason()
+            log.info("specd kernels (GgufMatMul, CausalAttention): %s",
+                     f"off, using ONNX Runtime's ops: {why}" if why else "on")
         self.spec_type = resolve_spec_type(cfg.spec_type, cfg.draft)
         target_path = self._resolve(cfg.target, progress)
         draft_path = self._resolve(cfg.draft, progress) if self.spec_type == "draft" else None
@@ -215,7 +219,9 @@ class Engine:
         d: dict[str, Any] = {
             "runtime": self.runtime.describe(),
             "target": {"name": self.target.name, "path": str(self.target.path),
-                       "arch": self.target.built.hparams.arch},
+                       "arch": self.target.built.hparams.arch,
+                       "kernels": self.target.built.options.kernels,
+                       "attention": self.target.built.options.attention},
             "spec_type": self.spec_type,
             "n_ctx": self.n_ctx,
             "slots": self.cfg.slots,
