@@ -98,14 +98,17 @@ def resolve_draft_quant(draft_quant: str, device: str = "cpu") -> str:
 def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> BuildOptions:
     """Graph options of the target or the draft model on `device` ("cpu" / "cuda:N").
 
-    A target's Q4_K / Q6_K matrices go through specd's GgufMatMul on the CPU when it is
-    available (`target_kernels`): the same weights, 4.5 / 6.6 bits read per weight
-    instead of the 6 / 10 of the lossless MatMulNBits layout.
+    Where specd's kernels run (`target_kernels`: CPU, compiled) a target's Q4_K / Q6_K
+    matrices go through GgufMatMul (the same weights, 4.6 / 6.6 bits read per weight
+    instead of the 6 / 10 of the lossless MatMulNBits layout) and its attention through
+    CausalAttention; both give a verified row exactly the bits of a single step. The
+    draft gets the same attention (1.3x faster per 0.5B step than GroupQueryAttention
+    with q4 weights, measured with q4k in BENCHMARKS.md).
 
-    A draft's numbers only choose what is proposed, so on CPU it also gets the fused
-    attention, which is faster but not batch-invariant; the target keeps the exact one,
-    so that a verified row equals a single step. On CUDA drafts keep the exact one too:
-    ORT's CUDA GroupQueryAttention takes fp16/bf16 only, and these graphs are fp32.
+    Without them a draft, whose numbers only choose what is proposed, gets the fused
+    attention on CPU, which is faster but not batch-invariant; the target keeps the
+    exact one. On CUDA drafts keep the exact one too: ORT's CUDA GroupQueryAttention
+    takes fp16/bf16 only, and these graphs are fp32.
     """
     if draft_quant not in DRAFT_QUANTS:
         raise EngineError(f"unknown draft quant {draft_quant!r} (one of "
@@ -118,8 +121,10 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
     if requant == "q4k" and target_kernels(device) != "gguf":
         raise EngineError(f"--draft-quant q4k needs specd's kernels on the CPU "
                           f"({native_ops.unavailable_reason() or 'device ' + device})")
+    native = target_kernels(device) == "gguf"
+    attention = "native" if native else "fused" if device == "cpu" else "exact"
     return BuildOptions(requant=requant, kernels="gguf" if requant == "q4k" else "ort",
-                        attention="fused" if device == "cpu" else "exact")
+                        attention=attention)
 
 
 def resolve_spec_type(spec_type: str, draft: str | None) -> str:
