@@ -102,12 +102,17 @@ def test_rows_of_a_block_equal_single_rows_and_any_thread_count() -> None:
     np.testing.assert_array_equal(block, singles)
 
 
-def test_portable_build_equals_the_native_one(tmp_path: Path) -> None:
-    """Without -march=native the kernel takes its plain C path: same bits."""
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kernels built without -march=native: their plain C paths."""
     try:
-        portable = native_ops.build(flags=("-O2",), out_dir=tmp_path)
+        return native_ops.build(flags=("-O2",), out_dir=tmp_path_factory.mktemp("portable"))
     except native_ops.NativeBuildError as exc:
         pytest.skip(str(exc))
+
+
+def test_portable_build_equals_the_native_one(portable: Path) -> None:
+    """Without -march=native the kernel takes its plain C path: same bits."""
     rng = np.random.default_rng(5)
     for qtype, t in TYPES.items():
         blocks = random_kquant_blocks(rng, 24, 512, qtype, std=0.05)
@@ -147,37 +152,51 @@ K_DIMS = {"n_embd": 256, "n_ff": 512}
 TOKENS = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]
 
 
-@pytest.fixture(scope="module", params=[("qwen2", "Q4_K"), ("llama", "Q6_K")],
-                ids=["qwen2-Q4_K", "llama-Q6_K"])
+# Q5_K has no GgufMatMul path: its matrices stay on MatMulNBits beside the native attention
+MODEL_CASES = [("qwen2", "Q4_K"), ("llama", "Q6_K"), ("qwen3", "Q4_K"), ("llama", "Q5_K")]
+NATIVE = BuildOptions(kernels="gguf", attention="native")
+
+
+@pytest.fixture(scope="module", params=MODEL_CASES, ids=[f"{a}-{w}" for a, w in MODEL_CASES])
 def kquant_model(request, tiny_model_factory):  # noqa: ANN001, ANN201
     arch, wt = request.param
-    return tiny_model_factory(arch=arch, weight_type=wt, **K_DIMS)
+    return tiny_model_factory(arch=arch, weight_type=wt, **K_DIMS), wt
 
 
-def test_model_uses_the_kernel_and_reads_the_gguf_bytes(kquant_model: Path) -> None:
+def test_model_uses_the_kernels_and_reads_fewer_bytes(kquant_model) -> None:  # noqa: ANN001
     import onnx
 
-    gguf = load_or_build(kquant_model, BuildOptions(kernels="gguf"))
-    ort_built = load_or_build(kquant_model)
-    model = onnx.load(str(gguf.model_path), load_external_data=False)
+    path, wt = kquant_model
+    native = load_or_build(path, NATIVE)
+    ort_built = load_or_build(path)
+    model = onnx.load(str(native.model_path), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
-    assert "GgufMatMul" in ops and "MatMulNBits" not in ops
-    assert gguf.read_bytes_per_token < ort_built.read_bytes_per_token
+    assert "CausalAttention" in ops and "Softmax" not in ops
+    if wt == "Q5_K":
+        assert "GgufMatMul" not in ops
+        assert native.read_bytes_per_token <= ort_built.read_bytes_per_token  # no mask consts
+    else:
+        assert "GgufMatMul" in ops and "MatMulNBits" not in ops
+        assert native.read_bytes_per_token < ort_built.read_bytes_per_token
 
 
-def test_model_logits_match_reference(kquant_model: Path) -> None:
-    r = ModelRunner(load_or_build(kquant_model, BuildOptions(kernels="gguf")), n_ctx=256)
-    want = ReferenceModel(kquant_model).forward(TOKENS)
+def test_model_logits_match_reference(kquant_model) -> None:  # noqa: ANN001
+    path, _ = kquant_model
+    r = ModelRunner(load_or_build(path, NATIVE), n_ctx=256)
+    want = ReferenceModel(path).forward(TOKENS)
     got = r.forward(0, TOKENS, 0, list(range(len(TOKENS))))
     rel = np.abs(got - want).max() / np.abs(want).max()
-    assert rel < 0.1, rel  # int8 activations, as MatMulNBits at accuracy level 4
+    # int8 activations, as MatMulNBits at accuracy level 4, amplified by the tiny models'
+    # sharp attention (llama-Q5_K: 0.125 with MatMulNBits and the written-out attention too;
+    # in fp32 the native attention agrees to 4e-6, see test_native_attention_model_...)
+    assert rel < 0.15, rel
     top2 = np.sort(want, axis=-1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 0.5
     assert (got.argmax(-1) == want.argmax(-1))[clear].all()
 
 
-def test_model_block_equals_single_steps_bitwise(kquant_model: Path) -> None:
-    built = load_or_build(kquant_model, BuildOptions(kernels="gguf"))
+def test_model_block_equals_single_steps_bitwise(kquant_model) -> None:  # noqa: ANN001
+    built = load_or_build(kquant_model[0], NATIVE)
     singles_r = ModelRunner(built, n_ctx=512)
     singles = np.stack([singles_r.forward(0, [t], i)[0] for i, t in enumerate(TOKENS)])
     block_r = ModelRunner(built, n_ctx=512)
@@ -241,11 +260,7 @@ def test_attention_rows_of_a_block_equal_single_rows() -> None:
         np.testing.assert_array_equal(block[s], one[0])
 
 
-def test_attention_portable_build_equals_the_native_one(tmp_path: Path) -> None:
-    try:
-        portable = native_ops.build(flags=("-O2",), out_dir=tmp_path)
-    except native_ops.NativeBuildError as exc:
-        pytest.skip(str(exc))
+def test_attention_portable_build_equals_the_native_one(portable: Path) -> None:
     rng = np.random.default_rng(2)
     case = {**_attention_case(rng, 4, n_ctx=128), "pos": np.array([100])}
     case["Q"][0, :32] *= 40  # a sharp row: exp underflows for most keys

@@ -27,11 +27,6 @@ typedef struct {
 
 static const SpecdOpDef *def_of(const OrtCustomOp *op) { return ((const Op *)op)->def; }
 
-static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api,
-                                             const OrtKernelInfo *info, void **kernel) {
-  return def_of(op)->create(api, info, kernel);
-}
-static void ORT_API_CALL destroy_kernel(void *kernel) { free(kernel); }
 static const char *ORT_API_CALL op_name(const OrtCustomOp *op) { return def_of(op)->name; }
 static const char *ORT_API_CALL op_provider(const OrtCustomOp *op) {
   (void)op;
@@ -71,8 +66,6 @@ static int ORT_API_CALL end_version(const OrtCustomOp *op) {
   return 2147483647;
 }
 
-static OrtStatus *ORT_API_CALL compute_kernel(void *kernel, OrtKernelContext *ctx);
-
 /* which definition a kernel belongs to travels in a small header before its state */
 typedef struct {
   const SpecdOpDef *def;
@@ -84,7 +77,7 @@ static OrtStatus *ORT_API_CALL create_any(const OrtCustomOp *op, const OrtApi *a
   Kernel *k = (Kernel *)malloc(sizeof *k);
   if (!k) return api->CreateStatus(ORT_FAIL, "specd op: out of memory");
   k->def = def_of(op);
-  OrtStatus *st = create_kernel(op, api, info, &k->state);
+  OrtStatus *st = k->def->create(api, info, &k->state);
   if (st) {
     free(k);
     return st;
@@ -100,7 +93,7 @@ static OrtStatus *ORT_API_CALL compute_kernel(void *kernel, OrtKernelContext *ct
 
 static void ORT_API_CALL destroy_any(void *kernel) {
   Kernel *k = (Kernel *)kernel;
-  if (k) destroy_kernel(k->state);
+  if (k) free(k->state);
   free(k);
 }
 
