@@ -1,10 +1,11 @@
-"""How fast ONNX Runtime's MatMulNBits streams each weight layout, against the machine.
+"""How fast each weight layout streams: ONNX Runtime's MatMulNBits and specd's GgufMatMul.
 
     python bench/matmul_layouts.py [--k 1536] [--n 8960] [--threads 2] [--repeats 15]
-                                   [--layouts 4:32:zp,4:32,4:64,4:128,4:256,8:16,8:32]
+                        [--layouts 4:32:zp,4:32,4:64,4:128,4:256,8:16,8:32,gguf:Q4_K,gguf:Q6_K]
 
 A layout is bits:block_size[:zp] (zp: an explicit uint8 zero point per block, as specd
-writes Q4_K). For each one a session multiplies a [M, K] activation by enough distinct
+writes Q4_K for MatMulNBits), or gguf:TYPE for specd's GgufMatMul on that GGUF type's
+own blocks (regrouped 8 rows at a time, ort_models/gguf_layouts.py). For each one a session multiplies a [M, K] activation by enough distinct
 [N, K] matrices (random codes and scales, accuracy_level 4 as specd runs them) that they
 cannot stay in the CPU caches, so each call reads its weights from memory the way a
 decode step does; a second session repeats one matrix, which the caches then hold.
@@ -25,20 +26,40 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from specd.daemon.bench import measure_bandwidth
+from specd.ort_models import native_ops
+from specd.ort_models.gguf_layouts import BLOCK_BYTES, GROUP_BYTES, regroup
 
 STREAM_BYTES = 512 << 20  # weights per streaming session: far past any L3
 
 
-def layout_bytes(bits: int, bs: int, zp: bool, n: int, k: int) -> int:
+def layout_bytes(bits: int | str, bs: int, zp: bool, n: int, k: int) -> int:
+    if isinstance(bits, str):  # gguf:TYPE
+        return -(-n // 8) * (k // 256) * GROUP_BYTES[bits]
     blocks = n * (k // bs)
     return n * k * bits // 8 + blocks * 4 + (n * ((k // bs * bits + 7) // 8) if zp else 0)
 
 
-def build(bits: int, bs: int, zp: bool, n: int, k: int, copies: int, threads: int,
+def gguf_rows(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF rows of `type_name` with sane f16 factors (no NaN or subnormal)."""
+    raw = rng.integers(0, 256, size=(n, k // 256, BLOCK_BYTES[type_name]), dtype=np.uint8)
+    f16 = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    for off in ((0, 2) if type_name == "Q4_K" else (208,)):
+        raw[..., off:off + 2] = f16
+    return regroup(type_name, raw.reshape(n, -1), n, k)
+
+
+def build(bits: int | str, bs: int, zp: bool, n: int, k: int, copies: int, threads: int,
           rng: np.random.Generator) -> ort.InferenceSession:
     nb = k // bs
     nodes, inits, outs = [], [], []
     for c in range(copies):
+        if isinstance(bits, str):
+            inits.append(numpy_helper.from_array(gguf_rows(bits, n, k, rng), f"B{c}"))
+            nodes.append(helper.make_node("GgufMatMul", ["A", f"B{c}"], [f"Y{c}"],
+                                          domain=native_ops.DOMAIN, K=k, N=n,
+                                          ggml_type=native_ops.GGUF_MATMUL_TYPES[bits]))
+            outs.append(helper.make_tensor_value_info(f"Y{c}", TensorProto.FLOAT, [None, n]))
+            continue
         ins = ["A", f"B{c}", f"S{c}"]
         inits.append(numpy_helper.from_array(
             rng.integers(0, 256, size=(n, nb, bs * bits // 8), dtype=np.uint8), f"B{c}"))
@@ -55,10 +76,13 @@ def build(bits: int, bs: int, zp: bool, n: int, k: int, copies: int, threads: in
         nodes, "layouts", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, k])],
         outs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("com.microsoft", 1)])
+                                                    helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid(native_ops.DOMAIN, 1)])
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if isinstance(bits, str):
+        native_ops.register(so)
     return ort.InferenceSession(model.SerializeToString(), so,
                                 providers=["CPUExecutionProvider"])
 
@@ -69,12 +93,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8960)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--layouts", default="4:32:zp,4:32,4:64,4:128,4:256,8:16,8:32")
+    ap.add_argument("--layouts",
+                    default="4:32:zp,4:32,4:64,4:128,4:256,8:16,8:32,gguf:Q4_K,gguf:Q6_K")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     layouts = []
     for spec in args.layouts.split(","):
         parts = spec.split(":")
+        if parts[0] == "gguf":
+            layouts.append((parts[1], 256, False))
+            continue
         layouts.append((int(parts[0]), int(parts[1]), parts[2:] == ["zp"]))
     sessions = {}
     for bits, bs, zp in layouts:
@@ -108,7 +136,8 @@ def main() -> None:
             t = statistics.median(times[(bits, bs, zp), m, where])
             cells.append(f"{t * 1e3:.3f} ms ({size / t / 1e9:.1f} GB/s)" if m == 1
                          else f"{t * 1e3:.3f} ms")
-        name = f"{bits}-bit bs{bs}{' + zp' if zp else ''}"
+        name = (f"GgufMatMul {bits}" if isinstance(bits, str)
+                else f"{bits}-bit bs{bs}{' + zp' if zp else ''}")
         print(f"| {name} | {size * 8 / (args.n * args.k):.2f} | {' | '.join(cells)} |")
 
 
