@@ -102,8 +102,8 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
     matrices go through GgufMatMul (the same weights, 4.6 / 6.6 bits read per weight
     instead of the 6 / 10 of the lossless MatMulNBits layout) and its attention through
     CausalAttention; both give a verified row exactly the bits of a single step. The
-    draft gets the same attention (1.3x faster per 0.5B step than GroupQueryAttention
-    with q4 weights, measured with q4k in BENCHMARKS.md).
+    draft gets the same attention (0.5B step with q4k weights: 15.7 ms with
+    GroupQueryAttention, 13.5 with CausalAttention; BENCHMARKS.md).
 
     Without them a draft, whose numbers only choose what is proposed, gets the fused
     attention on CPU, which is faster but not batch-invariant; the target keeps the

@@ -97,8 +97,17 @@ def build(flags: tuple[str, ...] = ("-march=native",), out_dir: Path | None = No
     return lib
 
 
+def vectorized(lib: Path) -> bool:
+    """Whether `lib` was built with the kernels' vector (AVX2) paths."""
+    import ctypes
+
+    return bool(ctypes.CDLL(str(lib)).specd_kernels_vectorized())
+
+
 def library(flags: tuple[str, ...] = ("-march=native",)) -> Path | None:
-    """The kernels' shared library for this machine, or None (see unavailable_reason)."""
+    """The kernels' shared library for this machine, or None (see unavailable_reason):
+    None also where they only build without their vector paths (not x86-64 with AVX2),
+    since the plain C paths are slower than ONNX Runtime's own ops."""
     with _lock:
         if flags in _cached:
             return _cached[flags]
@@ -108,9 +117,15 @@ def library(flags: tuple[str, ...] = ("-march=native",)) -> Path | None:
         else:
             try:
                 lib = build(flags)
+                if not vectorized(lib):
+                    _reasons[flags] = ("built without AVX2 (plain C paths, slower than "
+                                       "ONNX Runtime's ops on this CPU)")
+                    lib = None
             except (NativeBuildError, OSError) as exc:
                 _reasons[flags] = str(exc)
-                log.warning("specd kernels unavailable, using MatMulNBits: %s", exc)
+            if lib is None:
+                log.warning("specd kernels unavailable, using ONNX Runtime's ops: %s",
+                            _reasons[flags])
         _cached[flags] = lib
         return lib
 

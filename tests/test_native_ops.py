@@ -136,7 +136,10 @@ def test_bad_shapes_and_attributes_are_named() -> None:
             None, {"A": np.zeros((1, 256), np.float32)})
 
 
-def test_unavailable_kernels_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unavailable_kernels_say_why_and_the_engine_falls_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from specd.daemon.engine import build_options
+
     monkeypatch.setenv("SPECD_NATIVE", "0")
     monkeypatch.setattr(native_ops, "_cached", {})
     monkeypatch.setattr(native_ops, "_reasons", {})
@@ -144,6 +147,14 @@ def test_unavailable_kernels_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "SPECD_NATIVE=0" in (native_ops.unavailable_reason() or "")
     with pytest.raises(native_ops.NativeBuildError, match="unavailable"):
         native_ops.register(ort.SessionOptions())
+    assert build_options("target") == BuildOptions()  # MatMulNBits, written-out attention
+    draft = build_options("draft")
+    assert (draft.requant, draft.kernels, draft.attention) == ("q4", "ort", "fused")
+
+
+def test_vector_paths_are_detected(portable: Path) -> None:
+    assert native_ops.vectorized(LIB)
+    assert not native_ops.vectorized(portable)
 
 
 # -- whole models ----------------------------------------------------------------------
