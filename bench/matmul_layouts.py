@@ -7,8 +7,9 @@ A layout is bits:block_size[:zp] (zp: an explicit uint8 zero point per block, as
 writes Q4_K for MatMulNBits), or gguf:TYPE for specd's GgufMatMul on that GGUF type's
 own blocks (regrouped 8 rows at a time, ort_models/gguf_layouts.py). For each one a
 session multiplies a [M, K] activation by enough distinct [N, K] matrices (random codes
-and scales, accuracy_level 4 as specd runs them) that they cannot stay in the CPU caches, so each call reads its weights from memory the way a
-decode step does; a second session repeats one matrix, which the caches then hold.
+and scales, accuracy_level 4 as specd runs them) that they cannot stay in the CPU caches,
+so each call reads its weights from memory the way a decode step does; a second session
+repeats one matrix, which the caches then hold.
 Prints ms per matrix and the layout's bytes over that time (data + fp32 scales + zero
 points), next to numpy's read bandwidth over the same threads: the gap between the two
 is what the kernel, not the memory, costs. For MatMulNBits GGUF Q4_K maps to 4:32:zp and
