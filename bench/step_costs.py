@@ -1,15 +1,16 @@
 """Cost of one forward pass by tokens in the call, per model: what speculation trades.
 
     python bench/step_costs.py [--models a,b:q4,b:q4:fused] [--sizes 1,2,3,5,9] [--repeats 15]
-                               [--spinning] [--profile]
+                               [--pos 300] [--spinning] [--profile]
 
-Each model is built as the engine builds it (`name:q4` re-quantized, as drafts are;
-`name:q4:fused` with GroupQueryAttention; `name:::gguf` with specd's GgufMatMul kernels,
-`name:::ort` with MatMulNBits only),
-run at a position past 256 (a realistic cache), and timed per call size, interleaved
-across models and sizes so both see the same machine state. Prints medians in ms and
-each size as a multiple of the model's single-token step. `--profile` adds the share of
-kernel time per op type from ORT's profiler for a single-token step.
+A model is name[:requant[:attention[:kernels]]]: `name:q4` re-quantized as drafts are
+without specd's kernels, `name:q4:fused` with GroupQueryAttention, `name::native:gguf`
+with specd's GgufMatMul and CausalAttention (as the engine builds targets where they
+compile), `name:q4k:native:gguf` as it builds drafts there. Each is run at cache
+position `--pos` (default 300, past the first 256-token bucket) and timed per call size,
+interleaved across models and sizes so all see the same machine state. Prints medians in
+ms and each size as a multiple of the model's single-token step. `--profile` adds the
+share of kernel time per op type from ORT's profiler for a single-token step.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from specd.ort_models.runner import ModelRunner
 POS = 300
 
 
-def op_shares(built, threads: int | None, spinning: bool) -> dict[str, float]:
+def op_shares(built, threads: int | None, spinning: bool, pos: int = POS) -> dict[str, float]:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -41,13 +42,13 @@ def op_shares(built, threads: int | None, spinning: bool) -> dict[str, float]:
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if built.options.uses_native:
         native_ops.register(so)
-    runner = ModelRunner(built, n_ctx=1024, threads=threads, spinning=spinning)
+    runner = ModelRunner(built, n_ctx=pos + 512, threads=threads, spinning=spinning)
     runner.session = ort.InferenceSession(str(built.model_path), so,
                                           providers=["CPUExecutionProvider"])
     runner._kv, runner._bindings = [], []  # noqa: SLF001 - rebind to the profiled session
     runner.add_sequence()
     for i in range(20):
-        runner.forward(0, [100 + i], POS + i)
+        runner.forward(0, [100 + i], pos + i)
     prof = runner.session.end_profiling()
     per_op: dict[str, float] = defaultdict(float)
     for ev in json.loads(Path(prof).read_text()):
@@ -63,6 +64,7 @@ def main() -> None:
                                         "qwen2.5-coder-0.5b-instruct:q4")
     ap.add_argument("--sizes", default="1,2,3,5,9")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--pos", type=int, default=POS, help="cache position of the timed calls")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--spinning", action="store_true")
     ap.add_argument("--profile", action="store_true")
@@ -74,15 +76,15 @@ def main() -> None:
         built = load_or_build(resolve_model(name, fetch=True),
                               BuildOptions(requant=requant, attention=attention or "exact",
                                            kernels=kernels or "ort"))
-        runners[m] = ModelRunner(built, n_ctx=1024, threads=args.threads,
+        runners[m] = ModelRunner(built, n_ctx=args.pos + 512, threads=args.threads,
                                  spinning=args.spinning)
-        runners[m].prefill(0, list(range(100, 100 + POS)))
+        runners[m].prefill(0, [100 + i % 1000 for i in range(args.pos)])
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     for r in range(args.repeats + 2):
         for m, runner in runners.items():
             for s in sizes:
                 t0 = time.perf_counter()
-                runner.forward(0, list(range(200, 200 + s)), POS, list(range(s)))
+                runner.forward(0, list(range(200, 200 + s)), args.pos, list(range(s)))
                 if r >= 2:  # two warm-up rounds
                     times[m, s].append(time.perf_counter() - t0)
     print(f"| model | {' | '.join(f'S={s}' for s in sizes)} |")
@@ -97,7 +99,7 @@ def main() -> None:
         print(f"| {m} | {' | '.join(cells)} |")
     if args.profile:
         for m, runner in runners.items():
-            shares = op_shares(runner.built, args.threads, args.spinning)
+            shares = op_shares(runner.built, args.threads, args.spinning, args.pos)
             print(m, ", ".join(f"{k} {v:.1%}" for k, v in list(shares.items())[:16]))
 
 

@@ -7,8 +7,10 @@
  *   Y         float32 [S, H*hd]
  *   attributes: num_heads (H), kv_num_heads (Hkv, dividing H), scale
  *
- * Every (row, head) is computed alone, in one fixed order: scores q.k_t * scale over keys
- * t = 0 .. p (p = pos + row; dot products in 8 lanes summed in a fixed tree), their max,
+ * Every (row, head) is computed on its own numbers, in one fixed order (the heads that share
+ * a KV head run in one task, which reads each key and value once for all of them): scores q.k_t * scale over keys
+ * t = 0 .. p (p = pos + row; dot products in 8 lanes of fused multiply-adds, summed in a
+ * fixed tree; 8 keys at a time where 8 remain, with the same tree), their max,
  * exp(score - max), the sum of those in 8 lanes, the values weighted in key order, and a
  * division by the sum. A row of a block therefore equals the same row computed alone, bit
  * for bit (speculative verification relies on it), and no key past p is ever read. The
@@ -20,7 +22,7 @@
 
 #include "specd_ops.h"
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SPECD_AVX2 1
 #endif
@@ -52,10 +54,10 @@ static float exp_scalar(float x) {
   return y;
 }
 
-/* ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)): the tree both paths sum 8 lanes in */
+/* ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)): the tree every path sums 8 lanes in (the one
+ * _mm256_hadd_ps gives, so that 8 keys can be summed at once) */
 static float lanes_sum(const float l[LANES]) {
-  const float a0 = l[0] + l[4], a1 = l[1] + l[5], a2 = l[2] + l[6], a3 = l[3] + l[7];
-  return (a0 + a2) + (a1 + a3);
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
 #if SPECD_AVX2
@@ -91,14 +93,36 @@ static float dot(const float *q, const float *k, size_t hd) {
 #if SPECD_AVX2
   __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
   for (size_t d = LANES; d < hd; d += LANES)
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d)));
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
   return hsum8(acc);
 #else
   float l[LANES];
   for (int i = 0; i < LANES; i++) l[i] = q[i] * k[i];
   for (size_t d = LANES; d < hd; d += LANES)
-    for (int i = 0; i < LANES; i++) l[i] = l[i] + q[d + i] * k[d + i];
+    for (int i = 0; i < LANES; i++) l[i] = fmaf(q[d + i], k[d + i], l[i]);
   return lanes_sum(l);
+#endif
+}
+
+/* out[i] = q . k_{t+i} * scale for the 8 keys from t: each key exactly as dot() does */
+static void dot8(const float *q, const float *k, size_t hd, float scale, float *out) {
+#if SPECD_AVX2
+  __m256 a[LANES];
+  for (int i = 0; i < LANES; i++)
+    a[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k + i * hd));
+  for (size_t d = LANES; d < hd; d += LANES) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int i = 0; i < LANES; i++)
+      a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + i * hd + d), a[i]);
+  }
+  /* lanes summed as lanes_sum does: pairs, then quads, then the two 128-bit halves */
+  const __m256 q01 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 q23 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  const __m256 lo = _mm256_permute2f128_ps(q01, q23, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(q01, q23, 0x31);
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
+#else
+  for (int i = 0; i < LANES; i++) out[i] = dot(q, k + i * hd, hd) * scale;
 #endif
 }
 
@@ -109,24 +133,10 @@ typedef struct {
   float scale;
 } Job;
 
-static void run_task(void *p, size_t task) {
-  const Job *job = (const Job *)p;
-  const size_t row = task / job->heads, h = task % job->heads, hd = job->hd;
-  const size_t n_keys = job->pos + row + 1, kvh = h / job->group;
-  const float *q = job->q + (row * job->heads + h) * hd;
-  const float *kc = job->k + kvh * job->n_ctx * hd, *vc = job->v + kvh * job->n_ctx * hd;
-  float *out = job->y + (row * job->heads + h) * hd;
-  const size_t padded = (n_keys + LANES - 1) / LANES * LANES;
-  float *w = (float *)malloc(padded * sizeof(float));
-  if (!w) { /* cannot happen short of exhausting memory: NaNs make it visible */
-    for (size_t d = 0; d < hd; d++) out[d] = NAN;
-    return;
-  }
+/* w[0..padded) <- exp(w - max) over the first n_keys (0 past them); returns their sum */
+static float softmax_weights(float *w, size_t n_keys, size_t padded) {
   float mx = -INFINITY;
-  for (size_t t = 0; t < n_keys; t++) {
-    w[t] = dot(q, kc + t * hd, hd) * job->scale;
-    mx = w[t] > mx ? w[t] : mx;
-  }
+  for (size_t t = 0; t < n_keys; t++) mx = w[t] > mx ? w[t] : mx;
   for (size_t t = n_keys; t < padded; t++) w[t] = -INFINITY;
   float l[LANES] = {0};
 #if SPECD_AVX2
@@ -144,20 +154,50 @@ static void run_task(void *p, size_t task) {
       l[i] = l[i] + w[t + i];
     }
 #endif
-  const float sum = lanes_sum(l);
-  for (size_t d = 0; d < hd; d++) out[d] = 0.0f;
-  for (size_t t = 0; t < n_keys; t++) {
-    const float wt = w[t], *vt = vc + t * hd;
-#if SPECD_AVX2
-    const __m256 ww = _mm256_set1_ps(wt);
-    for (size_t d = 0; d < hd; d += LANES)
-      _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_loadu_ps(out + d),
-                                              _mm256_mul_ps(ww, _mm256_loadu_ps(vt + d))));
-#else
-    for (size_t d = 0; d < hd; d++) out[d] = out[d] + wt * vt[d];
-#endif
+  return lanes_sum(l);
+}
+
+/* One row and one KV head: the query heads sharing it go together, so each key and value
+ * row is read from memory once for all of them; each head's numbers are its own. */
+static void run_task(void *p, size_t task) {
+  const Job *job = (const Job *)p;
+  const size_t g_n = job->group, kv_heads = job->heads / g_n, hd = job->hd;
+  const size_t row = task / kv_heads, kvh = task % kv_heads;
+  const size_t n_keys = job->pos + row + 1;
+  const float *q = job->q + (row * job->heads + kvh * g_n) * hd; /* heads kvh*G .. +G-1 */
+  const float *kc = job->k + kvh * job->n_ctx * hd, *vc = job->v + kvh * job->n_ctx * hd;
+  float *out = job->y + (row * job->heads + kvh * g_n) * hd;
+  const size_t padded = (n_keys + LANES - 1) / LANES * LANES;
+  float *w = (float *)malloc((g_n * padded + g_n) * sizeof(float)); /* scores, then sums */
+  if (!w) { /* cannot happen short of exhausting memory: NaNs make it visible */
+    for (size_t d = 0; d < g_n * hd; d++) out[d] = NAN;
+    return;
   }
-  for (size_t d = 0; d < hd; d++) out[d] = out[d] / sum;
+  float *sum = w + g_n * padded;
+  size_t t = 0;
+  for (; t + LANES <= n_keys; t += LANES)
+    for (size_t g = 0; g < g_n; g++)
+      dot8(q + g * hd, kc + t * hd, hd, job->scale, w + g * padded + t);
+  for (; t < n_keys; t++)
+    for (size_t g = 0; g < g_n; g++) w[g * padded + t] = dot(q + g * hd, kc + t * hd, hd) * job->scale;
+  for (size_t g = 0; g < g_n; g++) sum[g] = softmax_weights(w + g * padded, n_keys, padded);
+  for (size_t d = 0; d < g_n * hd; d++) out[d] = 0.0f;
+  for (t = 0; t < n_keys; t++) {
+    const float *vt = vc + t * hd;
+    for (size_t g = 0; g < g_n; g++) {
+      const float wt = w[g * padded + t];
+      float *o = out + g * hd;
+#if SPECD_AVX2
+      const __m256 ww = _mm256_set1_ps(wt);
+      for (size_t d = 0; d < hd; d += LANES)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(ww, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(o + d)));
+#else
+      for (size_t d = 0; d < hd; d++) o[d] = fmaf(wt, vt[d], o[d]);
+#endif
+    }
+  }
+  for (size_t g = 0; g < g_n; g++)
+    for (size_t d = 0; d < hd; d++) out[g * hd + d] = out[g * hd + d] / sum[g];
   free(w);
 }
 
@@ -195,7 +235,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
   Job job = {q, k, v, y, (size_t)at->heads, (size_t)(at->heads / at->kv_heads), (size_t)hd,
              (size_t)kd[2], (size_t)pos[0], at->scale};
-  return g_api->KernelContext_ParallelFor(ctx, run_task, (size_t)qd[0] * job.heads, 0, &job);
+  return g_api->KernelContext_ParallelFor(ctx, run_task, (size_t)qd[0] * (size_t)at->kv_heads,
+                                          0, &job);
 }
 
 static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
