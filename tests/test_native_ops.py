@@ -102,23 +102,29 @@ def test_rows_of_a_block_equal_single_rows_and_any_thread_count() -> None:
     np.testing.assert_array_equal(block, singles)
 
 
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The kernels built without -march=native: their plain C paths."""
+# other builds of the same sources: plain C ("-O2": no AVX2) and AVX2 without AVX-512 VNNI
+# (maddubs + madd instead of vpdpbusd), as on machines other than this one
+OTHER_BUILDS = {"plain": ("-O2",), "avx2": ("-O2", "-mavx2", "-mfma", "-mf16c")}
+
+
+@pytest.fixture(scope="module", params=list(OTHER_BUILDS))
+def portable(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:  # noqa: ANN001
+    """(name, library) of the kernels built without -march=native."""
     try:
-        return native_ops.build(flags=("-O2",), out_dir=tmp_path_factory.mktemp("portable"))
+        return request.param, native_ops.build(flags=OTHER_BUILDS[request.param],
+                                               out_dir=tmp_path_factory.mktemp(request.param))
     except native_ops.NativeBuildError as exc:
         pytest.skip(str(exc))
 
 
-def test_portable_build_equals_the_native_one(portable: Path) -> None:
-    """Without -march=native the kernel takes its plain C path: same bits."""
+def test_portable_build_equals_the_native_one(portable: tuple[str, Path]) -> None:
+    """Builds taking the plain C or the AVX2-only paths give the same bits."""
     rng = np.random.default_rng(5)
     for qtype, t in TYPES.items():
         blocks = random_kquant_blocks(rng, 24, 512, qtype, std=0.05)
         x = _inputs(rng, 4, 512)
         a = _session(blocks.pack(), t, 512, 24).run(None, {"A": x})[0]
-        b = _session(blocks.pack(), t, 512, 24, lib=portable).run(None, {"A": x})[0]
+        b = _session(blocks.pack(), t, 512, 24, lib=portable[1]).run(None, {"A": x})[0]
         np.testing.assert_array_equal(a, b)
 
 
@@ -152,9 +158,9 @@ def test_unavailable_kernels_say_why_and_the_engine_falls_back(
     assert (draft.requant, draft.kernels, draft.attention) == ("q4", "ort", "fused")
 
 
-def test_vector_paths_are_detected(portable: Path) -> None:
+def test_vector_paths_are_detected(portable: tuple[str, Path]) -> None:
     assert native_ops.vectorized(LIB)
-    assert not native_ops.vectorized(portable)
+    assert native_ops.vectorized(portable[1]) == (portable[0] == "avx2")
 
 
 # -- whole models ----------------------------------------------------------------------
@@ -271,12 +277,12 @@ def test_attention_rows_of_a_block_equal_single_rows() -> None:
         np.testing.assert_array_equal(block[s], one[0])
 
 
-def test_attention_portable_build_equals_the_native_one(portable: Path) -> None:
+def test_attention_portable_build_equals_the_native_one(portable: tuple[str, Path]) -> None:
     rng = np.random.default_rng(2)
     case = {**_attention_case(rng, 4, n_ctx=128), "pos": np.array([100])}
     case["Q"][0, :32] *= 40  # a sharp row: exp underflows for most keys
     a = _attention_session(6, 2, 32).run(None, case)[0]
-    b = _attention_session(6, 2, 32, lib=portable).run(None, case)[0]
+    b = _attention_session(6, 2, 32, lib=portable[1]).run(None, case)[0]
     np.testing.assert_array_equal(a, b)
 
 
