@@ -20,7 +20,11 @@ over `attn_len` keys, padded to a multiple of ATTN_BUCKET with masked keys, so a
 softmax and weighted sum see exactly the same numbers in a block as alone, as long as
 the block does not cross a bucket boundary (the runner guarantees that for verify).
 Drafts may take attention="fused" instead: GroupQueryAttention, faster, not row-invariant
-(`attn_len` is then unused).
+(`attn_len` is then unused). Where specd's own kernels run (native_ops), kernels="gguf"
+multiplies Q4_K / Q6_K matrices with GgufMatMul on the GGUF's own blocks and
+attention="native" attends with CausalAttention over the cache in place: both compute
+each row alone in a fixed order, so they are row-invariant by construction (`attn_len`
+is unused there too).
 """
 
 from __future__ import annotations
