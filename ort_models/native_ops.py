@@ -45,6 +45,11 @@ class NativeBuildError(RuntimeError):
     pass
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with ($CC, else cc / gcc / clang), or None."""
+    return _compiler()
+
+
 def _compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc:
