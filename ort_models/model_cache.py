@@ -1,6 +1,7 @@
 """Built graphs on disk: one folder per (GGUF content hash, builder version, options).
 
-A second load of the same file finds the folder and builds nothing.
+A second load of the same file finds the folder and builds nothing. A build removes the
+same file's graphs left by other builder versions, which nothing reads any more.
 """
 
 from __future__ import annotations
@@ -86,6 +87,18 @@ def graph_folder(sha256: str, options: BuildOptions) -> Path:
     return cache_dir() / "graphs" / f"{sha256[:24]}-b{BUILDER_VERSION}-{options.key()}"
 
 
+def prune_stale_graphs(sha256: str) -> list[Path]:
+    """Remove this GGUF's graphs built by other builder versions (no specd of this
+    version reads them, and a 1.5B model's graph is over a gigabyte); returns them."""
+    gone = []
+    for old in (cache_dir() / "graphs").glob(f"{sha256[:24]}-b*-*"):
+        version = old.name[len(sha256[:24]) + 2:].split("-", 1)[0]
+        if version != BUILDER_VERSION and old.is_dir() and ".tmp" not in old.name:
+            shutil.rmtree(old, ignore_errors=True)
+            gone.append(old)
+    return gone
+
+
 def load_or_build(path: str | os.PathLike[str], options: BuildOptions | None = None,
                   progress: Progress | None = None) -> BuiltModel:
     options = options or BuildOptions()
@@ -96,6 +109,7 @@ def load_or_build(path: str | os.PathLike[str], options: BuildOptions | None = N
     built_now = False
     if not (folder / META_FILE).is_file():
         _build_into(f, hp, options, folder, progress)
+        prune_stale_graphs(sha)
         built_now = True
     return BuiltModel(folder, hp, options, Path(path), sha, built_now)
 

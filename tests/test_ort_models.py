@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -171,6 +173,24 @@ def test_second_load_does_not_rebuild(tiny_model_factory) -> None:
     first = load_or_build(path)
     second = load_or_build(path)
     assert first.folder == second.folder and not second.built_now
+
+
+def test_a_build_removes_graphs_of_other_builder_versions(tiny_model_factory) -> None:
+    from specd.ort_models.model_cache import BUILDER_VERSION
+
+    path = tiny_model_factory(arch="llama", weight_type="F16", seed=8)
+    kept = load_or_build(path)  # this version, other options: kept
+    sha = kept.gguf_sha256[:24]
+    stale = kept.folder.parent / f"{sha}-b{int(BUILDER_VERSION) - 1}-hnone_p0_a4"
+    other_file = kept.folder.parent / f"{'0' * 24}-b1-hnone_p0_a4"
+    for folder in (stale, other_file):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.onnx").write_bytes(b"old")
+    fresh = load_or_build(path, BuildOptions(hidden_layers=(0,)))
+    assert fresh.built_now
+    assert not stale.exists()
+    assert kept.folder.is_dir() and other_file.is_dir()  # other GGUFs are not touched
+    shutil.rmtree(other_file)
 
 
 @pytest.mark.parametrize("variant, message", [
