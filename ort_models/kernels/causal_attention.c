@@ -35,7 +35,7 @@ typedef struct {
 } Attn;
 
 /* exp for x <= 0 (softmax arguments): Cephes' expf polynomial, ~1 ulp; 0 below -87 */
-static float exp_scalar(float x) {
+static inline float exp_scalar(float x) {
   if (x < -87.0f) return 0.0f;
   float fx = floorf(x * 1.44269504088896341f + 0.5f);
   float r = x - fx * 0.693359375f;

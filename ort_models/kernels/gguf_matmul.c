@@ -134,7 +134,7 @@ static void quantize_row(const float *x, size_t k_in, size_t k, int8_t *q, float
 
 enum { GROUP = 8, Q4_K_GROUP_BYTES = 1184, Q6_K_GROUP_BYTES = 1680 };
 
-static void load_f16x8(const uint8_t *p, float out[GROUP]) {
+static inline void load_f16x8(const uint8_t *p, float out[GROUP]) {
   for (int r = 0; r < GROUP; r++) out[r] = f16_to_f32(p + 2 * r);
 }
 
