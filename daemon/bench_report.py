@@ -157,6 +157,20 @@ def write_outputs(summary: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def machine_description() -> str:
+    """The machine, its CPU model where the OS tells it, and whether specd's own kernels
+    ran (they change specd's speed by half)."""
     import platform
 
-    return f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
+    from ..ort_models import native_ops
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), "")
+    except OSError:
+        pass
+    why = native_ops.unavailable_reason()
+    kernels = f"specd kernels off ({why})" if why else "specd kernels on"
+    return ", ".join(p for p in (platform.machine(), cpu, f"{os.cpu_count()} cores",
+                                 platform.platform(), kernels) if p)
