@@ -3,10 +3,11 @@
     python bench/step_costs.py [--models a,b:q4,b:q4:fused] [--sizes 1,2,3,5,9] [--repeats 15]
                                [--pos 300] [--spinning] [--profile]
 
-A model is name[:requant[:attention[:kernels]]]: `name:q4` re-quantized as drafts are
-without specd's kernels, `name:q4:fused` with GroupQueryAttention, `name::native:gguf`
-with specd's GgufMatMul and CausalAttention (as the engine builds targets where they
-compile), `name:q4k:native:gguf` as it builds drafts there. Each is run at cache
+A model is name[:requant[:attention[:kernels[:kv]]]]: `name:q4` re-quantized as drafts
+are without specd's kernels, `name:q4:fused` with GroupQueryAttention,
+`name::native:gguf:f16` with specd's GgufMatMul and CausalAttention over an f16 KV cache
+(as the engine builds targets where they compile), `name:q4k:native:gguf:f16` as it
+builds drafts there. Each is run at cache
 position `--pos` (default 300, past the first 256-token bucket) and timed per call size,
 interleaved across models and sizes so all see the same machine state. Prints medians in
 ms and each size as a multiple of the model's single-token step. `--profile` adds the
@@ -72,10 +73,10 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     runners = {}
     for m in args.models.split(","):
-        name, requant, attention, kernels = (m.split(":") + ["", "", ""])[:4]
+        name, requant, attention, kernels, kv = (m.split(":") + ["", "", "", ""])[:5]
         built = load_or_build(resolve_model(name, fetch=True),
                               BuildOptions(requant=requant, attention=attention or "exact",
-                                           kernels=kernels or "ort"))
+                                           kernels=kernels or "ort", kv_dtype=kv or "f32"))
         runners[m] = ModelRunner(built, n_ctx=args.pos + 512, threads=args.threads,
                                  spinning=args.spinning)
         runners[m].prefill(0, [100 + i % 1000 for i in range(args.pos)])

@@ -101,7 +101,8 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
     Where specd's kernels run (`target_kernels`: CPU, compiled) a target's Q4_K / Q6_K
     matrices go through GgufMatMul (the same weights, 4.6 / 6.6 bits read per weight
     instead of the 6 / 10 of the lossless MatMulNBits layout) and its attention through
-    CausalAttention; both give a verified row exactly the bits of a single step. The
+    CausalAttention over an f16 KV cache (half the memory; each value rounded once, when
+    written); both give a verified row exactly the bits of a single step. The
     draft gets the same attention (0.5B step with q4k weights: 15.7 ms with
     GroupQueryAttention, 13.5 with CausalAttention; BENCHMARKS.md).
 
@@ -115,7 +116,7 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
                           f"{', '.join(DRAFT_QUANTS)})")
     if role != "draft":
         if target_kernels(device) == "gguf":
-            return BuildOptions(kernels="gguf", attention="native")
+            return BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")
         return BuildOptions()
     requant = DRAFT_QUANTS[resolve_draft_quant(draft_quant, device)]
     if requant == "q4k" and target_kernels(device) != "gguf":
@@ -124,7 +125,7 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
     native = target_kernels(device) == "gguf"
     attention = "native" if native else "fused" if device == "cpu" else "exact"
     return BuildOptions(requant=requant, kernels="gguf" if requant == "q4k" else "ort",
-                        attention=attention)
+                        attention=attention, kv_dtype="f16" if native else "f32")
 
 
 def resolve_spec_type(spec_type: str, draft: str | None) -> str:

@@ -302,7 +302,8 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
     # last, so the session and its runs see a heap without freed blocks to reuse
     host = _HostCost(Path(built.gguf_path)) if device == "cpu" else None  # RAM = the device
     return ModelCost.from_points(
-        max(0, r1 - r0), hp.kv_bytes_per_token(), pts, n_ctx_train=hp.n_ctx_train,
+        max(0, r1 - r0), hp.kv_bytes_per_token(built.options.kv_bytes), pts,
+        n_ctx_train=hp.n_ctx_train,
         runtime_bytes=max(0, r0 - before_env) if device != "cpu" else 0,
         load_extra_bytes=max(0, load_peak - r1) if device == "cpu" else 0,
         metadata_bytes=host.metadata_bytes if host else 0,

@@ -61,6 +61,7 @@ ATTENTION_KINDS = ("exact", "fused", "native")
 # Q6_K matrices through specd's GgufMatMul kernel on the GGUF's own blocks (native_ops)
 KERNEL_KINDS = ("ort", "gguf")
 F32 = TensorProto.FLOAT
+F16 = TensorProto.FLOAT16
 I64 = TensorProto.INT64
 
 Progress = Callable[[int, int, str], None]
@@ -81,6 +82,9 @@ class BuildOptions:
     # "native": specd's CausalAttention kernel, batch-invariant, no copy (native_ops)
     attention: str = "exact"
     kernels: str = "ort"
+    # KV cache element type: "f32", or "f16" (half the memory and the attention's reads;
+    # native attention only, which converts exactly to float32 before any arithmetic)
+    kv_dtype: str = "f32"
 
     def __post_init__(self) -> None:
         if self.requant not in REQUANT_KINDS:
@@ -92,6 +96,10 @@ class BuildOptions:
         if self.kernels not in KERNEL_KINDS:
             raise ValueError(f"unknown kernels {self.kernels!r} (one of "
                              f"{', '.join(KERNEL_KINDS)})")
+        if self.kv_dtype not in ("f32", "f16"):
+            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r} (f32 or f16)")
+        if self.kv_dtype == "f16" and self.attention != "native":
+            raise ValueError("kv_dtype 'f16' needs attention='native'")
         if self.requant == "q4k" and self.kernels != "gguf":
             raise ValueError("requant 'q4k' makes Q4_K blocks for GgufMatMul: it needs "
                              "kernels='gguf'")
@@ -101,7 +109,13 @@ class BuildOptions:
         rq = f"_r{self.requant}" if self.requant else ""
         at = {"exact": "", "fused": "_gqa", "native": "_natt"}[self.attention]
         kn = "_kgguf" if self.kernels == "gguf" else ""
-        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}"
+        kv = "_kv16" if self.kv_dtype == "f16" else ""
+        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}{kv}"
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of one KV cache element."""
+        return 2 if self.kv_dtype == "f16" else 4
 
     @property
     def uses_native(self) -> bool:
@@ -337,10 +351,11 @@ def _attention(c: _Ctx, i: int, h: str, pos_ids: str, mask: str, io: dict[str, s
     if hp.qk_norm:
         q = _head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
         k = _head_norm(c, k, nkv, p + "attn_k_norm.weight")
+    kv_type = F16 if c.options.kv_dtype == "f16" else F32
     for name in (f"past_key_{i}", f"past_value_{i}"):
-        g.input(name, F32, [1, nkv, "n_ctx", hd])
+        g.input(name, kv_type, [1, nkv, "n_ctx", hd])
     for name in (f"present_key_{i}", f"present_value_{i}"):
-        g.output(name, F32, [1, nkv, "n_ctx", hd])
+        g.output(name, kv_type, [1, nkv, "n_ctx", hd])
     q3, k3 = (g.op("Unsqueeze", [t, g.const([0])]) for t in (q, k))  # [1, S, *]
     fused = c.options.attention == "fused"
     v3 = g.op("Unsqueeze", [v, g.const([0])]) if fused else ""
@@ -383,6 +398,8 @@ def _write_kv(c: _Ctx, i: int, k3: str, v: str) -> tuple[str, str]:
     hd, nkv = hp.head_dim, hp.n_head_kv
     k4 = g.op("Transpose", [g.op("Reshape", [k3, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
     v4 = g.op("Transpose", [g.op("Reshape", [v, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
+    if c.options.kv_dtype == "f16":  # rounded once, when written
+        k4, v4 = (g.op("Cast", [t], to=F16) for t in (k4, v4))
     ck = g.op("TensorScatter", [f"past_key_{i}", k4, "position"], axis=2,
               out=[f"present_key_{i}"])
     cv = g.op("TensorScatter", [f"past_value_{i}", v4, "position"], axis=2,
@@ -395,7 +412,8 @@ def _native_attention(c: _Ctx, i: int, q3: str, k3: str, v: str) -> str:
     g, hp = c.g, c.hp
     ck, cv = _write_kv(c, i, k3, v)
     q = g.op("Reshape", [q3, g.const([-1, hp.n_head * hp.head_dim])])
-    return g.op("CausalAttention", [q, ck, cv, "position"], domain=NATIVE,
+    op = "CausalAttentionF16" if c.options.kv_dtype == "f16" else "CausalAttention"
+    return g.op(op, [q, ck, cv, "position"], domain=NATIVE,
                 num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
                 scale=1.0 / math.sqrt(hp.head_dim))
 

@@ -29,7 +29,7 @@ log = logging.getLogger("specd.native")
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 SOURCES = ("specd_ops.c", "gguf_matmul.c", "causal_attention.c")
-HEADERS = ("ort_api_subset.h", "specd_ops.h")
+HEADERS = ("ort_api_subset.h", "specd_ops.h", "causal_attention_kv.h")
 DOMAIN = "specd"
 # GGUF tensor types GgufMatMul reads (name -> ggml type id)
 GGUF_MATMUL_TYPES = {"Q4_K": 12, "Q6_K": 14}

@@ -86,6 +86,7 @@ class ModelRunner:
         self._dev_id = int(self.runtime.device.split(":")[1]) if self._device == "cuda" else 0
         self.hidden_names = [o.name for o in self.session.get_outputs()
                              if o.name.startswith("hidden_")]
+        self._kv_dtype = np.float16 if built.options.kv_dtype == "f16" else np.float32
         self._kv: list[list[tuple[object, object]]] = []
         self._bindings: list[object] = []
         for _ in range(n_seq):
@@ -100,7 +101,7 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return self.n_seq * self.n_ctx * self.hp.kv_bytes_per_token()
+        return self.n_seq * self.n_ctx * self.hp.kv_bytes_per_token(self.built.options.kv_bytes)
 
     def add_sequence(self) -> int:
         """Allocate the KV buffers of one more sequence slot; returns its index."""
@@ -111,15 +112,15 @@ class ModelRunner:
         layers = []
         binding = self.session.io_binding()
         for i in range(hp.n_layer):
-            k = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self._device,
+            k = ort.OrtValue.ortvalue_from_shape_and_type(shape, self._kv_dtype, self._device,
                                                           self._dev_id)
-            v = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self._device,
+            v = ort.OrtValue.ortvalue_from_shape_and_type(shape, self._kv_dtype, self._device,
                                                           self._dev_id)
             if self._device == "cpu":  # finite contents: masked keys must multiply to 0
                 k.numpy()[...] = 0
                 v.numpy()[...] = 0
             else:
-                zeros = np.zeros(shape, np.float32)
+                zeros = np.zeros(shape, self._kv_dtype)
                 k.update_inplace(zeros)
                 v.update_inplace(zeros)
             binding.bind_ortvalue_input(f"past_key_{i}", k)

@@ -39,7 +39,8 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
         assert r["decode_tps"] > 0
         draft, verify, other = r["split_ms_per_token"]
         assert verify > 0 and draft >= 0 and other >= 0
-        assert r["vs_bound"] == round(r["decode_tps"] / 20000.0, 3)
+        # both are rounded from the unrounded rate (0.2375 may become 0.237 or 0.238)
+        assert abs(r["vs_bound"] - r["decode_tps"] / 20000.0) <= 0.00051
         # at least the target's resident growth at load; the run's own peak comes on top
         assert r["memory_mb"] >= round(engine.target.resident_bytes / 1e6)
     assert engine.target.resident_bytes > 0

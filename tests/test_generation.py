@@ -68,8 +68,9 @@ def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None
     assert (draft.options.requant, draft.options.attention) == (
         ("q4k", "native") if native else ("q4", "fused"))
     # exact weights (GGUF blocks in specd's kernel where it compiled), exact attention
-    assert build_options("target") == (BuildOptions(kernels="gguf", attention="native")
-                                       if target_kernels() == "gguf" else BuildOptions())
+    assert build_options("target") == (
+        BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")
+        if target_kernels() == "gguf" else BuildOptions())
     assert build_options("target", device="cuda:0") == BuildOptions()
     assert build_options("draft", device="cuda:0").attention == "exact"  # fp32 GQA: CPU only
     want, _ = run(target, max_tokens=64, ignore_eos=True)

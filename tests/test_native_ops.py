@@ -181,7 +181,7 @@ TOKENS = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]
 
 # Q5_K has no GgufMatMul path: its matrices stay on MatMulNBits beside the native attention
 MODEL_CASES = [("qwen2", "Q4_K"), ("llama", "Q6_K"), ("qwen3", "Q4_K"), ("llama", "Q5_K")]
-NATIVE = BuildOptions(kernels="gguf", attention="native")
+NATIVE = BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")
 
 
 @pytest.fixture(scope="module", params=MODEL_CASES, ids=[f"{a}-{w}" for a, w in MODEL_CASES])
@@ -198,7 +198,7 @@ def test_model_uses_the_kernels_and_reads_fewer_bytes(kquant_model) -> None:  # 
     ort_built = load_or_build(path)
     model = onnx.load(str(native.model_path), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
-    assert "CausalAttention" in ops and "Softmax" not in ops
+    assert "CausalAttentionF16" in ops and "Softmax" not in ops
     if wt == "Q5_K":
         assert "GgufMatMul" not in ops
         assert native.read_bytes_per_token <= ort_built.read_bytes_per_token  # no mask consts
@@ -235,16 +235,18 @@ def test_model_block_equals_single_steps_bitwise(kquant_model) -> None:  # noqa:
 # -- CausalAttention -------------------------------------------------------------------
 
 
-def _attention_session(heads: int, kv_heads: int, hd: int, lib: Path | None = None
-                       ) -> ort.InferenceSession:
-    node = helper.make_node("CausalAttention", ["Q", "K", "V", "pos"], ["Y"], domain="specd",
+def _attention_session(heads: int, kv_heads: int, hd: int, lib: Path | None = None,
+                       f16: bool = False) -> ort.InferenceSession:
+    node = helper.make_node("CausalAttentionF16" if f16 else "CausalAttention",
+                            ["Q", "K", "V", "pos"], ["Y"], domain="specd",
                             num_heads=heads, kv_num_heads=kv_heads, scale=hd ** -0.5)
     cache = ["b", kv_heads, "T", hd]
+    kv_type = TensorProto.FLOAT16 if f16 else TensorProto.FLOAT
     graph = helper.make_graph(
         [node], "t",
         [helper.make_tensor_value_info("Q", TensorProto.FLOAT, ["S", heads * hd]),
-         helper.make_tensor_value_info("K", TensorProto.FLOAT, cache),
-         helper.make_tensor_value_info("V", TensorProto.FLOAT, cache),
+         helper.make_tensor_value_info("K", kv_type, cache),
+         helper.make_tensor_value_info("V", kv_type, cache),
          helper.make_tensor_value_info("pos", TensorProto.INT64, [1])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", heads * hd])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
@@ -296,6 +298,21 @@ def test_attention_portable_build_equals_the_native_one(portable: tuple[str, Pat
     np.testing.assert_array_equal(a, b)
 
 
+def test_f16_cache_gives_the_bits_of_the_same_values_in_f32(portable: tuple[str, Path]) -> None:
+    """CausalAttentionF16 converts each value exactly before any arithmetic: on f16
+    caches it equals CausalAttention on those values widened, in every build."""
+    rng = np.random.default_rng(4)
+    case = _attention_case(rng, 5, n_ctx=96)
+    k16, v16 = case["K"].astype(np.float16), case["V"].astype(np.float16)
+    wide = {"Q": case["Q"], "K": k16.astype(np.float32), "V": v16.astype(np.float32),
+            "pos": np.array([70])}
+    half = {**wide, "K": k16, "V": v16}
+    want = _attention_session(6, 2, 32).run(None, wide)[0]
+    for lib in (None, portable[1]):
+        got = _attention_session(6, 2, 32, lib=lib, f16=True).run(None, half)[0]
+        np.testing.assert_array_equal(got, want)
+
+
 def test_attention_refuses_a_block_past_the_cache() -> None:
     rng = np.random.default_rng(3)
     case = _attention_case(rng, 4, n_ctx=16)
@@ -307,18 +324,22 @@ ATTN_CASES = [("qwen2", {}), ("llama", {"n_head_kv": 4}), ("qwen3", {}),
               ("llama", {"rope_dim": 8})]
 
 
+@pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("arch, kw", ATTN_CASES, ids=[a + str(kw) for a, kw in ATTN_CASES])
-def test_native_attention_model_matches_reference(tiny_model_factory, arch, kw) -> None:  # noqa: ANN001
-    """attention="native" in fp32: prefill across a bucket boundary as the reference says,
-    and a verify block equal to single steps bit for bit."""
+def test_native_attention_model_matches_reference(tiny_model_factory, arch, kw, kv) -> None:  # noqa: ANN001
+    """attention="native" in fp32 (f32 or f16 cache): prefill across a bucket boundary as
+    the reference says, and a verify block equal to single steps bit for bit."""
     path = tiny_model_factory(arch=arch, weight_type="F32", context_length=1024, **kw)
     toks = np.random.default_rng(2).integers(3, 340, size=300).tolist()
-    built = load_or_build(path, BuildOptions(accuracy_level=1, attention="native"))
+    built = load_or_build(path, BuildOptions(accuracy_level=1, attention="native",
+                                             kv_dtype=kv))
     r = ModelRunner(built, n_ctx=512)
+    assert r.kv_bytes == 512 * built.hparams.kv_bytes_per_token(4 if kv == "f32" else 2)
     got = r.prefill(0, toks[:290])
     want = ReferenceModel(path).forward(toks)
-    assert np.abs(got - want[289]).max() / np.abs(want).max() < 2e-5
+    tol = 2e-5 if kv == "f32" else 5e-3  # f16 keeps 11 significant bits of each K/V value
+    assert np.abs(got - want[289]).max() / np.abs(want).max() < tol
     block = r.forward(0, toks[290:], 290, list(range(10)))
-    assert np.abs(block - want[290:]).max() / np.abs(want).max() < 2e-5
+    assert np.abs(block - want[290:]).max() / np.abs(want).max() < tol
     singles = np.stack([r.forward(0, [t], 290 + i)[0] for i, t in enumerate(toks[290:])])
     np.testing.assert_array_equal(block, singles)

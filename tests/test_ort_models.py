@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -175,9 +173,11 @@ def test_second_load_does_not_rebuild(tiny_model_factory) -> None:
     assert first.folder == second.folder and not second.built_now
 
 
-def test_a_build_removes_graphs_of_other_builder_versions(tiny_model_factory) -> None:
+def test_a_build_removes_graphs_of_other_builder_versions(tiny_model_factory, tmp_path,
+                                                          monkeypatch) -> None:  # noqa: ANN001
     from specd.ort_models.model_cache import BUILDER_VERSION
 
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))  # a cache of its own
     path = tiny_model_factory(arch="llama", weight_type="F16", seed=8)
     kept = load_or_build(path)  # this version, other options: kept
     sha = kept.gguf_sha256[:24]
@@ -190,7 +190,6 @@ def test_a_build_removes_graphs_of_other_builder_versions(tiny_model_factory) ->
     assert fresh.built_now
     assert not stale.exists()
     assert kept.folder.is_dir() and other_file.is_dir()  # other GGUFs are not touched
-    shutil.rmtree(other_file)
 
 
 @pytest.mark.parametrize("variant, message", [

@@ -22,7 +22,7 @@
 
 #include "specd_ops.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SPECD_AVX2 1
 #endif
@@ -88,46 +88,9 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-/* q . k over hd values (hd a multiple of 8) */
-static float dot(const float *q, const float *k, size_t hd) {
-#if SPECD_AVX2
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-  for (size_t d = LANES; d < hd; d += LANES)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
-  return hsum8(acc);
-#else
-  float l[LANES];
-  for (int i = 0; i < LANES; i++) l[i] = q[i] * k[i];
-  for (size_t d = LANES; d < hd; d += LANES)
-    for (int i = 0; i < LANES; i++) l[i] = fmaf(q[d + i], k[d + i], l[i]);
-  return lanes_sum(l);
-#endif
-}
-
-/* out[i] = q . k_{t+i} * scale for the 8 keys from t: each key exactly as dot() does */
-static void dot8(const float *q, const float *k, size_t hd, float scale, float *out) {
-#if SPECD_AVX2
-  __m256 a[LANES];
-  for (int i = 0; i < LANES; i++)
-    a[i] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k + i * hd));
-  for (size_t d = LANES; d < hd; d += LANES) {
-    const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < LANES; i++)
-      a[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + i * hd + d), a[i]);
-  }
-  /* lanes summed as lanes_sum does: pairs, then quads, then the two 128-bit halves */
-  const __m256 q01 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 q23 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  const __m256 lo = _mm256_permute2f128_ps(q01, q23, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(q01, q23, 0x31);
-  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
-#else
-  for (int i = 0; i < LANES; i++) out[i] = dot(q, k + i * hd, hd) * scale;
-#endif
-}
-
 typedef struct {
-  const float *q, *k, *v;
+  const float *q;
+  const void *k, *v; /* KV_T */
   float *y;
   size_t heads, group, hd, n_ctx, pos;
   float scale;
@@ -157,51 +120,32 @@ static float softmax_weights(float *w, size_t n_keys, size_t padded) {
   return lanes_sum(l);
 }
 
-/* One row and one KV head: the query heads sharing it go together, so each key and value
- * row is read from memory once for all of them; each head's numbers are its own. */
-static void run_task(void *p, size_t task) {
-  const Job *job = (const Job *)p;
-  const size_t g_n = job->group, kv_heads = job->heads / g_n, hd = job->hd;
-  const size_t row = task / kv_heads, kvh = task % kv_heads;
-  const size_t n_keys = job->pos + row + 1;
-  const float *q = job->q + (row * job->heads + kvh * g_n) * hd; /* heads kvh*G .. +G-1 */
-  const float *kc = job->k + kvh * job->n_ctx * hd, *vc = job->v + kvh * job->n_ctx * hd;
-  float *out = job->y + (row * job->heads + kvh * g_n) * hd;
-  const size_t padded = (n_keys + LANES - 1) / LANES * LANES;
-  float *w = (float *)malloc((g_n * padded + g_n) * sizeof(float)); /* scores, then sums */
-  if (!w) { /* cannot happen short of exhausting memory: NaNs make it visible */
-    for (size_t d = 0; d < g_n * hd; d++) out[d] = NAN;
-    return;
-  }
-  float *sum = w + g_n * padded;
-  size_t t = 0;
-  for (; t + LANES <= n_keys; t += LANES)
-    for (size_t g = 0; g < g_n; g++)
-      dot8(q + g * hd, kc + t * hd, hd, job->scale, w + g * padded + t);
-  for (; t < n_keys; t++)
-    for (size_t g = 0; g < g_n; g++) w[g * padded + t] = dot(q + g * hd, kc + t * hd, hd) * job->scale;
-  for (size_t g = 0; g < g_n; g++) sum[g] = softmax_weights(w + g * padded, n_keys, padded);
-  for (size_t d = 0; d < g_n * hd; d++) out[d] = 0.0f;
-  for (t = 0; t < n_keys; t++) {
-    const float *vt = vc + t * hd;
-    for (size_t g = 0; g < g_n; g++) {
-      const float wt = w[g * padded + t];
-      float *o = out + g * hd;
-#if SPECD_AVX2
-      const __m256 ww = _mm256_set1_ps(wt);
-      for (size_t d = 0; d < hd; d += LANES)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(ww, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(o + d)));
-#else
-      for (size_t d = 0; d < hd; d++) o[d] = fmaf(wt, vt[d], o[d]);
-#endif
-    }
-  }
-  for (size_t g = 0; g < g_n; g++)
-    for (size_t d = 0; d < hd; d++) out[g * hd + d] = out[g * hd + d] / sum[g];
-  free(w);
-}
+#define CAT2(a, b) a##b
+#define CAT(a, b) CAT2(a, b)
 
-static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
+/* float32 caches */
+#define KV_T float
+#define KV f32
+#define LOAD8(p) _mm256_loadu_ps(p)
+#define LOAD1(p) (*(p))
+#include "causal_attention_kv.h"
+#undef KV_T
+#undef KV
+#undef LOAD8
+#undef LOAD1
+
+/* float16 caches (half the bytes to keep and to read; F16C converts) */
+#define KV_T uint16_t
+#define KV f16
+#define LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD1(p) specd_f16_to_f32(p)
+#include "causal_attention_kv.h"
+#undef KV_T
+#undef KV
+#undef LOAD8
+#undef LOAD1
+
+static OrtStatus *compute(void *kernel, OrtKernelContext *ctx, void (*task)(void *, size_t)) {
   const Attn *at = (const Attn *)kernel;
   const OrtValue *q_val, *k_val, *v_val, *pos_val;
   CHECK(g_api->KernelContext_GetInput(ctx, 0, &q_val));
@@ -221,11 +165,12 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     return specd_fail("CausalAttention: K and V are not both [1, Hkv, n_ctx, hd]");
   if (hd % LANES) return specd_fail("CausalAttention: head_dim must be a multiple of 8");
   if (pr != 1 || pd[0] != 1) return specd_fail("CausalAttention: position is not [1]");
-  const float *q, *k, *v;
+  const float *q;
+  void *k, *v;
   const int64_t *pos;
   CHECK(g_api->GetTensorMutableData((OrtValue *)q_val, (void **)&q));
-  CHECK(g_api->GetTensorMutableData((OrtValue *)k_val, (void **)&k));
-  CHECK(g_api->GetTensorMutableData((OrtValue *)v_val, (void **)&v));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)k_val, &k));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)v_val, &v));
   CHECK(g_api->GetTensorMutableData((OrtValue *)pos_val, (void **)&pos));
   if (pos[0] < 0 || pos[0] + qd[0] > kd[2])
     return specd_fail("CausalAttention: position + S exceeds the cache");
@@ -235,8 +180,16 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
   Job job = {q, k, v, y, (size_t)at->heads, (size_t)(at->heads / at->kv_heads), (size_t)hd,
              (size_t)kd[2], (size_t)pos[0], at->scale};
-  return g_api->KernelContext_ParallelFor(ctx, run_task, (size_t)qd[0] * (size_t)at->kv_heads,
-                                          0, &job);
+  return g_api->KernelContext_ParallelFor(ctx, task, (size_t)qd[0] * (size_t)at->kv_heads, 0,
+                                          &job);
+}
+
+
+static OrtStatus *compute_f32(void *kernel, OrtKernelContext *ctx) {
+  return compute(kernel, ctx, run_task_f32);
+}
+static OrtStatus *compute_f16(void *kernel, OrtKernelContext *ctx) {
+  return compute(kernel, ctx, run_task_f16);
 }
 
 static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
@@ -257,4 +210,9 @@ static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **ke
 static const ONNXTensorElementDataType INPUTS[] = {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
-const SpecdOpDef specd_causal_attention = {"CausalAttention", 4, INPUTS, create, compute};
+static const ONNXTensorElementDataType INPUTS_F16[] = {
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
+const SpecdOpDef specd_causal_attention = {"CausalAttention", 4, INPUTS, create, compute_f32};
+const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F16, create,
+                                               compute_f16};

@@ -40,28 +40,6 @@ enum { ROW_TILE = 16, COL_TILE = 4, MAX_TASKS = 256 };
 /* ---------------------------------------------------------------------------------- */
 /* numbers                                                                             */
 
-static float f16_to_f32(const uint8_t *p) {
-  uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else { /* subnormal half: normalise */
-    exp = 113;
-    while (!(man & 0x400)) {
-      man <<= 1;
-      exp--;
-    }
-    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-  }
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 /* Activations of a call, quantized: q [M, K], d [M, K/256], sums of 16 and of 32. */
 typedef struct {
   int8_t *q;
@@ -135,7 +113,7 @@ static void quantize_row(const float *x, size_t k_in, size_t k, int8_t *q, float
 enum { GROUP = 8, Q4_K_GROUP_BYTES = 1184, Q6_K_GROUP_BYTES = 1680 };
 
 static inline void load_f16x8(const uint8_t *p, float out[GROUP]) {
-  for (int r = 0; r < GROUP; r++) out[r] = f16_to_f32(p + 2 * r);
+  for (int r = 0; r < GROUP; r++) out[r] = specd_f16_to_f32(p + 2 * r);
 }
 
 #if SPECD_AVX2

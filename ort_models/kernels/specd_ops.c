@@ -17,6 +17,29 @@ int specd_kernels_vectorized(void) {
 #endif
 }
 
+float specd_f16_to_f32(const void *ptr) {
+  const uint8_t *p = (const uint8_t *)ptr;
+  uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else { /* subnormal half: normalise */
+    exp = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      exp--;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 OrtStatus *specd_fail(const char *msg) { return g_api->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
 
 OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank) {
@@ -107,7 +130,8 @@ static void ORT_API_CALL destroy_any(void *kernel) {
   free(k);
 }
 
-static const SpecdOpDef *const DEFS[] = {&specd_gguf_matmul, &specd_causal_attention};
+static const SpecdOpDef *const DEFS[] = {&specd_gguf_matmul, &specd_causal_attention,
+                                          &specd_causal_attention_f16};
 enum { N_OPS = sizeof DEFS / sizeof DEFS[0] };
 static Op g_ops[N_OPS];
 static OrtCustomOpDomain *g_domain;

@@ -12,6 +12,8 @@
 
 extern const OrtApi *g_api;
 
+/* An IEEE half (2 bytes, little-endian, at p) as float32: exact. */
+float specd_f16_to_f32(const void *p);
 /* An ORT_INVALID_ARGUMENT status carrying `msg`. */
 OrtStatus *specd_fail(const char *msg);
 /* dims[0..rank) of a tensor (rank <= 8). */
@@ -34,5 +36,6 @@ typedef struct {
 
 extern const SpecdOpDef specd_gguf_matmul;
 extern const SpecdOpDef specd_causal_attention;
+extern const SpecdOpDef specd_causal_attention_f16;
 
 #endif
