@@ -114,15 +114,14 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
     if draft_quant not in DRAFT_QUANTS:
         raise EngineError(f"unknown draft quant {draft_quant!r} (one of "
                           f"{', '.join(DRAFT_QUANTS)})")
+    native = target_kernels(device) == "gguf"
     if role != "draft":
-        if target_kernels(device) == "gguf":
-            return BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")
-        return BuildOptions()
+        return (BuildOptions(kernels="gguf", attention="native", kv_dtype="f16") if native
+                else BuildOptions())
     requant = DRAFT_QUANTS[resolve_draft_quant(draft_quant, device)]
-    if requant == "q4k" and target_kernels(device) != "gguf":
+    if requant == "q4k" and not native:
         raise EngineError(f"--draft-quant q4k needs specd's kernels on the CPU "
                           f"({native_ops.unavailable_reason() or 'device ' + device})")
-    native = target_kernels(device) == "gguf"
     attention = "native" if native else "fused" if device == "cpu" else "exact"
     return BuildOptions(requant=requant, kernels="gguf" if requant == "q4k" else "ort",
                         attention=attention, kv_dtype="f16" if native else "f32")

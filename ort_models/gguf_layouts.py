@@ -69,8 +69,8 @@ def q6_k_x8(raw: np.ndarray, n: int, k: int) -> np.ndarray:
     hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03  # [.., half, 4, 32]
     q = (lo.reshape(n8, nb, 2, 4, 32) | (hi << 4)).reshape(n8, nb, 16, 4, 4)  # j, t, e
     low = q[..., 0:4:2, :] & 0x0F | ((q[..., 1:4:2, :] & 0x0F) << 4)  # [.., j, 2 p, 4 e]
-    high = ((q >> 4)[..., 0, :] | ((q >> 4)[..., 1, :] << 2) | ((q >> 4)[..., 2, :] << 4)
-            | ((q >> 4)[..., 3, :] << 6))  # [.., j, 4 e]
+    h = q >> 4  # the 2 high bits of each code, [.., j, 4 t, 4 e]
+    high = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)
     g = n8 // GROUP
     codes = np.concatenate([  # one sequential stream: per sub-block j, its 96 bytes
         _by_group(low).transpose(0, 1, 2, 3, 5, 4).reshape(g, nb, 16, 64),  # [j, p, rows, e]

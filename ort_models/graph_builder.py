@@ -47,6 +47,7 @@ from .quant import (
     REQUANT_KINDS,
     QuantizedMatrix,
     dense_float32,
+    float_rows,
     load_matrix,
     quantize_q4_k,
     requant_block_size,
@@ -176,9 +177,7 @@ def _matrix(c: _Ctx, name: str, *, exact: bool = False) -> Matrix:
             data = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, -1)
             c.shared[key] = GgufRows(t.type_name, n, k, data)
         elif requant == "q4k":  # drafts: Q4_K blocks for GgufMatMul, rows zero-padded
-            w = load_matrix(t)
-            x = w.dequantize() if isinstance(w, QuantizedMatrix) else w
-            x = np.pad(x, ((0, 0), (0, -k % QK_K)))
+            x = np.pad(float_rows(load_matrix(t)), ((0, 0), (0, -k % QK_K)))
             c.shared[key] = GgufRows("Q4_K", n, k, quantize_q4_k(x))
         else:
             w = load_matrix(t)

@@ -47,10 +47,6 @@ class NativeBuildError(RuntimeError):
 
 def compiler() -> str | None:
     """The C compiler the kernels are built with ($CC, else cc / gcc / clang), or None."""
-    return _compiler()
-
-
-def _compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc:
         return shutil.which(cc)
@@ -76,7 +72,7 @@ def build(flags: tuple[str, ...] = ("-march=native",), out_dir: Path | None = No
     """Compile the kernels with `flags` (cached by source, compiler, flags and CPU);
     returns the shared library's path. Raises NativeBuildError with the compiler's
     message when it cannot."""
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         raise NativeBuildError("no C compiler found (set CC, or install cc / gcc / clang)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout

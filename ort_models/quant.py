@@ -222,13 +222,18 @@ def load_matrix(t: TensorInfo) -> QuantizedMatrix | np.ndarray:
     return fn(t, n, k)
 
 
+def float_rows(w: QuantizedMatrix | np.ndarray) -> np.ndarray:
+    """[N, K] float32 values of a matrix, as loaded (dequantized where quantized)."""
+    return w.dequantize() if isinstance(w, QuantizedMatrix) else np.asarray(w, np.float32)
+
+
 def requantize_q4(w: QuantizedMatrix | np.ndarray, block_size: int = 32) -> QuantizedMatrix:
     """Re-quantize a matrix to 4-bit codes with a float32 scale and a 4-bit zero point per
     block: min/max rounding, as GGUF's Q4_1 does. Lossy, so only for drafts, whose
     weights decide acceptance, never the output: ~5.1 bits/weight instead of the 8-9
     that Q5_0 / Q8_0 / Q6_K take in the lossless layout.
     """
-    x = w.dequantize() if isinstance(w, QuantizedMatrix) else np.asarray(w, np.float32)
+    x = float_rows(w)
     n, k = x.shape
     if k % block_size:
         raise GGUFError(f"cannot re-quantize a matrix with rows of {k} in blocks of {block_size}")

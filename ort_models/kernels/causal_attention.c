@@ -200,11 +200,7 @@ static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **ke
   if (at.heads <= 0 || at.kv_heads <= 0 || at.heads % at.kv_heads)
     return api->CreateStatus(ORT_INVALID_ARGUMENT,
                              "CausalAttention: kv_num_heads must divide num_heads");
-  Attn *p = (Attn *)malloc(sizeof *p);
-  if (!p) return api->CreateStatus(ORT_FAIL, "CausalAttention: out of memory");
-  *p = at;
-  *kernel = p;
-  return NULL;
+  return specd_new_state(&at, sizeof at, kernel);
 }
 
 static const ONNXTensorElementDataType INPUTS[] = {

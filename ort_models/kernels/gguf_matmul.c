@@ -381,11 +381,7 @@ static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **ke
                              "GgufMatMul: ggml_type must be 12 (Q4_K) or 14 (Q6_K)");
   if (kn.k <= 0 || kn.n <= 0)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "GgufMatMul: K and N must be positive");
-  Kernel *p = (Kernel *)malloc(sizeof *p);
-  if (!p) return api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
-  *p = kn;
-  *kernel = p;
-  return NULL;
+  return specd_new_state(&kn, sizeof kn, kernel);
 }
 
 

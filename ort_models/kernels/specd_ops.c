@@ -42,6 +42,14 @@ float specd_f16_to_f32(const void *ptr) {
 
 OrtStatus *specd_fail(const char *msg) { return g_api->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
 
+OrtStatus *specd_new_state(const void *state, size_t size, void **out) {
+  void *p = malloc(size);
+  if (!p) return g_api->CreateStatus(ORT_FAIL, "specd op: out of memory");
+  memcpy(p, state, size);
+  *out = p;
+  return NULL;
+}
+
 OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank) {
   OrtTensorTypeAndShapeInfo *info;
   CHECK(g_api->GetTensorTypeAndShape(v, &info));

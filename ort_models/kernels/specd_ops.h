@@ -16,6 +16,9 @@ extern const OrtApi *g_api;
 float specd_f16_to_f32(const void *p);
 /* An ORT_INVALID_ARGUMENT status carrying `msg`. */
 OrtStatus *specd_fail(const char *msg);
+/* *out = a heap copy of the `size` bytes at `state` (a kernel's attributes; freed by the
+ * glue when ORT destroys the kernel). */
+OrtStatus *specd_new_state(const void *state, size_t size, void **out);
 /* dims[0..rank) of a tensor (rank <= 8). */
 OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank);
 
