@@ -1,6 +1,7 @@
 """How fast each weight layout streams: ONNX Runtime's MatMulNBits and specd's GgufMatMul.
 
     python bench/matmul_layouts.py [--k 1536] [--n 8960] [--threads 2] [--repeats 15]
+                        [--sizes 1,3]
                         [--layouts 4:32:zp,4:32,4:64,4:128,4:256,8:16,8:32,gguf:Q4_K,gguf:Q6_K]
 
 A layout is bits:block_size[:zp] (zp: an explicit uint8 zero point per block, as specd
@@ -95,9 +96,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8960)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--sizes", default="1,3", help="rows M of the activations, from memory")
     ap.add_argument("--layouts",
                     default="4:32:zp,4:32,4:64,4:128,4:256,8:16,8:32,gguf:Q4_K,gguf:Q6_K")
     args = ap.parse_args()
+    sizes = sorted({1, *(int(m) for m in args.sizes.split(","))})
     rng = np.random.default_rng(0)
     layouts = []
     for spec in args.layouts.split(","):
@@ -116,25 +119,28 @@ def main() -> None:
     times: dict[tuple, list[float]] = {}
     for rep in range(args.repeats + 1):  # interleaved: every layout sees the same machine
         for key, (_, copies, stream, cached) in sessions.items():
-            for m in (1, 3):
+            for m in sizes:
                 a = {"A": rng.standard_normal((m, args.k), dtype=np.float32)}
                 t0 = time.perf_counter()
                 stream.run(None, a)
                 t1 = time.perf_counter()
-                for _ in range(copies):
-                    cached.run(None, a)
+                if m == 1:
+                    for _ in range(copies):
+                        cached.run(None, a)
                 t2 = time.perf_counter()
                 if rep:  # the first round warms up
                     times.setdefault((key, m, "mem"), []).append((t1 - t0) / copies)
-                    times.setdefault((key, m, "cache"), []).append((t2 - t1) / copies)
+                    if m == 1:
+                        times.setdefault((key, m, "cache"), []).append((t2 - t1) / copies)
     bw = measure_bandwidth(threads=args.threads)
     print(f"K={args.k} N={args.n}, {args.threads} threads, numpy read bandwidth "
           f"{bw / 1e9:.1f} GB/s\n")
-    print("| layout | bits/weight | from memory M=1 | M=3 | cache-resident M=1 |")
-    print("|---|---|---|---|---|")
+    print("| layout | bits/weight | from memory M=1 | "
+          + " | ".join(f"M={m}" for m in sizes[1:]) + " | cache-resident M=1 |")
+    print("|---|---|---|" + "---|" * len(sizes))
     for (bits, bs, zp), (size, _, _, _) in sessions.items():
         cells = []
-        for m, where in ((1, "mem"), (3, "mem"), (1, "cache")):
+        for m, where in [(m, "mem") for m in sizes] + [(1, "cache")]:
             t = statistics.median(times[(bits, bs, zp), m, where])
             cells.append(f"{t * 1e3:.3f} ms ({size / t / 1e9:.1f} GB/s)" if m == 1
                          else f"{t * 1e3:.3f} ms")

@@ -1,7 +1,7 @@
 """Cost of one forward pass by tokens in the call, per model: what speculation trades.
 
     python bench/step_costs.py [--models a,b:q4,b:q4:fused] [--sizes 1,2,3,5,9] [--repeats 15]
-                               [--pos 300] [--spinning] [--profile]
+                               [--pos 300] [--spinning] [--profile [SIZE]]
 
 A model is name[:requant[:attention[:kernels[:kv]]]]: `name:q4` re-quantized as drafts
 are without specd's kernels, `name:q4:fused` with GroupQueryAttention,
@@ -10,8 +10,8 @@ are without specd's kernels, `name:q4:fused` with GroupQueryAttention,
 builds drafts there. Each is run at cache
 position `--pos` (default 300, past the first 256-token bucket) and timed per call size,
 interleaved across models and sizes so all see the same machine state. Prints medians in
-ms and each size as a multiple of the model's single-token step. `--profile` adds the
-share of kernel time per op type from ORT's profiler for a single-token step.
+ms and each size as a multiple of the model's single-token step. `--profile [SIZE]` adds
+the kernel time per op type (ms per call, ORT's profiler) for calls of SIZE tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from specd.ort_models.runner import ModelRunner
 POS = 300
 
 
-def op_shares(built, threads: int | None, spinning: bool, pos: int = POS) -> dict[str, float]:
+def op_shares(built, threads: int | None, spinning: bool, pos: int = POS,
+              size: int = 1) -> dict[str, float]:
+    """ms per call of each op type (ORT's profiler, kernel time) for calls of `size` tokens."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -48,15 +50,15 @@ def op_shares(built, threads: int | None, spinning: bool, pos: int = POS) -> dic
                                           providers=["CPUExecutionProvider"])
     runner._kv, runner._bindings = [], []  # noqa: SLF001 - rebind to the profiled session
     runner.add_sequence()
-    for i in range(20):
-        runner.forward(0, [100 + i], pos + i)
+    calls = 20
+    for i in range(calls):
+        runner.forward(0, [100 + i + t for t in range(size)], pos + i * size)
     prof = runner.session.end_profiling()
     per_op: dict[str, float] = defaultdict(float)
     for ev in json.loads(Path(prof).read_text()):
         if ev.get("cat") == "Node" and ev["name"].endswith("_kernel_time"):
             per_op[ev["args"]["op_name"]] += ev["dur"]
-    total = sum(per_op.values())
-    return {k: v / total for k, v in sorted(per_op.items(), key=lambda kv: -kv[1])}
+    return {k: v / calls / 1e3 for k, v in sorted(per_op.items(), key=lambda kv: -kv[1])}
 
 
 def main() -> None:
@@ -68,7 +70,8 @@ def main() -> None:
     ap.add_argument("--pos", type=int, default=POS, help="cache position of the timed calls")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--spinning", action="store_true")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", type=int, nargs="?", const=1, default=0, metavar="SIZE",
+                    help="also print ms per op type (ORT's profiler) for calls of SIZE tokens")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     runners = {}
@@ -100,8 +103,9 @@ def main() -> None:
         print(f"| {m} | {' | '.join(cells)} |")
     if args.profile:
         for m, runner in runners.items():
-            shares = op_shares(runner.built, args.threads, args.spinning, args.pos)
-            print(m, ", ".join(f"{k} {v:.1%}" for k, v in list(shares.items())[:16]))
+            per_op = op_shares(runner.built, args.threads, args.spinning, args.pos, args.profile)
+            print(f"{m}, S={args.profile}: {sum(per_op.values()):.1f} ms in kernels: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in list(per_op.items())[:16]))
 
 
 if __name__ == "__main__":

@@ -40,18 +40,19 @@ enum { ROW_TILE = 16, COL_TILE = 4, MAX_TASKS = 256 };
 /* ---------------------------------------------------------------------------------- */
 /* numbers                                                                             */
 
-/* Activations of a call, quantized: q [M, K], d [M, K/256], sums of 16 and of 32. */
+/* Activations of a call, quantized: q [M, K], d [M, K/256], sums of 16 and of 32
+   (|sum| <= 32 * 127 fits 16 bits). */
 typedef struct {
   int8_t *q;
   float *d;
   int16_t *sum16;
-  int32_t *sum32;
+  int16_t *sum32;
   size_t k;
 } Act;
 
 /* x [k_in] -> k (a multiple of 256, >= k_in) quantized values, zeros past k_in */
 static void quantize_row(const float *x, size_t k_in, size_t k, int8_t *q, float *d,
-                         int16_t *s16, int32_t *s32) {
+                         int16_t *s16, int16_t *s32) {
   float tail[QK_K];
   for (size_t b = 0; b < k / QK_K; b++) {
     const float *xb = x + b * QK_K;
@@ -94,7 +95,7 @@ static void quantize_row(const float *x, size_t k_in, size_t k, int8_t *q, float
     for (int i = 0; i < 16; i++) s += q[j * 16 + i];
     s16[j] = (int16_t)s;
   }
-  for (size_t j = 0; j < k / 32; j++) s32[j] = s16[2 * j] + s16[2 * j + 1];
+  for (size_t j = 0; j < k / 32; j++) s32[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
 }
 
 /* ---------------------------------------------------------------------------------- */
@@ -132,7 +133,7 @@ static inline __m256 LOAD_F16X8(const uint8_t *p) {
   return _mm256_loadu_ps(f);
 }
 #endif
-static inline __m256i bcast4(const int8_t *p) {
+static inline __m256i bcast4(const void *p) {
   int32_t v;
   memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
@@ -145,52 +146,169 @@ static inline __m256i i8x8(const uint8_t *p) {
 }
 #endif
 
-/* y[m][r] += row group (nb superblocks at w) . rows m0 .. m0+mt-1 of A, r < 8 */
+#if SPECD_AVX2
+/* Rows of A per pass over a row group: their accumulators stay in registers while each
+   sub-block's codes, unpacked once, serve all of them (16 vector registers hold 3 rows'
+   state beside the codes, 32 hold 6). */
+#if defined(__AVX512VL__)
+enum { ROWS_PER_PASS = 6 };
+#else
+enum { ROWS_PER_PASS = 3 };
+#endif
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* lanes r < 8: lo[r] | hi[r] << 16, bytes widened as unsigned (Q4_K mins) or signed (Q6_K
+   scales) -- two sub-blocks' factors as the 16-bit pairs _mm256_madd_epi16 multiplies */
+ALWAYS_INLINE __m256i pairs_u8(const uint8_t *lo, const uint8_t *hi) {
+  return _mm256_or_si256(u8x8(lo), _mm256_slli_epi32(u8x8(hi), 16));
+}
+ALWAYS_INLINE __m256i pairs_i8(const uint8_t *lo, const uint8_t *hi) {
+  return _mm256_or_si256(_mm256_and_si256(i8x8(lo), _mm256_set1_epi32(0xFFFF)),
+                         _mm256_slli_epi32(i8x8(hi), 16));
+}
+
+/* y[m][r] += row group (nb superblocks at w) . rows m0 .. m0+mt-1 of A, r < 8; mt is a
+   constant where this is inlined, so the loops over m unroll into registers */
+ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                             const int mt, float (*y)[GROUP]) {
+  const size_t k = a->k;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
+    const uint8_t *sc = w + 32, *mn = w + 96, *qs = w + 160;
+    const int8_t *x[ROWS_PER_PASS];
+    __m256i isum[ROWS_PER_PASS];
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) {
+      isum[m] = _mm256_setzero_si256();
+      x[m] = a->q + (m0 + m) * k + i * QK_K;
+    }
+    for (int j = 0; j < 8; j++, qs += 128) {
+      /* the rows' dot products interleaved, so that consecutive instructions are
+         independent and the multiply units never wait on one chain */
+      __m256i s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; p++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        const __m256i lo = _mm256_and_si256(v, m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+        for (int m = 0; m < mt; m++) {
+          const int8_t *xp = x[m] + 32 * j + 8 * p;
+          s0[m] = DPBUSD(p ? s0[m] : _mm256_setzero_si256(), lo, bcast4(xp));
+          s1[m] = DPBUSD(p ? s1[m] : _mm256_setzero_si256(), hi, bcast4(xp + 4));
+        }
+      }
+      const __m256i scj = u8x8(sc + 8 * j);
+#pragma GCC unroll 8
+      for (int m = 0; m < mt; m++)
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0[m], s1[m]), scj));
+    }
+    const __m256 d = LOAD_F16X8(w), dmin = LOAD_F16X8(w + 16);
+    /* imin = sum_j m[j] * (sum of A's 32 values of sub-block j), two sub-blocks a madd */
+    __m256i mp[4];
+    for (int t = 0; t < 4; t++) mp[t] = pairs_u8(mn + 16 * t, mn + 16 * t + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) {
+      const int16_t *bs = a->sum32 + (m0 + m) * (k / 32) + i * 8;
+      __m256i imin = _mm256_madd_epi16(mp[0], bcast4(bs));
+      for (int t = 1; t < 4; t++)
+        imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mp[t], bcast4(bs + 2 * t)));
+      const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+      __m256 t = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m])),
+                               _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(imin)));
+      _mm256_storeu_ps(y[m], _mm256_add_ps(_mm256_loadu_ps(y[m]), _mm256_mul_ps(da, t)));
+    }
+  }
+}
+
+ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                             const int mt, float (*y)[GROUP]) {
+  const size_t k = a->k;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES) {
+    const uint8_t *sc = w + 16, *ql = w + 144, *qh = w + 144 + 64; /* sub-block stride 96 */
+    __m256i isum[ROWS_PER_PASS], off[ROWS_PER_PASS];
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) off[m] = _mm256_setzero_si256();
+    /* codes are stored + 32: isum starts at -32 * sum_j sc[j] * (sum of A's 16 values of
+       sub-block j), two sub-blocks a madd */
+    for (int t = 0; t < 8; t++) {
+      const __m256i sp = pairs_i8(sc + 16 * t, sc + 16 * t + 8);
+#pragma GCC unroll 8
+      for (int m = 0; m < mt; m++) {
+        const int16_t *bs = a->sum16 + (m0 + m) * (k / 16) + i * 16 + 2 * t;
+        off[m] = _mm256_add_epi32(off[m], _mm256_madd_epi16(sp, bcast4(bs)));
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++)
+      isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off[m], 5));
+    for (int j = 0; j < 16; j++) {
+      const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 96 * j));
+      const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 96 * j + 32));
+      const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 96 * j));
+      /* bits 2t..2t+1 of each byte of h moved to bits 4..5 (16-bit shifts: the bits that
+         cross into the next byte land outside the mask) */
+      const __m256i c0 =
+          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+      const __m256i c1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                         _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+      const __m256i c2 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(h, m30));
+      const __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                         _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+      const __m256i scj = i8x8(sc + 8 * j);
+#pragma GCC unroll 8
+      for (int m = 0; m < mt; m++) {
+        const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
+        __m256i s0 = DPBUSD(_mm256_setzero_si256(), c0, bcast4(x));
+        __m256i s1 = DPBUSD(_mm256_setzero_si256(), c1, bcast4(x + 4));
+        s0 = DPBUSD(s0, c2, bcast4(x + 8));
+        s1 = DPBUSD(s1, c3, bcast4(x + 12));
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), scj));
+      }
+    }
+    const __m256 d = LOAD_F16X8(w);
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) {
+      const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+      const __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m]));
+      _mm256_storeu_ps(y[m], _mm256_add_ps(_mm256_loadu_ps(y[m]), _mm256_mul_ps(da, t)));
+    }
+  }
+}
+
+/* mt rows in passes of ROWS_PER_PASS, each pass with a constant row count */
+#define ROW_PASSES(pass)                                                                  \
+  static void group_##pass(const uint8_t *w, size_t nb, const Act *a, size_t m0,           \
+                           size_t mt, float (*y)[GROUP]) {                                \
+    for (size_t m = 0; m < mt; m += ROWS_PER_PASS) {                                      \
+      switch (mt - m < ROWS_PER_PASS ? mt - m : ROWS_PER_PASS) {                          \
+        case 1: pass_##pass(w, nb, a, m0 + m, 1, y + m); break;                           \
+        case 2: pass_##pass(w, nb, a, m0 + m, 2, y + m); break;                           \
+        case 3: pass_##pass(w, nb, a, m0 + m, 3, y + m); break;                           \
+        case 4: pass_##pass(w, nb, a, m0 + m, 4 % (ROWS_PER_PASS + 1), y + m); break;     \
+        case 5: pass_##pass(w, nb, a, m0 + m, 5 % (ROWS_PER_PASS + 1), y + m); break;     \
+        default: pass_##pass(w, nb, a, m0 + m, 6 % (ROWS_PER_PASS + 1), y + m); break;    \
+      }                                                                                   \
+    }                                                                                     \
+  }
+ROW_PASSES(q4_k)
+ROW_PASSES(q6_k)
+
+#else /* plain C: the same integer sums and the same float epilogue */
+
 static void group_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, size_t mt,
                        float (*y)[GROUP]) {
   const size_t k = a->k;
   for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
     const uint8_t *sc = w + 32, *mn = w + 96, *qs = w + 160;
-#if SPECD_AVX2
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256 d = LOAD_F16X8(w), dmin = LOAD_F16X8(w + 16);
-    __m256i isum[ROW_TILE], imin[ROW_TILE];
-    for (size_t m = 0; m < mt; m++) isum[m] = imin[m] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) {
-      __m256i lo[4], hi[4];
-      for (int p = 0; p < 4; p++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 128 * j + 32 * p));
-        lo[p] = _mm256_and_si256(v, m4);
-        hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      }
-      const __m256i scj = u8x8(sc + 8 * j), mnj = u8x8(mn + 8 * j);
-      for (size_t m = 0; m < mt; m++) {
-        const size_t row = m0 + m;
-        const int8_t *x = a->q + row * k + i * QK_K + 32 * j;
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++) {
-          s0 = DPBUSD(s0, lo[p], bcast4(x + 8 * p));
-          s1 = DPBUSD(s1, hi[p], bcast4(x + 8 * p + 4));
-        }
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), scj));
-        const __m256i bs = _mm256_set1_epi32(a->sum32[row * (k / 32) + i * 8 + j]);
-        imin[m] = _mm256_add_epi32(imin[m], _mm256_mullo_epi32(mnj, bs));
-      }
-    }
-    for (size_t m = 0; m < mt; m++) {
-      const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
-      __m256 t = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m])),
-                               _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(imin[m])));
-      _mm256_storeu_ps(y[m], _mm256_add_ps(_mm256_loadu_ps(y[m]), _mm256_mul_ps(da, t)));
-    }
-#else
     float d[GROUP], dmin[GROUP];
     load_f16x8(w, d);
     load_f16x8(w + 16, dmin);
     for (size_t m = 0; m < mt; m++) {
       const size_t row = m0 + m;
       const int8_t *x = a->q + row * k + i * QK_K;
-      const int32_t *bs = a->sum32 + row * (k / 32) + i * 8;
+      const int16_t *bs = a->sum32 + row * (k / 32) + i * 8;
       for (int r = 0; r < GROUP; r++) {
         int isum = 0, imin = 0;
         for (int j = 0; j < 8; j++) {
@@ -208,7 +326,6 @@ static void group_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, siz
         y[m][r] += da * (d[r] * (float)isum - dmin[r] * (float)imin);
       }
     }
-#endif
   }
 }
 
@@ -217,43 +334,6 @@ static void group_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, siz
   const size_t k = a->k;
   for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES) {
     const uint8_t *sc = w + 16, *ql = w + 144, *qh = w + 144 + 64; /* sub-block stride 96 */
-#if SPECD_AVX2
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    const __m256 d = LOAD_F16X8(w);
-    __m256i isum[ROW_TILE];
-    for (size_t m = 0; m < mt; m++) isum[m] = _mm256_setzero_si256();
-    for (int j = 0; j < 16; j++) {
-      const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 96 * j));
-      const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 96 * j + 32));
-      const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 96 * j));
-      /* bits 2t..2t+1 of each byte of h moved to bits 4..5 (16-bit shifts: the bits that
-         cross into the next byte land outside the mask) */
-      const __m256i c0 =
-          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-      const __m256i c1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                         _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-      const __m256i c2 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(h, m30));
-      const __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                         _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-      const __m256i scj = i8x8(sc + 8 * j);
-      for (size_t m = 0; m < mt; m++) {
-        const size_t row = m0 + m;
-        const int8_t *x = a->q + row * k + i * QK_K + 16 * j;
-        __m256i s0 = DPBUSD(_mm256_setzero_si256(), c0, bcast4(x));
-        __m256i s1 = DPBUSD(_mm256_setzero_si256(), c1, bcast4(x + 4));
-        s0 = DPBUSD(s0, c2, bcast4(x + 8));
-        s1 = DPBUSD(s1, c3, bcast4(x + 12));
-        const __m256i off = _mm256_set1_epi32(32 * a->sum16[row * (k / 16) + i * 16 + j]);
-        const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), off);
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(s, scj));
-      }
-    }
-    for (size_t m = 0; m < mt; m++) {
-      const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
-      const __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m]));
-      _mm256_storeu_ps(y[m], _mm256_add_ps(_mm256_loadu_ps(y[m]), _mm256_mul_ps(da, t)));
-    }
-#else
     float d[GROUP];
     load_f16x8(w, d);
     const int8_t *sci = (const int8_t *)sc;
@@ -279,9 +359,9 @@ static void group_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, siz
         y[m][r] += da * (d[r] * (float)isum);
       }
     }
-#endif
   }
 }
+#endif
 
 /* ---------------------------------------------------------------------------------- */
 /* the call: quantize A, then columns of Y in tasks over ORT's intra-op thread pool     */
@@ -353,13 +433,13 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   if (m == 0) return NULL;
 
   /* one allocation: q [M, K] | d [M, K/256] | sum32 [M, K/32] | sum16 [M, K/16] */
-  const size_t bytes = m * k + m * nb * 4 + m * (k / 32) * 4 + m * (k / 16) * 2;
+  const size_t bytes = m * k + m * nb * 4 + m * (k / 32) * 2 + m * (k / 16) * 2;
   uint8_t *scratch = (uint8_t *)malloc(bytes);
   if (!scratch) return g_api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
   Job job = {kn->type == TYPE_Q4_K ? group_q4_k : group_q6_k, w, group_bytes, nb, m, n, 0,
              {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k}, y};
-  job.act.sum32 = (int32_t *)(scratch + m * k + m * nb * 4);
-  job.act.sum16 = (int16_t *)((uint8_t *)job.act.sum32 + m * (k / 32) * 4);
+  job.act.sum32 = (int16_t *)(scratch + m * k + m * nb * 4);
+  job.act.sum16 = job.act.sum32 + m * (k / 32);
   for (size_t r = 0; r < m; r++)
     quantize_row(a + r * k_in, k_in, k, job.act.q + r * k, job.act.d + r * nb,
                  job.act.sum16 + r * (k / 16), job.act.sum32 + r * (k / 32));
