@@ -6,7 +6,7 @@
 
 A layout is bits:block_size[:zp] (zp: an explicit uint8 zero point per block, as specd
 writes Q4_K for MatMulNBits), or gguf:TYPE for specd's GgufMatMul on that GGUF type's
-own blocks (regrouped 8 rows at a time, ort_models/gguf_layouts.py). For each one a
+own blocks (regrouped 16 rows at a time, ort_models/gguf_layouts.py). For each one a
 session multiplies a [M, K] activation by enough distinct [N, K] matrices (random codes
 and scales, accuracy_level 4 as specd runs them) that they cannot stay in the CPU caches,
 so each call reads its weights from memory the way a decode step does; a second session
@@ -30,14 +30,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specd.daemon.bench import measure_bandwidth
 from specd.ort_models import native_ops
-from specd.ort_models.gguf_layouts import BLOCK_BYTES, GROUP_BYTES, regroup
+from specd.ort_models.gguf_layouts import BLOCK_BYTES, GROUP, GROUP_BYTES, regroup
 
 STREAM_BYTES = 512 << 20  # weights per streaming session: far past any L3
 
 
 def layout_bytes(bits: int | str, bs: int, zp: bool, n: int, k: int) -> int:
     if isinstance(bits, str):  # gguf:TYPE
-        return -(-n // 8) * (k // 256) * GROUP_BYTES[bits]
+        return -(-n // GROUP) * (k // 256) * GROUP_BYTES[bits]
     blocks = n * (k // bs)
     return n * k * bits // 8 + blocks * 4 + (n * ((k // bs * bits + 7) // 8) if zp else 0)
 

@@ -1,16 +1,17 @@
 """GGUF K-quant rows regrouped for specd's GgufMatMul kernel (kernels/gguf_matmul.c).
 
-The kernel reads 8 output rows at a time, one per vector lane, so the blocks of 8
-consecutive rows are interleaved per superblock of 256 columns. Nothing is re-quantized:
-every code, scale and f16 factor is the GGUF's own; only the 6-bit scales of Q4_K are
-unpacked to bytes (1184 bytes per 8 rows instead of 8 x 144, +2.8%). Q6_K keeps its size
-(1680 = 8 x 210). Rows are padded to a multiple of 8 with zero blocks.
+The kernel reads 16 output rows at a time, one per 32-bit lane of a 512-bit vector, so
+the blocks of 16 consecutive rows are interleaved per superblock of 256 columns and a
+row group is read as one sequential stream. Nothing is re-quantized: every code, scale
+and f16 factor is the GGUF's own; only the 6-bit scales of Q4_K are unpacked to bytes
+(2368 bytes per 16 rows instead of 16 x 144, +2.8%). Q6_K keeps its size (3360 =
+16 x 210). Rows are padded to a multiple of 16 with zero blocks.
 
-Q4_K group: d[8] f16 | dmin[8] f16 | sc[8 sub][8 rows] | m[8 sub][8 rows] |
-            codes[8 sub][4 p][8 rows][4 e]: low nibble code 32j+8p+e, high 32j+8p+4+e
-Q6_K group: d[8] f16 | sc[16 sub][8 rows] i8 | per sub-block j (96 bytes):
-            low nibbles[2 p][8 rows][4 e]: low 16j+8p+e, high 16j+8p+4+e |
-            high bits[8 rows][4 e]: bits 2t..2t+1 = code 16j+4t+e >> 4
+Q4_K group: d[16] f16 | dmin[16] f16 | sc[8 sub][16 rows] | m[8 sub][16 rows] |
+            codes[8 sub][4 p][16 rows][4 e]: low nibble code 32j+8p+e, high 32j+8p+4+e
+Q6_K group: d[16] f16 | sc[16 sub][16 rows] i8 | per sub-block j (192 bytes):
+            low nibbles[2 p][16 rows][4 e]: low 16j+8p+e, high 16j+8p+4+e |
+            high bits[16 rows][4 e]: bits 2t..2t+1 = code 16j+4t+e >> 4
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import numpy as np
 
 from .quant import QK_K, k_scale_min
 
-GROUP = 8
+GROUP = 16  # rows per group (kernels/gguf_matmul.c's GROUP)
 BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
-GROUP_BYTES = {"Q4_K": 1184, "Q6_K": 1680}
+GROUP_BYTES = {"Q4_K": GROUP * (2 + 2 + 8 + 8 + 128), "Q6_K": GROUP * BLOCK_BYTES["Q6_K"]}
 
 
 def _padded_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> np.ndarray:
-    """[N, row_bytes] GGUF rows -> [N8, nb, block_bytes], zero rows appended."""
+    """[N, row_bytes] GGUF rows -> [N16, nb, block_bytes], zero rows appended."""
     nb = k // QK_K
     b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, BLOCK_BYTES[type_name])
     pad = -n % GROUP
@@ -35,50 +36,50 @@ def _padded_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> np.ndarra
 
 
 def _by_group(a: np.ndarray) -> np.ndarray:
-    """[N8, nb, ...] -> [G, nb, ..., 8]: the row inside its group becomes the last axis."""
-    g = a.reshape(-1, GROUP, *a.shape[1:])  # [G, 8, nb, ...]
+    """[N16, nb, ...] -> [G, nb, ..., 16]: the row inside its group becomes the last axis."""
+    g = a.reshape(-1, GROUP, *a.shape[1:])  # [G, 16, nb, ...]
     return np.moveaxis(g, 1, -1)
 
 
-def q4_k_x8(raw: np.ndarray, n: int, k: int) -> np.ndarray:
-    b = _padded_blocks(raw, "Q4_K", n, k)  # [N8, nb, 144]
-    n8, nb = b.shape[:2]
-    sc, mn = k_scale_min(b[..., 4:16].reshape(-1, 12))  # [N8*nb, 8] each
-    qs = b[..., 16:].reshape(n8, nb, 4, 32)
-    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n8, nb, 8, 4, 2, 4)  # j, p, half, e
-    codes = q[..., 0, :] | (q[..., 1, :] << 4)  # [N8, nb, 8 j, 4 p, 4 e]
+def q4_k_x16(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    b = _padded_blocks(raw, "Q4_K", n, k)  # [N16, nb, 144]
+    n16, nb = b.shape[:2]
+    sc, mn = k_scale_min(b[..., 4:16].reshape(-1, 12))  # [N16*nb, 8] each
+    qs = b[..., 16:].reshape(n16, nb, 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n16, nb, 8, 4, 2, 4)  # j, p, half, e
+    codes = q[..., 0, :] | (q[..., 1, :] << 4)  # [N16, nb, 8 j, 4 p, 4 e]
     parts = [
-        _by_group(b[..., 0:2]).transpose(0, 1, 3, 2),  # d: [G, nb, 8 rows, 2 bytes]
+        _by_group(b[..., 0:2]).transpose(0, 1, 3, 2),  # d: [G, nb, 16 rows, 2 bytes]
         _by_group(b[..., 2:4]).transpose(0, 1, 3, 2),  # dmin
-        _by_group(sc.reshape(n8, nb, 8)),  # [G, nb, 8 sub, 8 rows]
-        _by_group(mn.reshape(n8, nb, 8)),
+        _by_group(sc.reshape(n16, nb, 8)),  # [G, nb, 8 sub, 16 rows]
+        _by_group(mn.reshape(n16, nb, 8)),
         _by_group(codes).transpose(0, 1, 2, 3, 5, 4),  # [G, nb, j, p, rows, e]
     ]
-    g = n8 // GROUP
+    g = n16 // GROUP
     out = np.concatenate([p.reshape(g, nb, -1) for p in parts], axis=2)
     assert out.shape[2] == GROUP_BYTES["Q4_K"]
     return np.ascontiguousarray(out.reshape(g, -1))
 
 
-def q6_k_x8(raw: np.ndarray, n: int, k: int) -> np.ndarray:
-    b = _padded_blocks(raw, "Q6_K", n, k)  # [N8, nb, 210]
-    n8, nb = b.shape[:2]
-    ql = b[..., :128].reshape(n8, nb, 2, 1, 64)
-    qh = b[..., 128:192].reshape(n8, nb, 2, 1, 32)
+def q6_k_x16(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    b = _padded_blocks(raw, "Q6_K", n, k)  # [N16, nb, 210]
+    n16, nb = b.shape[:2]
+    ql = b[..., :128].reshape(n16, nb, 2, 1, 64)
+    qh = b[..., 128:192].reshape(n16, nb, 2, 1, 32)
     lo = (ql >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F  # [.., half, 2, 64]
     hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03  # [.., half, 4, 32]
-    q = (lo.reshape(n8, nb, 2, 4, 32) | (hi << 4)).reshape(n8, nb, 16, 4, 4)  # j, t, e
+    q = (lo.reshape(n16, nb, 2, 4, 32) | (hi << 4)).reshape(n16, nb, 16, 4, 4)  # j, t, e
     low = q[..., 0:4:2, :] & 0x0F | ((q[..., 1:4:2, :] & 0x0F) << 4)  # [.., j, 2 p, 4 e]
     h = q >> 4  # the 2 high bits of each code, [.., j, 4 t, 4 e]
     high = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)
-    g = n8 // GROUP
-    codes = np.concatenate([  # one sequential stream: per sub-block j, its 96 bytes
-        _by_group(low).transpose(0, 1, 2, 3, 5, 4).reshape(g, nb, 16, 64),  # [j, p, rows, e]
-        _by_group(high).transpose(0, 1, 2, 4, 3).reshape(g, nb, 16, 32),  # [j, rows, e]
+    g = n16 // GROUP
+    codes = np.concatenate([  # one sequential stream: per sub-block j, its 192 bytes
+        _by_group(low).transpose(0, 1, 2, 3, 5, 4).reshape(g, nb, 16, 8 * GROUP),  # [j, p, rows, e]
+        _by_group(high).transpose(0, 1, 2, 4, 3).reshape(g, nb, 16, 4 * GROUP),  # [j, rows, e]
     ], axis=3)
     parts = [
         _by_group(b[..., 208:210]).transpose(0, 1, 3, 2),  # d: [G, nb, rows, 2 bytes]
-        _by_group(b[..., 192:208]),  # sc: [G, nb, 16 sub, 8 rows]
+        _by_group(b[..., 192:208]),  # sc: [G, nb, 16 sub, 16 rows]
         codes,
     ]
     out = np.concatenate([p.reshape(g, nb, -1) for p in parts], axis=2)
@@ -86,9 +87,9 @@ def q6_k_x8(raw: np.ndarray, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(g, -1))
 
 
-REGROUP = {"Q4_K": q4_k_x8, "Q6_K": q6_k_x8}
+REGROUP = {"Q4_K": q4_k_x16, "Q6_K": q6_k_x16}
 
 
 def regroup(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
-    """GGUF rows [N, row_bytes] of `type_name` -> GgufMatMul's W [ceil(N/8), nb * group]."""
+    """GGUF rows [N, row_bytes] of `type_name` -> GgufMatMul's W [ceil(N/16), nb * group]."""
     return REGROUP[type_name](raw, n, k)

@@ -54,7 +54,7 @@ from .quant import (
     requantize_q4,
 )
 
-BUILDER_VERSION = "6"
+BUILDER_VERSION = "7"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 ATTENTION_KINDS = ("exact", "fused", "native")
@@ -267,7 +267,7 @@ def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
     elif isinstance(w, GgufRows):  # specd's kernel on the GGUF's own blocks
         raw = f"{name}.gguf"
         if not g.has(raw):
-            g.weight(raw, regroup(w.type_name, w.data, w.n, w.k_padded))  # [N/8, nb * group]
+            g.weight(raw, regroup(w.type_name, w.data, w.n, w.k_padded))  # [N/16, nb * group]
         y = g.op("GgufMatMul", [x, raw], domain=NATIVE,
                  ggml_type=GGUF_MATMUL_TYPES[w.type_name], K=w.k, N=w.n)
     else:

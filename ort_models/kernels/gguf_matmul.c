@@ -1,8 +1,8 @@
 /* specd.GgufMatMul: Y = A @ W^T with W kept in GGUF's own block layout.
  *
  *   A  float32 [..., K]        activations
- *   W  uint8   [ceil(N/8), nb * group bytes]  GGUF rows (a row is an output channel) in
- *                                            groups of 8, see below and gguf_layouts.py
+ *   W  uint8   [ceil(N/16), nb * group bytes] GGUF rows (a row is an output channel) in
+ *                                            groups of 16, see below and gguf_layouts.py
  *   Y  float32 [..., N]
  *   attributes: ggml_type (12 = Q4_K, 14 = Q6_K), K, N (rows of W hold ceil(K/256)
  *               superblocks; A's values past K count as zeros)
@@ -99,45 +99,38 @@ static void quantize_row(const float *x, size_t k_in, size_t k, int8_t *q, float
 }
 
 /* ---------------------------------------------------------------------------------- */
-/* Weights: GGUF blocks of 8 rows interleaved (ort_models/gguf_layouts.py writes them),  */
-/* so one vector lane holds one row and the per-block scales of 8 rows load as a vector. */
+/* Weights: GGUF blocks of 16 rows interleaved (ort_models/gguf_layouts.py writes them),  */
+/* so one 32-bit lane of a 512-bit vector holds one row (two 256-bit vectors: rows 0-7,  */
+/* 8-15), the per-block scales of 16 rows load as a vector, and a row group is read as   */
+/* one sequential stream.                                                               */
 /*                                                                                      */
-/* Q4_K, 1184 bytes per superblock of 8 rows:                                           */
-/*   d[8] f16 | dmin[8] f16 | sc[8 sub][8 rows] u8 | m[8 sub][8 rows] u8 |             */
-/*   codes: per sub-block j, per p < 4, 32 bytes; byte 4r+e holds row r's code          */
+/* Q4_K, 2368 bytes per superblock of 16 rows:                                          */
+/*   d[16] f16 | dmin[16] f16 | sc[8 sub][16 rows] u8 | m[8 sub][16 rows] u8 |         */
+/*   codes: per sub-block j, per p < 4, 64 bytes; byte 4r+e holds row r's code          */
 /*   32j+8p+e (low nibble) and 32j+8p+4+e (high nibble)                                 */
-/* Q6_K, 1680 bytes per superblock of 8 rows:                                           */
-/*   d[8] f16 | sc[16 sub][8 rows] i8 | per sub-block j, 96 bytes: low nibbles, per     */
-/*   p < 2, 32 bytes, byte 4r+e: code 16j+8p+e (low), 16j+8p+4+e (high) | high 2 bits,  */
-/*   32 bytes, byte 4r+e: bits 2t..2t+1 = code 16j+4t+e >> 4                            */
+/* Q6_K, 3360 bytes per superblock of 16 rows:                                          */
+/*   d[16] f16 | sc[16 sub][16 rows] i8 | per sub-block j, 192 bytes: low nibbles, per  */
+/*   p < 2, 64 bytes, byte 4r+e: code 16j+8p+e (low), 16j+8p+4+e (high) | high 2 bits,  */
+/*   64 bytes, byte 4r+e: bits 2t..2t+1 = code 16j+4t+e >> 4                            */
 
-enum { GROUP = 8, Q4_K_GROUP_BYTES = 1184, Q6_K_GROUP_BYTES = 1680 };
+enum { GROUP = 16, HALF = 8, Q4_K_GROUP_BYTES = 2368, Q6_K_GROUP_BYTES = 3360 };
+enum { Q4_K_SC = 64, Q4_K_MN = 192, Q4_K_QS = 320, Q6_K_SC = 32, Q6_K_QL = 288 };
 
-static inline void load_f16x8(const uint8_t *p, float out[GROUP]) {
-  for (int r = 0; r < GROUP; r++) out[r] = specd_f16_to_f32(p + 2 * r);
+static inline void load_f16(const uint8_t *p, int n, float *out) {
+  for (int r = 0; r < n; r++) out[r] = specd_f16_to_f32(p + 2 * r);
 }
 
 #if SPECD_AVX2
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
-#else
-#define DPBUSD(acc, u, s) \
-  _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
-#endif
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #if defined(__F16C__)
 #define LOAD_F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #else
 static inline __m256 LOAD_F16X8(const uint8_t *p) {
-  float f[GROUP];
-  load_f16x8(p, f);
+  float f[HALF];
+  load_f16(p, HALF, f);
   return _mm256_loadu_ps(f);
 }
 #endif
-static inline __m256i bcast4(const void *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
 static inline __m256i u8x8(const uint8_t *p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
@@ -146,19 +139,154 @@ static inline __m256i i8x8(const uint8_t *p) {
 }
 #endif
 
-#if SPECD_AVX2
-/* Rows of A per pass over a row group: their accumulators stay in registers while each
-   sub-block's codes, unpacked once, serve all of them (16 vector registers hold 3 rows'
-   state beside the codes, 32 hold 6). */
-#if defined(__AVX512VL__)
-enum { ROWS_PER_PASS = 6 };
-#else
-enum { ROWS_PER_PASS = 3 };
-#endif
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* ---------------------------------------------------------------------------------- */
+/* 512-bit passes: 16 rows per vector                                                   */
+#define SPECD_AVX512 1
+enum { ROWS_PER_PASS = 6 }; /* rows of A whose accumulators stay in the 32 registers */
+typedef __m512i VI;
 
-/* lanes r < 8: lo[r] | hi[r] << 16, bytes widened as unsigned (Q4_K mins) or signed (Q6_K
-   scales) -- two sub-blocks' factors as the 16-bit pairs _mm256_madd_epi16 multiplies */
+ALWAYS_INLINE VI bcast4(const void *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+ALWAYS_INLINE VI u8x16(const uint8_t *p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+ALWAYS_INLINE VI i8x16(const uint8_t *p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+/* lanes r: lo[r] | hi[r] << 16, two sub-blocks' factors as the 16-bit pairs madd takes */
+ALWAYS_INLINE VI pairs_u8(const uint8_t *lo, const uint8_t *hi) {
+  return _mm512_or_si512(u8x16(lo), _mm512_slli_epi32(u8x16(hi), 16));
+}
+ALWAYS_INLINE VI pairs_i8(const uint8_t *lo, const uint8_t *hi) {
+  return _mm512_or_si512(_mm512_and_si512(i8x16(lo), _mm512_set1_epi32(0xFFFF)),
+                         _mm512_slli_epi32(i8x16(hi), 16));
+}
+
+/* y[m][r] += row group (nb superblocks at w) . rows m0 .. m0+mt-1 of A, r < 16; mt is a
+   constant where this is inlined, so the loops over m unroll into registers */
+ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                             const int mt, float (*y)[GROUP]) {
+  const size_t k = a->k;
+  const VI m4 = _mm512_set1_epi8(0x0F);
+  for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
+    const uint8_t *sc = w + Q4_K_SC, *mn = w + Q4_K_MN, *qs = w + Q4_K_QS;
+    const int8_t *x[ROWS_PER_PASS];
+    VI isum[ROWS_PER_PASS];
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) {
+      isum[m] = _mm512_setzero_si512();
+      x[m] = a->q + (m0 + m) * k + i * QK_K;
+    }
+    for (int j = 0; j < 8; j++, qs += 4 * 64) {
+      /* the rows' dot products interleaved: consecutive instructions are independent */
+      VI s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; p++) {
+        const VI v = _mm512_loadu_si512(qs + 64 * p);
+        const VI lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+        for (int m = 0; m < mt; m++) {
+          const int8_t *xp = x[m] + 32 * j + 8 * p;
+          s0[m] = _mm512_dpbusd_epi32(p ? s0[m] : _mm512_setzero_si512(), lo, bcast4(xp));
+          s1[m] = _mm512_dpbusd_epi32(p ? s1[m] : _mm512_setzero_si512(), hi, bcast4(xp + 4));
+        }
+      }
+      const VI scj = u8x16(sc + GROUP * j);
+#pragma GCC unroll 8
+      for (int m = 0; m < mt; m++)
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(s0[m], s1[m]), scj));
+    }
+    /* y += da * (d * isum - dmin * imin), imin = sum_j m[j] * (sum of A's 32 values of
+       sub-block j), two sub-blocks a madd */
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+    VI mp[4];
+    for (int t = 0; t < 4; t++) mp[t] = pairs_u8(mn + 32 * t, mn + 32 * t + GROUP);
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) {
+      const int16_t *bs = a->sum32 + (m0 + m) * (k / 32) + i * 8;
+      VI imin = _mm512_madd_epi16(mp[0], bcast4(bs));
+      for (int t = 1; t < 4; t++)
+        imin = _mm512_add_epi32(imin, _mm512_madd_epi16(mp[t], bcast4(bs + 2 * t)));
+      const __m512 da = _mm512_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+      const __m512 t = _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[m])),
+                                     _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(imin)));
+      _mm512_storeu_ps(y[m], _mm512_add_ps(_mm512_loadu_ps(y[m]), _mm512_mul_ps(da, t)));
+    }
+  }
+}
+
+ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                             const int mt, float (*y)[GROUP]) {
+  const size_t k = a->k;
+  const VI m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES) {
+    const uint8_t *sc = w + Q6_K_SC, *ql = w + Q6_K_QL;
+    VI isum[ROWS_PER_PASS];
+    /* codes are stored + 32: isum starts at -32 * sum_j sc[j] * (sum of A's 16 values of
+       sub-block j), two sub-blocks a madd */
+    VI sp[8];
+    for (int t = 0; t < 8; t++) sp[t] = pairs_i8(sc + 32 * t, sc + 32 * t + GROUP);
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) {
+      const int16_t *bs = a->sum16 + (m0 + m) * (k / 16) + i * 16;
+      VI off = _mm512_madd_epi16(sp[0], bcast4(bs));
+      for (int t = 1; t < 8; t++) off = _mm512_add_epi32(off, _mm512_madd_epi16(sp[t], bcast4(bs + 2 * t)));
+      isum[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(off, 5));
+    }
+    for (int j = 0; j < 16; j++, ql += 192) {
+      const VI l0 = _mm512_loadu_si512(ql), l1 = _mm512_loadu_si512(ql + 64);
+      const VI h = _mm512_loadu_si512(ql + 128);
+      /* bits 2t..2t+1 of each byte of h moved to bits 4..5 (16-bit shifts: the bits that
+         cross into the next byte land outside the mask) */
+      const VI c0 = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+      const VI c1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4),
+                                    _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+      const VI c2 = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(h, m30));
+      const VI c3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                                    _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+      const VI scj = i8x16(sc + GROUP * j);
+#pragma GCC unroll 8
+      for (int m = 0; m < mt; m++) {
+        const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
+        VI s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, bcast4(x));
+        VI s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1, bcast4(x + 4));
+        s0 = _mm512_dpbusd_epi32(s0, c2, bcast4(x + 8));
+        s1 = _mm512_dpbusd_epi32(s1, c3, bcast4(x + 12));
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scj));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) {
+      const __m512 da = _mm512_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+      const __m512 t = _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[m]));
+      _mm512_storeu_ps(y[m], _mm512_add_ps(_mm512_loadu_ps(y[m]), _mm512_mul_ps(da, t)));
+    }
+  }
+}
+#define HALF_PASSES(pass, n) pass_##pass(w, nb, a, m0 + m, n, y + m)
+
+#elif SPECD_AVX2
+/* ---------------------------------------------------------------------------------- */
+/* 256-bit passes: each row group in two halves of 8 rows (the second pass over a group */
+/* finds it in the cache)                                                               */
+enum { ROWS_PER_PASS = 3 }; /* 16 registers: 3 rows' state beside the codes */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#else
+#define DPBUSD(acc, u, s) \
+  _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#endif
+ALWAYS_INLINE __m256i bcast4(const void *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
 ALWAYS_INLINE __m256i pairs_u8(const uint8_t *lo, const uint8_t *hi) {
   return _mm256_or_si256(u8x8(lo), _mm256_slli_epi32(u8x8(hi), 16));
 }
@@ -167,14 +295,14 @@ ALWAYS_INLINE __m256i pairs_i8(const uint8_t *lo, const uint8_t *hi) {
                          _mm256_slli_epi32(i8x8(hi), 16));
 }
 
-/* y[m][r] += row group (nb superblocks at w) . rows m0 .. m0+mt-1 of A, r < 8; mt is a
-   constant where this is inlined, so the loops over m unroll into registers */
-ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
-                             const int mt, float (*y)[GROUP]) {
+/* y[m][8h + r] += rows 8h .. 8h+7 of the row group . rows m0 .. m0+mt-1 of A */
+ALWAYS_INLINE void half_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                             const int mt, const int h, float (*y)[GROUP]) {
   const size_t k = a->k;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
-    const uint8_t *sc = w + 32, *mn = w + 96, *qs = w + 160;
+    const uint8_t *sc = w + Q4_K_SC + HALF * h, *mn = w + Q4_K_MN + HALF * h;
+    const uint8_t *qs = w + Q4_K_QS + 32 * h;
     const int8_t *x[ROWS_PER_PASS];
     __m256i isum[ROWS_PER_PASS];
 #pragma GCC unroll 8
@@ -182,13 +310,11 @@ ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m
       isum[m] = _mm256_setzero_si256();
       x[m] = a->q + (m0 + m) * k + i * QK_K;
     }
-    for (int j = 0; j < 8; j++, qs += 128) {
-      /* the rows' dot products interleaved, so that consecutive instructions are
-         independent and the multiply units never wait on one chain */
+    for (int j = 0; j < 8; j++, qs += 4 * 64) {
       __m256i s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
 #pragma GCC unroll 4
       for (int p = 0; p < 4; p++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
         const __m256i lo = _mm256_and_si256(v, m4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
 #pragma GCC unroll 8
@@ -198,15 +324,14 @@ ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m
           s1[m] = DPBUSD(p ? s1[m] : _mm256_setzero_si256(), hi, bcast4(xp + 4));
         }
       }
-      const __m256i scj = u8x8(sc + 8 * j);
+      const __m256i scj = u8x8(sc + GROUP * j);
 #pragma GCC unroll 8
       for (int m = 0; m < mt; m++)
         isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0[m], s1[m]), scj));
     }
-    const __m256 d = LOAD_F16X8(w), dmin = LOAD_F16X8(w + 16);
-    /* imin = sum_j m[j] * (sum of A's 32 values of sub-block j), two sub-blocks a madd */
+    const __m256 d = LOAD_F16X8(w + 2 * HALF * h), dmin = LOAD_F16X8(w + 32 + 2 * HALF * h);
     __m256i mp[4];
-    for (int t = 0; t < 4; t++) mp[t] = pairs_u8(mn + 16 * t, mn + 16 * t + 8);
+    for (int t = 0; t < 4; t++) mp[t] = pairs_u8(mn + 32 * t, mn + 32 * t + GROUP);
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++) {
       const int16_t *bs = a->sum32 + (m0 + m) * (k / 32) + i * 8;
@@ -214,49 +339,42 @@ ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m
       for (int t = 1; t < 4; t++)
         imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mp[t], bcast4(bs + 2 * t)));
       const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
-      __m256 t = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m])),
-                               _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(imin)));
-      _mm256_storeu_ps(y[m], _mm256_add_ps(_mm256_loadu_ps(y[m]), _mm256_mul_ps(da, t)));
+      const __m256 t = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m])),
+                                     _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(imin)));
+      float *ym = y[m] + HALF * h;
+      _mm256_storeu_ps(ym, _mm256_add_ps(_mm256_loadu_ps(ym), _mm256_mul_ps(da, t)));
     }
   }
 }
 
-ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
-                             const int mt, float (*y)[GROUP]) {
+ALWAYS_INLINE void half_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                             const int mt, const int h, float (*y)[GROUP]) {
   const size_t k = a->k;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES) {
-    const uint8_t *sc = w + 16, *ql = w + 144, *qh = w + 144 + 64; /* sub-block stride 96 */
-    __m256i isum[ROWS_PER_PASS], off[ROWS_PER_PASS];
+    const uint8_t *sc = w + Q6_K_SC + HALF * h, *ql = w + Q6_K_QL + 32 * h;
+    __m256i isum[ROWS_PER_PASS];
+    __m256i sp[8];
+    for (int t = 0; t < 8; t++) sp[t] = pairs_i8(sc + 32 * t, sc + 32 * t + GROUP);
 #pragma GCC unroll 8
-    for (int m = 0; m < mt; m++) off[m] = _mm256_setzero_si256();
-    /* codes are stored + 32: isum starts at -32 * sum_j sc[j] * (sum of A's 16 values of
-       sub-block j), two sub-blocks a madd */
-    for (int t = 0; t < 8; t++) {
-      const __m256i sp = pairs_i8(sc + 16 * t, sc + 16 * t + 8);
-#pragma GCC unroll 8
-      for (int m = 0; m < mt; m++) {
-        const int16_t *bs = a->sum16 + (m0 + m) * (k / 16) + i * 16 + 2 * t;
-        off[m] = _mm256_add_epi32(off[m], _mm256_madd_epi16(sp, bcast4(bs)));
-      }
+    for (int m = 0; m < mt; m++) {
+      const int16_t *bs = a->sum16 + (m0 + m) * (k / 16) + i * 16;
+      __m256i off = _mm256_madd_epi16(sp[0], bcast4(bs));
+      for (int t = 1; t < 8; t++) off = _mm256_add_epi32(off, _mm256_madd_epi16(sp[t], bcast4(bs + 2 * t)));
+      isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < mt; m++)
-      isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off[m], 5));
-    for (int j = 0; j < 16; j++) {
-      const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 96 * j));
-      const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 96 * j + 32));
-      const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 96 * j));
-      /* bits 2t..2t+1 of each byte of h moved to bits 4..5 (16-bit shifts: the bits that
-         cross into the next byte land outside the mask) */
+    for (int j = 0; j < 16; j++, ql += 192) {
+      const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+      const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64));
+      const __m256i hb = _mm256_loadu_si256((const __m256i *)(ql + 128));
       const __m256i c0 =
-          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
       const __m256i c1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                         _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-      const __m256i c2 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(h, m30));
+                                         _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+      const __m256i c2 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(hb, m30));
       const __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                         _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-      const __m256i scj = i8x8(sc + 8 * j);
+                                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+      const __m256i scj = i8x8(sc + GROUP * j);
 #pragma GCC unroll 8
       for (int m = 0; m < mt; m++) {
         const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
@@ -267,28 +385,36 @@ ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m
         isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), scj));
       }
     }
-    const __m256 d = LOAD_F16X8(w);
+    const __m256 d = LOAD_F16X8(w + 2 * HALF * h);
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++) {
       const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
       const __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m]));
-      _mm256_storeu_ps(y[m], _mm256_add_ps(_mm256_loadu_ps(y[m]), _mm256_mul_ps(da, t)));
+      float *ym = y[m] + HALF * h;
+      _mm256_storeu_ps(ym, _mm256_add_ps(_mm256_loadu_ps(ym), _mm256_mul_ps(da, t)));
     }
   }
 }
+#define HALF_PASSES(pass, n)                                \
+  (half_##pass(w, nb, a, m0 + m, n, 0, y + m),              \
+   half_##pass(w, nb, a, m0 + m, n, 1, y + m))
+#endif
 
-/* mt rows in passes of ROWS_PER_PASS, each pass with a constant row count */
+#if SPECD_AVX2
+/* mt rows in passes of ROWS_PER_PASS, each pass with a constant row count (the cases
+   past ROWS_PER_PASS are never taken: n % (ROWS_PER_PASS + 1) compiles them empty) */
+#define ROW_PASS(pass, n) HALF_PASSES(pass, (n) % (ROWS_PER_PASS + 1))
 #define ROW_PASSES(pass)                                                                  \
   static void group_##pass(const uint8_t *w, size_t nb, const Act *a, size_t m0,           \
                            size_t mt, float (*y)[GROUP]) {                                \
     for (size_t m = 0; m < mt; m += ROWS_PER_PASS) {                                      \
       switch (mt - m < ROWS_PER_PASS ? mt - m : ROWS_PER_PASS) {                          \
-        case 1: pass_##pass(w, nb, a, m0 + m, 1, y + m); break;                           \
-        case 2: pass_##pass(w, nb, a, m0 + m, 2, y + m); break;                           \
-        case 3: pass_##pass(w, nb, a, m0 + m, 3, y + m); break;                           \
-        case 4: pass_##pass(w, nb, a, m0 + m, 4 % (ROWS_PER_PASS + 1), y + m); break;     \
-        case 5: pass_##pass(w, nb, a, m0 + m, 5 % (ROWS_PER_PASS + 1), y + m); break;     \
-        default: pass_##pass(w, nb, a, m0 + m, 6 % (ROWS_PER_PASS + 1), y + m); break;    \
+        case 1: ROW_PASS(pass, 1); break;                                                 \
+        case 2: ROW_PASS(pass, 2); break;                                                 \
+        case 3: ROW_PASS(pass, 3); break;                                                 \
+        case 4: ROW_PASS(pass, 4); break;                                                 \
+        case 5: ROW_PASS(pass, 5); break;                                                 \
+        default: ROW_PASS(pass, 6); break;                                                \
       }                                                                                   \
     }                                                                                     \
   }
@@ -301,10 +427,10 @@ static void group_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, siz
                        float (*y)[GROUP]) {
   const size_t k = a->k;
   for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
-    const uint8_t *sc = w + 32, *mn = w + 96, *qs = w + 160;
+    const uint8_t *sc = w + Q4_K_SC, *mn = w + Q4_K_MN, *qs = w + Q4_K_QS;
     float d[GROUP], dmin[GROUP];
-    load_f16x8(w, d);
-    load_f16x8(w + 16, dmin);
+    load_f16(w, GROUP, d);
+    load_f16(w + 32, GROUP, dmin);
     for (size_t m = 0; m < mt; m++) {
       const size_t row = m0 + m;
       const int8_t *x = a->q + row * k + i * QK_K;
@@ -315,12 +441,12 @@ static void group_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, siz
           int s = 0;
           for (int p = 0; p < 4; p++) {
             for (int e = 0; e < 4; e++) {
-              const uint8_t b = qs[128 * j + 32 * p + 4 * r + e];
+              const uint8_t b = qs[256 * j + 64 * p + 4 * r + e];
               s += (b & 0xF) * x[32 * j + 8 * p + e] + (b >> 4) * x[32 * j + 8 * p + 4 + e];
             }
           }
-          isum += sc[8 * j + r] * s;
-          imin += mn[8 * j + r] * bs[j];
+          isum += sc[GROUP * j + r] * s;
+          imin += mn[GROUP * j + r] * bs[j];
         }
         const float da = a->d[row * (k / QK_K) + i];
         y[m][r] += da * (d[r] * (float)isum - dmin[r] * (float)imin);
@@ -333,10 +459,10 @@ static void group_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, siz
                        float (*y)[GROUP]) {
   const size_t k = a->k;
   for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES) {
-    const uint8_t *sc = w + 16, *ql = w + 144, *qh = w + 144 + 64; /* sub-block stride 96 */
+    const int8_t *sc = (const int8_t *)(w + Q6_K_SC);
+    const uint8_t *ql = w + Q6_K_QL;
     float d[GROUP];
-    load_f16x8(w, d);
-    const int8_t *sci = (const int8_t *)sc;
+    load_f16(w, GROUP, d);
     for (size_t m = 0; m < mt; m++) {
       const size_t row = m0 + m;
       const int8_t *x = a->q + row * k + i * QK_K;
@@ -344,16 +470,17 @@ static void group_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, siz
       for (int r = 0; r < GROUP; r++) {
         int isum = 0;
         for (int j = 0; j < 16; j++) {
+          const uint8_t *run = ql + 192 * j;
           int s = 0;
           for (int e = 0; e < 4; e++) {
-            const uint8_t b0 = ql[96 * j + 4 * r + e], b1 = ql[96 * j + 32 + 4 * r + e];
-            const uint8_t h = qh[96 * j + 4 * r + e];
+            const uint8_t b0 = run[4 * r + e], b1 = run[64 + 4 * r + e];
+            const uint8_t h = run[128 + 4 * r + e];
             s += ((b0 & 0xF) | ((h & 3) << 4)) * x[16 * j + e];
             s += ((b0 >> 4) | (((h >> 2) & 3) << 4)) * x[16 * j + 4 + e];
             s += ((b1 & 0xF) | (((h >> 4) & 3) << 4)) * x[16 * j + 8 + e];
             s += ((b1 >> 4) | (((h >> 6) & 3) << 4)) * x[16 * j + 12 + e];
           }
-          isum += sci[8 * j + r] * (s - 32 * bs[j]);
+          isum += sc[GROUP * j + r] * (s - 32 * bs[j]);
         }
         const float da = a->d[row * (k / QK_K) + i];
         y[m][r] += da * (d[r] * (float)isum);
@@ -418,7 +545,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   if (arank < 1 || adims[arank - 1] != kn->k)
     return specd_fail("GgufMatMul: the last dimension of A is not K");
   if (wrank != 2 || (size_t)wdims[0] != n_groups || (size_t)wdims[1] != group_bytes)
-    return specd_fail("GgufMatMul: W is not [ceil(N/8), group bytes] of its GGUF type's 8-row layout");
+    return specd_fail("GgufMatMul: W is not [ceil(N/16), group bytes] of its GGUF type's 16-row layout");
   size_t m = 1;
   for (size_t i = 0; i + 1 < arank; i++) m *= (size_t)adims[i];
   adims[arank - 1] = kn->n;
