@@ -298,6 +298,23 @@ def test_attention_portable_build_equals_the_native_one(portable: tuple[str, Pat
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("heads, kv, hd", [(14, 2, 48), (4, 4, 64), (12, 2, 128)])
+def test_attention_head_groups_and_widths_equal_the_portable_build(
+        portable: tuple[str, Path], heads: int, kv: int, hd: int) -> None:
+    """The vector paths take query heads and value dims in passes (3 / 6 heads, 32 dims):
+    groups of 7, of 1 and of 6, and a head size with a 16-dim rest, give the plain loops'
+    bits, and a block's rows equal single rows."""
+    rng = np.random.default_rng(heads + hd)
+    case = {**_attention_case(rng, 5, heads, kv, hd, n_ctx=80), "pos": np.array([61])}
+    native = _attention_session(heads, kv, hd)
+    block = native.run(None, case)[0]
+    np.testing.assert_array_equal(
+        block, _attention_session(heads, kv, hd, lib=portable[1]).run(None, case)[0])
+    for s in (0, 4):
+        one = native.run(None, {**case, "Q": case["Q"][s:s + 1], "pos": np.array([61 + s])})[0]
+        np.testing.assert_array_equal(block[s], one[0])
+
+
 def test_f16_cache_gives_the_bits_of_the_same_values_in_f32(portable: tuple[str, Path]) -> None:
     """CausalAttentionF16 converts each value exactly before any arithmetic: on f16
     caches it equals CausalAttention on those values widened, in every build."""

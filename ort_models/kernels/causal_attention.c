@@ -29,6 +29,20 @@
 
 enum { LANES = 8 };
 
+#if SPECD_AVX2
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* query heads per pass: scores 8 keys x S_HEADS heads, values 32 dims x V_HEADS heads of
+   accumulators, within the vector registers (32 with AVX-512VL, else 16) */
+#if defined(__AVX512VL__)
+enum { S_HEADS = 3, V_HEADS = 6 };
+#else
+enum { S_HEADS = 1, V_HEADS = 2 };
+#endif
+/* heads for the next pass; the switch cases past the maximum are never taken and compile
+   as empty passes (n % (MAX + 1)) */
+#define HEADS_LEFT(left, max) ((left) < (size_t)(max) ? (left) : (size_t)(max))
+#endif
+
 typedef struct {
   int64_t heads, kv_heads;
   float scale;

@@ -19,28 +19,75 @@ static float CAT(dot_, KV)(const float *q, const KV_T *k, size_t hd) {
 #endif
 }
 
+#if !SPECD_AVX2
 /* out[i] = q . k_{t+i} * scale for the 8 keys from t: each key exactly as dot() does */
 static void CAT(dot8_, KV)(const float *q, const KV_T *k, size_t hd, float scale, float *out) {
-#if SPECD_AVX2
-  __m256 a[LANES];
-  for (int i = 0; i < LANES; i++)
-    a[i] = _mm256_mul_ps(_mm256_loadu_ps(q), LOAD8(k + i * hd));
-  for (size_t d = LANES; d < hd; d += LANES) {
-    const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < LANES; i++)
-      a[i] = _mm256_fmadd_ps(qd, LOAD8(k + i * hd + d), a[i]);
-  }
-  /* lanes summed as lanes_sum does: pairs, then quads, then the two 128-bit halves */
-  const __m256 q01 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 q23 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  const __m256 lo = _mm256_permute2f128_ps(q01, q23, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(q01, q23, 0x31);
-  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
-#else
   for (int i = 0; i < LANES; i++) out[i] = CAT(dot_, KV)(q, k + i * hd, hd) * scale;
+}
 #endif
+
+#if SPECD_AVX2
+/* q . k_{t+i} * scale for the 8 keys from t and gn heads (queries hd apart, scores padded
+   apart), each as dot() does: 8 lanes of fused multiply-adds, the lanes of the 8 keys
+   summed at once in lanes_sum's tree (pairs, quads, then the two 128-bit halves). Each
+   key vector is loaded (and widened) once for all the heads. */
+ALWAYS_INLINE void CAT(dot8_heads_, KV)(const float *q, const KV_T *k, size_t hd, float scale,
+                                        float *out, size_t padded, const int gn) {
+  __m256 a[S_HEADS][LANES];
+#pragma GCC unroll 8
+  for (int i = 0; i < LANES; i++) {
+    const __m256 kd = LOAD8(k + i * hd);
+#pragma GCC unroll 8
+    for (int g = 0; g < gn; g++) a[g][i] = _mm256_mul_ps(_mm256_loadu_ps(q + g * hd), kd);
+  }
+  for (size_t d = LANES; d < hd; d += LANES) {
+    __m256 qd[S_HEADS];
+#pragma GCC unroll 8
+    for (int g = 0; g < gn; g++) qd[g] = _mm256_loadu_ps(q + g * hd + d);
+#pragma GCC unroll 8
+    for (int i = 0; i < LANES; i++) {
+      const __m256 kd = LOAD8(k + i * hd + d);
+#pragma GCC unroll 8
+      for (int g = 0; g < gn; g++) a[g][i] = _mm256_fmadd_ps(qd[g], kd, a[g][i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < gn; g++) {
+    const __m256 q01 = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+    const __m256 q23 = _mm256_hadd_ps(_mm256_hadd_ps(a[g][4], a[g][5]), _mm256_hadd_ps(a[g][6], a[g][7]));
+    const __m256 lo = _mm256_permute2f128_ps(q01, q23, 0x20);
+    const __m256 hi = _mm256_permute2f128_ps(q01, q23, 0x31);
+    _mm256_storeu_ps(out + g * padded, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(scale)));
+  }
 }
 
+/* out[g][d0 .. d0+32) = sum over keys t, in order, of w[g][t] * v_t[d] for gn heads: the
+   accumulators stay in registers across the keys, each value vector is loaded once for
+   all heads; per element the same fused multiply-adds in the same order as the plain
+   loop (from 0: the first is exactly the product) */
+ALWAYS_INLINE void CAT(values_, KV)(const float *w, size_t padded, const KV_T *v, size_t n_keys,
+                                    size_t hd, size_t d0, const int gn, float *out) {
+  __m256 acc[V_HEADS][4];
+#pragma GCC unroll 8
+  for (int g = 0; g < gn; g++)
+    for (int c = 0; c < 4; c++) acc[g][c] = _mm256_setzero_ps();
+  for (size_t t = 0; t < n_keys; t++) {
+    const KV_T *vt = v + t * hd + d0;
+    const __m256 v0 = LOAD8(vt), v1 = LOAD8(vt + 8), v2 = LOAD8(vt + 16), v3 = LOAD8(vt + 24);
+#pragma GCC unroll 8
+    for (int g = 0; g < gn; g++) {
+      const __m256 ww = _mm256_set1_ps(w[g * padded + t]);
+      acc[g][0] = _mm256_fmadd_ps(ww, v0, acc[g][0]);
+      acc[g][1] = _mm256_fmadd_ps(ww, v1, acc[g][1]);
+      acc[g][2] = _mm256_fmadd_ps(ww, v2, acc[g][2]);
+      acc[g][3] = _mm256_fmadd_ps(ww, v3, acc[g][3]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < gn; g++)
+    for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + g * hd + d0 + 8 * c, acc[g][c]);
+}
+#endif
 
 /* One row and one KV head: the query heads sharing it go together, so each key and value
  * row is read from memory once for all of them; each head's numbers are its own. */
@@ -61,28 +108,59 @@ static void CAT(run_task_, KV)(void *p, size_t task) {
   }
   float *sum = w + g_n * padded;
   size_t t = 0;
+#if SPECD_AVX2
+  for (; t + LANES <= n_keys; t += LANES)
+    for (size_t g = 0; g < g_n; g += S_HEADS) {
+      const float *qg = q + g * hd;
+      float *wg = w + g * padded + t;
+      switch (HEADS_LEFT(g_n - g, S_HEADS)) {
+        case 1: CAT(dot8_heads_, KV)(qg, kc + t * hd, hd, job->scale, wg, padded, 1); break;
+        case 2: CAT(dot8_heads_, KV)(qg, kc + t * hd, hd, job->scale, wg, padded, 2 % (S_HEADS + 1)); break;
+        default: CAT(dot8_heads_, KV)(qg, kc + t * hd, hd, job->scale, wg, padded, 3 % (S_HEADS + 1)); break;
+      }
+    }
+#else
   for (; t + LANES <= n_keys; t += LANES)
     for (size_t g = 0; g < g_n; g++)
       CAT(dot8_, KV)(q + g * hd, kc + t * hd, hd, job->scale, w + g * padded + t);
+#endif
   for (; t < n_keys; t++)
     for (size_t g = 0; g < g_n; g++)
       w[g * padded + t] = CAT(dot_, KV)(q + g * hd, kc + t * hd, hd) * job->scale;
   for (size_t g = 0; g < g_n; g++) sum[g] = softmax_weights(w + g * padded, n_keys, padded);
-  for (size_t d = 0; d < g_n * hd; d++) out[d] = 0.0f;
-  for (t = 0; t < n_keys; t++) {
-    const KV_T *vt = vc + t * hd;
-    for (size_t g = 0; g < g_n; g++) {
-      const float wt = w[g * padded + t];
-      float *o = out + g * hd;
+  size_t d_done = 0; /* values past it go through the plain loop below */
 #if SPECD_AVX2
-      const __m256 ww = _mm256_set1_ps(wt);
-      for (size_t d = 0; d < hd; d += LANES)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(ww, LOAD8(vt + d), _mm256_loadu_ps(o + d)));
-#else
-      for (size_t d = 0; d < hd; d++) o[d] = fmaf(wt, LOAD1(vt + d), o[d]);
-#endif
+  for (; d_done + 4 * LANES <= hd; d_done += 4 * LANES)
+    for (size_t g = 0; g < g_n; g += V_HEADS) {
+      const float *wg = w + g * padded;
+      float *og = out + g * hd;
+      switch (HEADS_LEFT(g_n - g, V_HEADS)) {
+        case 1: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 1, og); break;
+        case 2: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 2 % (V_HEADS + 1), og); break;
+        case 3: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 3 % (V_HEADS + 1), og); break;
+        case 4: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 4 % (V_HEADS + 1), og); break;
+        case 5: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 5 % (V_HEADS + 1), og); break;
+        default: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 6 % (V_HEADS + 1), og); break;
+      }
     }
-  }
+#endif
+  for (size_t g = 0; g < g_n; g++)
+    for (size_t d = d_done; d < hd; d++) out[g * hd + d] = 0.0f;
+  if (d_done < hd)
+    for (t = 0; t < n_keys; t++) {
+      const KV_T *vt = vc + t * hd;
+      for (size_t g = 0; g < g_n; g++) {
+        const float wt = w[g * padded + t];
+        float *o = out + g * hd;
+#if SPECD_AVX2
+        const __m256 ww = _mm256_set1_ps(wt);
+        for (size_t d = d_done; d < hd; d += LANES)
+          _mm256_storeu_ps(o + d, _mm256_fmadd_ps(ww, LOAD8(vt + d), _mm256_loadu_ps(o + d)));
+#else
+        for (size_t d = d_done; d < hd; d++) o[d] = fmaf(wt, LOAD1(vt + d), o[d]);
+#endif
+      }
+    }
   for (size_t g = 0; g < g_n; g++)
     for (size_t d = 0; d < hd; d++) out[g * hd + d] = out[g * hd + d] / sum[g];
   free(w);
