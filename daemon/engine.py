@@ -101,8 +101,9 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
     Where specd's kernels run (`target_kernels`: CPU, compiled) a target's Q4_K / Q6_K
     matrices go through GgufMatMul (the same weights, 4.6 / 6.6 bits read per weight
     instead of the 6 / 10 of the lossless MatMulNBits layout) and its attention through
-    CausalAttention over an f16 KV cache (half the memory; each value rounded once, when
-    written); both give a verified row exactly the bits of a single step. The
+    CachedAttention (rotary, cache write and attention in one node) over an f16 KV cache
+    (half the memory; each value rounded once, when written); both give a verified row
+    exactly the bits of a single step. The
     draft gets the same attention (0.5B step with q4k weights: 15.7 ms with
     GroupQueryAttention, 13.5 with CausalAttention; BENCHMARKS.md).
 
@@ -145,7 +146,7 @@ class Engine:
         log.info("%s", self.runtime.describe())
         if self.runtime.device == "cpu":
             why = native_ops.unavailable_reason()
-            log.info("specd kernels (GgufMatMul, CausalAttention): %s",
+            log.info("specd kernels (GgufMatMul, CachedAttention): %s",
                      f"off, using ONNX Runtime's ops: {why}" if why else "on")
         self.spec_type = resolve_spec_type(cfg.spec_type, cfg.draft)
         target_path = self._resolve(cfg.target, progress)

@@ -22,7 +22,8 @@ the block does not cross a bucket boundary (the runner guarantees that for verif
 Drafts may take attention="fused" instead: GroupQueryAttention, faster, not row-invariant
 (`attn_len` is then unused). Where specd's own kernels run (native_ops), kernels="gguf"
 multiplies Q4_K / Q6_K matrices with GgufMatMul on the GGUF's own blocks and
-attention="native" attends with CausalAttention over the cache in place: both compute
+attention="native" rotates, writes the cache in place and attends over it in one
+CachedAttention node: both compute
 each row alone in a fixed order, so they are row-invariant by construction (`attn_len`
 is unused there too).
 """
@@ -54,7 +55,7 @@ from .quant import (
     requantize_q4,
 )
 
-BUILDER_VERSION = "7"
+BUILDER_VERSION = "8"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 ATTENTION_KINDS = ("exact", "fused", "native")
@@ -80,7 +81,8 @@ class BuildOptions:
     # "exact": attention written out, batch-invariant (targets: a verified row must equal
     # a single step); "fused": ORT's GroupQueryAttention, fewer nodes and no KV prefix
     # copy, but a row's result depends on the block around it (~1e-7), so drafts only;
-    # "native": specd's CausalAttention kernel, batch-invariant, no copy (native_ops)
+    # "native": specd's CachedAttention kernel (rotary + cache write + exact attention in
+    # one node), batch-invariant, no copy (native_ops)
     attention: str = "exact"
     kernels: str = "ort"
     # KV cache element type: "f32", or "f16" (half the memory and the attention's reads;
@@ -355,6 +357,8 @@ def _attention(c: _Ctx, i: int, h: str, pos_ids: str, mask: str, io: dict[str, s
         g.input(name, kv_type, [1, nkv, "n_ctx", hd])
     for name in (f"present_key_{i}", f"present_value_{i}"):
         g.output(name, kv_type, [1, nkv, "n_ctx", hd])
+    if c.options.attention == "native":
+        return _linear(c, _cached_attention(c, i, q, k, v), p + "attn_output.weight")
     q3, k3 = (g.op("Unsqueeze", [t, g.const([0])]) for t in (q, k))  # [1, S, *]
     fused = c.options.attention == "fused"
     v3 = g.op("Unsqueeze", [v, g.const([0])]) if fused else ""
@@ -368,8 +372,6 @@ def _attention(c: _Ctx, i: int, h: str, pos_ids: str, mask: str, io: dict[str, s
         k3 = g.op("RotaryEmbedding", [k3, pos_ids, "rope.cos", "rope.sin"], num_heads=nkv, **rot)
         if fused:
             out = _fused_attention(c, i, q3, k3, v3, io, rotary=False)
-        elif c.options.attention == "native":
-            out = _native_attention(c, i, q3, k3, v)
         else:
             out = _exact_attention(c, i, q3, k3, v, mask, io)
     return _linear(c, out, p + "attn_output.weight")
@@ -406,15 +408,20 @@ def _write_kv(c: _Ctx, i: int, k3: str, v: str) -> tuple[str, str]:
     return ck, cv
 
 
-def _native_attention(c: _Ctx, i: int, q3: str, k3: str, v: str) -> str:
-    """specd's CausalAttention over the cache in place: [S, H*hd]."""
+def _cached_attention(c: _Ctx, i: int, q: str, k: str, v: str) -> str:
+    """specd's CachedAttention on the unrotated projections: rotary, the write of the new
+    keys and values into layer i's cache in place, and the exact attention over it in one
+    node (~14 fewer per layer than RotaryEmbedding + TensorScatter + CausalAttention):
+    [S, H*hd]."""
     g, hp = c.g, c.hp
-    ck, cv = _write_kv(c, i, k3, v)
-    q = g.op("Reshape", [q3, g.const([-1, hp.n_head * hp.head_dim])])
-    op = "CausalAttentionF16" if c.options.kv_dtype == "f16" else "CausalAttention"
-    return g.op(op, [q, ck, cv, "position"], domain=NATIVE,
-                num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
-                scale=1.0 / math.sqrt(hp.head_dim))
+    op = "CachedAttentionF16" if c.options.kv_dtype == "f16" else "CachedAttention"
+    out, _, _ = g.op(op, [q, k, v, f"past_key_{i}", f"past_value_{i}", "position", "rope.cos",
+                          "rope.sin"], 3, domain=NATIVE,
+                     out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
+                     num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
+                     scale=1.0 / math.sqrt(hp.head_dim), rotary_dim=hp.rope_dim,
+                     interleaved=int(hp.rope_interleaved))
+    return out
 
 
 def _exact_attention(c: _Ctx, i: int, q3: str, k3: str, v: str, mask: str,
@@ -505,7 +512,7 @@ def _attention_inputs(g: GraphWriter, hp: HParams, attention: str, s_len: str
     """What every layer's attention shares: (causal mask, named tensors), built only for
     the kind of attention the graph uses."""
     io: dict[str, str] = {"s_len": s_len}
-    if attention == "native":  # CausalAttention takes `position` and masks by itself
+    if attention == "native":  # CachedAttention takes `position` and masks by itself
         return "", io
     if attention == "fused":  # GroupQueryAttention's int32 lengths; it masks by itself
         end = g.op("Cast", [g.op("Add", ["position", s_len])], to=TensorProto.INT32)

@@ -56,7 +56,9 @@ class BuiltModel:
 
 # (op, input index) of inputs read by rows at the step's tokens or positions
 ROW_LOOKUPS = {("Gather", 0), ("RotaryEmbedding", 2), ("RotaryEmbedding", 3),
-               ("GroupQueryAttention", 7), ("GroupQueryAttention", 8)}
+               ("GroupQueryAttention", 7), ("GroupQueryAttention", 8),
+               ("CachedAttention", 6), ("CachedAttention", 7),
+               ("CachedAttentionF16", 6), ("CachedAttentionF16", 7)}
 
 
 def initializer_sizes(model: onnx.ModelProto) -> dict[str, int]:

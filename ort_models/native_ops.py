@@ -2,8 +2,9 @@
 
 `kernels/gguf_matmul.c` multiplies by weights kept in GGUF's own block layout
 (`specd.GgufMatMul`; Q4_K and Q6_K), reading the file's bytes per token instead of the
-wider lossless MatMulNBits layout; `kernels/causal_attention.c` (`specd.CausalAttention`)
-attends over the KV cache in place, row-invariant by construction. They are built with
+wider lossless MatMulNBits layout; `kernels/causal_attention.c` (`specd.CausalAttention`,
+and `specd.CachedAttention`, which also rotates the new rows and writes them into the
+cache) attends over the KV cache in place, row-invariant by construction. They are built with
 the machine's C compiler (`$CC`, else cc / gcc / clang) and `-march=native` into the
 cache dir, once per source, compiler and CPU; ORT loads them with
 `SessionOptions.register_custom_ops_library`.

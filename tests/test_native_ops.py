@@ -198,7 +198,7 @@ def test_model_uses_the_kernels_and_reads_fewer_bytes(kquant_model) -> None:  # 
     ort_built = load_or_build(path)
     model = onnx.load(str(native.model_path), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
-    assert "CausalAttentionF16" in ops and "Softmax" not in ops
+    assert "CachedAttentionF16" in ops and not ops & {"Softmax", "RotaryEmbedding", "TensorScatter"}
     if wt == "Q5_K":
         assert "GgufMatMul" not in ops
         assert native.read_bytes_per_token <= ort_built.read_bytes_per_token  # no mask consts
@@ -335,6 +335,94 @@ def test_attention_refuses_a_block_past_the_cache() -> None:
     case = _attention_case(rng, 4, n_ctx=16)
     with pytest.raises(Exception, match="exceeds the cache"):
         _attention_session(6, 2, 32).run(None, {**case, "pos": np.array([13])})
+
+
+def _cached_session(heads: int, kv_heads: int, hd: int, rd: int, interleaved: int,
+                    f16: bool, lib: Path | None = None) -> ort.InferenceSession:
+    kv_type = TensorProto.FLOAT16 if f16 else TensorProto.FLOAT
+    node = helper.make_node("CachedAttentionF16" if f16 else "CachedAttention",
+                            ["q", "k", "v", "pk", "pv", "pos", "cos", "sin"], ["Y", "K", "V"],
+                            domain="specd", num_heads=heads, kv_num_heads=kv_heads,
+                            scale=1.0 / np.sqrt(hd), rotary_dim=rd, interleaved=interleaved)
+    cache = ["1", kv_heads, "n_ctx", hd]
+    graph = helper.make_graph(
+        [node], "cached",
+        [helper.make_tensor_value_info("q", TensorProto.FLOAT, ["S", heads * hd]),
+         helper.make_tensor_value_info("k", TensorProto.FLOAT, ["S", kv_heads * hd]),
+         helper.make_tensor_value_info("v", TensorProto.FLOAT, ["S", kv_heads * hd]),
+         helper.make_tensor_value_info("pk", kv_type, cache),
+         helper.make_tensor_value_info("pv", kv_type, cache),
+         helper.make_tensor_value_info("pos", TensorProto.INT64, [1]),
+         helper.make_tensor_value_info("cos", TensorProto.FLOAT, ["P", rd // 2]),
+         helper.make_tensor_value_info("sin", TensorProto.FLOAT, ["P", rd // 2])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", heads * hd]),
+         helper.make_tensor_value_info("K", kv_type, cache),
+         helper.make_tensor_value_info("V", kv_type, cache)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("specd", 1)])
+    model.ir_version = 10
+    so = ort.SessionOptions()
+    native_ops.register(so, lib)
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def _rotate(x: np.ndarray, heads: int, hd: int, rd: int, interleaved: int,
+            cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """[S, heads*hd] float32 rotated at the rows' angles cos/sin [S, rd/2], in float32:
+    a*cos - b*sin, b*cos + a*sin per pair."""
+    y = x.reshape(len(x), heads, hd).copy()
+    ia = np.arange(0, rd, 2) if interleaved else np.arange(rd // 2)
+    ib = ia + 1 if interleaved else ia + rd // 2
+    a, b = y[:, :, ia], y[:, :, ib]
+    c, s = cos[:, None, :], sin[:, None, :]
+    y[:, :, ia], y[:, :, ib] = a * c - b * s, b * c + a * s
+    return y.reshape(len(x), heads * hd)
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize("interleaved, rd", [(0, 32), (1, 32), (0, 16)])
+def test_cached_attention_rotates_writes_and_attends(portable: tuple[str, Path], f16: bool,
+                                                     interleaved: int, rd: int) -> None:
+    """CachedAttention = the rows rotated (float32, no FMA), written into the cache
+    (rounded to nearest even for f16), then CausalAttention: bit for bit, in every build;
+    the rest of the cache is untouched."""
+    rng = np.random.default_rng(rd + interleaved + f16)
+    heads, kv, hd, n_ctx, s, pos = 6, 2, 32, 64, 3, 20
+    ang = np.arange(n_ctx)[:, None] * 10000.0 ** (-np.arange(0, rd, 2) / rd)[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    dt = np.float16 if f16 else np.float32
+    feed = {"q": rng.normal(0, 1, (s, heads * hd)).astype(np.float32),
+            "k": rng.normal(0, 1, (s, kv * hd)).astype(np.float32),
+            "v": rng.normal(0, 1, (s, kv * hd)).astype(np.float32),
+            "pk": rng.normal(0, 1, (1, kv, n_ctx, hd)).astype(dt),
+            "pv": rng.normal(0, 1, (1, kv, n_ctx, hd)).astype(dt),
+            "pos": np.array([pos]), "cos": cos, "sin": sin}
+    rows = slice(pos, pos + s)
+    q = _rotate(feed["q"], heads, hd, rd, interleaved, cos[rows], sin[rows])
+    k = _rotate(feed["k"], kv, hd, rd, interleaved, cos[rows], sin[rows])
+    want_k, want_v = feed["pk"].copy(), feed["pv"].copy()
+    want_k[0, :, rows] = k.reshape(s, kv, hd).transpose(1, 0, 2).astype(dt)
+    want_v[0, :, rows] = feed["v"].reshape(s, kv, hd).transpose(1, 0, 2).astype(dt)
+    want_y = _attention_session(heads, kv, hd, f16=f16).run(
+        None, {"Q": q, "K": want_k, "V": want_v, "pos": np.array([pos])})[0]
+    for lib in (None, portable[1]):
+        y, pk, pv = _cached_session(heads, kv, hd, rd, interleaved, f16, lib).run(None, feed)
+        np.testing.assert_array_equal(pk, want_k)
+        np.testing.assert_array_equal(pv, want_v)
+        np.testing.assert_array_equal(y, want_y)
+
+
+def test_cached_attention_names_a_short_rotary_table() -> None:
+    rng = np.random.default_rng(5)
+    feed = {"q": rng.normal(0, 1, (2, 64)).astype(np.float32),
+            "k": rng.normal(0, 1, (2, 32)).astype(np.float32),
+            "v": rng.normal(0, 1, (2, 32)).astype(np.float32),
+            "pk": np.zeros((1, 1, 16, 32), np.float32), "pv": np.zeros((1, 1, 16, 32), np.float32),
+            "pos": np.array([7]), "cos": np.ones((8, 16), np.float32),
+            "sin": np.zeros((8, 16), np.float32)}
+    with pytest.raises(Exception, match="covering position"):
+        _cached_session(2, 1, 32, 32, 0, False).run(None, feed)
 
 
 ATTN_CASES = [("qwen2", {}), ("llama", {"n_head_kv": 4}), ("qwen3", {}),

@@ -17,6 +17,7 @@
  * plain C path follows the same lanes, so it rounds as the AVX2 path does.
  */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -223,6 +224,205 @@ static const ONNXTensorElementDataType INPUTS[] = {
 static const ONNXTensorElementDataType INPUTS_F16[] = {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
-const SpecdOpDef specd_causal_attention = {"CausalAttention", 4, INPUTS, create, compute_f32};
+const SpecdOpDef specd_causal_attention = {"CausalAttention", 4, INPUTS, create, compute_f32,
+                                           0, NULL};
 const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F16, create,
-                                               compute_f16};
+                                               compute_f16, 0, NULL};
+
+/* ---------------------------------------------------------------------------------- */
+/* specd.CachedAttention: rotary embedding, the write of the new keys and values into the
+ * cache, and CausalAttention, in one node (one instead of ~14 per layer: the per-node
+ * cost of ONNX Runtime is a tenth of a small model's step).
+ *
+ *   q        float32 [S, H*hd]     projections of the S new tokens at positions
+ *   k, v     float32 [S, Hkv*hd]   pos .. pos+S-1, not rotated
+ *   past_key, past_value  KV_T [1, Hkv, n_ctx, hd]  the caches
+ *   position int64   [1]           pos
+ *   cos, sin float32 [P, rd/2]     rotary tables (P > pos+S-1)
+ *   Y        float32 [S, H*hd]
+ *   present_key, present_value     the caches with rows pos .. pos+S-1 written; in place
+ *                                  where they are bound to the past buffers (specd's
+ *                                  runner does), else a copy first
+ *   attributes: num_heads, kv_num_heads, scale, rotary_dim (rd, even, <= hd),
+ *               interleaved (1: pairs (2i, 2i+1) rotate; 0: (i, i + rd/2))
+ *
+ * The rotation of x at a row is, per pair (a, b) and angle i, a*cos - b*sin and
+ * b*cos + a*sin in float32 without fused multiply-adds (dims past rd pass through); an
+ * f16 cache takes the rotated keys and the values rounded to nearest even (as a Cast).
+ * Then the attention is CausalAttention's, on the rotated queries. */
+
+typedef struct {
+  Attn at;
+  int64_t rotary_dim, interleaved;
+} Cached;
+
+/* float32 -> float16 bits, rounded to nearest even (F16C's vcvtps2ph, ONNX's Cast) */
+static uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+  if (ax >= 0x7F800000u) /* inf, nan (quieted, top mantissa bits kept) */
+    return (uint16_t)(sign | 0x7C00u | (ax > 0x7F800000u ? 0x200u | ((ax >> 13) & 0x3FFu) : 0));
+  if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* rounds past 65504 */
+  if (ax < 0x38800000u) { /* below 2^-14: subnormal or zero */
+    if (ax < 0x33000000u) return (uint16_t)sign;           /* below 2^-25 */
+    const uint32_t m = (ax & 0x7FFFFFu) | 0x800000u, shift = 126u - (ax >> 23);
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+  }
+  const uint32_t r = ax - 0x38000000u; /* exponent rebiased from 127 to 15 */
+  uint32_t q = r >> 13;
+  const uint32_t rem = r & 0x1FFFu;
+  if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++;
+  return (uint16_t)(sign | q);
+}
+
+/* out[h*hd ..] = x[h*hd ..] rotated by the angles of one position, for `heads` heads */
+static void rotate(const float *x, float *out, size_t heads, size_t hd, size_t rd,
+                   int interleaved, const float *cs, const float *sn) {
+  const size_t half = rd / 2;
+  for (size_t h = 0; h < heads; h++) {
+    const float *xh = x + h * hd;
+    float *oh = out + h * hd;
+    for (size_t i = 0; i < half; i++) {
+      const size_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+      const float a = xh[ia], b = xh[ib];
+      oh[ia] = a * cs[i] - b * sn[i];
+      oh[ib] = b * cs[i] + a * sn[i];
+    }
+    for (size_t d = rd; d < hd; d++) oh[d] = xh[d];
+  }
+}
+
+static void store_row(const float *x, float *dst, size_t n) { memcpy(dst, x, n * sizeof(float)); }
+static void store_row_f16(const float *x, uint16_t *dst, size_t n) {
+  size_t d = 0;
+#if SPECD_AVX2
+  for (; d + LANES <= n; d += LANES)
+    _mm_storeu_si128((__m128i *)(dst + d),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; d < n; d++) dst[d] = f32_to_f16(x[d]);
+}
+
+static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
+  const Cached *cd = (const Cached *)kernel;
+  const Attn *at = &cd->at;
+  const OrtValue *in[8];
+  for (size_t i = 0; i < 8; i++) CHECK(g_api->KernelContext_GetInput(ctx, i, &in[i]));
+  int64_t qd[8], kd[8], vd[8], ckd[8], cvd[8], pd[8], cosd[8], sind[8];
+  size_t qr, kr, vr, ckr, cvr, pr, cosr, sinr;
+  CHECK(specd_tensor_shape(in[0], qd, &qr));
+  CHECK(specd_tensor_shape(in[1], kd, &kr));
+  CHECK(specd_tensor_shape(in[2], vd, &vr));
+  CHECK(specd_tensor_shape(in[3], ckd, &ckr));
+  CHECK(specd_tensor_shape(in[4], cvd, &cvr));
+  CHECK(specd_tensor_shape(in[5], pd, &pr));
+  CHECK(specd_tensor_shape(in[6], cosd, &cosr));
+  CHECK(specd_tensor_shape(in[7], sind, &sinr));
+  if (qr != 2 || qd[1] % at->heads) return specd_fail("CachedAttention: q is not [S, H*hd]");
+  const int64_t s_len = qd[0], hd = qd[1] / at->heads, kvw = at->kv_heads * hd;
+  if (kr != 2 || vr != 2 || kd[0] != s_len || vd[0] != s_len || kd[1] != kvw || vd[1] != kvw)
+    return specd_fail("CachedAttention: k and v are not [S, Hkv*hd]");
+  if (ckr != 4 || ckd[0] != 1 || ckd[1] != at->kv_heads || ckd[3] != hd || cvr != 4 ||
+      memcmp(ckd, cvd, sizeof(int64_t) * 4) != 0)
+    return specd_fail("CachedAttention: the caches are not both [1, Hkv, n_ctx, hd]");
+  if (hd % LANES) return specd_fail("CachedAttention: head_dim must be a multiple of 8");
+  if (cd->rotary_dim > hd) return specd_fail("CachedAttention: rotary_dim exceeds head_dim");
+  if (pr != 1 || pd[0] != 1) return specd_fail("CachedAttention: position is not [1]");
+  const int64_t *pos;
+  CHECK(g_api->GetTensorMutableData((OrtValue *)in[5], (void **)&pos));
+  const int64_t n_ctx = ckd[2];
+  if (pos[0] < 0 || pos[0] + s_len > n_ctx)
+    return specd_fail("CachedAttention: position + S exceeds the cache");
+  if (cosr != 2 || sinr != 2 || cosd[1] != cd->rotary_dim / 2 || sind[1] != cosd[1] ||
+      sind[0] != cosd[0] || pos[0] + s_len > cosd[0])
+    return specd_fail("CachedAttention: cos and sin are not [positions, rotary_dim/2] "
+                      "covering position + S");
+  const float *q, *k, *v, *cs, *sn;
+  void *past_k, *past_v, *pres_k, *pres_v;
+  CHECK(g_api->GetTensorMutableData((OrtValue *)in[0], (void **)&q));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)in[1], (void **)&k));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)in[2], (void **)&v));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)in[3], &past_k));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)in[4], &past_v));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)in[6], (void **)&cs));
+  CHECK(g_api->GetTensorMutableData((OrtValue *)in[7], (void **)&sn));
+  OrtValue *y_val, *pk_val, *pv_val;
+  float *y;
+  CHECK(g_api->KernelContext_GetOutput(ctx, 0, qd, 2, &y_val));
+  CHECK(g_api->KernelContext_GetOutput(ctx, 1, ckd, 4, &pk_val));
+  CHECK(g_api->KernelContext_GetOutput(ctx, 2, cvd, 4, &pv_val));
+  CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
+  CHECK(g_api->GetTensorMutableData(pk_val, &pres_k));
+  CHECK(g_api->GetTensorMutableData(pv_val, &pres_v));
+  const size_t elem = f16 ? 2 : 4, cache_bytes = (size_t)(at->kv_heads * n_ctx * hd) * elem;
+  if (pres_k != past_k) memcpy(pres_k, past_k, cache_bytes); /* not bound in place */
+  if (pres_v != past_v) memcpy(pres_v, past_v, cache_bytes);
+
+  const size_t heads = (size_t)at->heads, kvh = (size_t)at->kv_heads, d = (size_t)hd;
+  const size_t rd = (size_t)cd->rotary_dim, half = rd / 2;
+  float *qr_rows = (float *)malloc(((size_t)s_len * heads * d + kvh * d) * sizeof(float));
+  if (!qr_rows) return g_api->CreateStatus(ORT_FAIL, "CachedAttention: out of memory");
+  float *krow = qr_rows + (size_t)s_len * heads * d;
+  for (int64_t s = 0; s < s_len; s++) {
+    const size_t p = (size_t)(pos[0] + s);
+    rotate(q + s * heads * d, qr_rows + s * heads * d, heads, d, rd, (int)cd->interleaved,
+           cs + p * half, sn + p * half);
+    rotate(k + s * kvh * d, krow, kvh, d, rd, (int)cd->interleaved, cs + p * half, sn + p * half);
+    for (size_t h = 0; h < kvh; h++) {
+      const size_t at_row = (h * (size_t)n_ctx + p) * d;
+      if (f16) {
+        store_row_f16(krow + h * d, (uint16_t *)pres_k + at_row, d);
+        store_row_f16(v + (s * kvh + h) * d, (uint16_t *)pres_v + at_row, d);
+      } else {
+        store_row(krow + h * d, (float *)pres_k + at_row, d);
+        store_row(v + (s * kvh + h) * d, (float *)pres_v + at_row, d);
+      }
+    }
+  }
+  Job job = {qr_rows, pres_k, pres_v, y, heads, heads / kvh, d, (size_t)n_ctx, (size_t)pos[0],
+             at->scale};
+  OrtStatus *st = g_api->KernelContext_ParallelFor(ctx, f16 ? run_task_f16 : run_task_f32,
+                                                   (size_t)s_len * kvh, 0, &job);
+  free(qr_rows);
+  return st;
+}
+
+static OrtStatus *compute_cached_f32(void *kernel, OrtKernelContext *ctx) {
+  return compute_cached(kernel, ctx, 0);
+}
+static OrtStatus *compute_cached_f16(void *kernel, OrtKernelContext *ctx) {
+  return compute_cached(kernel, ctx, 1);
+}
+
+static OrtStatus *create_cached(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
+  Cached cd;
+  CHECK(api->KernelInfoGetAttribute_int64(info, "num_heads", &cd.at.heads));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &cd.at.kv_heads));
+  CHECK(api->KernelInfoGetAttribute_float(info, "scale", &cd.at.scale));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "rotary_dim", &cd.rotary_dim));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "interleaved", &cd.interleaved));
+  if (cd.at.heads <= 0 || cd.at.kv_heads <= 0 || cd.at.heads % cd.at.kv_heads)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT,
+                             "CachedAttention: kv_num_heads must divide num_heads");
+  if (cd.rotary_dim < 0 || cd.rotary_dim % 2)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT,
+                             "CachedAttention: rotary_dim must be even and >= 0");
+  return specd_new_state(&cd, sizeof cd, kernel);
+}
+
+#define F32 ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+#define F16 ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+#define I64 ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+static const ONNXTensorElementDataType CACHED_IN[] = {F32, F32, F32, F32, F32, I64, F32, F32};
+static const ONNXTensorElementDataType CACHED_OUT[] = {F32, F32, F32};
+static const ONNXTensorElementDataType CACHED_IN_F16[] = {F32, F32, F32, F16, F16, I64, F32, F32};
+static const ONNXTensorElementDataType CACHED_OUT_F16[] = {F32, F16, F16};
+const SpecdOpDef specd_cached_attention = {"CachedAttention", 8, CACHED_IN, create_cached,
+                                           compute_cached_f32, 3, CACHED_OUT};
+const SpecdOpDef specd_cached_attention_f16 = {"CachedAttentionF16", 8, CACHED_IN_F16,
+                                               create_cached, compute_cached_f16, 3,
+                                               CACHED_OUT_F16};

@@ -594,4 +594,4 @@ static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **ke
 
 static const ONNXTensorElementDataType INPUTS[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
                                                    ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8};
-const SpecdOpDef specd_gguf_matmul = {"GgufMatMul", 2, INPUTS, create, compute};
+const SpecdOpDef specd_gguf_matmul = {"GgufMatMul", 2, INPUTS, create, compute, 0, NULL};

@@ -79,13 +79,13 @@ static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, 
 }
 static size_t ORT_API_CALL input_count(const OrtCustomOp *op) { return def_of(op)->n_inputs; }
 static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  (void)i;
-  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  const SpecdOpDef *def = def_of(op);
+  if (!def->n_outputs) return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+                                     : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  return i < def->n_outputs ? def->output_types[i] : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 }
 static size_t ORT_API_CALL output_count(const OrtCustomOp *op) {
-  (void)op;
-  return 1;
+  return def_of(op)->n_outputs ? def_of(op)->n_outputs : 1;
 }
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL io_required(const OrtCustomOp *op,
                                                                      size_t i) {
@@ -139,7 +139,8 @@ static void ORT_API_CALL destroy_any(void *kernel) {
 }
 
 static const SpecdOpDef *const DEFS[] = {&specd_gguf_matmul, &specd_causal_attention,
-                                          &specd_causal_attention_f16};
+                                          &specd_causal_attention_f16, &specd_cached_attention,
+                                          &specd_cached_attention_f16};
 enum { N_OPS = sizeof DEFS / sizeof DEFS[0] };
 static Op g_ops[N_OPS];
 static OrtCustomOpDomain *g_domain;

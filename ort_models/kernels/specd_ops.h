@@ -35,10 +35,14 @@ typedef struct {
   const ONNXTensorElementDataType *input_types;
   OrtStatus *(*create)(const OrtApi *api, const OrtKernelInfo *info, void **kernel);
   OrtStatus *(*compute)(void *kernel, OrtKernelContext *ctx); /* kernel is freed with free() */
+  size_t n_outputs;                                /* 0: one float32 output */
+  const ONNXTensorElementDataType *output_types;
 } SpecdOpDef;
 
 extern const SpecdOpDef specd_gguf_matmul;
 extern const SpecdOpDef specd_causal_attention;
 extern const SpecdOpDef specd_causal_attention_f16;
+extern const SpecdOpDef specd_cached_attention;
+extern const SpecdOpDef specd_cached_attention_f16;
 
 #endif

@@ -1,0 +1,196 @@
+"""GgufMatMul's group kernels at two revisions, interleaved in one process.
+
+    python bench/kernel_ab.py [--base HEAD~1] [--shapes 1536x8960,8960x1536]
+                              [--types Q4_K,Q6_K] [--sizes 1,4,5,8] [--repeats 9] [--threads 2]
+
+This machine's timings drift by 10-20% between runs, more than a kernel change is worth,
+so two builds of `ort_models/kernels/gguf_matmul.c` (the one at git revision `--base`
+and the working tree's) are compiled into one C program (`$CC`, else cc, with the flags
+specd builds with) that calls them alternately on the same threads, matrices streamed
+from memory (512 MiB of weight copies, far past the caches) and the same quantized
+activations. Prints the median ms per matrix of each build and their ratio. The weights
+are random bytes: the timing does not depend on their values, only on their size, which
+both layouts share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = "ort_models/kernels"
+
+WRAPPER = r"""
+#define _POSIX_C_SOURCE 199309L
+#include "gguf_matmul.c"
+#include <pthread.h>
+#include <time.h>
+typedef struct {
+  const uint8_t *w;
+  size_t g0, g1, gb, nb;
+  const Act *a;
+  size_t m;
+  GroupFn fn;
+} Part;
+static void *run_part(void *p) {
+  const Part *t = (const Part *)p;
+  float acc[ROW_TILE][GROUP];
+  for (size_t g = t->g0; g < t->g1; g++) {
+    memset(acc, 0, sizeof acc);
+    t->fn(t->w + g * t->gb, t->nb, t->a, 0, t->m, acc);
+  }
+  return NULL;
+}
+/* seconds for one [m, k] x [n, k]^T product over `threads` threads (k a multiple of 256) */
+double SIDE_matmul(int q6, size_t m, size_t n, size_t k, const uint8_t *w, const int8_t *q,
+                   const float *d, const int16_t *s16, const int16_t *s32, int threads) {
+  Act a;
+  memset(&a, 0, sizeof a);
+  a.k = k; a.q = (int8_t *)q; a.d = (float *)d; a.sum16 = (int16_t *)s16; a.sum32 = (int16_t *)s32;
+  const size_t nb = k / QK_K, gb = nb * (q6 ? Q6_K_GROUP_BYTES : Q4_K_GROUP_BYTES);
+  const size_t groups = (n + GROUP - 1) / GROUP;
+  Part parts[16];
+  pthread_t th[16];
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int t = 0; t < threads; t++) {
+    parts[t] = (Part){w, groups * t / threads, groups * (t + 1) / threads, gb, nb, &a, m,
+                      q6 ? group_q6_k : group_q4_k};
+    pthread_create(&th[t], NULL, run_part, &parts[t]);
+  }
+  for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  return (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+}
+/* quantize_row of this build (the activations both sides read) */
+void SIDE_quantize(const float *x, size_t k, int8_t *q, float *d, int16_t *s16, int16_t *s32) {
+  quantize_row(x, k, k, q, d, s16, s32);
+}
+"""
+
+STUBS = r"""
+#include "specd_ops.h"
+#include <string.h>
+const OrtApi *g_api;
+OrtStatus *specd_new_state(const void *s, size_t n, void **k) {
+  (void)s; (void)n; (void)k; return 0;
+}
+OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *d, size_t *r) {
+  (void)v; (void)d; (void)r; return 0;
+}
+OrtStatus *specd_fail(const char *m) { (void)m; return 0; }
+float specd_f16_to_f32(const void *p) { unsigned short h; memcpy(&h, p, 2); return (float)h; }
+"""
+
+MAIN = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+typedef double (*Mm)(int, size_t, size_t, size_t, const uint8_t *, const int8_t *, const float *,
+                     const int16_t *, const int16_t *, int);
+double base_matmul(int, size_t, size_t, size_t, const uint8_t *, const int8_t *, const float *,
+                   const int16_t *, const int16_t *, int);
+double work_matmul(int, size_t, size_t, size_t, const uint8_t *, const int8_t *, const float *,
+                   const int16_t *, const int16_t *, int);
+void work_quantize(const float *, size_t, int8_t *, float *, int16_t *, int16_t *);
+static int by_value(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+int main(int argc, char **argv) {
+  const int q6 = atoi(argv[1]), repeats = atoi(argv[5]), threads = atoi(argv[6]);
+  const size_t k = (size_t)atol(argv[2]), n = (size_t)atol(argv[3]), m = (size_t)atol(argv[4]);
+  const size_t mat = ((n + 15) / 16 * 16) * (k / 256) * (q6 ? 210 : 148);
+  const size_t copies = (512u << 20) / mat + 1;
+  uint8_t *w = malloc(copies * mat);
+  for (size_t i = 0; i < copies * mat; i++) w[i] = (uint8_t)((i * 2654435761u) >> 13);
+  int8_t *q = malloc(m * k);
+  float *x = malloc(m * k * sizeof(float)), *d = malloc(m * (k / 256) * sizeof(float));
+  int16_t *s16 = malloc(m * (k / 16) * 2), *s32 = malloc(m * (k / 32) * 2);
+  for (size_t i = 0; i < m * k; i++) x[i] = (float)((i * 13) % 17) - 8.0f;
+  for (size_t r = 0; r < m; r++)
+    work_quantize(x + r * k, k, q + r * k, d + r * (k / 256), s16 + r * (k / 16),
+                  s32 + r * (k / 32));
+  const Mm side[2] = {base_matmul, work_matmul};
+  double *t[2] = {malloc(repeats * sizeof(double)), malloc(repeats * sizeof(double))};
+  for (int r = -1; r < repeats; r++)  /* a first round warms up */
+    for (int s = 0; s < 2; s++) {
+      double sum = 0;
+      for (size_t c = 0; c < copies; c++)
+        sum += side[s](q6, m, n, k, w + c * mat, q, d, s16, s32, threads);
+      if (r >= 0) t[s][r] = sum / copies;
+    }
+  for (int s = 0; s < 2; s++) qsort(t[s], repeats, sizeof(double), by_value);
+  printf("%.4f %.4f\n", t[0][repeats / 2] * 1e3, t[1][repeats / 2] * 1e3);
+  return 0;
+}
+"""
+
+FLAGS = ["-O3", "-std=c11", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def sources(rev: str | None, out: Path) -> None:
+    """The kernel sources at `rev` (None: the working tree) into `out`."""
+    out.mkdir(parents=True)
+    for name in ("gguf_matmul.c", "specd_ops.h", "ort_api_subset.h"):
+        path = f"{KERNELS}/{name}"
+        text = ((ROOT / path).read_text() if rev is None else subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+            text=True).stdout)
+        (out / name).write_text(text)
+
+
+def build(base: str, tmp: Path) -> Path:
+    cc = os.environ.get("CC", "cc")
+    objs = []
+    for side, rev in (("base", base), ("work", None)):
+        src = tmp / side
+        sources(rev, src)
+        (src / "wrap.c").write_text(WRAPPER.replace("SIDE_", f"{side}_"))
+        obj = tmp / f"{side}.o"
+        # each build's op table gets its own name; nothing else of it is global
+        subprocess.run([cc, *FLAGS, f"-Dspecd_gguf_matmul={side}_op", "-c", str(src / "wrap.c"),
+                        "-o", str(obj)], check=True)
+        objs.append(str(obj))
+    (tmp / "stubs.c").write_text(STUBS)
+    (tmp / "main.c").write_text(MAIN)
+    exe = tmp / "kernel_ab"
+    subprocess.run([cc, *FLAGS, "-I", str(tmp / "work"), str(tmp / "stubs.c"), str(tmp / "main.c"),
+                    *objs, "-o", str(exe), "-lpthread", "-lm"], check=True)
+    return exe
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", default="HEAD~1", help="git revision to compare against")
+    ap.add_argument("--shapes", default="1536x8960,8960x1536", help="KxN, comma-separated")
+    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--sizes", default="1,4,5,8", help="rows M of the activations")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        exe = build(args.base, Path(d))
+        print(f"GgufMatMul groups, {args.base} (base) against the working tree (work), "
+              f"{args.threads} threads, medians of {args.repeats} interleaved rounds\n")
+        print("| type | K×N | M | base ms | work ms | work / base |")
+        print("|---|---|---|---|---|---|")
+        for type_name in args.types.split(","):
+            for shape in args.shapes.split(","):
+                k, n = shape.split("x")
+                for m in args.sizes.split(","):
+                    out = subprocess.run([str(exe), str(int(type_name == "Q6_K")), k, n, m,
+                                          str(args.repeats), str(args.threads)],
+                                         check=True, capture_output=True, text=True).stdout
+                    base, work = map(float, out.split())
+                    print(f"| {type_name} | {k}×{n} | {m} | {base:.3f} | {work:.3f} | "
+                          f"{work / base:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
