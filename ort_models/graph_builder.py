@@ -25,7 +25,9 @@ multiplies Q4_K / Q6_K matrices with GgufMatMul on the GGUF's own blocks and
 attention="native" rotates, writes the cache in place and attends over it in one
 CachedAttention node: both compute
 each row alone in a fixed order, so they are row-invariant by construction (`attn_len`
-is unused there too).
+is unused there too). Wherever specd's ops are registered the gated feed-forward
+activation is one SwiGlu node over the stacked gate/up product (elementwise, the same
+operations whatever S).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from .quant import (
     requantize_q4,
 )
 
-BUILDER_VERSION = "8"
+BUILDER_VERSION = "9"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 ATTENTION_KINDS = ("exact", "fused", "native")
@@ -247,15 +249,31 @@ def _linears(c: _Ctx, x: str, names: list[str]) -> list[str]:
         if len(group) == 1:
             outs.append(_linear(c, x, group[0]))
         else:
-            fused = group[0].rsplit(".", 2)[0] + "." + "+".join(
-                n.split(".")[-2] for n in group) + ".weight"
-            c.shared[fused] = _concat_rows([_matrix(c, n) for n in group])
-            biases = [n.replace(".weight", ".bias") for n in group]
-            y = _linear(c, x, fused, bias=[b for b in biases if c.f.has_tensor(b)])
             sizes = [_rows(_matrix(c, n)) for n in group]
-            outs.extend(c.g.op("Split", [y, c.g.const(sizes)], len(group), axis=-1))
+            outs.extend(c.g.op("Split", [_stacked_linear(c, x, group), c.g.const(sizes)],
+                               len(group), axis=-1))
         i = j
     return outs
+
+
+def _stacked_linear(c: _Ctx, x: str, names: list[str]) -> str:
+    """x @ [W_0; W_1; ...]^T (+ their biases) -> [S, N_0 + N_1 + ...] in one product, for
+    matrices `_fusable` says can share one."""
+    fused = names[0].rsplit(".", 2)[0] + "." + "+".join(
+        n.split(".")[-2] for n in names) + ".weight"
+    c.shared[fused] = _concat_rows([_matrix(c, n) for n in names])
+    biases = [n.replace(".weight", ".bias") for n in names]
+    return _linear(c, x, fused, bias=[b for b in biases if c.f.has_tensor(b)])
+
+
+def _gated_ffn(c: _Ctx, h: str, p: str) -> str:
+    """silu(h @ gate^T) * (h @ up^T) -> [S, n_ff]: with specd's kernels one product over
+    the stacked gate and up and one SwiGlu node, else Split, Sigmoid and Muls."""
+    names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
+    if c.options.uses_native and _fusable(_matrix(c, names[0]), _matrix(c, names[1])):
+        return c.g.op("SwiGlu", [_stacked_linear(c, h, names)], domain=NATIVE)
+    gate, up = _linears(c, h, names)
+    return c.g.op("Mul", [c.g.op("Mul", [gate, c.g.op("Sigmoid", [gate])]), up])
 
 
 def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
@@ -488,9 +506,7 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
         p = f"blk.{i}."
         x, h = _add_norm(c, x, delta, p + "attn_norm.weight")
         x, h = _add_norm(c, x, _attention(c, i, h, pos_ids, mask, io), p + "ffn_norm.weight")
-        gate, up = _linears(c, h, [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        delta = _linear(c, act, p + "ffn_down.weight")
+        delta = _linear(c, _gated_ffn(c, h, p), p + "ffn_down.weight")
         if i in options.hidden_layers:
             g.op("Add", [x, delta], out=[f"hidden_{i}"])
             g.output(f"hidden_{i}", F32, ["S", hp.n_embd])

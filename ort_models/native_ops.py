@@ -29,8 +29,8 @@ from .paths import cache_dir
 log = logging.getLogger("specd.native")
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-SOURCES = ("specd_ops.c", "gguf_matmul.c", "causal_attention.c")
-HEADERS = ("ort_api_subset.h", "specd_ops.h", "causal_attention_kv.h")
+SOURCES = ("specd_ops.c", "gguf_matmul.c", "causal_attention.c", "swiglu.c")
+HEADERS = tuple(sorted(p.name for p in KERNEL_DIR.glob("*.h")))  # all in the build hash
 DOMAIN = "specd"
 # GGUF tensor types GgufMatMul reads (name -> ggml type id)
 GGUF_MATMUL_TYPES = {"Q4_K": 12, "Q6_K": 14}

@@ -199,6 +199,7 @@ def test_model_uses_the_kernels_and_reads_fewer_bytes(kquant_model) -> None:  # 
     model = onnx.load(str(native.model_path), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
     assert "CachedAttentionF16" in ops and not ops & {"Softmax", "RotaryEmbedding", "TensorScatter"}
+    assert "SwiGlu" in ops and "Sigmoid" not in ops
     if wt == "Q5_K":
         assert "GgufMatMul" not in ops
         assert native.read_bytes_per_token <= ort_built.read_bytes_per_token  # no mask consts
@@ -230,6 +231,59 @@ def test_model_block_equals_single_steps_bitwise(kquant_model) -> None:  # noqa:
     block_r.forward(0, TOKENS[:4], 0)
     block = block_r.forward(0, TOKENS[4:], 4, list(range(len(TOKENS) - 4)))
     np.testing.assert_array_equal(block, singles[4:])
+
+
+# -- SwiGlu ----------------------------------------------------------------------------
+
+
+def _swiglu_session(lib: Path | None = None, threads: int = 2) -> ort.InferenceSession:
+    node = helper.make_node("SwiGlu", ["X"], ["Y"], domain="specd")
+    graph = helper.make_graph(
+        [node], "t", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", "F2"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", "F"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("specd", 1)])
+    model.ir_version = 10
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    native_ops.register(so, lib)
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def _gate_up(rng: np.random.Generator, m: int, f: int) -> np.ndarray:
+    x = (rng.standard_normal((m, 2 * f)) * 4).astype(np.float32)  # [M, 2F]
+    x[0, :6] = [0.0, -0.0, 100.0, -100.0, 88.5, -1e-30]  # edges: exp underflow, signed zero
+    return x
+
+
+def _silu_mul(x: np.ndarray) -> np.ndarray:
+    g, u = np.split(x.astype(np.float64), 2, axis=-1)
+    return g / (1.0 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("f", [8960, 37])  # a tail past the 8 lanes; several tasks at M=3
+def test_swiglu_matches_silu_times_up(f: int) -> None:
+    x = _gate_up(np.random.default_rng(11), 3, f)
+    y = _swiglu_session().run(None, {"X": x})[0]
+    want = _silu_mul(x)
+    assert y.shape == (3, f)
+    np.testing.assert_allclose(y, want, rtol=2e-6, atol=1e-30)
+
+
+def test_swiglu_rows_builds_and_threads_agree(portable: tuple[str, Path]) -> None:
+    """Rows of a block equal rows alone, on 1 or 2 threads and on the other builds."""
+    x = _gate_up(np.random.default_rng(12), 9, 4481)  # 9 rows > one 16384-element task
+    block = _swiglu_session().run(None, {"X": x})[0]
+    one = _swiglu_session(threads=1)
+    singles = np.concatenate([one.run(None, {"X": x[i:i + 1]})[0] for i in range(9)])
+    np.testing.assert_array_equal(block, singles)
+    np.testing.assert_array_equal(block, _swiglu_session(portable[1]).run(None, {"X": x})[0])
+
+
+def test_swiglu_refuses_an_odd_width() -> None:
+    with pytest.raises(Exception, match="must be even"):
+        _swiglu_session().run(None, {"X": np.zeros((1, 7), np.float32)})
 
 
 # -- CausalAttention -------------------------------------------------------------------

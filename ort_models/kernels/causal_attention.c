@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "specd_math.h"
 #include "specd_ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -49,26 +50,6 @@ typedef struct {
   float scale;
 } Attn;
 
-/* exp for x <= 0 (softmax arguments): Cephes' expf polynomial, ~1 ulp; 0 below -87 */
-static inline float exp_scalar(float x) {
-  if (x < -87.0f) return 0.0f;
-  float fx = floorf(x * 1.44269504088896341f + 0.5f);
-  float r = x - fx * 0.693359375f;
-  r = r - fx * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  int32_t bits;
-  memcpy(&bits, &y, 4);
-  bits += (int32_t)fx << 23;
-  memcpy(&y, &bits, 4);
-  return y;
-}
-
 /* ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)): the tree every path sums 8 lanes in (the one
  * _mm256_hadd_ps gives, so that 8 keys can be summed at once) */
 static float lanes_sum(const float l[LANES]) {
@@ -82,25 +63,6 @@ static inline float hsum8(__m256 v) {
   return lanes_sum(l);
 }
 
-static inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                            _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-  __m256i bits = _mm256_add_epi32(_mm256_castps_si256(y),
-                                  _mm256_slli_epi32(_mm256_cvtps_epi32(fx), 23));
-  return _mm256_andnot_ps(zero_mask, _mm256_castsi256_ps(bits));
-}
 #endif
 
 typedef struct {

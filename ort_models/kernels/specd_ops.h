@@ -44,5 +44,6 @@ extern const SpecdOpDef specd_causal_attention;
 extern const SpecdOpDef specd_causal_attention_f16;
 extern const SpecdOpDef specd_cached_attention;
 extern const SpecdOpDef specd_cached_attention_f16;
+extern const SpecdOpDef specd_swiglu;
 
 #endif
