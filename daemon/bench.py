@@ -62,18 +62,30 @@ class BenchConfig:
 
 def parse_config(name: str) -> BenchConfig:
     """`target-only`, `draft n_max=K`, `draft adaptive`, `ngram n_max=K`, `ngram adaptive`
-    (adaptive drafts at most 8)."""
+    (adaptive drafts at most 8); a draft configuration may add `p_min=P` (stop drafting
+    where the draft's top probability falls below P)."""
     spec, _, rest = name.strip().partition(" ")
     if spec == "target-only" and not rest:
         return BenchConfig("target-only", "none")
-    if spec in ("draft", "ngram"):
-        if rest == "adaptive":
-            return BenchConfig(f"{spec} adaptive", spec, 8, adaptive=True)
-        key, _, value = rest.partition("=")
+    words = rest.split()
+    p_min = 0.0
+    if spec == "draft" and len(words) == 2 and words[1].startswith("p_min="):
+        try:
+            p_min = float(words[1].removeprefix("p_min="))
+        except ValueError:
+            p_min = -1.0
+        words = words[:1] if 0.0 < p_min <= 1.0 else []
+    suffix = f" p_min={p_min:g}" if p_min else ""
+    if spec in ("draft", "ngram") and len(words) == 1:
+        if words[0] == "adaptive":
+            return BenchConfig(f"{spec} adaptive{suffix}", spec, 8, adaptive=True, p_min=p_min)
+        key, _, value = words[0].partition("=")
         if key == "n_max" and value.isdigit() and int(value) > 0:
-            return BenchConfig(f"{spec} n_max={int(value)}", spec, int(value))
+            return BenchConfig(f"{spec} n_max={int(value)}{suffix}", spec, int(value),
+                               p_min=p_min)
     raise ValueError(f"unknown bench configuration {name!r} (target-only, draft n_max=K, "
-                     "draft adaptive, ngram n_max=K, ngram adaptive)")
+                     "draft adaptive, ngram n_max=K, ngram adaptive; draft ones may add "
+                     "p_min=P, 0 < P <= 1)")
 
 
 def default_configs(has_draft: bool) -> list[BenchConfig]:

@@ -131,6 +131,13 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e
 
 
+def top_probability(logits: np.ndarray) -> float:
+    """The largest probability of softmax(logits [vocab]): 1 / sum(exp(x - max)), in
+    float32 (a draft's confidence, compared against a threshold only)."""
+    x = np.asarray(logits, dtype=np.float32)
+    return float(1.0 / np.exp(x - x.max()).sum(dtype=np.float64))
+
+
 class NoAllowedToken(ValueError):
     """The token mask allows nothing: there is no distribution to sample from."""
 

@@ -98,8 +98,19 @@ def test_configs_parse_from_their_names(name, spec, n_max, adaptive) -> None:  #
     assert (cfg.name, cfg.spec, cfg.n_max, cfg.adaptive) == (name, spec, n_max, adaptive)
 
 
+def test_draft_configs_take_a_p_min() -> None:
+    cfg = bench.parse_config("draft n_max=4 p_min=0.50")
+    assert (cfg.name, cfg.n_max, cfg.p_min, cfg.adaptive) == ("draft n_max=4 p_min=0.5", 4,
+                                                               0.5, False)
+    cfg = bench.parse_config("draft adaptive p_min=0.3")
+    assert (cfg.name, cfg.n_max, cfg.p_min, cfg.adaptive) == ("draft adaptive p_min=0.3", 8,
+                                                               0.3, True)
+
+
 @pytest.mark.parametrize("name", ["draft", "draft n_max=0", "draft n=2", "eagle n_max=2",
-                                  "target-only n_max=2"])
+                                  "target-only n_max=2", "draft n_max=2 p_min=0",
+                                  "draft n_max=2 p_min=x", "ngram n_max=2 p_min=0.5",
+                                  "draft p_min=0.5"])
 def test_unknown_configs_are_named_in_the_error(name) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="unknown bench configuration"):
         bench.parse_config(name)

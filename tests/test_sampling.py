@@ -13,6 +13,7 @@ from specd.daemon.sampling import (
     derive_seeds,
     sample_from_probs,
     softmax,
+    top_probability,
 )
 
 
@@ -385,3 +386,12 @@ def test_validate_accepts_defaults_and_edges() -> None:
         assert params.validate() is params
     assert SamplerParams(temperature=0.0).is_greedy
     assert not SamplerParams(temperature=0.1).is_greedy
+
+
+def test_top_probability_is_the_softmax_maximum() -> None:
+    rng = np.random.default_rng(3)
+    for scale in (0.1, 3.0, 30.0):
+        x = (rng.standard_normal(151936) * scale).astype(np.float32)
+        x[::7] = -np.inf  # masked tokens
+        assert top_probability(x) == pytest.approx(softmax(x).max(),
+                                                            rel=1e-5)

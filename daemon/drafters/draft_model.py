@@ -15,7 +15,7 @@ import numpy as np
 
 from ...ort_models.runner import ModelRunner
 from ..grammar import GrammarState
-from ..sampling import Sampler, mask_logits, softmax
+from ..sampling import Sampler, mask_logits, top_probability
 from .base import Draft, Drafter, DraftParams
 
 
@@ -100,7 +100,7 @@ class DraftModelDrafter(Drafter):
             else:
                 masked = row if mask is None else mask_logits(row, mask)
                 tok = int(np.argmax(masked))
-                top = float(softmax(masked).max()) if params.p_min > 0 else 1.0
+                top = top_probability(masked) if params.p_min > 0 else 1.0
             if params.p_min > 0 and top < params.p_min:
                 if q_rows:
                     q_rows.pop()
