@@ -15,6 +15,7 @@ and `unavailable_reason()` says why. `SPECD_NATIVE=0` turns the kernels off.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -29,7 +30,8 @@ from .paths import cache_dir
 log = logging.getLogger("specd.native")
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
-SOURCES = ("specd_ops.c", "gguf_matmul.c", "causal_attention.c", "swiglu.c")
+SOURCES = ("specd_ops.c", "thread_pool.c", "gguf_matmul.c", "causal_attention.c",
+           "swiglu.c")
 HEADERS = tuple(sorted(p.name for p in KERNEL_DIR.glob("*.h")))  # all in the build hash
 DOMAIN = "specd"
 # GGUF tensor types GgufMatMul reads (name -> ggml type id)
@@ -89,7 +91,7 @@ def build(flags: tuple[str, ...] = ("-march=native",), out_dir: Path | None = No
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".build{os.getpid()}-{threading.get_ident()}.so"
     cmd = [cc, *BASE_FLAGS, *flags, f"-I{KERNEL_DIR}", "-o", str(tmp),
-           *(str(KERNEL_DIR / s) for s in SOURCES), "-lm"]
+           *(str(KERNEL_DIR / s) for s in SOURCES), "-lm", "-pthread"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -144,3 +146,17 @@ def register(session_options: object, lib: Path | None = None) -> None:
         raise NativeBuildError("this graph uses specd's kernels, which are unavailable: "
                                f"{unavailable_reason()}")
     session_options.register_custom_ops_library(str(lib))  # type: ignore[attr-defined]
+    threads = session_options.intra_op_num_threads or os.cpu_count() or 1  # type: ignore[attr-defined]
+    _handle(lib).specd_set_threads(ctypes.c_int(threads))
+
+
+_handles: dict[Path, ctypes.CDLL] = {}
+
+
+def _handle(lib: Path) -> ctypes.CDLL:
+    """The loaded library (the one ORT loads too: same path, same object), kept loaded
+    for good: its workers run its code."""
+    with _lock:
+        if lib not in _handles:
+            _handles[lib] = ctypes.CDLL(str(lib))
+        return _handles[lib]

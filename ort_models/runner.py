@@ -70,7 +70,9 @@ class ModelRunner:
         # cores are shared. Qwen 1.5B (+0.5B draft, n=2), 2 threads, this 2-core box:
         # idle 14.5 vs 13.2 tok/s (19.4 vs 17.4 speculative) with/without spinning; one
         # busy process beside it 7.5 vs 10.7 (10.5 vs 14.2). So off by default.
-        # spinning=True spins only while a run lasts; "always" keeps spinning.
+        # spinning=True spins only while a run lasts; "always" keeps spinning. specd's own
+        # kernels (most of a step) run on their own workers, which spin 150 us after each
+        # task and then sleep (native_ops, kernels/thread_pool.c), whatever this says.
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         if spinning is True:
             so.add_session_config_entry("session.force_spinning_stop", "1")

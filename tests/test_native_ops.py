@@ -168,6 +168,20 @@ def test_unavailable_kernels_say_why_and_the_engine_falls_back(
     assert (draft.requant, draft.kernels, draft.attention) == ("q4", "ort", "fused")
 
 
+def test_sessions_of_two_threads_start_a_kernel_worker() -> None:
+    """The kernels run their tasks on specd's own pool (thread_pool.c), sized by the
+    sessions that register them; the bitwise tests above hold on it."""
+    import ctypes
+
+    rng = np.random.default_rng(9)
+    blocks = random_kquant_blocks(rng, 64, 512, "Q4_K", std=0.05)
+    x = _inputs(rng, 3, 512)
+    two = _session(blocks.pack(), 12, 512, 64, threads=2).run(None, {"A": x})[0]
+    assert ctypes.CDLL(str(LIB)).specd_pool_workers() >= 1
+    np.testing.assert_array_equal(two, _session(blocks.pack(), 12, 512, 64, threads=1)
+                                  .run(None, {"A": x})[0])
+
+
 def test_vector_paths_are_detected(portable: tuple[str, Path]) -> None:
     assert native_ops.vectorized(LIB)
     assert native_ops.vectorized(portable[1]) == (portable[0] == "avx2")

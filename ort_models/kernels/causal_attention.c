@@ -157,8 +157,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx, void (*task)(void
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
   Job job = {q, k, v, y, (size_t)at->heads, (size_t)(at->heads / at->kv_heads), (size_t)hd,
              (size_t)kd[2], (size_t)pos[0], at->scale};
-  return g_api->KernelContext_ParallelFor(ctx, task, (size_t)qd[0] * (size_t)at->kv_heads, 0,
-                                          &job);
+  specd_parallel_for(task, &job, (size_t)qd[0] * (size_t)at->kv_heads);
+  return NULL;
 }
 
 
@@ -347,10 +347,9 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   }
   Job job = {qr_rows, pres_k, pres_v, y, heads, heads / kvh, d, (size_t)n_ctx, (size_t)pos[0],
              at->scale};
-  OrtStatus *st = g_api->KernelContext_ParallelFor(ctx, f16 ? run_task_f16 : run_task_f32,
-                                                   (size_t)s_len * kvh, 0, &job);
+  specd_parallel_for(f16 ? run_task_f16 : run_task_f32, &job, (size_t)s_len * kvh);
   free(qr_rows);
-  return st;
+  return NULL;
 }
 
 static OrtStatus *compute_cached_f32(void *kernel, OrtKernelContext *ctx) {

@@ -22,6 +22,10 @@ OrtStatus *specd_new_state(const void *state, size_t size, void **out);
 /* dims[0..rank) of a tensor (rank <= 8). */
 OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank);
 
+/* fn(data, t) for t in [0, n), on the calling thread and the kernels' workers
+ * (thread_pool.c); returns when every task is done. */
+void specd_parallel_for(void (*fn)(void *, size_t), void *data, size_t n);
+
 #define CHECK(expr)          \
   do {                       \
     OrtStatus *st_ = (expr); \

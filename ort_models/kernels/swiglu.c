@@ -82,11 +82,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   job.n = rows * job.f;
   CHECK(g_api->GetTensorMutableData((OrtValue *)x_val, (void **)&job.x));
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&job.y));
-  if (job.n <= CHUNK) {
-    swiglu_range(&job, 0, job.n);
-    return NULL;
-  }
-  return g_api->KernelContext_ParallelFor(ctx, run_task, (job.n + CHUNK - 1) / CHUNK, 0, &job);
+  specd_parallel_for(run_task, &job, (job.n + CHUNK - 1) / CHUNK);
+  return NULL;
 }
 
 static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {

@@ -1,0 +1,158 @@
+/* The kernels' own workers: a parallel-for whose idle workers spin briefly, then sleep.
+ *
+ * ONNX Runtime's intra-op pool either spins all the time a run lasts (which loses badly
+ * when other programs share the cores) or puts its workers to sleep after every parallel
+ * section; on a virtual machine waking a sleeping core then costs about as long as a
+ * small matrix product takes (a 1536 x 1536 Q4_K product: 82 us on one thread, 82 us on
+ * two with a sleeping worker, 60 us with a spinning one). Here a worker spins for
+ * SPIN_NS after its last task, which covers the gaps between one forward pass's kernels,
+ * and sleeps in the gaps between passes.
+ *
+ * A job's tasks are claimed one at a time from one atomic word, (generation, next task,
+ * task count), by the caller and the workers alike: the caller never waits for a worker
+ * to wake up, only for tasks a worker has already claimed. A worker's claim can only
+ * succeed while its job is live (the generation is part of the word), and the job's
+ * function and data do not change until every claimed task is done.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "specd_ops.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+enum { MAX_WORKERS = 63, IDX_BITS = 20, GEN_SHIFT = 2 * IDX_BITS };
+#define SPIN_NS 150000L /* spin this long after a job before sleeping */
+#define IDX_MASK ((UINT64_C(1) << IDX_BITS) - 1)
+
+static struct {
+  /* each on its own cache line: workers poll `published` while tasks are claimed */
+  _Alignas(64) _Atomic uint64_t state; /* generation << 40 | next task << 20 | task count */
+  _Alignas(64) _Atomic uint32_t published; /* the generation workers wait for */
+  _Alignas(64) _Atomic size_t done;        /* tasks of the live job finished */
+  _Alignas(64) size_t per_claim;           /* tasks taken per claim */
+  _Atomic int sleepers;
+  _Atomic int busy; /* a job is live: a concurrent caller runs its tasks alone */
+  void (*fn)(void *, size_t);
+  void *data;
+  _Atomic int wanted, started; /* workers asked for, running */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+} g_pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* run tasks of generation `gen` until none is left to claim */
+static void run_claims(uint32_t gen) {
+  uint64_t s = atomic_load(&g_pool.state);
+  for (;;) {
+    if ((uint32_t)(s >> GEN_SHIFT) != gen) return;
+    const uint64_t next = (s >> IDX_BITS) & IDX_MASK, count = s & IDX_MASK;
+    if (next >= count) return;
+    const uint64_t take = count - next < g_pool.per_claim ? count - next : g_pool.per_claim;
+    if (!atomic_compare_exchange_weak(&g_pool.state, &s, s + (take << IDX_BITS)))
+      continue; /* s now holds the current word */
+    for (uint64_t t = next; t < next + take; t++) g_pool.fn(g_pool.data, (size_t)t);
+    atomic_fetch_add(&g_pool.done, (size_t)take);
+    s = atomic_load(&g_pool.state);
+  }
+}
+
+static void *worker(void *arg) {
+  (void)arg;
+  uint32_t seen = atomic_load(&g_pool.published);
+  for (;;) {
+    uint32_t gen = atomic_load(&g_pool.published);
+    const int64_t t0 = now_ns();
+    for (int spin = 0; gen == seen; gen = atomic_load(&g_pool.published)) {
+      CPU_RELAX();
+      if (++spin % 64 || now_ns() - t0 < SPIN_NS) continue;
+      pthread_mutex_lock(&g_pool.mu);
+      atomic_fetch_add(&g_pool.sleepers, 1);
+      while ((gen = atomic_load(&g_pool.published)) == seen)
+        pthread_cond_wait(&g_pool.cv, &g_pool.mu);
+      atomic_fetch_sub(&g_pool.sleepers, 1);
+      pthread_mutex_unlock(&g_pool.mu);
+    }
+    seen = gen;
+    run_claims(gen);
+  }
+  return NULL;
+}
+
+static void start_workers(void) {
+  pthread_mutex_lock(&g_pool.mu);
+  while (g_pool.started < g_pool.wanted) {
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    const int failed = pthread_create(&t, &attr, worker, NULL);
+    pthread_attr_destroy(&attr);
+    if (failed) break; /* fewer workers: the caller takes what they do not claim */
+    g_pool.started++;
+  }
+  pthread_mutex_unlock(&g_pool.mu);
+}
+
+/* after fork() the child has no workers: start afresh */
+static void forget_workers(void) {
+  g_pool.started = 0;
+  atomic_store(&g_pool.sleepers, 0);
+  atomic_store(&g_pool.busy, 0);
+  pthread_mutex_init(&g_pool.mu, NULL);
+  pthread_cond_init(&g_pool.cv, NULL);
+}
+
+/* Threads the kernels run on, the caller included (the largest any session asked for;
+ * exported for native_ops.register). */
+void specd_set_threads(int threads) {
+  static int atfork_done;
+  pthread_mutex_lock(&g_pool.mu);
+  if (!atfork_done) atfork_done = !pthread_atfork(NULL, NULL, forget_workers);
+  int w = threads - 1;
+  if (w > MAX_WORKERS) w = MAX_WORKERS;
+  if (w > g_pool.wanted) g_pool.wanted = w;
+  pthread_mutex_unlock(&g_pool.mu);
+}
+
+void specd_parallel_for(void (*fn)(void *, size_t), void *data, size_t n) {
+  if (n == 0) return;
+  if (n == 1 || g_pool.wanted == 0 || n > IDX_MASK || atomic_exchange(&g_pool.busy, 1)) {
+    for (size_t t = 0; t < n; t++) fn(data, t);
+    return;
+  }
+  if (g_pool.started < g_pool.wanted) start_workers();
+  g_pool.fn = fn;
+  g_pool.data = data;
+  /* about 4 claims per thread: few cache-line transfers, still some balance */
+  const size_t claims = 4 * (size_t)(g_pool.wanted + 1);
+  g_pool.per_claim = (n + claims - 1) / claims;
+  atomic_store(&g_pool.done, 0);
+  const uint32_t gen = (uint32_t)((atomic_load(&g_pool.state) >> GEN_SHIFT) + 1) & 0xFFFFFF;
+  atomic_store(&g_pool.state, ((uint64_t)gen << GEN_SHIFT) | (uint64_t)n);
+  atomic_store(&g_pool.published, gen);
+  if (atomic_load(&g_pool.sleepers) > 0) {
+    pthread_mutex_lock(&g_pool.mu);
+    pthread_cond_broadcast(&g_pool.cv);
+    pthread_mutex_unlock(&g_pool.mu);
+  }
+  run_claims(gen);
+  while (atomic_load(&g_pool.done) < n) CPU_RELAX(); /* tasks workers claimed, running */
+  atomic_store(&g_pool.busy, 0);
+}
+
+/* Workers running (for tests and benchmarks). */
+int specd_pool_workers(void) { return atomic_load(&g_pool.started); }
