@@ -13,9 +13,15 @@
  * to wake up, only for tasks a worker has already claimed. A worker's claim can only
  * succeed while its job is live (the generation is part of the word), and the job's
  * function and data do not change until every claimed task is done.
+ *
+ * Waiting, the caller and the workers yield their core every 64 pauses: with another
+ * program busy on the cores, a worker paused by the system holding a claim then gets a
+ * core back soon (measured with one busy process beside the 0.5B and 1.5B models: within
+ * 0.85-1.2x of ONNX Runtime's pool, about even on average; without the yields 1.1-1.8x).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
@@ -78,7 +84,9 @@ static void *worker(void *arg) {
     const int64_t t0 = now_ns();
     for (int spin = 0; gen == seen; gen = atomic_load(&g_pool.published)) {
       CPU_RELAX();
-      if (++spin % 64 || now_ns() - t0 < SPIN_NS) continue;
+      if (++spin % 64) continue;
+      sched_yield(); /* a program sharing the cores gets them back at once */
+      if (now_ns() - t0 < SPIN_NS) continue;
       pthread_mutex_lock(&g_pool.mu);
       atomic_fetch_add(&g_pool.sleepers, 1);
       while ((gen = atomic_load(&g_pool.published)) == seen)
@@ -137,8 +145,9 @@ void specd_parallel_for(void (*fn)(void *, size_t), void *data, size_t n) {
   if (g_pool.started < g_pool.wanted) start_workers();
   g_pool.fn = fn;
   g_pool.data = data;
-  /* about 4 claims per thread: few cache-line transfers, still some balance */
-  const size_t claims = 4 * (size_t)(g_pool.wanted + 1);
+  /* about 16 claims per thread: few cache-line transfers, and a worker the system
+     pauses holds up little */
+  const size_t claims = 16 * (size_t)(g_pool.wanted + 1);
   g_pool.per_claim = (n + claims - 1) / claims;
   atomic_store(&g_pool.done, 0);
   const uint32_t gen = (uint32_t)((atomic_load(&g_pool.state) >> GEN_SHIFT) + 1) & 0xFFFFFF;
@@ -150,7 +159,10 @@ void specd_parallel_for(void (*fn)(void *, size_t), void *data, size_t n) {
     pthread_mutex_unlock(&g_pool.mu);
   }
   run_claims(gen);
-  while (atomic_load(&g_pool.done) < n) CPU_RELAX(); /* tasks workers claimed, running */
+  /* tasks workers claimed and run: a worker the system paused finishes sooner when the
+     caller yields its core */
+  for (int spin = 0; atomic_load(&g_pool.done) < n;)
+    if (++spin % 64) CPU_RELAX(); else sched_yield();
   atomic_store(&g_pool.busy, 0);
 }
 
