@@ -47,6 +47,12 @@ def _session(raw: np.ndarray, ggml_type: int, k: int, n: int, lib: Path | None =
         [node], "t", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
         [numpy_helper.from_array(w, "W")])
+    return _graph_session(graph, lib, threads)
+
+
+def _graph_session(graph, lib: Path | None = None,  # noqa: ANN001 - onnx GraphProto
+                   threads: int = 0) -> ort.InferenceSession:
+    """A CPU session over a one-node graph of specd's ops (threads 0: ORT's default)."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("specd", 1)])
     model.ir_version = 10
@@ -255,14 +261,7 @@ def _swiglu_session(lib: Path | None = None, threads: int = 2) -> ort.InferenceS
     graph = helper.make_graph(
         [node], "t", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", "F2"])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", "F"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("specd", 1)])
-    model.ir_version = 10
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    native_ops.register(so, lib)
-    return ort.InferenceSession(model.SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    return _graph_session(graph, lib, threads)
 
 
 def _gate_up(rng: np.random.Generator, m: int, f: int) -> np.ndarray:
@@ -317,13 +316,7 @@ def _attention_session(heads: int, kv_heads: int, hd: int, lib: Path | None = No
          helper.make_tensor_value_info("V", kv_type, cache),
          helper.make_tensor_value_info("pos", TensorProto.INT64, [1])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", heads * hd])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("specd", 1)])
-    model.ir_version = 10
-    so = ort.SessionOptions()
-    native_ops.register(so, lib)
-    return ort.InferenceSession(model.SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    return _graph_session(graph, lib)
 
 
 def _attention_case(rng: np.random.Generator, s: int, heads: int = 6, kv: int = 2,
@@ -426,13 +419,7 @@ def _cached_session(heads: int, kv_heads: int, hd: int, rd: int, interleaved: in
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", heads * hd]),
          helper.make_tensor_value_info("K", kv_type, cache),
          helper.make_tensor_value_info("V", kv_type, cache)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("specd", 1)])
-    model.ir_version = 10
-    so = ort.SessionOptions()
-    native_ops.register(so, lib)
-    return ort.InferenceSession(model.SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    return _graph_session(graph, lib)
 
 
 def _rotate(x: np.ndarray, heads: int, hd: int, rd: int, interleaved: int,
