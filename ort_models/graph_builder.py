@@ -57,7 +57,7 @@ from .quant import (
     requantize_q4,
 )
 
-BUILDER_VERSION = "9"
+BUILDER_VERSION = "10"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 ATTENTION_KINDS = ("exact", "fused", "native")
@@ -279,6 +279,13 @@ def _gated_ffn(c: _Ctx, h: str, p: str) -> str:
 def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
     """x [S, K] @ W^T (+ bias) -> [S, N] for the GGUF matrix `name` [N, K]."""
     g, w = c.g, _matrix(c, name)
+    if bias is None:
+        own = name.replace(".weight", ".bias")
+        bias = [own] if name.startswith("blk.") and c.f.has_tensor(own) else []
+    bias_name = ""
+    if bias:
+        vec = np.concatenate([dense_float32(c.f.tensor(b)).reshape(-1) for b in bias])
+        bias_name = g.weight(name.replace(".weight", ".bias"), vec)  # [N]
     if isinstance(w, np.ndarray):  # dense float32 [N, K]
         wt = f"{name}.W"
         if not g.has(wt):
@@ -288,7 +295,9 @@ def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
         raw = f"{name}.gguf"
         if not g.has(raw):
             g.weight(raw, regroup(w.type_name, w.data, w.n, w.k_padded))  # [N/16, nb * group]
-        y = g.op("GgufMatMul", [x, raw], domain=NATIVE,
+        ins = [x, raw, bias_name] if bias_name else [x, raw]  # the kernel adds the bias
+        bias_name = ""
+        y = g.op("GgufMatMul", ins, domain=NATIVE,
                  ggml_type=GGUF_MATMUL_TYPES[w.type_name], K=w.k, N=w.n)
     else:
         _write_quant(g, name, w)
@@ -303,12 +312,8 @@ def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
             blocks = g.op("Reshape", [x, g.const([0, w.k // 32, 32])])  # [S, K/32, 32]
             sums = g.op("ReduceSum", [blocks, g.const([-1])], keepdims=0)  # [S, K/32]
             y = g.op("Add", [y, g.op("MatMul", [sums, f"{name}.minT"])])
-    if bias is None:
-        own = name.replace(".weight", ".bias")
-        bias = [own] if name.startswith("blk.") and c.f.has_tensor(own) else []
-    if bias:
-        vec = np.concatenate([dense_float32(c.f.tensor(b)).reshape(-1) for b in bias])
-        y = g.op("Add", [y, g.weight(name.replace(".weight", ".bias"), vec)])
+    if bias_name:
+        y = g.op("Add", [y, bias_name])
     return y
 
 

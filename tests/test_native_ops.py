@@ -144,6 +144,30 @@ def test_portable_build_equals_the_native_one(portable: tuple[str, Path]) -> Non
         np.testing.assert_array_equal(a, b)
 
 
+def _bias_session(w: np.ndarray, k: int, n: int, bias: np.ndarray) -> ort.InferenceSession:
+    node = helper.make_node("GgufMatMul", ["A", "W", "B"], ["Y"], domain="specd",
+                            ggml_type=12, K=k, N=n)
+    graph = helper.make_graph(
+        [node], "t", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(bias, "B")])
+    return _graph_session(graph, threads=2)
+
+
+def test_bias_input_adds_as_an_add_node_would() -> None:
+    """The optional third input: Y + B, the same float32 sums as Add after the product."""
+    rng = np.random.default_rng(8)
+    blocks = random_kquant_blocks(rng, 40, 512, "Q4_K", std=0.05)
+    x = _inputs(rng, 5, 512)
+    bias = rng.normal(0, 1, 40).astype(np.float32)
+    plain = _session(blocks.pack(), 12, 512, 40).run(None, {"A": x})[0]
+    w = regroup("Q4_K", blocks.pack(), 40, 512)
+    got = _bias_session(w, 512, 40, bias).run(None, {"A": x})[0]
+    np.testing.assert_array_equal(got, plain + bias)
+    with pytest.raises(Exception, match="bias is not"):
+        _bias_session(w, 512, 40, bias[:39]).run(None, {"A": x})
+
+
 def test_bad_shapes_and_attributes_are_named() -> None:
     rng = np.random.default_rng(1)
     blocks = random_kquant_blocks(rng, 8, 256, "Q4_K", std=0.05)

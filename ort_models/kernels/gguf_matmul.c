@@ -3,6 +3,7 @@
  *   A  float32 [..., K]        activations
  *   W  uint8   [ceil(N/16), nb * group bytes] GGUF rows (a row is an output channel) in
  *                                            groups of 16, see below and gguf_layouts.py
+ *   B  float32 [N]             optional bias, added to each row of Y (as an Add would)
  *   Y  float32 [..., N]
  *   attributes: ggml_type (12 = Q4_K, 14 = Q6_K), K, N (rows of W hold ceil(K/256)
  *               superblocks; A's values past K count as zeros)
@@ -501,6 +502,7 @@ typedef struct {
   const uint8_t *w;
   size_t group_bytes, nb, m, n, groups_per_task;
   Act act;
+  const float *bias; /* [N] added to each row of Y, or NULL */
   float *y;
 } Job;
 
@@ -518,6 +520,9 @@ static void run_task(void *p, size_t t) {
         memset(acc, 0, sizeof acc);
         job->fn(job->w + c * job->group_bytes, job->nb, &job->act, m0, mt, acc);
         const size_t cols = job->n - c * GROUP < GROUP ? job->n - c * GROUP : GROUP;
+        if (job->bias) /* the float32 sums an Add node after the product would make */
+          for (size_t m = 0; m < mt; m++)
+            for (size_t r = 0; r < cols; r++) acc[m][r] += job->bias[c * GROUP + r];
         for (size_t m = 0; m < mt; m++)
           memcpy(job->y + (m0 + m) * job->n + c * GROUP, acc[m], cols * sizeof(float));
       }
@@ -546,6 +551,16 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     return specd_fail("GgufMatMul: the last dimension of A is not K");
   if (wrank != 2 || (size_t)wdims[0] != n_groups || (size_t)wdims[1] != group_bytes)
     return specd_fail("GgufMatMul: W is not [ceil(N/16), group bytes] of its GGUF type's 16-row layout");
+  size_t n_in = 0;
+  const OrtValue *b_val = NULL;
+  CHECK(g_api->KernelContext_GetInputCount(ctx, &n_in));
+  if (n_in > 2) CHECK(g_api->KernelContext_GetInput(ctx, 2, &b_val));
+  if (b_val) {
+    int64_t bdims[8];
+    size_t brank;
+    CHECK(specd_tensor_shape(b_val, bdims, &brank));
+    if (brank != 1 || bdims[0] != kn->n) return specd_fail("GgufMatMul: bias is not [N]");
+  }
   size_t m = 1;
   for (size_t i = 0; i + 1 < arank; i++) m *= (size_t)adims[i];
   adims[arank - 1] = kn->n;
@@ -564,7 +579,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   uint8_t *scratch = (uint8_t *)malloc(bytes);
   if (!scratch) return g_api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
   Job job = {kn->type == TYPE_Q4_K ? group_q4_k : group_q6_k, w, group_bytes, nb, m, n, 0,
-             {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k}, y};
+             {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k}, NULL, y};
+  if (b_val) CHECK(g_api->GetTensorMutableData((OrtValue *)b_val, (void **)&job.bias));
   job.act.sum32 = (int16_t *)(scratch + m * k + m * nb * 4);
   job.act.sum16 = job.act.sum32 + m * (k / 32);
   for (size_t r = 0; r < m; r++)
@@ -592,5 +608,6 @@ static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **ke
 
 
 static const ONNXTensorElementDataType INPUTS[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
-                                                   ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8};
-const SpecdOpDef specd_gguf_matmul = {"GgufMatMul", 2, INPUTS, create, compute, 0, NULL};
+                                                   ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8,
+                                                   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+const SpecdOpDef specd_gguf_matmul = {"GgufMatMul", 3, INPUTS, create, compute, 0, NULL, 2};

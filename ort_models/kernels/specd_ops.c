@@ -93,6 +93,11 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL io_required(const OrtCu
   (void)i;
   return INPUT_OUTPUT_REQUIRED;
 }
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_required(const OrtCustomOp *op,
+                                                                        size_t i) {
+  const size_t req = def_of(op)->n_required;
+  return req && i >= req ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
 static OrtMemType ORT_API_CALL input_mem(const OrtCustomOp *op, size_t i) {
   (void)op;
   (void)i;
@@ -168,7 +173,7 @@ OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtA
       op->GetOutputType = output_type;
       op->GetOutputTypeCount = output_count;
       op->KernelDestroy = destroy_any;
-      op->GetInputCharacteristic = io_required;
+      op->GetInputCharacteristic = input_required;
       op->GetOutputCharacteristic = io_required;
       op->GetInputMemoryType = input_mem;
       op->GetVariadicInputMinArity = one;

@@ -41,6 +41,7 @@ typedef struct {
   OrtStatus *(*compute)(void *kernel, OrtKernelContext *ctx); /* kernel is freed with free() */
   size_t n_outputs;                                /* 0: one float32 output */
   const ONNXTensorElementDataType *output_types;
+  size_t n_required; /* 0: every input required; else inputs from this one on optional */
 } SpecdOpDef;
 
 extern const SpecdOpDef specd_gguf_matmul;
