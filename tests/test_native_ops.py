@@ -212,6 +212,32 @@ def test_sessions_of_two_threads_start_a_kernel_worker() -> None:
                                   .run(None, {"A": x})[0])
 
 
+def test_sessions_running_at_once_share_the_pool() -> None:
+    """Two threads running kernels at once: one job has the pool, the other runs its tasks
+    alone; every result is still the single-threaded one."""
+    import threading
+
+    rng = np.random.default_rng(10)
+    blocks = random_kquant_blocks(rng, 96, 1024, "Q4_K", std=0.05)
+    x = _inputs(rng, 4, 1024)
+    want = _session(blocks.pack(), 12, 1024, 96, threads=1).run(None, {"A": x})[0]
+    sessions = [_session(blocks.pack(), 12, 1024, 96, threads=2) for _ in range(2)]
+    bad: list[int] = []
+
+    def loop(sess: ort.InferenceSession) -> None:
+        for _ in range(200):
+            if not np.array_equal(sess.run(None, {"A": x})[0], want):
+                bad.append(1)
+
+    threads = [threading.Thread(target=loop, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a kernel call hung"
+    assert not bad
+
+
 def test_vector_paths_are_detected(portable: tuple[str, Path]) -> None:
     assert native_ops.vectorized(LIB)
     assert native_ops.vectorized(portable[1]) == (portable[0] == "avx2")
