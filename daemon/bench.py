@@ -73,7 +73,7 @@ def parse_config(name: str) -> BenchConfig:
         try:
             p_min = float(words[1].removeprefix("p_min="))
         except ValueError:
-            p_min = -1.0
+            p_min = 0.0  # refused below, as p_min=0 is
         words = words[:1] if 0.0 < p_min <= 1.0 else []
     suffix = f" p_min={p_min:g}" if p_min else ""
     if spec in ("draft", "ngram") and len(words) == 1:

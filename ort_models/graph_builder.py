@@ -296,9 +296,8 @@ def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
         if not g.has(raw):
             g.weight(raw, regroup(w.type_name, w.data, w.n, w.k_padded))  # [N/16, nb * group]
         ins = [x, raw, bias_name] if bias_name else [x, raw]  # the kernel adds the bias
-        bias_name = ""
-        y = g.op("GgufMatMul", ins, domain=NATIVE,
-                 ggml_type=GGUF_MATMUL_TYPES[w.type_name], K=w.k, N=w.n)
+        return g.op("GgufMatMul", ins, domain=NATIVE,
+                    ggml_type=GGUF_MATMUL_TYPES[w.type_name], K=w.k, N=w.n)
     else:
         _write_quant(g, name, w)
         ins = [x, f"{name}.B", f"{name}.scales"]

@@ -37,16 +37,20 @@ TYPES = {"Q4_K": 12, "Q6_K": 14}
 
 
 def _session(raw: np.ndarray, ggml_type: int, k: int, n: int, lib: Path | None = None,
-             threads: int = 2, grouped: np.ndarray | None = None) -> ort.InferenceSession:
-    """GgufMatMul over GGUF rows `raw` [N, row_bytes] (or W as given in `grouped`)."""
+             threads: int = 2, grouped: np.ndarray | None = None,
+             bias: np.ndarray | None = None) -> ort.InferenceSession:
+    """GgufMatMul over GGUF rows `raw` [N, row_bytes] (or W as given in `grouped`), with
+    `bias` as its optional third input."""
     qtype = {v: k for k, v in TYPES.items()}.get(ggml_type, "Q4_K")
     w = regroup(qtype, raw, n, k) if grouped is None else grouped
-    node = helper.make_node("GgufMatMul", ["A", "W"], ["Y"], domain="specd",
-                            ggml_type=ggml_type, K=k, N=n)
+    weights = [numpy_helper.from_array(w, "W")]
+    if bias is not None:
+        weights.append(numpy_helper.from_array(bias, "B"))
+    node = helper.make_node("GgufMatMul", ["A", "W", "B"][:len(weights) + 1], ["Y"],
+                            domain="specd", ggml_type=ggml_type, K=k, N=n)
     graph = helper.make_graph(
         [node], "t", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
-        [numpy_helper.from_array(w, "W")])
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], weights)
     return _graph_session(graph, lib, threads)
 
 
@@ -144,16 +148,6 @@ def test_portable_build_equals_the_native_one(portable: tuple[str, Path]) -> Non
         np.testing.assert_array_equal(a, b)
 
 
-def _bias_session(w: np.ndarray, k: int, n: int, bias: np.ndarray) -> ort.InferenceSession:
-    node = helper.make_node("GgufMatMul", ["A", "W", "B"], ["Y"], domain="specd",
-                            ggml_type=12, K=k, N=n)
-    graph = helper.make_graph(
-        [node], "t", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "K"])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
-        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(bias, "B")])
-    return _graph_session(graph, threads=2)
-
-
 def test_bias_input_adds_as_an_add_node_would() -> None:
     """The optional third input: Y + B, the same float32 sums as Add after the product."""
     rng = np.random.default_rng(8)
@@ -161,11 +155,10 @@ def test_bias_input_adds_as_an_add_node_would() -> None:
     x = _inputs(rng, 5, 512)
     bias = rng.normal(0, 1, 40).astype(np.float32)
     plain = _session(blocks.pack(), 12, 512, 40).run(None, {"A": x})[0]
-    w = regroup("Q4_K", blocks.pack(), 40, 512)
-    got = _bias_session(w, 512, 40, bias).run(None, {"A": x})[0]
+    got = _session(blocks.pack(), 12, 512, 40, bias=bias).run(None, {"A": x})[0]
     np.testing.assert_array_equal(got, plain + bias)
     with pytest.raises(Exception, match="bias is not"):
-        _bias_session(w, 512, 40, bias[:39]).run(None, {"A": x})
+        _session(blocks.pack(), 12, 512, 40, bias=bias[:39]).run(None, {"A": x})
 
 
 def test_bad_shapes_and_attributes_are_named() -> None:

@@ -21,13 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "specd_math.h"
+#include "specd_math.h" /* SPECD_AVX2 */
 #include "specd_ops.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define SPECD_AVX2 1
-#endif
 
 enum { LANES = 8 };
 

@@ -553,6 +553,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     return specd_fail("GgufMatMul: W is not [ceil(N/16), group bytes] of its GGUF type's 16-row layout");
   size_t n_in = 0;
   const OrtValue *b_val = NULL;
+  const float *bias = NULL;
   CHECK(g_api->KernelContext_GetInputCount(ctx, &n_in));
   if (n_in > 2) CHECK(g_api->KernelContext_GetInput(ctx, 2, &b_val));
   if (b_val) {
@@ -560,6 +561,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     size_t brank;
     CHECK(specd_tensor_shape(b_val, bdims, &brank));
     if (brank != 1 || bdims[0] != kn->n) return specd_fail("GgufMatMul: bias is not [N]");
+    CHECK(g_api->GetTensorMutableData((OrtValue *)b_val, (void **)&bias));
   }
   size_t m = 1;
   for (size_t i = 0; i + 1 < arank; i++) m *= (size_t)adims[i];
@@ -579,8 +581,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   uint8_t *scratch = (uint8_t *)malloc(bytes);
   if (!scratch) return g_api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
   Job job = {kn->type == TYPE_Q4_K ? group_q4_k : group_q6_k, w, group_bytes, nb, m, n, 0,
-             {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k}, NULL, y};
-  if (b_val) CHECK(g_api->GetTensorMutableData((OrtValue *)b_val, (void **)&job.bias));
+             {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k}, bias, y};
   job.act.sum32 = (int16_t *)(scratch + m * k + m * nb * 4);
   job.act.sum16 = job.act.sum32 + m * (k / 32);
   for (size_t r = 0; r < m; r++)

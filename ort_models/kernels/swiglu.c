@@ -12,12 +12,8 @@
  */
 #include <stdint.h>
 
-#include "specd_math.h"
+#include "specd_math.h" /* SPECD_AVX2 */
 #include "specd_ops.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define SPECD_AVX2 1
-#endif
 
 enum { CHUNK = 16384 }; /* elements of Y per parallel task */
 

@@ -5,13 +5,13 @@
  * section; on a virtual machine waking a sleeping core then costs about as long as a
  * small matrix product takes (a chain of 1536 x 1536 Q4_K products: 57.7 us each on one
  * thread, 64.5 us on two with ORT's sleeping worker, 49.3 us on this pool's two). Here a
- * worker spins for
- * SPIN_NS after its last task, which covers the gaps between one forward pass's kernels,
- * and sleeps in the gaps between passes.
+ * worker spins for SPIN_NS after its last task, which covers the gaps between one
+ * forward pass's kernels, and sleeps in the gaps between passes.
  *
  * A job's tasks are claimed in runs (about 1/16 of a thread's share) from one atomic
- * word, (generation, next task, task count), by the caller and the workers alike: the caller never waits for a worker
- * to wake up, only for tasks a worker has already claimed. A worker's claim can only
+ * word, (generation, next task, task count), by the caller and the workers alike: the
+ * caller never waits for a worker to wake up, only for tasks a worker has already
+ * claimed. A worker's claim can only
  * succeed while its job is live (the generation is part of the word), and the job's
  * function and data do not change until every claimed task is done.
  *
