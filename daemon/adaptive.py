@@ -28,6 +28,14 @@ Estimates are discounted averages with a long memory (about the last 50 observat
 a round costs ~0.1 s here and timings on a shared machine swing by 20%, so short
 averages made the choice follow noise. Acceptance at a position never drafted is the
 last observed position's; positions seen only a few times lean on that prior.
+
+A drafter with a free source beside its model (`HybridDrafter`: prompt lookup) offers
+its lookup proposal each round before anything runs; `choose_source` then weighs
+verifying that offer (acceptance kept apart, per position, for lookups: they are often
+all right or all wrong, where the draft model's acceptance decays smoothly) against
+the model's best length and a plain step, and takes the fastest predicted. A lookup
+round leaves the draft model behind: it catches up on those tokens the next time it
+drafts, at the measured catch-up cost.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + DRAFT_COST_RATE * (new - old)
 
 
+LOOKUP_PRIOR = 0.5  # acceptance assumed for lookup proposals before any was verified
 MIN_EVIDENCE = 8.0  # (discounted) trials at draft position 1 before probes cost budget
 MIN_WEIGHT_AT_SIZE = 3.0  # observations of one pass size before its own mean is used
 
@@ -87,6 +96,47 @@ class _Line:
 
 
 @dataclass
+class _Acceptance:
+    """Discounted hits and trials per draft position of one source of drafts."""
+
+    n: int
+    decay: float
+    prior: float
+    hits: list[float] = field(init=False)
+    trials: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hits = [0.0] * self.n
+        self.trials = [0.0] * self.n
+
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        for i in range(min(n_drafted, self.n)):
+            hit = 1.0 if i < n_accepted else 0.0
+            self.hits[i] = self.decay * self.hits[i] + hit
+            self.trials[i] = self.decay * self.trials[i] + 1.0
+            if i >= n_accepted:
+                break  # positions past the first rejection were not reached
+
+    def rates(self) -> list[float]:
+        """Estimated conditional acceptance per draft position."""
+        out: list[float] = []
+        prior = self.prior
+        for h, t in zip(self.hits, self.trials, strict=True):
+            rate = (h + PRIOR_WEIGHT * prior) / (t + PRIOR_WEIGHT)
+            out.append(rate)
+            prior = rate  # an unexplored position looks like the one before it
+        return out
+
+    def expected_tokens(self, n: int) -> float:
+        """Tokens a round drafting n emits: the accepted drafts and the target's own."""
+        e, run = 1.0, 1.0
+        for a in self.rates()[:n]:
+            run *= a
+            e += run
+        return e
+
+
+@dataclass
 class AdaptiveDraftLength:
     n_max: int
     decay: float = 0.98  # weight kept by older observations at each new one
@@ -113,12 +163,13 @@ class AdaptiveDraftLength:
     # bookkeeping): a drafting round samples more rows (p and q at temperature > 0)
     _rest_plain: float | None = None
     _rest_drafting: float | None = None
+    _rest_lookup: float | None = None
 
     def __post_init__(self) -> None:
         n = max(self.n_max, 0)
         self._verify = _Line(self.decay)
-        self._hits = [0.0] * n
-        self._trials = [0.0] * n
+        self._model = _Acceptance(n, self.decay, self.prior_accept)
+        self._lookup = _Acceptance(n, self.decay, LOOKUP_PRIOR)
 
     # -- observations ---------------------------------------------------------------------
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
@@ -138,12 +189,15 @@ class AdaptiveDraftLength:
             self._draft_next = _ema(self._draft_next, t)
 
     def observe_round(self, n_drafted: int, n_emitted: int, seconds: float,
-                      draft_seconds: float) -> None:
+                      draft_seconds: float, lookup: bool = False) -> None:
         """A whole round: `draft_seconds` of its `seconds` were the drafter's call (0 when
-        the draft did not run), which first caught up on the tokens skipped before it."""
+        the draft did not run), which first caught up on the tokens skipped before it;
+        `lookup`: the round verified a lookup offer (the draft model did not run)."""
         self._elapsed += seconds
         rest = max(seconds - draft_seconds - self._last_verify, 0.0)
-        if n_drafted > 0:
+        if lookup:
+            self._rest_lookup = _ema(self._rest_lookup, rest)
+        elif n_drafted > 0:
             self._rest_drafting = _ema(self._rest_drafting, rest)
         elif draft_seconds == 0:
             self._rest_plain = _ema(self._rest_plain, rest)
@@ -159,25 +213,22 @@ class AdaptiveDraftLength:
             self._probing = False
             self._probe_overhead += seconds - n_emitted * (self.verify_cost(1) or 0.0)
 
-    def observe_acceptance(self, n_drafted: int, n_accepted: int) -> None:
-        for i in range(min(n_drafted, len(self._hits))):
-            hit = 1.0 if i < n_accepted else 0.0
-            self._hits[i] = self.decay * self._hits[i] + hit
-            self._trials[i] = self.decay * self._trials[i] + 1.0
-            if i >= n_accepted:
-                break  # positions past the first rejection were not reached
+    def observe_acceptance(self, n_drafted: int, n_accepted: int, lookup: bool = False
+                           ) -> None:
+        """The target accepted n_accepted of n_drafted tokens from the draft model (or, with
+        `lookup`, from the lookup offer)."""
+        (self._lookup if lookup else self._model).observe(n_drafted, n_accepted)
 
     # -- estimates ------------------------------------------------------------------------
     @property
     def accept(self) -> list[float]:
-        """Estimated conditional acceptance per draft position."""
-        out: list[float] = []
-        prior = self.prior_accept
-        for h, t in zip(self._hits, self._trials, strict=True):
-            rate = (h + PRIOR_WEIGHT * prior) / (t + PRIOR_WEIGHT)
-            out.append(rate)
-            prior = rate  # an unexplored position looks like the one before it
-        return out
+        """Estimated conditional acceptance per draft position of the draft model."""
+        return self._model.rates()
+
+    @property
+    def accept_lookup(self) -> list[float]:
+        """Estimated conditional acceptance per position of lookup offers."""
+        return self._lookup.rates()
 
     def verify_cost(self, s: int) -> float | None:
         """Fitted seconds for a target pass over s tokens (None before any data)."""
@@ -207,11 +258,7 @@ class AdaptiveDraftLength:
         return self.catch_up_cost() * self._skipped + max(own, 0.0)
 
     def expected_tokens(self, n: int) -> float:
-        e, run = 1.0, 1.0
-        for a in self.accept[:n]:
-            run *= a
-            e += run
-        return e
+        return self._model.expected_tokens(n)
 
     def rate(self, n: int) -> float | None:
         """Predicted tokens per second of a round drafting n (None before any data)."""
@@ -226,6 +273,15 @@ class AdaptiveDraftLength:
             return None
         rest = plain if self._rest_drafting is None else self._rest_drafting
         return self.expected_tokens(n) / (draft + (self.verify_cost(n + 1) or t1) + rest)
+
+    def lookup_rate(self, n: int) -> float | None:
+        """Predicted tokens per second of verifying n tokens of a lookup offer."""
+        t1 = self.verify_cost(1)
+        if t1 is None:
+            return None
+        rest = next((r for r in (self._rest_lookup, self._rest_drafting, self._rest_plain)
+                     if r is not None), 0.0)
+        return self._lookup.expected_tokens(n) / ((self.verify_cost(n + 1) or t1) + rest)
 
     def choose(self, limit: int) -> int:
         """Draft length for the next round, at most `limit`."""
@@ -251,7 +307,7 @@ class AdaptiveDraftLength:
             n = min(2, limit)
             # a few unlucky first rounds must not settle the request at n = 0 for good:
             # until position 1 has some evidence, probes (cheap then) are not budgeted
-            thin = bool(self._trials) and self._trials[0] < MIN_EVIDENCE
+            thin = bool(self._model.trials) and self._model.trials[0] < MIN_EVIDENCE
             if self._idle_rounds >= self.probe_every and (thin or self._probe_overhead
                     + self.probe_cost(n) <= self.probe_budget * self._elapsed):
                 self._idle_rounds = 0
@@ -264,3 +320,23 @@ class AdaptiveDraftLength:
                     and (self.rate(best_n + 1) or 0.0) >= 0.95 * best_rate):
                 return best_n + 1
         return best_n
+
+    def choose_source(self, limit: int, offered: int) -> tuple[int, bool]:
+        """(tokens to verify, from the lookup offer?) for a round where a lookup offers
+        `offered` tokens at no cost: the offer's best length when it is predicted faster
+        than the draft model's choice (a plain step included), else `choose(limit)`'s."""
+        n = self.choose(limit)
+        if offered <= 0 or self.verify_cost(1) is None:
+            return n, False
+        best_m, best_rate = 0, 0.0
+        for m in range(1, min(offered, limit, self.n_max) + 1):
+            r = self.lookup_rate(m) or 0.0
+            if r > best_rate * 1.02:
+                best_m, best_rate = m, r
+        other = (self.rate(0) if self._probing else self.rate(n)) or 0.0
+        if best_m == 0 or best_rate <= other:
+            return n, False
+        if self._probing:  # the probe waits for the next round without an offer
+            self._probing = False
+            self._idle_rounds = self.probe_every
+        return best_m, True

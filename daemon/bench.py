@@ -20,6 +20,7 @@ import numpy as np
 from ..memory_fit.rss import PeakRss, lifetime_peak
 from .drafters.base import Drafter, DraftParams
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.hybrid import HybridDrafter
 from .drafters.ngram import NgramDrafter
 from .engine import Engine
 from .generation import Generation, GenerationParams
@@ -51,32 +52,36 @@ PROMPTS: dict[str, str] = {
 }
 
 
+MODEL_SPECS = ("draft", "draft+ngram")  # configurations that run the draft model
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     name: str
-    spec: str  # none | draft | ngram
+    spec: str  # none | draft | ngram | draft+ngram
     n_max: int = 0
     adaptive: bool = False
     p_min: float = 0.0
 
 
 def parse_config(name: str) -> BenchConfig:
-    """`target-only`, `draft n_max=K`, `draft adaptive`, `ngram n_max=K`, `ngram adaptive`
-    (adaptive drafts at most 8); a draft configuration may add `p_min=P` (stop drafting
-    where the draft's top probability falls below P)."""
+    """`target-only`, `draft n_max=K`, `draft adaptive`, `ngram n_max=K`, `ngram adaptive`,
+    `draft+ngram n_max=K`, `draft+ngram adaptive` (adaptive drafts at most 8); a
+    configuration with a draft model may add `p_min=P` (stop drafting where the draft's
+    top probability falls below P)."""
     spec, _, rest = name.strip().partition(" ")
     if spec == "target-only" and not rest:
         return BenchConfig("target-only", "none")
     words = rest.split()
     p_min = 0.0
-    if spec == "draft" and len(words) == 2 and words[1].startswith("p_min="):
+    if spec in MODEL_SPECS and len(words) == 2 and words[1].startswith("p_min="):
         try:
             p_min = float(words[1].removeprefix("p_min="))
         except ValueError:
             p_min = 0.0  # refused below, as p_min=0 is
         words = words[:1] if 0.0 < p_min <= 1.0 else []
     suffix = f" p_min={p_min:g}" if p_min else ""
-    if spec in ("draft", "ngram") and len(words) == 1:
+    if spec in (*MODEL_SPECS, "ngram") and len(words) == 1:
         if words[0] == "adaptive":
             return BenchConfig(f"{spec} adaptive{suffix}", spec, 8, adaptive=True, p_min=p_min)
         key, _, value = words[0].partition("=")
@@ -84,8 +89,9 @@ def parse_config(name: str) -> BenchConfig:
             return BenchConfig(f"{spec} n_max={int(value)}{suffix}", spec, int(value),
                                p_min=p_min)
     raise ValueError(f"unknown bench configuration {name!r} (target-only, draft n_max=K, "
-                     "draft adaptive, ngram n_max=K, ngram adaptive; draft ones may add "
-                     "p_min=P, 0 < P <= 1)")
+                     "draft adaptive, ngram n_max=K, ngram adaptive, draft+ngram n_max=K, "
+                     "draft+ngram adaptive; those with a draft model may add p_min=P, "
+                     "0 < P <= 1)")
 
 
 def default_configs(has_draft: bool) -> list[BenchConfig]:
@@ -112,6 +118,7 @@ class RunResult:
     start_bytes: int = 0  # its RSS when the run began
     growth_bytes: int = 0  # what the run left allocated (arenas grown, pages mapped in)
     memory_bytes: int = 0  # the configuration's share (Footprint.of)
+    lookup_share: float = 0.0  # drafting rounds whose draft came from a prompt lookup
 
 
 @dataclass
@@ -182,10 +189,11 @@ class SpecdRunner:
         self.engine = engine
 
     def drafter_for(self, cfg: BenchConfig) -> Drafter | None:
-        if cfg.spec == "draft":
+        if cfg.spec in MODEL_SPECS:
             assert self.engine.draft is not None
-            return DraftModelDrafter(self.engine.draft.runner,
-                                     vocab_limit=self.engine.target.built.hparams.n_vocab)
+            model = DraftModelDrafter(self.engine.draft.runner,
+                                      vocab_limit=self.engine.target.built.hparams.n_vocab)
+            return model if cfg.spec == "draft" else HybridDrafter(model)
         if cfg.spec == "ngram":
             return NgramDrafter()
         return None
@@ -213,11 +221,12 @@ class SpecdRunner:
                          s.per_position_acceptance(), dict(s.draft_lengths),
                          s.generated_tokens, hash(tuple(gen.tokens)),
                          tuple(round(x, 2) for x in split), peak_bytes=peak.peak,
-                         start_bytes=peak.start, growth_bytes=peak.growth)
+                         start_bytes=peak.start, growth_bytes=peak.growth,
+                         lookup_share=s.lookup_rounds / s.rounds if s.rounds else 0.0)
 
     @staticmethod
     def models_of(cfg: BenchConfig) -> frozenset[str]:
-        return frozenset({"target", "draft"} if cfg.spec == "draft" else {"target"})
+        return frozenset({"target", "draft"} if cfg.spec in MODEL_SPECS else {"target"})
 
 
 def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,

@@ -34,6 +34,7 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
             "prefill_tps": round(cell.median("prefill_tps"), 1),
             "ttft_s": round(cell.median("ttft_s"), 3),
             "mean_acceptance_length": round(cell.median("mean_acceptance_length"), 3),
+            "lookup_share": round(cell.median("lookup_share"), 3),
             "per_position": [round(statistics.median(v), 3) for v in zip(
                 *[r.per_position for r in cell.runs if r.per_position], strict=False)],
             "split_ms_per_token": [round(statistics.median(v), 2) for v in zip(

@@ -23,8 +23,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     cli_fit.add_draft_quant_arg(p)
     cli_fit.add_spin_arg(p)
     p.add_argument("--spec-type", default="auto",
-                   choices=["auto", "none", "draft", "ngram", "synthetic"],
-                   help="speculation: auto = draft model if -md is given, else none")
+                   choices=["auto", "none", "draft", "ngram", "draft+ngram", "synthetic"],
+                   help="speculation: auto = draft model if -md is given, else none; "
+                        "draft+ngram = prompt lookup where the context repeats, the draft "
+                        "model elsewhere")
     p.add_argument("--spec-draft-n-max", dest="n_max", type=int, default=8,
                    help="most tokens drafted per round (default 8)")
     p.add_argument("--spec-draft-n-min", dest="n_min", type=int, default=0,

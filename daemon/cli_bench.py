@@ -60,7 +60,7 @@ def _choices(args: argparse.Namespace, has_draft: bool
     if args.configs:
         parsed = [bench.parse_config(n) for n in args.configs.split(",")]
         configs = list({c.name: c for c in parsed}.values())
-        if not has_draft and any(c.spec == "draft" for c in configs):
+        if not has_draft and any(c.spec in bench.MODEL_SPECS for c in configs):
             raise ValueError("draft configurations need a draft model (-md; not --no-draft)")
     return prompts, temps, configs
 

@@ -122,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"specd: speculation {engine.spec_type}: {s.rounds} rounds, drafted {s.drafted},"
               f" accepted {s.accepted} ({s.acceptance_rate:.2f}), mean acceptance length "
               f"{s.mean_acceptance_length:.2f}; draft {s.draft_s:.2f}s, verify "
-              f"{s.verify_s:.2f}s", file=sys.stderr)
+              f"{s.verify_s:.2f}s"
+              + (f"; {s.lookup_rounds} rounds by prompt lookup ({s.lookup_accepted} accepted)"
+                 if engine.spec_type == "draft+ngram" else ""), file=sys.stderr)
         print(f"specd: per-position acceptance [{acc}]; draft lengths {{{lengths}}}"
               + ("" if s.valid else "; SYNTHETIC: output not valid"), file=sys.stderr)
     return 0

@@ -38,7 +38,10 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
 
     if args.no_fit:
         return None
-    plan, _ = fit_models(args.model, args.draft if args.spec_type in ("auto", "draft") else None,
+    from .engine import MODEL_SPEC_TYPES
+
+    uses_draft = args.spec_type == "auto" or args.spec_type in MODEL_SPEC_TYPES
+    plan, _ = fit_models(args.model, args.draft if uses_draft else None,
                          device=args.device, slots=args.slots, max_ctx=args.n_ctx,
                          threads=args.threads, fetch=not args.no_fetch,
                          draft_quant=args.draft_quant)
@@ -51,6 +54,8 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
         args.draft = None
         if args.spec_type == "draft":
             args.spec_type = "none"
+        elif args.spec_type == "draft+ngram":
+            args.spec_type = "ngram"  # the lookup half needs no memory
     return plan.as_dict()
 
 

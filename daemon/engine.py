@@ -24,6 +24,7 @@ from .chat_template import render_chat
 from .compat import draft_incompatibilities
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.hybrid import HybridDrafter
 from .drafters.ngram import NgramDrafter
 from .drafters.synthetic import SyntheticDrafter
 from .generation import Generation, GenerationParams
@@ -33,7 +34,8 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger("specd.engine")
 
-SPEC_TYPES = ("auto", "none", "draft", "ngram", "synthetic")
+SPEC_TYPES = ("auto", "none", "draft", "ngram", "draft+ngram", "synthetic")
+MODEL_SPEC_TYPES = ("draft", "draft+ngram")  # the spec types that load a draft model
 # how a draft model's weights are laid out: re-quantized to 4 bits in blocks of 32 or 128
 # (fewer bytes per draft step; acceptance barely moves, a little more at 128) or exactly as
 # its GGUF holds them. Targets are always exact. BENCHMARKS.md compares them.
@@ -133,8 +135,8 @@ def resolve_spec_type(spec_type: str, draft: str | None) -> str:
         raise EngineError(f"unknown spec type {spec_type!r} (one of {', '.join(SPEC_TYPES)})")
     if spec_type == "auto":
         return "draft" if draft else "none"
-    if spec_type == "draft" and not draft:
-        raise EngineError("--spec-type draft needs a draft model (-md)")
+    if spec_type in MODEL_SPEC_TYPES and not draft:
+        raise EngineError(f"--spec-type {spec_type} needs a draft model (-md)")
     return spec_type
 
 
@@ -150,7 +152,8 @@ class Engine:
                      f"off, using ONNX Runtime's ops: {why}" if why else "on")
         self.spec_type = resolve_spec_type(cfg.spec_type, cfg.draft)
         target_path = self._resolve(cfg.target, progress)
-        draft_path = self._resolve(cfg.draft, progress) if self.spec_type == "draft" else None
+        draft_path = (self._resolve(cfg.draft, progress)
+                      if self.spec_type in MODEL_SPEC_TYPES else None)
         tgt_file = GGUFFile(target_path)
         d_file = GGUFFile(draft_path) if draft_path is not None else None
         if draft_path is not None and d_file is not None:
@@ -175,6 +178,9 @@ class Engine:
                                                   self.runtime.device))
             self.drafter = DraftModelDrafter(self.draft.runner,
                                              vocab_limit=self.target.built.hparams.n_vocab)
+            if self.spec_type == "draft+ngram":
+                self.drafter = HybridDrafter(self.drafter, NgramDrafter(
+                    min_ngram=cfg.ngram_min, max_ngram=cfg.ngram_max))
         elif self.spec_type == "ngram":
             self.drafter = NgramDrafter(min_ngram=cfg.ngram_min, max_ngram=cfg.ngram_max)
         elif self.spec_type == "synthetic":

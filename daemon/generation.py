@@ -3,7 +3,9 @@
 The speculative round (see docs/architecture.md for the invariants):
  1. choose n: min(n_max or adaptive choice, room in the context, room in the attention
     bucket so every verified row equals a single-token step, tokens left to generate - 1)
- 2. draft = drafter.draft(seq, last, pos, n)          (drafts shorter than n_min dropped)
+ 2. draft = drafter.draft(seq, last, pos, n)          (drafts shorter than n_min dropped;
+    a HybridDrafter under the adaptive controller first offers its lookup's tokens and
+    the controller picks the source: the offer, the draft model or neither)
  3. target.forward(seq, [last, *draft], pos, all rows) (one pass; writes KV in place)
  4. verify: greedy (target's choice per row) or rejection sampling (p vs q)
  5. drafter.accept(k); drafter.process(emitted); stats; the rejected rows of both KV
@@ -21,6 +23,7 @@ import numpy as np
 from ..ort_models.runner import ModelRunner, invariant_block_limit
 from .adaptive import AdaptiveDraftLength
 from .drafters.base import Draft, Drafter, DraftParams
+from .drafters.hybrid import HybridDrafter
 from .drafters.synthetic import SyntheticDrafter
 from .grammar import GrammarState
 from .sampling import Sampler, SamplerParams, derive_seeds
@@ -81,6 +84,7 @@ class Generation:
         self._last: int | None = None
         self._pos = 0
         self._cursor: int | None = None
+        self._lookup_round = False  # this round verifies a lookup offer (hybrid drafter)
         self._t_decode = time.perf_counter()
 
     @property
@@ -176,16 +180,17 @@ class Generation:
             self.adaptive.observe_verify(len(draft.tokens) + 1, dt)
         emitted, dead = self._verify(rows, draft)
         k = len(emitted) - 1
-        self.stats.record_round(len(draft.tokens), k)
+        self.stats.record_round(len(draft.tokens), k, draft.lookup)
         if self.adaptive is not None and draft.tokens:
-            self.adaptive.observe_acceptance(len(draft.tokens), k)
+            self.adaptive.observe_acceptance(len(draft.tokens), k, self._lookup_round)
         if self.drafter is not None:
             self.drafter.accept(self.seq, k)
             self.drafter.process(self.seq, [last, *emitted[:-1]])  # now in the target's KV
         self._pos = pos + len(emitted)
         if self.adaptive is not None:
             self.adaptive.observe_round(len(draft.tokens), len(emitted),
-                                        time.perf_counter() - t_round, draft_s)
+                                        time.perf_counter() - t_round, draft_s,
+                                        self._lookup_round)
         out = self._emit(emitted)
         self._grammar_finished(dead)
         return out
@@ -193,15 +198,26 @@ class Generation:
     def _draft(self, last: int, pos: int, limit: int) -> tuple[Draft, float]:
         """The round's draft and the seconds the drafter took (0 if it did not run)."""
         dp = self.params.draft
+        self._lookup_round = False
         if self.drafter is None or limit <= 0 or dp.n_max <= 0:
             return Draft([]), 0.0
-        n = self.adaptive.choose(limit) if self.adaptive is not None else min(dp.n_max, limit)
+        drafter = self.drafter
+        if self.adaptive is None:
+            n = min(dp.n_max, limit)
+        elif isinstance(drafter, HybridDrafter):
+            offered = drafter.offer(self.seq, last, pos, min(dp.n_max, limit))
+            n, self._lookup_round = self.adaptive.choose_source(limit, len(offered.tokens))
+            if self._lookup_round:
+                return self._usable(offered.truncate(n)), 0.0
+            drafter = drafter.model
+        else:
+            n = self.adaptive.choose(limit)
         if n <= 0:
             return Draft([]), 0.0
         t0 = time.perf_counter()
         fork = None if self.grammar is None else self.grammar.fork()
         try:
-            draft = self.drafter.draft(self.seq, last, pos, n, dp, fork)
+            draft = drafter.draft(self.seq, last, pos, n, dp, fork)
         except Exception:  # noqa: BLE001 - fall back to target-only decoding
             self.drafter = None
             return Draft([]), 0.0
@@ -212,17 +228,22 @@ class Generation:
                 self.adaptive.observe_draft(dt, draft.step_s[1:])
             for hit in draft.forced or ():
                 self.adaptive.observe_acceptance(1, int(hit))
-        draft = draft.truncate(n)
+        return self._usable(draft.truncate(n)), dt
+
+    def _usable(self, draft: Draft) -> Draft:
+        """The part of a draft worth verifying: what the grammar allows, at least n_min."""
         if self.grammar is not None and draft.probs is None:
             # drafts made without the grammar (n-gram): keep the part it allows (exact:
             # greedy verification is exact for any draft)
             draft = draft.truncate(self.grammar.valid_prefix(draft.tokens))
-        if len(draft.tokens) < max(dp.n_min, 1):
+        if len(draft.tokens) < max(self.params.draft.n_min, 1):
+            assert self.drafter is not None
             self.drafter.accept(self.seq, 0)
-            return Draft([]), dt
+            self._lookup_round = False
+            return Draft([])
         if not draft.valid:
             self.stats.valid = False
-        return draft, dt
+        return draft
 
     def _verify(self, rows: np.ndarray, draft: Draft) -> tuple[list[int], bool]:
         """(emitted tokens, grammar dead end reached)."""

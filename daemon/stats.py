@@ -13,6 +13,8 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)  # per draft position: accepted
     drafted_at: list[int] = field(default_factory=list)  # per draft position: drafted
     draft_lengths: dict[int, int] = field(default_factory=dict)  # n -> rounds drafted n
+    lookup_rounds: int = 0  # rounds whose draft came from a prompt lookup (no model ran)
+    lookup_accepted: int = 0  # drafts of those rounds the target accepted
     draft_s: float = 0.0
     verify_s: float = 0.0
     prompt_tokens: int = 0
@@ -22,10 +24,13 @@ class SpecStats:
     decode_s: float = 0.0
     valid: bool = True  # False after synthetic acceptance
 
-    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+    def record_round(self, n_drafted: int, n_accepted: int, lookup: bool = False) -> None:
         self.draft_lengths[n_drafted] = self.draft_lengths.get(n_drafted, 0) + 1
         if n_drafted == 0:
             return
+        if lookup:
+            self.lookup_rounds += 1
+            self.lookup_accepted += n_accepted
         self.rounds += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
@@ -59,8 +64,9 @@ class SpecStats:
         return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def merge(self, other: SpecStats) -> None:
-        for name in ("rounds", "drafted", "accepted", "draft_s", "verify_s", "prompt_tokens",
-                     "generated_tokens", "cached_tokens", "prefill_s", "decode_s"):
+        for name in ("rounds", "drafted", "accepted", "lookup_rounds", "lookup_accepted",
+                     "draft_s", "verify_s", "prompt_tokens", "generated_tokens",
+                     "cached_tokens", "prefill_s", "decode_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i in range(len(other.drafted_at)):
             if i >= len(self.drafted_at):
@@ -79,6 +85,7 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
             "draft_lengths": dict(sorted(self.draft_lengths.items())),
+            "lookup_rounds": self.lookup_rounds, "lookup_accepted": self.lookup_accepted,
             "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
             "cached_tokens": self.cached_tokens,

@@ -210,3 +210,45 @@ def test_explores_one_longer_draft_when_it_is_nearly_as_good() -> None:
     assert n == 1 and a.rate(2) > 0.95 * a.rate(1)
     choices = [a.choose(4) for _ in range(31)]
     assert choices.count(n + 1) == 4 and set(choices) == {n, n + 1}
+
+
+def test_a_lookup_offer_is_verified_where_lookups_are_accepted() -> None:
+    a = AdaptiveDraftLength(n_max=8)
+    _warm(a, 0.07, 0.012, 0.035)  # draft costs half a target step
+    for _ in range(50):
+        a.observe_acceptance(4, 0)  # the model's drafts fail
+        a.observe_acceptance(4, 4, lookup=True)  # the lookups hold
+    assert a.choose_source(8, 0) == (0, False)
+    assert a.choose_source(8, 5) == (5, True)  # all of the offer
+    assert a.choose_source(3, 5) == (3, True)  # no more than the limit
+
+
+def test_a_lookup_offer_loses_to_a_better_model() -> None:
+    a = AdaptiveDraftLength(n_max=8)
+    _warm(a, 0.07, 0.012, 0.002)  # a near-free draft model that is always right
+    for _ in range(50):
+        a.observe_acceptance(8, 8)
+        a.observe_acceptance(4, 1, lookup=True)
+    n, lookup = a.choose_source(8, 4)
+    assert n == 8 and not lookup
+
+
+def test_rejected_lookups_are_not_verified() -> None:
+    a = AdaptiveDraftLength(n_max=8)
+    _warm(a, 0.07, 0.012, 0.035)
+    for _ in range(50):
+        a.observe_acceptance(4, 0)
+        a.observe_acceptance(4, 0, lookup=True)
+    assert a.choose_source(8, 4) == (0, False)
+    assert a.accept_lookup[0] < 0.05
+
+
+def test_a_lookup_round_postpones_a_probe() -> None:
+    a = AdaptiveDraftLength(n_max=8, probe_every=1)
+    _warm(a, 0.07, 0.012, 0.035)
+    a.observe_acceptance(4, 0)  # little evidence on the model yet: probes are free to run
+    for _ in range(20):
+        a.observe_acceptance(4, 4, lookup=True)
+    assert a.choose_source(8, 4) == (4, True)  # a probe was due, the offer went first
+    a.observe_round(4, 5, 0.09, 0.0, lookup=True)
+    assert a.choose_source(8, 0) == (2, False)  # the probe, next time nothing is offered

@@ -28,6 +28,22 @@ def test_generate_streams_text_to_stdout_and_stats_to_stderr(tiny_model_factory)
     assert r.stdout.strip()
 
 
+def test_generate_with_draft_model_and_prompt_lookup(tiny_model_factory) -> None:  # noqa: ANN001
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
+    draft = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12, perturb=0.01)
+    want = specd("generate", "-m", str(path), "hello hello hello world", "-n", "24",
+                 "--ignore-eos")
+    r = specd("generate", "-m", str(path), "-md", str(draft), "hello hello hello world",
+              "-n", "24", "--ignore-eos", "--spec-type", "draft+ngram", "--spec-adaptive",
+              "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stderr.strip().splitlines()[-1])
+    assert stats["spec_type"] == "draft+ngram" and "lookup_rounds" in stats
+    assert r.stdout == want.stdout  # greedy: the target's text
+    r = specd("generate", "-m", str(path), "hi", "-n", "4", "--spec-type", "draft+ngram")
+    assert r.returncode != 0 and "--spec-type draft+ngram needs a draft model" in r.stderr
+
+
 def test_prompt_file_and_chat(tiny_model_factory, tmp_path) -> None:  # noqa: ANN001
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
     pf = tmp_path / "p.txt"

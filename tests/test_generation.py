@@ -7,6 +7,7 @@ import pytest
 
 from specd.daemon.drafters.base import DraftParams
 from specd.daemon.drafters.draft_model import DraftModelDrafter
+from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.synthetic import SyntheticDrafter
 from specd.daemon.engine import build_options, target_kernels
@@ -117,6 +118,25 @@ def test_ngram_speculation_is_byte_identical(models) -> None:  # noqa: ANN001
                    draft=DraftParams(n_max=6))
     assert got == want
     assert gen.stats.rounds > 0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_draft_and_lookup_speculation_is_byte_identical(models, adaptive, temperature) -> None:  # noqa: ANN001
+    """Rounds drafted by the lookup and rounds drafted by the model, verified greedily,
+    give the target-only output (sampled too: one uniform per emitted token either way)."""
+    target, draft = models
+    prompt = PROMPT + PROMPT[1:] + PROMPT[1:]  # repetition for lookup to find
+    sp = SamplerParams(temperature=temperature, top_k=40, seed=11)
+    want, _ = run(target, prompt=prompt, max_tokens=64, ignore_eos=True, sampling=sp)
+    drafter = HybridDrafter(draft_drafter(draft), NgramDrafter(min_ngram=1))  # many matches
+    got, gen = run(target, drafter, prompt=prompt, max_tokens=64, ignore_eos=True,
+                   sampling=sp, draft=DraftParams(n_max=6), adaptive=adaptive)
+    assert got == want
+    s = gen.stats
+    assert s.lookup_rounds > 0
+    if not adaptive:  # lookup first, the model where the lookup has nothing
+        assert s.rounds > s.lookup_rounds
 
 
 def test_adaptive_is_byte_identical(models) -> None:  # noqa: ANN001

@@ -9,6 +9,7 @@ import pytest
 
 from specd.daemon.drafters.base import DraftParams
 from specd.daemon.drafters.draft_model import DraftModelDrafter
+from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.engine import Engine, EngineConfig
 from specd.daemon.generation import Generation, GenerationParams
 from specd.daemon.model_store import ModelStoreError
@@ -90,3 +91,7 @@ def test_qwen_pair_speculation_is_byte_identical(qwen_pair: Engine, prompt_text:
         got = _generate(qwen_pair, prompt, drafter=qwen_pair.drafter, max_tokens=64,
                         ignore_eos=True, draft=DraftParams(n_max=n_max))
         assert got == want, n_max
+    # the draft model and prompt lookup, chosen per round by the adaptive controller
+    got = _generate(qwen_pair, prompt, drafter=HybridDrafter(qwen_pair.drafter),
+                    max_tokens=64, ignore_eos=True, draft=DraftParams(n_max=8), adaptive=True)
+    assert got == want

@@ -297,7 +297,7 @@ def test_tray_under_xvfb(xvfb: str, tiny_model_factory: Callable[..., Path],
                 colors = {c for _, c in img.getcolors(1 << 16) or []}
                 return COLORS[ts.IconState.IDLE] in colors
 
-            redraw_by = time.monotonic() + 10  # a loaded machine redraws late
+            redraw_by = time.monotonic() + 30  # a loaded machine redraws late
             while not on_screen(img) and time.monotonic() < redraw_by:
                 time.sleep(0.5)
                 img = _shot(xvfb, "tray.png")

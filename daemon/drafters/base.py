@@ -54,11 +54,12 @@ class Draft:
     # the drafter's greedy guesses at position 1 checked, in order, against tokens the
     # target emitted while it was idle (a free acceptance measurement), or None
     forced: tuple[bool, ...] | None = None
+    lookup: bool = False  # found in the context (prompt lookup), no model ran
 
     def truncate(self, n: int) -> Draft:
         """Drop drafts past n, with their q rows."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     self.valid, self.step_s, self.caught_up, self.forced)
+                     self.valid, self.step_s, self.caught_up, self.forced, self.lookup)
 
 
 class Drafter(ABC):
