@@ -85,6 +85,7 @@ class Generation:
         self._pos = 0
         self._cursor: int | None = None
         self._lookup_round = False  # this round verifies a lookup offer (hybrid drafter)
+        self._offer_next: int | None = None  # the offered token after those verified
         self._t_decode = time.perf_counter()
 
     @property
@@ -183,6 +184,9 @@ class Generation:
         self.stats.record_round(len(draft.tokens), k, draft.lookup)
         if self.adaptive is not None and draft.tokens:
             self.adaptive.observe_acceptance(len(draft.tokens), k, self._lookup_round)
+            if (self._lookup_round and k == len(draft.tokens) < len(emitted)
+                    and self._offer_next is not None):
+                self.adaptive.observe_position(k, emitted[k] == self._offer_next, lookup=True)
         if self.drafter is not None:
             self.drafter.accept(self.seq, k)
             self.drafter.process(self.seq, [last, *emitted[:-1]])  # now in the target's KV
@@ -208,7 +212,11 @@ class Generation:
             offered = drafter.offer(self.seq, last, pos, min(dp.n_max, limit))
             n, self._lookup_round = self.adaptive.choose_source(limit, len(offered.tokens))
             if self._lookup_round:
-                return self._usable(offered.truncate(n)), 0.0
+                draft = self._usable(offered.truncate(n))
+                # the offer's next token, checked against the bonus token if all n pass
+                whole = len(draft.tokens) == n < len(offered.tokens)
+                self._offer_next = offered.tokens[n] if whole else None
+                return draft, 0.0
             drafter = drafter.model
         else:
             n = self.adaptive.choose(limit)
@@ -226,8 +234,8 @@ class Generation:
         if self.adaptive is not None:
             if not draft.caught_up and draft.tokens:  # a steady round, overheads included
                 self.adaptive.observe_draft(dt, draft.step_s[1:])
-            for hit in draft.forced or ():
-                self.adaptive.observe_acceptance(1, int(hit))
+            for i, hit in draft.forced or ():
+                self.adaptive.observe_position(i, hit)
         return self._usable(draft.truncate(n)), dt
 
     def _usable(self, draft: Draft) -> Draft:

@@ -252,3 +252,20 @@ def test_a_lookup_round_postpones_a_probe() -> None:
     assert a.choose_source(8, 4) == (4, True)  # a probe was due, the offer went first
     a.observe_round(4, 5, 0.09, 0.0, lookup=True)
     assert a.choose_source(8, 0) == (2, False)  # the probe, next time nothing is offered
+
+
+def test_checked_guesses_correct_a_rarely_drafted_position() -> None:
+    a = AdaptiveDraftLength(n_max=8)
+    _warm(a, 0.07, 0.012, 0.01)
+    for _ in range(50):
+        a.observe_acceptance(2, 2)
+    for _ in range(5):
+        a.observe_acceptance(3, 2)  # a few unlucky tries of a third draft
+    assert a.accept[2] < 0.3
+    assert a.choose(8) == 2
+    for _ in range(40):  # the draft's guesses after fully accepted rounds of 2 were right
+        a.observe_position(2, True)
+    assert a.accept[2] > 0.9
+    assert a.choose(8) > 2
+    a.observe_position(1, False, lookup=True)
+    assert a.accept_lookup[1] < a.accept_lookup[0] and a.accept[1] > 0.9

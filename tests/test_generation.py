@@ -288,9 +288,30 @@ def test_target_only_rounds_keep_the_drafts_cache(models) -> None:  # noqa: ANN0
     drafter.accept(0, 0)  # a target-only round after a full acceptance
     drafter.process(0, [want[6]])
     d2 = drafter.draft(0, want[7], len(PROMPT) + 7, 2, DraftParams(n_max=2))
-    # pending: the draft's last proposal (never evaluated), the target's token, last
-    assert d2.forced is not None and len(d2.forced) == 2
+    # pending: the draft's last proposal (never evaluated), the target's token, last; the
+    # first guess is the one after two accepted drafts (position 2), the next position 0
+    assert d2.forced == ((2, True), (0, True))
     assert d2.tokens == want[8:10]
+
+
+def test_a_fully_accepted_round_checks_the_drafts_next_guess(models) -> None:  # noqa: ANN001
+    """After n accepted drafts, the draft's guess for the target's bonus token is a free
+    sample of draft position n (0-based) given the n before it accepted."""
+    target, _ = models
+    want, _ = run(target, max_tokens=40, ignore_eos=True)
+    for bonus, right in ((want[4], True), ((want[4] + 1) % 300, False)):
+        drafter = draft_drafter(target)  # the target as its own draft: it guesses want
+        drafter.begin(0, PROMPT)
+        d = drafter.draft(0, want[0], len(PROMPT), 3, DraftParams(n_max=3))
+        assert d.tokens == want[1:4]
+        drafter.accept(0, 3)
+        drafter.process(0, want[0:4])
+        d2 = drafter.draft(0, bonus, len(PROMPT) + 4, 2, DraftParams(n_max=2))
+        assert d2.forced == ((3, right),)
+    drafter.accept(0, 1)  # one of two accepted: the next round has nothing to check
+    drafter.process(0, [bonus, d2.tokens[0]])
+    d3 = drafter.draft(0, 7, len(PROMPT) + 6, 2, DraftParams(n_max=2))
+    assert d3.forced is None
 
 
 def test_adaptive_never_re_evaluates_the_prompt_on_the_draft(models) -> None:  # noqa: ANN001
@@ -324,7 +345,7 @@ def test_catch_up_checks_the_drafters_guesses_against_emitted_tokens(models) -> 
     drafter.begin(0, PROMPT)
     drafter.process(0, want[:10])  # 10 target-only tokens, then a drafting round
     d = drafter.draft(0, want[10], len(PROMPT) + 10, 2, DraftParams(n_max=2))
-    assert d.forced is not None and len(d.forced) == 10 and all(d.forced)  # <= FORCED_ROWS
+    assert d.forced == ((0, True),) * 10  # <= FORCED_ROWS, all teacher-forced position 0
     assert d.tokens == want[11:13]
     d2 = drafter.draft(0, want[10], len(PROMPT) + 10, 2, DraftParams(n_max=2))
     assert d2.forced is None  # nothing skipped this time

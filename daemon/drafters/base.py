@@ -51,9 +51,12 @@ class Draft:
     # the call also caught up on tokens the drafter skipped while the target decoded alone,
     # so its time is not what a steady round costs
     caught_up: bool = False
-    # the drafter's greedy guesses at position 1 checked, in order, against tokens the
-    # target emitted while it was idle (a free acceptance measurement), or None
-    forced: tuple[bool, ...] | None = None
+    # the drafter's greedy guesses checked against tokens the target emitted, as (draft
+    # position, 0-based; guessed right): free acceptance measurements, or None. Rows the
+    # draft evaluates late (tokens skipped while it was idle) are position-0 guesses
+    # (teacher forcing); after a round whose n drafts were all accepted, the guess for
+    # the target's bonus token is a sample of position n given n accepted.
+    forced: tuple[tuple[int, bool], ...] | None = None
     lookup: bool = False  # found in the context (prompt lookup), no model ran
 
     def truncate(self, n: int) -> Draft:

@@ -25,11 +25,12 @@ class _SeqState:
     n_cached: int = 0  # positions [0, n_cached) are in the draft's KV cache
     drafted: list[int] = field(default_factory=list)
     draft_pos: int | None = None  # position of `last` in the draft not yet accepted
+    full_run: int = 0  # the last round's drafts, all accepted (0: not all, or none)
     sampler: Sampler | None = None
 
 
-FORCED_ROWS = 16  # catch-up rows checked against the tokens that followed them (their
-# logits cost an lm_head pass each)
+FORCED_ROWS = 16  # late rows checked against the tokens that followed them (their logits
+# cost an lm_head row each: next to nothing beside the pass, which reads the weights once)
 
 
 class DraftModelDrafter(Drafter):
@@ -78,14 +79,14 @@ class DraftModelDrafter(Drafter):
         q_rows: list[np.ndarray] = []
         pending = [*st.history[st.n_cached:], last]
         p = st.n_cached
-        forced: tuple[bool, ...] | None = None
+        forced: tuple[tuple[int, bool], ...] | None = None
         caught_up = len(pending) > 2  # after target-only rounds: a small prefill first
+        full_run, st.full_run = st.full_run, 0
         step_s: list[float] = []
         for _ in range(n_max):
             t0 = time.perf_counter()
-            catching_up = len(pending) > 2
-            if catching_up and not params.probabilistic:
-                row, forced = self._catch_up(seq, pending, p)
+            if len(pending) > 1 and not params.probabilistic:
+                row, forced = self._check_guesses(seq, pending, p, full_run)
             else:
                 row = self._logits(self.runner.forward(seq, pending, p)[0])  # [vocab]
             p += len(pending)
@@ -116,16 +117,19 @@ class DraftModelDrafter(Drafter):
         return Draft(list(st.drafted), probs, step_s=tuple(step_s), caught_up=caught_up,
                      forced=forced)
 
-    def _catch_up(self, seq: int, pending: list[int], pos: int
-                  ) -> tuple[np.ndarray, tuple[bool, ...]]:
-        """Evaluate skipped tokens; the last rows' greedy guesses are checked against the
-        tokens that really followed (teacher-forced acceptance at draft position 1)."""
+    def _check_guesses(self, seq: int, pending: list[int], pos: int, full_run: int
+                       ) -> tuple[np.ndarray, tuple[tuple[int, bool], ...]]:
+        """Evaluate tokens the draft has not seen; the greedy guesses of the last rows are
+        checked against the tokens that really followed them. Row 0 follows the last
+        round's final draft: after `full_run` accepted drafts it guessed the target's
+        bonus token (position full_run); any other row is a teacher-forced position 0."""
         k = min(len(pending) - 1, FORCED_ROWS)
-        rows = list(range(len(pending) - 1 - k, len(pending)))
-        out = self.runner.forward(seq, pending, pos, rows)  # [k + 1, vocab]
+        first = len(pending) - 1 - k
+        out = self.runner.forward(seq, pending, pos, list(range(first, len(pending))))
         guesses = self._logits(out[:-1]).argmax(axis=-1)  # [k]
-        hits = guesses == np.asarray(pending[len(pending) - k:])  # [k]
-        return self._logits(out[-1]), tuple(bool(h) for h in hits)
+        hits = guesses == np.asarray(pending[first + 1:])  # [k]
+        return self._logits(out[-1]), tuple(
+            (full_run if first + i == 0 else 0, bool(h)) for i, h in enumerate(hits))
 
     def accept(self, seq: int, n_accepted: int) -> None:
         st = self._seqs[seq]
@@ -133,6 +137,7 @@ class DraftModelDrafter(Drafter):
             return  # no draft since the last accept (a target-only round): nothing to drop
         # the cache holds last, d0 .. d_{n-2}; keep last and the accepted drafts
         st.n_cached = min(st.n_cached, st.draft_pos + 1 + n_accepted)
+        st.full_run = len(st.drafted) if st.drafted and n_accepted >= len(st.drafted) else 0
         st.drafted, st.draft_pos = [], None
 
     def process(self, seq: int, tokens: Sequence[int]) -> None:
