@@ -2,6 +2,7 @@
 
     python bench/adaptive_ab.py [--prompt prose] [--temperature 0] [--pairs 5]
                                 [--tokens 256] [--n-max 4] [--threads 2]
+                                [--spec draft|ngram|draft+ngram]
 
 `specd bench` reports medians per configuration; on a shared 2-core host single runs
 of one configuration swing by +-15%, more than the few percent adaptive speculation wins
@@ -34,13 +35,13 @@ class RunResult:
 
 
 def run_once(engine: Engine, ids: list[int], *, adaptive: bool, temperature: float,
-             tokens: int, n_max: int) -> RunResult:
+             tokens: int, n_max: int, spec: str = "draft") -> RunResult:
     params = GenerationParams(max_tokens=tokens, ignore_eos=True,
                               sampling=SamplerParams(temperature=temperature, seed=1234),
                               draft=DraftParams(n_max=n_max if adaptive else 0),
                               adaptive=adaptive)
     drafter = bench.SpecdRunner(engine).drafter_for(
-        bench.parse_config("draft adaptive" if adaptive else "target-only"))
+        bench.parse_config(f"{spec} adaptive" if adaptive else "target-only"))
     gen = Generation(engine.target.runner, 0, ids, params, eog=engine.eog_ids,
                      drafter=drafter)
     gen.prefill()
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--n-max", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--spec", default="draft", choices=["draft", "ngram", "draft+ngram"],
+                    help="what the adaptive runs draft with")
     args = ap.parse_args()
     engine = Engine(EngineConfig(target="qwen2.5-coder-1.5b-instruct",
                                  draft="qwen2.5-coder-0.5b-instruct", spec_type="draft",
@@ -75,7 +78,7 @@ def main() -> None:
     for _ in range(args.pairs):
         for adaptive in (False, True):
             r = run_once(engine, ids, adaptive=adaptive, temperature=args.temperature,
-                         tokens=args.tokens, n_max=args.n_max)
+                         tokens=args.tokens, n_max=args.n_max, spec=args.spec)
             results[adaptive].append(r)
             print(f"{'adaptive   ' if adaptive else 'target-only'} {r.decode_tps:6.2f} tok/s"
                   f"  target-only rounds {r.plain_ms:5.1f} ms ({r.plain_rounds}),"

@@ -97,7 +97,8 @@ def parse_config(name: str) -> BenchConfig:
 def default_configs(has_draft: bool) -> list[BenchConfig]:
     names = ["target-only"]
     if has_draft:
-        names += ["draft n_max=2", "draft n_max=4", "draft n_max=8", "draft adaptive"]
+        names += ["draft n_max=2", "draft n_max=4", "draft n_max=8", "draft adaptive",
+                  "draft+ngram adaptive"]
     return [parse_config(n) for n in names + ["ngram n_max=8", "ngram adaptive"]]
 
 

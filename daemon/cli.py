@@ -24,9 +24,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     cli_fit.add_spin_arg(p)
     p.add_argument("--spec-type", default="auto",
                    choices=["auto", "none", "draft", "ngram", "draft+ngram", "synthetic"],
-                   help="speculation: auto = draft model if -md is given, else none; "
-                        "draft+ngram = prompt lookup where the context repeats, the draft "
-                        "model elsewhere")
+                   help="speculation: draft+ngram = the draft model and prompt lookup (each "
+                        "round verifies the faster-predicted one); auto = draft+ngram if -md "
+                        "is given, else none")
     p.add_argument("--spec-draft-n-max", dest="n_max", type=int, default=8,
                    help="most tokens drafted per round (default 8)")
     p.add_argument("--spec-draft-n-min", dest="n_min", type=int, default=0,
@@ -35,8 +35,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="stop drafting when the draft's top probability is below this")
     p.add_argument("--spec-draft-probabilistic", action="store_true",
                    help="sample drafts and verify by rejection sampling (default: greedy)")
-    p.add_argument("--spec-adaptive", action="store_true",
-                   help="choose the draft length per round from measured acceptance and costs")
+    p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose the draft length (and source) per round from measured "
+                        "acceptance and costs, up to --spec-draft-n-max (default: on; "
+                        "--no-spec-adaptive drafts n-max every round)")
     p.add_argument("--spec-ngram-min", type=int, default=2)
     p.add_argument("--spec-ngram-max", type=int, default=4)
     p.add_argument("--spec-synthetic-rates", default=None,

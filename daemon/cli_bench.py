@@ -30,7 +30,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--temperatures", default="0,0.7")
     b.add_argument("--configs", default=None,
                    help="comma-separated: target-only, draft n_max=K, draft adaptive, "
-                        "ngram n_max=K, ngram adaptive (default: a set of each)")
+                        "ngram n_max=K, ngram adaptive, draft+ngram n_max=K, draft+ngram "
+                        "adaptive (default: a set of each)")
     b.add_argument("--peer", action="store_true", help="also run llama.cpp (llama-cpp-python)")
     b.add_argument("--peer-lookup", action="store_true",
                    help="also run llama-cpp-python's prompt-lookup decoding")

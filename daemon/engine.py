@@ -133,8 +133,8 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
 def resolve_spec_type(spec_type: str, draft: str | None) -> str:
     if spec_type not in SPEC_TYPES:
         raise EngineError(f"unknown spec type {spec_type!r} (one of {', '.join(SPEC_TYPES)})")
-    if spec_type == "auto":
-        return "draft" if draft else "none"
+    if spec_type == "auto":  # the draft model and prompt lookup where there is a draft
+        return "draft+ngram" if draft else "none"
     if spec_type in MODEL_SPEC_TYPES and not draft:
         raise EngineError(f"--spec-type {spec_type} needs a draft model (-md)")
     return spec_type

@@ -92,7 +92,8 @@ def test_footprint_charges_lasting_growth_to_what_ran_cold() -> None:
 @pytest.mark.parametrize("name, spec, n_max, adaptive", [
     ("target-only", "none", 0, False), ("draft n_max=3", "draft", 3, False),
     ("draft adaptive", "draft", 8, True), ("ngram n_max=12", "ngram", 12, False),
-    ("ngram adaptive", "ngram", 8, True)])
+    ("ngram adaptive", "ngram", 8, True), ("draft+ngram n_max=3", "draft+ngram", 3, False),
+    ("draft+ngram adaptive", "draft+ngram", 8, True)])
 def test_configs_parse_from_their_names(name, spec, n_max, adaptive) -> None:  # noqa: ANN001
     cfg = bench.parse_config(name)
     assert (cfg.name, cfg.spec, cfg.n_max, cfg.adaptive) == (name, spec, n_max, adaptive)

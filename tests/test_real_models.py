@@ -86,12 +86,13 @@ def test_qwen_coder_writes_a_plausible_function(qwen_pair: Engine) -> None:
 def test_qwen_pair_speculation_is_byte_identical(qwen_pair: Engine, prompt_text: str) -> None:
     prompt = qwen_pair.encode_prompt(prompt_text, chat=True)
     want = _generate(qwen_pair, prompt, max_tokens=64, ignore_eos=True)
-    assert qwen_pair.drafter is not None
+    assert isinstance(qwen_pair.drafter, HybridDrafter)  # spec type auto with a draft
+    model = qwen_pair.drafter.model
     for n_max in (4, 16):
-        got = _generate(qwen_pair, prompt, drafter=qwen_pair.drafter, max_tokens=64,
+        got = _generate(qwen_pair, prompt, drafter=model, max_tokens=64,
                         ignore_eos=True, draft=DraftParams(n_max=n_max))
         assert got == want, n_max
     # the draft model and prompt lookup, chosen per round by the adaptive controller
-    got = _generate(qwen_pair, prompt, drafter=HybridDrafter(qwen_pair.drafter),
-                    max_tokens=64, ignore_eos=True, draft=DraftParams(n_max=8), adaptive=True)
+    got = _generate(qwen_pair, prompt, drafter=qwen_pair.drafter, max_tokens=64,
+                    ignore_eos=True, draft=DraftParams(n_max=8), adaptive=True)
     assert got == want
