@@ -38,8 +38,8 @@ last observed position's; positions seen only a few times lean on that prior.
 
 A drafter with a free source beside its model (`HybridDrafter`: prompt lookup) offers
 its lookup proposal each round before anything runs; `choose_source` then weighs
-verifying that offer (acceptance kept apart, per position, for lookups: they are often
-all right or all wrong, where the draft model's acceptance decays smoothly) against
+verifying that offer (acceptance kept apart, per position, for lookups: it follows how
+much the text repeats itself, not how well the draft model predicts it) against
 the model's best length and a plain step, and takes the fastest predicted. A lookup
 round leaves the draft model behind: it catches up on those tokens the next time it
 drafts, at the measured catch-up cost.
@@ -117,12 +117,9 @@ class _Acceptance:
         self.trials = [0.0] * self.n
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
-        for i in range(min(n_drafted, self.n)):
-            hit = 1.0 if i < n_accepted else 0.0
-            self.hits[i] = self.decay * self.hits[i] + hit
-            self.trials[i] = self.decay * self.trials[i] + 1.0
-            if i >= n_accepted:
-                break  # positions past the first rejection were not reached
+        """A verified round: positions up to the first rejection were reached."""
+        for i in range(min(n_drafted, n_accepted + 1)):
+            self.observe_at(i, i < n_accepted)
 
     def observe_at(self, i: int, hit: bool) -> None:
         """One sample of position i alone, given positions before it accepted."""
