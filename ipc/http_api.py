@@ -58,8 +58,10 @@ def _params(svc: Service, body: dict[str, Any], *, max_key: str,
             probabilistic=d.draft.probabilistic).validate()
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
+    # the draft length (and source) chosen per round from measured costs, or n_max always
+    adaptive = get(spec, "adaptive", bool, get(body, "speculative.adaptive", bool, d.adaptive))
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, draft=draft,
-                            adaptive=d.adaptive, ignore_eos=bool(body.get("ignore_eos")))
+                            adaptive=adaptive, ignore_eos=bool(body.get("ignore_eos")))
 
 
 def _check_model(svc: Service, body: dict[str, Any]) -> None:

@@ -61,6 +61,11 @@ def test_completion_and_timings(server) -> None:  # noqa: ANN001
     assert body["tokens_predicted"] == 12 and body["stop"] is True
     t = body["timings"]
     assert {"draft_n", "draft_n_accepted", "predicted_per_second"} <= set(t)
+    for adaptive in (True, False):  # per request: the controller, or n_max every round
+        status, other = server.request("POST", "/completion", {
+            "prompt": "hello world", "n_predict": 12, "ignore_eos": True,
+            "speculative": {"n_max": 4, "adaptive": adaptive}})
+        assert status == 200 and other["content"] == body["content"], other
 
 
 def test_openai_client_chat_and_completions(server) -> None:  # noqa: ANN001
@@ -150,7 +155,7 @@ def test_disconnect_mid_stream_frees_the_slot(server) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("kind", ["bad_json", "wrong_type", "huge_prompt", "unknown_route",
                                   "wrong_method", "bad_host", "foreign_origin", "not_object",
-                                  "bad_tokens", "n_two"])
+                                  "bad_tokens", "n_two", "bad_adaptive"])
 def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:  # noqa: ANN001
     req = {
         "bad_json": ("POST", "/v1/completions", None, {}, b"{not json", 400, "malformed JSON"),
@@ -168,6 +173,9 @@ def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:  # noqa
         "bad_tokens": ("POST", "/completion", {"prompt": [1, 999999]}, {}, None, 400,
                        "outside the vocabulary"),
         "n_two": ("POST", "/v1/completions", {"prompt": "x", "n": 2}, {}, None, 400, "n=1"),
+        "bad_adaptive": ("POST", "/completion",
+                         {"prompt": "x", "speculative": {"adaptive": "yes"}}, {}, None, 400,
+                         "'adaptive' must be a boolean"),
     }[kind]
     method, path, body, headers, raw, want_status, want_text = req
     status, out = server.request(method, path, body, headers=headers, raw=raw)
