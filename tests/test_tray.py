@@ -229,31 +229,98 @@ def _menu_preview(v: ts.TrayView) -> object:
     return img
 
 
-@pytest.fixture
-def xvfb() -> Iterator[str]:
+def _start_trayer(display: str) -> subprocess.Popen:
+    """A tray host to dock in (without one the icon stays unmapped)."""
+    return subprocess.Popen(
+        ["trayer", "--edge", "top", "--align", "center", "--widthtype", "request",
+         "--height", "32", "--SetDockType", "false", "--SetPartialStrut", "false",
+         "--transparent", "false", "--tint", "0x404040"],
+        env={**os.environ, "DISPLAY": display}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        p.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=5)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _need_tray_deps() -> None:
     if not shutil.which("Xvfb"):
         pytest.skip("Xvfb is not installed (apt-get install xvfb)")
     for mod in ("pystray", "PIL", "Xlib"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} is not installed (pip install 'specd[tray]')")
+
+
+@pytest.fixture
+def xvfb() -> Iterator[str]:
+    _need_tray_deps()
     proc, display = _start_xvfb()
     procs = [proc]
-    if shutil.which("trayer"):  # a tray host to dock in; without one the icon stays unmapped
-        procs.append(subprocess.Popen(
-            ["trayer", "--edge", "top", "--align", "center", "--widthtype", "request",
-             "--height", "32", "--SetDockType", "false", "--SetPartialStrut", "false",
-             "--transparent", "false", "--tint", "0x404040"],
-            env={**os.environ, "DISPLAY": display}, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL))
+    if shutil.which("trayer"):
+        procs.append(_start_trayer(display))
     try:
         yield display
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=5)
-            if p.poll() is None:
-                p.kill()
+        _stop_all(procs)
+
+
+def _idle_icon_on_screen(display: str, name: str, timeout: float) -> bool:
+    """Whether the green idle icon shows, screenshotting until `timeout` seconds pass."""
+    from specd.tray.app import COLORS
+
+    deadline = time.monotonic() + timeout
+    while True:
+        img = _shot(display, name)
+        if COLORS[ts.IconState.IDLE] in {c for _, c in img.getcolors(1 << 16) or []}:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
+def test_icon_docks_into_a_tray_host_that_starts_later(tiny_model_factory: Callable[..., Path],
+                                                       tmp_path: Path) -> None:
+    """A panel still loading at login: the tray app starts first, the host later."""
+    _need_tray_deps()
+    if not shutil.which("trayer"):
+        pytest.skip("trayer is not installed (apt-get install trayer)")
+    from specd.ipc.client import Client
+
+    run = Path(tempfile.mkdtemp(prefix="specd-run-"))
+    dirs = {"SPECD_STATE_DIR": str(tmp_path / "state"), "SPECD_RUNTIME_DIR": str(run),
+            "SPECD_CONFIG_DIR": str(tmp_path / "config")}
+    xvfb_proc, display = _start_xvfb()
+    env = {**os.environ, **dirs, "DISPLAY": display, "PYSTRAY_BACKEND": "xorg"}
+    tiny = tiny_model_factory(arch="qwen2", weight_type="Q8_0")
+    procs = [xvfb_proc]
+    tray_log = tmp_path / "tray.log"
+    try:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "specd.daemon.cli", "serve", "-m", str(tiny), "--port", "0",
+             "--slots", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with tray_log.open("wb") as f:
+            tray = subprocess.Popen([sys.executable, "-m", "specd.tray", "--interval", "0.25"],
+                                    env=env, stdout=f, stderr=subprocess.STDOUT)
+        procs.append(tray)
+        deadline = time.monotonic() + 120
+        while not Client(run / "specd.sock", timeout=2).health():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        _wait_title(display, "specd: idle", 60, tray, tray_log)  # up and idle, in no tray
+        time.sleep(1.0)
+        assert not _idle_icon_on_screen(display, "tray-late-before.png", 0)
+        procs.append(_start_trayer(display))
+        assert _idle_icon_on_screen(display, "tray-late.png", 30), \
+            tray_log.read_text(errors="replace")[-1500:]
+    finally:
+        _stop_all(procs)
+        shutil.rmtree(run, ignore_errors=True)
 
 
 def test_tray_under_xvfb(xvfb: str, tiny_model_factory: Callable[..., Path],
@@ -289,19 +356,11 @@ def test_tray_under_xvfb(xvfb: str, tiny_model_factory: Callable[..., Path],
             time.sleep(0.2)
         title = wait("specd: idle - tiny-qwen2-Q8_0")
         time.sleep(0.5)  # let the icon redraw
-        img = _shot(xvfb, "tray.png")
-        if shutil.which("trayer"):
-            from specd.tray.app import COLORS
-
-            def on_screen(img) -> bool:  # noqa: ANN001
-                colors = {c for _, c in img.getcolors(1 << 16) or []}
-                return COLORS[ts.IconState.IDLE] in colors
-
-            redraw_by = time.monotonic() + 30  # a loaded machine redraws late
-            while not on_screen(img) and time.monotonic() < redraw_by:
-                time.sleep(0.5)
-                img = _shot(xvfb, "tray.png")
-            assert on_screen(img), "the green idle icon is not on screen"
+        if shutil.which("trayer"):  # a loaded machine redraws late
+            assert _idle_icon_on_screen(xvfb, "tray.png", 30), \
+                "the green idle icon is not on screen"
+        else:
+            _shot(xvfb, "tray.png")
         from specd.tray.app import poll
 
         _menu_preview(ts.view(poll())).save(ARTIFACTS / "tray-menu.png")  # type: ignore[attr-defined]

@@ -127,9 +127,17 @@ class TrayApp:
         changed = (v.state, v.title, v.items) != (self.view.state, self.view.title,
                                                   self.view.items)
         self.view = v
-        if changed and self._icon is not None:
+        if self._icon is not None and (changed or self._undocked()):
             self._apply(v)
         return v
+
+    def _undocked(self) -> bool:
+        """The icon is not in a tray yet (pystray's xorg backend docks only when the icon
+        is set: a tray host that starts after us, a panel still loading at login, would
+        otherwise never show it; setting the icon again retries)."""
+        icon = self._icon
+        return (type(icon).__module__.endswith("_xorg") and getattr(icon, "_running", False)
+                and getattr(icon, "_systray_manager", True) is None)
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
