@@ -22,7 +22,7 @@ from .drafters.base import Drafter, DraftParams
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.hybrid import HybridDrafter
 from .drafters.ngram import NgramDrafter
-from .engine import Engine
+from .engine import MODEL_SPEC_TYPES, Engine
 from .generation import Generation, GenerationParams
 from .sampling import SamplerParams
 
@@ -52,9 +52,6 @@ PROMPTS: dict[str, str] = {
 }
 
 
-MODEL_SPECS = ("draft", "draft+ngram")  # configurations that run the draft model
-
-
 @dataclass(frozen=True)
 class BenchConfig:
     name: str
@@ -74,14 +71,14 @@ def parse_config(name: str) -> BenchConfig:
         return BenchConfig("target-only", "none")
     words = rest.split()
     p_min = 0.0
-    if spec in MODEL_SPECS and len(words) == 2 and words[1].startswith("p_min="):
+    if spec in MODEL_SPEC_TYPES and len(words) == 2 and words[1].startswith("p_min="):
         try:
             p_min = float(words[1].removeprefix("p_min="))
         except ValueError:
             p_min = 0.0  # refused below, as p_min=0 is
         words = words[:1] if 0.0 < p_min <= 1.0 else []
     suffix = f" p_min={p_min:g}" if p_min else ""
-    if spec in (*MODEL_SPECS, "ngram") and len(words) == 1:
+    if spec in (*MODEL_SPEC_TYPES, "ngram") and len(words) == 1:
         if words[0] == "adaptive":
             return BenchConfig(f"{spec} adaptive{suffix}", spec, 8, adaptive=True, p_min=p_min)
         key, _, value = words[0].partition("=")
@@ -190,7 +187,7 @@ class SpecdRunner:
         self.engine = engine
 
     def drafter_for(self, cfg: BenchConfig) -> Drafter | None:
-        if cfg.spec in MODEL_SPECS:
+        if cfg.spec in MODEL_SPEC_TYPES:
             assert self.engine.draft is not None
             model = DraftModelDrafter(self.engine.draft.runner,
                                       vocab_limit=self.engine.target.built.hparams.n_vocab)
@@ -227,7 +224,7 @@ class SpecdRunner:
 
     @staticmethod
     def models_of(cfg: BenchConfig) -> frozenset[str]:
-        return frozenset({"target", "draft"} if cfg.spec in MODEL_SPECS else {"target"})
+        return frozenset({"target", "draft"} if cfg.spec in MODEL_SPEC_TYPES else {"target"})
 
 
 def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,

@@ -45,6 +45,7 @@ def _choices(args: argparse.Namespace, has_draft: bool
              ) -> tuple[dict[str, str], tuple[float, ...], list[BenchConfig]]:
     """Prompts, temperatures and configurations asked for (ValueError naming a bad one)."""
     from . import bench
+    from .engine import MODEL_SPEC_TYPES
 
     prompts = {}
     for k in dict.fromkeys(p.strip() for p in args.prompts.split(",")):
@@ -61,7 +62,7 @@ def _choices(args: argparse.Namespace, has_draft: bool
     if args.configs:
         parsed = [bench.parse_config(n) for n in args.configs.split(",")]
         configs = list({c.name: c for c in parsed}.values())
-        if not has_draft and any(c.spec in bench.MODEL_SPECS for c in configs):
+        if not has_draft and any(c.spec in MODEL_SPEC_TYPES for c in configs):
             raise ValueError("draft configurations need a draft model (-md; not --no-draft)")
     return prompts, temps, configs
 
