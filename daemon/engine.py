@@ -175,7 +175,8 @@ class Engine:
         if draft_path is not None and d_file is not None:
             self.draft = self._load(draft_path, d_file, bp("draft"),
                                     build_options("draft", cfg.draft_quant,
-                                                  self.runtime.device))
+                                                  self.runtime.device),
+                                    row_block=1)  # a draft's rows need not be exact
             self.drafter = DraftModelDrafter(self.draft.runner,
                                              vocab_limit=self.target.built.hparams.n_vocab)
             if self.spec_type == "draft+ngram":
@@ -196,12 +197,12 @@ class Engine:
             raise EngineError(str(exc)) from None
 
     def _load(self, path: Path, f: GGUFFile, progress: Progress | None,
-              options: BuildOptions) -> LoadedModel:
+              options: BuildOptions, row_block: int | None = None) -> LoadedModel:
         built = load_or_build(path, options, progress)
         before = rss_bytes()  # after any build: its freed scratch is not the model's
         runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=self.cfg.slots,
                              threads=self.cfg.threads, runtime=self.runtime,
-                             spinning=self.cfg.spin)
+                             spinning=self.cfg.spin, row_block=row_block)
         return LoadedModel(path, f, built, runner, max(rss_bytes() - before, 0))
 
     # -- requests -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ort_models.runner import ModelRunner, invariant_block_limit
+from ..ort_models.runner import ModelRunner
 from .adaptive import AdaptiveDraftLength
 from .drafters.base import Draft, Drafter, DraftParams
 from .drafters.hybrid import HybridDrafter
@@ -164,7 +164,7 @@ class Generation:
             return []
         last, pos = self._last, self._pos
         assert last is not None
-        limit = min(invariant_block_limit(pos, self.target.n_ctx) - 1,
+        limit = min(self.target.invariant_block_limit(pos) - 1,
                     self.target.n_ctx - pos - 1,
                     self.params.max_tokens - len(self.tokens) - 1)
         if limit < 0:

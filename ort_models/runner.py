@@ -21,6 +21,11 @@ from .providers import RuntimeChoice, choose_runtime
 log = logging.getLogger("specd.runner")
 
 
+# Rows per call on CUDA (see ModelRunner.row_block): single steps and verify blocks of up
+# to this many tokens all run as calls of exactly this many rows.
+CUDA_ROW_BLOCK = 8
+
+
 class ContextFull(Exception):
     """The tokens asked for do not fit in the sequence's context."""
 
@@ -34,8 +39,8 @@ def attn_len_for(end: int, n_ctx: int) -> int:
     return min(n_ctx, round_up(max(end, 1), ATTN_BUCKET))
 
 
-def invariant_block_limit(pos: int, n_ctx: int) -> int:
-    """Most tokens a call starting at `pos` may hold so each row equals a single step.
+def bucket_block_limit(pos: int, n_ctx: int) -> int:
+    """Most tokens a call starting at `pos` may hold so its rows share one attention bucket.
 
     Rows of one call share `attn_len`; a row alone at position q would use
     attn_len_for(q + 1). They agree while the block stays inside one bucket.
@@ -51,7 +56,14 @@ def default_threads() -> int:
 class ModelRunner:
     def __init__(self, built: BuiltModel, *, n_ctx: int, n_seq: int = 1,
                  threads: int | None = None, runtime: RuntimeChoice | None = None,
-                 spinning: bool | str = False):
+                 spinning: bool | str = False, row_block: int | None = None):
+        """row_block: every call of up to this many tokens runs as exactly this many rows
+        (filler rows after the real ones, computed and dropped). Default 1 on the CPU,
+        where every kernel computes a row the same way whatever the number of rows, and
+        CUDA_ROW_BLOCK on CUDA, where ORT's kernels choose their algorithm by the number
+        of rows (MatMulNBits: a GEMV for one row, dequantize + cuBLAS for more; cuBLAS:
+        tiles and split-K by shape): with one fixed shape a verified row is computed
+        exactly as the single step at its position."""
         import onnxruntime as ort
 
         self.built = built
@@ -86,6 +98,11 @@ class ModelRunner:
         self.session = ort.InferenceSession(str(built.model_path), so, providers=providers)
         self._device = "cuda" if self.runtime.provider == "CUDAExecutionProvider" else "cpu"
         self._dev_id = int(self.runtime.device.split(":")[1]) if self._device == "cuda" else 0
+        self.row_block = row_block or (CUDA_ROW_BLOCK if self._device == "cuda" else 1)
+        # KV rows: the context, plus room for the filler rows of a call near its end
+        # (never past the rotary table: filler positions must exist)
+        self._kv_len = min(self.n_ctx + self.row_block - 1,
+                           max(self.n_ctx, self._max_positions()))
         self.hidden_names = [o.name for o in self.session.get_outputs()
                              if o.name.startswith("hidden_")]
         self._kv_dtype = np.float16 if built.options.kv_dtype == "f16" else np.float32
@@ -103,14 +120,24 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return self.n_seq * self.n_ctx * self.hp.kv_bytes_per_token(self.built.options.kv_bytes)
+        return self.n_seq * self._kv_len * self.hp.kv_bytes_per_token(self.built.options.kv_bytes)
+
+    def invariant_block_limit(self, pos: int) -> int:
+        """Most tokens a call starting at `pos` may hold so that each of its rows equals
+        the single step at its position bit for bit: one attention bucket and, with a
+        row block, at most row_block tokens with room for all the filler rows (near the
+        end of the context single steps get fewer filler rows, so blocks stop there)."""
+        limit = bucket_block_limit(pos, self.n_ctx)
+        if self.row_block > 1:
+            limit = min(limit, self.row_block if pos + self.row_block <= self._kv_len else 1)
+        return limit
 
     def add_sequence(self) -> int:
         """Allocate the KV buffers of one more sequence slot; returns its index."""
         import onnxruntime as ort
 
         hp = self.hp
-        shape = (1, hp.n_head_kv, self.n_ctx, hp.head_dim)
+        shape = (1, hp.n_head_kv, self._kv_len, hp.head_dim)
         layers = []
         binding = self.session.io_binding()
         for i in range(hp.n_layer):
@@ -149,9 +176,16 @@ class ModelRunner:
             raise ContextFull(f"positions {pos}..{pos + n - 1} do not fit in the context of "
                               f"{self.n_ctx} tokens")
         rows = [n - 1] if rows is None else list(rows)
+        n_rows = len(rows)
+        ids = list(tokens)
+        if 1 < self.row_block and n <= self.row_block:  # fixed shape: filler rows
+            m = min(self.row_block, self._kv_len - pos)
+            ids += [ids[-1]] * (m - n)  # positions after the real ones, overwritten later
+            rows += [rows[-1]] * (m - n_rows)
         b = self._bindings[seq]
-        b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
+        b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
+        # keys attended: the real tokens' bucket (filler rows attend over it too: dropped)
         b.bind_cpu_input("attn_len", np.array([attn_len_for(pos + n, self.n_ctx)], np.int64))
         b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
         b.bind_output("logits", "cpu")
@@ -161,10 +195,10 @@ class ModelRunner:
         outs = b.get_outputs()
         # outputs come in the order bound: KV first (2 per layer), then logits, hidden
         k0 = 2 * self.hp.n_layer
-        logits = outs[k0].numpy()
+        logits = outs[k0].numpy()[:n_rows]  # [R, vocab]
         if not hidden:
             return logits
-        return logits, {name: outs[k0 + 1 + j].numpy()
+        return logits, {name: outs[k0 + 1 + j].numpy()[:n]
                         for j, name in enumerate(self.hidden_names)}
 
     def prefill(self, seq: int, tokens: Sequence[int], pos: int = 0,

@@ -30,8 +30,8 @@ def models(tiny_model_factory):  # noqa: ANN001, ANN201
     return target, draft
 
 
-def run(target, drafter=None, *, n_ctx=512, prompt=PROMPT, **kw):  # noqa: ANN001, ANN003, ANN201
-    runner = ModelRunner(target, n_ctx=n_ctx)
+def run(target, drafter=None, *, n_ctx=512, prompt=PROMPT, row_block=None, **kw):  # noqa: ANN001, ANN003, ANN201
+    runner = ModelRunner(target, n_ctx=n_ctx, row_block=row_block)
     params = GenerationParams(**kw)
     gen = Generation(runner, 0, prompt, params, eog=EOG, drafter=drafter)
     out = gen.prefill()
@@ -56,6 +56,18 @@ def test_greedy_speculation_is_byte_identical(models, n_max, p_min) -> None:  # 
     assert gen.stats.rounds > 0
     if p_min == 0.0:
         assert gen.stats.accepted > 0  # the perturbed copy mostly agrees
+
+
+@pytest.mark.parametrize("n_max", [3, 8])
+def test_speculation_with_a_fixed_row_block(models, n_max) -> None:  # noqa: ANN001
+    """The target runner's fixed call shape (CUDA's): verify blocks are capped at the row
+    block, and the output is the target's."""
+    target, draft = models
+    want, _ = run(target, max_tokens=48, ignore_eos=True)
+    got, gen = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True,
+                   row_block=4, draft=DraftParams(n_max=n_max))
+    assert got == want
+    assert gen.stats.rounds > 0 and max(gen.stats.draft_lengths) <= 3  # row block 4
 
 
 def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None:  # noqa: ANN001

@@ -160,6 +160,53 @@ def test_hidden_state_outputs(tiny_model_factory) -> None:
                           .forward(0, TOKENS, 0))
 
 
+def _calls(r: ModelRunner, *, hidden: bool = False) -> list[np.ndarray]:
+    """A prompt, single steps, a rolled-back block, a block longer than 4, long calls up
+    to the end of the context and single steps there (fewer filler rows fit): every
+    logits (and hidden) array they return."""
+    out = []
+    fill = [(i * 37) % 300 + 3 for i in range(512)]  # long calls: never padded
+    for toks, pos, rows in ((TOKENS[:4], 0, [0, 1, 2, 3]), ([TOKENS[4]], 4, None),
+                            ([TOKENS[5], 300, 301], 5, [0, 1, 2]),  # 2 wrong, rolled back
+                            (TOKENS[6:8], 6, [0, 1]), (TOKENS[8:], 8, [1, 3]),
+                            ([TOKENS[0]], 12, None), (fill[13:254], 13, None),
+                            ([7, 8], 254, [0, 1]), (fill[256:510], 256, None),
+                            ([9], 510, None), ([10], 511, None)):
+        res = r.forward(0, toks, pos, rows, hidden=hidden)
+        out += [res[0], *res[1].values()] if hidden else [res]
+    return out
+
+
+def test_fixed_row_block_changes_no_result(tiny_model_factory) -> None:
+    """row_block (the fixed call shape used on CUDA) runs short calls with filler rows
+    after the real ones and drops their results; their cache writes land after the real
+    tokens and are overwritten. On the CPU, where no kernel depends on the number of
+    rows, nothing may change, hidden states included."""
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", context_length=512)
+    built = load_or_build(path, BuildOptions(hidden_layers=(0,)))
+    plain = ModelRunner(built, n_ctx=512)
+    padded = ModelRunner(built, n_ctx=512, row_block=4)
+    assert plain.row_block == 1  # the CPU's default
+    want, got = _calls(plain, hidden=True), _calls(padded, hidden=True)
+    assert [a.shape for a in got] == [a.shape for a in want]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_invariant_block_limit_keeps_rows_exact(tiny_model_factory) -> None:
+    """One attention bucket per block; with a row block at most row_block tokens, and
+    single steps only where a block's filler rows would not fit (the rotary table ends
+    at the trained context, 512 here)."""
+    built = load_or_build(tiny_model_factory(arch="llama", context_length=512))
+    plain, padded = ModelRunner(built, n_ctx=512), ModelRunner(built, n_ctx=512, row_block=4)
+    assert [plain.invariant_block_limit(p) for p in (0, 250, 255, 256, 509)] == [256, 6, 1,
+                                                                                  256, 3]
+    assert [padded.invariant_block_limit(p) for p in (0, 250, 254, 255, 508, 509)] == [
+        4, 4, 2, 1, 4, 1]
+    short = ModelRunner(built, n_ctx=256, row_block=4)  # room past n_ctx for the filler
+    assert short.invariant_block_limit(255) == 1 and short.invariant_block_limit(252) == 4
+    assert short.kv_bytes == 259 * built.hparams.kv_bytes_per_token(built.options.kv_bytes)
+
+
 def test_context_full_is_a_clear_error(tiny_model_factory) -> None:
     r = ModelRunner(load_or_build(tiny_model_factory(arch="llama")), n_ctx=256)
     with pytest.raises(ContextFull, match="context of 256"):
