@@ -68,9 +68,12 @@ def placement(model_path: str) -> None:
     lines = log.splitlines()
     for i, line in enumerate(lines):
         if "placed on [CPUExecutionProvider]" in line:  # the nodes listed after it
-            cpu = [re.sub(r"^.*?\] ", "", x).strip() for x in lines[i + 1:i + 200]]
-            cpu = [x for x in cpu if re.match(r"^\w+ \(", x)]
-            print(f"  on the CPU: {dict(Counter(x.split(' ')[0] for x in cpu))}")
+            cpu = []
+            for x in lines[i + 1:]:
+                if "placed on [" in x:
+                    break
+                cpu.append(re.sub(r"^.*?\] ", "", x).strip().split(" ")[0])
+            print(f"  on the CPU: {dict(Counter(cpu))}")
         elif "not assigned to the preferred" in line or "kernel not found" in line.lower():
             print(f"  log: {line.strip()[:240]}")
 

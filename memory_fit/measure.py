@@ -246,6 +246,8 @@ def _warm_runtime(device: str, threads: int) -> None:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
+    from ..ort_models.providers import session_providers
+
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
     model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])],
@@ -255,11 +257,8 @@ def _warm_runtime(device: str, threads: int) -> None:
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
-    providers: list[Any] = ["CPUExecutionProvider"]
-    if device != "cpu":
-        providers = [("CUDAExecutionProvider", {"device_id": int(device.split(":")[1])}),
-                     "CPUExecutionProvider"]
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+    sess = ort.InferenceSession(model.SerializeToString(), so,
+                                providers=session_providers(device))
     sess.run(None, {"x": np.zeros(1, np.float32)})
 
 

@@ -19,6 +19,19 @@ class RuntimeChoice:
                 f"on {self.device}: {self.reason}")
 
 
+def session_providers(device: str) -> list[str | tuple[str, dict[str, int]]]:
+    """The `providers` argument of an InferenceSession on `device` ("cpu" / "cuda:N"):
+    CUDA first with the CPU for the nodes it has no kernel for. Device 0 is named without
+    options: ORT >= 1.26 warns on every session given a device_id while it looks for a
+    plugin EP first (the built-in CUDA EP is used either way)."""
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    index = int(device.split(":")[1]) if ":" in device else 0
+    cuda: str | tuple[str, dict[str, int]] = (
+        "CUDAExecutionProvider" if index == 0 else ("CUDAExecutionProvider", {"device_id": index}))
+    return [cuda, "CPUExecutionProvider"]
+
+
 def _package_name() -> str:
     from importlib import metadata
 

@@ -142,7 +142,9 @@ def test_speculation_is_exact_on_cuda(pair, temperature, n_max, adaptive) -> Non
     got, gen = _generate(target, drafter, max_tokens=64, ignore_eos=True, sampling=sp,
                          draft=DraftParams(n_max=n_max), adaptive=adaptive)
     assert got == want
-    assert gen.stats.rounds > 0 and gen.stats.accepted > 0
+    assert gen.stats.rounds > 0
+    if not (adaptive and temperature > 0):  # adaptive + sampled: few rounds, maybe none kept
+        assert gen.stats.accepted > 0
     assert max(gen.stats.draft_lengths) < CUDA_ROW_BLOCK
 
 
@@ -162,6 +164,7 @@ def test_cli_generate_on_cuda(pair) -> None:  # noqa: ANN001
     assert stats["spec_type"] == "draft+ngram" and stats["generated_tokens"] == 32
     assert got.stdout == want.stdout
     assert "CUDAExecutionProvider on cuda:0" in got.stderr
+    assert "No registered plugin EP" not in got.stderr  # ORT's warning per session
 
 
 def test_memory_probe_and_measure_on_cuda(pair) -> None:  # noqa: ANN001

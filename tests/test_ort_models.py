@@ -326,3 +326,21 @@ def test_bytes_read_per_token_leave_out_only_row_lookups(tiny_model_factory) -> 
     assert g_untied.bytes_read_per_token() == total - embd
     g_tied = GGUFFile(tied.gguf_path)
     assert g_tied.bytes_read_per_token() == sum(t.data.nbytes for t in g_tied.tensors.values())
+
+
+def test_runtime_choice_and_session_providers() -> None:
+    import onnxruntime as ort
+
+    from specd.ort_models.providers import choose_runtime, session_providers
+
+    assert choose_runtime("cpu").provider == "CPUExecutionProvider"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():  # the CPU package
+        auto = choose_runtime("auto")
+        assert (auto.provider, auto.device) == ("CPUExecutionProvider", "cpu")
+        assert "CUDA EP not available" in auto.reason
+        with pytest.raises(RuntimeError, match="CUDA EP not available"):
+            choose_runtime("cuda:0")
+    assert session_providers("cpu") == ["CPUExecutionProvider"]
+    assert session_providers("cuda:0") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert session_providers("cuda:1") == [("CUDAExecutionProvider", {"device_id": 1}),
+                                           "CPUExecutionProvider"]
