@@ -48,7 +48,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=4096,
                    help="context length per sequence (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu or cuda[:N] (auto: $SPECD_DEVICE if set, else CUDA where "
+                   "onnxruntime-gpu finds a GPU)")
     p.add_argument("--no-fetch", action="store_true", help="never download catalog models")
 
 

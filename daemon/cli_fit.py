@@ -41,7 +41,9 @@ def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="draft GGUF path or catalog name")
     add_draft_quant_arg(p)
     p.add_argument("--slots", type=int, default=1, help="parallel sequences (default 1)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda:N (default auto)")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu or cuda:N (default auto: $SPECD_DEVICE if set, else CUDA "
+                   "where onnxruntime-gpu finds a GPU)")
     p.add_argument("--margin-mb", type=float, default=DEFAULT_MARGIN_BYTES / 2**20,
                    help=f"memory left free, MiB (default {DEFAULT_MARGIN_BYTES >> 20})")
     p.add_argument("--min-ctx", type=int, default=DEFAULT_MIN_CTX,

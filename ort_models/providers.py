@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes.util
+import os
 from dataclasses import dataclass
 
 
@@ -45,8 +46,12 @@ def _package_name() -> str:
 
 
 def choose_runtime(device: str = "auto") -> RuntimeChoice:
-    """device: "auto", "cpu" or "cuda[:N]"."""
+    """device: "auto", "cpu" or "cuda[:N]". "auto" is $SPECD_DEVICE where that is set,
+    else CUDA where onnxruntime-gpu finds a GPU and its libraries, else the CPU."""
     import onnxruntime as ort
+
+    if device == "auto":
+        device = os.environ.get("SPECD_DEVICE", "").strip() or "auto"
 
     pkg, version = _package_name(), ort.__version__
     available = ort.get_available_providers()

@@ -72,7 +72,13 @@ class ModelRunner:
         self.hp = built.hparams
         self.n_ctx = min(round_up(n_ctx, ATTN_BUCKET), round_up(self._max_positions(),
                                                                 ATTN_BUCKET))
-        self.runtime = runtime or choose_runtime()
+        # specd's kernels are CPU kernels: their graphs run on the CPU EP
+        self.runtime = runtime or choose_runtime("cpu" if built.options.uses_native else "auto")
+        if built.options.uses_native and self.runtime.device != "cpu":
+            raise ValueError(f"{built.folder.name} was built with specd's CPU kernels and "
+                             f"cannot run on {self.runtime.device}: build it with ONNX "
+                             "Runtime's ops for that device (kernels 'ort', attention not "
+                             "'native')")
         self.threads = threads or default_threads()
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.threads

@@ -78,9 +78,10 @@ def case(request, tiny_model_factory):  # noqa: ANN001, ANN201
     return path, wt, load_or_build(path, build_options("target", device=DEVICE))
 
 
-def test_auto_chooses_cuda_and_the_exact_target_graph() -> None:
+def test_auto_chooses_cuda_and_the_exact_target_graph(monkeypatch) -> None:  # noqa: ANN001
     from specd.ort_models.providers import choose_runtime
 
+    monkeypatch.delenv("SPECD_DEVICE", raising=False)  # conftest pins the rest to the CPU
     rt = choose_runtime("auto")
     assert (rt.provider, rt.device) == ("CUDAExecutionProvider", DEVICE)
     assert build_options("target", device=DEVICE) == BuildOptions()

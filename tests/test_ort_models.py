@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specd.ort_models import native_ops
 from specd.ort_models.gguf_file import GGUFError
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build
@@ -328,19 +329,37 @@ def test_bytes_read_per_token_leave_out_only_row_lookups(tiny_model_factory) -> 
     assert g_tied.bytes_read_per_token() == sum(t.data.nbytes for t in g_tied.tensors.values())
 
 
-def test_runtime_choice_and_session_providers() -> None:
+def test_runtime_choice_and_session_providers(monkeypatch) -> None:  # noqa: ANN001
     import onnxruntime as ort
 
     from specd.ort_models.providers import choose_runtime, session_providers
 
     assert choose_runtime("cpu").provider == "CPUExecutionProvider"
+    monkeypatch.setenv("SPECD_DEVICE", "cpu")  # what "auto" means where it is set
+    assert choose_runtime("auto").reason == "CPU requested"
     if "CUDAExecutionProvider" not in ort.get_available_providers():  # the CPU package
+        monkeypatch.delenv("SPECD_DEVICE")
         auto = choose_runtime("auto")
         assert (auto.provider, auto.device) == ("CPUExecutionProvider", "cpu")
         assert "CUDA EP not available" in auto.reason
         with pytest.raises(RuntimeError, match="CUDA EP not available"):
             choose_runtime("cuda:0")
+        monkeypatch.setenv("SPECD_DEVICE", "cuda")
+        with pytest.raises(RuntimeError, match="CUDA EP not available"):
+            choose_runtime("auto")
     assert session_providers("cpu") == ["CPUExecutionProvider"]
     assert session_providers("cuda:0") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert session_providers("cuda:1") == [("CUDAExecutionProvider", {"device_id": 1}),
                                            "CPUExecutionProvider"]
+
+
+@pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels did not compile")
+def test_a_graph_with_specds_cpu_kernels_runs_on_the_cpu(tiny_model_factory) -> None:
+    from specd.ort_models.providers import RuntimeChoice
+
+    built = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q4_K", **K_DIMS),
+                          BuildOptions(kernels="gguf", attention="native", kv_dtype="f16"))
+    assert ModelRunner(built, n_ctx=256).runtime.device == "cpu"  # whatever "auto" says
+    gpu = RuntimeChoice("1.0", "onnxruntime-gpu", "CUDAExecutionProvider", "cuda:0", "test")
+    with pytest.raises(ValueError, match="specd's CPU kernels and cannot run on cuda:0"):
+        ModelRunner(built, n_ctx=256, runtime=gpu)
