@@ -185,7 +185,7 @@ class ModelRunner:
         if 1 < self.row_block and n <= self.row_block:  # fixed shape: filler rows
             m = min(self.row_block, self._kv_len - pos)
             ids += [ids[-1]] * (m - n)  # positions after the real ones, overwritten later
-            rows += [rows[-1]] * (m - n_rows)
+            rows += [rows[-1] if rows else n - 1] * (m - n_rows)
         b = self._bindings[seq]
         b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
