@@ -144,7 +144,10 @@ class Engine:
     def __init__(self, cfg: EngineConfig, *, progress: Progress | None = None,
                  build_progress: Callable[[str], Progress | None] | None = None):
         self.cfg = cfg
-        self.runtime: RuntimeChoice = choose_runtime(cfg.device)
+        try:
+            self.runtime: RuntimeChoice = choose_runtime(cfg.device)
+        except (RuntimeError, ValueError) as exc:  # no such device, or no CUDA EP
+            raise EngineError(str(exc)) from None
         log.info("%s", self.runtime.describe())
         if self.runtime.device == "cpu":
             why = native_ops.unavailable_reason()

@@ -8,6 +8,9 @@ other slots' rounds, so a long prompt does not stall running streams.
 
 Rows are computed the same way however they are batched or chunked (see
 ort_models/graph_builder.py), so a request's output does not depend on what else runs.
+On CUDA that holds for decoding and verify blocks (one fixed call shape), not across
+prefill chunkings: a prompt whose prefix was reused is prefilled in other chunks than a
+fresh one, and ORT's CUDA kernels may round those rows differently (docs/architecture.md).
 """
 
 from __future__ import annotations

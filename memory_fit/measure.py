@@ -4,8 +4,10 @@
   creation on CPU (the device's used-memory delta on CUDA). A throw-away one-node session
   is created first so that ORT's environment (and on CUDA the context) is not billed to
   the model; on CUDA that one-time cost is recorded as `runtime_bytes`.
-* KV: from the hyper-parameters, layers x kv heads x head dim x 2 (K, V) x 4 bytes per
-  token per sequence (the runner's float32 buffers [1, n_kv, n_ctx, head_dim]).
+* KV: from the hyper-parameters, layers x kv heads x head dim x 2 (K, V) x 2 or 4 bytes
+  (the graph's f16 / f32 cache) per token per sequence; the runner's buffers are
+  [1, n_kv, kv_len, head_dim], where kv_len exceeds n_ctx only on CUDA, by the fixed call
+  shape's filler rows (CUDA_ROW_BLOCK - 1 = 7 positions: under 0.2% at 4k, not planned).
 * host (CPU only): the parsed GGUF header (GGUFFile) and the tokenizer built from it, RSS
   deltas measured last (the tokenizer's freed scratch would otherwise be reused by the
   session and hide ~100 MB of workspace); the engine keeps both for the target and the

@@ -5,7 +5,8 @@ Graph contract (one sequence per call, S >= 1 new tokens on top of the KV cache)
 inputs
     input_ids    int64 [S]           tokens at positions pos .. pos+S-1
     position     int64 [1]           pos: where the first new token goes
-    attn_len     int64 [1]           keys attended: a bucket end >= pos+S (see ATTN_BUCKET)
+    attn_len     int64 [1]           keys attended: a bucket end >= pos+S (see ATTN_BUCKET);
+                                     a runner's filler rows (CUDA) may lie past it
     logits_rows  int64 [R]           rows of the S new tokens whose logits are wanted
     past_key_i / past_value_i float32 [1, n_kv, n_ctx, head_dim]   per layer i
 outputs

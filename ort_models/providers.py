@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -50,8 +51,11 @@ def choose_runtime(device: str = "auto") -> RuntimeChoice:
     else CUDA where onnxruntime-gpu finds a GPU and its libraries, else the CPU."""
     import onnxruntime as ort
 
-    if device == "auto":
-        device = os.environ.get("SPECD_DEVICE", "").strip() or "auto"
+    source = ""
+    if device == "auto" and os.environ.get("SPECD_DEVICE", "").strip():
+        device, source = os.environ["SPECD_DEVICE"].strip(), " (from $SPECD_DEVICE)"
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise ValueError(f"unknown device {device!r}{source}: use auto, cpu, cuda or cuda:N")
 
     pkg, version = _package_name(), ort.__version__
     available = ort.get_available_providers()

@@ -1,8 +1,9 @@
 """One model on ONNX Runtime: the session, its IOBindings and the KV buffers it owns.
 
-Each sequence slot has one static K and one V buffer per layer, [1, n_kv, n_ctx, hd],
-bound as both past and present so the graph writes new rows in place. Rolling back is
-free: the next call simply starts at a smaller position and overwrites the old rows.
+Each sequence slot has one static K and one V buffer per layer, [1, n_kv, kv_len, hd]
+(kv_len: the context, plus room for a fixed-shape call's filler rows on CUDA), bound as
+both past and present so the graph writes new rows in place. Rolling back is free: the
+next call simply starts at a smaller position and overwrites the old rows.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ class ModelRunner:
 
         self.built = built
         self.hp = built.hparams
-        self.n_ctx = min(round_up(n_ctx, ATTN_BUCKET), round_up(self._max_positions(),
-                                                                ATTN_BUCKET))
+        # whole buckets, but never past the rotary table (a trained context that is not a
+        # multiple of ATTN_BUCKET ends the last bucket early)
+        self.n_ctx = min(round_up(n_ctx, ATTN_BUCKET), self._max_positions())
         # specd's kernels are CPU kernels: their graphs run on the CPU EP
         self.runtime = runtime or choose_runtime("cpu" if built.options.uses_native else "auto")
         if built.options.uses_native and self.runtime.device != "cpu":
@@ -105,8 +107,7 @@ class ModelRunner:
         self.row_block = row_block or (CUDA_ROW_BLOCK if self._device == "cuda" else 1)
         # KV rows: the context, plus room for the filler rows of a call near its end
         # (never past the rotary table: filler positions must exist)
-        self._kv_len = min(self.n_ctx + self.row_block - 1,
-                           max(self.n_ctx, self._max_positions()))
+        self._kv_len = min(self.n_ctx + self.row_block - 1, self._max_positions())
         self.hidden_names = [o.name for o in self.session.get_outputs()
                              if o.name.startswith("hidden_")]
         self._kv_dtype = np.float16 if built.options.kv_dtype == "f16" else np.float32
@@ -126,14 +127,23 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return self.n_seq * self._kv_len * self.hp.kv_bytes_per_token(self.built.options.kv_bytes)
 
+    def call_rows(self, pos: int, n: int) -> int:
+        """Rows a call of n tokens at `pos` runs: n, or the fixed shape with filler rows
+        (fewer where the KV buffers end)."""
+        if 1 < self.row_block and n <= self.row_block:
+            return max(n, min(self.row_block, self._kv_len - pos))
+        return n
+
     def invariant_block_limit(self, pos: int) -> int:
         """Most tokens a call starting at `pos` may hold so that each of its rows equals
         the single step at its position bit for bit: one attention bucket and, with a
-        row block, at most row_block tokens with room for all the filler rows (near the
-        end of the context single steps get fewer filler rows, so blocks stop there)."""
+        row block, at most row_block tokens, all at positions whose single steps run the
+        full fixed shape (in the last row_block - 1 positions of the buffers they run
+        fewer rows, so only single steps are made there)."""
         limit = bucket_block_limit(pos, self.n_ctx)
         if self.row_block > 1:
-            limit = min(limit, self.row_block if pos + self.row_block <= self._kv_len else 1)
+            limit = min(limit, self.row_block,
+                        max(1, self._kv_len - self.row_block + 1 - pos))
         return limit
 
     def add_sequence(self) -> int:
@@ -182,8 +192,8 @@ class ModelRunner:
         rows = [n - 1] if rows is None else list(rows)
         n_rows = len(rows)
         ids = list(tokens)
-        if 1 < self.row_block and n <= self.row_block:  # fixed shape: filler rows
-            m = min(self.row_block, self._kv_len - pos)
+        m = self.call_rows(pos, n)
+        if m > n:  # fixed shape: filler rows
             ids += [ids[-1]] * (m - n)  # positions after the real ones, overwritten later
             rows += [rows[-1] if rows else n - 1] * (m - n_rows)
         b = self._bindings[seq]

@@ -16,7 +16,7 @@ from tiny_gguf import write_tiny_gguf
 # The suite checks the CPU path, also where a GPU is (ORT's CUDA kernels multiply in TF32
 # and pick algorithms by shape; the reference tolerances and batch-invariance tests here
 # are the CPU's). tests/test_cuda.py asks for CUDA explicitly.
-os.environ.setdefault("SPECD_DEVICE", "cpu")
+os.environ["SPECD_DEVICE"] = "cpu"
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,19 @@ def test_bad_files_are_one_line_errors(tmp_path, variant) -> None:  # noqa: ANN0
     assert lines[-1].startswith("specd: error:") and "Traceback" not in r.stderr, r.stderr
 
 
+def test_device_errors_are_one_line(tiny_model_factory) -> None:  # noqa: ANN001
+    import onnxruntime as ort
+
+    path = str(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12))
+    r = specd("generate", "-m", path, "hi", "-n", "4", "--device", "gpu")
+    assert r.returncode == 1
+    assert r.stderr.strip() == "specd: error: unknown device 'gpu': use auto, cpu, cuda or cuda:N"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        r = specd("generate", "-m", path, "hi", "-n", "4", "--device", "cuda")
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "CUDA EP not available: the CPU package onnxruntime is installed" in r.stderr
+
+
 def test_unknown_model_name_lists_the_catalog() -> None:
     r = specd("generate", "-m", "no-such-model", "hi", "--no-fetch")
     assert r.returncode == 1 and "qwen2.5-coder-1.5b-instruct" in r.stderr

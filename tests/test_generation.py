@@ -60,8 +60,9 @@ def test_greedy_speculation_is_byte_identical(models, n_max, p_min) -> None:  # 
 
 @pytest.mark.parametrize("n_max", [3, 8])
 def test_speculation_with_a_fixed_row_block(models, n_max) -> None:  # noqa: ANN001
-    """The target runner's fixed call shape (CUDA's): verify blocks are capped at the row
-    block, and the output is the target's."""
+    """The target runner's fixed call shape (CUDA's) on the CPU, where rows do not depend
+    on it: verify blocks are capped at the row block, and the output is the target's.
+    (That the fixed shape makes rows exact on CUDA is tests/test_cuda.py's to show.)"""
     target, draft = models
     want, _ = run(target, max_tokens=48, ignore_eos=True)
     got, gen = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True,

@@ -194,18 +194,38 @@ def test_fixed_row_block_changes_no_result(tiny_model_factory) -> None:
 
 
 def test_invariant_block_limit_keeps_rows_exact(tiny_model_factory) -> None:
-    """One attention bucket per block; with a row block at most row_block tokens, and
-    single steps only where a block's filler rows would not fit (the rotary table ends
-    at the trained context, 512 here)."""
+    """One attention bucket per block; with a row block at most row_block tokens, each at
+    a position whose single step runs the same number of rows (the buffers end at the
+    rotary table, 512 here: the last row_block - 1 positions get single steps only)."""
     built = load_or_build(tiny_model_factory(arch="llama", context_length=512))
     plain, padded = ModelRunner(built, n_ctx=512), ModelRunner(built, n_ctx=512, row_block=4)
     assert [plain.invariant_block_limit(p) for p in (0, 250, 255, 256, 509)] == [256, 6, 1,
                                                                                   256, 3]
-    assert [padded.invariant_block_limit(p) for p in (0, 250, 254, 255, 508, 509)] == [
-        4, 4, 2, 1, 4, 1]
+    assert [padded.invariant_block_limit(p) for p in (0, 250, 254, 255, 505, 506, 508, 511)
+            ] == [4, 4, 2, 1, 4, 3, 1, 1]
     short = ModelRunner(built, n_ctx=256, row_block=4)  # room past n_ctx for the filler
-    assert short.invariant_block_limit(255) == 1 and short.invariant_block_limit(252) == 4
     assert short.kv_bytes == 259 * built.hparams.kv_bytes_per_token(built.options.kv_bytes)
+    for r in (padded, short):
+        for pos in range(r.n_ctx):
+            limit = r.invariant_block_limit(pos)
+            assert 1 <= limit <= r.n_ctx - pos
+            for n in range(2, limit + 1):  # every block's shape is its rows' single steps'
+                assert all(r.call_rows(pos, n) == r.call_rows(q, 1)
+                           for q in range(pos, pos + n))
+
+
+def test_a_trained_context_off_the_bucket_grid_ends_the_context(tiny_model_factory) -> None:
+    """n_ctx never passes the rotary table (600 positions here, not a multiple of 256)."""
+    path = tiny_model_factory(arch="llama", weight_type="F32", context_length=600)
+    r = ModelRunner(load_or_build(path), n_ctx=4096)
+    assert r.n_ctx == 600 and r.invariant_block_limit(590) == 10
+    toks = [(i * 7) % 300 + 3 for i in range(600)]
+    r.prefill(0, toks[:599])
+    got = r.forward(0, toks[599:], 599)[0]
+    want = ReferenceModel(path).forward(toks)[-1]
+    assert np.abs(got - want).max() / np.abs(want).max() < 2e-5
+    with pytest.raises(ContextFull, match="context of 600"):
+        r.forward(0, [1], 600)
 
 
 def test_context_full_is_a_clear_error(tiny_model_factory) -> None:
@@ -354,12 +374,14 @@ def test_runtime_choice_and_session_providers(monkeypatch) -> None:  # noqa: ANN
 
 
 @pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels did not compile")
-def test_a_graph_with_specds_cpu_kernels_runs_on_the_cpu(tiny_model_factory) -> None:
+def test_a_graph_with_specds_cpu_kernels_runs_on_the_cpu(tiny_model_factory,
+                                                        monkeypatch) -> None:  # noqa: ANN001
     from specd.ort_models.providers import RuntimeChoice
 
     built = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q4_K", **K_DIMS),
                           BuildOptions(kernels="gguf", attention="native", kv_dtype="f16"))
-    assert ModelRunner(built, n_ctx=256).runtime.device == "cpu"  # whatever "auto" says
+    monkeypatch.setenv("SPECD_DEVICE", "cuda")  # "auto" would be CUDA (or an error)
+    assert ModelRunner(built, n_ctx=256).runtime.device == "cpu"
     gpu = RuntimeChoice("1.0", "onnxruntime-gpu", "CUDAExecutionProvider", "cuda:0", "test")
     with pytest.raises(ValueError, match="specd's CPU kernels and cannot run on cuda:0"):
         ModelRunner(built, n_ctx=256, runtime=gpu)
