@@ -56,15 +56,16 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
 
 def markdown_table(summary: dict[str, Any]) -> str:
     lines = ["| prompt | T | config | decode tok/s (min–max) | × target-only | × llama.cpp "
-             "| × bound | accept len | per-position acceptance | ms/token draft+verify+other "
-             "| prefill tok/s | TTFT s | memory MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| × bound | accept len | per-position acceptance | lookup share "
+             "| ms/token draft+verify+other | prefill tok/s | TTFT s | memory MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         lo, hi = r["decode_tps_range"]
         split = r["split_ms_per_token"]
         cols = [r["prompt"], r["temperature"], r["config"], f"{r['decode_tps']} ({lo}–{hi})",
                 r["vs_target_only"] or "", r["vs_llama_cpp"] or "", r["vs_bound"] or "",
                 r["mean_acceptance_length"], " ".join(map(str, r["per_position"])),
+                r["lookup_share"] if "ngram" in r["config"] else "",
                 "+".join(map(str, split)) if any(split) else "", r["prefill_tps"],
                 r["ttft_s"], r["memory_mb"]]
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cols) + " |")
@@ -81,9 +82,15 @@ def footnote(summary: dict[str, Any]) -> str:
         parts.append(f"× bound: decode tok/s over the read bandwidth "
                      f"({summary['bandwidth_gbs']} GB/s, measured) / bytes a single target "
                      f"step reads in its runner's layout ({bounds}).")
-    parts.append("memory MB: process RSS growth at the configuration's model loads and "
-                 "first runs plus the run's peak above its start (median); "
-                 f"peak RSS of the process {summary['peak_rss_mb']:.0f} MB.")
+    if any(r["memory_mb"] is not None for r in summary["rows"]):
+        parts.append("memory MB: process RSS growth at the configuration's model loads and "
+                     "first runs plus the run's peak above its start (median); "
+                     f"peak RSS of the process {summary['peak_rss_mb']:.0f} MB.")
+    else:
+        parts.append("memory MB: not measured (on a GPU the process RSS is not the models' "
+                     "memory; `specd fit` measures it on the device).")
+    parts.append("lookup share: of the drafting rounds, those whose draft came from prompt "
+                 "lookup.")
     return " ".join(parts)
 
 

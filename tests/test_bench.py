@@ -57,6 +57,12 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
     table = [line for line in paths[1].read_text().splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(configs)
     assert all(line.count("|") == table[0].count("|") for line in table)
+    lookup = table[0].split("|").index(" lookup share ")
+    assert [line.split("|")[lookup].strip() for line in table[2:]] == [
+        "", str(rows["ngram n_max=8"]["lookup_share"]), str(rows["ngram adaptive"]["lookup_share"])]
+    assert "memory MB: process RSS" in paths[1].read_text()
+    no_memory = {**summary, "rows": [{**r, "memory_mb": None} for r in summary["rows"]]}
+    assert "memory MB: not measured" in bench_report.markdown_table(no_memory)
 
 
 def test_bandwidth_is_measured() -> None:
