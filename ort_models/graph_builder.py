@@ -8,7 +8,7 @@ inputs
     attn_len     int64 [1]           keys attended: a bucket end >= pos+S (see ATTN_BUCKET);
                                      a runner's filler rows (CUDA) may lie past it
     logits_rows  int64 [R]           rows of the S new tokens whose logits are wanted
-    past_key_i / past_value_i float32 [1, n_kv, n_ctx, head_dim]   per layer i
+    past_key_i / past_value_i float32 [1, n_kv, kv_len, head_dim]  per layer i (kv_len >= n_ctx)
 outputs
     logits       float32 [R, vocab]
     present_key_i / present_value_i  the same buffers, written in place at pos..pos+S-1
