@@ -223,9 +223,9 @@ class _DeviceUsed:
         self.device = device
         self._probe = None
         if device != "cpu":
-            from .probes import CudaProbe
+            from .probes import CudaProbe, parse_device
 
-            self._probe = CudaProbe(int(device.split(":")[1]))
+            self._probe = CudaProbe(parse_device(device)[1])
 
     def now(self) -> int:
         if self._probe is None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..ort_models.providers import parse_device
+
 
 class ProbeError(RuntimeError):
     """The device cannot be probed (message for the user)."""
@@ -87,17 +89,6 @@ class FakeProbe:
 
     def read(self) -> DeviceMemory:
         return self._mem
-
-
-def parse_device(device: str) -> tuple[str, int]:
-    """"cpu" -> ("cpu", 0); "cuda" / "cuda:N" -> ("cuda", N); anything else: ValueError."""
-    if device == "cpu":
-        return "cpu", 0
-    if device == "cuda":
-        return "cuda", 0
-    if device.startswith("cuda:") and device[5:].isdigit():
-        return "cuda", int(device[5:])
-    raise ValueError(f"unknown device {device!r}: use cpu or cuda:N")
 
 
 def probe_for(device: str) -> MemoryProbe:

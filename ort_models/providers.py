@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes.util
 import os
-import re
 from dataclasses import dataclass
 
 
@@ -21,14 +20,25 @@ class RuntimeChoice:
                 f"on {self.device}: {self.reason}")
 
 
+def parse_device(device: str) -> tuple[str, int]:
+    """"cpu" -> ("cpu", 0); "cuda" / "cuda:N" -> ("cuda", N); anything else: ValueError."""
+    if device == "cpu":
+        return "cpu", 0
+    if device == "cuda":
+        return "cuda", 0
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return "cuda", int(device[5:])
+    raise ValueError(f"unknown device {device!r}: use cpu or cuda:N")
+
+
 def session_providers(device: str) -> list[str | tuple[str, dict[str, int]]]:
     """The `providers` argument of an InferenceSession on `device` ("cpu" / "cuda:N"):
     CUDA first with the CPU for the nodes it has no kernel for. Device 0 is named without
     options: ORT >= 1.26 warns on every session given a device_id while it looks for a
     plugin EP first (the built-in CUDA EP is used either way)."""
-    if device == "cpu":
+    kind, index = parse_device(device)
+    if kind == "cpu":
         return ["CPUExecutionProvider"]
-    index = int(device.split(":")[1]) if ":" in device else 0
     cuda: str | tuple[str, dict[str, int]] = (
         "CUDAExecutionProvider" if index == 0 else ("CUDAExecutionProvider", {"device_id": index}))
     return [cuda, "CPUExecutionProvider"]
@@ -54,17 +64,22 @@ def choose_runtime(device: str = "auto") -> RuntimeChoice:
     source = ""
     if device == "auto" and os.environ.get("SPECD_DEVICE", "").strip():
         device, source = os.environ["SPECD_DEVICE"].strip(), " (from $SPECD_DEVICE)"
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise ValueError(f"unknown device {device!r}{source}: use auto, cpu, cuda or cuda:N")
+    kind, index = "auto", 0
+    if device != "auto":
+        try:
+            kind, index = parse_device(device)
+        except ValueError:
+            raise ValueError(f"unknown device {device!r}{source}: use auto, cpu, cuda or "
+                             "cuda:N") from None
 
     pkg, version = _package_name(), ort.__version__
     available = ort.get_available_providers()
-    if device == "cpu":
+    if kind == "cpu":
         return RuntimeChoice(version, pkg, "CPUExecutionProvider", "cpu", "CPU requested")
     if "CUDAExecutionProvider" not in available:
         why = ("CUDA EP not available: the CPU package onnxruntime is installed"
                if pkg == "onnxruntime" else "CUDA EP not available in this build")
-        if device.startswith("cuda"):
+        if kind == "cuda":
             raise RuntimeError(why)
         return RuntimeChoice(version, pkg, "CPUExecutionProvider", "cpu", why)
     missing = [lib for lib in ("cudart", "cublas") if ctypes.util.find_library(lib) is None]
@@ -73,9 +88,8 @@ def choose_runtime(device: str = "auto") -> RuntimeChoice:
         missing = []
     except Exception:  # noqa: BLE001 - older versions lack it; keep the ldconfig answer
         pass
-    if missing and device == "auto":
+    if missing and kind == "auto":
         return RuntimeChoice(version, pkg, "CPUExecutionProvider", "cpu",
                              f"CUDA EP not available: lib{missing[0]} missing")
-    index = int(device.split(":")[1]) if ":" in device else 0
     return RuntimeChoice(version, pkg, "CUDAExecutionProvider", f"cuda:{index}",
                          "onnxruntime-gpu with a CUDA device")

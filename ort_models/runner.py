@@ -17,7 +17,7 @@ import numpy as np
 from . import native_ops
 from .graph_builder import ATTN_BUCKET
 from .model_cache import BuiltModel
-from .providers import RuntimeChoice, choose_runtime, session_providers
+from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
 
 log = logging.getLogger("specd.runner")
 
@@ -102,8 +102,7 @@ class ModelRunner:
             native_ops.register(so)
         self.session = ort.InferenceSession(str(built.model_path), so,
                                             providers=session_providers(self.runtime.device))
-        self._device = "cuda" if self.runtime.provider == "CUDAExecutionProvider" else "cpu"
-        self._dev_id = int(self.runtime.device.split(":")[1]) if self._device == "cuda" else 0
+        self._device, self._dev_id = parse_device(self.runtime.device)
         self.row_block = row_block or (CUDA_ROW_BLOCK if self._device == "cuda" else 1)
         # KV rows: the context, plus room for the filler rows of a call near its end
         # (never past the rotary table: filler positions must exist)
