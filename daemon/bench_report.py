@@ -39,10 +39,9 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
                 *[r.per_position for r in cell.runs if r.per_position], strict=False)],
             "split_ms_per_token": [round(statistics.median(v), 2) for v in zip(
                 *[r.split_ms for r in cell.runs], strict=True)],
-            "vs_target_only": round(cell.median("decode_tps") / own.median("decode_tps"), 3)
-            if own else None,
-            "vs_llama_cpp": round(cell.median("decode_tps") / base.median("decode_tps"), 3)
-            if base else None,
+            "decode_tps_runs": [round(r.decode_tps, 2) for r in cell.runs],
+            **paired_ratio("vs_target_only", cell, own),
+            **paired_ratio("vs_llama_cpp", cell, base),
             "vs_bound": round(cell.median("decode_tps") / limit, 3) if limit else None,
             "memory_mb": round(cell.median("memory_bytes") / 1e6) if memory else None,
         }
@@ -54,6 +53,29 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
             "peak_rss_mb": round(result["peak_rss"] / 1e6, 1), "rows": rows}
 
 
+def paired_ratio(key: str, cell: Cell, base: Cell | None) -> dict[str, Any]:
+    """`cell`'s decode rate over `base`'s, paired by repeat: each repeat runs every
+    configuration of a prompt back to back, so the ratio of two runs of one repeat sees
+    one machine state; their median (and min–max, `key`_range) is what is reported.
+    On a shared host single runs swing by ±15% over minutes, which a ratio of the two
+    medians would carry whole."""
+    if base is None or not base.runs:
+        return {key: None, f"{key}_range": None}
+    ratios = [r.decode_tps / b.decode_tps
+              for r, b in zip(cell.runs, base.runs, strict=True) if b.decode_tps > 0]
+    if not ratios:
+        return {key: None, f"{key}_range": None}
+    return {key: round(statistics.median(ratios), 3),
+            f"{key}_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+
+
+def _ratio_text(r: dict[str, Any], key: str) -> str:
+    if r[key] is None:
+        return ""
+    lo, hi = r[f"{key}_range"]
+    return str(r[key]) if lo == hi else f"{r[key]} ({lo}–{hi})"
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
     lines = ["| prompt | T | config | decode tok/s (min–max) | × target-only | × llama.cpp "
              "| × bound | accept len | per-position acceptance | lookup share "
@@ -63,7 +85,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
         lo, hi = r["decode_tps_range"]
         split = r["split_ms_per_token"]
         cols = [r["prompt"], r["temperature"], r["config"], f"{r['decode_tps']} ({lo}–{hi})",
-                r["vs_target_only"] or "", r["vs_llama_cpp"] or "", r["vs_bound"] or "",
+                _ratio_text(r, "vs_target_only"), _ratio_text(r, "vs_llama_cpp"),
+                r["vs_bound"] or "",
                 r["mean_acceptance_length"], " ".join(map(str, r["per_position"])),
                 r["lookup_share"] if "ngram" in r["config"] else "",
                 "+".join(map(str, split)) if any(split) else "", r["prefill_tps"],
@@ -75,7 +98,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
 
 def footnote(summary: dict[str, Any]) -> str:
     """What the × bound and memory columns are measured against."""
-    parts = []
+    parts = ["× target-only, × llama.cpp: median (min–max) over the repeats of the ratio "
+             "of two runs of one repeat (run back to back, on one machine state)."]
     if summary.get("bandwidth_gbs"):
         bounds = ", ".join(f"{k} {summary['weight_bytes'][k] / 1e6:.0f} MB/token → "
                            f"{v} tok/s" for k, v in summary["bound_tps"].items())

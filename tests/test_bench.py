@@ -34,6 +34,7 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
                                      machine="test", command="pytest")
     rows = {r["config"]: r for r in summary["rows"]}
     assert rows["target-only"]["vs_target_only"] == 1.0
+    assert rows["target-only"]["vs_target_only_range"] == [1.0, 1.0]
     assert rows["target-only"]["vs_llama_cpp"] is None
     for r in rows.values():
         assert r["decode_tps"] > 0
@@ -63,6 +64,28 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
     assert "memory MB: process RSS" in paths[1].read_text()
     no_memory = {**summary, "rows": [{**r, "memory_mb": None} for r in summary["rows"]]}
     assert "memory MB: not measured" in bench_report.markdown_table(no_memory)
+
+
+def _speeds(config: str, tps: list[float]) -> bench.Cell:
+    runs = [bench.RunResult(1.0, t, 0.1, 1.0, [], {}, 1, 0) for t in tps]
+    return bench.Cell("p", 0.0, config, runs)
+
+
+def test_ratios_pair_the_runs_of_one_repeat() -> None:
+    """The host slowed down in repeat 2 for both configurations: run by run the second is
+    1.1x the first every time, which the ratio of the medians (27 / 30) would hide."""
+    base = _speeds("target-only", [30.0, 20.0, 31.0])
+    cell = _speeds("draft+ngram adaptive", [33.0, 22.0, 34.1])
+    result = {"cells": {("p", 0.0, c.config): c for c in (base, cell)}, "peak_rss": 0}
+    summary = bench_report.summarize(result, bandwidth=None, weight_bytes={},
+                                     machine="test", command="pytest")
+    row = {r["config"]: r for r in summary["rows"]}["draft+ngram adaptive"]
+    assert row["vs_target_only"] == 1.1 and row["vs_target_only_range"] == [1.1, 1.1]
+    assert row["decode_tps_runs"] == [33.0, 22.0, 34.1]
+    assert row["vs_llama_cpp"] is None and row["vs_llama_cpp_range"] is None
+    assert "| 1.1 |" in bench_report.markdown_table(summary)  # one value: no range
+    uneven = _speeds("ngram adaptive", [27.0, 22.0, 37.2])
+    assert bench_report.paired_ratio("x", uneven, base) == {"x": 1.1, "x_range": [0.9, 1.2]}
 
 
 def test_bandwidth_is_measured() -> None:
