@@ -98,7 +98,10 @@ class Generation:
 
     @property
     def evaluated_tokens(self) -> list[int]:
-        """Tokens whose KV the target's cache holds for this sequence, in order."""
+        """Tokens whose KV the target's cache holds for this sequence, in order (while the
+        prompt is being evaluated: the reused prefix and the chunks done so far)."""
+        if not self._pos:
+            return self.prompt[: self._reuse if self._cursor is None else self._cursor]
         return self.all_tokens[: self._pos]
 
     # -- prefill --------------------------------------------------------------------------
@@ -131,6 +134,9 @@ class Generation:
                 self.drafter = None
         self._pos = len(self.prompt)
         self._t_decode = time.perf_counter()
+        if self.params.max_tokens <= 0:  # evaluate (and cache) the prompt only
+            self.finish("length")
+            return []
         if self._grammar_finished():
             return []
         mask = None if self.grammar is None else self.grammar.allowed(len(logits))

@@ -41,7 +41,6 @@ class Request:
     on_tokens: Callable[[list[int]], None]  # called from the worker thread
     on_done: Callable[[Request], None]
     cache_prompt: bool = True
-    deadline: float | None = None  # time.monotonic() after which generation stops
     grammar: Grammar | None = None  # compiled constraint; a fresh state per request
     id: int = 0
     gen: Generation | None = None
@@ -169,8 +168,6 @@ class Scheduler:
         try:
             if req.cancelled:
                 gen.finish("cancelled")
-            elif req.deadline is not None and time.monotonic() > req.deadline:
-                gen.finish("time_limit")
             elif not gen.prefilled:
                 out = gen.prefill(self.prefill_chunk)
                 if out:

@@ -95,38 +95,92 @@ class Service:
         """RequestError unless the prompt fits the context (before queueing it)."""
         check_prompt_fits(prompt, self.engine.n_ctx)
 
-    async def generate(self, prompt: list[int], params: GenerationParams, *,
-                       stop: list[str] | None = None, cache_prompt: bool = True,
-                       t_max_ms: float | None = None,
-                       grammar: Grammar | None = None) -> AsyncIterator[Piece | Result]:
-        """Yields Pieces as text becomes final, then one Result. Cancel by closing."""
+    def submit(self, prompt: list[int], params: GenerationParams, *,
+               stop: list[str] | None = None, cache_prompt: bool = True,
+               t_max_ms: float | None = None, grammar: Grammar | None = None) -> Stream:
+        """Queue a request (RequestError if the prompt does not fit, QueueFull if the queue
+        is), before anything is sent to the client; iterate the Stream for its output."""
         self.check_prompt(prompt)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        req = Request(
+        return Stream(self, prompt, params, stop=stop, cache_prompt=cache_prompt,
+                      t_max_ms=t_max_ms, grammar=grammar)
+
+    async def generate(self, prompt: list[int], params: GenerationParams,
+                       **kw: Any) -> AsyncIterator[Piece | Result]:
+        """submit(), then its Pieces and Result. Cancel by closing."""
+        async for ev in self.submit(prompt, params, **kw):
+            yield ev
+
+
+class Stream:
+    """One submitted request's output: Pieces as text becomes final, then one Result.
+
+    Stop strings end the request at the token that completes one (later tokens a round
+    produced are neither streamed nor counted). `t_max_ms` limits generation, as
+    llama.cpp's t_max_predict_ms: timed from the first generated token, and applied once a
+    newline has come out (so a completion has at least its first line). Iterate once;
+    `cancel()` (or closing the iteration) stops the request.
+    """
+
+    def __init__(self, svc: Service, prompt: list[int], params: GenerationParams, *,
+                 stop: list[str] | None, cache_prompt: bool, t_max_ms: float | None,
+                 grammar: Grammar | None):
+        self.svc, self.prompt = svc, prompt
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._t_max = t_max_ms / 1000.0 if t_max_ms else None
+        self._stop = stop or []
+        self.req = Request(
             prompt=prompt, params=params, cache_prompt=cache_prompt, grammar=grammar,
-            deadline=None if not t_max_ms else time.monotonic() + t_max_ms / 1000.0,
-            on_tokens=lambda toks: loop.call_soon_threadsafe(events.put_nowait, ("tok", toks)),
-            on_done=lambda r: loop.call_soon_threadsafe(events.put_nowait, ("done", r)),
+            on_tokens=lambda toks: self._loop.call_soon_threadsafe(
+                self._events.put_nowait, ("tok", toks)),
+            on_done=lambda r: self._loop.call_soon_threadsafe(
+                self._events.put_nowait, ("done", r)),
         )
-        self.scheduler.submit(req)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        matcher = StopMatcher(stop or [])
-        eog = self.engine.eog_ids
+        svc.scheduler.submit(self.req)
+
+    def cancel(self) -> None:
+        self.req.cancel()
+
+    def __aiter__(self) -> AsyncIterator[Piece | Result]:
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[Piece | Result]:
+        req, tok = self.req, self.svc.tokenizer
+        detok = IncrementalDetokenizer(tok)
+        matcher = StopMatcher(self._stop)
+        eog = self.svc.engine.eog_ids
         text: list[str] = []
+        n_out = 0  # tokens counted as output: all of them, or up to the one ending a stop
+        t_first: float | None = None
+        newline = timed_out = False
         t0 = time.perf_counter()
         try:
             while True:
-                kind, value = await events.get()
+                kind, value = await self._events.get()
                 if kind == "done":
                     break
-                raw = "".join(detok.push(t) for t in value if t not in eog)
-                out = matcher.feed(raw)
                 if matcher.hit is not None:
+                    continue  # the rest of the round that completed a stop string
+                out, used = [], []
+                for t in value:
+                    used.append(t)
+                    raw = "" if t in eog else detok.push(t)
+                    newline = newline or "\n" in raw
+                    out.append(matcher.feed(raw))
+                    if matcher.hit is not None:
+                        req.cancel()
+                        break
+                n_out += len(used)
+                piece = "".join(out)
+                if piece or used:
+                    text.append(piece)
+                    yield Piece(piece, used)
+                now = time.monotonic()
+                t_first = now if t_first is None else t_first
+                if (self._t_max is not None and newline and matcher.hit is None
+                        and now - t_first > self._t_max):
+                    timed_out = True
                     req.cancel()
-                if out or value:
-                    text.append(out)
-                    yield Piece(out, list(value))
             tail = matcher.feed(detok.flush()) + matcher.flush()
             if tail:
                 text.append(tail)
@@ -135,19 +189,20 @@ class Service:
             req.cancel()
             raise
         gen = req.gen
-        stats = gen.stats if gen is not None else SpecStats(prompt_tokens=len(prompt))
-        reason = "stop" if matcher.hit is not None else (
+        stats = gen.stats if gen is not None else SpecStats(prompt_tokens=len(self.prompt))
+        reason = "stop" if matcher.hit is not None else "time_limit" if timed_out else (
             gen.finish_reason if gen is not None and gen.finish_reason else "error")
         if req.error:
             reason = "error"
         elapsed = time.perf_counter() - t0
         yield Result(
-            text="".join(text), finish_reason=reason, prompt_tokens=len(prompt),
-            completion_tokens=len(gen.tokens) if gen is not None else 0,
+            text="".join(text), finish_reason=reason, prompt_tokens=len(self.prompt),
+            completion_tokens=n_out if matcher.hit is not None or gen is None
+            else len(gen.tokens),
             cached_tokens=stats.cached_tokens, stats=stats, stopping_word=matcher.hit or "",
             error=req.error,
             timings={
-                "prompt_n": len(prompt) - stats.cached_tokens,
+                "prompt_n": len(self.prompt) - stats.cached_tokens,
                 "prompt_ms": round(stats.prefill_s * 1000, 3),
                 "prompt_per_second": round(stats.prefill_tps, 3),
                 "predicted_n": stats.generated_tokens,

@@ -39,6 +39,15 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = s
 
 
+def _event(data: bytes) -> dict[str, Any]:
+    """One SSE data object; an error event (a failure after the stream began) raises."""
+    ev = json.loads(data)
+    if isinstance(ev, dict) and isinstance(ev.get("error"), dict):
+        raise DaemonError(int(ev["error"].get("code") or 500),
+                          str(ev["error"].get("message", "error")))
+    return ev
+
+
 def _error_message(raw: bytes) -> str:
     try:
         return json.loads(raw)["error"]["message"]
@@ -109,7 +118,7 @@ class Client:
                 data = line[6:]
                 if data == b"[DONE]":
                     return
-                yield json.loads(data)
+                yield _event(data)
         finally:
             conn.close()
 
@@ -167,4 +176,4 @@ class AsyncClient:
                 if line.startswith(b"data: "):
                     if line[6:] == b"[DONE]":
                         return
-                    yield json.loads(line[6:])
+                    yield _event(line[6:])

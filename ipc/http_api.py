@@ -15,9 +15,9 @@ from ..daemon.generation import GenerationParams, RequestError
 from ..daemon.grammar import Grammar, GrammarError
 from ..daemon.sampling import SamplerParams
 from ..daemon.scheduler import QueueFull
-from ..daemon.service import Piece, Result, Service
+from ..daemon.service import Piece, Result, Service, Stream
 from .metrics import render_metrics
-from .security import error_response, make_middlewares
+from .security import cors_on_prepare, error_response, make_middlewares
 from .validation import BadRequest, get, json_body, stop_list, token_list
 
 SERVICE = web.AppKey("service", Service)
@@ -30,16 +30,17 @@ def _svc(request: web.Request) -> Service:
 
 
 # -- request parsing ----------------------------------------------------------------------
-def _params(svc: Service, body: dict[str, Any], *, max_key: str,
-            default_max: int) -> GenerationParams:
+def _params(svc: Service, body: dict[str, Any], *, max_key: str) -> GenerationParams:
+    """The request's settings over the daemon's defaults (`specd serve -n / --temp /
+    --seed / --ignore-eos ...`, as /props reports them)."""
     d = svc.engine.cfg.defaults
     max_tokens = get(body, max_key, int, None, lo=-1, hi=1 << 20)
     if max_tokens is None or max_tokens < 0:
-        max_tokens = default_max
+        max_tokens = d.max_tokens
     spec = body.get("speculative") or {}
     if not isinstance(spec, dict):
         raise BadRequest("'speculative' must be an object", param="speculative")
-    seed = get(body, "seed", int, None)
+    seed = get(body, "seed", int, d.sampling.seed)
     try:
         sampling = SamplerParams(
             temperature=get(body, "temperature", float, d.sampling.temperature, lo=0, hi=100),
@@ -61,7 +62,8 @@ def _params(svc: Service, body: dict[str, Any], *, max_key: str,
     # the draft length (and source) chosen per round from measured costs, or n_max always
     adaptive = get(spec, "adaptive", bool, get(body, "speculative.adaptive", bool, d.adaptive))
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, draft=draft,
-                            adaptive=adaptive, ignore_eos=bool(body.get("ignore_eos")))
+                            adaptive=adaptive,
+                            ignore_eos=get(body, "ignore_eos", bool, d.ignore_eos))
 
 
 def _check_model(svc: Service, body: dict[str, Any]) -> None:
@@ -123,6 +125,8 @@ async def _constraint(svc: Service, body: dict[str, Any]) -> Grammar | None:
 
 
 def _check_fits(svc: Service, prompt: list[int], param: str) -> None:
+    if not prompt:
+        raise BadRequest("the prompt is empty", param=param)
     try:
         svc.check_prompt(prompt)
     except RequestError as exc:
@@ -152,6 +156,12 @@ async def _sse(request: web.Request) -> web.StreamResponse:
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     return resp
+
+
+async def _send_error(resp: web.StreamResponse, message: str) -> None:
+    """A failure after the stream began: an error event (what llama.cpp's server and
+    OpenAI's send), never a normal finish."""
+    await _send(resp, {"error": {"code": 500, "message": message, "type": "server_error"}})
 
 
 async def _send(resp: web.StreamResponse, payload: Any) -> None:
@@ -199,9 +209,9 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
         prompt = _prompt_tokens(svc, body["prompt"])
-    params = _params(svc, body, max_key="max_tokens", default_max=256)
+    params = _params(svc, body, max_key="max_tokens")
     if chat and "max_completion_tokens" in body:
-        params.max_tokens = get(body, "max_completion_tokens", int, params.max_tokens, lo=1)
+        params.max_tokens = get(body, "max_completion_tokens", int, params.max_tokens, lo=0)
     stop = stop_list(body)
     grammar = await _constraint(svc, body)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -219,6 +229,17 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
             choice["text"] = r.text
         return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
                                   "choices": [choice], "usage": _usage(r)})
+    # queued before the response starts: a full queue is still a 503 the client can retry
+    stream = svc.submit(prompt, params, stop=stop, grammar=grammar)
+    try:
+        return await _openai_stream(request, stream, chat=chat, rid=rid, created=created,
+                                    model=model)
+    finally:
+        stream.cancel()  # the client went away (a no-op once finished)
+
+
+async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, rid: str,
+                         created: int, model: str) -> web.StreamResponse:
     resp = await _sse(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -234,10 +255,14 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
 
     if chat:
         await _send(resp, chunk("", None, first=True))
-    async for ev in svc.generate(prompt, params, stop=stop, grammar=grammar):
+    async for ev in stream:
         if isinstance(ev, Piece):
             if ev.text:
                 await _send(resp, chunk(ev.text, None))
+        elif ev.error:
+            await _send_error(resp, ev.error)
+            await resp.write_eof()
+            return resp
         else:
             final = chunk(None, _oai_finish(ev.finish_reason))
             final["usage"] = _usage(ev)
@@ -256,7 +281,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 # -- llama.cpp-compatible -----------------------------------------------------------------
-def _infill_prompt(svc: Service, body: dict[str, Any]) -> list[int]:
+def _infill_prompt(svc: Service, body: dict[str, Any], max_tokens: int) -> list[int]:
+    """[extra files] <prefix> <suffix> <middle> prompt, trimmed to leave the context room
+    for the completion as llama.cpp's /infill does: the extra context keeps its newest
+    tokens, then the prefix its end and the suffix its start."""
     tok = svc.tokenizer
     if tok.fim_prefix_id is None or tok.fim_suffix_id is None or tok.fim_middle_id is None:
         raise BadRequest("this model's vocabulary has no FIM tokens; /infill is unavailable")
@@ -267,31 +295,41 @@ def _infill_prompt(svc: Service, body: dict[str, Any]) -> list[int]:
     if not isinstance(extra, list) or not all(isinstance(e, dict) for e in extra):
         raise BadRequest("'input_extra' must be an array of {filename, text}",
                          param="input_extra")
-    ids: list[int] = []
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_bos=False, parse_special=False)
+
+    extra_ids: list[int] = []
     sep = tok.token_to_id("<|file_sep|>")
     for e in extra:
         text = f"{e.get('filename', '')}\n{e.get('text', '')}"
-        if sep is not None:
-            ids += [sep]
-        ids += tok.encode(text, add_bos=False, parse_special=False)
+        extra_ids += ([sep] if sep is not None else []) + enc(text)
     if sep is not None and extra:
-        ids += [sep]
-    ids += [tok.fim_prefix_id, *tok.encode(prefix, add_bos=False, parse_special=False),
-            tok.fim_suffix_id, *tok.encode(suffix, add_bos=False, parse_special=False),
-            tok.fim_middle_id, *tok.encode(prompt, add_bos=False, parse_special=False)]
-    return ids
+        extra_ids += [sep]
+    pre, suf, mid = enc(prefix), enc(suffix), enc(prompt)
+    n_ctx = svc.engine.n_ctx
+    room = n_ctx - 1 - min(max(max_tokens, 0), n_ctx // 2)
+    over = 3 + len(pre) + len(suf) + len(mid) - room
+    if over > 0:
+        cut = min(over, len(pre))
+        pre, over = pre[cut:], over - cut
+    if over > 0:
+        suf = suf[: max(len(suf) - over, 0)]
+    core = [tok.fim_prefix_id, *pre, tok.fim_suffix_id, *suf, tok.fim_middle_id, *mid]
+    keep = max(room - len(core), 0)
+    return (extra_ids[max(len(extra_ids) - keep, 0):] if keep else []) + core
 
 
 async def _llama_completion(request: web.Request, *, infill: bool) -> web.StreamResponse:
     svc = _svc(request)
     body = await json_body(request)
+    params = _params(svc, body, max_key="n_predict")
     if infill:
-        prompt = _infill_prompt(svc, body)
+        prompt = _infill_prompt(svc, body, params.max_tokens)
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
         prompt = _prompt_tokens(svc, body["prompt"])
-    params = _params(svc, body, max_key="n_predict", default_max=256 if not infill else 128)
     stop = stop_list(body)
     cache_prompt = get(body, "cache_prompt", bool, True)
     t_max = get(body, "t_max_predict_ms", (int, float), None, lo=0)
@@ -312,14 +350,20 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
     stream = get(body, "stream", bool, False)
     if not stream:
         return web.json_response(final(await _collect(svc, prompt, params, **kw)))
-    resp = await _sse(request)
-    async for ev in svc.generate(prompt, params, **kw):
-        if isinstance(ev, Piece):
-            await _send(resp, {"content": ev.text, "tokens": ev.tokens, "stop": False})
-        else:
-            await _send(resp, final(ev))
-    await resp.write_eof()
-    return resp
+    events = svc.submit(prompt, params, **kw)  # a full queue is a 503 before any byte
+    try:
+        resp = await _sse(request)
+        async for ev in events:
+            if isinstance(ev, Piece):
+                await _send(resp, {"content": ev.text, "tokens": ev.tokens, "stop": False})
+            elif ev.error:
+                await _send_error(resp, ev.error)
+            else:
+                await _send(resp, final(ev))
+        await resp.write_eof()
+        return resp
+    finally:
+        events.cancel()
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
@@ -402,6 +446,7 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
                memory_plan: dict[str, Any] | None = None) -> web.Application:
     app = web.Application(client_max_size=max_body, middlewares=make_middlewares(
         allowed_origins=allowed_origins or set(), token=token))
+    app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
     app[SERVICE] = service
     app[MAX_BODY] = max_body
     app[MEMORY_PLAN] = memory_plan

@@ -89,22 +89,39 @@ def make_middlewares(*, allowed_origins: set[str], token: str | None,
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         unix = _via_unix_socket(request)
+        origin = request.headers.get("Origin")
+        if not unix and check_host and not is_loopback_host(request.headers.get("Host")):
+            return error_response(403, "Host header must name a loopback address "
+                                       "(DNS-rebinding protection)")
+        if (request.method == "OPTIONS" and origin in allowed_origins
+                and "Access-Control-Request-Method" in request.headers):
+            # a browser's CORS preflight (it never carries the token)
+            return web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": request.headers.get(
+                    "Access-Control-Request-Headers", "Authorization, Content-Type"),
+                "Access-Control-Max-Age": "600"})
         if not unix:
-            if check_host and not is_loopback_host(request.headers.get("Host")):
-                return error_response(403, "Host header must name a loopback address "
-                                           "(DNS-rebinding protection)")
             if token is not None and request.path != "/health":
                 got = request.headers.get("Authorization", "")
                 if not secrets.compare_digest(got.encode(), f"Bearer {token}".encode()):
                     return error_response(401, "missing or wrong bearer token "
                                                "(Authorization: Bearer <token>)")
-        origin = request.headers.get("Origin")
         if origin is not None and origin not in allowed_origins:
             return error_response(403, f"cross-origin requests from {origin} are not "
                                        "allowed (see --allow-origin)")
-        resp = await handler(request)
-        if origin is not None and origin in allowed_origins:
-            resp.headers["Access-Control-Allow-Origin"] = origin
-        return resp
+        return await handler(request)
 
     return [errors, guard]
+
+
+def cors_on_prepare(allowed_origins: set[str]) -> Callable[[web.Request, web.StreamResponse],
+                                                           Awaitable[None]]:
+    """An `on_response_prepare` signal: every response to an allowed origin (errors and
+    streams included, before their headers go out) names it in Access-Control-Allow-Origin."""
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is not None and origin in allowed_origins:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+    return add

@@ -25,6 +25,8 @@ async def json_body(request: web.Request) -> dict[str, Any]:
         body = json.loads(raw or b"{}")
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the JSON body must be an object")
     return body
@@ -37,7 +39,11 @@ def get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default:
         return default
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise BadRequest(f"'{name}' is out of range, got an integer of "
+                             f"{len(str(value))} digits", param=name) from None
     if isinstance(value, bool) and bool not in kinds:
         raise BadRequest(f"'{name}' must be {_names(kinds)}, got a boolean", param=name)
     if not isinstance(value, kinds):

@@ -155,7 +155,8 @@ def test_disconnect_mid_stream_frees_the_slot(server) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("kind", ["bad_json", "wrong_type", "huge_prompt", "unknown_route",
                                   "wrong_method", "bad_host", "foreign_origin", "not_object",
-                                  "bad_tokens", "n_two", "bad_adaptive"])
+                                  "bad_tokens", "n_two", "bad_adaptive", "empty_prompt",
+                                  "huge_number", "deep_json"])
 def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:  # noqa: ANN001
     req = {
         "bad_json": ("POST", "/v1/completions", None, {}, b"{not json", 400, "malformed JSON"),
@@ -176,6 +177,12 @@ def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:  # noqa
         "bad_adaptive": ("POST", "/completion",
                          {"prompt": "x", "speculative": {"adaptive": "yes"}}, {}, None, 400,
                          "'adaptive' must be a boolean"),
+        "empty_prompt": ("POST", "/completion", {"prompt": []}, {}, None, 400,
+                         "the prompt is empty"),
+        "huge_number": ("POST", "/completion", {"prompt": "x", "temperature": 10**400}, {},
+                        None, 400, "'temperature' is out of range"),
+        "deep_json": ("POST", "/completion", None, {}, b"[" * 100_000, 400,
+                      "nested too deeply"),
     }[kind]
     method, path, body, headers, raw, want_status, want_text = req
     status, out = server.request(method, path, body, headers=headers, raw=raw)
