@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from . import cli_bench, cli_fit, cli_generate, cli_serve
+from .cli_generate import int_at_least
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -45,8 +46,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="synthetic acceptance: comma-separated per-position rates")
     p.add_argument("--spec-synthetic-mean", type=float, default=None,
                    help="synthetic acceptance: target mean acceptance length")
-    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=4096,
-                   help="context length per sequence (default 4096)")
+    from .engine import DEFAULT_N_CTX
+
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int_at_least(1),
+                   default=DEFAULT_N_CTX, help=f"context length per sequence (default "
+                   f"{DEFAULT_N_CTX}; at most the model's trained context)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument("--device", default="auto",
                    help="auto, cpu or cuda[:N] (auto: $SPECD_DEVICE if set, else CUDA where "
@@ -118,17 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _models_list(args: argparse.Namespace) -> int:
+    from ..ort_models.arch import READERS
     from .catalog import CATALOG
     from .model_store import model_path
 
     rows = [{"name": e.name, "size": e.size, "downloaded": model_path(e.name).is_file(),
-             "description": e.description} for e in CATALOG.values()]
+             "description": e.description, "runnable": e.arch in READERS}
+            for e in CATALOG.values()]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        for r in rows:
+        for r, e in zip(rows, CATALOG.values(), strict=True):
             mark = "*" if r["downloaded"] else " "
-            print(f"{mark} {r['name']:32s} {r['size'] / 1e6:8.1f} MB  {r['description']}")
+            note = "" if r["runnable"] else (f"  [specd cannot run {e.arch} models yet: "
+                                             "its tokenizer only]")
+            print(f"{mark} {r['name']:32s} {r['size'] / 1e6:8.1f} MB  {r['description']}{note}")
     return EXIT_OK
 
 
@@ -157,13 +165,13 @@ def model_info(path: object) -> dict[str, object]:
 def _models_info(args: argparse.Namespace) -> int:
     from ..ort_models.gguf_file import GGUFFile
     from .compat import draft_incompatibilities
-    from .model_store import resolve_model
+    from .model_store import ProgressBar, resolve_model
 
-    path = resolve_model(args.name, fetch=not args.no_fetch)
+    path = resolve_model(args.name, fetch=not args.no_fetch, progress=ProgressBar())
     info = model_info(path)
     problems = None
     if args.draft:
-        dpath = resolve_model(args.draft, fetch=not args.no_fetch)
+        dpath = resolve_model(args.draft, fetch=not args.no_fetch, progress=ProgressBar())
         problems = draft_incompatibilities(GGUFFile(path).metadata, GGUFFile(dpath).metadata)
         info["draft"] = {"path": str(dpath), "compatible": not problems, "problems": problems}
     if args.json:
@@ -222,14 +230,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - one clear line, no traceback for users
+        from ..memory_fit.measure import MeasureError
+        from ..memory_fit.plan import FitError
+        from ..memory_fit.probes import ProbeError
         from ..ort_models.gguf_file import GGUFError
         from .engine import EngineError
         from .generation import RequestError
         from .model_store import ModelStoreError
 
         if args.verbose or not isinstance(
-                exc, GGUFError | EngineError | ModelStoreError | RequestError | ValueError
-                | OSError):
+                exc, GGUFError | EngineError | ModelStoreError | RequestError | FitError
+                | ProbeError | MeasureError | ValueError | OSError):
             raise
         print(f"specd: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

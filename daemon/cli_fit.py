@@ -89,7 +89,7 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                max_ctx: int | None = None, threads: int | None = None, fetch: bool = True,
                use_cache: bool = True, probe: MemoryProbe | None = None,
                build_progress: BuildProgress | None = None, draft_quant: str = "auto",
-               ) -> tuple[Plan, list[ModelCost]]:
+               progress: Any = None) -> tuple[Plan, list[ModelCost]]:
     """Resolve, build, measure and fit target (+ draft); returns the plan and the costs."""
     from .model_store import resolve_model
 
@@ -100,7 +100,7 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
     for label, name in (("target", target), ("draft", draft)):
         if name is None:
             continue
-        path = resolve_model(name, fetch=fetch)
+        path = resolve_model(name, fetch=fetch, progress=progress)  # downloads: a bar
         built = built_model(path, bp(label), build_options(label, draft_quant, dev))
         costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
@@ -129,14 +129,15 @@ def built_model(path: str | os.PathLike[str], progress: Any = None,
 def run_fit(args: argparse.Namespace) -> int:
     from ..ort_models.gguf_file import GGUFError
     from .cli_generate import _build_progress
-    from .model_store import ModelStoreError
+    from .model_store import ModelStoreError, ProgressBar
 
     try:
         plan, _ = fit_models(args.model, args.draft, device=args.device, slots=args.slots,
                              margin_bytes=int(args.margin_mb * 2**20), min_ctx=args.min_ctx,
                              max_ctx=args.max_ctx, threads=args.threads,
                              fetch=not args.no_fetch, use_cache=not args.remeasure,
-                             build_progress=_build_progress, draft_quant=args.draft_quant)
+                             build_progress=_build_progress, draft_quant=args.draft_quant,
+                             progress=ProgressBar())
     except (FitError, MeasureError, ProbeError, ModelStoreError, GGUFError, ValueError,
             RuntimeError, OSError) as exc:
         if getattr(args, "verbose", False):

@@ -6,11 +6,27 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .drafters.base import DraftParams
 from .generation import GenerationParams
 from .sampling import SamplerParams
+
+
+def int_at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi], else a usage error naming the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < lo or hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(
+                f"{value} is out of range (at least {lo}" + (f", at most {hi})" if hi is not None
+                                                             else ")"))
+        return value
+    return parse
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:

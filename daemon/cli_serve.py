@@ -8,19 +8,21 @@ import logging
 import sys
 from pathlib import Path
 
-from .cli_generate import _build_progress, engine_config_from_args
+from .cli_generate import _build_progress, engine_config_from_args, int_at_least
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from ..ipc.server import DEFAULT_PORT
 
     p.add_argument("--host", default="127.0.0.1", help="TCP address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+    p.add_argument("--port", type=int_at_least(0, 65535), default=DEFAULT_PORT,
                    help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
     p.add_argument("--socket", default=None, help="Unix socket path (default: runtime dir)")
     p.add_argument("--no-socket", action="store_true", help="TCP only")
-    p.add_argument("--slots", type=int, default=2, help="parallel sequences (default 2)")
-    p.add_argument("--queue", type=int, default=64, help="most queued requests (then 503)")
+    p.add_argument("--slots", type=int_at_least(1, 64), default=2,
+                   help="parallel sequences (default 2)")
+    p.add_argument("--queue", type=int_at_least(1), default=64,
+                   help="most queued requests (then 503)")
     p.add_argument("--require-token", action="store_true",
                    help="require the bearer token (state dir file) on TCP")
     p.add_argument("--allow-non-loopback", action="store_true",
@@ -35,6 +37,7 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
     """Fit the context and slots to measured memory (-c is the upper bound); may drop the
     draft, with a warning. Returns the plan for /props."""
     from .cli_fit import fit_models
+    from .model_store import ProgressBar
 
     if args.no_fit:
         return None
@@ -44,7 +47,8 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
     plan, _ = fit_models(args.model, args.draft if uses_draft else None,
                          device=args.device, slots=args.slots, max_ctx=args.n_ctx,
                          threads=args.threads, fetch=not args.no_fetch,
-                         draft_quant=args.draft_quant)
+                         draft_quant=args.draft_quant, build_progress=_build_progress,
+                         progress=ProgressBar())
     for w in plan.warnings:
         print(f"specd: warning: {w}", file=sys.stderr)
     print(f"specd: memory plan: n_ctx {plan.n_ctx}, slots {plan.slots}"

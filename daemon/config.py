@@ -25,6 +25,10 @@ KEYS: dict[str, type] = {
     "threads": int,
 }
 
+# the values `specd serve` accepts for them (checked when set, not at the next start)
+RANGES: dict[str, tuple[int, int | None]] = {"port": (0, 65535), "slots": (1, 64),
+                                             "n_ctx": (1, None), "threads": (1, None)}
+
 _HEADER = ("# specd configuration: defaults for `specd start` and the user service.\n"
            "# Keys: " + ", ".join(KEYS) + ". SPECD_<KEY> environment variables override.\n")
 
@@ -46,11 +50,23 @@ def coerce(key: str, value: Any) -> str | int:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be an integer, not {value!r}")
         try:
-            return int(value)
+            number = int(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key} must be an integer, not {value!r}") from None
+        lo, hi = RANGES.get(key, (None, None))
+        if lo is not None and number < lo or hi is not None and number > hi:
+            raise ConfigError(f"{key} must be at least {lo}"
+                              + (f" and at most {hi}" if hi is not None else "")
+                              + f", not {number}")
+        return number
     if not isinstance(value, str):
         raise ConfigError(f"{key} must be a string, not {value!r}")
+    if key == "spec_type":
+        from .engine import SPEC_TYPES
+
+        if value not in SPEC_TYPES:
+            raise ConfigError(f"spec_type must be one of {', '.join(SPEC_TYPES)}, "
+                              f"not {value!r}")
     return value
 
 

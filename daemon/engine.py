@@ -49,12 +49,15 @@ class EngineError(Exception):
     """A configuration that cannot be loaded (message for the user)."""
 
 
+DEFAULT_N_CTX = 4096  # per sequence, capped at the model's trained context
+
+
 @dataclass
 class EngineConfig:
     target: str
     draft: str | None = None
     spec_type: str = "auto"
-    n_ctx: int = 4096
+    n_ctx: int = DEFAULT_N_CTX
     slots: int = 1
     threads: int | None = None
     device: str = "auto"
@@ -173,6 +176,11 @@ class Engine:
                                  build_options("target", device=self.runtime.device))
         self.target.resident_bytes += max(tokenizer_bytes, 0)
         self.n_ctx = self.target.runner.n_ctx
+        if cfg.n_ctx > self.n_ctx:  # said out loud when the context was asked for
+            say = log.info if cfg.n_ctx == DEFAULT_N_CTX else log.warning
+            say("warning: a context of %d tokens was asked for; %s was trained for %d, so "
+                "each sequence gets %d", cfg.n_ctx, target_path.name,
+                self.target.built.hparams.n_ctx_train, self.n_ctx)
         self.drafter: Drafter | None = None
         self.draft: LoadedModel | None = None
         if draft_path is not None and d_file is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..ort_models.graph_builder import ATTN_BUCKET
 from ..ort_models.runner import ModelRunner
 from .adaptive import AdaptiveDraftLength
 from .drafters.base import Draft, Drafter, DraftParams
@@ -102,6 +103,8 @@ class Generation:
         prompt is being evaluated: the reused prefix and the chunks done so far)."""
         if not self._pos:
             return self.prompt[: self._reuse if self._cursor is None else self._cursor]
+        if not self.stats.valid:  # synthetic acceptance: drafts' rows hold no real KV
+            return self.prompt[: self._pos]
         return self.all_tokens[: self._pos]
 
     # -- prefill --------------------------------------------------------------------------
@@ -112,8 +115,12 @@ class Generation:
     def prefill(self, budget: int | None = None) -> list[int]:
         """Evaluate the prompt (after any reused prefix), at most `budget` tokens per call.
 
-        Returns [] while prompt remains, then the first generated token. Chunks end on
-        attention-bucket boundaries, so the KV is the same however the prompt is split.
+        Returns [] while prompt remains, then the first generated token. A budgeted call
+        stops at the last attention-bucket boundary within its budget (at the budget when
+        none is in reach), and the runner chunks on those boundaries too: with budgets of
+        a bucket or more the calls are those of one unbudgeted prefill. (On the CPU the KV
+        is the same however the prompt is split; on CUDA it is the same calls that make
+        it the same.)
         """
         if self.prefilled:
             return []
@@ -121,7 +128,12 @@ class Generation:
         if self._cursor is None:
             self._cursor = min(self._reuse, len(self.prompt) - 1)
         start = self._cursor
-        end = len(self.prompt) if budget is None else min(len(self.prompt), start + budget)
+        end = len(self.prompt)
+        if budget is not None and start + budget < end:
+            # stop on a bucket boundary where one is in reach, so a budgeted prompt is cut
+            # where the runner would cut it anyway (the same calls on any device)
+            cut = start + budget
+            end = cut - cut % ATTN_BUCKET if cut - cut % ATTN_BUCKET > start else cut
         logits = self.target.prefill(self.seq, self.prompt[start:end], start)  # [vocab]
         self._cursor = end
         self.stats.prefill_s += time.perf_counter() - t0

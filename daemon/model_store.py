@@ -78,7 +78,7 @@ def resolve_model(
         _check_size(name, path)
         return path
     if not fetch:
-        raise ModelStoreError(f"model {name!r} is not in the store; run `specd pull {name}`")
+        raise ModelStoreError(f"model {name!r} is not in the store; run `specd models pull {name}`")
     return pull(name, progress=progress)
 
 

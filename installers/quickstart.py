@@ -60,7 +60,13 @@ def ensure_env() -> None:
 
 
 def main(argv: list[str]) -> int:
-    ensure_env()
+    try:
+        ensure_env()
+    except subprocess.CalledProcessError as exc:  # pip said why above; no traceback
+        print(f"quickstart: installing specd failed (pip exited with {exc.returncode}); "
+              "see pip's message above (offline? no wheel for this Python?)",
+              file=sys.stderr)
+        return 1
     if argv[:1] == ["test"]:
         cmd = [str(_bin("python")), "-m", "pytest", *argv[1:]]
         rc = subprocess.run(cmd, cwd=ROOT).returncode

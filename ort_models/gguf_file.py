@@ -132,7 +132,10 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dimensions")
             dims = [cur.scalar("Q") for _ in range(n_dims)]
             infos.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
-        align = int(self.metadata.get("general.alignment", 32))
+        align = self.metadata.get("general.alignment", 32)
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0:
+            raise GGUFError(f"{self.path}: general.alignment must be a positive integer, "
+                            f"got {align!r}")
         data_start = -(-cur.pos // align) * align
         self.tensors: dict[str, TensorInfo] = {}
         for name, dims, ggml_type, offset in infos:

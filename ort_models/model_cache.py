@@ -81,7 +81,7 @@ def validate_gguf(f: GGUFFile) -> HParams:
     """Everything that can be checked before a build: architecture, tensor types."""
     hp = read_hparams(f)
     for t in f.tensors.values():
-        check_supported(t)
+        check_supported(t, f.path)
     return hp
 
 

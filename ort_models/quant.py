@@ -307,9 +307,12 @@ def requant_block_size(kind: str, k: int) -> int:
     return bs if not bs or k % bs == 0 else 32
 
 
-def check_supported(t: TensorInfo) -> None:
+def check_supported(t: TensorInfo, where: object = "") -> None:
+    """UnsupportedTensorType unless specd reads `t`'s type; `where` (the file) leads the
+    message."""
     if t.type_name not in SUPPORTED_TYPES:
         raise UnsupportedTensorType(
-            f"tensor {t.name!r} has GGUF type {t.type_name}, which specd does not support "
+            (f"{where}: " if where else "")
+            + f"tensor {t.name!r} has GGUF type {t.type_name}, which specd does not support "
             f"(supported: {', '.join(SUPPORTED_TYPES)})"
         )

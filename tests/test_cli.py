@@ -77,6 +77,32 @@ def test_device_errors_are_one_line(tiny_model_factory) -> None:  # noqa: ANN001
         assert "CUDA EP not available: the CPU package onnxruntime is installed" in r.stderr
 
 
+def test_serve_setup_errors_are_one_line(tiny_model_factory, tmp_path) -> None:  # noqa: ANN001
+    """What `specd serve` (and so `specd start` and the service) meets before it listens:
+    the memory plan's errors and out-of-range flags, as one line each."""
+    path = str(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12))
+    r = specd("serve", "-m", path, "-c", "32", "--no-socket", "--port", "0")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "specd: error: a context of at least 256 tokens is needed; the limit is 32")
+    for flag, value, want in (("--slots", "0", "--slots: 0 is out of range"),
+                              ("--queue", "0", "--queue: 0 is out of range"),
+                              ("--port", "70000", "--port: 70000 is out of range"),
+                              ("-c", "0", "-c/--ctx-size: 0 is out of range")):
+        r = specd("serve", "-m", path, flag, value)
+        assert r.returncode == 2 and want in r.stderr, r.stderr
+
+
+def test_models_list_says_which_models_run() -> None:
+    r = specd("models", "list", "--json")
+    assert r.returncode == 0, r.stderr
+    runs = {row["name"]: row["runnable"] for row in json.loads(r.stdout)}
+    assert runs["qwen2.5-coder-1.5b-instruct"] and runs["smollm2-135m-instruct"]
+    assert runs["gemma-3-270m"] is False  # gemma3: its tokenizer is tested, the model not run
+    text = specd("models", "list").stdout
+    assert "specd cannot run gemma3 models yet" in text
+
+
 def test_unknown_model_name_lists_the_catalog() -> None:
     r = specd("generate", "-m", "no-such-model", "hi", "--no-fetch")
     assert r.returncode == 1 and "qwen2.5-coder-1.5b-instruct" in r.stderr

@@ -214,6 +214,58 @@ def test_synthetic_rates_one_accept_every_draft(models) -> None:  # noqa: ANN001
     assert gen.stats.accepted == gen.stats.drafted > 0
 
 
+def test_synthetic_rounds_leave_only_the_prompt_cached(models) -> None:  # noqa: ANN001
+    """Synthetically accepted drafts have no real KV: a later request on the slot must
+    not reuse them (the scheduler caches `evaluated_tokens`)."""
+    target, _ = models
+    out, gen = run(target, SyntheticDrafter([1.0] * 4), max_tokens=30, ignore_eos=True,
+                   draft=DraftParams(n_max=4))
+    assert not gen.stats.valid and len(out) == 30
+    assert gen.evaluated_tokens == PROMPT
+
+
+def test_a_draft_with_fewer_ids_keeps_drafting_past_them(tiny_model_factory,
+                                                         models) -> None:  # noqa: ANN001
+    """compat lets vocabulary sizes differ a little; an id the draft lacks reaches it as
+    id 0 instead of failing the draft (which would end speculation for the request)."""
+    _, draft = models
+    target = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
+                                              context_length=1024, vocab_size=384))
+    assert draft.hparams.n_vocab <= 370 < target.hparams.n_vocab
+    prompt = PROMPT[:6] + [370] + PROMPT[6:]
+    want, _ = run(target, prompt=prompt, max_tokens=32, ignore_eos=True)
+    drafter = DraftModelDrafter(ModelRunner(draft, n_ctx=512),
+                                vocab_limit=target.hparams.n_vocab)
+    got, gen = run(target, drafter, prompt=prompt, max_tokens=32, ignore_eos=True,
+                   draft=DraftParams(n_max=4))
+    assert got == want
+    assert gen.drafter is not None and gen.stats.drafted > 0
+
+
+def test_budgeted_prefill_stops_on_bucket_boundaries(models) -> None:  # noqa: ANN001
+    """After a reused prefix of 100 tokens, 256-token budgets cut where the runner's own
+    chunks end (a fresh prefill of the same suffix makes the same calls)."""
+    target, _ = models
+    runner = ModelRunner(target, n_ctx=1024)
+    real, calls = runner.prefill, []
+
+    def prefill(seq, tokens, pos=0, **kw):  # noqa: ANN001, ANN003, ANN202
+        calls.append((pos, len(tokens)))
+        return real(seq, tokens, pos, **kw)
+
+    runner.prefill = prefill  # type: ignore[method-assign]
+    prompt = [20 + i % 300 for i in range(700)]
+    gen = Generation(runner, 0, prompt, GenerationParams(max_tokens=1), eog=EOG, reuse=100)
+    while not gen.prefilled:
+        gen.prefill(256)
+    assert calls == [(100, 156), (256, 256), (512, 188)]
+    calls.clear()
+    gen = Generation(runner, 0, prompt[:300], GenerationParams(max_tokens=1), eog=EOG)
+    while not gen.prefilled:
+        gen.prefill(100)  # no boundary in reach: the budget (the runner splits the last)
+    assert calls == [(0, 100), (100, 100), (200, 100)]
+
+
 def test_synthetic_mean_length_is_close(models) -> None:  # noqa: ANN001
     target, _ = models
     _, gen = run(target, SyntheticDrafter(mean_length=3.0, n_max=4, seed=1), max_tokens=300,

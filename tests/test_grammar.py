@@ -64,7 +64,8 @@ def tiny_tok(tiny_model_factory: Any) -> Tokenizer:
 @pytest.fixture(scope="module")
 def smol_tok() -> Tokenizer:
     if not SMOLLM2.is_file():
-        pytest.skip(f"{SMOLLM2} is not in the model store; `specd pull smollm2-135m-instruct`")
+        pytest.skip(f"{SMOLLM2} is not in the model store; "
+                    "`specd models pull smollm2-135m-instruct`")
     return Tokenizer.from_metadata(GGUFFile(SMOLLM2).metadata)
 
 

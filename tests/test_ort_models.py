@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ContextFull, ModelRunner
 
 from numpy_reference import ReferenceModel
-from tiny_gguf import write_corrupt_variants
+from tiny_gguf import write_corrupt_variants, write_tiny_gguf
 
 K_DIMS = {"n_embd": 256, "n_ff": 512}
 CASES = [
@@ -274,6 +276,37 @@ def test_bad_files_give_one_clear_error(tmp_path, variant, message) -> None:  # 
     with pytest.raises(GGUFError, match=message) as info:
         load_or_build(paths[variant])
     assert "\n" not in str(info.value)
+    assert paths[variant].name in str(info.value)  # which file (a target's or a draft's)
+
+
+def _patch_uint32(src, dst, key: str, value: int):  # noqa: ANN001, ANN202
+    """A copy of GGUF `src` whose uint32 metadata `key` holds `value` (same length)."""
+    blob = bytearray(src.read_bytes())
+    raw = key.encode()
+    at = blob.find(struct.pack("<Q", len(raw)) + raw)
+    assert at >= 0, key
+    at += 8 + len(raw)
+    assert struct.unpack_from("<I", blob, at)[0] == 4  # GGUF type id of uint32
+    struct.pack_into("<I", blob, at + 4, value)
+    dst.write_bytes(bytes(blob))
+    return dst
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.attention.head_count", 0, r"llama.attention.head_count must be an integer >= 1"),
+    ("llama.attention.head_count_kv", 0, r"head_count_kv must be an integer >= 1, got 0"),
+    ("llama.embedding_length", 96, r"token_embd.weight is \[\d+, 64\], but the metadata"),
+    ("llama.feed_forward_length", 64, r"ffn_up.weight is \[128, 64\].*implies \[64, 64\]"),
+    ("llama.block_count", 5, "block_count is 5 but the file has no layer 4"),
+    ("llama.block_count", 0, "block_count must be an integer >= 1"),
+])
+def test_metadata_disagreeing_with_the_tensors_is_named(tmp_path, key, value,
+                                                         message) -> None:  # noqa: ANN001
+    good = write_tiny_gguf(tmp_path / "good.gguf", arch="llama", weight_type="Q8_0")
+    bad = _patch_uint32(good, tmp_path / "bad.gguf", key, value)
+    with pytest.raises(GGUFError, match=message) as info:
+        load_or_build(bad)
+    assert "\n" not in str(info.value) and "bad.gguf" in str(info.value)
 
 
 def _requantized_reference(path, kind: str) -> ReferenceModel:  # noqa: ANN001

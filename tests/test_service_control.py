@@ -81,6 +81,16 @@ def test_config_file_and_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatc
         config_mod.set_value("colour", "red")
     with pytest.raises(config_mod.ConfigError, match="must be an integer"):
         config_mod.set_value("slots", "many")
+    # what `specd serve` would refuse is refused now, not at the next start
+    with pytest.raises(config_mod.ConfigError, match="slots must be at least 1"):
+        config_mod.set_value("slots", "0")
+    with pytest.raises(config_mod.ConfigError, match="port must be at least 0 and at most "
+                                                     "65535, not 70000"):
+        config_mod.set_value("port", "70000")
+    with pytest.raises(config_mod.ConfigError, match="spec_type must be one of auto, none"):
+        config_mod.set_value("spec_type", "bogus")
+    config_mod.set_value("spec_type", "draft+ngram")
+    config_mod.set_value("spec_type", None)
     monkeypatch.setenv("SPECD_SLOTS", "x")
     with pytest.raises(config_mod.ConfigError, match="SPECD_SLOTS"):
         config_mod.load_config()

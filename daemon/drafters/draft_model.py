@@ -39,6 +39,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, runner: ModelRunner, *, vocab_limit: int | None = None):
         self.runner = runner
         self.vocab_limit = vocab_limit  # the target's vocab size, if smaller
+        self._n_vocab = runner.hp.n_vocab  # the draft's own rows
         self._seqs: dict[int, _SeqState] = {}
 
     @property
@@ -59,8 +60,13 @@ class DraftModelDrafter(Drafter):
         st = _SeqState(history=list(prompt), sampler=sampler)
         self._seqs[seq] = st
         if len(prompt) > reuse:
-            self.runner.prefill(seq, list(prompt[reuse:]), reuse)
+            self.runner.prefill(seq, self._ids(prompt[reuse:]), reuse)
         st.n_cached = len(prompt)
+
+    def _ids(self, tokens: Sequence[int]) -> list[int]:
+        """Token ids as the draft can embed them: a target id past the draft's vocabulary
+        (compat allows sizes to differ a little) becomes id 0. Only proposals change."""
+        return [t if t < self._n_vocab else 0 for t in tokens]
 
     def _logits(self, rows: np.ndarray) -> np.ndarray:
         return rows[..., : self.vocab_limit] if self.vocab_limit else rows
@@ -88,7 +94,8 @@ class DraftModelDrafter(Drafter):
             if len(pending) > 1 and not params.probabilistic:
                 row, forced = self._check_guesses(seq, pending, p, full_run)
             else:
-                row = self._logits(self.runner.forward(seq, pending, p)[0])  # [vocab]
+                row = self._logits(  # [vocab]
+                    self.runner.forward(seq, self._ids(pending), p)[0])
             p += len(pending)
             st.n_cached = p
             mask = None if grammar is None else grammar.allowed(row.shape[0])  # [vocab]
@@ -125,7 +132,8 @@ class DraftModelDrafter(Drafter):
         bonus token (position full_run); any other row is a teacher-forced position 0."""
         k = min(len(pending) - 1, FORCED_ROWS)
         first = len(pending) - 1 - k
-        out = self.runner.forward(seq, pending, pos, list(range(first, len(pending))))
+        out = self.runner.forward(seq, self._ids(pending), pos,
+                                  list(range(first, len(pending))))
         guesses = self._logits(out[:-1]).argmax(axis=-1)  # [k]
         hits = guesses == np.asarray(pending[first + 1:])  # [k]
         return self._logits(out[-1]), tuple(

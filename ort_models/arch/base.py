@@ -39,32 +39,75 @@ class HParams:
         return self.n_layer * self.n_head_kv * self.head_dim * 2 * dtype_bytes
 
 
+def _count(f: GGUFFile, key: str, value: object, lo: int = 1) -> int:
+    """An integer hyper-parameter, checked: a corrupt value names its key."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise GGUFError(f"{f.path}: {f.arch}.{key} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def _real(f: GGUFFile, key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise GGUFError(f"{f.path}: {f.arch}.{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def read_common(f: GGUFFile, *, rope_interleaved: bool, **flags: bool) -> HParams:
-    n_embd = int(f.require("embedding_length"))
-    n_head = int(f.require("attention.head_count"))
-    n_head_kv = int(f.arch_key("attention.head_count_kv", n_head))
-    head_dim = int(f.arch_key("attention.key_length", n_embd // n_head))
-    value_dim = int(f.arch_key("attention.value_length", head_dim))
+    n_embd = _count(f, "embedding_length", f.require("embedding_length"))
+    n_head = _count(f, "attention.head_count", f.require("attention.head_count"))
+    n_head_kv = _count(f, "attention.head_count_kv",
+                       f.arch_key("attention.head_count_kv", n_head))
+    head_dim = _count(f, "attention.key_length",
+                      f.arch_key("attention.key_length", n_embd // n_head))
+    value_dim = _count(f, "attention.value_length",
+                       f.arch_key("attention.value_length", head_dim))
     if value_dim != head_dim:
         raise GGUFError(f"{f.path}: key_length {head_dim} != value_length {value_dim}")
     if n_head % n_head_kv:
         raise GGUFError(f"{f.path}: head_count {n_head} not a multiple of kv {n_head_kv}")
     embd = f.tensor("token_embd.weight")
     n_vocab = int(embd.shape[0])
-    return HParams(
+    hp = HParams(
         arch=f.arch,
-        n_layer=int(f.require("block_count")),
+        n_layer=_count(f, "block_count", f.require("block_count")),
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
-        n_ff=int(f.require("feed_forward_length")),
+        n_ff=_count(f, "feed_forward_length", f.require("feed_forward_length")),
         n_vocab=n_vocab,
-        n_ctx_train=int(f.arch_key("context_length", 2048)),
-        rms_eps=float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(f.arch_key("rope.freq_base", 10000.0)),
-        rope_dim=int(f.arch_key("rope.dimension_count", head_dim)),
+        n_ctx_train=_count(f, "context_length", f.arch_key("context_length", 2048)),
+        rms_eps=_real(f, "attention.layer_norm_rms_epsilon",
+                      f.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_base=_real(f, "rope.freq_base", f.arch_key("rope.freq_base", 10000.0)),
+        rope_dim=_count(f, "rope.dimension_count", f.arch_key("rope.dimension_count", head_dim)),
         rope_interleaved=rope_interleaved,
         tied_embeddings=not f.has_tensor("output.weight"),
         **flags,
     )
+    check_shapes(f, hp)
+    return hp
+
+
+def check_shapes(f: GGUFFile, hp: HParams) -> None:
+    """The first layer's matrices must have the shapes the metadata implies (a file whose
+    metadata disagrees with its tensors would otherwise fail inside ONNX Runtime)."""
+    want = {"token_embd": (hp.n_vocab, hp.n_embd),
+            "blk.0.attn_q": (hp.n_head * hp.head_dim, hp.n_embd),
+            "blk.0.attn_k": (hp.n_head_kv * hp.head_dim, hp.n_embd),
+            "blk.0.attn_v": (hp.n_head_kv * hp.head_dim, hp.n_embd),
+            "blk.0.attn_output": (hp.n_embd, hp.n_head * hp.head_dim),
+            "blk.0.ffn_up": (hp.n_ff, hp.n_embd),
+            "blk.0.ffn_down": (hp.n_embd, hp.n_ff)}
+    for name, shape in want.items():
+        if f.has_tensor(name + ".weight"):
+            got = tuple(int(d) for d in f.tensor(name + ".weight").shape)
+            if got != shape:
+                raise GGUFError(f"{f.path}: tensor {name}.weight is {list(got)}, but the "
+                                f"metadata (embedding_length {hp.n_embd}, heads "
+                                f"{hp.n_head}/{hp.n_head_kv}, head dim {hp.head_dim}, "
+                                f"feed_forward_length {hp.n_ff}) implies {list(shape)}")
+    if not f.has_tensor(f"blk.{hp.n_layer - 1}.attn_norm.weight") and f.has_tensor(
+            "blk.0.attn_norm.weight"):
+        raise GGUFError(f"{f.path}: block_count is {hp.n_layer} but the file has no layer "
+                        f"{hp.n_layer - 1}")
