@@ -229,6 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `specd generate ... | head`: the reader has what it wanted
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+        return EXIT_OK
     except Exception as exc:  # noqa: BLE001 - one clear line, no traceback for users
         from ..memory_fit.measure import MeasureError
         from ..memory_fit.plan import FitError

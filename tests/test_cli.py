@@ -93,6 +93,14 @@ def test_serve_setup_errors_are_one_line(tiny_model_factory, tmp_path) -> None: 
         assert r.returncode == 2 and want in r.stderr, r.stderr
 
 
+def test_output_piped_into_head_ends_quietly(tiny_model_factory) -> None:  # noqa: ANN001
+    path = str(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12))
+    r = subprocess.run(f"{sys.executable} -m specd.daemon.cli generate -m {path} hi -n 480 "
+                       "--ignore-eos | head -c 1", shell=True, capture_output=True, text=True,
+                       timeout=300, executable="/bin/bash")
+    assert "Broken pipe" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_models_list_says_which_models_run() -> None:
     r = specd("models", "list", "--json")
     assert r.returncode == 0, r.stderr
