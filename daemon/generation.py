@@ -78,7 +78,9 @@ class Generation:
             SamplerParams(temperature=dp.temperature, top_k=params.draft_top_k,
                           seed=d_seed), seed=d_seed) if not dp.is_greedy else None
         self.adaptive = AdaptiveDraftLength(params.draft.n_max) if params.adaptive else None
-        self.stats = SpecStats(prompt_tokens=len(prompt), cached_tokens=reuse)
+        # a fully cached prompt still evaluates its last token (its logits are needed)
+        self.stats = SpecStats(prompt_tokens=len(prompt),
+                               cached_tokens=min(reuse, max(len(prompt) - 1, 0)))
         self.tokens: list[int] = []  # generated
         self.finish_reason: str | None = None
         self._reuse = reuse

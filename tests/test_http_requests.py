@@ -92,7 +92,7 @@ def test_warm_up_request_caches_the_prompt_and_time_limit_starts_at_the_first_to
         status, out = srv.request("POST", "/completion", {
             "prompt": prompt, "n_predict": 12, "ignore_eos": True, "t_max_predict_ms": 1})
         assert status == 200, out
-        assert out["tokens_cached"] >= out["tokens_evaluated"] - 1
+        assert out["tokens_cached"] == out["tokens_evaluated"] - 1  # the last is evaluated
         assert out["tokens_predicted"] >= 1
         if "\n" not in out["content"]:  # the limit applies once a line is complete
             assert out["tokens_predicted"] == 12
