@@ -45,6 +45,13 @@ def _llama_draft_model(llm: Any, n: int) -> Any:
         def reset(self) -> None:
             llm.reset()
 
+        def prime(self, ids: list[int]) -> None:
+            """Evaluate the prompt now: the first draft call then finds it cached, so
+            its pass over the prompt is prompt processing, as specd's drafter.begin is
+            (llama-cpp-python would otherwise make it after the first token, in decode)."""
+            llm.reset()
+            llm.eval(ids)
+
     return LlamaModelDraft()
 
 
@@ -90,10 +97,12 @@ class PeerRunner:
             llm = self._llm(mode)
             llm.reset()
             llm.set_seed(seed)
-            reset_draft = getattr(getattr(llm, "draft_model", None), "reset", None)
-            if reset_draft is not None:
-                reset_draft()
+            draft = getattr(llm, "draft_model", None)
+            if hasattr(draft, "reset"):
+                draft.reset()
             t0 = time.perf_counter()
+            if hasattr(draft, "prime"):  # inside time to first token, as for specd
+                draft.prime(prompt)
             first = None
             n = 0
             for _tok in llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0,

@@ -34,9 +34,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "adaptive (default: a set of each)")
     b.add_argument("--peer", action="store_true", help="also run llama.cpp (llama-cpp-python)")
     b.add_argument("--peer-lookup", action="store_true",
-                   help="also run llama-cpp-python's prompt-lookup decoding")
+                   help="also run llama-cpp-python's prompt-lookup decoding (implies --peer)")
     b.add_argument("--peer-draft", action="store_true",
-                   help="also run llama-cpp-python's speculative decoding with the same draft")
+                   help="also run llama-cpp-python's speculative decoding with the same "
+                        "draft: its Python verify loop over llama.cpp, with specd's "
+                        "per-token draft wrapper, n = 4 (implies --peer)")
     b.add_argument("--out", default="bench-results", help="output folder")
     b.set_defaults(func=run)
 
@@ -80,8 +82,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"specd bench: {exc}", file=sys.stderr)
         return 2
+    if args.peer_draft and draft is None:
+        print("specd bench: --peer-draft needs a draft model (drop --no-draft)",
+              file=sys.stderr)
+        return 2
     peer_cls = None
-    if args.peer:
+    if args.peer or args.peer_lookup or args.peer_draft:  # either implies --peer
         import importlib.util
 
         if importlib.util.find_spec("llama_cpp") is None:

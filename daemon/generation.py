@@ -138,14 +138,17 @@ class Generation:
             end = cut - cut % ATTN_BUCKET if cut - cut % ATTN_BUCKET > start else cut
         logits = self.target.prefill(self.seq, self.prompt[start:end], start)  # [vocab]
         self._cursor = end
-        self.stats.prefill_s += time.perf_counter() - t0
         if end < len(self.prompt):
+            self.stats.prefill_s += time.perf_counter() - t0
             return []
         if self.drafter is not None:
             try:
                 self.drafter.begin(self.seq, self.prompt, self.draft_sampler)
             except Exception:  # noqa: BLE001 - a failing draft never fails the request
                 self.drafter = None
+        # the draft's pass over the prompt is prompt processing too (it precedes the first
+        # token), not decoding
+        self.stats.prefill_s += time.perf_counter() - t0
         self._pos = len(self.prompt)
         self._t_decode = time.perf_counter()
         if self.params.max_tokens <= 0:  # evaluate (and cache) the prompt only
@@ -314,6 +317,7 @@ class Generation:
                 break
         self._last = out[-1] if out else self._last
         self.stats.generated_tokens = len(self.tokens)
+        self.stats.decoded_tokens = max(len(self.tokens) - 1, 0)
         self.stats.decode_s = time.perf_counter() - self._t_decode
         return out
 

@@ -12,6 +12,9 @@ class SpecStats:
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # per draft position: accepted
     drafted_at: list[int] = field(default_factory=list)  # per draft position: drafted
+    # per draft position: drafted with every earlier position accepted (the rounds in
+    # which the position's own acceptance was decided)
+    reached_at: list[int] = field(default_factory=list)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # n -> rounds drafted n
     lookup_rounds: int = 0  # rounds whose draft came from a prompt lookup (no model ran)
     lookup_accepted: int = 0  # drafts of those rounds the target accepted
@@ -19,6 +22,7 @@ class SpecStats:
     verify_s: float = 0.0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    decoded_tokens: int = 0  # generated after the first (which prompt processing makes)
     cached_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -37,8 +41,11 @@ class SpecStats:
         while len(self.drafted_at) < n_drafted:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
+            self.reached_at.append(0)
         for i in range(n_drafted):
             self.drafted_at[i] += 1
+            if i <= n_accepted:
+                self.reached_at[i] += 1
             if i < n_accepted:
                 self.accepted_at[i] += 1
 
@@ -52,7 +59,10 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def per_position_acceptance(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at,
+        """Conditional acceptance per draft position: of the rounds that drafted position
+        i with positions < i accepted, the share that accepted it (what a draft-length
+        controller or `--spec-synthetic-rates` means by a position's rate)."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached_at,
                                                      strict=True)]
 
     @property
@@ -61,19 +71,23 @@ class SpecStats:
 
     @property
     def decode_tps(self) -> float:
-        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        """Tokens after the first over the time after it (the first comes out of prompt
+        processing, before the decode clock starts)."""
+        return self.decoded_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def merge(self, other: SpecStats) -> None:
         for name in ("rounds", "drafted", "accepted", "lookup_rounds", "lookup_accepted",
                      "draft_s", "verify_s", "prompt_tokens", "generated_tokens",
-                     "cached_tokens", "prefill_s", "decode_s"):
+                     "decoded_tokens", "cached_tokens", "prefill_s", "decode_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i in range(len(other.drafted_at)):
             if i >= len(self.drafted_at):
                 self.drafted_at.append(0)
                 self.accepted_at.append(0)
+                self.reached_at.append(0)
             self.drafted_at[i] += other.drafted_at[i]
             self.accepted_at[i] += other.accepted_at[i]
+            self.reached_at[i] += other.reached_at[i]
         for n, c in other.draft_lengths.items():
             self.draft_lengths[n] = self.draft_lengths.get(n, 0) + c
         self.valid = self.valid and other.valid

@@ -266,6 +266,15 @@ def test_budgeted_prefill_stops_on_bucket_boundaries(models) -> None:  # noqa: A
     assert calls == [(0, 100), (100, 100), (200, 100)]
 
 
+def test_the_first_token_is_prompt_processing_in_the_stats(models) -> None:  # noqa: ANN001
+    target, draft = models
+    _, gen = run(target, draft_drafter(draft), max_tokens=20, ignore_eos=True,
+                 draft=DraftParams(n_max=3))
+    s = gen.stats
+    assert (s.generated_tokens, s.decoded_tokens) == (20, 19) and s.prefill_s > 0
+    assert s.decode_tps == pytest.approx(19 / s.decode_s)
+
+
 def test_synthetic_mean_length_is_close(models) -> None:  # noqa: ANN001
     target, _ = models
     _, gen = run(target, SyntheticDrafter(mean_length=3.0, n_max=4, seed=1), max_tokens=300,
