@@ -180,7 +180,8 @@ def _restart(args: argparse.Namespace, parser: argparse.ArgumentParser,
     except config_mod.ConfigError as exc:
         return _err(str(exc))
     explicit = _argv_for(args, actions, None)
-    info = sc.read_info() if sc.running_pid() is not None else {}
+    # read before running_pid() clears a crashed daemon's files: its options still count
+    info = sc.read_info()
     if not explicit and info.get("cli_argv"):
         args = parser.parse_args(info["cli_argv"], namespace=argparse.Namespace(**vars(args)))
         explicit = list(info["cli_argv"])

@@ -28,7 +28,7 @@ from ..ipc.client import Client, DaemonError, DaemonUnavailable
 from ..ort_models.paths import state_dir
 
 LOG_MAX_BYTES = 10 << 20  # rotated to specd.log.1 at start beyond this
-_SERVING = re.compile(rb"specd: serving http://(\S+?):(\d+)")
+_SERVING = re.compile(rb"specd: serving http://(\[[^\]\s]+\]|[^\s:/]+):(\d+)")
 
 
 class ServiceError(RuntimeError):
@@ -171,7 +171,8 @@ def client_for(info: dict[str, Any] | None = None, timeout: float = 5.0) -> Clie
         token = None  # TCP may require the bearer token (the socket never does)
         with contextlib.suppress(OSError):
             token = token_path().read_text().strip() or None
-        return Client(port=int(info.get("port") or DEFAULT_PORT), token=token, timeout=timeout)
+        return Client(port=int(info.get("port") or DEFAULT_PORT), token=token, timeout=timeout,
+                      host=str(info.get("host") or "127.0.0.1"))
     return Client(Path(sock) if sock else None, timeout=timeout)
 
 
@@ -424,7 +425,8 @@ def status(timeout: float = 5.0) -> Status:
     st = Status(running=pid is not None, pid=pid, started=info.get("started"),
                 socket=None if client.socket_path is None else str(client.socket_path))
     if info.get("port"):
-        st.url = f"http://{info.get('host', '127.0.0.1')}:{info['port']}"
+        host = str(info.get("host") or "127.0.0.1").strip("[]")
+        st.url = f"http://{f'[{host}]' if ':' in host else host}:{info['port']}"
     try:
         st.snapshot = fetch_snapshot(client)
         st.running = True

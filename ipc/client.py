@@ -56,17 +56,19 @@ def _error_message(raw: bytes) -> str:
 
 
 class Client:
-    """Synchronous client. socket_path=None and port given: TCP on 127.0.0.1."""
+    """Synchronous client. socket_path=None and port given: TCP on `host` (a loopback
+    address, default 127.0.0.1; IPv6 without brackets)."""
 
     def __init__(self, socket_path: Path | None = None, *, port: int | None = None,
-                 token: str | None = None, timeout: float = 600.0):
+                 token: str | None = None, timeout: float = 600.0, host: str = "127.0.0.1"):
         self.socket_path = None if port is not None else (socket_path or default_socket_path())
         self.port, self.token, self.timeout = port, token, timeout
+        self.host = host.strip("[]")
 
     def _conn(self) -> http.client.HTTPConnection:
         if self.socket_path is not None:
             return _UnixHTTPConnection(str(self.socket_path), self.timeout)
-        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
     def _headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json", "Host": "localhost"}
@@ -77,6 +79,11 @@ class Client:
     def request(self, method: str, path: str, body: Any = None) -> Any:
         conn = self._conn()
         try:
+            try:
+                conn.connect()
+            except OSError as exc:  # no socket, refused, a path too long, no permission
+                raise DaemonUnavailable(f"no daemon at {self.socket_path or self.port}: "
+                                        f"{exc.strerror or exc}") from None
             conn.request(method, path, None if body is None else json.dumps(body),
                          self._headers())
             resp = conn.getresponse()

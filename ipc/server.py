@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,8 @@ def resolve_token(cfg: ServeConfig) -> str | None:
 def _prepare_socket(path: Path) -> socket.socket:
     """Bind a Unix socket (mode 0600), replacing a stale socket file but not a live one."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if (path.exists() or path.is_symlink()) and not stat.S_ISSOCK(path.lstat().st_mode):
+        raise OSError(errno.EEXIST, f"{path} exists and is not a socket; not replacing it")
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -122,7 +125,8 @@ async def serve_forever(app: web.Application, cfg: ServeConfig,
         loop.add_signal_handler(signal.SIGTERM, stop.set)  # main thread, Unix only
         handles_term = True
     srv = await start_server(app, cfg)
-    print(f"specd: serving http://{cfg.host}:{srv.port}"
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # IPv6 literals in brackets
+    print(f"specd: serving http://{host}:{srv.port}"
           + (f" and unix:{srv.socket_path}" if srv.socket_path else ""), file=sys.stderr,
           flush=True)
     if ready is not None:

@@ -198,6 +198,15 @@ def test_start_status_request_restart_stop(env: dict[str, str], tiny: Path) -> N
     assert new_pid and new_pid != pid and not sc.is_alive(pid)
     assert json.loads(cli(env, "status", "--json").stdout)["props"]["slots"] == 1
 
+    os.kill(new_pid, signal.SIGKILL)  # a crash: stale pid, info and socket files
+    deadline = time.monotonic() + 10
+    while sc.is_alive(new_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = cli(env, "restart")  # still the last start's options
+    assert r.returncode == 0, r.stderr
+    new_pid = sc.read_pid()
+    assert json.loads(cli(env, "status", "--json").stdout)["props"]["slots"] == 1
+
     t1 = time.monotonic()
     r = cli(env, "stop")
     assert r.returncode == 0, r.stderr

@@ -115,8 +115,11 @@ class TrayApp:
         r = subprocess.run(_cli(action), capture_output=True, text=True, check=False,
                            stdin=subprocess.DEVNULL)
         lines = (r.stderr or r.stdout).strip().splitlines()
-        self.note = None if r.returncode in (0, 3) else \
-            (lines[0] if lines else f"{action} failed ({r.returncode})")
+        # a failed start prints its summary first and the daemon's log tail after it,
+        # whose last error line is the cause
+        cause = next((ln for ln in reversed(lines) if "error" in ln.lower()),
+                     lines[0] if lines else f"{action} failed ({r.returncode})")
+        self.note = None if r.returncode in (0, 3) else cause
         self._wake.set()
 
     # -- polling ---------------------------------------------------------------------------
