@@ -76,7 +76,13 @@ def build_service(args: argparse.Namespace):  # noqa: ANN201
 
 def run(args: argparse.Namespace) -> int:
     from ..ipc.http_api import create_app
-    from ..ipc.server import ServeConfig, default_socket_path, resolve_token, serve_forever
+    from ..ipc.server import (
+        ServeConfig,
+        check_free,
+        default_socket_path,
+        resolve_token,
+        serve_forever,
+    )
 
     logging.getLogger("specd").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     scfg = ServeConfig(host=args.host, port=args.port,
@@ -86,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                        allow_non_loopback=args.allow_non_loopback,
                        allowed_origins=set(args.allow_origin))
     token = resolve_token(scfg)
+    check_free(scfg)  # before minutes of loading
     memory_plan = plan_memory(args)
     service = build_service(args)
     print(f"specd: {service.engine.runtime.describe()}", file=sys.stderr)

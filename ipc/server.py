@@ -52,6 +52,35 @@ def resolve_token(cfg: ServeConfig) -> str | None:
     return load_or_create_token(token_path()) if cfg.require_token else None
 
 
+def check_free(cfg: ServeConfig) -> None:
+    """OSError if the port or the Unix socket is already served: checked before the models
+    load (minutes), so a second daemon, or a service restarting in a loop beside one,
+    fails at once. (Binding happens after loading; this is a check, not a reservation.)"""
+    if cfg.port:
+        family, kind, proto, _, addr = socket.getaddrinfo(cfg.host, cfg.port,
+                                                          type=socket.SOCK_STREAM)[0]
+        probe = socket.socket(family, kind, proto)
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            probe.bind(addr)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen on {cfg.host}:{cfg.port}: "
+                                     f"{exc.strerror} (another specd? `specd status`)") from None
+        finally:
+            probe.close()
+    path = cfg.socket_path
+    if path is not None and sys.platform != "win32" and path.is_socket():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return  # stale: replaced when the server binds
+        else:
+            raise OSError(errno.EADDRINUSE, f"another specd is listening on {path}")
+        finally:
+            probe.close()
+
+
 def _prepare_socket(path: Path) -> socket.socket:
     """Bind a Unix socket (mode 0600), replacing a stale socket file but not a live one."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -53,3 +53,25 @@ def test_the_serving_line_gives_the_port(line: str, port: int) -> None:
     m = sc._SERVING.search(line.encode())
     assert m is not None and int(m.group(2)) == port
     assert not re.search(r"\s", m.group(1).decode())
+
+
+def test_a_served_port_or_socket_is_refused_before_loading(tmp_path: Path) -> None:
+    from specd.ipc.server import ServeConfig, check_free
+
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    path = tmp_path / "specd.sock"
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(path))
+    live.listen()
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            check_free(ServeConfig(port=port, socket_path=None))
+        with pytest.raises(OSError, match="another specd is listening"):
+            check_free(ServeConfig(port=0, socket_path=path))
+    finally:
+        busy.close()
+        live.close()
+    check_free(ServeConfig(port=port, socket_path=path))  # free now; the stale file is fine
