@@ -251,7 +251,8 @@ def start(serve_argv: list[str], *, verbose: bool = False, timeout: float = 600.
             "pid": proc.pid, "socket": None if sock is None else str(sock),
             "host": _opt(serve_argv, "--host") or "127.0.0.1",
             "port": int(port) if port and port != "0" else None,
-            "argv": serve_argv, "verbose": verbose, "started": time.time(), "log": str(log)}
+            "argv": serve_argv, "verbose": verbose, "started": time.time(), "log": str(log),
+            "log_offset": offset}
         write_info(info)
         _wait_ready(proc, info, offset, timeout, on_wait)
         return proc.pid
@@ -418,9 +419,20 @@ class Status:
                 **(self.snapshot.to_json() if self.snapshot else {})}
 
 
+def _learn_port(info: dict[str, Any]) -> None:
+    """A daemon asked for any free port announces it in the log once it serves; a start
+    that stopped waiting before then (timed out, interrupted) left the port unknown."""
+    if info.get("port") is None and "log_offset" in info:
+        port = _served_port(int(info["log_offset"]))
+        if port is not None:
+            info["port"] = port
+            write_info(info)
+
+
 def status(timeout: float = 5.0) -> Status:
     pid = running_pid()
     info = read_info() if pid is not None else {}
+    _learn_port(info)
     client = client_for(info, timeout=timeout)
     st = Status(running=pid is not None, pid=pid, started=info.get("started"),
                 socket=None if client.socket_path is None else str(client.socket_path))

@@ -290,3 +290,25 @@ def test_sigterm_does_not_wait_for_idle_keep_alive_connections(env: dict[str, st
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@needs_wiring
+def test_status_learns_the_port_a_start_stopped_waiting_for(env: dict[str, str],
+                                                            tiny: Path) -> None:
+    """A TCP-only start on any free port that gave up waiting (--wait 0) leaves the port
+    unknown; status reads it from the daemon's log once it serves."""
+    r = cli(env, "start", "-m", str(tiny), "--no-socket", "--port", "0", "--wait", "0")
+    assert r.returncode == 1 and "it is left running" in r.stderr, r.stderr
+    try:
+        deadline = time.monotonic() + 120
+        st: dict = {}
+        while time.monotonic() < deadline:
+            st = json.loads(cli(env, "status", "--json").stdout)
+            if st.get("props"):
+                break
+            time.sleep(0.3)
+        assert st["running"] and st["props"]["slots"] >= 1, st
+        assert st["url"].startswith("http://127.0.0.1:") and st["socket"] is None
+    finally:
+        assert cli(env, "stop").returncode == 0
+
