@@ -139,8 +139,16 @@ def _progress(elapsed: float, state: dict[str, float]) -> None:
 
 def _launch(argv: list[str], args: argparse.Namespace) -> int:
     shown: dict[str, float] = {}
-    pid = sc.start(argv, verbose=bool(getattr(args, "verbose", False)), timeout=args.wait_s,
-                   cwd=sc.state_dir(), on_wait=lambda e: _progress(e, shown))
+    try:
+        pid = sc.start(argv, verbose=bool(getattr(args, "verbose", False)),
+                       timeout=args.wait_s, cwd=sc.state_dir(),
+                       on_wait=lambda e: _progress(e, shown))
+    except KeyboardInterrupt:  # the daemon goes on loading: say so
+        pid = sc.running_pid()
+        print(f"\nspecd goes on starting in the background (pid {pid}); `specd status` to "
+              "see it, `specd stop` to stop it" if pid else "\nspecd start interrupted",
+              file=sys.stderr)
+        return 130
     st = sc.status()
     where = st.socket or st.url or "?"
     what = ""

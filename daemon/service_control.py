@@ -254,8 +254,10 @@ def start(serve_argv: list[str], *, verbose: bool = False, timeout: float = 600.
             "argv": serve_argv, "verbose": verbose, "started": time.time(), "log": str(log),
             "log_offset": offset}
         write_info(info)
-        _wait_ready(proc, info, offset, timeout, on_wait)
-        return proc.pid
+    # waited for outside the lock: `specd stop` may stop a daemon still loading (the wait
+    # then reports its exit), and a second `specd start` finds its pid file
+    _wait_ready(proc, info, offset, timeout, on_wait)
+    return proc.pid
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], info: dict[str, Any], offset: int,
@@ -265,6 +267,8 @@ def _wait_ready(proc: subprocess.Popen[bytes], info: dict[str, Any], offset: int
         rc = proc.poll()
         if rc is not None:
             _clear_files()
+            if rc == -signal.SIGTERM:
+                raise ServiceError("specd was stopped while starting (`specd stop`)")
             tail = log_tail(offset)
             raise ServiceError(f"specd exited with status {rc} while starting; "
                                f"log {log_path()}:\n{tail}" if tail else
