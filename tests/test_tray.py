@@ -55,6 +55,14 @@ def test_down() -> None:
     assert defaults(v) == ["start"]
 
 
+def test_starting() -> None:
+    """Launched by `specd start`, still loading: Stop works, Start would only fail."""
+    v = ts.view(ts.Starting(4242))
+    assert v.state is ts.IconState.STARTING and v.title == "specd: starting (pid 4242)"
+    assert v.actions() == ["stop", "open_log", "open_config", "quit"]
+    assert defaults(v) == ["open_log"]
+
+
 def test_error() -> None:
     v = ts.view(DaemonError(500, "internal error: boom\ntraceback..."))
     assert v.state is ts.IconState.ERROR
@@ -130,6 +138,8 @@ def test_icons_differ_per_state() -> None:
     for s in (ts.IconState.IDLE, ts.IconState.GENERATING, ts.IconState.ERROR):
         assert imgs[s].getpixel((10, 32))[:3] == COLORS[s]
     assert imgs[ts.IconState.DOWN].getpixel((32, 32))[3] == 0  # a ring: hollow
+    assert imgs[ts.IconState.STARTING].getpixel((32, 32))[:3] == COLORS[ts.IconState.STARTING]
+    assert imgs[ts.IconState.STARTING].getpixel((14, 32))[3] == 0  # a ring around a dot
 
 
 # -- the real app under Xvfb --------------------------------------------------------------

@@ -22,11 +22,12 @@ from typing import Any
 from ..daemon import config as config_mod
 from ..daemon import service_control as sc
 from ..ipc.client import DaemonUnavailable
-from .state import SEPARATOR, IconState, MenuItem, Observation, TrayView, view
+from .state import SEPARATOR, IconState, MenuItem, Observation, Starting, TrayView, view
 
 ICON_SIZE = 64
 COLORS: dict[IconState, tuple[int, int, int]] = {
     IconState.DOWN: (128, 128, 128),
+    IconState.STARTING: (214, 150, 20),
     IconState.IDLE: (46, 160, 67),
     IconState.GENERATING: (31, 111, 235),
     IconState.ERROR: (207, 34, 46),
@@ -34,8 +35,9 @@ COLORS: dict[IconState, tuple[int, int, int]] = {
 
 
 def icon_image(state: IconState, size: int = ICON_SIZE) -> Any:
-    """A Pillow RGBA image per state: grey ring (down), green disc (idle), blue disc with a
-    play arrow (generating), red disc with a bar and dot (error)."""
+    """A Pillow RGBA image per state: grey ring (down), amber ring around a dot (starting),
+    green disc (idle), blue disc with a play arrow (generating), red disc with a bar and
+    dot (error)."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGBA", (size, size), (0, 0, 0, 0))
@@ -43,8 +45,11 @@ def icon_image(state: IconState, size: int = ICON_SIZE) -> Any:
     m = size // 16
     box = (m, m, size - m - 1, size - m - 1)
     color = COLORS[state]
-    if state is IconState.DOWN:
+    if state in (IconState.DOWN, IconState.STARTING):
         d.ellipse(box, outline=color + (255,), width=max(size // 10, 2))
+        if state is IconState.STARTING:
+            q = size * 5 // 16
+            d.ellipse((q, q, size - q - 1, size - q - 1), fill=color + (255,))
         return img
     d.ellipse(box, fill=color + (255,))
     c, r = size / 2, size / 4
@@ -61,11 +66,13 @@ def icon_image(state: IconState, size: int = ICON_SIZE) -> Any:
 
 
 def poll(timeout: float = 3.0) -> Observation:
-    """One look at the daemon: a snapshot, None (down) or the exception (bad answer)."""
+    """One look at the daemon: a snapshot, Starting (launched, not answering yet), None
+    (down) or the exception (bad answer)."""
+    pid = sc.running_pid()  # first: a crashed daemon's files must not point the client away
     try:
         return sc.fetch_snapshot(sc.client_for(timeout=timeout))
     except DaemonUnavailable:
-        return None
+        return Starting(pid) if pid is not None else None
     except Exception as exc:  # noqa: BLE001 - shown in the menu, never fatal
         return exc
 

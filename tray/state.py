@@ -1,8 +1,9 @@
 """What the tray shows for a daemon snapshot: pure logic, no GUI (tested without a display).
 
 `view(observation)` takes what the poller saw: None (nothing answers: the daemon is down),
-a `DaemonSnapshot` (/props, /slots, /metrics), or an exception (it answers, but badly), and
-returns the icon state, the tooltip and the menu items.
+`Starting` (nothing answers yet, but the daemon `specd start` launched is alive: loading
+its models), a `DaemonSnapshot` (/props, /slots, /metrics), or an exception (it answers,
+but badly), and returns the icon state, the tooltip and the menu items.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..daemon.service_control import DaemonSnapshot
 
 class IconState(StrEnum):
     DOWN = "down"  # no daemon
+    STARTING = "starting"  # launched, loading its models, not answering yet
     IDLE = "idle"  # up, no slot busy
     GENERATING = "generating"  # a slot is in prefill or generating
     ERROR = "error"  # something answers but not properly
@@ -41,7 +43,12 @@ class TrayView:
         return [i.action for i in self.items if i.action and i.enabled]
 
 
-Observation = DaemonSnapshot | BaseException | None
+@dataclass(frozen=True)
+class Starting:
+    pid: int
+
+
+Observation = DaemonSnapshot | Starting | BaseException | None
 
 
 def _info_lines(s: DaemonSnapshot) -> list[MenuItem]:
@@ -73,6 +80,16 @@ def view(obs: Observation) -> TrayView:
             MenuItem("Stop", "stop", enabled=False),
             MenuItem("Restart", "restart", enabled=False),
             *_common()])
+    if isinstance(obs, Starting):
+        return TrayView(IconState.STARTING, f"specd: starting (pid {obs.pid})", [
+            MenuItem(f"specd is starting (pid {obs.pid}): loading models", enabled=False),
+            SEPARATOR,
+            MenuItem("Start", "start", enabled=False),
+            MenuItem("Stop", "stop"),
+            MenuItem("Restart", "restart", enabled=False),
+            MenuItem("Open log", "open_log", default=True),
+            MenuItem("Open config", "open_config"),
+            SEPARATOR, MenuItem("Quit tray", "quit")])
     if isinstance(obs, BaseException):
         msg = str(obs).splitlines()[0][:80] if str(obs) else type(obs).__name__
         return TrayView(IconState.ERROR, f"specd: error: {msg}", [
