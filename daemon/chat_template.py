@@ -85,10 +85,36 @@ def render_chat(
 
 
 def _message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A plain copy; keys whose value is None are dropped (templates handle a missing key)."""
+    """A plain copy, as OpenAI clients send it normalised the way the model's template
+    expects (what transformers and llama.cpp's server do):
+
+    - `content` given as a list of parts becomes their text, joined by newlines (a part
+      that is not text is refused: these models read text only);
+    - a tool call's `function.arguments`, a JSON string in OpenAI's format, becomes the
+      object it encodes (templates `tojson` it themselves), unless it is not valid JSON;
+    - None values stay None (`content: null` on an assistant turn with tool calls).
+    """
     if not isinstance(message, Mapping):
         raise ChatTemplateError(f"chat messages must be dicts, got {type(message).__name__}")
-    return {str(k): _plain(v) for k, v in message.items() if v is not None}
+    out = {str(k): _plain(v) for k, v in message.items()}
+    content = out.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ChatTemplateError(f"message content part of type {kind!r} is not "
+                                        "supported (text parts only)")
+            texts.append(part["text"])
+        out["content"] = "\n".join(texts)
+    for call in out.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass  # left as the client sent it
+    return out
 
 
 def _plain(value: Any) -> Any:

@@ -221,17 +221,31 @@ class Engine:
     def eog_ids(self) -> set[int]:
         return set(self.tokenizer.eot_ids)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def _bos_text(self) -> str:
+        tok = self.tokenizer
+        return tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+
+    def render_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        tok = self.tokenizer
         return render_chat(self.chat_template or "", messages, add_generation_prompt=True,
-                           bos_token=self.tokenizer.token_text(self.tokenizer.bos_id)
-                           if self.tokenizer.bos_id is not None else "",
-                           eos_token=self.tokenizer.token_text(self.tokenizer.eos_id)
-                           if self.tokenizer.eos_id is not None else "")
+                           bos_token=self._bos_text(),
+                           eos_token=tok.token_text(tok.eos_id)
+                           if tok.eos_id is not None else "", tools=tools)
+
+    def chat_tokens(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The rendered chat as token ids, with one BOS: templates that write
+        `{{ bos_token }}` themselves get no second one from the tokenizer."""
+        text = self.render_chat(messages, tools)
+        bos = self._bos_text()
+        add_bos = None if not (bos and text.startswith(bos)) else False
+        return self.tokenizer.encode(text, add_bos=add_bos, parse_special=True)
 
     def encode_prompt(self, text: str, *, chat: bool = False) -> list[int]:
         """Raw text (BOS as the file says, specials parsed) or a rendered chat prompt."""
         if chat:
-            text = self.render_chat([{"role": "user", "content": text}])
+            return self.chat_tokens([{"role": "user", "content": text}])
         return self.tokenizer.encode(text, parse_special=True)
 
     def start(self, seq: int, prompt: Sequence[int], params: GenerationParams,

@@ -200,11 +200,14 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise BadRequest("'messages' must be a non-empty array of {role, content}",
                              param="messages")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list)
+                                      and all(isinstance(t, dict) for t in tools)):
+            raise BadRequest("'tools' must be an array of objects", param="tools")
         try:
-            text = svc.engine.render_chat(messages)
+            prompt = svc.engine.chat_tokens(messages, tools or None)
         except ValueError as exc:
             raise BadRequest(f"chat template: {exc}") from None
-        prompt = svc.tokenizer.encode(text, parse_special=True)
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")

@@ -41,20 +41,41 @@ def test_real_templates_match_transformers(name: str) -> None:
 def test_chatml_fallback(caplog: pytest.LogCaptureFixture) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "image"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text",
+                                                                     "text": "there "}]},
         {"role": "assistant", "content": "hello", "tool_calls": None},
     ]
     with caplog.at_level(logging.WARNING):
         out = render_chat(None, messages)
     assert out == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nhi <|im_end|>\n"
+        "<|im_start|>user\nhi\nthere <|im_end|>\n"
         "<|im_start|>assistant\nhello<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     assert "no chat template" in caplog.text
     assert render_chat("", messages[:1], add_generation_prompt=False).endswith("<|im_end|>\n")
     assert render_chat(CHATML_FALLBACK, []) == "<|im_start|>assistant\n"
+
+
+def test_openai_message_shapes_reach_the_template_as_it_expects() -> None:
+    """Text parts joined; `content: null` kept (not a missing key); a tool call's JSON
+    string arguments as the object; a non-text part refused."""
+    template = ("{% for m in messages %}{{ m.role }}:"
+                "{% if m.content is none %}<none>{% else %}{{ m.content }}{% endif %}"
+                "{% for c in m.tool_calls or [] %}[{{ c.function.arguments | tojson }}]"
+                "{% endfor %};{% endfor %}")
+    out = render_chat(template, [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                     "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+            {"type": "function", "function": {"name": "g", "arguments": "not json"}}]},
+    ], add_generation_prompt=False)
+    assert out == 'user:a\nb;assistant:<none>[{"x": 1}]["not json"];'
+    with pytest.raises(ValueError, match="part of type 'image_url' is not supported"):
+        render_chat(template, [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:"}}]}])
 
 
 def test_hf_environment_features() -> None:

@@ -233,3 +233,33 @@ def test_infill_trims_extra_context_to_fit(tmp_path, tiny_model_factory) -> None
         assert status == 200, out
         assert 256 - 1 - 16 - 20 < out["tokens_evaluated"] <= 256 - 1 - 16
         assert out["tokens_predicted"] == 16
+
+
+def test_chat_prompts_get_one_bos_and_the_tools(tiny_path, tmp_path) -> None:  # noqa: ANN001
+    """A template that writes `{{ bos_token }}` itself on a vocabulary that adds BOS gets
+    one BOS, not two; `tools` reach the template; a non-text part is a 400."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        engine = srv.service.engine
+        tok = engine.tokenizer
+        assert tok.bos_id is not None
+        engine.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m.content }}"
+                                "{% endfor %}{% if tools %}|{{ tools[0].function.name }}"
+                                "{% endif %}")
+        tok._add_bos = True  # a vocabulary that adds BOS (llama-bpe, SentencePiece)
+        ids = engine.chat_tokens([{"role": "user", "content": "hi"}])
+        assert ids.count(tok.bos_id) == 1 and ids[0] == tok.bos_id
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        status, out = srv.request("POST", "/v1/chat/completions", {**chat, "tools": [tool]})
+        assert status == 200, out
+        with_tools = out["usage"]["prompt_tokens"]
+        status, out = srv.request("POST", "/v1/chat/completions", chat)
+        assert with_tools == out["usage"]["prompt_tokens"] + len(
+            tok.encode("|get_weather", add_bos=False))
+        status, out = srv.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": [{"type": "image_url",
+                                                       "image_url": {"url": "x"}}]}]})
+        assert status == 400 and "image_url" in out["error"]["message"]
+        status, out = srv.request("POST", "/v1/chat/completions", {**chat, "tools": "no"})
+        assert status == 400 and out["error"]["param"] == "tools"
