@@ -66,39 +66,32 @@ def _info_lines(s: DaemonSnapshot) -> list[MenuItem]:
     return lines
 
 
-def _common() -> list[MenuItem]:
-    return [SEPARATOR, MenuItem("Open log", "open_log"), MenuItem("Open config", "open_config"),
-            SEPARATOR, MenuItem("Quit tray", "quit")]
+def _menu(head: list[MenuItem], *, start: bool, stop: bool, restart: bool,
+          default: str) -> list[MenuItem]:
+    """The information lines, the controls this state allows, then the common items;
+    `default` is the action a click on the icon runs."""
+    def item(text: str, action: str, enabled: bool = True) -> MenuItem:
+        return MenuItem(text, action, enabled=enabled, default=action == default)
+
+    return [*head, SEPARATOR, item("Start", "start", start), item("Stop", "stop", stop),
+            item("Restart", "restart", restart), SEPARATOR, item("Open log", "open_log"),
+            item("Open config", "open_config"), SEPARATOR, item("Quit tray", "quit")]
 
 
 def view(obs: Observation) -> TrayView:
     if obs is None:
-        return TrayView(IconState.DOWN, "specd: not running", [
-            MenuItem("specd is not running", enabled=False),
-            SEPARATOR,
-            MenuItem("Start", "start", default=True),
-            MenuItem("Stop", "stop", enabled=False),
-            MenuItem("Restart", "restart", enabled=False),
-            *_common()])
+        return TrayView(IconState.DOWN, "specd: not running", _menu(
+            [MenuItem("specd is not running", enabled=False)],
+            start=True, stop=False, restart=False, default="start"))
     if isinstance(obs, Starting):
-        return TrayView(IconState.STARTING, f"specd: starting (pid {obs.pid})", [
-            MenuItem(f"specd is starting (pid {obs.pid}): loading models", enabled=False),
-            SEPARATOR,
-            MenuItem("Start", "start", enabled=False),
-            MenuItem("Stop", "stop"),
-            MenuItem("Restart", "restart", enabled=False),
-            MenuItem("Open log", "open_log", default=True),
-            MenuItem("Open config", "open_config"),
-            SEPARATOR, MenuItem("Quit tray", "quit")])
+        return TrayView(IconState.STARTING, f"specd: starting (pid {obs.pid})", _menu(
+            [MenuItem(f"specd is starting (pid {obs.pid}): loading models", enabled=False)],
+            start=False, stop=True, restart=False, default="open_log"))
     if isinstance(obs, BaseException):
         msg = str(obs).splitlines()[0][:80] if str(obs) else type(obs).__name__
-        return TrayView(IconState.ERROR, f"specd: error: {msg}", [
-            MenuItem(f"Error: {msg}", enabled=False),
-            SEPARATOR,
-            MenuItem("Start", "start", enabled=False),
-            MenuItem("Stop", "stop"),
-            MenuItem("Restart", "restart", default=True),
-            *_common()])
+        return TrayView(IconState.ERROR, f"specd: error: {msg}", _menu(
+            [MenuItem(f"Error: {msg}", enabled=False)],
+            start=False, stop=True, restart=True, default="restart"))
     state = IconState.GENERATING if obs.busy else IconState.IDLE
     title = f"specd: {state.value} - {obs.target}"
     if obs.draft:
@@ -107,12 +100,5 @@ def view(obs: Observation) -> TrayView:
         title += f", {obs.tokens_per_second:.1f} tok/s"
     if obs.metrics.get("specd_draft_tokens_total", 0) > 0:
         title += f", acceptance {obs.acceptance:.2f}"
-    return TrayView(state, title, [
-        *_info_lines(obs),
-        SEPARATOR,
-        MenuItem("Start", "start", enabled=False),
-        MenuItem("Stop", "stop"),
-        MenuItem("Restart", "restart"),
-        MenuItem("Open log", "open_log", default=True),
-        MenuItem("Open config", "open_config"),
-        SEPARATOR, MenuItem("Quit tray", "quit")])
+    return TrayView(state, title, _menu(_info_lines(obs), start=False, stop=True,
+                                        restart=True, default="open_log"))
