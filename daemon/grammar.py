@@ -215,8 +215,11 @@ def _schema_dict(spec: Any) -> dict[str, Any]:
             spec = json.loads(spec)
         except ValueError as e:
             raise GrammarError(f"invalid json_schema constraint: not JSON: {e}") from None
-    if isinstance(spec, bool):  # JSON Schema allows true (anything) / false (nothing)
-        spec = {} if spec else {"not": {}}
+    if spec is False:  # JSON Schema's "nothing validates": no output could satisfy it
+        raise GrammarError("invalid json_schema constraint: the schema false allows no "
+                           "value, so nothing could be generated")
+    if spec is True:  # anything
+        spec = {}
     if not isinstance(spec, dict):
         raise GrammarError(
             f"invalid json_schema constraint: a schema is a JSON object, got {type(spec).__name__}"

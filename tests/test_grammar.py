@@ -176,6 +176,7 @@ def text_of(tok: Tokenizer, tokens: Sequence[int]) -> str:
         ("json_schema", {"properties": {"a": {"$ref": "#/nope"}}}, "/nope"),
         ("json_schema", '{"type": "object"', "not JSON"),
         ("json_schema", "[1, 2]", "JSON object"),
+        ("json_schema", False, "the schema false allows no value"),
         ("lark", "start: foo", 'unknown name: "foo"'),
         ("lark", 'start: ("a"', "Expected token ')'"),
         ("gbnf", 'root ::= "a" (', "Expected ')'"),
