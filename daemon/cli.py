@@ -46,9 +46,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="synthetic acceptance: comma-separated per-position rates")
     p.add_argument("--spec-synthetic-mean", type=float, default=None,
                    help="synthetic acceptance: target mean acceptance length")
+    from .config import RANGES
     from .engine import DEFAULT_N_CTX
 
-    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int_at_least(1),
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int_at_least(*RANGES["n_ctx"]),
                    default=DEFAULT_N_CTX, help=f"context length per sequence (default "
                    f"{DEFAULT_N_CTX}; at most the model's trained context)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")

@@ -15,11 +15,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from ..ipc.server import DEFAULT_PORT
 
     p.add_argument("--host", default="127.0.0.1", help="TCP address (default 127.0.0.1)")
-    p.add_argument("--port", type=int_at_least(0, 65535), default=DEFAULT_PORT,
+    from .config import RANGES  # the bounds `specd config set` checks too
+
+    p.add_argument("--port", type=int_at_least(*RANGES["port"]), default=DEFAULT_PORT,
                    help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
     p.add_argument("--socket", default=None, help="Unix socket path (default: runtime dir)")
     p.add_argument("--no-socket", action="store_true", help="TCP only")
-    p.add_argument("--slots", type=int_at_least(1, 64), default=2,
+    p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=2,
                    help="parallel sequences (default 2)")
     p.add_argument("--queue", type=int_at_least(1), default=64,
                    help="most queued requests (then 503)")

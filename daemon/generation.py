@@ -135,7 +135,8 @@ class Generation:
             # stop on a bucket boundary where one is in reach, so a budgeted prompt is cut
             # where the runner would cut it anyway (the same calls on any device)
             cut = start + budget
-            end = cut - cut % ATTN_BUCKET if cut - cut % ATTN_BUCKET > start else cut
+            boundary = cut - cut % ATTN_BUCKET
+            end = boundary if boundary > start else cut
         logits = self.target.prefill(self.seq, self.prompt[start:end], start)  # [vocab]
         self._cursor = end
         if end < len(self.prompt):

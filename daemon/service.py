@@ -150,7 +150,7 @@ class Stream:
         matcher = StopMatcher(self._stop)
         eog = self.svc.engine.eog_ids
         text: list[str] = []
-        n_out = 0  # tokens counted as output: all of them, or up to the one ending a stop
+        n_out = 0  # tokens streamed: all of them, or up to the one ending a stop string
         t_first: float | None = None
         newline = timed_out = False
         t0 = time.perf_counter()
@@ -197,8 +197,7 @@ class Stream:
         elapsed = time.perf_counter() - t0
         yield Result(
             text="".join(text), finish_reason=reason, prompt_tokens=len(self.prompt),
-            completion_tokens=n_out if matcher.hit is not None or gen is None
-            else len(gen.tokens),
+            completion_tokens=n_out,
             cached_tokens=stats.cached_tokens, stats=stats, stopping_word=matcher.hit or "",
             error=req.error,
             timings={

@@ -273,11 +273,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], info: dict[str, Any], offset: int
             raise ServiceError(f"specd exited with status {rc} while starting; "
                                f"log {log_path()}:\n{tail}" if tail else
                                f"specd exited with status {rc} while starting (empty log)")
-        if info["port"] is None:
-            port = _served_port(offset)
-            if port is not None:
-                info["port"] = port
-                write_info(info)
+        _learn_port(info)
         if (info["socket"] is not None or info["port"] is not None) and \
                 client_for(info, timeout=2.0).health():
             return
@@ -441,8 +437,9 @@ def status(timeout: float = 5.0) -> Status:
     st = Status(running=pid is not None, pid=pid, started=info.get("started"),
                 socket=None if client.socket_path is None else str(client.socket_path))
     if info.get("port"):
-        host = str(info.get("host") or "127.0.0.1").strip("[]")
-        st.url = f"http://{f'[{host}]' if ':' in host else host}:{info['port']}"
+        from ..ipc.server import url_host
+
+        st.url = f"http://{url_host(str(info.get('host') or '127.0.0.1'))}:{info['port']}"
     try:
         st.snapshot = fetch_snapshot(client)
         st.running = True

@@ -11,7 +11,6 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # per draft position: accepted
-    drafted_at: list[int] = field(default_factory=list)  # per draft position: drafted
     # per draft position: drafted with every earlier position accepted (the rounds in
     # which the position's own acceptance was decided)
     reached_at: list[int] = field(default_factory=list)
@@ -38,12 +37,10 @@ class SpecStats:
         self.rounds += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
-        while len(self.drafted_at) < n_drafted:
-            self.drafted_at.append(0)
+        while len(self.reached_at) < n_drafted:
             self.accepted_at.append(0)
             self.reached_at.append(0)
         for i in range(n_drafted):
-            self.drafted_at[i] += 1
             if i <= n_accepted:
                 self.reached_at[i] += 1
             if i < n_accepted:
@@ -80,12 +77,10 @@ class SpecStats:
                      "draft_s", "verify_s", "prompt_tokens", "generated_tokens",
                      "decoded_tokens", "cached_tokens", "prefill_s", "decode_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for i in range(len(other.drafted_at)):
-            if i >= len(self.drafted_at):
-                self.drafted_at.append(0)
+        for i in range(len(other.reached_at)):
+            if i >= len(self.reached_at):
                 self.accepted_at.append(0)
                 self.reached_at.append(0)
-            self.drafted_at[i] += other.drafted_at[i]
             self.accepted_at[i] += other.accepted_at[i]
             self.reached_at[i] += other.reached_at[i]
         for n, c in other.draft_lengths.items():

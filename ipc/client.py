@@ -76,21 +76,25 @@ class Client:
             h["Authorization"] = f"Bearer {self.token}"
         return h
 
-    def request(self, method: str, path: str, body: Any = None) -> Any:
+    def _connected(self) -> http.client.HTTPConnection:
+        """An open connection, or DaemonUnavailable: any failure to connect (no socket,
+        refused, a path too long, no permission) means no daemon to talk to."""
         conn = self._conn()
         try:
-            try:
-                conn.connect()
-            except OSError as exc:  # no socket, refused, a path too long, no permission
-                raise DaemonUnavailable(f"no daemon at {self.socket_path or self.port}: "
-                                        f"{exc.strerror or exc}") from None
+            conn.connect()
+        except OSError as exc:
+            conn.close()
+            raise DaemonUnavailable(f"no daemon at {self.socket_path or self.port}: "
+                                    f"{exc.strerror or exc}") from None
+        return conn
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        conn = self._connected()
+        try:
             conn.request(method, path, None if body is None else json.dumps(body),
                          self._headers())
             resp = conn.getresponse()
             raw = resp.read()
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise DaemonUnavailable(f"no daemon at {self.socket_path or self.port}: "
-                                    f"{exc.strerror or exc}") from None
         finally:
             conn.close()
         if resp.status >= 400:
@@ -112,7 +116,7 @@ class Client:
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """POST with stream=true; yields each SSE data object (stops at [DONE])."""
-        conn = self._conn()
+        conn = self._connected()
         try:
             conn.request("POST", path, json.dumps({**body, "stream": True}), self._headers())
             resp = conn.getresponse()

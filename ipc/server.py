@@ -69,16 +69,27 @@ def check_free(cfg: ServeConfig) -> None:
         finally:
             probe.close()
     path = cfg.socket_path
-    if path is not None and sys.platform != "win32" and path.is_socket():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            return  # stale: replaced when the server binds
-        else:
-            raise OSError(errno.EADDRINUSE, f"another specd is listening on {path}")
-        finally:
-            probe.close()
+    if path is not None and sys.platform != "win32" and path.is_socket() and _listened(path):
+        raise OSError(errno.EADDRINUSE, f"another specd is listening on {path}")
+
+
+def _listened(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket `path` (else it is stale)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    else:
+        return True
+    finally:
+        probe.close()
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL writes it: IPv6 literals in brackets."""
+    host = host.strip("[]")
+    return f"[{host}]" if ":" in host else host
 
 
 def _prepare_socket(path: Path) -> socket.socket:
@@ -87,15 +98,9 @@ def _prepare_socket(path: Path) -> socket.socket:
     if (path.exists() or path.is_symlink()) and not stat.S_ISSOCK(path.lstat().st_mode):
         raise OSError(errno.EEXIST, f"{path} exists and is not a socket; not replacing it")
     if path.exists() or path.is_symlink():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # nobody listens: stale
-        else:
+        if _listened(path):
             raise OSError(errno.EADDRINUSE, f"another specd is listening on {path}")
-        finally:
-            probe.close()
+        path.unlink()  # nobody listens: stale
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
@@ -154,8 +159,7 @@ async def serve_forever(app: web.Application, cfg: ServeConfig,
         loop.add_signal_handler(signal.SIGTERM, stop.set)  # main thread, Unix only
         handles_term = True
     srv = await start_server(app, cfg)
-    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host  # IPv6 literals in brackets
-    print(f"specd: serving http://{host}:{srv.port}"
+    print(f"specd: serving http://{url_host(cfg.host)}:{srv.port}"
           + (f" and unix:{srv.socket_path}" if srv.socket_path else ""), file=sys.stderr,
           flush=True)
     if ready is not None:
