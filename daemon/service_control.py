@@ -74,10 +74,29 @@ def is_specd_process(pid: int) -> bool:
         cmd = proc.cmdline()
     except (psutil.NoSuchProcess, ValueError):
         return False
-    except psutil.AccessDenied:
-        return True  # someone else's process with our pid file: cannot tell, do not touch
+    except psutil.AccessDenied:  # the pid is reused by a process we may not inspect
+        return _may_be_ours(proc, pid)
     joined = " ".join(cmd)
     return "specd" in joined and "serve" in cmd
+
+
+def _may_be_ours(proc: psutil.Process, pid: int) -> bool:
+    """A process whose command line we may not read (macOS: another user's): our daemon
+    only if it runs as us and began when `specd start` recorded starting it; when neither
+    can be told, it is left alone."""
+    try:
+        if hasattr(os, "getuid") and proc.uids().real != os.getuid():
+            return False
+        created = proc.create_time()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+    info = read_info()
+    started = info.get("started")
+    if info.get("pid") == pid and isinstance(started, int | float):
+        return created <= started + 2.0  # Popen returns after the child exists
+    return True
 
 
 def read_pid() -> int | None:

@@ -5,7 +5,10 @@ the blocks of 16 consecutive rows are interleaved per superblock of 256 columns 
 row group is read as one sequential stream. Nothing is re-quantized: every code, scale
 and f16 factor is the GGUF's own; only the 6-bit scales of Q4_K are unpacked to bytes
 (2368 bytes per 16 rows instead of 16 x 144, +2.8%). Q6_K keeps its size (3360 =
-16 x 210). Rows are padded to a multiple of 16 with zero blocks.
+16 x 210). Rows are padded to a multiple of 16 with zero blocks. Where the product's K
+ends inside a superblock (re-quantized drafts: the 0.5B's K = 896 is 3.5 superblocks), a
+Q4_K group's last superblock keeps only the codes of the sub-blocks of 32 that K reaches:
+the kernel skips the rest, which only ever met zeros.
 
 Q4_K group: d[16] f16 | dmin[16] f16 | sc[8 sub][16 rows] | m[8 sub][16 rows] |
             codes[8 sub][4 p][16 rows][4 e]: low nibble code 32j+8p+e, high 32j+8p+4+e
@@ -23,11 +26,12 @@ from .quant import QK_K, k_scale_min
 GROUP = 16  # rows per group (kernels/gguf_matmul.c's GROUP)
 BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
 GROUP_BYTES = {"Q4_K": GROUP * (2 + 2 + 8 + 8 + 128), "Q6_K": GROUP * BLOCK_BYTES["Q6_K"]}
+SUB_CODE_BYTES = GROUP * 16  # Q4_K: the codes of one sub-block of 32, 16 rows
 
 
 def _padded_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> np.ndarray:
     """[N, row_bytes] GGUF rows -> [N16, nb, block_bytes], zero rows appended."""
-    nb = k // QK_K
+    nb = -(-k // QK_K)
     b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, BLOCK_BYTES[type_name])
     pad = -n % GROUP
     if pad:
@@ -58,6 +62,11 @@ def q4_k_x16(raw: np.ndarray, n: int, k: int) -> np.ndarray:
     g = n16 // GROUP
     out = np.concatenate([p.reshape(g, nb, -1) for p in parts], axis=2)
     assert out.shape[2] == GROUP_BYTES["Q4_K"]
+    trim = (nb * QK_K - k) // 32  # sub-blocks of the last superblock past K
+    if trim:
+        keep = GROUP_BYTES["Q4_K"] - trim * SUB_CODE_BYTES
+        return np.ascontiguousarray(np.concatenate(
+            [out[:, :-1].reshape(g, -1), out[:, -1, :keep]], axis=1))
     return np.ascontiguousarray(out.reshape(g, -1))
 
 
@@ -91,5 +100,6 @@ REGROUP = {"Q4_K": q4_k_x16, "Q6_K": q6_k_x16}
 
 
 def regroup(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
-    """GGUF rows [N, row_bytes] of `type_name` -> GgufMatMul's W [ceil(N/16), nb * group]."""
+    """GGUF rows [N, row_bytes] of `type_name`, each ceil(k / 256) superblocks (zero-padded
+    past the product's K = k) -> GgufMatMul's W [ceil(N/16), group bytes]."""
     return REGROUP[type_name](raw, n, k)

@@ -58,7 +58,7 @@ from .quant import (
     requantize_q4,
 )
 
-BUILDER_VERSION = "10"
+BUILDER_VERSION = "11"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 ATTENTION_KINDS = ("exact", "fused", "native")
@@ -137,10 +137,6 @@ class GgufRows:
     n: int
     k: int  # the product's K; rows hold ceil(K / 256) superblocks (zero-padded)
     data: np.ndarray  # [N, row_bytes] uint8
-
-    @property
-    def k_padded(self) -> int:
-        return -(-self.k // QK_K) * QK_K
 
 
 Matrix = QuantizedMatrix | GgufRows | np.ndarray
@@ -295,7 +291,7 @@ def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
     elif isinstance(w, GgufRows):  # specd's kernel on the GGUF's own blocks
         raw = f"{name}.gguf"
         if not g.has(raw):
-            g.weight(raw, regroup(w.type_name, w.data, w.n, w.k_padded))  # [N/16, nb * group]
+            g.weight(raw, regroup(w.type_name, w.data, w.n, w.k))  # [N/16, group bytes]
         ins = [x, raw, bias_name] if bias_name else [x, raw]  # the kernel adds the bias
         return g.op("GgufMatMul", ins, domain=NATIVE,
                     ggml_type=GGUF_MATMUL_TYPES[w.type_name], K=w.k, N=w.n)

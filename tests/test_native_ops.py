@@ -88,13 +88,21 @@ def test_matches_the_numpy_contract_bitwise(qtype: str, k: int, n: int) -> None:
 
 @pytest.mark.parametrize("qtype", list(TYPES))
 def test_k_short_of_whole_superblocks_counts_zeros(qtype: str) -> None:
-    """K = 896 (the 0.5B draft's width): rows hold 4 superblocks, A's missing values are 0."""
-    rng = np.random.default_rng(11)
-    blocks = random_kquant_blocks(rng, 24, 1024, qtype, std=0.05)
-    sess = _session(blocks.pack(), TYPES[qtype], 896, 24, grouped=regroup(
-        qtype, blocks.pack(), 24, 1024))
-    x = rng.normal(0, 1, size=(3, 896)).astype(np.float32)
-    np.testing.assert_array_equal(sess.run(None, {"A": x})[0], gguf_matmul(x, blocks))
+    """K = 896 (the 0.5B draft's width): rows hold 4 superblocks (a Q4_K group's last one
+    only its first 4 sub-blocks of 32), A's missing values are 0. Also K = 900, which ends
+    inside a sub-block, and K = 100, less than one superblock."""
+    for k in (896, 900, 100):
+        rng = np.random.default_rng(11 + k)
+        k_rows = -(-k // 256) * 256
+        blocks = random_kquant_blocks(rng, 24, k_rows, qtype, std=0.05)
+        w = regroup(qtype, blocks.pack(), 24, k)
+        full = regroup(qtype, blocks.pack(), 24, k_rows)
+        if qtype == "Q4_K":  # the codes past K are not kept
+            assert w.shape[1] == full.shape[1] - (k_rows - k) // 32 * 256
+        sess = _session(blocks.pack(), TYPES[qtype], k, 24, grouped=w)
+        for m in (1, 3, 8):
+            x = rng.normal(0, 1, size=(m, k)).astype(np.float32)
+            np.testing.assert_array_equal(sess.run(None, {"A": x})[0], gguf_matmul(x, blocks))
 
 
 @pytest.mark.parametrize("qtype", list(TYPES))
@@ -140,11 +148,13 @@ def portable(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Pa
 def test_portable_build_equals_the_native_one(portable: tuple[str, Path]) -> None:
     """Builds taking the plain C or the AVX2-only paths give the same bits."""
     rng = np.random.default_rng(5)
-    for qtype, t in TYPES.items():
-        blocks = random_kquant_blocks(rng, 24, 512, qtype, std=0.05)
-        x = _inputs(rng, 4, 512)
-        a = _session(blocks.pack(), t, 512, 24).run(None, {"A": x})[0]
-        b = _session(blocks.pack(), t, 512, 24, lib=portable[1]).run(None, {"A": x})[0]
+    for (qtype, t), k in [(qt, k) for qt in TYPES.items() for k in (512, 896)]:
+        k_rows = -(-k // 256) * 256  # K = 896: a Q4_K group's last superblock is trimmed
+        blocks = random_kquant_blocks(rng, 24, k_rows, qtype, std=0.05)
+        w = regroup(qtype, blocks.pack(), 24, k)
+        x = _inputs(rng, 4, k)
+        a = _session(blocks.pack(), t, k, 24, grouped=w).run(None, {"A": x})[0]
+        b = _session(blocks.pack(), t, k, 24, lib=portable[1], grouped=w).run(None, {"A": x})[0]
         np.testing.assert_array_equal(a, b)
 
 

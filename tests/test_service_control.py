@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from specd.daemon import config as config_mod
@@ -143,6 +144,42 @@ def test_stale_pid_file(env: dict[str, str], content: str) -> None:
     r = cli(env, "stop")
     assert r.returncode == 3 and "not running" in r.stderr
     assert not sc.pid_path().exists()
+
+
+class _Uids:
+    def __init__(self, real: int) -> None:
+        self.real = real
+
+
+@pytest.mark.parametrize("owner, created, ours", [
+    ("other", 100.0, False),  # another user's process: never our daemon
+    ("us", 100.0, True),  # ours, begun when start recorded it
+    ("us", 500.0, False),  # ours, but begun long after: the pid was reused
+])
+def test_pid_reused_by_a_process_we_may_not_inspect(env: dict[str, str],
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    owner: str, created: float,
+                                                    ours: bool) -> None:
+    """macOS denies reading another user's command line: the pid file's pid, reused by
+    such a process, must not block `specd start` forever."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        sc.pid_path().write_text(f"{proc.pid}\n")
+        sc.write_info({"pid": proc.pid, "started": 100.0})
+        uid = os.getuid() if owner == "us" else os.getuid() + 1
+
+        def denied(self: object) -> list[str]:
+            raise psutil.AccessDenied(proc.pid)
+
+        monkeypatch.setattr(psutil.Process, "cmdline", denied)
+        monkeypatch.setattr(psutil.Process, "uids", lambda self: _Uids(uid))
+        monkeypatch.setattr(psutil.Process, "create_time", lambda self: created)
+        assert sc.is_specd_process(proc.pid) is ours
+        assert (sc.running_pid() == proc.pid) is ours
+        assert sc.pid_path().exists() is ours  # a stale pid file is removed
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @needs_wiring

@@ -6,7 +6,8 @@
  *   B  float32 [N]             optional bias, added to each row of Y (as an Add would)
  *   Y  float32 [..., N]
  *   attributes: ggml_type (12 = Q4_K, 14 = Q6_K), K, N (rows of W hold ceil(K/256)
- *               superblocks; A's values past K count as zeros)
+ *               superblocks, a Q4_K row's last one only its sub-blocks of 32 up to K;
+ *               A's values past K count as zeros)
  *
  * Arithmetic (the contract tests/numpy_reference.py's gguf_matmul reproduces bit for bit):
  * each row of A is quantized per 256 values to int8, q = rint(a * (127 / amax)),
@@ -42,13 +43,17 @@ enum { ROW_TILE = 16, COL_TILE = 4, MAX_TASKS = 256 };
 /* numbers                                                                             */
 
 /* Activations of a call, quantized: q [M, K], d [M, K/256], sums of 16 and of 32
-   (|sum| <= 32 * 127 fits 16 bits). */
+   (|sum| <= 32 * 127 fits 16 bits); and how W ends: Q4_K rows whose K stops short of a
+   whole superblock hold only the sub-blocks of 32 that K reaches in their last one
+   (`trim` sub-blocks fewer; the values past K are zeros in A, so the integer sums are
+   the same as over zero-padded blocks, without reading their codes). */
 typedef struct {
   int8_t *q;
   float *d;
   int16_t *sum16;
   int16_t *sum32;
   size_t k;
+  int trim; /* Q4_K: sub-blocks of 32 missing from the last superblock of each row group */
 } Act;
 
 /* x [k_in] -> k (a multiple of 256, >= k_in) quantized values, zeros past k_in */
@@ -108,14 +113,16 @@ static void quantize_row(const float *x, size_t k_in, size_t k, int8_t *q, float
 /* Q4_K, 2368 bytes per superblock of 16 rows:                                          */
 /*   d[16] f16 | dmin[16] f16 | sc[8 sub][16 rows] u8 | m[8 sub][16 rows] u8 |         */
 /*   codes: per sub-block j, per p < 4, 64 bytes; byte 4r+e holds row r's code          */
-/*   32j+8p+e (low nibble) and 32j+8p+4+e (high nibble)                                 */
+/*   32j+8p+e (low nibble) and 32j+8p+4+e (high nibble); where K ends inside a           */
+/*   superblock, the group's last one keeps only the codes of the sub-blocks K reaches    */
 /* Q6_K, 3360 bytes per superblock of 16 rows:                                          */
 /*   d[16] f16 | sc[16 sub][16 rows] i8 | per sub-block j, 192 bytes: low nibbles, per  */
 /*   p < 2, 64 bytes, byte 4r+e: code 16j+8p+e (low), 16j+8p+4+e (high) | high 2 bits,  */
 /*   64 bytes, byte 4r+e: bits 2t..2t+1 = code 16j+4t+e >> 4                            */
 
 enum { GROUP = 16, HALF = 8, Q4_K_GROUP_BYTES = 2368, Q6_K_GROUP_BYTES = 3360 };
-enum { Q4_K_SC = 64, Q4_K_MN = 192, Q4_K_QS = 320, Q6_K_SC = 32, Q6_K_QL = 288 };
+enum { Q4_K_SC = 64, Q4_K_MN = 192, Q4_K_QS = 320, Q4_K_SUB_BYTES = 256, Q6_K_SC = 32,
+       Q6_K_QL = 288 };
 
 static inline void load_f16(const uint8_t *p, int n, float *out) {
   for (int r = 0; r < n; r++) out[r] = specd_f16_to_f32(p + 2 * r);
@@ -167,58 +174,65 @@ ALWAYS_INLINE VI pairs_i8(const uint8_t *lo, const uint8_t *hi) {
                          _mm512_slli_epi32(i8x16(hi), 16));
 }
 
-/* y[m][r] += row group (nb superblocks at w) . rows m0 .. m0+mt-1 of A, r < 16; mt is a
-   constant where this is inlined, so the loops over m unroll into registers */
-ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
-                             const int mt, float (*y)[GROUP]) {
+/* y[m][r] += superblock i of a row group (at w, its first nsub sub-blocks) . rows
+   m0 .. m0+mt-1 of A, r < 16; mt and nsub are constants where this is inlined, so the
+   loops over m unroll into registers */
+ALWAYS_INLINE void sb_q4_k(const uint8_t *w, size_t i, const int nsub, const Act *a,
+                           size_t m0, const int mt, float (*y)[GROUP]) {
   const size_t k = a->k;
   const VI m4 = _mm512_set1_epi8(0x0F);
-  for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
-    const uint8_t *sc = w + Q4_K_SC, *mn = w + Q4_K_MN, *qs = w + Q4_K_QS;
-    const int8_t *x[ROWS_PER_PASS];
-    VI isum[ROWS_PER_PASS];
+  const uint8_t *sc = w + Q4_K_SC, *mn = w + Q4_K_MN, *qs = w + Q4_K_QS;
+  const int8_t *x[ROWS_PER_PASS];
+  VI isum[ROWS_PER_PASS];
 #pragma GCC unroll 8
-    for (int m = 0; m < mt; m++) {
-      isum[m] = _mm512_setzero_si512();
-      x[m] = a->q + (m0 + m) * k + i * QK_K;
-    }
-    for (int j = 0; j < 8; j++, qs += 4 * 64) {
-      /* the rows' dot products interleaved: consecutive instructions are independent */
-      VI s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; p++) {
-        const VI v = _mm512_loadu_si512(qs + 64 * p);
-        const VI lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-#pragma GCC unroll 8
-        for (int m = 0; m < mt; m++) {
-          const int8_t *xp = x[m] + 32 * j + 8 * p;
-          s0[m] = _mm512_dpbusd_epi32(p ? s0[m] : _mm512_setzero_si512(), lo, bcast4(xp));
-          s1[m] = _mm512_dpbusd_epi32(p ? s1[m] : _mm512_setzero_si512(), hi, bcast4(xp + 4));
-        }
-      }
-      const VI scj = u8x16(sc + GROUP * j);
-#pragma GCC unroll 8
-      for (int m = 0; m < mt; m++)
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(s0[m], s1[m]), scj));
-    }
-    /* y += da * (d * isum - dmin * imin), imin = sum_j m[j] * (sum of A's 32 values of
-       sub-block j), two sub-blocks a madd */
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
-    VI mp[4];
-    for (int t = 0; t < 4; t++) mp[t] = pairs_u8(mn + 32 * t, mn + 32 * t + GROUP);
-#pragma GCC unroll 8
-    for (int m = 0; m < mt; m++) {
-      const int16_t *bs = a->sum32 + (m0 + m) * (k / 32) + i * 8;
-      VI imin = _mm512_madd_epi16(mp[0], bcast4(bs));
-      for (int t = 1; t < 4; t++)
-        imin = _mm512_add_epi32(imin, _mm512_madd_epi16(mp[t], bcast4(bs + 2 * t)));
-      const __m512 da = _mm512_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
-      const __m512 t = _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[m])),
-                                     _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(imin)));
-      _mm512_storeu_ps(y[m], _mm512_add_ps(_mm512_loadu_ps(y[m]), _mm512_mul_ps(da, t)));
-    }
+  for (int m = 0; m < mt; m++) {
+    isum[m] = _mm512_setzero_si512();
+    x[m] = a->q + (m0 + m) * k + i * QK_K;
   }
+  for (int j = 0; j < nsub; j++, qs += 4 * 64) {
+    /* the rows' dot products interleaved: consecutive instructions are independent */
+    VI s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+      const VI v = _mm512_loadu_si512(qs + 64 * p);
+      const VI lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+      for (int m = 0; m < mt; m++) {
+        const int8_t *xp = x[m] + 32 * j + 8 * p;
+        s0[m] = _mm512_dpbusd_epi32(p ? s0[m] : _mm512_setzero_si512(), lo, bcast4(xp));
+        s1[m] = _mm512_dpbusd_epi32(p ? s1[m] : _mm512_setzero_si512(), hi, bcast4(xp + 4));
+      }
+    }
+    const VI scj = u8x16(sc + GROUP * j);
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++)
+      isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(s0[m], s1[m]), scj));
+  }
+  /* y += da * (d * isum - dmin * imin), imin = sum_j m[j] * (sum of A's 32 values of
+     sub-block j), two sub-blocks a madd */
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+  const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+  VI mp[4];
+  for (int t = 0; t < 4; t++) mp[t] = pairs_u8(mn + 32 * t, mn + 32 * t + GROUP);
+#pragma GCC unroll 8
+  for (int m = 0; m < mt; m++) {
+    const int16_t *bs = a->sum32 + (m0 + m) * (k / 32) + i * 8;
+    VI imin = _mm512_madd_epi16(mp[0], bcast4(bs));
+    for (int t = 1; t < 4; t++)
+      imin = _mm512_add_epi32(imin, _mm512_madd_epi16(mp[t], bcast4(bs + 2 * t)));
+    const __m512 da = _mm512_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+    const __m512 t = _mm512_sub_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[m])),
+                                   _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(imin)));
+    _mm512_storeu_ps(y[m], _mm512_add_ps(_mm512_loadu_ps(y[m]), _mm512_mul_ps(da, t)));
+  }
+}
+
+/* y[m][r] += row group (nb superblocks at w) . rows m0 .. m0+mt-1 of A, r < 16 */
+ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                             const int mt, float (*y)[GROUP]) {
+  for (size_t i = 0; i + 1 < nb; i++, w += Q4_K_GROUP_BYTES) sb_q4_k(w, i, 8, a, m0, mt, y);
+  if (a->trim == 0) sb_q4_k(w, nb - 1, 8, a, m0, mt, y);
+  else sb_q4_k(w, nb - 1, 8 - a->trim, a, m0, mt, y);
 }
 
 ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
@@ -296,56 +310,64 @@ ALWAYS_INLINE __m256i pairs_i8(const uint8_t *lo, const uint8_t *hi) {
                          _mm256_slli_epi32(i8x8(hi), 16));
 }
 
+/* y[m][8h + r] += rows 8h .. 8h+7 of superblock i of the row group (at w, its first nsub
+   sub-blocks) . rows m0 .. m0+mt-1 of A */
+ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, const Act *a,
+                                size_t m0, const int mt, const int h, float (*y)[GROUP]) {
+  const size_t k = a->k;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const uint8_t *sc = w + Q4_K_SC + HALF * h, *mn = w + Q4_K_MN + HALF * h;
+  const uint8_t *qs = w + Q4_K_QS + 32 * h;
+  const int8_t *x[ROWS_PER_PASS];
+  __m256i isum[ROWS_PER_PASS];
+#pragma GCC unroll 8
+  for (int m = 0; m < mt; m++) {
+    isum[m] = _mm256_setzero_si256();
+    x[m] = a->q + (m0 + m) * k + i * QK_K;
+  }
+  for (int j = 0; j < nsub; j++, qs += 4 * 64) {
+    __m256i s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
+      const __m256i lo = _mm256_and_si256(v, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+      for (int m = 0; m < mt; m++) {
+        const int8_t *xp = x[m] + 32 * j + 8 * p;
+        s0[m] = DPBUSD(p ? s0[m] : _mm256_setzero_si256(), lo, bcast4(xp));
+        s1[m] = DPBUSD(p ? s1[m] : _mm256_setzero_si256(), hi, bcast4(xp + 4));
+      }
+    }
+    const __m256i scj = u8x8(sc + GROUP * j);
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++)
+      isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0[m], s1[m]), scj));
+  }
+  const __m256 d = LOAD_F16X8(w + 2 * HALF * h), dmin = LOAD_F16X8(w + 32 + 2 * HALF * h);
+  __m256i mp[4];
+  for (int t = 0; t < 4; t++) mp[t] = pairs_u8(mn + 32 * t, mn + 32 * t + GROUP);
+#pragma GCC unroll 8
+  for (int m = 0; m < mt; m++) {
+    const int16_t *bs = a->sum32 + (m0 + m) * (k / 32) + i * 8;
+    __m256i imin = _mm256_madd_epi16(mp[0], bcast4(bs));
+    for (int t = 1; t < 4; t++)
+      imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mp[t], bcast4(bs + 2 * t)));
+    const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+    const __m256 t = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m])),
+                                   _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(imin)));
+    float *ym = y[m] + HALF * h;
+    _mm256_storeu_ps(ym, _mm256_add_ps(_mm256_loadu_ps(ym), _mm256_mul_ps(da, t)));
+  }
+}
+
 /* y[m][8h + r] += rows 8h .. 8h+7 of the row group . rows m0 .. m0+mt-1 of A */
 ALWAYS_INLINE void half_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
                              const int mt, const int h, float (*y)[GROUP]) {
-  const size_t k = a->k;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
-    const uint8_t *sc = w + Q4_K_SC + HALF * h, *mn = w + Q4_K_MN + HALF * h;
-    const uint8_t *qs = w + Q4_K_QS + 32 * h;
-    const int8_t *x[ROWS_PER_PASS];
-    __m256i isum[ROWS_PER_PASS];
-#pragma GCC unroll 8
-    for (int m = 0; m < mt; m++) {
-      isum[m] = _mm256_setzero_si256();
-      x[m] = a->q + (m0 + m) * k + i * QK_K;
-    }
-    for (int j = 0; j < 8; j++, qs += 4 * 64) {
-      __m256i s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; p++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
-        const __m256i lo = _mm256_and_si256(v, m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-#pragma GCC unroll 8
-        for (int m = 0; m < mt; m++) {
-          const int8_t *xp = x[m] + 32 * j + 8 * p;
-          s0[m] = DPBUSD(p ? s0[m] : _mm256_setzero_si256(), lo, bcast4(xp));
-          s1[m] = DPBUSD(p ? s1[m] : _mm256_setzero_si256(), hi, bcast4(xp + 4));
-        }
-      }
-      const __m256i scj = u8x8(sc + GROUP * j);
-#pragma GCC unroll 8
-      for (int m = 0; m < mt; m++)
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0[m], s1[m]), scj));
-    }
-    const __m256 d = LOAD_F16X8(w + 2 * HALF * h), dmin = LOAD_F16X8(w + 32 + 2 * HALF * h);
-    __m256i mp[4];
-    for (int t = 0; t < 4; t++) mp[t] = pairs_u8(mn + 32 * t, mn + 32 * t + GROUP);
-#pragma GCC unroll 8
-    for (int m = 0; m < mt; m++) {
-      const int16_t *bs = a->sum32 + (m0 + m) * (k / 32) + i * 8;
-      __m256i imin = _mm256_madd_epi16(mp[0], bcast4(bs));
-      for (int t = 1; t < 4; t++)
-        imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mp[t], bcast4(bs + 2 * t)));
-      const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
-      const __m256 t = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m])),
-                                     _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(imin)));
-      float *ym = y[m] + HALF * h;
-      _mm256_storeu_ps(ym, _mm256_add_ps(_mm256_loadu_ps(ym), _mm256_mul_ps(da, t)));
-    }
-  }
+  for (size_t i = 0; i + 1 < nb; i++, w += Q4_K_GROUP_BYTES)
+    sb_half_q4_k(w, i, 8, a, m0, mt, h, y);
+  if (a->trim == 0) sb_half_q4_k(w, nb - 1, 8, a, m0, mt, h, y);
+  else sb_half_q4_k(w, nb - 1, 8 - a->trim, a, m0, mt, h, y);
 }
 
 ALWAYS_INLINE void half_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
@@ -429,6 +451,7 @@ static void group_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, siz
   const size_t k = a->k;
   for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
     const uint8_t *sc = w + Q4_K_SC, *mn = w + Q4_K_MN, *qs = w + Q4_K_QS;
+    const int nsub = i + 1 < nb ? 8 : 8 - a->trim;
     float d[GROUP], dmin[GROUP];
     load_f16(w, GROUP, d);
     load_f16(w + 32, GROUP, dmin);
@@ -440,7 +463,7 @@ static void group_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, siz
         int isum = 0, imin = 0;
         for (int j = 0; j < 8; j++) {
           int s = 0;
-          for (int p = 0; p < 4; p++) {
+          for (int p = 0; p < 4 && j < nsub; p++) {
             for (int e = 0; e < 4; e++) {
               const uint8_t b = qs[256 * j + 64 * p + 4 * r + e];
               s += (b & 0xF) * x[32 * j + 8 * p + e] + (b >> 4) * x[32 * j + 8 * p + 4 + e];
@@ -544,8 +567,13 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   CHECK(specd_tensor_shape(a_val, adims, &arank));
   CHECK(specd_tensor_shape(w_val, wdims, &wrank));
   const size_t k_in = (size_t)kn->k, n = (size_t)kn->n, nb = (k_in + QK_K - 1) / QK_K;
-  const size_t k = nb * QK_K; /* rows of W hold whole superblocks, zero-padded */
-  const size_t group_bytes = nb * (kn->type == TYPE_Q4_K ? Q4_K_GROUP_BYTES : Q6_K_GROUP_BYTES);
+  const size_t k = nb * QK_K; /* A is quantized in whole superblocks, zero-padded */
+  /* Q4_K: the last superblock holds the sub-blocks of 32 that K reaches; Q6_K: whole
+     superblocks (GGUF files only have Q6_K rows of whole superblocks) */
+  const int trim = kn->type == TYPE_Q4_K ? (int)((k - k_in) / 32) : 0;
+  const size_t group_bytes = kn->type == TYPE_Q4_K
+                                 ? nb * Q4_K_GROUP_BYTES - (size_t)trim * Q4_K_SUB_BYTES
+                                 : nb * Q6_K_GROUP_BYTES;
   const size_t n_groups = (n + GROUP - 1) / GROUP;
   if (arank < 1 || adims[arank - 1] != kn->k)
     return specd_fail("GgufMatMul: the last dimension of A is not K");
@@ -581,7 +609,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   uint8_t *scratch = (uint8_t *)malloc(bytes);
   if (!scratch) return g_api->CreateStatus(ORT_FAIL, "GgufMatMul: out of memory");
   Job job = {kn->type == TYPE_Q4_K ? group_q4_k : group_q6_k, w, group_bytes, nb, m, n, 0,
-             {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k}, bias, y};
+             {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k, trim}, bias, y};
   job.act.sum32 = (int16_t *)(scratch + m * k + m * nb * 4);
   job.act.sum16 = job.act.sum32 + m * (k / 32);
   for (size_t r = 0; r < m; r++)
