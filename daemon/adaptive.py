@@ -149,6 +149,7 @@ class _Acceptance:
 @dataclass
 class AdaptiveDraftLength:
     n_max: int
+    n_min: int = 0  # shorter drafts are not verified: never chosen, nor probed
     decay: float = 0.98  # weight kept by older observations at each new one
     probe_every: int = 4  # fewest rounds at n=0 between probes
     probe_budget: float = 0.03  # share of decode time probes may cost beyond plain steps
@@ -304,25 +305,27 @@ class AdaptiveDraftLength:
     def choose(self, limit: int) -> int:
         """Draft length for the next round, at most `limit`."""
         limit = min(limit, self.n_max)
-        if limit <= 0:
+        shortest = max(self.n_min, 1)
+        if limit < shortest:
             return 0
+        probe = min(max(2, shortest), limit)
         if self.rate(0) is None:
             return 0  # first measure a plain target step
         if self.draft_cost(1) is None:
-            return min(2, limit)  # then a short probe for the draft and verify costs
+            return probe  # then a short probe for the draft and verify costs
         # hysteresis: leaving n = 0 must be predicted clearly faster (a wrong start costs
         # a catch-up on the draft as well); between draft lengths 2% decides
         start = 1.02 if self._drafting else 1.06
         base = self.rate(0) or 0.0
         best_n, best_rate = 0, base
-        for n in range(1, limit + 1):
+        for n in range(shortest, limit + 1):
             r = self.rate(n) or 0.0
             if r > max(best_rate * 1.02, base * start):
                 best_n, best_rate = n, r
         self._drafting = best_n > 0
         if best_n == 0:
             self._idle_rounds += 1
-            n = min(2, limit)
+            n = probe
             # a few unlucky first rounds must not settle the request at n = 0 for good:
             # until position 1 has some evidence, probes (cheap then) are not budgeted
             thin = bool(self._model.trials) and self._model.trials[0] < MIN_EVIDENCE
@@ -347,7 +350,7 @@ class AdaptiveDraftLength:
         if offered <= 0 or self.verify_cost(1) is None:
             return n, False
         best_m, best_rate = 0, 0.0
-        for m in range(1, min(offered, limit, self.n_max) + 1):
+        for m in range(max(self.n_min, 1), min(offered, limit, self.n_max) + 1):
             r = self.lookup_rate(m) or 0.0
             if r > best_rate * 1.02:
                 best_m, best_rate = m, r

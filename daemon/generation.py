@@ -77,7 +77,8 @@ class Generation:
         self.draft_sampler = Sampler(
             SamplerParams(temperature=dp.temperature, top_k=params.draft_top_k,
                           seed=d_seed), seed=d_seed) if not dp.is_greedy else None
-        self.adaptive = AdaptiveDraftLength(params.draft.n_max) if params.adaptive else None
+        self.adaptive = AdaptiveDraftLength(params.draft.n_max, n_min=params.draft.n_min
+                                            ) if params.adaptive else None
         # a fully cached prompt still evaluates its last token (its logits are needed)
         self.stats = SpecStats(prompt_tokens=len(prompt),
                                cached_tokens=min(reuse, max(len(prompt) - 1, 0)))
@@ -203,16 +204,17 @@ class Generation:
         self.stats.verify_s += dt
         if self.adaptive is not None:
             self.adaptive.observe_verify(len(draft.tokens) + 1, dt)
-        emitted, dead = self._verify(rows, draft)
-        k = len(emitted) - 1
-        self.stats.record_round(len(draft.tokens), k, draft.lookup)
+        emitted, dead, accepted = self._verify(rows, draft)
+        self.stats.record_round(len(draft.tokens), accepted, draft.lookup)
         if self.adaptive is not None and draft.tokens:
-            self.adaptive.observe_acceptance(len(draft.tokens), k, self._lookup_round)
-            if (self._lookup_round and k == len(draft.tokens) < len(emitted)
+            self.adaptive.observe_acceptance(len(draft.tokens), accepted, self._lookup_round)
+            if (self._lookup_round and accepted == len(draft.tokens) < len(emitted)
                     and self._offer_next is not None):
-                self.adaptive.observe_position(k, emitted[k] == self._offer_next, lookup=True)
+                self.adaptive.observe_position(accepted, emitted[accepted] == self._offer_next,
+                                               lookup=True)
         if self.drafter is not None:
-            self.drafter.accept(self.seq, k)
+            # the last emitted token is the next round's `last`, whatever chose it
+            self.drafter.accept(self.seq, len(emitted) - 1)
             self.drafter.process(self.seq, [last, *emitted[:-1]])  # now in the target's KV
         self._pos = pos + len(emitted)
         if self.adaptive is not None:
@@ -244,7 +246,7 @@ class Generation:
             drafter = drafter.model
         else:
             n = self.adaptive.choose(limit)
-        if n <= 0:
+        if n <= 0 or n < dp.n_min:  # a draft shorter than n_min would not be verified
             return Draft([]), 0.0
         t0 = time.perf_counter()
         fork = None if self.grammar is None else self.grammar.fork()
@@ -256,14 +258,24 @@ class Generation:
         dt = time.perf_counter() - t0
         self.stats.draft_s += dt
         if self.adaptive is not None:
-            if not draft.caught_up and draft.tokens:  # a steady round, overheads included
+            if not draft.caught_up:  # a steady round, overheads included
                 self.adaptive.observe_draft(dt, draft.step_s[1:])
             for i, hit in draft.forced or ():
                 self.adaptive.observe_position(i, hit)
+            if (len(draft.tokens) < n and dp.p_min > 0
+                    and not (fork is not None and fork.is_stopped())):
+                # stopped short for want of confidence: position len(tokens) yields
+                # nothing, as a rejection there would (else nothing tells the controller
+                # that drafting n no longer pays)
+                self.adaptive.observe_position(len(draft.tokens), False)
         return self._usable(draft.truncate(n)), dt
 
     def _usable(self, draft: Draft) -> Draft:
-        """The part of a draft worth verifying: what the grammar allows, at least n_min."""
+        """The part of a draft worth verifying: up to its first end of generation, what
+        the grammar allows, at least n_min."""
+        cut = next((i + 1 for i, t in enumerate(draft.tokens) if t in self.eog), None)
+        if cut is not None:  # nothing after an end of generation would be emitted
+            draft = draft.truncate(cut)
         if self.grammar is not None and draft.probs is None:
             # drafts made without the grammar (n-gram): keep the part it allows (exact:
             # greedy verification is exact for any draft)
@@ -277,16 +289,17 @@ class Generation:
             self.stats.valid = False
         return draft
 
-    def _verify(self, rows: np.ndarray, draft: Draft) -> tuple[list[int], bool]:
-        """(emitted tokens, grammar dead end reached)."""
+    def _verify(self, rows: np.ndarray, draft: Draft) -> tuple[list[int], bool, int]:
+        """(emitted tokens, grammar dead end reached, drafts accepted)."""
         if isinstance(self.drafter, SyntheticDrafter) and draft.tokens:
-            return self._verify_synthetic(rows, draft), False
+            out = self._verify_synthetic(rows, draft)
+            return out, False, len(out) - 1
         if draft.probs is not None and self.params.draft.probabilistic:
             r = verify_rejection(rows, draft.tokens, draft.probs, self.sampler, self.grammar,
                                  draft_masked=True)
         else:
             r = verify_greedy(rows, draft.tokens, self.sampler, self.grammar)
-        return r.tokens, r.grammar_dead_end
+        return r.tokens, r.grammar_dead_end, r.n_accepted
 
     def _verify_synthetic(self, rows: np.ndarray, draft: Draft) -> list[int]:
         assert isinstance(self.drafter, SyntheticDrafter)

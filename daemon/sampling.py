@@ -270,15 +270,20 @@ class Sampler:
         temperature = self.params.temperature
         ids = _top_k_ids(x, self.params.top_k)  # [m] or None
         vals = x if ids is None else x[ids]  # [m]
+        # the best logit becomes 0 before any division, so that a temperature however
+        # small cannot overflow every value to -inf (softmax is shift-invariant)
+        vals -= vals.max()  # vals is our own copy (penalised_logits copies)
         if not self.params.temperature_last:
-            vals /= temperature  # vals is our own copy (penalised_logits copies)
+            with np.errstate(over="ignore"):  # -> -inf: probability 0, as it must be
+                vals /= temperature
         for keep in (_top_p_keep, _min_p_keep):
             kept = keep(vals, self.params)  # positions into vals, ascending, or None
             if kept is not None:
                 ids = kept if ids is None else ids[kept]
                 vals = vals[kept]
         if self.params.temperature_last:
-            vals /= temperature
+            with np.errstate(over="ignore"):
+                vals /= temperature
         return ids, softmax(vals)
 
     # -- drawing --------------------------------------------------------------

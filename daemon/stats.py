@@ -64,7 +64,9 @@ class SpecStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens evaluated (not those reused from the cache) per second."""
+        evaluated = self.prompt_tokens - self.cached_tokens
+        return evaluated / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:

@@ -5,7 +5,8 @@ The target has scored ``[last_token, d_0, ..., d_{n-1}]`` in one pass, giving
 logits after the prefix ending in d_{i-1} (row 0: after last_token).  Each
 verifier emits the accepted draft tokens followed by exactly one token chosen
 by the target (the correction at the first rejection, or the bonus token from
-row n), so ``len(tokens) == n_accepted + 1``.  Every emitted token is pushed to
+row n), so ``len(tokens) == n_accepted + 1`` (unless a grammar ends the block on an
+accepted draft, below).  Every emitted token is pushed to
 ``sampler.accept`` in order, so the repetition-penalty history is correct for
 the next row and for the next round.
 
@@ -24,9 +25,10 @@ decided under ``grammar.allowed(vocab)`` for the prefix accepted so far, and the
 ``consume``s every emitted token in order, so afterwards the state sits after the last
 emitted token.  If the mask at row i > 0 allows nothing (a grammar dead end) the block
 ends after the i tokens accepted so far: the last of them stands in for the target's
-token (``n_accepted = i - 1``) and ``VerifyResult.grammar_dead_end`` is set; at row 0 it
-raises :class:`~specd.daemon.sampling.NoAllowedToken` (check ``dead_end`` before a
-round).
+token (``n_accepted = i == len(tokens)``) and ``VerifyResult.grammar_dead_end`` is set;
+at row 0 it raises :class:`~specd.daemon.sampling.NoAllowedToken` (check ``dead_end``
+before a round).  Likewise when an accepted draft completes the grammar, the block ends
+on it (``n_accepted == len(tokens)``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ __all__ = [
 class VerifyResult:
     """Outcome of verifying one drafted block.
 
-    tokens: accepted drafts then one target token, ``len == n_accepted + 1``.
+    tokens: accepted drafts then one target token, ``len == n_accepted + 1``; or only
+    accepted drafts (``len == n_accepted``) where the grammar ended the block on one.
     grammar_dead_end: the grammar allowed no token after ``tokens`` (the block was cut
     there; the request must stop).
     """
@@ -134,8 +137,10 @@ def verify_greedy(
             return _dead_end(tokens, n)
         choice = sampler.sample(rows[i], mask)
         _emit(choice, tokens, sampler, grammar)
-        if choice != int(drafted) or _stopped(grammar):
+        if choice != int(drafted):
             return VerifyResult(i, tokens, n)
+        if _stopped(grammar):  # the constraint is complete: end as plain decoding does
+            return VerifyResult(i + 1, tokens, n)
     return _with_bonus(rows, tokens, sampler, n, grammar)
 
 
@@ -187,7 +192,7 @@ def verify_rejection(
         if accepts_draft(sampler.uniform(), p_d, q_d):
             _emit(d, tokens, sampler, grammar)
             if _stopped(grammar):  # the constraint is complete: end as plain decoding does
-                return VerifyResult(i, tokens, n)
+                return VerifyResult(i + 1, tokens, n)
             continue
         correction = sample_from_probs(residual_distribution(p, q), sampler.uniform())
         _emit(correction, tokens, sampler, grammar)
@@ -249,7 +254,7 @@ def _dead_end(tokens: list[int], n_drafted: int) -> VerifyResult:
     """Cut the block after the accepted drafts: the last one is the round's final token."""
     if not tokens:  # only reachable at row 0, which the caller must check beforehand
         raise NoAllowedToken("the grammar allows no token")
-    return VerifyResult(len(tokens) - 1, tokens, n_drafted, grammar_dead_end=True)
+    return VerifyResult(len(tokens), tokens, n_drafted, grammar_dead_end=True)
 
 
 def _restrict(q: np.ndarray, mask: np.ndarray) -> np.ndarray:

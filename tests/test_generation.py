@@ -432,3 +432,58 @@ def test_catch_up_checks_the_drafters_guesses_against_emitted_tokens(models) -> 
     assert d.tokens == want[11:13]
     d2 = drafter.draft(0, want[10], len(PROMPT) + 10, 2, DraftParams(n_max=2))
     assert d2.forced is None  # nothing skipped this time
+
+
+class _CountingDrafter(DraftModelDrafter):
+    """The draft model, recording the length asked of each draft call."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        super().__init__(runner)
+        self.asked: list[int] = []
+
+    def draft(self, seq, last, pos, n_max, params, grammar=None):  # noqa: ANN001, ANN201
+        self.asked.append(n_max)
+        return super().draft(seq, last, pos, n_max, params, grammar)
+
+
+def test_drafts_end_at_an_end_of_generation(models) -> None:  # noqa: ANN001
+    """Drafts past an end-of-generation token would never be emitted: they are not
+    verified, nor counted as accepted."""
+    target, _ = models
+    free, _ = run(target, max_tokens=40, ignore_eos=True)
+    eog = {free[3]}  # the 4th token the target generates ends the request
+    runner = ModelRunner(target, n_ctx=512)
+    gen = Generation(runner, 0, PROMPT, GenerationParams(max_tokens=40,
+                                                         draft=DraftParams(n_max=8)),
+                     eog=eog, drafter=draft_drafter(target))  # the target as its own draft
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    assert out == free[:4] and gen.finish_reason == "stop"
+    assert gen.stats.drafted == gen.stats.accepted == 3  # the drafts up to the end
+
+
+def test_adaptive_never_drafts_shorter_than_n_min(models) -> None:  # noqa: ANN001
+    """Drafts shorter than n_min are thrown away unverified, so the adaptive controller
+    must neither choose nor probe such lengths (each would be a draft call for nothing)."""
+    target, draft = models
+    want, _ = run(target, max_tokens=64, ignore_eos=True)
+    for drafter_model in (target, draft):  # every draft accepted / a perturbed copy
+        drafter = _CountingDrafter(ModelRunner(drafter_model, n_ctx=512))
+        got, gen = run(target, drafter, max_tokens=64, ignore_eos=True, adaptive=True,
+                       draft=DraftParams(n_max=8, n_min=3))
+        assert got == want
+        assert drafter.asked and min(drafter.asked) >= 3, drafter.asked
+        assert min(n for n in gen.stats.draft_lengths if n) >= 3  # 0: plain rounds
+
+
+def test_adaptive_stops_drafting_when_every_draft_comes_back_empty(models) -> None:  # noqa: ANN001
+    """p_min = 1 stops every draft before its first token: the controller must learn
+    that drafting yields nothing and fall back to plain steps (probing now and then)."""
+    target, draft = models
+    want, _ = run(target, max_tokens=96, ignore_eos=True)
+    drafter = _CountingDrafter(ModelRunner(draft, n_ctx=512))
+    got, gen = run(target, drafter, max_tokens=96, ignore_eos=True, adaptive=True,
+                   draft=DraftParams(n_max=8, p_min=1.0))
+    assert got == want and gen.stats.drafted == 0
+    assert len(drafter.asked) <= 95 // 3, drafter.asked  # about every round before

@@ -319,7 +319,7 @@ def test_dead_end_is_reported() -> None:
     rows = np.zeros((3, 4))
     rows[0, 0] = 5.0  # the target likes "a" at row 0
     result = verify_greedy(rows, [0, 2], sampler, fresh)
-    assert result.tokens == [0] and result.n_accepted == 0 and result.grammar_dead_end
+    assert result.tokens == [0] and result.n_accepted == 1 and result.grammar_dead_end
     with pytest.raises(NoAllowedToken):  # at row 0 the caller must check dead_end first
         verify_greedy(rows, [0, 2], sampler, fresh)
     # and the whole loop finishes with the dead end
@@ -327,6 +327,23 @@ def test_dead_end_is_reported() -> None:
     for seed in range(6):
         out, reason = generate(tok, grammar, lm, lm, SamplerParams(temperature=1.0, seed=seed))
         assert (out, reason) in (([0], "grammar_dead_end"), ([1, 3], "stop"))
+
+
+def test_a_draft_that_completes_the_grammar_counts_as_accepted() -> None:
+    """The block ends on the accepted draft that completes the constraint: every token
+    it emitted is an accepted draft (the acceptance statistics count them all)."""
+    tok = dead_end_tokenizer()
+    grammar = compile_constraint("regex", "ab", tok)
+    rows = np.zeros((4, 4))
+    rows[0, 0] = rows[1, 1] = 5.0  # the target writes "a", then "b"
+    greedy = verify_greedy(rows, [0, 1, 2], Sampler(SamplerParams(temperature=0.0)),
+                           grammar.start())
+    assert greedy.tokens == [0, 1] and greedy.n_accepted == 2
+    q = np.full((3, 4), 0.25)
+    sampled = verify_rejection(rows * 10, [0, 1, 2], q,
+                               Sampler(SamplerParams(temperature=1.0, seed=3)),
+                               grammar.start())
+    assert sampled.tokens == [0, 1] and sampled.n_accepted == 2
 
 
 # -- masked sampling -----------------------------------------------------------------------------

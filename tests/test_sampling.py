@@ -395,3 +395,13 @@ def test_top_probability_is_the_softmax_maximum() -> None:
         x[::7] = -np.inf  # masked tokens
         assert top_probability(x) == pytest.approx(softmax(x).max(),
                                                             rel=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-12])
+def test_a_vanishing_temperature_samples_the_argmax(temperature: float) -> None:
+    """However small the temperature, dividing cannot overflow every logit to -inf."""
+    logits = np.array([10.0, 12.0, 11.0, -np.inf])
+    sampler = Sampler(SamplerParams(temperature=temperature, seed=1))
+    assert [sampler.sample(logits) for _ in range(5)] == [1] * 5
+    probs = sampler.probs(logits)
+    assert probs[1] == 1.0 and probs.sum() == 1.0

@@ -40,3 +40,10 @@ def test_decode_rate_counts_the_tokens_after_the_first() -> None:
     total.merge(s)
     total.merge(SpecStats(generated_tokens=1, decoded_tokens=0, decode_s=0.0))
     assert total.decode_tps == pytest.approx(4.0)
+
+
+def test_prefill_rate_counts_only_the_evaluated_prompt_tokens() -> None:
+    """399 of 400 prompt tokens came from the cache: the rate is over the one evaluated
+    (what `timings.prompt_per_second` beside `prompt_n` means)."""
+    s = SpecStats(prompt_tokens=400, cached_tokens=399, prefill_s=0.01)
+    assert s.prefill_tps == pytest.approx(100.0)
