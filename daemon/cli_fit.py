@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from ..memory_fit.measure import MeasureError, ModelCost, measure
 from ..memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError, Plan, fit
 from ..memory_fit.probes import FakeProbe, MemoryProbe, ProbeError, probe_for
 from ..ort_models.graph_builder import BuildOptions
+from .cli_generate import int_at_least
+from .config import RANGES
 from .engine import DRAFT_QUANTS, build_options
 
 if TYPE_CHECKING:
@@ -28,6 +31,17 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_ERROR = 0, 1
 
 BuildProgress = Callable[[str], Any]
+
+
+def _megabytes(text: str) -> float:
+    """An argparse type: a finite number of MiB, at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a size in MiB (a finite number >= 0)")
+    return value
 
 
 def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -40,11 +54,12 @@ def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-md", "--model-draft", dest="draft", default=None,
                    help="draft GGUF path or catalog name")
     add_draft_quant_arg(p)
-    p.add_argument("--slots", type=int, default=1, help="parallel sequences (default 1)")
+    p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=1,
+                   help="parallel sequences (default 1)")
     p.add_argument("--device", default="auto",
                    help="auto, cpu or cuda:N (default auto: $SPECD_DEVICE if set, else CUDA "
                    "where onnxruntime-gpu finds a GPU)")
-    p.add_argument("--margin-mb", type=float, default=DEFAULT_MARGIN_BYTES / 2**20,
+    p.add_argument("--margin-mb", type=_megabytes, default=DEFAULT_MARGIN_BYTES / 2**20,
                    help=f"memory left free, MiB (default {DEFAULT_MARGIN_BYTES >> 20})")
     p.add_argument("--min-ctx", type=int, default=DEFAULT_MIN_CTX,
                    help=f"smallest acceptable context (default {DEFAULT_MIN_CTX})")

@@ -43,11 +43,17 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
 
     if args.no_fit:
         return None
+    from ..memory_fit.plan import DEFAULT_MIN_CTX
+    from ..ort_models.graph_builder import ATTN_BUCKET
+    from ..ort_models.runner import round_up
     from .engine import MODEL_SPEC_TYPES
 
     uses_draft = args.spec_type == "auto" or args.spec_type in MODEL_SPEC_TYPES
+    # -c as the runner takes it (whole buckets, rounded up), and no smaller floor than it
+    max_ctx = None if args.n_ctx is None else round_up(args.n_ctx, ATTN_BUCKET)
     plan, _ = fit_models(args.model, args.draft if uses_draft else None,
-                         device=args.device, slots=args.slots, max_ctx=args.n_ctx,
+                         device=args.device, slots=args.slots, max_ctx=max_ctx,
+                         min_ctx=min(DEFAULT_MIN_CTX, max_ctx or DEFAULT_MIN_CTX),
                          threads=args.threads, fetch=not args.no_fetch,
                          draft_quant=args.draft_quant, build_progress=_build_progress,
                          progress=ProgressBar())
@@ -60,7 +66,7 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
         args.draft = None
         if args.spec_type == "draft":
             args.spec_type = "none"
-        elif args.spec_type == "draft+ngram":
+        elif args.spec_type in ("draft+ngram", "auto"):
             args.spec_type = "ngram"  # the lookup half needs no memory
     return plan.as_dict()
 

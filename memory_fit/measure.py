@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from ..ort_models.model_cache import BuiltModel
 
 COST_FILE = "memory_cost.json"
-COST_VERSION = 2
+COST_VERSION = 3
 DEFAULT_POINTS_CAP = 2048  # largest context measured by default (B)
 
 
@@ -152,17 +153,20 @@ def cached_cost(folder: Path, device: str, threads: int) -> ModelCost | None:
 
 # --------------------------------------------------------------------------- measuring
 
-def default_points(n_ctx_train: int, cap: int = DEFAULT_POINTS_CAP) -> tuple[int, int]:
-    """Two context sizes (multiples of ATTN_BUCKET) to measure at: B <= trained, A < B."""
+def default_points(n_ctx_train: int, cap: int = DEFAULT_POINTS_CAP) -> tuple[int, ...]:
+    """Context sizes (multiples of ATTN_BUCKET) to measure at: two, A < B <= trained, or
+    one where the trained context holds a single bucket."""
     top = max(ATTN_BUCKET, n_ctx_train // ATTN_BUCKET * ATTN_BUCKET)
-    b = max(2 * ATTN_BUCKET, min(cap, top))
+    b = min(cap, top)
+    if b < 2 * ATTN_BUCKET:
+        return (b,)
     a = max(ATTN_BUCKET, b // 4 // ATTN_BUCKET * ATTN_BUCKET)
     return a, b
 
 
 def measure(built: BuiltModel, device: str = "cpu", *, threads: int | None = None,
             use_cache: bool = True, isolate: bool = True,
-            points: tuple[int, int] | None = None) -> ModelCost:
+            points: tuple[int, ...] | None = None) -> ModelCost:
     """The ModelCost of a BuiltModel on `device` ("cpu" / "cuda:N"), cached per folder."""
     from ..ort_models.runner import default_threads
 
@@ -171,8 +175,8 @@ def measure(built: BuiltModel, device: str = "cpu", *, threads: int | None = Non
     key_device = _canonical_device(device)
     if use_cache:
         hit = cached_cost(folder, key_device, threads)
-        if hit is not None:
-            return hit
+        if hit is not None:  # measured for the same content, maybe under another name
+            return dataclasses.replace(hit, name=Path(str(built.gguf_path)).stem)
     pts = points or default_points(built.hparams.n_ctx_train)
     if isolate:
         cost = _measure_subprocess(folder, key_device, threads, pts, Path(built.gguf_path))
@@ -189,16 +193,31 @@ def _canonical_device(device: str) -> str:
     return "cpu" if kind == "cpu" else f"cuda:{index}"
 
 
-def _measure_subprocess(folder: Path, device: str, threads: int, points: tuple[int, int],
+MEASURE_TIMEOUT_S = 1800.0  # a 1.5B model measures in well under a minute on 2 cores
+
+
+def _measure_subprocess(folder: Path, device: str, threads: int, points: tuple[int, ...],
                         gguf: Path) -> ModelCost:
     cmd = [sys.executable, "-m", "specd.memory_fit.measure", str(folder), "--device", device,
-           "--threads", str(threads), "--points", f"{points[0]},{points[1]}",
+           "--threads", str(threads), "--points", ",".join(map(str, points)),
            "--gguf", str(gguf)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    what = f"measuring {gguf.name} ({folder.name}) on {device}"
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise MeasureError(f"{what} did not finish within {MEASURE_TIMEOUT_S:.0f} s") from None
     lines = proc.stdout.strip().splitlines()
+    if proc.returncode < 0:  # killed: the out-of-memory killer sends SIGKILL
+        sig = -proc.returncode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        hint = " (out of memory?)" if name == "SIGKILL" else ""
+        raise MeasureError(f"{what} failed: the measuring process was killed by {name}{hint}")
     if proc.returncode != 0 or not lines:
         err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise MeasureError(f"measuring {folder.name} on {device} failed: {err}")
+        raise MeasureError(f"{what} failed: {err}")
     return ModelCost.from_dict(json.loads(lines[-1]))
 
 
@@ -265,7 +284,7 @@ def _warm_runtime(device: str, threads: int) -> None:
 
 
 def measure_in_process(built: BuiltModel, device: str, threads: int,
-                       points: tuple[int, int]) -> ModelCost:
+                       points: tuple[int, ...]) -> ModelCost:
     """Measure in this process (best in a fresh one: see `measure(isolate=True)`)."""
     import gc
 
@@ -275,10 +294,12 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
     from ..ort_models.runner import ModelRunner
 
     hp = built.hparams
-    a, b = sorted(points)
-    if a < ATTN_BUCKET or b % ATTN_BUCKET or a % ATTN_BUCKET or a == b:
-        raise MeasureError(f"bad measuring points {points}: two distinct multiples of "
-                           f"{ATTN_BUCKET}")
+    ctxs = sorted(points)
+    if (not 1 <= len(ctxs) <= 2 or len(set(ctxs)) != len(ctxs) or ctxs[0] < ATTN_BUCKET
+            or any(c % ATTN_BUCKET for c in ctxs)):
+        raise MeasureError(f"bad measuring points {points}: one or two distinct multiples "
+                           f"of {ATTN_BUCKET}")
+    b = ctxs[-1]
     used = _DeviceUsed(device)
     before_env = used.now()
     _warm_runtime(device, threads)
@@ -295,8 +316,12 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
     r2 = used.now()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, hp.n_vocab, ATTN_BUCKET).tolist()  # one full chunk [256]
+    # the first chunk a session runs grows its arenas once, whatever the context (by 12 MB
+    # on SmolLM2, 36 MB on the 1.5B): run one first, so the points differ by their context
+    # alone and the slope does not carry that growth out to the trained context
+    used.peak_of(lambda: runner.forward(0, tokens, 0))
     pts = []
-    for ctx in (a, b):
+    for ctx in ctxs:
         # the chunk at positions ctx-256 .. ctx-1 attends over ctx keys (attn_len = ctx)
         peak = used.peak_of(lambda c=ctx: runner.forward(0, tokens, c - ATTN_BUCKET))
         pts.append((ctx, max(0, peak - r2)))
@@ -352,8 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            else default_points(built.hparams.n_ctx_train))
     from ..ort_models.runner import default_threads
 
-    cost = measure_in_process(built, args.device, args.threads or default_threads(),
-                              (pts[0], pts[1]))
+    cost = measure_in_process(built, args.device, args.threads or default_threads(), pts)
     print(json.dumps(cost.as_dict()))
     return 0
 

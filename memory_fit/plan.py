@@ -247,8 +247,9 @@ def fit(target: ModelCost, second: ModelCost | None = None, *, probe: MemoryProb
         n, rows, load = chosen
         runtime = max(c.runtime_bytes for c in (target, other) if c is not None)
         if lo_asked > hi:
-            warnings.append(f"context capped at {hi} (below min_ctx {min_ctx}): the model's "
-                            "trained context or max_ctx is smaller")
+            warnings.append(f"context capped at {hi}, below the {min_ctx} asked for at least: "
+                            "the models' trained context or the largest context asked is "
+                            "smaller")
         if second is not None and not with_draft:
             warnings.append(f"draft model dropped: target + draft do not fit "
                             f"({'; '.join(failures)}; {fmt_bytes(max(budget, 0))} usable = "

@@ -286,3 +286,97 @@ def test_peak_rss_nests_and_reports_growth() -> None:
     assert outer.growth >= 30 * mib
     assert lifetime_peak() >= outer.start
     del kept
+
+
+def test_models_trained_on_one_bucket_are_measured_at_it(tiny_model_factory: Any,
+                                                        tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """A trained context under two buckets (256, 300) is measured at its one bucket: a
+    second point past it would not fit the context."""
+    from specd.ort_models.model_cache import load_or_build
+
+    assert default_points(256) == default_points(300) == (256,)
+    assert default_points(512) == (256, 512)
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
+    built = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0",
+                                             context_length=300))
+    cost = measure(built, "cpu", threads=1, use_cache=False)
+    assert [n for n, _ in cost.points] == [256] and cost.workspace_per_ctx == 0
+    plan = fit(cost, probe=probe(64 * GiB), margin_bytes=MARGIN)
+    assert plan.n_ctx == 256
+
+
+def test_a_killed_measurement_says_so(tiny_cost: tuple[Any, ModelCost], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measuring process killed (the out-of-memory killer's SIGKILL) is named as such,
+    with the model's file, not reported as 'no output'."""
+    import sys
+
+    from specd.memory_fit.measure import MeasureError
+
+    built, _ = tiny_cost
+    killer = tmp_path / "python"
+    killer.write_text("#!/bin/sh\nkill -9 $$\n")
+    killer.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(killer))
+    with pytest.raises(MeasureError) as info:
+        measure(built, "cpu", threads=1, use_cache=False)
+    msg = str(info.value)
+    assert "killed by SIGKILL (out of memory?)" in msg and Path(built.gguf_path).name in msg
+
+
+def test_a_cached_measurement_takes_the_file_s_current_name(
+        tiny_cost: tuple[Any, ModelCost], tmp_path: Path) -> None:
+    built, cost = tiny_cost
+    renamed = dataclasses.replace(built, gguf_path=tmp_path / "my-renamed-model.gguf")
+    assert measure(renamed, "cpu", threads=1).name == "my-renamed-model"
+    assert measure(built, "cpu", threads=1).name == cost.name
+
+
+def test_cli_fit_rejects_bad_slots_and_margins(tiny_cost: tuple[Any, ModelCost],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from specd.daemon.cli_fit import add_fit_parser
+
+    built, _ = tiny_cost
+    parser = argparse.ArgumentParser(prog="specd")
+    add_fit_parser(parser.add_subparsers())
+    for bad in (["--slots", "0"], ["--slots", "100000000"], ["--margin-mb", "inf"],
+                ["--margin-mb", "nan"], ["--margin-mb", "-100000"]):
+        with pytest.raises(SystemExit) as info:  # a usage error, before any measuring
+            parser.parse_args(["fit", "-m", str(built.gguf_path), *bad])
+        assert info.value.code == 2
+        assert bad[0] in capsys.readouterr().err
+
+
+def test_serve_plan_keeps_lookup_and_takes_c_as_the_runner_does(
+        tiny_cost: tuple[Any, ModelCost], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve -c` is rounded up to whole buckets as the runner rounds it; when the draft
+    is dropped, `--spec-type auto` keeps prompt lookup (it needs no memory)."""
+    from specd.daemon import cli_fit
+    from specd.daemon.cli import build_parser
+    from specd.daemon.cli_serve import plan_memory
+    from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES
+
+    built, _ = tiny_cost
+    gguf = str(built.gguf_path)
+    monkeypatch.setattr(cli_fit, "probe_for", lambda dev: probe(64 * GiB))
+
+    def planned(*argv: str) -> argparse.Namespace:
+        args = build_parser().parse_args(["serve", "-m", gguf, "--device", "cpu", "-t", "1",
+                                          *argv])
+        plan_memory(args)
+        return args
+
+    assert planned("-c", "1000").n_ctx == 1024
+    assert planned("-c", "300").n_ctx == 512
+    assert planned("-c", "100").n_ctx == 256
+    capsys.readouterr()
+    alone = cli_fit.fit_models(gguf, device="cpu", threads=1, max_ctx=1024, margin_bytes=0,
+                               probe=probe(64 * GiB))[0].total_bytes
+    room = alone + DEFAULT_MARGIN_BYTES + (64 << 10)  # the target alone, not with the draft
+    monkeypatch.setattr(cli_fit, "probe_for", lambda dev: probe(room))
+    args = planned("-md", gguf, "-c", "1024")
+    assert args.draft is None and args.spec_type == "ngram"
+    assert "draft model dropped" in capsys.readouterr().err
