@@ -240,13 +240,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..memory_fit.plan import FitError
         from ..memory_fit.probes import ProbeError
         from ..ort_models.gguf_file import GGUFError
+        from ..ort_models.runner import GraphLoadError
         from .engine import EngineError
         from .generation import RequestError
         from .model_store import ModelStoreError
 
         if args.verbose or not isinstance(
                 exc, GGUFError | EngineError | ModelStoreError | RequestError | FitError
-                | ProbeError | MeasureError | ValueError | OSError):
+                | ProbeError | MeasureError | GraphLoadError | ValueError | OSError):
             raise
         print(f"specd: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

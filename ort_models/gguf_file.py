@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -77,7 +78,10 @@ def _strings(cur: _Cursor, count: int) -> list[str]:
     return out
 
 
-def _value(cur: _Cursor, vtype: int) -> Any:
+MAX_ARRAY_NESTING = 8  # GGUF files use flat arrays; deeper nesting means corruption
+
+
+def _value(cur: _Cursor, vtype: int, depth: int = 0) -> Any:
     if vtype in _SCALAR:
         return cur.scalar(_SCALAR[vtype])
     if vtype == 8:
@@ -89,7 +93,10 @@ def _value(cur: _Cursor, vtype: int) -> Any:
             return np.frombuffer(cur.take(count * dt.itemsize), dtype=dt).tolist()
         if etype == 8:
             return _strings(cur, count)
-        return [_value(cur, etype) for _ in range(count)]
+        if depth >= MAX_ARRAY_NESTING:
+            raise GGUFError(f"{cur.path}: metadata arrays nested over {MAX_ARRAY_NESTING} deep"
+                            f" at byte {cur.pos}")
+        return [_value(cur, etype, depth + 1) for _ in range(count)]
     raise GGUFError(f"{cur.path}: unknown metadata value type {vtype} at byte {cur.pos}")
 
 
@@ -145,8 +152,10 @@ class GGUFFile:
             except (ValueError, KeyError):
                 raise GGUFError(f"{self.path}: tensor {name!r} has unknown GGUF type id "
                                 f"{ggml_type}") from None
-            n_bytes = int(np.prod(dims, dtype=np.int64)) // block * type_size
+            n_bytes = math.prod(int(d) for d in dims) // block * type_size  # no wrap-around
             start = data_start + offset
+            if name in self.tensors:
+                raise GGUFError(f"{self.path}: tensor {name!r} appears twice")
             if start + n_bytes > size:
                 raise GGUFError(
                     f"{self.path}: truncated file: tensor {name!r} needs bytes up to "
@@ -219,8 +228,11 @@ def content_hash(path: str | os.PathLike[str]) -> str:
             h.update(chunk)
     digest = h.hexdigest()
     index[key] = digest
-    index_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(index))
-    os.replace(tmp, index_path)
+    try:  # only a memo: a full or read-only disk costs hashing the file again next time
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, index_path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
     return digest

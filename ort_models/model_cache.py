@@ -2,6 +2,12 @@
 
 A second load of the same file finds the folder and builds nothing. A build removes the
 same file's graphs left by other builder versions, which nothing reads any more.
+
+A build holds an exclusive lock on `<folder>.lock`: a second process that wants the same
+graph waits for it and then uses it (it never rebuilds, nor removes, a complete folder
+another may be loading). Under the lock, scratch folders of builds that were killed are
+removed. A folder is complete when its meta.json is there and its files have the sizes
+meta.json records; an incomplete or damaged one is rebuilt.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from .arch import HParams, read_hparams
 from .gguf_file import GGUFFile
 from .graph_builder import BUILDER_VERSION, BuildOptions, Progress, build_graph
 from .onnx_writer import GraphWriter
-from .paths import cache_dir
+from .paths import cache_dir, exclusive_lock
 from .quant import check_supported
 
 if TYPE_CHECKING:
@@ -101,6 +107,16 @@ def prune_stale_graphs(sha256: str) -> list[Path]:
     return gone
 
 
+def is_complete(folder: Path) -> bool:
+    """meta.json is there, and the files it lists have the sizes it records."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+        sizes = meta.get("file_sizes", {})
+        return all((folder / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_or_build(path: str | os.PathLike[str], options: BuildOptions | None = None,
                   progress: Progress | None = None) -> BuiltModel:
     options = options or BuildOptions()
@@ -109,27 +125,47 @@ def load_or_build(path: str | os.PathLike[str], options: BuildOptions | None = N
     sha = f.content_hash()
     folder = graph_folder(sha, options)
     built_now = False
-    if not (folder / META_FILE).is_file():
-        _build_into(f, hp, options, folder, progress)
-        prune_stale_graphs(sha)
-        built_now = True
+    if not is_complete(folder):
+        with exclusive_lock(folder.with_name(f"{folder.name}.lock")):
+            if not is_complete(folder):  # another process may have built it meanwhile
+                _build_into(f, hp, options, folder, progress)
+                prune_stale_graphs(sha)
+                built_now = True
     return BuiltModel(folder, hp, options, Path(path), sha, built_now)
 
 
 def _build_into(f: GGUFFile, hp: HParams, options: BuildOptions, folder: Path,
                 progress: Progress | None) -> None:
+    """Build into a scratch folder, then rename it into place (the caller holds the
+    folder's lock, so no other process is building or loading an incomplete folder)."""
+    for dead in folder.parent.glob(f"{folder.name}.tmp*"):  # builds that were killed
+        shutil.rmtree(dead, ignore_errors=True)
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         with open(tmp / WEIGHTS_FILE, "wb") as wf:
             g = GraphWriter(wf, WEIGHTS_FILE)
             build_graph(f, hp, g, options, progress)
+            wf.flush()
+            os.fsync(wf.fileno())
         g.save(tmp / MODEL_FILE)
+        _fsync(tmp / MODEL_FILE)
         meta = {"builder_version": BUILDER_VERSION, "gguf": str(f.path),
-                "hparams": dataclasses.asdict(hp), "options": dataclasses.asdict(options)}
+                "hparams": dataclasses.asdict(hp), "options": dataclasses.asdict(options),
+                "file_sizes": {n: (tmp / n).stat().st_size for n in (MODEL_FILE, WEIGHTS_FILE)}}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(folder, ignore_errors=True)
+        _fsync(tmp / META_FILE)
+        shutil.rmtree(folder, ignore_errors=True)  # incomplete or damaged: see is_complete
         os.replace(tmp, folder)
+    except OSError as exc:
+        raise OSError(exc.errno, f"building the graph of {Path(f.path).name} in {folder.parent}"
+                      f" failed: {exc.strerror or exc} (the graph takes about the size of the "
+                      "GGUF file, or more for re-quantized drafts; SPECD_CACHE_DIR moves the "
+                      "cache)") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import threading
@@ -48,16 +49,25 @@ class NativeBuildError(RuntimeError):
     pass
 
 
-def compiler() -> str | None:
-    """The C compiler the kernels are built with ($CC, else cc / gcc / clang), or None."""
+def _compiler_command() -> list[str] | None:
+    """The command that compiles the kernels: $CC (which may carry arguments, as
+    `ccache gcc` or `gcc -m64`), else cc / gcc / clang; None if there is none."""
     cc = os.environ.get("CC")
     if cc:
-        return shutil.which(cc)
+        parts = shlex.split(cc)
+        exe = shutil.which(parts[0]) if parts else None
+        return [exe, *parts[1:]] if exe else None
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     return None
+
+
+def compiler() -> str | None:
+    """The C compiler's executable the kernels are built with, or None."""
+    cmd = _compiler_command()
+    return cmd[0] if cmd else None
 
 
 def _cpu_signature() -> str:
@@ -75,14 +85,16 @@ def build(flags: tuple[str, ...] = ("-march=native",), out_dir: Path | None = No
     """Compile the kernels with `flags` (cached by source, compiler, flags and CPU);
     returns the shared library's path. Raises NativeBuildError with the compiler's
     message when it cannot."""
-    cc = compiler()
+    cc = _compiler_command()
     if cc is None:
+        if os.environ.get("CC"):
+            raise NativeBuildError(f"CC={os.environ['CC']!r} is not an executable on PATH")
         raise NativeBuildError("no C compiler found (set CC, or install cc / gcc / clang)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update((KERNEL_DIR / name).read_bytes())
-    for part in (cc, version, " ".join(BASE_FLAGS + flags), _cpu_signature()):
+    for part in (" ".join(cc), version, " ".join(BASE_FLAGS + flags), _cpu_signature()):
         h.update(part.encode())
     folder = (out_dir or cache_dir() / "native") / h.hexdigest()[:24]
     lib = folder / "libspecd_kernels.so"
@@ -90,7 +102,7 @@ def build(flags: tuple[str, ...] = ("-march=native",), out_dir: Path | None = No
         return lib
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".build{os.getpid()}-{threading.get_ident()}.so"
-    cmd = [cc, *BASE_FLAGS, *flags, f"-I{KERNEL_DIR}", "-o", str(tmp),
+    cmd = [*cc, *BASE_FLAGS, *flags, f"-I{KERNEL_DIR}", "-o", str(tmp),
            *(str(KERNEL_DIR / s) for s in SOURCES), "-lm", "-pthread"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import platformdirs
@@ -42,3 +44,22 @@ def runtime_dir() -> Path:
     if value:
         return _dir("SPECD_RUNTIME_DIR", value)
     return _dir("SPECD_RUNTIME_DIR", platformdirs.user_runtime_dir(APP))
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on `lock_path` (created if missing), held for the block:
+    another process asking for it waits. Where the platform has no flock (Windows), a
+    no-op."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -31,6 +31,10 @@ class ContextFull(Exception):
     """The tokens asked for do not fit in the sequence's context."""
 
 
+class GraphLoadError(RuntimeError):
+    """ONNX Runtime could not load a built graph (its folder is damaged)."""
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -100,8 +104,14 @@ class ModelRunner:
             so.add_session_config_entry("session.force_spinning_stop", "1")
         if built.options.uses_native:
             native_ops.register(so)
-        self.session = ort.InferenceSession(str(built.model_path), so,
-                                            providers=session_providers(self.runtime.device))
+        try:
+            self.session = ort.InferenceSession(
+                str(built.model_path), so, providers=session_providers(self.runtime.device))
+        except Exception as exc:  # ORT's own exception types (Fail, NoSuchFile, ...)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise GraphLoadError(f"{built.folder}: ONNX Runtime cannot load this graph "
+                                 f"({first[:300]}); remove the folder and it is rebuilt"
+                                 ) from exc
         self._device, self._dev_id = parse_device(self.runtime.device)
         self.row_block = row_block or (CUDA_ROW_BLOCK if self._device == "cuda" else 1)
         # KV rows: the context, plus room for the filler rows of a call near its end

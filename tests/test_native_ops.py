@@ -556,3 +556,19 @@ def test_native_attention_model_matches_reference(tiny_model_factory, arch, kw, 
     assert np.abs(block - want[290:]).max() / np.abs(want).max() < tol
     singles = np.stack([r.forward(0, [t], 290 + i)[0] for i, t in enumerate(toks[290:])])
     np.testing.assert_array_equal(block, singles)
+
+
+def test_cc_may_carry_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """CC='ccache gcc' or 'gcc -m64' is a command, as make takes it; a CC that names no
+    executable says so (it used to say 'no C compiler found (set CC ...)')."""
+    cc = native_ops.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("CC", f"{cc} -O2")
+    assert native_ops._compiler_command() == [cc, "-O2"]  # noqa: SLF001
+    assert native_ops.compiler() == cc
+    monkeypatch.setenv("CC", "no-such-compiler-here -m64")
+    assert native_ops.compiler() is None
+    with pytest.raises(native_ops.NativeBuildError,
+                       match="CC='no-such-compiler-here -m64' is not an executable on PATH"):
+        native_ops.build(out_dir=tmp_path)

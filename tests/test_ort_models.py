@@ -262,6 +262,83 @@ def test_a_build_removes_graphs_of_other_builder_versions(tiny_model_factory, tm
     assert kept.folder.is_dir() and other_file.is_dir()  # other GGUFs are not touched
 
 
+_LOAD_AND_RUN = """
+import json, sys
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+built = load_or_build(sys.argv[1])
+logits = ModelRunner(built, n_ctx=256, threads=1).prefill(0, [1, 2, 3])
+print(json.dumps({"built_now": built.built_now, "finite": bool(abs(logits).max() < 1e30)}))
+"""
+
+
+def test_two_processes_loading_one_new_graph_build_it_once(tiny_model_factory, tmp_path,
+                                                           monkeypatch) -> None:  # noqa: ANN001
+    """Started together on an empty cache: one builds, the other waits for it and loads
+    the complete graph (before, both built and the second removed the folder the first
+    was loading: NO_SUCHFILE)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
+    env = {**os.environ, "SPECD_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _LOAD_AND_RUN, str(path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["built_now"] for r in results) == [False, True]
+    assert all(r["finite"] for r in results)
+
+
+def test_leftovers_of_killed_builds_and_damaged_graphs(tiny_model_factory, tmp_path,
+                                                       monkeypatch) -> None:  # noqa: ANN001
+    """A build killed mid-way (SIGTERM, SIGKILL) leaves its scratch folder: the next build
+    of that graph removes it. A damaged graph (a file cut short) is rebuilt, not trusted."""
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=13)
+    first = load_or_build(path)
+    dead = first.folder.with_name(f"{first.folder.name}.tmp999999")
+    dead.mkdir()
+    (dead / "weights.bin").write_bytes(b"half")
+    weights = first.folder / "weights.bin"
+    with open(weights, "r+b") as fh:
+        fh.truncate(weights.stat().st_size // 2)
+    again = load_or_build(path)
+    assert again.built_now and not dead.exists()
+    assert np.isfinite(ModelRunner(again, n_ctx=256, threads=1).prefill(0, [1, 2])).all()
+    assert not load_or_build(path).built_now
+
+
+def test_a_graph_ort_cannot_load_names_its_folder(tiny_model_factory, tmp_path,
+                                                  monkeypatch) -> None:  # noqa: ANN001
+    from specd.ort_models.runner import GraphLoadError
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
+    built = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=14))
+    (built.folder / "model.onnx").write_bytes(b"\0" * 16)
+    with pytest.raises(GraphLoadError, match="ONNX Runtime cannot load this graph") as info:
+        ModelRunner(built, n_ctx=256, threads=1)
+    assert str(built.folder) in str(info.value) and "rebuilt" in str(info.value)
+
+
+def test_an_unwritable_hash_memo_does_not_stop_a_load(tiny_model_factory, tmp_path,
+                                                      monkeypatch) -> None:  # noqa: ANN001
+    """The content-hash memo is only a memo: a full (here: unwritable) cache still loads."""
+    from specd.ort_models.gguf_file import content_hash
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
+    (tmp_path / "hashes.json").mkdir()  # os.replace onto it fails, as on a full disk
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=15)
+    assert len(content_hash(path)) == 64
+    assert not list(tmp_path.glob("hashes.*.tmp"))
+
+
 @pytest.mark.parametrize("variant, message", [
     ("truncated", "truncated|not a readable GGUF"),
     ("garbage", "not a readable GGUF"),
@@ -296,9 +373,11 @@ def _patch_uint32(src, dst, key: str, value: int):  # noqa: ANN001, ANN202
     ("llama.attention.head_count", 0, r"llama.attention.head_count must be an integer >= 1"),
     ("llama.attention.head_count_kv", 0, r"head_count_kv must be an integer >= 1, got 0"),
     ("llama.embedding_length", 96, r"token_embd.weight is \[\d+, 64\], but the metadata"),
-    ("llama.feed_forward_length", 64, r"ffn_up.weight is \[128, 64\].*implies \[64, 64\]"),
+    ("llama.feed_forward_length", 64, r"ffn_gate.weight is \[128, 64\].*implies \[64, 64\]"),
     ("llama.block_count", 5, "block_count is 5 but the file has no layer 4"),
     ("llama.block_count", 0, "block_count must be an integer >= 1"),
+    ("llama.rope.dimension_count", 7, "rope.dimension_count is 7; it must be even"),
+    ("llama.rope.dimension_count", 1000, "rope.dimension_count is 1000;.*head dimension 16"),
 ])
 def test_metadata_disagreeing_with_the_tensors_is_named(tmp_path, key, value,
                                                          message) -> None:  # noqa: ANN001
@@ -307,6 +386,43 @@ def test_metadata_disagreeing_with_the_tensors_is_named(tmp_path, key, value,
     with pytest.raises(GGUFError, match=message) as info:
         load_or_build(bad)
     assert "\n" not in str(info.value) and "bad.gguf" in str(info.value)
+
+
+def _patch_tensor_dim(src, dst, name: str, axis: int, value: int):  # noqa: ANN001, ANN202
+    """A copy of GGUF `src` whose tensor `name` claims `value` along GGUF axis `axis`."""
+    blob = bytearray(src.read_bytes())
+    raw = name.encode()
+    at = blob.find(struct.pack("<Q", len(raw)) + raw)
+    assert at >= 0, name
+    at += 8 + len(raw)
+    assert axis < struct.unpack_from("<I", blob, at)[0]  # n_dims
+    struct.pack_into("<Q", blob, at + 4 + 8 * axis, value)
+    dst.write_bytes(bytes(blob))
+    return dst
+
+
+def test_a_later_layer_disagreeing_with_the_metadata_is_named(tmp_path) -> None:  # noqa: ANN001
+    """Every layer is checked, not only the first (a wrong shape in layer 1 failed at the
+    first token, inside ONNX Runtime)."""
+    good = write_tiny_gguf(tmp_path / "good.gguf", arch="llama", weight_type="Q8_0")
+    bad = _patch_tensor_dim(good, tmp_path / "bad.gguf", "blk.1.ffn_up.weight", 1, 64)
+    with pytest.raises(GGUFError, match=r"blk.1.ffn_up.weight is \[64, 64\]") as info:
+        load_or_build(bad)
+    assert "bad.gguf" in str(info.value)
+
+
+def test_impossible_tensor_sizes_and_duplicates_are_named(tmp_path) -> None:  # noqa: ANN001
+    good = write_tiny_gguf(tmp_path / "good.gguf", arch="llama", weight_type="Q8_0")
+    huge = _patch_tensor_dim(good, tmp_path / "huge.gguf", "blk.0.ffn_up.weight", 1, 2**62)
+    with pytest.raises(GGUFError, match="huge.gguf: truncated file: tensor 'blk.0.ffn_up"):
+        load_or_build(huge)  # 64 x 2**62 values wrapped around to 0 bytes before
+    entry = struct.pack("<Q", 19) + b"blk.0.attn_k.weight"  # renamed to attn_q: twice
+    blob = good.read_bytes()
+    assert blob.count(entry) == 1
+    dup = tmp_path / "dup.gguf"
+    dup.write_bytes(blob.replace(entry, struct.pack("<Q", 19) + b"blk.0.attn_q.weight"))
+    with pytest.raises(GGUFError, match="dup.gguf: tensor 'blk.0.attn_q.weight' appears twice"):
+        load_or_build(dup)
 
 
 def _requantized_reference(path, kind: str) -> ReferenceModel:  # noqa: ANN001

@@ -90,15 +90,21 @@ def read_common(f: GGUFFile, *, rope_interleaved: bool, **flags: bool) -> HParam
 
 
 def check_shapes(f: GGUFFile, hp: HParams) -> None:
-    """The first layer's matrices must have the shapes the metadata implies (a file whose
-    metadata disagrees with its tensors would otherwise fail inside ONNX Runtime)."""
-    want = {"token_embd": (hp.n_vocab, hp.n_embd),
-            "blk.0.attn_q": (hp.n_head * hp.head_dim, hp.n_embd),
-            "blk.0.attn_k": (hp.n_head_kv * hp.head_dim, hp.n_embd),
-            "blk.0.attn_v": (hp.n_head_kv * hp.head_dim, hp.n_embd),
-            "blk.0.attn_output": (hp.n_embd, hp.n_head * hp.head_dim),
-            "blk.0.ffn_up": (hp.n_ff, hp.n_embd),
-            "blk.0.ffn_down": (hp.n_embd, hp.n_ff)}
+    """Every layer's matrices must have the shapes the metadata implies, and the rotary
+    width must fit the head (a file whose metadata disagrees with its tensors would
+    otherwise fail inside ONNX Runtime, at the first token)."""
+    if hp.rope_dim % 2 or hp.rope_dim > hp.head_dim:
+        raise GGUFError(f"{f.path}: {hp.arch}.rope.dimension_count is {hp.rope_dim}; it must "
+                        f"be even and at most the head dimension {hp.head_dim}")
+    want = {"token_embd": (hp.n_vocab, hp.n_embd)}
+    for i in range(hp.n_layer):
+        want |= {f"blk.{i}.attn_q": (hp.n_head * hp.head_dim, hp.n_embd),
+                 f"blk.{i}.attn_k": (hp.n_head_kv * hp.head_dim, hp.n_embd),
+                 f"blk.{i}.attn_v": (hp.n_head_kv * hp.head_dim, hp.n_embd),
+                 f"blk.{i}.attn_output": (hp.n_embd, hp.n_head * hp.head_dim),
+                 f"blk.{i}.ffn_gate": (hp.n_ff, hp.n_embd),
+                 f"blk.{i}.ffn_up": (hp.n_ff, hp.n_embd),
+                 f"blk.{i}.ffn_down": (hp.n_embd, hp.n_ff)}
     for name, shape in want.items():
         if f.has_tensor(name + ".weight"):
             got = tuple(int(d) for d in f.tensor(name + ".weight").shape)
