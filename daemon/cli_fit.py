@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..memory_fit.measure import MeasureError, ModelCost, measure
 from ..memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError, Plan, fit
 from ..memory_fit.probes import FakeProbe, MemoryProbe, ProbeError, probe_for
-from ..ort_models.graph_builder import BuildOptions
+from ..ort_models.graph_builder import ATTN_BUCKET, BuildOptions
 from .cli_generate import int_at_least
 from .config import RANGES
 from .engine import DRAFT_QUANTS, build_options
@@ -117,6 +117,10 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
             continue
         path = resolve_model(name, fetch=fetch, progress=progress)  # downloads: a bar
         built = built_model(path, bp(label), build_options(label, draft_quant, dev))
+        trained = built.hparams.n_ctx_train
+        if 0 < trained < ATTN_BUCKET:  # nothing to measure at, nothing to plan
+            raise FitError(f"a context of at least {ATTN_BUCKET} tokens is needed; "
+                           f"{Path(path).name} was trained on {trained}")
         costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
                margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx)

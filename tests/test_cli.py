@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,10 +82,13 @@ def test_serve_setup_errors_are_one_line(tiny_model_factory, tmp_path) -> None: 
     """What `specd serve` (and so `specd start` and the service) meets before it listens:
     the memory plan's errors and out-of-range flags, as one line each."""
     path = str(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12))
-    r = specd("serve", "-m", path, "-c", "32", "--no-socket", "--port", "0")
+    short = str(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12,
+                                   context_length=128))  # trained on less than a bucket
+    r = specd("serve", "-m", short, "--no-socket", "--port", "0")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
-        "specd: error: a context of at least 256 tokens is needed; the limit is 32")
+        f"specd: error: a context of at least 256 tokens is needed; {Path(short).name} was "
+        "trained on 128")
     for flag, value, want in (("--slots", "0", "--slots: 0 is out of range"),
                               ("--queue", "0", "--queue: 0 is out of range"),
                               ("--port", "70000", "--port: 70000 is out of range"),
