@@ -158,18 +158,40 @@ def _check_mask(mask: np.ndarray, vocab: int) -> np.ndarray:
     return m
 
 
+_CDF_BLOCK = 1024  # inverse-CDF sampling: block sums first, then one block's running sum
+
+
 def sample_from_probs(probs: np.ndarray, u: float) -> int:
     """Invert the CDF of ``probs`` ([vocab], need not be normalised) at ``u`` in [0, 1).
 
-    Tokens are ordered by ascending id; a zero-probability token is never returned.
+    Tokens are ordered by ascending id; a zero-probability token is never returned. The
+    CDF is the running sum of per-block sums (blocks of 1024 ids) and, inside the block
+    that holds the point, of that block's values: a running sum over the whole vocabulary
+    costs 0.5 ms at 152k tokens (one dependent add per token), this about a tenth.
     """
-    cdf = np.cumsum(probs, dtype=np.float64)  # [vocab]
-    total = cdf[-1]
+    p = np.asarray(probs, dtype=np.float64)  # [vocab]
+    n = p.shape[0]
+    full = n - n % _CDF_BLOCK
+    sums = p[:full].reshape(-1, _CDF_BLOCK).sum(axis=1)  # [n_blocks]
+    if full < n:
+        sums = np.append(sums, p[full:].sum())
+    block_cdf = np.cumsum(sums)  # [n_blocks]
+    total = block_cdf[-1]
     if not total > 0.0:
         raise ValueError("cannot sample from an all-zero distribution")
-    idx = int(np.searchsorted(cdf, u * total, side="right"))
-    if idx >= cdf.shape[0] or probs[idx] <= 0.0:  # u * total rounded up to total
-        idx = int(np.flatnonzero(probs > 0.0)[-1])
+    point = u * total
+    b = min(int(np.searchsorted(block_cdf, point, side="right")), sums.shape[0] - 1)
+    while sums[b] <= 0.0:  # the point rounded onto a boundary before empty blocks
+        b -= 1
+    start = b * _CDF_BLOCK
+    inside = np.cumsum(p[start:start + _CDF_BLOCK])  # [<= 1024]
+    before = block_cdf[b - 1] if b else 0.0
+    idx = start + min(int(np.searchsorted(inside, point - before, side="right")),
+                      inside.shape[0] - 1)
+    if p[idx] <= 0.0:  # rounding put the point past an end of the block's nonzero tokens
+        nonzero = start + np.flatnonzero(p[start:start + inside.shape[0]] > 0.0)
+        after = nonzero[nonzero >= idx]
+        idx = int(after[0]) if after.shape[0] else int(nonzero[-1])
     return idx
 
 

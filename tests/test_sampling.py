@@ -405,3 +405,20 @@ def test_a_vanishing_temperature_samples_the_argmax(temperature: float) -> None:
     assert [sampler.sample(logits) for _ in range(5)] == [1] * 5
     probs = sampler.probs(logits)
     assert probs[1] == 1.0 and probs.sum() == 1.0
+
+
+def test_blockwise_inverse_cdf_equals_the_running_sum_over_the_vocabulary() -> None:
+    """sample_from_probs sums blocks of 1024 ids first: away from rounding ties it picks
+    the token a running sum over the whole vocabulary picks, across block boundaries,
+    empty blocks and a partial last block included."""
+    rng = np.random.default_rng(4)
+    for vocab in (1000, 1024, 3000, 151936):
+        p = rng.random(vocab)
+        p[rng.random(vocab) < 0.3] = 0.0
+        p[1024:2048] = 0.0  # a whole empty block
+        cdf = np.cumsum(p)
+        for u in rng.random(200) * 0.999:
+            want = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+            assert sample_from_probs(p, float(u)) == want
+        assert p[sample_from_probs(p, np.nextafter(1.0, 0.0))] > 0.0
+        assert p[sample_from_probs(p, 0.0)] > 0.0
