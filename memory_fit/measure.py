@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from ..ort_models.model_cache import BuiltModel
 
 COST_FILE = "memory_cost.json"
-COST_VERSION = 3
+COST_VERSION = 4
 DEFAULT_POINTS_CAP = 2048  # largest context measured by default (B)
 
 
@@ -320,15 +320,21 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
     # on SmolLM2, 36 MB on the 1.5B): run one first, so the points differ by their context
     # alone and the slope does not carry that growth out to the trained context
     used.peak_of(lambda: runner.forward(0, tokens, 0))
+    # weights a session maps from weights.bin rather than copies (specd's kernels read
+    # their initializers in place) become resident in that first run, not at load: count
+    # them as weights, not as workspace (the total is the same either way)
+    lazy = 0
+    if device == "cpu":
+        lazy = max(0, min(built.weights_bytes - (r1 - r0), used.now() - r2))
     pts = []
     for ctx in ctxs:
         # the chunk at positions ctx-256 .. ctx-1 attends over ctx keys (attn_len = ctx)
         peak = used.peak_of(lambda c=ctx: runner.forward(0, tokens, c - ATTN_BUCKET))
-        pts.append((ctx, max(0, peak - r2)))
+        pts.append((ctx, max(0, peak - r2 - lazy)))
     # last, so the session and its runs see a heap without freed blocks to reuse
     host = _HostCost(Path(built.gguf_path)) if device == "cpu" else None  # RAM = the device
     return ModelCost.from_points(
-        max(0, r1 - r0), hp.kv_bytes_per_token(built.options.kv_bytes), pts,
+        max(0, r1 - r0) + lazy, hp.kv_bytes_per_token(built.options.kv_bytes), pts,
         n_ctx_train=hp.n_ctx_train,
         runtime_bytes=max(0, r0 - before_env) if device != "cpu" else 0,
         load_extra_bytes=max(0, load_peak - r1) if device == "cpu" else 0,
