@@ -3,8 +3,9 @@
 Each slot owns one target KV sequence (and the drafter's sequence of the same index).
 Between rounds new requests join free slots and finished or cancelled ones leave. A new
 request takes the free slot whose cached tokens share the longest prefix with its prompt
-and reuses that KV. Prefill runs in chunks of `prefill_chunk` tokens interleaved with the
-other slots' rounds, so a long prompt does not stall running streams.
+and reuses that KV (with no real match: an empty slot, else the one used longest ago).
+Prefill runs in chunks of `prefill_chunk` tokens interleaved with the other slots'
+rounds, so a long prompt does not stall running streams.
 
 Rows are computed the same way however they are batched or chunked (see
 ort_models/graph_builder.py), so a request's output does not depend on what else runs.
@@ -38,7 +39,9 @@ class QueueFull(Exception):
 class Request:
     prompt: list[int]
     params: GenerationParams
-    on_tokens: Callable[[list[int]], None]  # called from the worker thread
+    # called from the worker thread with each round's tokens; True: end the request there
+    # (its consumer met a stop string or its time limit)
+    on_tokens: Callable[[list[int]], bool | None]
     on_done: Callable[[Request], None]
     cache_prompt: bool = True
     grammar: Grammar | None = None  # compiled constraint; a fresh state per request
@@ -58,6 +61,7 @@ class Slot:
     index: int
     cached: list[int] = field(default_factory=list)  # tokens whose KV the slot holds
     request: Request | None = None
+    last_used: int = 0  # when its last request ended (a counter): evict the oldest first
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -80,6 +84,7 @@ class Scheduler:
         self.requests_failed = 0
         self._lock = threading.Condition()
         self._next_id = 1
+        self._used = 0  # slots' last_used clock
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
         self._thread.start()
@@ -87,6 +92,7 @@ class Scheduler:
     # -- API (any thread) -----------------------------------------------------------------
     def submit(self, req: Request) -> Request:
         with self._lock:
+            self._drop_cancelled()  # requests whose clients left hold no place in the queue
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
             req.id = self._next_id
@@ -103,7 +109,8 @@ class Scheduler:
 
     @property
     def queue_length(self) -> int:
-        return len(self.queue)
+        """Requests waiting for a slot (not those cancelled while they waited)."""
+        return sum(not r.cancelled for r in list(self.queue))
 
     def slot_info(self) -> list[dict[str, object]]:
         out = []
@@ -120,18 +127,33 @@ class Scheduler:
         return out
 
     # -- worker ---------------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        """Finish the queued requests whose clients left (the caller holds the lock)."""
+        if any(r.cancelled for r in self.queue):
+            gone = [r for r in self.queue if r.cancelled]
+            self.queue = deque(r for r in self.queue if not r.cancelled)
+            for r in gone:
+                self._finish(r, None)
+
+    def _choose_slot(self, free: list[Slot], req: Request) -> Slot:
+        """The free slot sharing the longest prefix with the prompt; with no real match (a
+        BOS alone is none), an empty slot, else the one used longest ago: another
+        conversation's cache is only given up when nothing else is free."""
+        def key(s: Slot) -> tuple[int, bool, int]:
+            shared = common_prefix(s.cached, req.prompt) if req.cache_prompt else 0
+            return (shared if shared > 1 else 0), not s.cached, -s.last_used
+
+        return max(free, key=key)
+
     def _admit(self) -> None:
         with self._lock:
+            self._drop_cancelled()
             while self.queue:
                 free = [s for s in self.slots if s.request is None]
                 if not free:
                     return
                 req = self.queue.popleft()
-                if req.cancelled:
-                    self._finish(req, None)
-                    continue
-                slot = max(free, key=lambda s: common_prefix(s.cached, req.prompt)
-                           if req.cache_prompt else -len(s.cached))
+                slot = self._choose_slot(free, req)
                 reuse = common_prefix(slot.cached, req.prompt) if req.cache_prompt else 0
                 try:
                     req.gen = self.engine.start(
@@ -168,14 +190,10 @@ class Scheduler:
         try:
             if req.cancelled:
                 gen.finish("cancelled")
-            elif not gen.prefilled:
-                out = gen.prefill(self.prefill_chunk)
-                if out:
-                    req.on_tokens(out)
             else:
-                out = gen.step()
-                if out:
-                    req.on_tokens(out)
+                out = gen.step() if gen.prefilled else gen.prefill(self.prefill_chunk)
+                if out and req.on_tokens(out):
+                    gen.finish("stop")  # the request's consumer wants no more
         except Exception as exc:  # noqa: BLE001 - one bad request never stops the daemon
             log.exception("request %d failed", req.id)
             req.error = f"internal error: {exc}"
@@ -188,6 +206,8 @@ class Scheduler:
     def _finish(self, req: Request, slot: Slot | None) -> None:
         if slot is not None:
             slot.request = None
+            self._used += 1
+            slot.last_used = self._used
         if req.gen is not None:
             req.gen.close()
             self.totals.merge(req.gen.stats)

@@ -117,8 +117,10 @@ class Stream:
     Stop strings end the request at the token that completes one (later tokens a round
     produced are neither streamed nor counted). `t_max_ms` limits generation, as
     llama.cpp's t_max_predict_ms: timed from the first generated token, and applied once a
-    newline has come out (so a completion has at least its first line). Iterate once;
-    `cancel()` (or closing the iteration) stops the request.
+    newline has come out (so a completion has at least its first line). Both are decided
+    on the scheduler's worker thread as the tokens come out (`_on_tokens`), so the
+    request ends in the round that met them, not whenever the event loop gets to them.
+    Iterate once; `cancel()` (or closing the iteration) stops the request.
     """
 
     def __init__(self, svc: Service, prompt: list[int], params: GenerationParams, *,
@@ -128,11 +130,16 @@ class Stream:
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._t_max = t_max_ms / 1000.0 if t_max_ms else None
-        self._stop = stop or []
+        # the worker thread's, until the "done" event (after which only the loop reads)
+        self._detok = IncrementalDetokenizer(svc.tokenizer)
+        self._matcher = StopMatcher(stop or [])
+        self._eog = svc.engine.eog_ids
+        self._n_out = 0  # tokens streamed: all of them, or up to the one ending a stop string
+        self._t_first: float | None = None
+        self._newline = self._timed_out = False
         self.req = Request(
             prompt=prompt, params=params, cache_prompt=cache_prompt, grammar=grammar,
-            on_tokens=lambda toks: self._loop.call_soon_threadsafe(
-                self._events.put_nowait, ("tok", toks)),
+            on_tokens=self._on_tokens,
             on_done=lambda r: self._loop.call_soon_threadsafe(
                 self._events.put_nowait, ("done", r)),
         )
@@ -141,53 +148,53 @@ class Stream:
     def cancel(self) -> None:
         self.req.cancel()
 
+    def _on_tokens(self, tokens: list[int]) -> bool:
+        """(worker thread) Tokens a round produced: stream the text that is final; True
+        when the request must end here (a stop string completed, or time is up)."""
+        if self._matcher.hit is not None or self._timed_out:
+            return True
+        out, used = [], []
+        for t in tokens:
+            used.append(t)
+            raw = "" if t in self._eog else self._detok.push(t)
+            self._newline = self._newline or "\n" in raw
+            out.append(self._matcher.feed(raw))
+            if self._matcher.hit is not None:
+                break
+        self._n_out += len(used)
+        piece = "".join(out)
+        if piece or used:
+            self._loop.call_soon_threadsafe(self._events.put_nowait,
+                                            ("piece", Piece(piece, used)))
+        now = time.monotonic()
+        self._t_first = now if self._t_first is None else self._t_first
+        if (self._t_max is not None and self._newline and self._matcher.hit is None
+                and now - self._t_first > self._t_max):
+            self._timed_out = True
+        return self._matcher.hit is not None or self._timed_out
+
     def __aiter__(self) -> AsyncIterator[Piece | Result]:
         return self._run()
 
     async def _run(self) -> AsyncIterator[Piece | Result]:
-        req, tok = self.req, self.svc.tokenizer
-        detok = IncrementalDetokenizer(tok)
-        matcher = StopMatcher(self._stop)
-        eog = self.svc.engine.eog_ids
+        req, matcher = self.req, self._matcher
         text: list[str] = []
-        n_out = 0  # tokens streamed: all of them, or up to the one ending a stop string
-        t_first: float | None = None
-        newline = timed_out = False
         t0 = time.perf_counter()
         try:
             while True:
                 kind, value = await self._events.get()
                 if kind == "done":
                     break
-                if matcher.hit is not None:
-                    continue  # the rest of the round that completed a stop string
-                out, used = [], []
-                for t in value:
-                    used.append(t)
-                    raw = "" if t in eog else detok.push(t)
-                    newline = newline or "\n" in raw
-                    out.append(matcher.feed(raw))
-                    if matcher.hit is not None:
-                        req.cancel()
-                        break
-                n_out += len(used)
-                piece = "".join(out)
-                if piece or used:
-                    text.append(piece)
-                    yield Piece(piece, used)
-                now = time.monotonic()
-                t_first = now if t_first is None else t_first
-                if (self._t_max is not None and newline and matcher.hit is None
-                        and now - t_first > self._t_max):
-                    timed_out = True
-                    req.cancel()
-            tail = matcher.feed(detok.flush()) + matcher.flush()
+                text.append(value.text)
+                yield value
+            tail = matcher.feed(self._detok.flush()) + matcher.flush()
             if tail:
                 text.append(tail)
                 yield Piece(tail, [])
         except BaseException:
             req.cancel()
             raise
+        n_out, timed_out = self._n_out, self._timed_out
         gen = req.gen
         stats = gen.stats if gen is not None else SpecStats(prompt_tokens=len(self.prompt))
         reason = "stop" if matcher.hit is not None else "time_limit" if timed_out else (
@@ -204,7 +211,7 @@ class Stream:
                 "prompt_n": len(self.prompt) - stats.cached_tokens,
                 "prompt_ms": round(stats.prefill_s * 1000, 3),
                 "prompt_per_second": round(stats.prefill_tps, 3),
-                "predicted_n": stats.generated_tokens,
+                "predicted_n": n_out,
                 "predicted_ms": round(stats.decode_s * 1000, 3),
                 "predicted_per_second": round(stats.decode_tps, 3),
                 "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
