@@ -163,6 +163,11 @@ class Scheduler:
                     req.error = str(exc)
                     self._finish(req, None)
                     continue
+                except Exception as exc:  # noqa: BLE001 - off the queue: must still finish
+                    log.exception("request %d could not start", req.id)
+                    req.error = f"internal error: {exc}"
+                    self._finish(req, None)
+                    continue
                 slot.cached = list(req.prompt[:reuse])
                 slot.request = req
                 req.slot = slot.index

@@ -113,3 +113,16 @@ def test_a_consumer_that_has_enough_ends_the_request_in_that_round(scheduler: Sc
     assert done.wait(60) and req.error is None
     assert len(calls) == 3 and len(req.gen.tokens) == 3  # one token per round here
     assert req.gen.finish_reason == "stop"
+
+
+def test_a_request_that_cannot_start_still_finishes(scheduler: Scheduler,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever goes wrong while a request starts, its client gets an error, not a wait
+    without end (it is already off the queue)."""
+    def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("no memory for the KV cache")
+
+    monkeypatch.setattr(scheduler.engine, "start", broken)
+    req, done = _request([1, 2, 3])
+    scheduler.submit(req)
+    assert done.wait(30) and req.error == "internal error: no memory for the KV cache"
