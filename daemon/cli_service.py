@@ -41,34 +41,51 @@ def _absolute(dest: str, value: str) -> str:
     return value
 
 
+_UNSET = object()  # the default of start/restart's serve options: "not given"
+
+
 def _argv_for(args: argparse.Namespace, actions: list[argparse.Action],
               cfg: dict[str, Any] | None) -> list[str]:
-    """`serve` argv for the options in `args` that differ from their defaults (then `cfg`)."""
+    """`serve` argv for the options given in `args` (even at serve's default value: they
+    win over the config), then, with `cfg`, the config's values that differ from
+    serve's defaults."""
     out: list[str] = []
     for a in actions:
-        value = getattr(args, a.dest, a.default)
-        if value == a.default and cfg is not None and a.dest in cfg:
+        default = getattr(a, "serve_default", a.default)
+        value = getattr(args, a.dest, _UNSET)
+        if value is _UNSET or value is None and isinstance(a, argparse._AppendAction):  # noqa: SLF001
+            if cfg is None or a.dest not in cfg or cfg[a.dest] == default:
+                continue
             value = cfg[a.dest]
-        if value == a.default or value is None:
+        if value is None:
             continue
-        opt = max(a.option_strings, key=len)
-        if a.nargs == 0:  # store_true / store_false
-            out.append(opt)
+        if isinstance(a, argparse.BooleanOptionalAction):
+            yes, no = sorted(a.option_strings, key=len)
+            out.append(yes if value else no)
+        elif a.nargs == 0:  # store_true / store_false: given means its constant
+            if value == a.const:
+                out.append(max(a.option_strings, key=len))
         elif isinstance(value, list):
             for v in value:
-                out += [opt, str(v)]
+                out += [max(a.option_strings, key=len), str(v)]
         else:
             v = _absolute(a.dest, str(value)) if a.dest in _PATH_DESTS else str(value)
-            out += [opt, v]
+            out += [max(a.option_strings, key=len), v]
     return out
 
 
 def _start_args(p: argparse.ArgumentParser, add_model_args: AddArgs,
                 add_sampling_args: AddArgs, add_serve_args: AddArgs) -> list[argparse.Action]:
+    """serve's options on `p`, defaulting to "not given" (their serve defaults are kept
+    in `serve_default`), so that one typed at its default value still wins over the
+    config; returns them."""
     add_model_args(p)
     add_sampling_args(p)
     add_serve_args(p)
     actions = _serve_actions(p)
+    for a in actions:
+        a.serve_default = a.default  # type: ignore[attr-defined]
+        a.default = None if isinstance(a, argparse._AppendAction) else _UNSET  # noqa: SLF001
     p.add_argument("--wait", dest="wait_s", type=float, default=600.0, metavar="SECONDS",
                    help="how long to wait for the daemon to answer (default 600)")
     return actions

@@ -120,6 +120,16 @@ def test_start_argv_from_options_and_config(env: dict[str, str], tmp_path: Path,
     argv = _argv_for(p.parse_args([]), actions, cfg)
     assert argv == ["--model", "catalog-name", "--port", "0", "--slots", "5"]  # host: default
     assert _argv_for(p.parse_args(["--slots", "1"]), actions, cfg)[-2:] == ["--slots", "1"]
+    # typed at serve's own default, an option still wins over the config
+    given = p.parse_args(["-m", "qwen2.5-coder-1.5b-instruct", "--port", "8080", "-c", "4096",
+                          "--no-spec-adaptive"])
+    cfg = {"model": "smollm2-135m-instruct", "port": 8799, "n_ctx": 1024}
+    argv = _argv_for(given, actions, cfg)
+    assert argv[argv.index("--model") + 1] == "qwen2.5-coder-1.5b-instruct"
+    assert argv[argv.index("--port") + 1] == "8080"
+    assert argv[argv.index("--ctx-size") + 1] == "4096"
+    assert "--no-spec-adaptive" in argv
+    assert _argv_for(p.parse_args(["--spec-adaptive"]), actions, None) == ["--spec-adaptive"]
 
 
 # -- pid files ----------------------------------------------------------------------------
