@@ -240,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..memory_fit.plan import FitError
         from ..memory_fit.probes import ProbeError
         from ..ort_models.gguf_file import GGUFError
+        from ..ort_models.providers import DeviceUnavailable
         from ..ort_models.runner import GraphLoadError
         from .engine import EngineError
         from .generation import RequestError
@@ -247,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.verbose or not isinstance(
                 exc, GGUFError | EngineError | ModelStoreError | RequestError | FitError
-                | ProbeError | MeasureError | GraphLoadError | ValueError | OSError):
+                | ProbeError | MeasureError | GraphLoadError | DeviceUnavailable | ValueError
+                | OSError | ImportError):
             raise
         print(f"specd: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
+import functools
 import os
 from dataclasses import dataclass
+
+
+class DeviceUnavailable(RuntimeError):
+    """The device asked for cannot be used (no CUDA build, libraries, or device)."""
 
 
 @dataclass(frozen=True)
@@ -80,16 +86,34 @@ def choose_runtime(device: str = "auto") -> RuntimeChoice:
         why = ("CUDA EP not available: the CPU package onnxruntime is installed"
                if pkg == "onnxruntime" else "CUDA EP not available in this build")
         if kind == "cuda":
-            raise RuntimeError(why)
+            raise DeviceUnavailable(why)
         return RuntimeChoice(version, pkg, "CPUExecutionProvider", "cpu", why)
-    missing = [lib for lib in ("cudart", "cublas") if ctypes.util.find_library(lib) is None]
-    try:
-        ort.preload_dlls()  # onnxruntime-gpu >= 1.21 finds the nvidia-* wheels' libraries
-        missing = []
-    except Exception:  # noqa: BLE001 - older versions lack it; keep the ldconfig answer
-        pass
-    if missing and kind == "auto":
+    problem = cuda_problem(index)
+    if problem is not None:
+        if kind == "cuda":
+            raise DeviceUnavailable(f"cuda:{index} cannot be used: {problem}")
         return RuntimeChoice(version, pkg, "CPUExecutionProvider", "cpu",
-                             f"CUDA EP not available: lib{missing[0]} missing")
+                             f"CUDA EP not usable ({problem})")
     return RuntimeChoice(version, pkg, "CUDAExecutionProvider", f"cuda:{index}",
                          "onnxruntime-gpu with a CUDA device")
+
+
+@functools.cache
+def cuda_problem(index: int = 0) -> str | None:
+    """Why ONNX Runtime cannot use CUDA device `index` (None: it can). A build with the
+    CUDA EP lists it whether or not the CUDA and cuDNN libraries it loads are present, so
+    this allocates one value on the device, which loads them (the CUDA context's start
+    is paid here, once per process)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    with contextlib.suppress(Exception):  # onnxruntime-gpu >= 1.21: the nvidia-* wheels
+        ort.preload_dlls()
+    try:
+        ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.float32), "cuda", index)
+    except Exception as exc:  # noqa: BLE001 - ORT's own error types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        missing = [lib for lib in ("cudart", "cublas") if ctypes.util.find_library(lib) is None]
+        hint = f"; lib{missing[0]} is not installed" if missing else ""
+        return f"{first[:200]}{hint}"
+    return None

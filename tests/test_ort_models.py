@@ -522,6 +522,26 @@ def test_runtime_choice_and_session_providers(monkeypatch) -> None:  # noqa: ANN
                                            "CPUExecutionProvider"]
 
 
+def test_a_cuda_build_without_usable_cuda_falls_back_or_says_why(monkeypatch) -> None:  # noqa: ANN001
+    """onnxruntime-gpu lists its CUDA EP even where the CUDA libraries (or the device) are
+    missing: "auto" must then take the CPU and say why, and an explicit cuda device must
+    be a clear error, not a crash at the first session."""
+    import onnxruntime as ort
+
+    from specd.ort_models import providers
+
+    if providers.cuda_problem(0) is None:
+        pytest.skip("CUDA works here")
+    monkeypatch.delenv("SPECD_DEVICE", raising=False)
+    monkeypatch.setattr(ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    auto = providers.choose_runtime("auto")
+    assert (auto.provider, auto.device) == ("CPUExecutionProvider", "cpu")
+    assert auto.reason.startswith("CUDA EP not usable (")
+    with pytest.raises(providers.DeviceUnavailable, match="cuda:0 cannot be used: "):
+        providers.choose_runtime("cuda")
+
+
 @pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels did not compile")
 def test_a_graph_with_specds_cpu_kernels_runs_on_the_cpu(tiny_model_factory,
                                                         monkeypatch) -> None:  # noqa: ANN001
