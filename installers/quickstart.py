@@ -35,14 +35,24 @@ def runtime_extra() -> str:
     forced = os.environ.get("SPECD_RUNTIME")
     if forced in ("cpu", "gpu"):
         return forced
-    return "gpu" if shutil.which("nvidia-smi") else "cpu"
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "cpu"
+    try:  # a driver that answers, as install.sh asks: an nvidia-smi alone is not a GPU
+        ok = subprocess.run([smi, "-L"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return "gpu" if ok else "cpu"
 
 
 def ensure_env() -> None:
     if sys.version_info < (3, 11):  # noqa: UP036 - runs before specd is installed
         sys.exit("specd needs Python 3.11 or newer")
     extra = runtime_extra()
-    stamp_text = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest() + extra
+    # what the install depends on: the project, where it is (an editable install points
+    # at it), the runtime build and the Python
+    stamp_text = "\n".join([hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest(),
+                            extra, str(ROOT), str(VENV), sys.version])
     stamp = VENV / ".specd-installed"
     if stamp.is_file() and stamp.read_text() == stamp_text:
         return
@@ -57,6 +67,14 @@ def ensure_env() -> None:
     subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e",
                     f"{ROOT}[{extra},test,tray]"], check=True)
     stamp.write_text(stamp_text)
+
+
+def specd_args(argv: list[str]) -> tuple[list[str], bool]:
+    """(`specd` arguments, is it the demo) for quickstart's arguments: `demo` (or none)
+    is the demo, with any options after it (`demo -n 64`); anything else is passed on."""
+    if argv[:1] == ["demo"] or not argv:
+        return DEMO + argv[1:], True
+    return argv, False
 
 
 def main(argv: list[str]) -> int:
@@ -74,11 +92,12 @@ def main(argv: list[str]) -> int:
             print("quickstart: pytest collected no tests", file=sys.stderr)
             return 1
         return rc
-    args = DEMO if argv[:1] == ["demo"] or not argv else argv
-    if args is DEMO:
+    args, demo = specd_args(argv)
+    if demo:
         print("quickstart: specd " + " ".join(
-            repr(a) if " " in a else a for a in DEMO), file=sys.stderr)
-    return subprocess.run([str(_bin("specd")), *args]).returncode
+            repr(a) if " " in a else a for a in args), file=sys.stderr)
+    # the module, not the console script: a moved checkout's script names the old path
+    return subprocess.run([str(_bin("python")), "-m", "specd.daemon.cli", *args]).returncode
 
 
 if __name__ == "__main__":

@@ -236,3 +236,39 @@ def test_install_sh_dry_run(tmp_path: Path) -> None:
 
     r = _install_sh(tmp_path, "--bogus")
     assert r.returncode == 1 and "unknown option --bogus" in r.stderr
+
+
+def _quickstart():  # noqa: ANN202 - the module, loaded from its file (not a package)
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "installers" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("quickstart", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell script stands in for nvidia-smi")
+@pytest.mark.parametrize("answers, want", [(True, "gpu"), (False, "cpu"), (None, "cpu")])
+def test_quickstart_picks_gpu_only_where_the_driver_answers(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            answers: bool | None,
+                                                            want: str) -> None:
+    """An nvidia-smi that exits with an error (a driver not loaded) is no GPU, as
+    install.sh decides; it used to pick onnxruntime-gpu whenever the file existed."""
+    qs = _quickstart()
+    monkeypatch.delenv("SPECD_RUNTIME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    if answers is not None:
+        smi = tmp_path / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\nexit {0 if answers else 9}\n")
+        smi.chmod(0o755)
+    assert qs.runtime_extra() == want
+
+
+def test_quickstart_demo_takes_more_options() -> None:
+    qs = _quickstart()
+    assert qs.specd_args([]) == (qs.DEMO, True)
+    assert qs.specd_args(["demo", "-n", "64"]) == ([*qs.DEMO, "-n", "64"], True)
+    assert qs.specd_args(["models", "list"]) == (["models", "list"], False)
