@@ -144,17 +144,27 @@ def _models_list(args: argparse.Namespace) -> int:
 def model_info(path: object) -> dict[str, object]:
     from collections import Counter
 
-    from ..ort_models.arch import read_hparams
+    from ..ort_models.arch import READERS, read_hparams
     from ..ort_models.gguf_file import GGUFFile
 
     f = GGUFFile(path)  # type: ignore[arg-type]
-    hp = read_hparams(f)
     types = Counter(t.type_name for t in f.tensors.values())
     tokens = f.get("tokenizer.ggml.tokens") or []
+    if f.arch in READERS:
+        hp = read_hparams(f)
+        shape = {"layers": hp.n_layer, "embedding": hp.n_embd, "heads": hp.n_head,
+                 "kv_heads": hp.n_head_kv, "head_dim": hp.head_dim,
+                 "context_length": hp.n_ctx_train}
+    else:  # what the metadata says, unchecked: specd cannot run it
+        heads = f.arch_key("attention.head_count", None)
+        shape = {"layers": f.arch_key("block_count", None),
+                 "embedding": f.arch_key("embedding_length", None), "heads": heads,
+                 "kv_heads": f.arch_key("attention.head_count_kv", heads),
+                 "head_dim": f.arch_key("attention.key_length", None),
+                 "context_length": f.arch_key("context_length", None)}
     return {
         "path": str(f.path), "name": f.name, "architecture": f.arch,
-        "layers": hp.n_layer, "embedding": hp.n_embd, "heads": hp.n_head,
-        "kv_heads": hp.n_head_kv, "head_dim": hp.head_dim, "context_length": hp.n_ctx_train,
+        "runnable": f.arch in READERS, **shape,
         "tensor_types": dict(types.most_common()),
         "vocab": {"type": f.get("tokenizer.ggml.model"), "pre": f.get("tokenizer.ggml.pre"),
                   "size": len(tokens), "bos_id": f.get("tokenizer.ggml.bos_token_id"),
@@ -183,7 +193,9 @@ def _models_info(args: argparse.Namespace) -> int:
         print(f"{info['name']}  ({info['path']})")
         print(f"  architecture   {info['architecture']}: {info['layers']} layers, embedding "
               f"{info['embedding']}, {info['heads']} heads / {info['kv_heads']} kv, head dim "
-              f"{info['head_dim']}, trained context {info['context_length']}")
+              f"{info['head_dim']}, trained context {info['context_length']}"
+              + ("" if info["runnable"] else f"  [specd cannot run {info['architecture']} "
+                 "models yet]"))
         types = info["tensor_types"]
         assert isinstance(types, dict)
         print("  tensor types   " + ", ".join(f"{k} x{n}" for k, n in types.items()))

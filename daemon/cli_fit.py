@@ -115,7 +115,7 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
     for label, name in (("target", target), ("draft", draft)):
         if name is None:
             continue
-        path = resolve_model(name, fetch=fetch, progress=progress)  # downloads: a bar
+        path = resolve_model(name, fetch=fetch, progress=progress, to_run=True)  # a bar
         built = built_model(path, bp(label), build_options(label, draft_quant, dev))
         trained = built.hparams.n_ctx_train
         if 0 < trained < ATTN_BUCKET:  # nothing to measure at, nothing to plan

@@ -203,7 +203,7 @@ class Engine:
     def _resolve(self, name: str | None, progress: Progress | None) -> Path:
         assert name is not None
         try:
-            return resolve_model(name, fetch=self.cfg.fetch, progress=progress)
+            return resolve_model(name, fetch=self.cfg.fetch, progress=progress, to_run=True)
         except Exception as exc:  # noqa: BLE001 - store errors are user-facing already
             raise EngineError(str(exc)) from None
 

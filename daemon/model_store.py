@@ -60,9 +60,12 @@ def _entry(name: str) -> CatalogEntry:
 
 
 def resolve_model(
-    name_or_path: str | os.PathLike[str], *, fetch: bool = True, progress: Progress | None = None
+    name_or_path: str | os.PathLike[str], *, fetch: bool = True, progress: Progress | None = None,
+    to_run: bool = False,
 ) -> Path:
-    """A local GGUF file path, or a catalog name (pulled first if missing and ``fetch``)."""
+    """A local GGUF file path, or a catalog name (pulled first if missing and ``fetch``).
+    ``to_run``: a catalog model whose architecture specd cannot run is refused before
+    anything is downloaded."""
     as_path = Path(name_or_path).expanduser()
     if as_path.is_file():
         return as_path
@@ -72,6 +75,12 @@ def resolve_model(
             f"{name!r} is neither an existing file nor a catalog model; "
             f"catalog models: {', '.join(CATALOG)}"
         )
+    if to_run:
+        from specd.ort_models.arch import READERS
+
+        if CATALOG[name].arch not in READERS:
+            raise ModelStoreError(f"specd cannot run {CATALOG[name].arch} models yet (only "
+                                  f"{name}'s tokenizer is supported); not downloading it")
     path = model_path(name)
     if path.is_file():
         _check_size(name, path)

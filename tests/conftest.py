@@ -38,3 +38,18 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         return path
 
     return make
+
+
+def fetched_model(name: str) -> Path:
+    """The catalog model `name` from the store, downloaded (sha256 checked, cached in the
+    platformdirs data dir) if it is not there yet; skips the test only where it cannot be
+    had (offline). Tests that need a real model call this rather than skipping when it
+    happens not to be downloaded yet: the suite must test them on a fresh machine too."""
+    from specd.daemon.model_store import ModelStoreError, model_path, resolve_model
+
+    if model_path(name).is_file():
+        return model_path(name)
+    try:
+        return resolve_model(name)
+    except ModelStoreError as exc:
+        pytest.skip(f"{name} could not be downloaded: {exc}")

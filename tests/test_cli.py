@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from specd.daemon.model_store import model_path
+from conftest import fetched_model
 
 from tiny_gguf import write_corrupt_variants
 
@@ -133,8 +132,7 @@ def test_synthetic_needs_rates(tiny_model_factory) -> None:  # noqa: ANN001
 def test_models_info_explains_compatibility() -> None:
     for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct",
                  "smollm2-135m-instruct"):
-        if not model_path(name).is_file():
-            pytest.skip(f"{name} not downloaded")
+        fetched_model(name)
     ok = specd("models", "info", "qwen2.5-coder-1.5b-instruct", "--draft",
                "qwen2.5-coder-0.5b-instruct", "--no-fetch")
     assert ok.returncode == 0 and "compatible" in ok.stdout and "Q4_K" in ok.stdout
@@ -169,3 +167,15 @@ def test_bench_runs_end_to_end(tiny_model_factory, tmp_path) -> None:  # noqa: A
     assert [row["config"] for row in summary["rows"]] == ["target-only", "ngram n_max=4"]
     assert summary["bandwidth_gbs"] > 0 and all(row["memory_mb"] > 0 for row in summary["rows"])
     assert "× bound" in r.stdout and (tmp_path / "bench.png").is_file()
+
+
+def test_models_info_describes_an_architecture_specd_cannot_run(tmp_path) -> None:  # noqa: ANN001
+    from tiny_gguf import write_corrupt_variants
+
+    path = write_corrupt_variants(tmp_path)["unknown_arch"]
+    r = specd("models", "info", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["architecture"] == "mamba9" and info["runnable"] is False
+    text = specd("models", "info", str(path)).stdout
+    assert "specd cannot run mamba9 models yet" in text

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from conftest import fetched_model
 
 from specd.daemon.compat import draft_incompatibilities
-from specd.daemon.model_store import model_path
 from specd.ort_models.gguf_file import GGUFFile
 
 
@@ -38,10 +38,7 @@ def test_vocab_size_and_type(tiny_model_factory) -> None:  # noqa: ANN001
 
 
 def _real(name: str) -> dict:
-    p = model_path(name)
-    if not p.is_file():
-        pytest.skip(f"{name} not downloaded")
-    return GGUFFile(p).metadata
+    return GGUFFile(fetched_model(name)).metadata
 
 
 @pytest.mark.real

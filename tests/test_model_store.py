@@ -274,3 +274,16 @@ def test_real_pull_smollm2(tmp_path, monkeypatch):
     assert path.stat().st_size == CATALOG[name].size
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_a_model_specd_cannot_run_is_refused_before_downloading(tmp_path, monkeypatch):
+    """gemma-3-270m is in the catalog for its tokenizer: running it must not first
+    download 253 MB (pulling it on purpose still works: the tokenizer tests use it)."""
+    monkeypatch.setenv("SPECD_DATA_DIR", str(tmp_path / "data"))
+    calls = []
+    monkeypatch.setattr(model_store, "pull", lambda *a, **kw: calls.append(a))
+    with pytest.raises(ModelStoreError, match="cannot run gemma3 models yet.*not downloading"):
+        model_store.resolve_model("gemma-3-270m", to_run=True)
+    assert not calls
+    model_store.resolve_model("gemma-3-270m")  # not to run: fetched as before
+    assert calls == [("gemma-3-270m",)]
