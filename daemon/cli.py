@@ -52,7 +52,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int_at_least(*RANGES["n_ctx"]),
                    default=DEFAULT_N_CTX, help=f"context length per sequence (default "
                    f"{DEFAULT_N_CTX}; at most the model's trained context)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
+    p.add_argument("-t", "--threads", type=int_at_least(0), default=None,
+                   help="CPU threads (default, or 0: all the cores this process may use)")
     p.add_argument("--device", default="auto",
                    help="auto, cpu or cuda[:N] (auto: $SPECD_DEVICE if set, else CUDA where "
                    "onnxruntime-gpu finds a GPU)")
@@ -60,7 +61,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--max-tokens", type=int, default=256)
+    p.add_argument("-n", "--max-tokens", type=int_at_least(0), default=256,
+                   help="most tokens to generate (default 256; 0: only evaluate the prompt)")
     p.add_argument("--temperature", "--temp", type=float, default=0.0,
                    help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_fit.add_fit_parser(sub)
 
     models = sub.add_parser("models", help="the model catalog and local store")
+    models.set_defaults(func=lambda a: _usage(models))
     msub = models.add_subparsers(dest="models_command", metavar="ACTION")
     ml = msub.add_parser("list", help="catalog models and which are downloaded")
     ml.add_argument("--json", action="store_true")
@@ -228,6 +231,12 @@ def _models_rm(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"{args.name} is not downloaded", file=sys.stderr)
     return EXIT_ERROR
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    """A command given without its action: that command's help."""
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

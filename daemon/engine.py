@@ -151,7 +151,7 @@ class Engine:
             self.runtime: RuntimeChoice = choose_runtime(cfg.device)
         except (RuntimeError, ValueError) as exc:  # no such device, or no CUDA EP
             raise EngineError(str(exc)) from None
-        log.info("%s", self.runtime.describe())
+        log.debug("%s", self.runtime.describe())  # the CLI commands print it themselves
         if self.runtime.device == "cpu":
             why = native_ops.unavailable_reason()
             log.info("specd kernels (GgufMatMul, CachedAttention): %s",

@@ -139,9 +139,9 @@ def library(flags: tuple[str, ...] = ("-march=native",)) -> Path | None:
                     lib = None
             except (NativeBuildError, OSError) as exc:
                 _reasons[flags] = str(exc)
-            if lib is None:
-                log.warning("specd kernels unavailable, using ONNX Runtime's ops: %s",
-                            _reasons[flags])
+        if lib is None:
+            log.warning("specd kernels unavailable, using ONNX Runtime's ops: %s",
+                        _reasons[flags])
         _cached[flags] = lib
         return lib
 

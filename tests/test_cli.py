@@ -179,3 +179,14 @@ def test_models_info_describes_an_architecture_specd_cannot_run(tmp_path) -> Non
     assert info["architecture"] == "mamba9" and info["runnable"] is False
     text = specd("models", "info", str(path)).stdout
     assert "specd cannot run mamba9 models yet" in text
+
+
+def test_a_command_without_its_action_shows_that_commands_help() -> None:
+    r = specd("models")
+    assert r.returncode == 2 and "usage: specd models" in r.stderr and "pull" in r.stderr
+
+
+def test_token_and_thread_counts_are_range_checked() -> None:
+    for flag in ("-n", "-t"):
+        r = specd("generate", flag, "-5", "hi")
+        assert r.returncode == 2 and "-5 is out of range (at least 0)" in r.stderr, r.stderr
