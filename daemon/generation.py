@@ -262,11 +262,10 @@ class Generation:
                 self.adaptive.observe_draft(dt, draft.step_s[1:])
             for i, hit in draft.forced or ():
                 self.adaptive.observe_position(i, hit)
-            if (len(draft.tokens) < n and dp.p_min > 0
-                    and not (fork is not None and fork.is_stopped())):
-                # stopped short for want of confidence: position len(tokens) yields
-                # nothing, as a rejection there would (else nothing tells the controller
-                # that drafting n no longer pays)
+            if draft.unsure and len(draft.tokens) < n:
+                # stopped short for want of confidence (p_min): position len(tokens)
+                # yields nothing, as a rejection there would (else nothing tells the
+                # controller that drafting n no longer pays)
                 self.adaptive.observe_position(len(draft.tokens), False)
         return self._usable(draft.truncate(n)), dt
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
+
 from .arch import HParams, read_hparams
 from .gguf_file import GGUFFile
 from .graph_builder import BUILDER_VERSION, BuildOptions, Progress, build_graph
@@ -101,9 +103,13 @@ def prune_stale_graphs(sha256: str) -> list[Path]:
     gone = []
     for old in (cache_dir() / "graphs").glob(f"{sha256[:24]}-b*-*"):
         version = old.name[len(sha256[:24]) + 2:].split("-", 1)[0]
-        if version != BUILDER_VERSION and old.is_dir() and ".tmp" not in old.name:
+        if version == BUILDER_VERSION or ".tmp" in old.name:
+            continue
+        if old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
             gone.append(old)
+        elif old.suffix == ".lock":  # the lock file of an old version's build
+            old.unlink(missing_ok=True)
     return gone
 
 
@@ -138,8 +144,12 @@ def _build_into(f: GGUFFile, hp: HParams, options: BuildOptions, folder: Path,
                 progress: Progress | None) -> None:
     """Build into a scratch folder, then rename it into place (the caller holds the
     folder's lock, so no other process is building or loading an incomplete folder)."""
-    for dead in folder.parent.glob(f"{folder.name}.tmp*"):  # builds that were killed
-        shutil.rmtree(dead, ignore_errors=True)
+    for scratch in folder.parent.glob(f"{folder.name}.tmp*"):  # builds that were killed
+        pid = scratch.name.rsplit(".tmp", 1)[-1]
+        # (under the lock none is alive; where there is no lock, as on Windows, a live
+        # build's folder must be left alone)
+        if not pid.isdigit() or not psutil.pid_exists(int(pid)):
+            shutil.rmtree(scratch, ignore_errors=True)
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     try:
         tmp.mkdir(parents=True)

@@ -487,3 +487,24 @@ def test_adaptive_stops_drafting_when_every_draft_comes_back_empty(models) -> No
                    draft=DraftParams(n_max=8, p_min=1.0))
     assert got == want and gen.stats.drafted == 0
     assert len(drafter.asked) <= 95 // 3, drafter.asked  # about every round before
+
+
+def test_p_min_does_not_turn_short_lookups_into_misses(models, monkeypatch) -> None:  # noqa: ANN001
+    """Only a draft the model cut for want of confidence counts as a miss where it
+    stopped; a prompt lookup that found fewer tokens (p_min does not apply to it) must
+    teach the controller nothing of the sort."""
+    from specd.daemon.adaptive import AdaptiveDraftLength
+
+    target, _ = models
+    seen: list[tuple[int, bool]] = []
+    real = AdaptiveDraftLength.observe_position
+
+    def spy(self, i, hit, lookup=False):  # noqa: ANN001, ANN202
+        seen.append((i, hit))
+        return real(self, i, hit, lookup)
+
+    monkeypatch.setattr(AdaptiveDraftLength, "observe_position", spy)
+    prompt = [348, *([20, 31, 42, 53] * 6)]  # repeats: the lookup finds short continuations
+    run(target, NgramDrafter(), prompt=prompt, max_tokens=48, ignore_eos=True,
+        adaptive=True, draft=DraftParams(n_max=8, p_min=0.5))
+    assert seen == []

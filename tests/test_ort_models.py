@@ -256,9 +256,11 @@ def test_a_build_removes_graphs_of_other_builder_versions(tiny_model_factory, tm
     for folder in (stale, other_file):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "model.onnx").write_bytes(b"old")
+    stale_lock = stale.with_name(f"{stale.name}.lock")
+    stale_lock.write_bytes(b"")
     fresh = load_or_build(path, BuildOptions(hidden_layers=(0,)))
     assert fresh.built_now
-    assert not stale.exists()
+    assert not stale.exists() and not stale_lock.exists()
     assert kept.folder.is_dir() and other_file.is_dir()  # other GGUFs are not touched
 
 
@@ -300,17 +302,31 @@ def test_leftovers_of_killed_builds_and_damaged_graphs(tiny_model_factory, tmp_p
                                                        monkeypatch) -> None:  # noqa: ANN001
     """A build killed mid-way (SIGTERM, SIGKILL) leaves its scratch folder: the next build
     of that graph removes it. A damaged graph (a file cut short) is rebuilt, not trusted."""
+    import subprocess
+    import sys
+
+    import psutil
+
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=13)
     first = load_or_build(path)
-    dead = first.folder.with_name(f"{first.folder.name}.tmp999999")
+    dead_pid = 4_000_000
+    assert not psutil.pid_exists(dead_pid)
+    dead = first.folder.with_name(f"{first.folder.name}.tmp{dead_pid}")
     dead.mkdir()
     (dead / "weights.bin").write_bytes(b"half")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    live = first.folder.with_name(f"{first.folder.name}.tmp{other.pid}")  # a build running
+    live.mkdir()  # where no lock keeps it out (Windows): left alone
     weights = first.folder / "weights.bin"
     with open(weights, "r+b") as fh:
         fh.truncate(weights.stat().st_size // 2)
-    again = load_or_build(path)
-    assert again.built_now and not dead.exists()
+    try:
+        again = load_or_build(path)
+    finally:
+        other.kill()
+        other.wait()
+    assert again.built_now and not dead.exists() and live.exists()
     assert np.isfinite(ModelRunner(again, n_ctx=256, threads=1).prefill(0, [1, 2])).all()
     assert not load_or_build(path).built_now
 

@@ -58,11 +58,13 @@ class Draft:
     # the target's bonus token is a sample of position n given n accepted.
     forced: tuple[tuple[int, bool], ...] | None = None
     lookup: bool = False  # found in the context (prompt lookup), no model ran
+    unsure: bool = False  # stopped short because the draft's confidence fell below p_min
 
     def truncate(self, n: int) -> Draft:
         """Drop drafts past n, with their q rows."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     self.valid, self.step_s, self.caught_up, self.forced, self.lookup)
+                     self.valid, self.step_s, self.caught_up, self.forced, self.lookup,
+                     self.unsure)
 
 
 class Drafter(ABC):

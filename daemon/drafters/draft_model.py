@@ -89,6 +89,7 @@ class DraftModelDrafter(Drafter):
         caught_up = len(pending) > 2  # after target-only rounds: a small prefill first
         full_run, st.full_run = st.full_run, 0
         step_s: list[float] = []
+        unsure = False
         for _ in range(n_max):
             t0 = time.perf_counter()
             if len(pending) > 1 and not params.probabilistic:
@@ -112,6 +113,7 @@ class DraftModelDrafter(Drafter):
             if params.p_min > 0 and top < params.p_min:
                 if q_rows:
                     q_rows.pop()
+                unsure = True
                 break
             st.drafted.append(tok)
             pending = [tok]
@@ -122,7 +124,7 @@ class DraftModelDrafter(Drafter):
                     break
         probs = np.stack(q_rows) if q_rows else None
         return Draft(list(st.drafted), probs, step_s=tuple(step_s), caught_up=caught_up,
-                     forced=forced)
+                     forced=forced, unsure=unsure)
 
     def _check_guesses(self, seq: int, pending: list[int], pos: int, full_run: int
                        ) -> tuple[np.ndarray, tuple[tuple[int, bool], ...]]:
