@@ -204,11 +204,13 @@ class Scheduler:
             req.error = f"internal error: {exc}"
             gen.finish("error")
         if gen.done:
-            # the KV now holds the prompt and everything evaluated after it
-            slot.cached = gen.evaluated_tokens if gen.finish_reason != "error" else []
-            self._finish(req, slot)
+            with self._lock:  # _finish also runs from submit() (requests cancelled queued)
+                # the KV now holds the prompt and everything evaluated after it
+                slot.cached = gen.evaluated_tokens if gen.finish_reason != "error" else []
+                self._finish(req, slot)
 
     def _finish(self, req: Request, slot: Slot | None) -> None:
+        """A request leaves (its slot, if any, is free again); the caller holds the lock."""
         if slot is not None:
             slot.request = None
             self._used += 1
