@@ -72,7 +72,8 @@ def _check_model(svc: Service, body: dict[str, Any]) -> None:
         return
     if model not in _model_names(svc):
         raise BadRequest(f"unknown model {model!r}; this daemon serves "
-                         f"{svc.engine.target.name!r}", code="model_not_found", param="model")
+                         f"{svc.engine.target.name!r}", status=404, code="model_not_found",
+                         param="model")
 
 
 def _model_names(svc: Service) -> set[str]:
@@ -138,6 +139,15 @@ def _n_is_one(body: dict[str, Any]) -> None:
         raise BadRequest("only n=1 is supported", param="n")
 
 
+def _unsupported(body: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """A field asking for what specd does not do is a clear 400, not silently ignored
+    (a client reading logprobs would otherwise fail on the missing data)."""
+    for name in fields:
+        value = body.get(name)
+        if value not in (None, False, 0, ""):
+            raise BadRequest(f"'{name}' is not supported by specd", param=name)
+
+
 # -- running ------------------------------------------------------------------------------
 async def _collect(svc: Service, prompt: list[int], params: GenerationParams,
                    **kw: Any) -> Result:
@@ -194,6 +204,8 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await json_body(request)
     _check_model(svc, body)
     _n_is_one(body)
+    _unsupported(body, ("logprobs", "top_logprobs") if chat
+                 else ("logprobs", "echo", "suffix", "best_of"))
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -233,16 +245,22 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
                                   "choices": [choice], "usage": _usage(r)})
     # queued before the response starts: a full queue is still a 503 the client can retry
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
     stream = svc.submit(prompt, params, stop=stop, grammar=grammar)
     try:
         return await _openai_stream(request, stream, chat=chat, rid=rid, created=created,
-                                    model=model)
+                                    model=model, include_usage=include_usage)
     finally:
         stream.cancel()  # the client went away (a no-op once finished)
 
 
 async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, rid: str,
-                         created: int, model: str) -> web.StreamResponse:
+                         created: int, model: str, include_usage: bool = False
+                         ) -> web.StreamResponse:
+    """Chunks as OpenAI streams them; the usage goes on the finishing chunk (as llama.cpp
+    and many clients read it) and, with stream_options.include_usage, also in OpenAI's
+    own last chunk, whose choices are empty."""
     resp = await _sse(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -270,6 +288,8 @@ async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, ri
             final = chunk(None, _oai_finish(ev.finish_reason))
             final["usage"] = _usage(ev)
             await _send(resp, final)
+            if include_usage:
+                await _send(resp, {**final, "choices": []})
     await _send(resp, "[DONE]")
     await resp.write_eof()
     return resp
@@ -340,7 +360,18 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
     kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max,
               grammar=await _constraint(svc, body))
 
+    fields = body.get("response_fields")
+    if fields is not None and not (isinstance(fields, list)
+                                   and all(isinstance(f, str) for f in fields)):
+        raise BadRequest("'response_fields' must be an array of strings",
+                         param="response_fields")
+
     def final(r: Result) -> dict[str, Any]:
+        full = _final_fields(r)
+        # llama.cpp's response_fields: just these, a nested one under its "a/b" path
+        return full if fields is None else _pick_fields(full, fields)
+
+    def _final_fields(r: Result) -> dict[str, Any]:
         return {"content": r.text if not stream else "", "stop": True,
                 "model": svc.engine.target.name, "tokens_predicted": r.completion_tokens,
                 "tokens_evaluated": r.prompt_tokens, "tokens_cached": r.cached_tokens,
@@ -367,6 +398,21 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
         return resp
     finally:
         events.cancel()
+
+
+def _pick_fields(full: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """{path: value} for each "a/b/c" path found in `full` (llama.cpp's
+    json_get_nested_values: llama.vim asks for "timings/prompt_n" and the like)."""
+    out: dict[str, Any] = {}
+    for path in fields:
+        node: Any = full
+        for key in path.split("/"):
+            if not isinstance(node, dict) or key not in node:
+                break
+            node = node[key]
+        else:
+            out[path] = node
+    return out
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
@@ -402,11 +448,20 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _model_card(svc: Service) -> dict[str, Any]:
+    return {"id": svc.engine.target.name, "object": "model", "created": int(svc.started),
+            "owned_by": "specd"}
+
+
 async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(_svc(request))]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: the served model under any name it answers to, else a 404."""
     svc = _svc(request)
-    return web.json_response({"object": "list", "data": [
-        {"id": svc.engine.target.name, "object": "model", "created": int(svc.started),
-         "owned_by": "specd"}]})
+    _check_model(svc, {"model": request.match_info["model_id"]})
+    return web.json_response(_model_card(svc))
 
 
 async def props(request: web.Request) -> web.Response:
@@ -456,6 +511,7 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r = app.router
     r.add_get("/health", health)
     r.add_get("/v1/models", models)
+    r.add_get("/v1/models/{model_id:.+}", model)
     r.add_post("/v1/completions", _busy(completions))
     r.add_post("/v1/chat/completions", _busy(chat_completions))
     r.add_post("/completion", _busy(completion))

@@ -25,7 +25,8 @@ def error_response(status: int, message: str, *, code: str = "invalid_request_er
              403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
              413: "invalid_request_error", 503: "server_busy"}.get(status, "server_error")
     return web.json_response(
-        {"error": {"message": message, "type": etype, "code": code if status == 400 else etype,
+        {"error": {"message": message, "type": etype,
+                   "code": code if status in (400, 404) else etype,
                    "param": param}}, status=status)
 
 

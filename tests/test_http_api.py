@@ -84,8 +84,24 @@ def test_openai_client_chat_and_completions(server) -> None:  # noqa: ANN001
         messages=[{"role": "user", "content": "hi"}]))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    with pytest.raises(openai.BadRequestError, match="unknown model"):
+    with pytest.raises(openai.NotFoundError, match="unknown model"):  # as OpenAI answers
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    # what the client asks for and specd does not do is a 400 naming it, not ignored
+    with pytest.raises(openai.BadRequestError, match="'logprobs' is not supported"):
+        client.chat.completions.create(model="specd", max_tokens=2, logprobs=True,
+                                       messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="'echo' is not supported"):
+        client.completions.create(model="specd", prompt="x", max_tokens=2, echo=True)
+    # OpenAI's usage chunk: last, with no choices, when asked for
+    chunks = list(client.chat.completions.create(
+        model="specd", max_tokens=4, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "hi"}]))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 4
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    served = server.service.engine.target.name
+    assert client.models.retrieve(served).id == served
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
 
 
 def test_unix_socket_sync_and_async_clients(server) -> None:  # noqa: ANN001

@@ -263,3 +263,20 @@ def test_chat_prompts_get_one_bos_and_the_tools(tiny_path, tmp_path) -> None:  #
         assert status == 400 and "image_url" in out["error"]["message"]
         status, out = srv.request("POST", "/v1/chat/completions", {**chat, "tools": "no"})
         assert status == 400 and out["error"]["param"] == "tools"
+
+
+def test_response_fields_as_llama_vim_asks(tiny_path, tmp_path) -> None:  # noqa: ANN001
+    """llama.vim asks for "timings/prompt_n" and the like and reads them as flat keys (it
+    showed zeros in its stats line); paths not found are left out, as llama.cpp does."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        fields = ["content", "timings/prompt_n", "timings/predicted_n", "tokens_cached",
+                  "truncated", "no/such/field"]
+        status, out = srv.request("POST", "/completion", {
+            "prompt": "hello", "n_predict": 3, "ignore_eos": True, "response_fields": fields})
+        assert status == 200, out
+        assert set(out) == set(fields[:-1])
+        assert out["timings/predicted_n"] == 3 and out["timings/prompt_n"] >= 1
+        status, out = srv.request("POST", "/completion", {"prompt": "x",
+                                                          "response_fields": "content"})
+        assert status == 400 and "response_fields" in out["error"]["message"]
