@@ -76,6 +76,39 @@ class StopMatcher:
         return out
 
 
+class IndentLimit:
+    """llama.cpp's n_indent (editor completions): once a line after the first starts with
+    a non-blank character at an indentation below n_indent, the completion ends just
+    before that character (a blank line counts as indentation 0)."""
+
+    def __init__(self, n_indent: int):
+        self.n_indent = n_indent
+        self._text = ""
+        self._line = -1  # where the current line starts, once a newline has come out
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """New text -> (the part to keep, whether the completion ends here)."""
+        start = len(self._text)
+        self._text += text
+        if self._line < 0:
+            nl = self._text.find("\n")
+            if nl < 0:
+                return text, False
+            self._line = nl + 1
+        while True:
+            pos = self._line
+            while pos < len(self._text) and self._text[pos] in " \t":
+                pos += 1
+            if pos == len(self._text):
+                return text, False  # the line's indentation is not complete yet
+            if pos - self._line < self.n_indent:
+                return text[: max(pos - start, 0)], True
+            nl = self._text.find("\n", pos)
+            if nl < 0:
+                return text, False
+            self._line = nl + 1
+
+
 class Service:
     def __init__(self, engine: Engine, scheduler: Scheduler):
         self.engine = engine
@@ -97,12 +130,13 @@ class Service:
 
     def submit(self, prompt: list[int], params: GenerationParams, *,
                stop: list[str] | None = None, cache_prompt: bool = True,
-               t_max_ms: float | None = None, grammar: Grammar | None = None) -> Stream:
+               t_max_ms: float | None = None, grammar: Grammar | None = None,
+               n_indent: int = 0) -> Stream:
         """Queue a request (RequestError if the prompt does not fit, QueueFull if the queue
         is), before anything is sent to the client; iterate the Stream for its output."""
         self.check_prompt(prompt)
         return Stream(self, prompt, params, stop=stop, cache_prompt=cache_prompt,
-                      t_max_ms=t_max_ms, grammar=grammar)
+                      t_max_ms=t_max_ms, grammar=grammar, n_indent=n_indent)
 
     async def generate(self, prompt: list[int], params: GenerationParams,
                        **kw: Any) -> AsyncIterator[Piece | Result]:
@@ -125,7 +159,7 @@ class Stream:
 
     def __init__(self, svc: Service, prompt: list[int], params: GenerationParams, *,
                  stop: list[str] | None, cache_prompt: bool, t_max_ms: float | None,
-                 grammar: Grammar | None):
+                 grammar: Grammar | None, n_indent: int = 0):
         self.svc, self.prompt = svc, prompt
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -136,7 +170,8 @@ class Stream:
         self._eog = svc.engine.eog_ids
         self._n_out = 0  # tokens streamed: all of them, or up to the one ending a stop string
         self._t_first: float | None = None
-        self._newline = self._timed_out = False
+        self._newline = self._timed_out = self._indented = False
+        self._indent = IndentLimit(n_indent) if n_indent > 0 else None
         self.req = Request(
             prompt=prompt, params=params, cache_prompt=cache_prompt, grammar=grammar,
             on_tokens=self._on_tokens,
@@ -151,15 +186,17 @@ class Stream:
     def _on_tokens(self, tokens: list[int]) -> bool:
         """(worker thread) Tokens a round produced: stream the text that is final; True
         when the request must end here (a stop string completed, or time is up)."""
-        if self._matcher.hit is not None or self._timed_out:
+        if self._matcher.hit is not None or self._timed_out or self._indented:
             return True
         out, used = [], []
         for t in tokens:
             used.append(t)
             raw = "" if t in self._eog else self._detok.push(t)
+            if self._indent is not None:
+                raw, self._indented = self._indent.feed(raw)
             self._newline = self._newline or "\n" in raw
             out.append(self._matcher.feed(raw))
-            if self._matcher.hit is not None:
+            if self._matcher.hit is not None or self._indented:
                 break
         self._n_out += len(used)
         piece = "".join(out)
@@ -171,7 +208,7 @@ class Stream:
         if (self._t_max is not None and self._newline and self._matcher.hit is None
                 and now - self._t_first > self._t_max):
             self._timed_out = True
-        return self._matcher.hit is not None or self._timed_out
+        return self._matcher.hit is not None or self._timed_out or self._indented
 
     def __aiter__(self) -> AsyncIterator[Piece | Result]:
         return self._run()
@@ -187,7 +224,8 @@ class Stream:
                     break
                 text.append(value.text)
                 yield value
-            tail = matcher.feed(self._detok.flush()) + matcher.flush()
+            # (after an indentation cut, text the detokenizer holds lies past the cut)
+            tail = matcher.feed("" if self._indented else self._detok.flush()) + matcher.flush()
             if tail:
                 text.append(tail)
                 yield Piece(tail, [])
@@ -198,6 +236,7 @@ class Stream:
         gen = req.gen
         stats = gen.stats if gen is not None else SpecStats(prompt_tokens=len(self.prompt))
         reason = "stop" if matcher.hit is not None else "time_limit" if timed_out else (
+            "length" if self._indented else
             gen.finish_reason if gen is not None and gen.finish_reason else "error")
         if req.error:
             reason = "error"

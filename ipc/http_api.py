@@ -358,7 +358,8 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
     t_max = get(body, "t_max_predict_ms", (int, float), None, lo=0)
     _check_fits(svc, prompt, "prompt")
     kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max,
-              grammar=await _constraint(svc, body))
+              grammar=await _constraint(svc, body),
+              n_indent=get(body, "n_indent", int, 0, lo=0))  # editor plugins (llama.vim)
 
     fields = body.get("response_fields")
     if fields is not None and not (isinstance(fields, list)

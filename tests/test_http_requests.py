@@ -280,3 +280,43 @@ def test_response_fields_as_llama_vim_asks(tiny_path, tmp_path) -> None:  # noqa
         status, out = srv.request("POST", "/completion", {"prompt": "x",
                                                           "response_fields": "content"})
         assert status == 400 and "response_fields" in out["error"]["message"]
+
+
+def test_indent_limit_ends_an_editor_completion_as_llama_cpp_does() -> None:
+    """n_indent: the first later line indented less than n_indent (a blank one too) ends
+    the completion before its first character; text in any token split is cut alike."""
+    from specd.daemon.service import IndentLimit
+
+    def run(pieces: list[str], n: int) -> tuple[str, bool]:
+        lim, out = IndentLimit(n), []
+        for p in pieces:
+            kept, stop = lim.feed(p)
+            out.append(kept)
+            if stop:
+                return "".join(out), True
+        return "".join(out), False
+
+    body = " return math.pi * r ** 2\n\n\ndef circumference(r):\n    return 2\n"
+    assert run([body], 4) == (" return math.pi * r ** 2\n", True)  # the blank line ends it
+    assert run(list(body), 4) == (" return math.pi * r ** 2\n", True)  # one char at a time
+    nested = "x = 1\n    if y:\n        z\n  w\n"
+    assert run(list(nested), 4) == ("x = 1\n    if y:\n        z\n  ", True)
+    assert run([nested], 2) == (nested, False)
+    assert run(["first line only"], 4) == ("first line only", False)
+
+
+def test_infill_n_indent_over_http(tmp_path, tiny_model_factory) -> None:  # noqa: ANN001
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, fim=True,
+                              context_length=1024)
+    cfg = EngineConfig(target=str(path), spec_type="none", n_ctx=1024, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        req = {"input_prefix": "if a:\n    b\n", "input_suffix": "\n", "n_predict": 200,
+               "ignore_eos": True}
+        status, free = srv.request("POST", "/infill", req)
+        assert status == 200, free
+        text = free["content"]
+        assert 0 < text.index("\n") < len(text) - 1  # this seed writes a second line
+        status, out = srv.request("POST", "/infill", {**req, "n_indent": 1000})
+        assert status == 200, out
+        assert out["content"] == text[: text.index("\n") + 1]  # cut before it
+        assert out["stop_type"] == "limit" and out["tokens_predicted"] < 200
