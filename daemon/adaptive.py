@@ -302,10 +302,15 @@ class AdaptiveDraftLength:
                      if r is not None), 0.0)
         return self._lookup.expected_tokens(n) / ((self.verify_cost(n + 1) or t1) + rest)
 
+    @property
+    def shortest(self) -> int:
+        """The shortest draft worth a call: drafts below n_min are not verified."""
+        return max(self.n_min, 1)
+
     def choose(self, limit: int) -> int:
         """Draft length for the next round, at most `limit`."""
         limit = min(limit, self.n_max)
-        shortest = max(self.n_min, 1)
+        shortest = self.shortest
         if limit < shortest:
             return 0
         probe = min(max(2, shortest), limit)
@@ -350,7 +355,7 @@ class AdaptiveDraftLength:
         if offered <= 0 or self.verify_cost(1) is None:
             return n, False
         best_m, best_rate = 0, 0.0
-        for m in range(max(self.n_min, 1), min(offered, limit, self.n_max) + 1):
+        for m in range(self.shortest, min(offered, limit, self.n_max) + 1):
             r = self.lookup_rate(m) or 0.0
             if r > best_rate * 1.02:
                 best_m, best_rate = m, r

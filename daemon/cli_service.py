@@ -59,18 +59,19 @@ def _argv_for(args: argparse.Namespace, actions: list[argparse.Action],
             value = cfg[a.dest]
         if value is None:
             continue
+        opt = max(a.option_strings, key=len)
         if isinstance(a, argparse.BooleanOptionalAction):
             yes, no = sorted(a.option_strings, key=len)
             out.append(yes if value else no)
         elif a.nargs == 0:  # store_true / store_false: given means its constant
             if value == a.const:
-                out.append(max(a.option_strings, key=len))
+                out.append(opt)
         elif isinstance(value, list):
             for v in value:
-                out += [max(a.option_strings, key=len), str(v)]
+                out += [opt, str(v)]
         else:
             v = _absolute(a.dest, str(value)) if a.dest in _PATH_DESTS else str(value)
-            out += [max(a.option_strings, key=len), v]
+            out += [opt, v]
     return out
 
 

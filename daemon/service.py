@@ -183,10 +183,15 @@ class Stream:
     def cancel(self) -> None:
         self.req.cancel()
 
+    @property
+    def _ended(self) -> bool:
+        """A stop string completed, time is up, or a line fell below the indentation."""
+        return self._matcher.hit is not None or self._timed_out or self._indented
+
     def _on_tokens(self, tokens: list[int]) -> bool:
         """(worker thread) Tokens a round produced: stream the text that is final; True
-        when the request must end here (a stop string completed, or time is up)."""
-        if self._matcher.hit is not None or self._timed_out or self._indented:
+        when the request must end here."""
+        if self._ended:
             return True
         out, used = [], []
         for t in tokens:
@@ -208,7 +213,7 @@ class Stream:
         if (self._t_max is not None and self._newline and self._matcher.hit is None
                 and now - self._t_first > self._t_max):
             self._timed_out = True
-        return self._matcher.hit is not None or self._timed_out or self._indented
+        return self._ended
 
     def __aiter__(self) -> AsyncIterator[Piece | Result]:
         return self._run()

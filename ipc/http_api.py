@@ -368,12 +368,7 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
                          param="response_fields")
 
     def final(r: Result) -> dict[str, Any]:
-        full = _final_fields(r)
-        # llama.cpp's response_fields: just these, a nested one under its "a/b" path
-        return full if fields is None else _pick_fields(full, fields)
-
-    def _final_fields(r: Result) -> dict[str, Any]:
-        return {"content": r.text if not stream else "", "stop": True,
+        full = {"content": r.text if not stream else "", "stop": True,
                 "model": svc.engine.target.name, "tokens_predicted": r.completion_tokens,
                 "tokens_evaluated": r.prompt_tokens, "tokens_cached": r.cached_tokens,
                 "stop_type": {"stop": "eos" if not r.stopping_word else "word",
@@ -381,6 +376,8 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
                                   r.finish_reason, r.finish_reason),
                 "stopping_word": r.stopping_word, "truncated": False,
                 "timings": r.timings, "speculative": _spec_block(r)}
+        # llama.cpp's response_fields: just these, a nested one under its "a/b" path
+        return full if fields is None else _pick_fields(full, fields)
 
     stream = get(body, "stream", bool, False)
     if not stream:

@@ -156,10 +156,9 @@ def _build_into(f: GGUFFile, hp: HParams, options: BuildOptions, folder: Path,
         with open(tmp / WEIGHTS_FILE, "wb") as wf:
             g = GraphWriter(wf, WEIGHTS_FILE)
             build_graph(f, hp, g, options, progress)
-            wf.flush()
-            os.fsync(wf.fileno())
         g.save(tmp / MODEL_FILE)
-        _fsync(tmp / MODEL_FILE)
+        for name in (WEIGHTS_FILE, MODEL_FILE):
+            _fsync(tmp / name)
         meta = {"builder_version": BUILDER_VERSION, "gguf": str(f.path),
                 "hparams": dataclasses.asdict(hp), "options": dataclasses.asdict(options),
                 "file_sizes": {n: (tmp / n).stat().st_size for n in (MODEL_FILE, WEIGHTS_FILE)}}

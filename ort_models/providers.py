@@ -98,6 +98,11 @@ def choose_runtime(device: str = "auto") -> RuntimeChoice:
                          "onnxruntime-gpu with a CUDA device")
 
 
+def ort_error_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an ONNX Runtime exception (its messages run to many lines)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
 @functools.cache
 def cuda_problem(index: int = 0) -> str | None:
     """Why ONNX Runtime cannot use CUDA device `index` (None: it can). A build with the
@@ -112,8 +117,7 @@ def cuda_problem(index: int = 0) -> str | None:
     try:
         ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.float32), "cuda", index)
     except Exception as exc:  # noqa: BLE001 - ORT's own error types
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         missing = [lib for lib in ("cudart", "cublas") if ctypes.util.find_library(lib) is None]
         hint = f"; lib{missing[0]} is not installed" if missing else ""
-        return f"{first[:200]}{hint}"
+        return f"{ort_error_line(exc, 200)}{hint}"
     return None

@@ -17,7 +17,13 @@ import numpy as np
 from . import native_ops
 from .graph_builder import ATTN_BUCKET
 from .model_cache import BuiltModel
-from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
+from .providers import (
+    RuntimeChoice,
+    choose_runtime,
+    ort_error_line,
+    parse_device,
+    session_providers,
+)
 
 log = logging.getLogger("specd.runner")
 
@@ -108,10 +114,9 @@ class ModelRunner:
             self.session = ort.InferenceSession(
                 str(built.model_path), so, providers=session_providers(self.runtime.device))
         except Exception as exc:  # ORT's own exception types (Fail, NoSuchFile, ...)
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise GraphLoadError(f"{built.folder}: ONNX Runtime cannot load this graph "
-                                 f"({first[:300]}); remove the folder and it is rebuilt"
-                                 ) from exc
+                                 f"({ort_error_line(exc)}); remove the folder and it is "
+                                 "rebuilt") from exc
         self._device, self._dev_id = parse_device(self.runtime.device)
         self.row_block = row_block or (CUDA_ROW_BLOCK if self._device == "cuda" else 1)
         # KV rows: the context, plus room for the filler rows of a call near its end
