@@ -187,7 +187,7 @@ class Engine:
             self.draft = self._load(draft_path, d_file, bp("draft"),
                                     build_options("draft", cfg.draft_quant,
                                                   self.runtime.device),
-                                    row_block=1)  # a draft's rows need not be exact
+                                    exact=False)
             self.drafter = DraftModelDrafter(self.draft.runner,
                                              vocab_limit=self.target.built.hparams.n_vocab)
             if self.spec_type == "draft+ngram":
@@ -208,12 +208,15 @@ class Engine:
             raise EngineError(str(exc)) from None
 
     def _load(self, path: Path, f: GGUFFile, progress: Progress | None,
-              options: BuildOptions, row_block: int | None = None) -> LoadedModel:
+              options: BuildOptions, exact: bool = True) -> LoadedModel:
+        """exact: a verified row must equal a single step bit for bit (the target's runner
+        makes its calls' shapes so); a draft's rows need not, and run their own shapes."""
         built = load_or_build(path, options, progress)
         before = rss_bytes()  # after any build: its freed scratch is not the model's
         runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=self.cfg.slots,
                              threads=self.cfg.threads, runtime=self.runtime,
-                             spinning=self.cfg.spin, row_block=row_block)
+                             spinning=self.cfg.spin, row_block=None if exact else 1,
+                             min_rows=None if exact else 1)
         return LoadedModel(path, f, built, runner, max(rss_bytes() - before, 0))
 
     # -- requests -------------------------------------------------------------------------

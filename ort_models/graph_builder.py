@@ -16,7 +16,8 @@ outputs
 
 Batch invariance: every op computes a row the same way whatever S is, so a verified row
 equals a single-token step bit for bit. MatMulNBits (accuracy_level 4) and prepacked
-MatMul are row-invariant; attention is written out (TensorScatter + MatMul + Softmax)
+MatMul are row-invariant (MatMulNBits from M = 2 on some CPUs: the runner measures it and
+runs single steps as two rows there, row_invariance.py); attention is written out (TensorScatter + MatMul + Softmax)
 over `attn_len` keys, padded to a multiple of ATTN_BUCKET with masked keys, so a row's
 softmax and weighted sum see exactly the same numbers in a block as alone, as long as
 the block does not cross a bucket boundary (the runner guarantees that for verify).

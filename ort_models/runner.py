@@ -24,6 +24,7 @@ from .providers import (
     parse_device,
     session_providers,
 )
+from .row_invariance import min_call_rows
 
 log = logging.getLogger("specd.runner")
 
@@ -67,16 +68,22 @@ def default_threads() -> int:
 class ModelRunner:
     def __init__(self, built: BuiltModel, *, n_ctx: int, n_seq: int = 1,
                  threads: int | None = None, runtime: RuntimeChoice | None = None,
-                 spinning: bool | str = False, row_block: int | None = None):
+                 spinning: bool | str = False, row_block: int | None = None,
+                 min_rows: int | None = None):
         """row_block: every call of up to this many tokens runs as exactly this many rows
         (filler rows after the real ones, computed and dropped). Default 1 on the CPU,
-        where every kernel computes a row the same way whatever the number of rows, and
-        CUDA_ROW_BLOCK on CUDA, where ORT's kernels (cuBLAS, MatMulNBits) choose their
-        algorithm by the shape: measured on an H200 (bench/cuda_check.py), a block's rows
-        differed from single steps by up to 0.06 in the logits of the tiny test models
-        with calls of their natural shape, and equalled them bit for bit with one fixed
-        shape. A verified row is then computed exactly as the single step at its
-        position, so greedy speculation gives the target's own output on CUDA too."""
+        where kernels compute a row the same way whatever the number of rows (but see
+        min_rows), and CUDA_ROW_BLOCK on CUDA, where ORT's kernels (cuBLAS, MatMulNBits)
+        choose their algorithm by the shape: measured on an H200 (bench/cuda_check.py),
+        a block's rows differed from single steps by up to 0.06 in the logits of the tiny
+        test models with calls of their natural shape, and equalled them bit for bit with
+        one fixed shape. A verified row is then computed exactly as the single step at its
+        position, so greedy speculation gives the target's own output on CUDA too.
+
+        min_rows: calls of fewer tokens run this many rows (filler rows again), larger
+        ones their own. Default on the CPU: 2 where ORT computes a one-row MatMulNBits
+        product differently from the same row in a larger call (MLAS's 4-bit kernels on
+        CPUs without VNNI, measured by row_invariance at load), else 1."""
         import onnxruntime as ort
 
         self.built = built
@@ -119,9 +126,13 @@ class ModelRunner:
                                  "rebuilt") from exc
         self._device, self._dev_id = parse_device(self.runtime.device)
         self.row_block = row_block or (CUDA_ROW_BLOCK if self._device == "cuda" else 1)
+        if min_rows is None:
+            min_rows = (min_call_rows(built.model_path, self.threads)
+                        if self._device == "cpu" and self.row_block == 1 else 1)
+        self.min_rows = min_rows
         # KV rows: the context, plus room for the filler rows of a call near its end
         # (never past the rotary table: filler positions must exist)
-        self._kv_len = min(self.n_ctx + self.row_block - 1, self._max_positions())
+        self._kv_len = min(self.n_ctx + self._filler_rows - 1, self._max_positions())
         self.hidden_names = [o.name for o in self.session.get_outputs()
                              if o.name.startswith("hidden_")]
         self._kv_dtype = np.float16 if built.options.kv_dtype == "f16" else np.float32
@@ -141,23 +152,32 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return self.n_seq * self._kv_len * self.hp.kv_bytes_per_token(self.built.options.kv_bytes)
 
+    @property
+    def _filler_rows(self) -> int:
+        """Rows the shortest call runs (row_block or min_rows)."""
+        return max(self.row_block, self.min_rows)
+
     def call_rows(self, pos: int, n: int) -> int:
-        """Rows a call of n tokens at `pos` runs: n, or the fixed shape with filler rows
-        (fewer where the KV buffers end)."""
+        """Rows a call of n tokens at `pos` runs: n, or the fixed shape (or min_rows) with
+        filler rows (fewer where the KV buffers end)."""
         if 1 < self.row_block and n <= self.row_block:
             return max(n, min(self.row_block, self._kv_len - pos))
+        if n < self.min_rows:
+            return max(n, min(self.min_rows, self._kv_len - pos))
         return n
 
     def invariant_block_limit(self, pos: int) -> int:
         """Most tokens a call starting at `pos` may hold so that each of its rows equals
         the single step at its position bit for bit: one attention bucket and, with a
-        row block, at most row_block tokens, all at positions whose single steps run the
-        full fixed shape (in the last row_block - 1 positions of the buffers they run
-        fewer rows, so only single steps are made there)."""
+        row block, at most row_block tokens; with filler rows (row block or min_rows),
+        all at positions whose single steps run the full shape (in the last few
+        positions of the buffers they run fewer rows, so only single steps are made
+        there)."""
         limit = bucket_block_limit(pos, self.n_ctx)
         if self.row_block > 1:
-            limit = min(limit, self.row_block,
-                        max(1, self._kv_len - self.row_block + 1 - pos))
+            limit = min(limit, self.row_block)
+        if self._filler_rows > 1:
+            limit = min(limit, max(1, self._kv_len - self._filler_rows + 1 - pos))
         return limit
 
     def add_sequence(self) -> int:

@@ -183,8 +183,8 @@ def _calls(r: ModelRunner, *, hidden: bool = False) -> list[np.ndarray]:
 def test_fixed_row_block_changes_no_result(tiny_model_factory) -> None:
     """row_block (the fixed call shape used on CUDA) runs short calls with filler rows
     after the real ones and drops their results; their cache writes land after the real
-    tokens and are overwritten. On the CPU, where no kernel depends on the number of
-    rows, nothing may change, hidden states included."""
+    tokens and are overwritten. On the CPU, where no kernel of a Q8_0 model depends on
+    the number of rows, nothing may change, hidden states included."""
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", context_length=512)
     built = load_or_build(path, BuildOptions(hidden_layers=(0,)))
     plain = ModelRunner(built, n_ctx=512)
@@ -207,6 +207,14 @@ def test_invariant_block_limit_keeps_rows_exact(tiny_model_factory) -> None:
             ] == [4, 4, 2, 1, 4, 3, 1, 1]
     short = ModelRunner(built, n_ctx=256, row_block=4)  # room past n_ctx for the filler
     assert short.kv_bytes == 259 * built.hparams.kv_bytes_per_token(built.options.kv_bytes)
+    two = ModelRunner(built, n_ctx=512, min_rows=2)  # blocks of any size; singles of 2 rows
+    assert [two.invariant_block_limit(p) for p in (0, 250, 509, 510, 511)] == [256, 6, 2, 1,
+                                                                                1]
+    assert [two.call_rows(p, n) for p, n in ((0, 1), (0, 2), (0, 5), (510, 1), (511, 1))
+            ] == [2, 2, 5, 2, 1]
+    for pos in range(two.n_ctx):  # a block's rows: singles of the same kernels (>= 2 rows)
+        limit = two.invariant_block_limit(pos)
+        assert limit == 1 or all(two.call_rows(q, 1) == 2 for q in range(pos, pos + limit))
     for r in (padded, short):
         for pos in range(r.n_ctx):
             limit = r.invariant_block_limit(pos)
@@ -214,6 +222,19 @@ def test_invariant_block_limit_keeps_rows_exact(tiny_model_factory) -> None:
             for n in range(2, limit + 1):  # every block's shape is its rows' single steps'
                 assert all(r.call_rows(pos, n) == r.call_rows(q, 1)
                            for q in range(pos, pos + n))
+
+
+def test_single_steps_of_two_rows_equal_block_rows(tiny_model_factory) -> None:
+    """min_rows=2 (the default where ORT computes a one-row 4-bit product differently from
+    the same row in a larger call): a single step runs a filler row and its logits equal
+    that row of a block, bit for bit, on any CPU."""
+    path = tiny_model_factory(arch="qwen2", weight_type="Q4_0", context_length=512)
+    built = load_or_build(path)
+    singles_r = ModelRunner(built, n_ctx=512, min_rows=2)
+    singles = np.stack([singles_r.forward(0, [t], i)[0] for i, t in enumerate(TOKENS)])
+    block_r = ModelRunner(built, n_ctx=512, min_rows=2)
+    block_r.forward(0, TOKENS[:3], 0)
+    assert np.array_equal(_all_rows(block_r, TOKENS[3:], 3), singles[3:])
 
 
 def test_a_trained_context_off_the_bucket_grid_ends_the_context(tiny_model_factory) -> None:
