@@ -10,9 +10,10 @@ Qwen pair when it was 10-20% slower.
 The chosen n maximises E(n) / T(n); n = 0 (target-only step) wins unless drafting is
 predicted 6% faster (2% once drafting), so speculation does not run slower than plain
 decoding. While at n = 0 a probe round (n = 2) lets the estimates recover, but a probe
-is not cheap: the draft must first evaluate every token it skipped (~5 ms a token for
-the 0.5B beside a 1.5B step of ~75 ms), so probing on a fixed schedule cost ~6% of
-decode time on prose, where drafting never pays. Probes therefore run on a budget: at
+is not cheap: the draft must first evaluate the tokens it skipped (~5 ms a token for
+the 0.5B beside a 1.5B step of ~75 ms; a draft model evaluates only the latest
+`catch_up_limit` of them), so probing on a fixed schedule cost ~6% of decode time on
+prose, where drafting never pays. Probes therefore run on a budget: at
 least `probe_every` idle rounds apart, and only while what probes have cost beyond
 plain steps, plus the predicted cost of this one (catch-up included), stays within
 `probe_budget` of the decode time so far; until position 1 has MIN_EVIDENCE trials
@@ -157,6 +158,8 @@ class AdaptiveDraftLength:
     # every this many drafting rounds, draft one more when that is predicted within 5%:
     # costs seen only at lengths no longer chosen would otherwise never be corrected
     explore_every: int = 8
+    # most skipped tokens the drafter evaluates before drafting (None: all of them)
+    catch_up_limit: int | None = None
     _verify: _Line = field(init=False)
     _draft_first: float | None = None  # seconds: a steady drafting call, but its later steps
     _draft_next: float | None = None  # seconds: each proposal step after the first
@@ -215,7 +218,7 @@ class AdaptiveDraftLength:
         if draft_seconds > 0:
             if self._skipped >= 2 and self._draft_first is not None:
                 own = self.draft_cost(max(n_drafted, 1)) or 0.0
-                per = max(draft_seconds - own, 0.0) / self._skipped
+                per = max(draft_seconds - own, 0.0) / self._to_catch_up
                 self._catch_up = _ema(self._catch_up, per)
             self._skipped = 0
         else:
@@ -262,6 +265,13 @@ class AdaptiveDraftLength:
         nxt = first if self._draft_next is None else self._draft_next
         return first + (n - 1) * nxt
 
+    @property
+    def _to_catch_up(self) -> int:
+        """Tokens the draft evaluates before its next proposal (those skipped, at most
+        the drafter's limit)."""
+        limit = self.catch_up_limit
+        return self._skipped if limit is None else min(self._skipped, limit)
+
     def catch_up_cost(self) -> float:
         """Estimated seconds per skipped token the draft evaluates before it drafts
         (before any was measured: a fifth of a drafting step, as prefill runs here)."""
@@ -274,7 +284,7 @@ class AdaptiveDraftLength:
         t1 = self.verify_cost(1) or 0.0
         own = ((self.draft_cost(n) or 0.0) + (self.verify_cost(n + 1) or t1)
                - self.expected_tokens(n) * t1)
-        return self.catch_up_cost() * self._skipped + max(own, 0.0)
+        return self.catch_up_cost() * self._to_catch_up + max(own, 0.0)
 
     def expected_tokens(self, n: int) -> float:
         return self._model.expected_tokens(n)

@@ -77,8 +77,10 @@ class Generation:
         self.draft_sampler = Sampler(
             SamplerParams(temperature=dp.temperature, top_k=params.draft_top_k,
                           seed=d_seed), seed=d_seed) if not dp.is_greedy else None
-        self.adaptive = AdaptiveDraftLength(params.draft.n_max, n_min=params.draft.n_min
-                                            ) if params.adaptive else None
+        self.adaptive = AdaptiveDraftLength(
+            params.draft.n_max, n_min=params.draft.n_min,
+            catch_up_limit=None if drafter is None else drafter.catch_up,
+        ) if params.adaptive else None
         # a fully cached prompt still evaluates its last token (its logits are needed)
         self.stats = SpecStats(prompt_tokens=len(prompt),
                                cached_tokens=min(reuse, max(len(prompt) - 1, 0)))

@@ -17,10 +17,11 @@ outputs
 Batch invariance: every op computes a row the same way whatever S is, so a verified row
 equals a single-token step bit for bit. MatMulNBits (accuracy_level 4) and prepacked
 MatMul are row-invariant (MatMulNBits from M = 2 on some CPUs: the runner measures it and
-runs single steps as two rows there, row_invariance.py); attention is written out (TensorScatter + MatMul + Softmax)
-over `attn_len` keys, padded to a multiple of ATTN_BUCKET with masked keys, so a row's
-softmax and weighted sum see exactly the same numbers in a block as alone, as long as
-the block does not cross a bucket boundary (the runner guarantees that for verify).
+runs single steps as two rows there, row_invariance.py); attention is written out
+(TensorScatter + MatMul + Softmax) over `attn_len` keys, padded to a multiple of
+ATTN_BUCKET with masked keys, so a row's softmax and weighted sum see exactly the same
+numbers in a block as alone, as long as the block does not cross a bucket boundary (the
+runner guarantees that for verify).
 Drafts may take attention="fused" instead: GroupQueryAttention, faster, not row-invariant
 (`attn_len` is then unused). Where specd's own kernels run (native_ops), kernels="gguf"
 multiplies Q4_K / Q6_K matrices with GgufMatMul on the GGUF's own blocks and

@@ -269,3 +269,56 @@ def test_checked_guesses_correct_a_rarely_drafted_position() -> None:
     assert a.choose(8) > 2
     a.observe_position(1, False, lookup=True)
     assert a.accept_lookup[1] < a.accept_lookup[0] and a.accept[1] > 0.9
+
+
+def test_a_drafters_catch_up_limit_bounds_what_a_probe_is_predicted_to_cost() -> None:
+    """A draft model evaluates at most catch_up_limit skipped tokens before a probe: the
+    per-token catch-up cost is measured over those, and the prediction counts only them."""
+    costs = []
+    for limit in (None, 4):
+        a = AdaptiveDraftLength(n_max=8, catch_up_limit=limit)
+        _warm(a, 0.075, 0.012, 0.02)
+        for _ in range(10):
+            a.observe_round(0, 1, 0.075, 0.0)
+        own = a.draft_cost(2) or 0.0
+        a.observe_round(2, 1, 0.075 + own + 0.02, own + 0.02)  # caught up in 20 ms
+        assert abs(a.catch_up_cost() - 0.02 / (10 if limit is None else 4)) < 1e-9
+        for _ in range(100):
+            a.observe_round(0, 1, 0.075, 0.0)
+        costs.append(a.probe_cost() - a.catch_up_cost() * (100 if limit is None else 4))
+        assert costs[-1] >= 0.0
+    assert abs(costs[0] - costs[1]) < 1e-9  # the rest of a probe is the same
+
+
+def test_probes_go_on_through_a_long_stretch_when_catch_ups_are_bounded() -> None:
+    """A catch-up costs ~4 ms a skipped token: with every skipped token evaluated, a probe
+    after a long stretch costs more than the budget ever accrues, so a request that turns
+    from prose to code never drafts again; a drafter that evaluates only the latest 16
+    keeps probes at a fixed cost, within the budget, however long the stretch."""
+    t1, per_token = 0.075, 0.004
+    late_probes = {}
+    for limit in (None, 16):
+        a = AdaptiveDraftLength(n_max=8, probe_every=4, probe_budget=0.03,
+                                catch_up_limit=limit)
+        _warm(a, t1, 0.012, 0.02)
+        for _ in range(50):
+            a.observe_acceptance(4, 0)
+        probes, skipped = [], 0
+        for i in range(3000):
+            n = a.choose(8)
+            if n:
+                probes.append(i)
+                caught = skipped if limit is None else min(skipped, limit)
+                draft = (a.draft_cost(n) or 0.0) + per_token * caught
+                a.observe_acceptance(n, 0)
+                a.observe_verify(n + 1, t1 + 0.012 * n)
+                a.observe_round(n, 1, draft + t1 + 0.012 * n, draft)
+                skipped = 0
+            else:
+                a.observe_verify(1, t1)
+                a.observe_round(0, 1, t1, 0.0)
+                skipped += 1
+        late_probes[limit] = sum(1 for i in probes if i >= 1500)
+        assert a._probe_overhead <= 0.03 * a._elapsed + 0.2  # noqa: SLF001
+    assert late_probes[None] == 0
+    assert late_probes[16] >= 10

@@ -508,3 +508,57 @@ def test_p_min_does_not_turn_short_lookups_into_misses(models, monkeypatch) -> N
     run(target, NgramDrafter(), prompt=prompt, max_tokens=48, ignore_eos=True,
         adaptive=True, draft=DraftParams(n_max=8, p_min=0.5))
     assert seen == []
+
+
+def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> None:  # noqa: ANN001
+    """After many target-only rounds the draft evaluates only the latest `catch_up`
+    tokens it skipped, placed right after what its cache holds (a gap it never fills);
+    a later request reuses only the cache's prefix before the gap."""
+    target, _ = models
+    want, _ = run(target, max_tokens=40, ignore_eos=True)
+    drafter = DraftModelDrafter(ModelRunner(target, n_ctx=512), catch_up=4)
+    calls: list[tuple[int, int]] = []
+    forward, prefill = drafter.runner.forward, drafter.runner.prefill
+
+    def spy(seq, tokens, pos, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append((len(tokens), pos))
+        return forward(seq, tokens, pos, *args, **kw)
+
+    def spy_prefill(seq, tokens, pos=0, chunk=256):  # noqa: ANN001, ANN202
+        calls.append((len(tokens), pos))
+        return prefill(seq, tokens, pos, chunk)
+
+    n = len(PROMPT)
+    drafter.begin(0, PROMPT)
+    drafter.runner.forward = spy  # type: ignore[method-assign]
+    drafter.runner.prefill = spy_prefill  # type: ignore[method-assign]
+    drafter.process(0, want[:10])  # ten target-only rounds
+    d = drafter.draft(0, want[10], n + 10, 2, DraftParams(n_max=2))
+    assert calls == [(5, n), (1, n + 5)]  # want[6:10] and the last, after the prompt
+    # the four evaluated rows' guesses, checked (wrong or right: the context has a gap)
+    assert d.forced is not None and [i for i, _ in d.forced] == [0] * 4
+    drafter.accept(0, 0)
+    drafter.process(0, [want[10]])
+    drafter.draft(0, want[11], n + 11, 1, DraftParams(n_max=1))
+    assert calls[2] == (1, n + 5)  # the next token right after the last, 6 left out
+    calls.clear()
+    drafter.end(0)
+    drafter.begin(0, PROMPT + want[:12])
+    assert calls[0] == (12, n)  # the prompt was reused, nothing after the gap
+    d = drafter.draft(0, want[12], n + 12, 3, DraftParams(n_max=3))
+    assert d.tokens == want[13:16]  # the target as its own draft, its context whole again
+
+
+def test_speculation_with_catch_up_gaps_is_byte_identical(models, tiny_model_factory) -> None:  # noqa: ANN001
+    """An unrelated draft: the adaptive controller mostly decodes target-only and probes,
+    each probe after a gap in the draft's context. The output is the target's."""
+    target, _ = models
+    other = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=11,
+                                             context_length=1024))
+    want, _ = run(target, max_tokens=96, ignore_eos=True)
+    drafter = DraftModelDrafter(ModelRunner(other, n_ctx=512), catch_up=2)
+    got, gen = run(target, drafter, max_tokens=96, ignore_eos=True,
+                   draft=DraftParams(n_max=4), adaptive=True)
+    assert got == want
+    assert drafter._seqs[0].offset > 0  # noqa: SLF001 - gaps were left
+    assert gen.stats.drafted > 0

@@ -71,6 +71,9 @@ class Drafter(ABC):
     name: str = "none"
     #: True when acceptance is decided by the drafter (synthetic), not by verification
     decides_acceptance: bool = False
+    #: most tokens skipped in target-only rounds that the drafter evaluates before its next
+    #: draft (None: all of them; a drafter without a model evaluates none, at no cost)
+    catch_up: int | None = None
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None) -> None:
         """A new sequence whose prompt the target has evaluated."""

@@ -3,6 +3,14 @@
 Per sequence the drafter keeps the token history and how much of it its cache holds.
 Drafting first evaluates whatever the cache lacks (the last token, and after a fully
 accepted round the last draft too) in one call, then one token per step.
+
+After rounds the target decoded alone (the adaptive controller found drafting did not
+pay), the draft catches up on at most `catch_up` of the tokens it skipped, the latest:
+the older ones are left out of its cache, a gap it never fills. A probe then costs the
+same however long drafting was off (the whole catch-up was ~60% of a probe on prose), and
+a draft's context missing a stretch only changes what it proposes, never the output.
+From the gap on, the draft's cache position of a token is its sequence position less
+`offset`, the tokens left out.
 """
 
 from __future__ import annotations
@@ -22,22 +30,27 @@ from .base import Draft, Drafter, DraftParams
 @dataclass
 class _SeqState:
     history: list[int] = field(default_factory=list)  # tokens at positions 0..
-    n_cached: int = 0  # positions [0, n_cached) are in the draft's KV cache
+    n_cached: int = 0  # cache positions [0, n_cached) are in the draft's KV cache
+    offset: int = 0  # tokens of the history left out of the cache (catch-ups' gaps)
+    gap_at: int | None = None  # cache position of the first gap (None: no gap)
     drafted: list[int] = field(default_factory=list)
-    draft_pos: int | None = None  # position of `last` in the draft not yet accepted
+    draft_pos: int | None = None  # cache position of `last` in the draft not yet accepted
     full_run: int = 0  # the last round's drafts, all accepted (0: not all, or none)
     sampler: Sampler | None = None
 
 
 FORCED_ROWS = 16  # late rows checked against the tokens that followed them (their logits
 # cost an lm_head row each: next to nothing beside the pass, which reads the weights once)
+CATCH_UP = 16  # most skipped tokens evaluated before drafting (the latest)
 
 
 class DraftModelDrafter(Drafter):
     name = "draft"
 
-    def __init__(self, runner: ModelRunner, *, vocab_limit: int | None = None):
+    def __init__(self, runner: ModelRunner, *, vocab_limit: int | None = None,
+                 catch_up: int | None = CATCH_UP):
         self.runner = runner
+        self.catch_up = catch_up  # None: evaluate every skipped token
         self.vocab_limit = vocab_limit  # the target's vocab size, if smaller
         self._n_vocab = runner.hp.n_vocab  # the draft's own rows
         self._seqs: dict[int, _SeqState] = {}
@@ -53,7 +66,8 @@ class DraftModelDrafter(Drafter):
         old = self._seqs.get(seq)
         reuse = 0
         if old is not None:
-            cached = old.history[: old.n_cached]
+            whole = old.n_cached if old.gap_at is None else min(old.n_cached, old.gap_at)
+            cached = old.history[:whole]  # the cache's prefix that matches the history
             n = min(len(cached), len(prompt) - 1)
             while reuse < n and cached[reuse] == prompt[reuse]:
                 reuse += 1
@@ -76,18 +90,24 @@ class DraftModelDrafter(Drafter):
         st = self._seqs[seq]
         if len(st.history) != pos:
             raise RuntimeError(f"draft history has {len(st.history)} tokens, target at {pos}")
-        st.n_cached = min(st.n_cached, pos)
-        st.draft_pos = pos
-        n_max = min(n_max, self.n_ctx - pos - 1)
+        st.n_cached = min(st.n_cached, pos - st.offset)
+        skipped = pos - st.offset - st.n_cached  # history the cache has not seen
+        full_run, st.full_run = st.full_run, 0
+        if self.catch_up is not None and skipped > self.catch_up:
+            if st.gap_at is None:
+                st.gap_at = st.n_cached
+            st.offset += skipped - self.catch_up
+            full_run = 0  # the last round's final draft is left out: its guess unchecked
+        p = st.n_cached
+        st.draft_pos = pos - st.offset  # last's cache position
+        n_max = min(n_max, self.n_ctx - st.draft_pos - 1)
         st.drafted = []
         if n_max <= 0:
             return Draft([])
         q_rows: list[np.ndarray] = []
-        pending = [*st.history[st.n_cached:], last]
-        p = st.n_cached
+        pending = [*st.history[p + st.offset:], last]
         forced: tuple[tuple[int, bool], ...] | None = None
         caught_up = len(pending) > 2  # after target-only rounds: a small prefill first
-        full_run, st.full_run = st.full_run, 0
         step_s: list[float] = []
         unsure = False
         for _ in range(n_max):

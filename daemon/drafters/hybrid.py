@@ -27,6 +27,7 @@ class HybridDrafter(Drafter):
     def __init__(self, model: Drafter, lookup: NgramDrafter | None = None):
         self.model = model
         self.lookup = lookup if lookup is not None else NgramDrafter()
+        self.catch_up = model.catch_up
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None) -> None:
         self.model.begin(seq, prompt, sampler)
