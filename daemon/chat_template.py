@@ -75,7 +75,18 @@ def render_chat(
         eos_token=eos_token,
     )
     try:
-        return compiled.render(**variables)
+        try:
+            return compiled.render(**variables)
+        except TypeError:
+            # `content: null` (an assistant turn with tool calls) where the template joins
+            # content as a string (SmolLM2's, ChatML ones): again with "" for it, as
+            # templates that test `content is none` got None first
+            nulls = [m for m in variables["messages"] if m.get("content", "") is None]
+            if not nulls:
+                raise
+            for m in nulls:
+                m["content"] = ""
+            return compiled.render(**variables)
     except jinja2.exceptions.SecurityError as exc:
         raise ChatTemplateError(f"chat template blocked by the sandbox: {exc}") from None
     except jinja2.exceptions.TemplateError as exc:
@@ -92,7 +103,8 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
       that is not text is refused: these models read text only);
     - a tool call's `function.arguments`, a JSON string in OpenAI's format, becomes the
       object it encodes (templates `tojson` it themselves), unless it is not valid JSON;
-    - None values stay None (`content: null` on an assistant turn with tool calls).
+    - None values stay None (`content: null` on an assistant turn with tool calls; a
+      template that cannot join None gets "" instead, see render_chat).
     """
     if not isinstance(message, Mapping):
         raise ChatTemplateError(f"chat messages must be dicts, got {type(message).__name__}")

@@ -16,6 +16,7 @@ from ..daemon.grammar import Grammar, GrammarError
 from ..daemon.sampling import SamplerParams
 from ..daemon.scheduler import QueueFull
 from ..daemon.service import Piece, Result, Service, Stream
+from ..daemon.tool_calls import ToolCallStream, parse_tool_calls, tool_names
 from .metrics import render_metrics
 from .security import cors_on_prepare, error_response, make_middlewares
 from .validation import BadRequest, get, json_body, stop_list, token_list
@@ -206,6 +207,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     _n_is_one(body)
     _unsupported(body, ("logprobs", "top_logprobs") if chat
                  else ("logprobs", "echo", "suffix", "best_of"))
+    names: set[str] | None = None  # the request's tools, when calls are parsed
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -216,6 +218,12 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if tools is not None and not (isinstance(tools, list)
                                       and all(isinstance(t, dict) for t in tools)):
             raise BadRequest("'tools' must be an array of objects", param="tools")
+        choice_of_tool = body.get("tool_choice")
+        if choice_of_tool not in (None, "auto", "none"):
+            raise BadRequest("'tool_choice' may be 'auto' or 'none': forcing a call is not "
+                             "supported", param="tool_choice")
+        if tools and choice_of_tool != "none":  # replies' calls become message.tool_calls
+            names = tool_names(tools)
         try:
             prompt = svc.engine.chat_tokens(messages, tools or None)
         except ValueError as exc:
@@ -239,7 +247,11 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _oai_finish(r.finish_reason),
                                   "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": r.text}
+            content, calls = (r.text, []) if names is None else parse_tool_calls(r.text, names)
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = r.text
         return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
@@ -250,17 +262,19 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     stream = svc.submit(prompt, params, stop=stop, grammar=grammar)
     try:
         return await _openai_stream(request, stream, chat=chat, rid=rid, created=created,
-                                    model=model, include_usage=include_usage)
+                                    model=model, include_usage=include_usage,
+                                    tools=None if names is None else ToolCallStream(names))
     finally:
         stream.cancel()  # the client went away (a no-op once finished)
 
 
 async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, rid: str,
-                         created: int, model: str, include_usage: bool = False
-                         ) -> web.StreamResponse:
+                         created: int, model: str, include_usage: bool = False,
+                         tools: ToolCallStream | None = None) -> web.StreamResponse:
     """Chunks as OpenAI streams them; the usage goes on the finishing chunk (as llama.cpp
     and many clients read it) and, with stream_options.include_usage, also in OpenAI's
-    own last chunk, whose choices are empty."""
+    own last chunk, whose choices are empty. With `tools`, text that may be a tool call
+    is held back, and the calls come whole in one chunk before the finishing one."""
     resp = await _sse(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -278,14 +292,26 @@ async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, ri
         await _send(resp, chunk("", None, first=True))
     async for ev in stream:
         if isinstance(ev, Piece):
-            if ev.text:
-                await _send(resp, chunk(ev.text, None))
+            text = ev.text if tools is None else tools.feed(ev.text)
+            if text:
+                await _send(resp, chunk(text, None))
         elif ev.error:
             await _send_error(resp, ev.error)
             await resp.write_eof()
             return resp
         else:
-            final = chunk(None, _oai_finish(ev.finish_reason))
+            finish = _oai_finish(ev.finish_reason)
+            if tools is not None:
+                rest, calls = tools.finish()
+                if rest:
+                    await _send(resp, chunk(rest, None))
+                if calls:
+                    called = chunk(None, None)
+                    called["choices"][0]["delta"] = {
+                        "tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]}
+                    await _send(resp, called)
+                    finish = "tool_calls"
+            final = chunk(None, finish)
             final["usage"] = _usage(ev)
             await _send(resp, final)
             if include_usage:

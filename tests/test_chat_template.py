@@ -78,6 +78,20 @@ def test_openai_message_shapes_reach_the_template_as_it_expects() -> None:
             {"type": "image_url", "image_url": {"url": "data:"}}]}])
 
 
+def test_null_content_where_the_template_joins_strings() -> None:
+    """ChatML-style templates (SmolLM2's, the fallback) add content to strings: an
+    assistant turn with tool calls and `content: null` renders as empty content there,
+    while the template above still sees None."""
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "content": "sunny"}]
+    out = render_chat(CHATML_FALLBACK, messages)
+    assert "<|im_start|>assistant\n<|im_end|>" in out and "sunny" in out
+    with pytest.raises(ValueError, match="TypeError"):  # other type errors still surface
+        render_chat("{{ messages[0].content + 1 }}", messages)
+
+
 def test_hf_environment_features() -> None:
     template = (
         "{{ bos_token }}{{ messages[0] | tojson }}"

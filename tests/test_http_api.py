@@ -104,6 +104,50 @@ def test_openai_client_chat_and_completions(server) -> None:  # noqa: ANN001
         client.models.retrieve("gpt-9")
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+# the reply a Hermes-format model gives, forced by a grammar (the tiny model cannot choose it)
+TOOL_REPLY = ('start: "Checking.\\n<tool_call>\\n{\\"name\\": \\"get_weather\\", '
+              '\\"arguments\\": {\\"city\\": \\"Paris\\"}}\\n</tool_call>"')
+
+
+def test_openai_client_gets_tool_calls(server) -> None:  # noqa: ANN001
+    """A reply's <tool_call> blocks come back as message.tool_calls (finish_reason
+    tool_calls), whole or streamed, as the official client reads them."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    ask = {"model": "specd", "max_tokens": 200, "temperature": 0, "tools": TOOLS,
+           "messages": [{"role": "user", "content": "Weather in Paris?"}],
+           "extra_body": {"grammar": TOOL_REPLY}}
+    out = client.chat.completions.create(**ask)
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "Checking."
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls
+            ] == [("function", "get_weather", {"city": "Paris"})]
+    chunks = list(client.chat.completions.create(stream=True, **ask))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert text.strip() == "Checking."
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the call answered: the conversation goes on through the template
+    follow = client.chat.completions.create(
+        model="specd", max_tokens=4, tools=TOOLS, messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
+            {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"}])
+    assert follow.choices[0].finish_reason in ("stop", "length")
+    plain = client.chat.completions.create(**{**ask, "tool_choice": "none"})
+    assert plain.choices[0].message.tool_calls is None  # not parsed: the text as it came
+    assert "<tool_call>" in plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(**{**ask, "tool_choice": "required"})
+
+
 def test_unix_socket_sync_and_async_clients(server) -> None:  # noqa: ANN001
     c = Client(server.socket_path)
     assert c.health()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 
 import pytest
@@ -13,6 +14,7 @@ from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.engine import Engine, EngineConfig
 from specd.daemon.generation import Generation, GenerationParams
 from specd.daemon.model_store import ModelStoreError
+from specd.daemon.tool_calls import parse_tool_calls, tool_names
 from specd.ort_models.runner import ModelRunner
 
 
@@ -96,3 +98,23 @@ def test_qwen_pair_speculation_is_byte_identical(qwen_pair: Engine, prompt_text:
     got = _generate(qwen_pair, prompt, drafter=qwen_pair.drafter, max_tokens=64,
                     ignore_eos=True, draft=DraftParams(n_max=8), adaptive=True)
     assert got == want
+
+
+WEATHER_TOOL = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+@pytest.mark.slow
+def test_qwen_coder_calls_a_tool(qwen_pair: Engine) -> None:
+    """The default target, given a tool through its own template, answers with a call that
+    specd reads as one (it writes a ```json block rather than <tool_call> tags)."""
+    prompt = qwen_pair.chat_tokens(
+        [{"role": "user", "content": "What's the weather in Paris right now?"}], WEATHER_TOOL)
+    text = qwen_pair.tokenizer.decode(_generate(qwen_pair, prompt, max_tokens=60),
+                                      skip_special=True)
+    content, calls = parse_tool_calls(text, tool_names(WEATHER_TOOL))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})], text
+    assert content is None

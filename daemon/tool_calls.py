@@ -1,0 +1,156 @@
+"""Tool calls in a chat reply, as OpenAI's `message.tool_calls`.
+
+Chat templates that take `tools` (Qwen2.5 and Qwen2.5-Coder, Hermes 2/3, SmolLM2, ...)
+ask the model to answer with each call as JSON inside tags (the Hermes format):
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Others answer with the bare object (with "arguments" or, as Llama 3.x templates ask,
+"parameters"), or with it in a ```json block, as Qwen2.5-Coder-1.5B-Instruct does beside
+its own template's instructions. Those are taken as calls only when the whole reply is
+one such object (or an array of them), every name one of the request's tools.
+
+`parse_tool_calls` splits a whole reply into its content (the text before the first call,
+None when there is none) and its calls. `ToolCallStream` does it while streaming: text
+passes on until a call begins (a tail that may be the start of a tag is held back, and
+a reply that opens as a bare call may, "{", "[" or a ```json fence followed by one, is
+held whole), and the calls come at the end. A call whose
+JSON does not parse (cut off by max_tokens, or malformed) leaves the reply as content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
+_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?```", re.S)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
+    """Names of the functions a request's `tools` declare."""
+    names = set()
+    for t in tools or []:
+        fn = t.get("function") if isinstance(t.get("function"), dict) else t
+        if isinstance(fn.get("name"), str):
+            names.add(fn["name"])
+    return names
+
+
+def _call(obj: Any) -> ToolCall | None:
+    """{"name": ..., "arguments" | "parameters": {...} or a JSON string} as a call."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+        except ValueError:
+            return None
+        text = args
+    elif isinstance(args, dict):
+        text = json.dumps(args, ensure_ascii=False)
+    else:
+        return None
+    return ToolCall(obj["name"], text)
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole reply; no calls: (text, [])."""
+    start = text.find(OPEN)
+    if start >= 0:
+        calls = [_call(_json(m.group(1).strip())) for m in _BLOCK.finditer(text, start)]
+        if calls and all(c is not None for c in calls):
+            content = text[:start].strip()
+            return content or None, [c for c in calls if c is not None]
+        return text, []
+    bare = _bare_calls(text.strip(), names)
+    return (None, bare) if bare else (text, [])
+
+
+def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """The calls a whole reply holds as a JSON object or array, bare or in a ```json
+    block, when each is a call of one of `names`; else none."""
+    fenced = _FENCED.fullmatch(text)
+    obj = _json(fenced.group(1) if fenced else text) if text[:1] in "{[`" else None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [_call(o) for o in items]
+    if not items or not all(c is not None and c.name in names for c in calls):
+        return []
+    return [c for c in calls if c is not None]
+
+
+def _may_open_bare_call(text: str) -> bool:
+    """Whether a reply beginning so may still turn out to be a bare call."""
+    t = text.lstrip()
+    if not t or t[0] in "{[" or "```".startswith(t):
+        return True
+    if not t.startswith("```"):
+        return False
+    line, newline, rest = t[3:].partition("\n")
+    lang = line.strip()
+    if not newline:
+        return "json".startswith(lang)
+    rest = rest.lstrip()
+    return lang in ("", "json") and (not rest or rest[0] in "{[")
+
+
+def _held_tail(text: str) -> int:
+    """Length of the longest end of `text` that could be the start of OPEN."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallStream:
+    """Content pieces in, content out as soon as it cannot be part of a call."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+        self.text = ""  # the reply so far
+        self.sent = 0  # characters of it passed on as content
+
+    def feed(self, piece: str) -> str:
+        """The content this piece lets through ("" while a call may be forming)."""
+        self.text += piece
+        if OPEN in self.text[self.sent:]:
+            end = self.text.find(OPEN, self.sent)
+        elif self.sent == 0 and _may_open_bare_call(self.text):
+            return ""  # nothing but space yet, or a bare call may be forming
+        else:
+            end = len(self.text) - _held_tail(self.text)
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet passed on, calls) once the reply is complete."""
+        content, calls = parse_tool_calls(self.text, self.names)
+        if calls:
+            return "", calls  # what preceded the first call has been sent already
+        return self.text[self.sent:], []

@@ -1,0 +1,133 @@
+"""Tool calls parsed out of chat replies (the Hermes <tool_call> format, bare JSON)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specd.daemon.tool_calls import ToolCallStream, parse_tool_calls, tool_names
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+NAMES = tool_names(TOOLS)
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tool_names() -> None:
+    assert NAMES == {"get_weather", "get_time"}
+    assert tool_names(None) == set()
+
+
+def test_a_tagged_call_with_text_before_it() -> None:
+    content, calls = parse_tool_calls("Let me look.\n" + CALL, NAMES)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    assert calls[0].id.startswith("call_")
+    assert calls[0].as_openai(0) == {"index": 0, "id": calls[0].id, "type": "function",
+                                     "function": {"name": "get_weather",
+                                                  "arguments": calls[0].arguments}}
+
+
+def test_several_calls_and_string_arguments() -> None:
+    text = (CALL + "\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": \"{\\\"tz\\\": "
+            "\\\"UTC\\\"}\"}\n</tool_call>")
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content is None
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[1].arguments) == {"tz": "UTC"}
+    assert calls[0].id != calls[1].id
+
+
+def test_a_call_cut_off_before_its_closing_tag_still_counts_if_its_json_is_whole() -> None:
+    _, calls = parse_tool_calls(CALL[: -len("</tool_call>")], NAMES)
+    assert [c.name for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut by max_tokens
+    "<tool_call>not json</tool_call>",
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": "f", "arguments": 3}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "{bad"}</tool_call>',
+])
+def test_malformed_calls_leave_the_reply_as_content(text: str) -> None:
+    assert parse_tool_calls(text, NAMES) == (text, [])
+
+
+def test_a_bare_json_call_only_for_a_declared_tool() -> None:
+    _, calls = parse_tool_calls(' {"name": "get_time", "parameters": {"tz": "UTC"}}', NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "UTC"})]
+    other = '{"name": "Ada", "arguments": {}}'  # JSON the user may have asked for
+    assert parse_tool_calls(other, NAMES) == (other, [])
+    assert parse_tool_calls("plain answer", NAMES) == ("plain answer", [])
+
+
+def test_a_call_in_a_json_block_as_qwen_coder_answers() -> None:
+    """Qwen2.5-Coder-1.5B-Instruct, asked for the weather with a get_weather tool through
+    its own template, answers (greedy) with this, not <tool_call> tags."""
+    text = ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n'
+            '  }\n}\n```')
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    two = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {}}]'
+    assert [c.name for c in parse_tool_calls(two, NAMES)[1]] == ["get_time", "get_weather"]
+    code = "```json\n{\"city\": \"Paris\"}\n```"  # JSON, but no call
+    assert parse_tool_calls(code, NAMES) == (code, [])
+    mixed = '[{"name": "get_time", "arguments": {}}, {"name": "rm_rf", "arguments": {}}]'
+    assert parse_tool_calls(mixed, NAMES) == (mixed, [])
+
+
+def test_a_code_answer_streams_at_once() -> None:
+    """Only a reply that may still be a bare call is held: a code block in another
+    language, or one whose first line is not JSON, passes on as it comes."""
+    s = ToolCallStream(NAMES)
+    assert s.feed("``") == "" and s.feed("`") == ""
+    assert s.feed("py") == "```py"  # not json
+    assert s.feed("thon\n") == "thon\n"
+    s = ToolCallStream(NAMES)
+    assert s.feed("```json\n") == "" and s.feed("  ") == ""
+    assert s.feed('"a"') == '```json\n  "a"'
+    s = ToolCallStream(NAMES)
+    assert s.feed("Sure") == "Sure"
+
+
+def _stream(pieces: list[str]) -> tuple[str, list]:
+    s = ToolCallStream(NAMES)
+    sent = "".join(s.feed(p) for p in pieces)
+    rest, calls = s.finish()
+    return sent + rest, calls
+
+
+def _pieces(text: str, size: int = 3) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def test_streaming_passes_text_on_and_holds_a_call_back() -> None:
+    s = ToolCallStream(NAMES)
+    assert s.feed("Let me ") == "Let me "
+    assert s.feed("look. <tool") == "look. "  # "<tool" may open a call: held
+    assert s.feed("_call>\n{\"name\": ") == ""
+    assert s.feed('"get_weather", "arguments": {}}</tool_call>') == ""
+    rest, calls = s.finish()
+    assert rest == "" and [c.name for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 100])
+def test_streamed_replies_equal_whole_ones(size: int) -> None:
+    for text in ("Hello <tool world>, a < b", "Let me look.\n" + CALL, CALL,
+                 '{"name": "get_time", "arguments": {}}', '{"name": "x"', "<tool_call>oops",
+                 "ends with <tool_ca", '```json\n{"name": "get_time", "arguments": {}}\n```',
+                 "```python\nprint(1)\n```", "```json\n[1, 2]\n```"):
+        content, calls = parse_tool_calls(text, NAMES)
+        sent, streamed = _stream(_pieces(text, size))
+        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments)
+                                                              for c in calls]
+        if not calls:
+            assert sent == text
+        else:
+            assert sent.strip() == (content or "")
