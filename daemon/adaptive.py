@@ -216,7 +216,7 @@ class AdaptiveDraftLength:
         elif draft_seconds == 0:
             self._rest_plain = _ema(self._rest_plain, rest)
         if draft_seconds > 0:
-            if self._skipped >= 2 and self._draft_first is not None:
+            if self._to_catch_up >= 2 and self._draft_first is not None:
                 own = self.draft_cost(max(n_drafted, 1)) or 0.0
                 per = max(draft_seconds - own, 0.0) / self._to_catch_up
                 self._catch_up = _ema(self._catch_up, per)

@@ -10,7 +10,8 @@ ask the model to answer with each call as JSON inside tags (the Hermes format):
 Others answer with the bare object (with "arguments" or, as Llama 3.x templates ask,
 "parameters"), or with it in a ```json block, as Qwen2.5-Coder-1.5B-Instruct does beside
 its own template's instructions. Those are taken as calls only when the whole reply is
-one such object (or an array of them), every name one of the request's tools.
+one such object (or an array of them). Every call, tagged or not, must name one of the
+request's tools (clients look the name up), or the reply stays content.
 
 `parse_tool_calls` splits a whole reply into its content (the text before the first call,
 None when there is none) and its calls. `ToolCallStream` does it while streaming: text
@@ -73,10 +74,17 @@ def _call(obj: Any) -> ToolCall | None:
     return ToolCall(obj["name"], text)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _json(text: str) -> Any:
+    """The JSON value of `text`, or None: malformed, nested past Python's recursion
+    limit (a model stuck on "[" writes that), or with NaN / Infinity, which strict JSON
+    clients cannot read back from the arguments."""
     try:
-        return json.loads(text)
-    except ValueError:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         return None
 
 
@@ -85,12 +93,18 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolC
     start = text.find(OPEN)
     if start >= 0:
         calls = [_call(_json(m.group(1).strip())) for m in _BLOCK.finditer(text, start)]
-        if calls and all(c is not None for c in calls):
+        if calls and all(c is not None and _declared(c, names) for c in calls):
             content = text[:start].strip()
             return content or None, [c for c in calls if c is not None]
         return text, []
     bare = _bare_calls(text.strip(), names)
     return (None, bare) if bare else (text, [])
+
+
+def _declared(call: ToolCall | None, names: set[str]) -> bool:
+    """A call of one of the request's tools: clients look the name up and fail on any
+    other (with no names known, any non-empty name)."""
+    return call is not None and bool(call.name) and (not names or call.name in names)
 
 
 def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
@@ -100,7 +114,7 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
     obj = _json(fenced.group(1) if fenced else text) if text[:1] in "{[`" else None
     items = obj if isinstance(obj, list) else [obj]
     calls = [_call(o) for o in items]
-    if not items or not all(c is not None and c.name in names for c in calls):
+    if not items or not all(c is not None and _declared(c, names) for c in calls):
         return []
     return [c for c in calls if c is not None]
 
@@ -148,9 +162,13 @@ class ToolCallStream:
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 
+    def held(self) -> str:
+        """The text not passed on yet (sent as content when the reply ends in an error)."""
+        return self.text[self.sent:]
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet passed on, calls) once the reply is complete."""
         content, calls = parse_tool_calls(self.text, self.names)
         if calls:
             return "", calls  # what preceded the first call has been sent already
-        return self.text[self.sent:], []
+        return self.held(), []

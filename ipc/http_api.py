@@ -222,7 +222,9 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if choice_of_tool not in (None, "auto", "none"):
             raise BadRequest("'tool_choice' may be 'auto' or 'none': forcing a call is not "
                              "supported", param="tool_choice")
-        if tools and choice_of_tool != "none":  # replies' calls become message.tool_calls
+        if choice_of_tool == "none":  # no call wanted: the model is not told of tools
+            tools = None
+        elif tools:  # replies' calls become message.tool_calls
             names = tool_names(tools)
         try:
             prompt = svc.engine.chat_tokens(messages, tools or None)
@@ -296,6 +298,8 @@ async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, ri
             if text:
                 await _send(resp, chunk(text, None))
         elif ev.error:
+            if tools is not None and tools.held():
+                await _send(resp, chunk(tools.held(), None))
             await _send_error(resp, ev.error)
             await resp.write_eof()
             return resp

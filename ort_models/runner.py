@@ -1,7 +1,8 @@
 """One model on ONNX Runtime: the session, its IOBindings and the KV buffers it owns.
 
 Each sequence slot has one static K and one V buffer per layer, [1, n_kv, kv_len, hd]
-(kv_len: the context, plus room for a fixed-shape call's filler rows on CUDA), bound as
+(kv_len: the context, plus room for filler rows: a fixed-shape call's on CUDA, a single
+step's second row where min_rows is 2), bound as
 both past and present so the graph writes new rows in place. Rolling back is free: the
 next call simply starts at a smaller position and overwrites the old rows.
 """
@@ -230,6 +231,8 @@ class ModelRunner:
         if m > n:  # fixed shape: filler rows
             ids += [ids[-1]] * (m - n)  # positions after the real ones, overwritten later
             rows += [rows[-1] if rows else n - 1] * (m - n_rows)
+        if len(rows) < self.min_rows:  # the output product too: a prefill's last row
+            rows += [rows[-1] if rows else n - 1] * (self.min_rows - len(rows))
         b = self._bindings[seq]
         b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))

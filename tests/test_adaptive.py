@@ -322,3 +322,13 @@ def test_probes_go_on_through_a_long_stretch_when_catch_ups_are_bounded() -> Non
         assert a._probe_overhead <= 0.03 * a._elapsed + 0.2  # noqa: SLF001
     assert late_probes[None] == 0
     assert late_probes[16] >= 10
+
+
+def test_a_drafter_that_never_catches_up() -> None:
+    """catch_up_limit 0: nothing is evaluated before a probe, so nothing is measured."""
+    a = AdaptiveDraftLength(n_max=8, catch_up_limit=0)
+    _warm(a, 0.075, 0.012, 0.02)
+    for _ in range(5):
+        a.observe_round(0, 1, 0.075, 0.0)
+    a.observe_round(2, 1, 0.12, 0.04)
+    assert a.probe_cost() >= 0.0 and a._catch_up is None  # noqa: SLF001

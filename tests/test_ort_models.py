@@ -237,6 +237,19 @@ def test_single_steps_of_two_rows_equal_block_rows(tiny_model_factory) -> None:
     assert np.array_equal(_all_rows(block_r, TOKENS[3:], 3), singles[3:])
 
 
+def test_a_prefills_last_row_equals_its_single_step_with_two_rows(tiny_model_factory
+                                                                   ) -> None:
+    """min_rows=2 holds for the output product too: a prompt's last logits are the same
+    from a fresh prefill (one logits row of a long call) and from a cached prefix (the
+    last token re-evaluated alone, as a request reusing a slot's cache does)."""
+    path = tiny_model_factory(arch="qwen2", weight_type="Q4_0", context_length=512)
+    built = load_or_build(path)
+    fresh = ModelRunner(built, n_ctx=512, min_rows=2).prefill(0, TOKENS)
+    cached = ModelRunner(built, n_ctx=512, min_rows=2)
+    cached.prefill(0, TOKENS[:-1])
+    assert np.array_equal(cached.forward(0, TOKENS[-1:], len(TOKENS) - 1)[0], fresh)
+
+
 def test_a_trained_context_off_the_bucket_grid_ends_the_context(tiny_model_factory) -> None:
     """n_ctx never passes the rotary table (600 positions here, not a multiple of 256)."""
     path = tiny_model_factory(arch="llama", weight_type="F32", context_length=600)

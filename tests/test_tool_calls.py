@@ -57,6 +57,20 @@ def test_malformed_calls_leave_the_reply_as_content(text: str) -> None:
     assert parse_tool_calls(text, NAMES) == (text, [])
 
 
+@pytest.mark.parametrize("text", [
+    "[" * 1200,  # a model stuck on one token: past json's recursion limit
+    '{"a":' * 1200,
+    "<tool_call>" + "[" * 1200,
+    '<tool_call>{"name": "get_time", "arguments": {"t": NaN}}</tool_call>',  # not JSON
+    '{"name": "get_time", "arguments": {"t": -Infinity}}',
+    '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not a declared tool
+    '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+])
+def test_replies_that_are_no_calls_of_the_request_stay_content(text: str) -> None:
+    assert parse_tool_calls(text, NAMES) == (text, [])
+    assert _stream(_pieces(text, 50)) == (text, [])
+
+
 def test_a_bare_json_call_only_for_a_declared_tool() -> None:
     _, calls = parse_tool_calls(' {"name": "get_time", "parameters": {"tz": "UTC"}}', NAMES)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "UTC"})]
