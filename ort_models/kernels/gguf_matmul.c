@@ -290,12 +290,21 @@ ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m
 /* ---------------------------------------------------------------------------------- */
 /* 256-bit passes: each row group in two halves of 8 rows (the second pass over a group */
 /* finds it in the cache)                                                               */
-enum { ROWS_PER_PASS = 3 }; /* 16 registers: 3 rows' state beside the codes */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+enum { ROWS_PER_PASS = 3 }; /* 16 registers: 3 rows' state beside the codes */
+#define SPECD_VNNI256 1
 #define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #else
-#define DPBUSD(acc, u, s) \
-  _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+/* Without VNNI, u8 x s8 products come from maddubs: pairs of products summed into 16-bit
+   lanes. Several maddubs are added in 16 bits before one madd widens them, with the
+   sub-block's scale as the multiplier (lanes r: sc[r] in both halves), so each sum of
+   a row's products is scaled and widened in one instruction. The bounds keep the 16-bit
+   sums exact: |a| <= 127 and Q4_K codes <= 15 give |lane| <= 2 * 15 * 127 a maddubs and
+   8 of them 30480; Q6_K codes <= 63, 2 of them 32004 (< 32768). The integer sums are
+   those of the VNNI path, so the results are the same bits. One 16-bit sum a row
+   instead of two 32-bit ones leaves registers for 4 rows a pass: a verify block of a
+   draft of 3 reads and unpacks each code vector once. */
+enum { ROWS_PER_PASS = 4 };
 #endif
 ALWAYS_INLINE __m256i bcast4(const void *p) {
   int32_t v;
@@ -326,6 +335,7 @@ ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, cons
     x[m] = a->q + (m0 + m) * k + i * QK_K;
   }
   for (int j = 0; j < nsub; j++, qs += 4 * 64) {
+#if SPECD_VNNI256
     __m256i s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
@@ -343,6 +353,26 @@ ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, cons
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++)
       isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0[m], s1[m]), scj));
+#else
+    __m256i s16[ROWS_PER_PASS]; /* the sub-block's 8 maddubs a row, summed in 16 bits */
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
+      const __m256i lo = _mm256_and_si256(v, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+      for (int m = 0; m < mt; m++) {
+        const int8_t *xp = x[m] + 32 * j + 8 * p;
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)),
+                                           _mm256_maddubs_epi16(hi, bcast4(xp + 4)));
+        s16[m] = p ? _mm256_add_epi16(s16[m], t) : t;
+      }
+    }
+    const __m256i scj = pairs_u8(sc + GROUP * j, sc + GROUP * j);
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++)
+      isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(s16[m], scj));
+#endif
   }
   const __m256 d = LOAD_F16X8(w + 2 * HALF * h), dmin = LOAD_F16X8(w + 32 + 2 * HALF * h);
   __m256i mp[4];
@@ -397,6 +427,7 @@ ALWAYS_INLINE void half_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m
       const __m256i c2 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(hb, m30));
       const __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+#if SPECD_VNNI256
       const __m256i scj = i8x8(sc + GROUP * j);
 #pragma GCC unroll 8
       for (int m = 0; m < mt; m++) {
@@ -407,6 +438,19 @@ ALWAYS_INLINE void half_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m
         s1 = DPBUSD(s1, c3, bcast4(x + 12));
         isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), scj));
       }
+#else
+      const __m256i scj = pairs_i8(sc + GROUP * j, sc + GROUP * j);
+#pragma GCC unroll 8
+      for (int m = 0; m < mt; m++) {
+        const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
+        const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4(x)),
+                                            _mm256_maddubs_epi16(c2, bcast4(x + 8)));
+        const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(c1, bcast4(x + 4)),
+                                            _mm256_maddubs_epi16(c3, bcast4(x + 12)));
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(s0, scj),
+                                                             _mm256_madd_epi16(s1, scj)));
+      }
+#endif
     }
     const __m256 d = LOAD_F16X8(w + 2 * HALF * h);
 #pragma GCC unroll 8
