@@ -16,8 +16,10 @@ request's tools (clients look the name up), or the reply stays content.
 `parse_tool_calls` splits a whole reply into its content (the text before the first call,
 None when there is none) and its calls. `ToolCallStream` does it while streaming: text
 passes on until a call begins (a tail that may be the start of a tag is held back, and
-a reply that opens as a bare call may, "{", "[" or a ```json fence followed by one, is
-held whole), and the calls come at the end. A call whose
+a reply that can still be a bare call, `{"name": "` and the start of a declared tool's
+name, bare or after "[" or a ```json fence, is held whole), and the calls come at the end.
+Bare calls must name their tool first, as models write them, so that a JSON answer
+streams once it cannot be one. A call whose
 JSON does not parse (cut off by max_tokens, or malformed) leaves the reply as content.
 """
 
@@ -109,9 +111,11 @@ def _declared(call: ToolCall | None, names: set[str]) -> bool:
 
 def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
     """The calls a whole reply holds as a JSON object or array, bare or in a ```json
-    block, when each is a call of one of `names`; else none."""
+    block, when each is a call of one of `names` and the first begins with its name;
+    else none."""
     fenced = _FENCED.fullmatch(text)
-    obj = _json(fenced.group(1) if fenced else text) if text[:1] in "{[`" else None
+    body = fenced.group(1) if fenced else text
+    obj = _json(body) if text[:1] in "{[`" and _may_be_call_json(body, names) else None
     items = obj if isinstance(obj, list) else [obj]
     calls = [_call(o) for o in items]
     if not items or not all(c is not None and _declared(c, names) for c in calls):
@@ -119,19 +123,47 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
     return [c for c in calls if c is not None]
 
 
-def _may_open_bare_call(text: str) -> bool:
+def _may_be_call_json(text: str, names: set[str]) -> bool:
+    """Whether JSON beginning so can still be a call, `{"name": "<a declared tool>"...`
+    (or an array whose first item is one): models write the name first, and a reply
+    that cannot be one streams on at once instead of being held to its end."""
+    i, n = 0, len(text)
+
+    def space(i: int) -> int:
+        while i < n and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    i = space(i)
+    if i < n and text[i] == "[":
+        i = space(i + 1)
+    for lit in ("{", '"name"', ":", '"'):
+        part = text[i:i + len(lit)]
+        if not lit.startswith(part):
+            return False
+        if len(part) < len(lit):
+            return True  # the text ends inside the head
+        i = i + len(lit) if lit == '"' else space(i + len(lit))
+    name, closed, _ = text[i:].partition('"')
+    if not names:
+        return True
+    return name in names if closed else any(t.startswith(name) for t in names)
+
+
+def _may_open_bare_call(text: str, names: set[str]) -> bool:
     """Whether a reply beginning so may still turn out to be a bare call."""
     t = text.lstrip()
-    if not t or t[0] in "{[" or "```".startswith(t):
+    if not t or "```".startswith(t):
         return True
+    if t[0] in "{[":
+        return _may_be_call_json(t, names)
     if not t.startswith("```"):
         return False
     line, newline, rest = t[3:].partition("\n")
     lang = line.strip()
     if not newline:
         return "json".startswith(lang)
-    rest = rest.lstrip()
-    return lang in ("", "json") and (not rest or rest[0] in "{[")
+    return lang in ("", "json") and _may_be_call_json(rest, names)
 
 
 def _held_tail(text: str) -> int:
@@ -155,7 +187,7 @@ class ToolCallStream:
         self.text += piece
         if OPEN in self.text[self.sent:]:
             end = self.text.find(OPEN, self.sent)
-        elif self.sent == 0 and _may_open_bare_call(self.text):
+        elif self.sent == 0 and _may_open_bare_call(self.text, self.names):
             return ""  # nothing but space yet, or a bare call may be forming
         else:
             end = len(self.text) - _held_tail(self.text)

@@ -110,6 +110,21 @@ def test_a_code_answer_streams_at_once() -> None:
     assert s.feed("Sure") == "Sure"
 
 
+def test_a_json_answer_streams_once_it_cannot_be_a_call() -> None:
+    """Under tools, JSON that is not `{"name": "<declared tool>"...` passes on as soon as
+    it shows that, not at the end of the reply."""
+    for text, held in (('{"city": "Paris"}', 2), ('{"name": "Ada"}', 10),
+                       ('[1, 2]', 1), ('```json\n{"a": 1}\n```', 9)):
+        s = ToolCallStream(NAMES)
+        out = "".join(s.feed(c) for c in text)
+        assert out == text[: len(out)] and len(out) >= len(text) - held
+        assert s.finish() == (text[len(out):], [])
+    s = ToolCallStream(NAMES)
+    assert "".join(s.feed(c) for c in '{ "name" : "get_w') == ""  # may still be a call
+    first_key_later = '{"arguments": {}, "name": "get_time"}'  # not how models write calls
+    assert parse_tool_calls(first_key_later, NAMES) == (first_key_later, [])
+
+
 def _stream(pieces: list[str]) -> tuple[str, list]:
     s = ToolCallStream(NAMES)
     sent = "".join(s.feed(p) for p in pieces)
@@ -136,7 +151,8 @@ def test_streamed_replies_equal_whole_ones(size: int) -> None:
     for text in ("Hello <tool world>, a < b", "Let me look.\n" + CALL, CALL,
                  '{"name": "get_time", "arguments": {}}', '{"name": "x"', "<tool_call>oops",
                  "ends with <tool_ca", '```json\n{"name": "get_time", "arguments": {}}\n```',
-                 "```python\nprint(1)\n```", "```json\n[1, 2]\n```"):
+                 "```python\nprint(1)\n```", "```json\n[1, 2]\n```",
+                 '[{"name": "get_time", "arguments": {}}]', '{"city": "Paris"}'):
         content, calls = parse_tool_calls(text, NAMES)
         sent, streamed = _stream(_pieces(text, size))
         assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments)
