@@ -21,6 +21,9 @@ name, bare or after "[" or a ```json fence, is held whole), and the calls come a
 Bare calls must name their tool first, as models write them, so that a JSON answer
 streams once it cannot be one. A call whose
 JSON does not parse (cut off by max_tokens, or malformed) leaves the reply as content.
+
+`forced_call_grammar` is what tool_choice "required" or a named function constrains the
+reply with: tagged calls whose arguments follow each tool's JSON schema.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from .grammar import JSON_WHITESPACE
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
@@ -74,6 +79,28 @@ def _call(obj: Any) -> ToolCall | None:
     else:
         return None
     return ToolCall(obj["name"], text)
+
+
+def forced_call_grammar(tools: list[dict[str, Any]], only: str | None = None) -> str:
+    """llguidance Lark text whose outputs are one or more tagged calls of the request's
+    tools (or of the function `only`), arguments per each tool's JSON schema: what
+    tool_choice "required" or a named function asks for."""
+    alts = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t.get("function"), dict) else t
+        name = fn.get("name")
+        if not isinstance(name, str) or (only is not None and name != only):
+            continue
+        params = fn.get("parameters")
+        alts.append({"type": "object", "additionalProperties": False,
+                     "required": ["name", "arguments"],
+                     "properties": {"name": {"const": name},
+                                    "arguments": params if isinstance(params, dict)
+                                    else {"type": "object"}}})
+    schema = {"anyOf": alts, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    return ('start: block ("\\n" block)*\n'
+            f'block: "{OPEN}\\n" call "\\n{CLOSE}"\n'
+            f"call: %json {json.dumps(schema)}\n")
 
 
 def _no_constant(name: str) -> Any:

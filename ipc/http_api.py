@@ -16,7 +16,12 @@ from ..daemon.grammar import Grammar, GrammarError
 from ..daemon.sampling import SamplerParams
 from ..daemon.scheduler import QueueFull
 from ..daemon.service import Piece, Result, Service, Stream
-from ..daemon.tool_calls import ToolCallStream, parse_tool_calls, tool_names
+from ..daemon.tool_calls import (
+    ToolCallStream,
+    forced_call_grammar,
+    parse_tool_calls,
+    tool_names,
+)
 from .metrics import render_metrics
 from .security import cors_on_prepare, error_response, make_middlewares
 from .validation import BadRequest, get, json_body, stop_list, token_list
@@ -200,6 +205,30 @@ def _oai_finish(reason: str) -> str:
     return "length" if reason in ("length", "time_limit") else "stop"
 
 
+def _tool_choice(tools: list[dict[str, Any]] | None, choice: Any
+                 ) -> tuple[set[str] | None, str | None]:
+    """(the declared tools' names, whose calls the reply is read for: None for
+    tool_choice "none"; a grammar forcing calls, for "required" or a named function)."""
+    if choice == "none":
+        return None, None
+    if choice is not None and choice != "auto" and not tools:
+        raise BadRequest("'tool_choice' needs 'tools'", param="tool_choice")
+    names = tool_names(tools)
+    if choice in (None, "auto"):
+        return (names if tools else None), None
+    if choice == "required":
+        return names, forced_call_grammar(tools or [])
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+        raise BadRequest("'tool_choice' must be 'auto', 'none', 'required' or "
+                         "{type: function, function: {name}}", param="tool_choice")
+    if name not in names:
+        raise BadRequest(f"'tool_choice' names {name!r}, which is not among the tools",
+                         param="tool_choice")
+    return names, forced_call_grammar(tools or [], name)
+
+
 async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     svc = _svc(request)
     body = await json_body(request)
@@ -208,6 +237,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     _unsupported(body, ("logprobs", "top_logprobs") if chat
                  else ("logprobs", "echo", "suffix", "best_of"))
     names: set[str] | None = None  # the request's tools, when calls are parsed
+    forced: str | None = None  # a grammar making the reply calls (tool_choice)
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -218,14 +248,9 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if tools is not None and not (isinstance(tools, list)
                                       and all(isinstance(t, dict) for t in tools)):
             raise BadRequest("'tools' must be an array of objects", param="tools")
-        choice_of_tool = body.get("tool_choice")
-        if choice_of_tool not in (None, "auto", "none"):
-            raise BadRequest("'tool_choice' may be 'auto' or 'none': forcing a call is not "
-                             "supported", param="tool_choice")
-        if choice_of_tool == "none":  # no call wanted: the model is not told of tools
+        names, forced = _tool_choice(tools, body.get("tool_choice"))
+        if names is None:  # tool_choice none: the model is not told of tools either
             tools = None
-        elif tools:  # replies' calls become message.tool_calls
-            names = tool_names(tools)
         try:
             prompt = svc.engine.chat_tokens(messages, tools or None)
         except ValueError as exc:
@@ -239,6 +264,14 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         params.max_tokens = get(body, "max_completion_tokens", int, params.max_tokens, lo=0)
     stop = stop_list(body)
     grammar = await _constraint(svc, body)
+    if forced is not None:
+        if grammar is not None:
+            raise BadRequest("tool_choice that forces a call cannot be combined with "
+                             "another constraint", param="tool_choice")
+        try:
+            grammar = await svc.compile_constraint("lark", forced)
+        except GrammarError as exc:
+            raise BadRequest(f"tools: {exc}", param="tools") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     model = svc.engine.target.name

@@ -144,7 +144,27 @@ def test_openai_client_gets_tool_calls(server) -> None:  # noqa: ANN001
     plain = client.chat.completions.create(**{**ask, "tool_choice": "none"})
     assert plain.choices[0].message.tool_calls is None  # not parsed: the text as it came
     assert "<tool_call>" in plain.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+    # tool_choice required / a named function: a grammar makes the reply calls
+    time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    forced = {"model": "specd", "max_tokens": 120, "temperature": 0,
+              "messages": [{"role": "user", "content": "What time is it?"}]}
+    for tools, choice in (([time_tool], "required"),
+                          (TOOLS + [time_tool], {"type": "function",
+                                                 "function": {"name": "get_time"}})):
+        out = client.chat.completions.create(tools=tools, tool_choice=choice, **forced)
+        calls = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls][0] == (
+            "get_time", {})
+    for tools, choice, match in ((TOOLS, {"type": "function", "function": {"name": "nope"}},
+                                  "not among the tools"),
+                                 (None, "required", "needs 'tools'"),
+                                 (TOOLS, "always", "must be")):
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.chat.completions.create(tool_choice=choice, **forced,
+                                           **({"tools": tools} if tools else {}))
+    with pytest.raises(openai.BadRequestError, match="combined"):
         client.chat.completions.create(**{**ask, "tool_choice": "required"})
 
 
