@@ -38,6 +38,7 @@ from .grammar import JSON_WHITESPACE
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
+_JSON_STRING_BODY = re.compile(r'(?:[^"\\]|\\.)*(?:\\\Z)?', re.S)  # up to an unescaped quote
 _FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?```", re.S)
 
 
@@ -81,26 +82,30 @@ def _call(obj: Any) -> ToolCall | None:
     return ToolCall(obj["name"], text)
 
 
-def forced_call_grammar(tools: list[dict[str, Any]], only: str | None = None) -> str:
-    """llguidance Lark text whose outputs are one or more tagged calls of the request's
-    tools (or of the function `only`), arguments per each tool's JSON schema: what
-    tool_choice "required" or a named function asks for."""
-    alts = []
+def forced_call_grammar(tools: list[dict[str, Any]], only: str | None = None,
+                        parallel: bool = True) -> str:
+    """llguidance Lark text whose outputs are tagged calls of the request's tools (or of
+    the function `only`; one call unless `parallel`), arguments per each tool's JSON
+    schema: what tool_choice "required" or a named function asks for. Each tool's
+    parameters are their own %json rule, so their "#" and "$defs" references resolve
+    against the tool's schema; arguments are always an object, as OpenAI sends them."""
+    calls, rules = [], []
     for t in tools:
         fn = t.get("function") if isinstance(t.get("function"), dict) else t
         name = fn.get("name")
         if not isinstance(name, str) or (only is not None and name != only):
             continue
         params = fn.get("parameters")
-        alts.append({"type": "object", "additionalProperties": False,
-                     "required": ["name", "arguments"],
-                     "properties": {"name": {"const": name},
-                                    "arguments": params if isinstance(params, dict)
-                                    else {"type": "object"}}})
-    schema = {"anyOf": alts, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
-    return ('start: block ("\\n" block)*\n'
-            f'block: "{OPEN}\\n" call "\\n{CLOSE}"\n'
-            f"call: %json {json.dumps(schema)}\n")
+        schema = ({**params, "type": "object"} if isinstance(params, dict)
+                  and params.get("type", "object") == "object" else {"type": "object"})
+        schema["x-guidance"] = {"whitespace_pattern": JSON_WHITESPACE}
+        k = len(calls)
+        head = json.dumps('{"name": ' + json.dumps(name) + ', "arguments": ')
+        calls.append(f"call{k}")
+        rules.append(f'call{k}: {head} args{k} "}}"\nargs{k}: %json {json.dumps(schema)}\n')
+    start = 'start: block ("\\n" block)*\n' if parallel else "start: block\n"
+    return (start + f'block: "{OPEN}\\n" call "\\n{CLOSE}"\n'
+            f"call: {' | '.join(calls) or 'NONE'}\n" + "".join(rules))
 
 
 def _no_constant(name: str) -> Any:
@@ -171,10 +176,14 @@ def _may_be_call_json(text: str, names: set[str]) -> bool:
         if len(part) < len(lit):
             return True  # the text ends inside the head
         i = i + len(lit) if lit == '"' else space(i + len(lit))
-    name, closed, _ = text[i:].partition('"')
-    if not names:
-        return True
-    return name in names if closed else any(t.startswith(name) for t in names)
+    raw = _JSON_STRING_BODY.match(text, i)
+    assert raw is not None  # matches the empty string at least
+    if raw.end() < n:  # the name is closed
+        name = _json('"' + raw.group(0) + '"')
+        return isinstance(name, str) and (not names or name in names)
+    if "\\" in raw.group(0) or not names:
+        return True  # an escape not yet complete: kept until the name ends
+    return any(t.startswith(raw.group(0)) for t in names)
 
 
 def _may_open_bare_call(text: str, names: set[str]) -> bool:

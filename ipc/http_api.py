@@ -205,10 +205,11 @@ def _oai_finish(reason: str) -> str:
     return "length" if reason in ("length", "time_limit") else "stop"
 
 
-def _tool_choice(tools: list[dict[str, Any]] | None, choice: Any
+def _tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True
                  ) -> tuple[set[str] | None, str | None]:
     """(the declared tools' names, whose calls the reply is read for: None for
-    tool_choice "none"; a grammar forcing calls, for "required" or a named function)."""
+    tool_choice "none"; a grammar forcing calls, for "required" or a named function,
+    one call if not `parallel`)."""
     if choice == "none":
         return None, None
     if choice is not None and choice != "auto" and not tools:
@@ -217,16 +218,17 @@ def _tool_choice(tools: list[dict[str, Any]] | None, choice: Any
     if choice in (None, "auto"):
         return (names if tools else None), None
     if choice == "required":
-        return names, forced_call_grammar(tools or [])
+        return names, forced_call_grammar(tools or [], parallel=parallel)
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(
+            name, str):
         raise BadRequest("'tool_choice' must be 'auto', 'none', 'required' or "
                          "{type: function, function: {name}}", param="tool_choice")
     if name not in names:
         raise BadRequest(f"'tool_choice' names {name!r}, which is not among the tools",
                          param="tool_choice")
-    return names, forced_call_grammar(tools or [], name)
+    return names, forced_call_grammar(tools or [], name, parallel)
 
 
 async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -248,7 +250,8 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if tools is not None and not (isinstance(tools, list)
                                       and all(isinstance(t, dict) for t in tools)):
             raise BadRequest("'tools' must be an array of objects", param="tools")
-        names, forced = _tool_choice(tools, body.get("tool_choice"))
+        names, forced = _tool_choice(tools, body.get("tool_choice"),
+                                     get(body, "parallel_tool_calls", bool, True))
         if names is None:  # tool_choice none: the model is not told of tools either
             tools = None
         try:

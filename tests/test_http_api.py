@@ -160,6 +160,8 @@ def test_openai_client_gets_tool_calls(server) -> None:  # noqa: ANN001
     for tools, choice, match in ((TOOLS, {"type": "function", "function": {"name": "nope"}},
                                   "not among the tools"),
                                  (None, "required", "needs 'tools'"),
+                                 (TOOLS, {"type": "function", "function": {"name": {}}},
+                                  "must be"),
                                  (TOOLS, "always", "must be")):
         with pytest.raises(openai.BadRequestError, match=match):
             client.chat.completions.create(tool_choice=choice, **forced,

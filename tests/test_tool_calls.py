@@ -6,12 +6,24 @@ import json
 
 import pytest
 
-from specd.daemon.tool_calls import ToolCallStream, parse_tool_calls, tool_names
+from specd.daemon.tokenizer import Tokenizer
+from specd.daemon.tool_calls import (
+    ToolCallStream,
+    forced_call_grammar,
+    parse_tool_calls,
+    tool_names,
+)
+from specd.ort_models.gguf_file import GGUFFile
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {}}}]
 NAMES = tool_names(TOOLS)
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_model_factory) -> Tokenizer:  # noqa: ANN001
+    return Tokenizer.from_metadata(GGUFFile(tiny_model_factory(arch="qwen2")).metadata)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -123,6 +135,52 @@ def test_a_json_answer_streams_once_it_cannot_be_a_call() -> None:
     assert "".join(s.feed(c) for c in '{ "name" : "get_w') == ""  # may still be a call
     first_key_later = '{"arguments": {}, "name": "get_time"}'  # not how models write calls
     assert parse_tool_calls(first_key_later, NAMES) == (first_key_later, [])
+
+
+def test_escaped_names_of_bare_calls() -> None:
+    """A name written with JSON escapes (as json.dumps with ensure_ascii writes it) is the
+    name it decodes to, streamed or whole."""
+    names = {"get_weather", "météo", 'say"hi'}
+    for text, name in (('{"name": "get\\u005fweather", "arguments": {}}', "get_weather"),
+                       ('{"name": "m\\u00e9t\\u00e9o", "arguments": {}}', "météo"),
+                       ('{"name": "say\\"hi", "arguments": {}}', 'say"hi')):
+        assert [c.name for c in parse_tool_calls(text, names)[1]] == [name]
+        s = ToolCallStream(names)
+        assert "".join(s.feed(c) for c in text) == ""
+        assert [c.name for c in s.finish()[1]] == [name]
+
+
+def test_forced_call_grammar(tiny_tok) -> None:  # noqa: ANN001
+    """tool_choice required / named: each tool's parameters are their own JSON document
+    ($defs and "#" resolve in it), arguments are always an object, one call unless
+    parallel calls are allowed."""
+    from specd.daemon.grammar import compile_constraint
+
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}},
+                                         "tag": {"$ref": "#/$defs/Tag"}},
+        "$defs": {"Tag": {"type": "string", "maxLength": 3}}}}},
+        {"type": "function", "function": {"name": "free", "parameters": {}}}]
+
+    def accepts(grammar: str, text: str) -> bool:
+        st = compile_constraint("lark", grammar, tiny_tok).start()
+        for t in tiny_tok.encode(text, add_bos=False, parse_special=False):
+            if not st.is_allowed(t):
+                return False
+            st.consume(t)
+        return st.is_accepting()
+
+    g = forced_call_grammar(tools)
+    call = ('<tool_call>\n{"name": "tree", "arguments": {"kids": [{"kids": []}], '
+            '"tag": "a"}}\n</tool_call>')
+    assert accepts(g, call)
+    assert accepts(g, call + "\n" + call)
+    assert not accepts(forced_call_grammar(tools, parallel=False), call + "\n" + call)
+    assert not accepts(g, call.replace('{"kids": []}', "3"))  # "#" is the tool's schema
+    assert not accepts(g, call.replace('"a"', '"abcd"'))  # and $defs its $defs
+    assert accepts(g, '<tool_call>\n{"name": "free", "arguments": {}}\n</tool_call>')
+    assert not accepts(g, '<tool_call>\n{"name": "free", "arguments": 58}\n</tool_call>')
+    assert not accepts(forced_call_grammar(tools, "free"), call)
 
 
 def _stream(pieces: list[str]) -> tuple[str, list]:
