@@ -337,6 +337,9 @@ ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, cons
   for (int j = 0; j < nsub; j++, qs += 4 * 64) {
 #if SPECD_VNNI256
     __m256i s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
+#else
+    __m256i s16[ROWS_PER_PASS]; /* the sub-block's 8 maddubs a row, summed in 16 bits */
+#endif
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
       const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
@@ -345,29 +348,22 @@ ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, cons
 #pragma GCC unroll 8
       for (int m = 0; m < mt; m++) {
         const int8_t *xp = x[m] + 32 * j + 8 * p;
+#if SPECD_VNNI256
         s0[m] = DPBUSD(p ? s0[m] : _mm256_setzero_si256(), lo, bcast4(xp));
         s1[m] = DPBUSD(p ? s1[m] : _mm256_setzero_si256(), hi, bcast4(xp + 4));
+#else
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)),
+                                           _mm256_maddubs_epi16(hi, bcast4(xp + 4)));
+        s16[m] = p ? _mm256_add_epi16(s16[m], t) : t;
+#endif
       }
     }
+#if SPECD_VNNI256
     const __m256i scj = u8x8(sc + GROUP * j);
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++)
       isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0[m], s1[m]), scj));
 #else
-    __m256i s16[ROWS_PER_PASS]; /* the sub-block's 8 maddubs a row, summed in 16 bits */
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++) {
-      const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
-      const __m256i lo = _mm256_and_si256(v, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-#pragma GCC unroll 8
-      for (int m = 0; m < mt; m++) {
-        const int8_t *xp = x[m] + 32 * j + 8 * p;
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)),
-                                           _mm256_maddubs_epi16(hi, bcast4(xp + 4)));
-        s16[m] = p ? _mm256_add_epi16(s16[m], t) : t;
-      }
-    }
     const __m256i scj = pairs_u8(sc + GROUP * j, sc + GROUP * j);
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++)
