@@ -54,14 +54,20 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
-def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
-    """Names of the functions a request's `tools` declare."""
-    names = set()
+def _functions(tools: list[dict[str, Any]] | None) -> list[tuple[str, dict[str, Any]]]:
+    """(name, function) of each tool with a string name ({"type": "function", "function":
+    {...}} as OpenAI sends them, or the function object alone)."""
+    out = []
     for t in tools or []:
         fn = t.get("function") if isinstance(t.get("function"), dict) else t
         if isinstance(fn.get("name"), str):
-            names.add(fn["name"])
-    return names
+            out.append((fn["name"], fn))
+    return out
+
+
+def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
+    """Names of the functions a request's `tools` declare."""
+    return {name for name, _ in _functions(tools)}
 
 
 def _call(obj: Any) -> ToolCall | None:
@@ -70,9 +76,7 @@ def _call(obj: Any) -> ToolCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        try:
-            json.loads(args)
-        except ValueError:
+        if _json(args) is _NOT_JSON:
             return None
         text = args
     elif isinstance(args, dict):
@@ -90,10 +94,8 @@ def forced_call_grammar(tools: list[dict[str, Any]], only: str | None = None,
     parameters are their own %json rule, so their "#" and "$defs" references resolve
     against the tool's schema; arguments are always an object, as OpenAI sends them."""
     calls, rules = [], []
-    for t in tools:
-        fn = t.get("function") if isinstance(t.get("function"), dict) else t
-        name = fn.get("name")
-        if not isinstance(name, str) or (only is not None and name != only):
+    for name, fn in _functions(tools):
+        if only is not None and name != only:
             continue
         params = fn.get("parameters")
         schema = ({**params, "type": "object"} if isinstance(params, dict)
@@ -112,14 +114,17 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+_NOT_JSON = object()
+
+
 def _json(text: str) -> Any:
-    """The JSON value of `text`, or None: malformed, nested past Python's recursion
+    """The JSON value of `text`, or _NOT_JSON: malformed, nested past Python's recursion
     limit (a model stuck on "[" writes that), or with NaN / Infinity, which strict JSON
     clients cannot read back from the arguments."""
     try:
         return json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError):
-        return None
+        return _NOT_JSON
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
@@ -147,7 +152,7 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
     else none."""
     fenced = _FENCED.fullmatch(text)
     body = fenced.group(1) if fenced else text
-    obj = _json(body) if text[:1] in "{[`" and _may_be_call_json(body, names) else None
+    obj = _json(body) if text[:1] in "{[`" and _may_be_call_json(body, names) else _NOT_JSON
     items = obj if isinstance(obj, list) else [obj]
     calls = [_call(o) for o in items]
     if not items or not all(c is not None and _declared(c, names) for c in calls):

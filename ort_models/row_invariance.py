@@ -20,6 +20,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -56,31 +57,33 @@ def graph_nbits_configs(model_path: Path) -> frozenset[NBitsConfig]:
     return frozenset(found)
 
 
-def _probe_session(cfg: NBitsConfig, threads: int) -> object:
+def nbits_session(cfg: NBitsConfig, threads: int, k: int = PROBE_K, n: int = PROBE_N,
+                  seed: int = 0) -> Any:
+    """A CPU session of one MatMulNBits product [M, k] x [k, n] with random codes."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    rng = np.random.default_rng(0)
-    n_blocks = PROBE_K // cfg.block_size
-    b = rng.integers(0, 256, (PROBE_N, n_blocks, cfg.block_size * cfg.bits // 8), np.uint8)
-    scales = (rng.random(PROBE_N * n_blocks, np.float32) * 0.02).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    n_blocks = k // cfg.block_size
+    b = rng.integers(0, 256, (n, n_blocks, cfg.block_size * cfg.bits // 8), np.uint8)
+    scales = (rng.random(n * n_blocks, np.float32) * 0.02).astype(np.float32)
     inits = [helper.make_tensor("B", TensorProto.UINT8, b.shape, b.tobytes(), raw=True),
              helper.make_tensor("scales", TensorProto.FLOAT, scales.shape, scales.tobytes(),
                                 raw=True)]
     inputs = ["A", "B", "scales"]
     if cfg.zero_points:
         zp_bytes = -(-n_blocks * cfg.bits // 8)
-        zp = rng.integers(0, 256, (PROBE_N, zp_bytes), np.uint8)
+        zp = rng.integers(0, 256, (n, zp_bytes), np.uint8)
         inits.append(helper.make_tensor("zp", TensorProto.UINT8, zp.shape, zp.tobytes(),
                                         raw=True))
         inputs.append("zp")
     node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft",
-                            K=PROBE_K, N=PROBE_N, bits=cfg.bits, block_size=cfg.block_size,
+                            K=k, N=n, bits=cfg.bits, block_size=cfg.block_size,
                             accuracy_level=cfg.accuracy_level)
     graph = helper.make_graph(
         [node], "row_invariance",
-        [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", PROBE_K])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", PROBE_N])], inits)
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     so = ort.SessionOptions()
@@ -95,7 +98,7 @@ def rows_needed(cfg: NBitsConfig, threads: int = 1) -> int | None:
     """Fewest rows a MatMulNBits call with `cfg` must run, on the CPU EP here, to compute
     each row as a call of PROBE_ROWS rows does: 1, 2, or None when even 2 rows differ
     (no filler makes its rows invariant)."""
-    sess = _probe_session(cfg, threads)
+    sess = nbits_session(cfg, threads)
     a = np.random.default_rng(1).standard_normal((PROBE_ROWS, PROBE_K)).astype(np.float32)
     block = sess.run(None, {"A": a})[0]  # [PROBE_ROWS, N]
     if not np.array_equal(sess.run(None, {"A": a[:2]})[0], block[:2]):  # [2, N]

@@ -161,11 +161,8 @@ class ModelRunner:
     def call_rows(self, pos: int, n: int) -> int:
         """Rows a call of n tokens at `pos` runs: n, or the fixed shape (or min_rows) with
         filler rows (fewer where the KV buffers end)."""
-        if 1 < self.row_block and n <= self.row_block:
-            return max(n, min(self.row_block, self._kv_len - pos))
-        if n < self.min_rows:
-            return max(n, min(self.min_rows, self._kv_len - pos))
-        return n
+        shortest = max(self.row_block if n <= self.row_block else 1, self.min_rows)
+        return max(n, min(shortest, self._kv_len - pos))
 
     def invariant_block_limit(self, pos: int) -> int:
         """Most tokens a call starting at `pos` may hold so that each of its rows equals
@@ -230,9 +227,10 @@ class ModelRunner:
         m = self.call_rows(pos, n)
         if m > n:  # fixed shape: filler rows
             ids += [ids[-1]] * (m - n)  # positions after the real ones, overwritten later
-            rows += [rows[-1] if rows else n - 1] * (m - n_rows)
-        if len(rows) < self.min_rows:  # the output product too: a prefill's last row
-            rows += [rows[-1] if rows else n - 1] * (self.min_rows - len(rows))
+        # logits rows likewise: as many as the call's rows in a fixed shape, and at least
+        # min_rows (the output product of a prefill's last row too)
+        width = max(m if m > n else n_rows, self.min_rows)
+        rows += [rows[-1] if rows else n - 1] * (width - n_rows)
         b = self._bindings[seq]
         b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))

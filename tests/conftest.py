@@ -40,6 +40,15 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_tok(tiny_model_factory: Callable[..., Path]) -> Any:
+    """The tiny qwen2 model's tokenizer (byte tokens: any text can be spelled)."""
+    from specd.daemon.tokenizer import Tokenizer
+    from specd.ort_models.gguf_file import GGUFFile
+
+    return Tokenizer.from_metadata(GGUFFile(tiny_model_factory(arch="qwen2")).metadata)
+
+
 def fetched_model(name: str) -> Path:
     """The catalog model `name` from the store, downloaded (sha256 checked, cached in the
     platformdirs data dir) if it is not there yet; skips the test only where it cannot be

@@ -57,11 +57,6 @@ SMOLLM2 = Path("~/.local/share/specd/models/smollm2-135m-instruct.gguf").expandu
 
 
 @pytest.fixture(scope="module")
-def tiny_tok(tiny_model_factory: Any) -> Tokenizer:
-    return Tokenizer.from_metadata(GGUFFile(tiny_model_factory(arch="qwen2")).metadata)
-
-
-@pytest.fixture(scope="module")
 def smol_tok() -> Tokenizer:
     if not SMOLLM2.is_file():
         pytest.skip(f"{SMOLLM2} is not in the model store; "

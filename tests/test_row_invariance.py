@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build
@@ -12,31 +10,10 @@ from specd.ort_models.row_invariance import (
     NBitsConfig,
     graph_nbits_configs,
     min_call_rows,
+    nbits_session,
     rows_needed,
 )
 from specd.ort_models.runner import ModelRunner
-
-
-def _product(cfg: NBitsConfig, k: int, n: int) -> ort.InferenceSession:
-    rng = np.random.default_rng(7)
-    n_blocks = k // cfg.block_size
-    b = rng.integers(0, 256, (n, n_blocks, cfg.block_size * cfg.bits // 8), np.uint8)
-    scales = (rng.random(n * n_blocks, np.float32) * 0.02).astype(np.float32)
-    node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft",
-                            K=k, N=n, bits=cfg.bits, block_size=cfg.block_size,
-                            accuracy_level=cfg.accuracy_level)
-    graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
-        [helper.make_tensor("B", TensorProto.UINT8, b.shape, b.tobytes(), raw=True),
-         helper.make_tensor("scales", TensorProto.FLOAT, scales.shape, scales.tobytes(),
-                            raw=True)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    return ort.InferenceSession(model.SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
 
 
 def test_the_small_probe_predicts_a_model_sized_product() -> None:
@@ -45,7 +22,7 @@ def test_the_small_probe_predicts_a_model_sized_product() -> None:
     for cfg in (NBitsConfig(4, 32, 4, False), NBitsConfig(8, 32, 4, False)):
         need = rows_needed(cfg, 2)
         assert need in (1, 2)
-        sess = _product(cfg, 1536, 1024)
+        sess = nbits_session(cfg, 2, 1536, 1024, seed=7)
         a = np.random.default_rng(3).standard_normal((9, 1536)).astype(np.float32)
         block = sess.run(None, {"A": a})[0]  # [9, N]
         for i in range(3):

@@ -6,24 +6,18 @@ import json
 
 import pytest
 
-from specd.daemon.tokenizer import Tokenizer
 from specd.daemon.tool_calls import (
     ToolCallStream,
     forced_call_grammar,
     parse_tool_calls,
     tool_names,
 )
-from specd.ort_models.gguf_file import GGUFFile
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}},
          {"type": "function", "function": {"name": "get_time", "parameters": {}}}]
 NAMES = tool_names(TOOLS)
 
-
-@pytest.fixture(scope="module")
-def tiny_tok(tiny_model_factory) -> Tokenizer:  # noqa: ANN001
-    return Tokenizer.from_metadata(GGUFFile(tiny_model_factory(arch="qwen2")).metadata)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -73,6 +67,8 @@ def test_malformed_calls_leave_the_reply_as_content(text: str) -> None:
     "[" * 1200,  # a model stuck on one token: past json's recursion limit
     '{"a":' * 1200,
     "<tool_call>" + "[" * 1200,
+    '<tool_call>{"name": "get_time", "arguments": "' + "[" * 1200 + '"}</tool_call>',
+    '<tool_call>{"name": "get_time", "arguments": "{\\"t\\": NaN}"}</tool_call>',
     '<tool_call>{"name": "get_time", "arguments": {"t": NaN}}</tool_call>',  # not JSON
     '{"name": "get_time", "arguments": {"t": -Infinity}}',
     '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',  # not a declared tool
