@@ -141,7 +141,13 @@ FLAGS = ["-O3", "-std=c11", "-march=native", "-ffp-contract=off", "-fno-math-err
 def sources(rev: str | None, out: Path) -> None:
     """The kernel sources at `rev` (None: the working tree) into `out`."""
     out.mkdir(parents=True)
-    for name in ("gguf_matmul.c", "specd_ops.h", "ort_api_subset.h"):
+    if rev is None:
+        names = [p.name for p in (ROOT / KERNELS).iterdir()]
+    else:
+        names = [Path(p).name for p in subprocess.run(
+            ["git", "ls-tree", "--name-only", rev, f"{KERNELS}/"], cwd=ROOT, check=True,
+            capture_output=True, text=True).stdout.split()]
+    for name in ["gguf_matmul.c", *(n for n in names if n.endswith(".h"))]:  # and its headers
         path = f"{KERNELS}/{name}"
         text = ((ROOT / path).read_text() if rev is None else subprocess.run(
             ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,

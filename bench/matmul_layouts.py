@@ -15,7 +15,8 @@ Prints ms per matrix and the layout's bytes over that time (data + fp32 scales +
 points), next to numpy's read bandwidth over the same threads: the gap between the two
 is what the kernel, not the memory, costs. For MatMulNBits GGUF Q4_K maps to 4:32:zp and
 Q6_K to 8:16 (see ort_models/quant.py); llama.cpp reads those files at 4.5 and 6.56 bits
-per weight, GgufMatMul at 4.62 and 6.56.
+per weight, GgufMatMul at 4.62 and 6.56. GGUF Q4_0 / Q4_1 map to 4:32 / 4:32:zp (5 /
+5.25 bits per weight), which GgufMatMul reads at their own 4.5 / 5.
 """
 
 from __future__ import annotations
@@ -37,16 +38,23 @@ STREAM_BYTES = 512 << 20  # weights per streaming session: far past any L3
 
 def layout_bytes(bits: int | str, bs: int, zp: bool, n: int, k: int) -> int:
     if isinstance(bits, str):  # gguf:TYPE
-        return -(-n // GROUP) * (k // 256) * GROUP_BYTES[bits]
+        return -(-n // GROUP) * k // block_cols(bits) * GROUP_BYTES[bits]
     blocks = n * (k // bs)
     return n * k * bits // 8 + blocks * 4 + (n * ((k // bs * bits + 7) // 8) if zp else 0)
 
 
+def block_cols(type_name: str) -> int:
+    """Columns of one GGUF block: 256 (K-quants), 32 (Q4_0 / Q4_1)."""
+    return 256 if type_name.endswith("_K") else 32
+
+
 def gguf_rows(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random GGUF rows of `type_name` with sane f16 factors (no NaN or subnormal)."""
-    raw = rng.integers(0, 256, size=(n, k // 256, BLOCK_BYTES[type_name]), dtype=np.uint8)
+    raw = rng.integers(0, 256, size=(n, k // block_cols(type_name), BLOCK_BYTES[type_name]),
+                       dtype=np.uint8)
     f16 = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
-    for off in ((0, 2) if type_name == "Q4_K" else (208,)):
+    offsets = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}[type_name]
+    for off in offsets:
         raw[..., off:off + 2] = f16
     return regroup(type_name, raw.reshape(n, -1), n, k)
 

@@ -1,4 +1,4 @@
-"""GGUF K-quant rows regrouped for specd's GgufMatMul kernel (kernels/gguf_matmul.c).
+"""GGUF rows regrouped for specd's GgufMatMul kernel (kernels/gguf_matmul.c).
 
 The kernel reads 16 output rows at a time, one per 32-bit lane of a 512-bit vector, so
 the blocks of 16 consecutive rows are interleaved per superblock of 256 columns and a
@@ -15,17 +15,23 @@ Q4_K group: d[16] f16 | dmin[16] f16 | sc[8 sub][16 rows] | m[8 sub][16 rows] |
 Q6_K group: d[16] f16 | sc[16 sub][16 rows] i8 | per sub-block j (192 bytes):
             low nibbles[2 p][16 rows][4 e]: low 16j+8p+e, high 16j+8p+4+e |
             high bits[16 rows][4 e]: bits 2t..2t+1 = code 16j+4t+e >> 4
+Q4_0 / Q4_1 (blocks of 32, no superblocks), per block of 16 rows: d[16] f16 |
+            (Q4_1: m[16] f16 |) codes[4 p][16 rows][4 e] as a Q4_K sub-block's
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
 from .quant import QK_K, k_scale_min
 
 GROUP = 16  # rows per group (kernels/gguf_matmul.c's GROUP)
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
-GROUP_BYTES = {"Q4_K": GROUP * (2 + 2 + 8 + 8 + 128), "Q6_K": GROUP * BLOCK_BYTES["Q6_K"]}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
+# bytes per 16 rows of a superblock of 256 (K-quants) or of a block of 32 (Q4_0 / Q4_1)
+GROUP_BYTES = {"Q4_0": GROUP * (2 + 16), "Q4_1": GROUP * (2 + 2 + 16),
+               "Q4_K": GROUP * (2 + 2 + 8 + 8 + 128), "Q6_K": GROUP * BLOCK_BYTES["Q6_K"]}
 SUB_CODE_BYTES = GROUP * 16  # Q4_K: the codes of one sub-block of 32, 16 rows
 
 
@@ -96,10 +102,30 @@ def q6_k_x16(raw: np.ndarray, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(g, -1))
 
 
-REGROUP = {"Q4_K": q4_k_x16, "Q6_K": q6_k_x16}
+def q4_legacy_x16(raw: np.ndarray, n: int, k: int, type_name: str) -> np.ndarray:
+    """Q4_0 / Q4_1 rows [N, K/32 blocks] -> [ceil(N/16), K/32 * group bytes]."""
+    bb, nblk = BLOCK_BYTES[type_name], k // 32
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nblk, bb)
+    b = np.concatenate([b, np.zeros((-n % GROUP, nblk, bb), np.uint8)])  # [N16, nblk, bb]
+    n16, g = b.shape[0], b.shape[0] // GROUP
+    qs = b[..., bb - 16:]  # [N16, nblk, 16]: code l < 16 in the low nibble of byte l
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n16, nblk, 4, 2, 4)  # p, half, e
+    codes = q[..., 0, :] | (q[..., 1, :] << 4)  # [N16, nblk, 4 p, 4 e]
+    parts = [_by_group(b[..., f:f + 2]).transpose(0, 1, 3, 2)  # d (Q4_1: m): [G, nblk, rows, 2]
+             for f in range(0, bb - 16, 2)]
+    parts.append(_by_group(codes).transpose(0, 1, 2, 4, 3))  # [G, nblk, p, rows, e]
+    out = np.concatenate([p.reshape(g, nblk, -1) for p in parts], axis=2)
+    assert out.shape[2] == GROUP_BYTES[type_name]
+    return np.ascontiguousarray(out.reshape(g, -1))
+
+
+REGROUP = {"Q4_K": q4_k_x16, "Q6_K": q6_k_x16,
+           "Q4_0": partial(q4_legacy_x16, type_name="Q4_0"),
+           "Q4_1": partial(q4_legacy_x16, type_name="Q4_1")}
 
 
 def regroup(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
-    """GGUF rows [N, row_bytes] of `type_name`, each ceil(k / 256) superblocks (zero-padded
-    past the product's K = k) -> GgufMatMul's W [ceil(N/16), group bytes]."""
+    """GGUF rows [N, row_bytes] of `type_name` -> GgufMatMul's W [ceil(N/16), group bytes].
+    K-quant rows hold ceil(k / 256) superblocks (zero-padded past the product's K = k),
+    Q4_0 / Q4_1 rows their k / 32 blocks."""
     return REGROUP[type_name](raw, n, k)

@@ -24,7 +24,7 @@ numbers in a block as alone, as long as the block does not cross a bucket bounda
 runner guarantees that for verify).
 Drafts may take attention="fused" instead: GroupQueryAttention, faster, not row-invariant
 (`attn_len` is then unused). Where specd's own kernels run (native_ops), kernels="gguf"
-multiplies Q4_K / Q6_K matrices with GgufMatMul on the GGUF's own blocks and
+multiplies Q4_0 / Q4_1 / Q4_K / Q6_K matrices with GgufMatMul on the GGUF's own blocks and
 attention="native" rotates, writes the cache in place and attends over it in one
 CachedAttention node: both compute
 each row alone in a fixed order, so they are row-invariant by construction (`attn_len`
@@ -60,12 +60,13 @@ from .quant import (
     requantize_q4,
 )
 
-BUILDER_VERSION = "11"
+BUILDER_VERSION = "12"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 ATTENTION_KINDS = ("exact", "fused", "native")
-# "ort": every quantized matrix through MatMulNBits (lossless re-layout); "gguf": Q4_K /
-# Q6_K matrices through specd's GgufMatMul kernel on the GGUF's own blocks (native_ops)
+# "ort": every quantized matrix through MatMulNBits (lossless re-layout); "gguf": Q4_0 /
+# Q4_1 / Q4_K / Q6_K matrices through specd's GgufMatMul kernel on the GGUF's own blocks
+# (native_ops)
 KERNEL_KINDS = ("ort", "gguf")
 F32 = TensorProto.FLOAT
 F16 = TensorProto.FLOAT16
@@ -176,7 +177,7 @@ def _matrix(c: _Ctx, name: str, *, exact: bool = False) -> Matrix:
         t = c.f.tensor(name)
         n, k = t.shape
         if (not exact and not requant and c.options.kernels == "gguf"
-                and t.type_name in GGUF_MATMUL_TYPES and k % QK_K == 0):
+                and t.type_name in GGUF_MATMUL_TYPES):
             data = np.ascontiguousarray(t.data).view(np.uint8).reshape(n, -1)
             c.shared[key] = GgufRows(t.type_name, n, k, data)
         elif requant == "q4k":  # drafts: Q4_K blocks for GgufMatMul, rows zero-padded

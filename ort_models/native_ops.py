@@ -1,7 +1,7 @@
 """specd's own ONNX Runtime kernels, compiled on first use for the CPU they run on.
 
 `kernels/gguf_matmul.c` multiplies by weights kept in GGUF's own block layout
-(`specd.GgufMatMul`; Q4_K and Q6_K), reading the file's bytes per token instead of the
+(`specd.GgufMatMul`; Q4_0, Q4_1, Q4_K and Q6_K), reading the file's bytes per token instead of the
 wider lossless MatMulNBits layout; `kernels/causal_attention.c` (`specd.CausalAttention`,
 and `specd.CachedAttention`, which also rotates the new rows and writes them into the
 cache) attends over the KV cache in place, row-invariant by construction. They are built with
@@ -36,7 +36,7 @@ SOURCES = ("specd_ops.c", "thread_pool.c", "gguf_matmul.c", "causal_attention.c"
 HEADERS = tuple(sorted(p.name for p in KERNEL_DIR.glob("*.h")))  # all in the build hash
 DOMAIN = "specd"
 # GGUF tensor types GgufMatMul reads (name -> ggml type id)
-GGUF_MATMUL_TYPES = {"Q4_K": 12, "Q6_K": 14}
+GGUF_MATMUL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
 # -ffp-contract=off: no FMA contraction, so every build rounds as the contract says
 BASE_FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
 

@@ -240,7 +240,10 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def gguf_matmul(x: np.ndarray, blocks: Any) -> np.ndarray:
-    """x [M, K] @ W^T for Q4_K / Q6_K blocks, rounding exactly as the kernel does."""
+    """x [M, K] @ W^T for Q4_K / Q6_K blocks (tiny_gguf.KQuantBlocks) or Q4_0 / Q4_1
+    blocks (tiny_gguf.Q4Blocks), rounding exactly as the kernel does."""
+    if blocks.qtype in ("Q4_0", "Q4_1"):
+        return _gguf_matmul_q4(x, blocks)
     n, k = blocks.rows, blocks.cols
     nb = k // 256
     x = np.pad(np.asarray(x, np.float32), ((0, 0), (0, k - x.shape[1])))  # K < row: zeros
@@ -267,4 +270,31 @@ def gguf_matmul(x: np.ndarray, blocks: Any) -> np.ndarray:
     y = np.zeros(part.shape[:2], np.float32)
     for b in range(nb):  # superblocks in order, float32 adds
         y = y + part[:, :, b]
+    return y
+
+
+def _gguf_matmul_q4(x: np.ndarray, blocks: Any) -> np.ndarray:
+    """Q4_0 / Q4_1: per superblock i of 256 columns, t = sum over its blocks j of 32 (in
+    order, float32) of d[j] * (s[j] - 8 * sum a) (Q4_0) or d[j] * s[j] + m[j] * sum a
+    (Q4_1), s[j] the integer dot product of codes and A's int8 values; y += da[i] * t."""
+    n, k = blocks.rows, blocks.cols
+    nb, nblk = -(-k // 256), k // 32
+    x = np.pad(np.asarray(x, np.float32), ((0, 0), (0, nb * 256 - x.shape[1])))
+    xq, da = quantize_activations(x)  # [M, nb, 256], [M, nb]
+    xs = xq.reshape(x.shape[0], -1, 32)[:, :nblk]  # [M, nblk, 32]
+    s = np.einsum("njl,mjl->mnj", blocks.q.reshape(n, nblk, 32).astype(np.int64), xs)
+    bs = xs.sum(axis=-1)[:, None, :]  # [M, 1, nblk]
+    d = blocks.d.astype(np.float32)[None]  # [1, N, nblk]
+    m = blocks.m.astype(np.float32)[None] if blocks.qtype == "Q4_1" else None
+    y = np.zeros((x.shape[0], n), np.float32)
+    for i in range(nb):
+        t = np.zeros_like(y)
+        for j in range(8 * i, min(8 * i + 8, nblk)):
+            if m is not None:
+                u = (d[..., j] * s[..., j].astype(np.float32)
+                     + m[..., j] * bs[..., j].astype(np.float32))
+            else:
+                u = d[..., j] * (s[..., j] - 8 * bs[..., j]).astype(np.float32)
+            t = t + u
+        y = y + da[:, i:i + 1] * t
     return y

@@ -18,7 +18,7 @@ from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
 from numpy_reference import ReferenceModel, gguf_matmul
-from tiny_gguf import random_kquant_blocks
+from tiny_gguf import random_kquant_blocks, random_q4_blocks
 
 LIB = native_ops.library()
 WHY = native_ops.unavailable_reason() or ""
@@ -33,7 +33,14 @@ pytestmark = pytest.mark.skipif(LIB is None and EXPECTED_ABSENCE,
 
 def test_the_kernels_build() -> None:
     assert LIB is not None, f"specd's kernels did not build: {WHY}"
-TYPES = {"Q4_K": 12, "Q6_K": 14}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
+KQUANTS = ("Q4_K", "Q6_K")
+
+
+def _blocks(rng: np.random.Generator, n: int, k: int, qtype: str, std: float = 0.05):  # noqa: ANN202
+    """Random blocks of `qtype` with their logical fields (the contract's input)."""
+    make = random_kquant_blocks if qtype in KQUANTS else random_q4_blocks
+    return make(rng, n, k, qtype, std)
 
 
 def _session(raw: np.ndarray, ggml_type: int, k: int, n: int, lib: Path | None = None,
@@ -78,7 +85,7 @@ def _inputs(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
 @pytest.mark.parametrize("k, n", [(256, 40), (768, 33)])
 def test_matches_the_numpy_contract_bitwise(qtype: str, k: int, n: int) -> None:
     rng = np.random.default_rng(k + n)
-    blocks = random_kquant_blocks(rng, n, k, qtype, std=0.05)
+    blocks = _blocks(rng, n, k, qtype)
     sess = _session(blocks.pack(), TYPES[qtype], k, n)
     for m in (1, 3, 17, 40):  # one row, a verify block, across the 16-row tile
         x = _inputs(rng, m, k)
@@ -86,7 +93,7 @@ def test_matches_the_numpy_contract_bitwise(qtype: str, k: int, n: int) -> None:
         np.testing.assert_array_equal(got, gguf_matmul(x, blocks))
 
 
-@pytest.mark.parametrize("qtype", list(TYPES))
+@pytest.mark.parametrize("qtype", KQUANTS)
 def test_k_short_of_whole_superblocks_counts_zeros(qtype: str) -> None:
     """K = 896 (the 0.5B draft's width): rows hold 4 superblocks (a Q4_K group's last one
     only its first 4 sub-blocks of 32), A's missing values are 0. Also K = 900, which ends
@@ -105,12 +112,25 @@ def test_k_short_of_whole_superblocks_counts_zeros(qtype: str) -> None:
             np.testing.assert_array_equal(sess.run(None, {"A": x})[0], gguf_matmul(x, blocks))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_rows_end_inside_a_superblock(qtype: str) -> None:
+    """Q4_0 / Q4_1 rows hold K/32 blocks: K = 576 (SmolLM2's width) ends a quarter into
+    its third superblock, K = 96 inside the first; A's missing values count as zeros."""
+    for k in (576, 96):
+        rng = np.random.default_rng(5 + k)
+        blocks = _blocks(rng, 24, k, qtype)
+        sess = _session(blocks.pack(), TYPES[qtype], k, 24)
+        for m in (1, 3, 8):
+            x = _inputs(rng, m, k)
+            np.testing.assert_array_equal(sess.run(None, {"A": x})[0], gguf_matmul(x, blocks))
+
+
 @pytest.mark.parametrize("qtype", list(TYPES))
 def test_close_to_the_float_product(qtype: str) -> None:
     """Only the int8 activations round: compared with gguf-py's own dequantization."""
     rng = np.random.default_rng(7)
     k, n = 512, 64
-    blocks = random_kquant_blocks(rng, n, k, qtype, std=0.05)
+    blocks = _blocks(rng, n, k, qtype)
     raw = blocks.pack()
     w = dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
     x = rng.normal(0, 1, size=(5, k)).astype(np.float32)
@@ -150,7 +170,9 @@ def test_portable_build_equals_the_native_one(portable: tuple[str, Path]) -> Non
     rng = np.random.default_rng(5)
     for (qtype, t), k in [(qt, k) for qt in TYPES.items() for k in (512, 896)]:
         k_rows = -(-k // 256) * 256  # K = 896: a Q4_K group's last superblock is trimmed
-        blocks = random_kquant_blocks(rng, 24, k_rows, qtype, std=0.05)
+        if qtype not in KQUANTS:
+            k_rows = k
+        blocks = _blocks(rng, 24, k_rows, qtype)
         w = regroup(qtype, blocks.pack(), 24, k)
         x = _inputs(rng, 4, k)
         a = _session(blocks.pack(), t, k, 24, grouped=w).run(None, {"A": x})[0]
@@ -177,8 +199,11 @@ def test_bad_shapes_and_attributes_are_named() -> None:
     sess = _session(blocks.pack(), 12, 256, 8)
     with pytest.raises(Exception, match="last dimension of A is not K"):
         sess.run(None, {"A": np.zeros((1, 255), np.float32)})
-    with pytest.raises(Exception, match="ggml_type must be"):
-        _session(blocks.pack(), 2, 256, 8)
+    grouped = regroup("Q4_K", blocks.pack(), 8, 256)
+    with pytest.raises(Exception, match="ggml_type must be"):  # 8: Q8_0
+        _session(blocks.pack(), 8, 256, 8, grouped=grouped)
+    with pytest.raises(Exception, match="multiple of 32"):
+        _session(blocks.pack(), 2, 250, 8, grouped=grouped)
     short = regroup("Q4_K", blocks.pack(), 8, 256)[:, :-1].copy()
     with pytest.raises(Exception, match="W is not"):
         _session(blocks.pack(), 12, 256, 8, grouped=short).run(
@@ -253,7 +278,8 @@ TOKENS = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]
 
 
 # Q5_K has no GgufMatMul path: its matrices stay on MatMulNBits beside the native attention
-MODEL_CASES = [("qwen2", "Q4_K"), ("llama", "Q6_K"), ("qwen3", "Q4_K"), ("llama", "Q5_K")]
+MODEL_CASES = [("qwen2", "Q4_K"), ("llama", "Q6_K"), ("qwen3", "Q4_K"), ("llama", "Q5_K"),
+               ("llama", "Q4_0"), ("qwen2", "Q4_1")]
 NATIVE = BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")
 
 

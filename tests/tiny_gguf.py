@@ -310,6 +310,45 @@ def random_kquant_blocks(
     return KQuantBlocks(qtype, rows, cols, d, dmin, sc, m, q)
 
 
+@dataclass
+class Q4Blocks:
+    """Logical content of Q4_0 / Q4_1 blocks of 32 for a (rows, cols) matrix.
+
+    Q4_0: value = d * (q - 8);  Q4_1: value = d * q + m;  q in 0..15, j = block of 32.
+    """
+
+    qtype: str
+    rows: int
+    cols: int
+    d: np.ndarray  # (rows, cols // 32) float16
+    m: np.ndarray | None  # (rows, cols // 32) float16, Q4_1 only
+    q: np.ndarray  # (rows, cols) uint8 0..15
+
+    def pack(self) -> np.ndarray:
+        """The raw bytes, uint8 (rows, cols // 32 * type_size), ggml block layout."""
+        q = self.q.reshape(self.rows, -1, 32).astype(np.uint8)
+        parts = [self.d.astype("<f2").view(np.uint8).reshape(self.rows, -1, 2)]
+        if self.m is not None:
+            parts.append(self.m.astype("<f2").view(np.uint8).reshape(self.rows, -1, 2))
+        parts.append(q[..., :16] | (q[..., 16:] << 4))  # value l < 16 in the low nibble
+        return np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(self.rows, -1))
+
+
+def random_q4_blocks(
+    rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float
+) -> Q4Blocks:
+    """Random Q4_0 / Q4_1 blocks whose values have roughly `std` and mean ~0."""
+    if qtype not in ("Q4_0", "Q4_1") or cols % 32:
+        raise ValueError(f"Q4_0 / Q4_1 rows of a multiple of 32 values, got {qtype} {cols}")
+    shape = (rows, cols // 32)
+    q = rng.integers(0, 16, size=(rows, cols)).astype(np.uint8)
+    d = (std / 4.61 * rng.uniform(0.7, 1.3, size=shape)).astype(np.float16)  # std(q) 4.61
+    m = None
+    if qtype == "Q4_1":  # centred near zero: m ~ -7.5 d
+        m = (-7.5 * d.astype(np.float32) * rng.uniform(0.8, 1.2, size=shape)).astype(np.float16)
+    return Q4Blocks(qtype, rows, cols, d, m, q)
+
+
 # ---------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------
