@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = engine.encode_prompt(text, chat=chat)
     params = cfg.defaults
     gen = engine.start(0, prompt, params)
-    detok = IncrementalDetokenizer(engine.tokenizer)
+    detok = IncrementalDetokenizer(engine.tokenizer, skip_special=True)  # as the server
     out = sys.stdout
     eog = engine.eog_ids
 

@@ -172,8 +172,14 @@ class Generation:
     def _grammar_finished(self, dead: bool = False) -> bool:
         """Stop at a grammar dead end, or once the grammar allows nothing but the end."""
         g = self.grammar
-        if g is None or self.done:
+        if g is None:
             return self.done
+        if self.done:
+            # the token budget ran out on the token that completed the grammar: nothing
+            # was cut off (clients such as the OpenAI SDK's parse() refuse "length")
+            if self.finish_reason == "length" and not dead and g.is_stopped() and not g.dead_end:
+                self.finish_reason = "stop"
+            return True
         if dead or g.dead_end:
             self.finish_reason = "grammar_dead_end"
         elif g.is_stopped():

@@ -34,7 +34,7 @@ from typing import Any
 
 import llguidance as llg
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
+from llguidance.gbnf_to_lark import any_to_lark, gbnf_to_lark
 from tokenizers import Tokenizer as _Backend
 from tokenizers import normalizers
 
@@ -154,8 +154,8 @@ def compile_constraint(kind: str, spec: Any, tokenizer: Tokenizer) -> Grammar:
       * ``json_schema``: ``spec`` is a JSON Schema, as a dict or a JSON string.
       * ``regex``: ``spec`` is a regular expression (Rust ``regex`` syntax) the whole
         output must match.
-      * ``lark``: llguidance's Lark-like grammar text (a GBNF grammar, with ``::=`` rules
-        and no ``start:`` rule, is converted).
+      * ``lark``: llguidance's Lark-like grammar text (a GBNF grammar, with ``name ::=``
+        rule lines, is converted).
       * ``gbnf``: llama.cpp GBNF grammar text (Lark text is accepted as is).
 
     Raises GrammarError with llguidance's message when the constraint does not compile.
@@ -187,22 +187,30 @@ def _grammar_source(kind: str, spec: Any) -> tuple[str, str]:
         return "", llg.LLMatcher.grammar_from_json_schema({"type": "object"}, _JSON_DEFAULTS)
     if kind == "json_schema":
         schema = _schema_dict(spec)
-        try:
-            text = json.dumps(schema, sort_keys=True)
+        try:  # the schema's own key order: properties are generated in it
+            text = json.dumps(schema)
             return text, llg.LLMatcher.grammar_from_json_schema(text, _JSON_DEFAULTS)
         except (TypeError, ValueError) as e:
             raise GrammarError(f"invalid json_schema constraint: {e}") from None
     if not isinstance(spec, str):
         raise GrammarError(f"a {kind} constraint must be a string, got {type(spec).__name__}")
+    try:
+        spec.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in the request's JSON)
+        raise GrammarError(f"invalid {kind} constraint: not valid Unicode text "
+                           f"({e.reason} at character {e.start})") from None
     if kind == "regex":
         return spec, llg.LLMatcher.grammar_from_regex(spec)
     if kind in ("lark", "gbnf"):
         text = spec
-        if kind == "gbnf" or (not is_lark_syntax(text) and "::=" in text):
-            try:
-                text = any_to_lark(text)
-            except Exception as e:  # noqa: BLE001 - the converter raises assorted errors
-                raise GrammarError(f"invalid {kind} grammar: {e}") from None
+        try:
+            if _GBNF_RULE.search(text):
+                text = gbnf_to_lark(text)
+            elif kind == "gbnf":
+                text = any_to_lark(text)  # Lark text as it is
+        except Exception as e:  # noqa: BLE001 - the converter raises assorted errors
+            # (a rule named "start" too: the converter renames root to start)
+            raise GrammarError(f"invalid {kind} grammar (GBNF): {e}") from None
         return spec, llg.LLMatcher.grammar_from_lark(text)
     raise GrammarError(
         f"unknown constraint kind {kind!r}; supported: {', '.join(CONSTRAINT_KINDS)}"
@@ -228,6 +236,8 @@ def _schema_dict(spec: Any) -> dict[str, Any]:
 
 
 _STATE_DUMP = re.compile(r"\n<state>.*", re.DOTALL)
+# a GBNF rule line (`name ::= ...`; llguidance's is_lark_syntax takes `start ::=` for Lark)
+_GBNF_RULE = re.compile(r"(?m)^\s*[\w-]+\s*::=")
 
 
 def _clean_error(message: str) -> str:
@@ -316,12 +326,11 @@ class GrammarState:
         if not self.is_allowed(token):
             raise GrammarViolation(f"token {token} is not allowed by the grammar here")
         counted = not self._m.is_stopped()
-        ok = self._m.consume_token(token)
+        # False although the mask allowed it: llguidance failed inside (e.g. its lexer's
+        # limit on expressions). The matcher keeps the error: dead_end is then true, every
+        # mask empty, and the request ends with "grammar_dead_end" instead of failing.
+        self._m.consume_token(token)
         self._changed()
-        if not ok:  # allowed by the mask, so this is llguidance's internal failure
-            raise GrammarViolation(
-                f"the grammar failed on token {token}: {_clean_error(self._m.get_error())}"
-            )
         self._counted.append(counted)
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:

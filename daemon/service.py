@@ -165,7 +165,9 @@ class Stream:
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._t_max = t_max_ms / 1000.0 if t_max_ms else None
         # the worker thread's, until the "done" event (after which only the loop reads)
-        self._detok = IncrementalDetokenizer(svc.tokenizer)
+        # control tokens (<|im_start|>, <|fim_middle|>, ...) add no text, as in llama.cpp's
+        # server; user-defined ones such as Qwen's <tool_call> stay
+        self._detok = IncrementalDetokenizer(svc.tokenizer, skip_special=True)
         self._matcher = StopMatcher(stop or [])
         self._eog = svc.engine.eog_ids
         self._n_out = 0  # tokens streamed: all of them, or up to the one ending a stop string

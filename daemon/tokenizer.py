@@ -301,7 +301,7 @@ class Tokenizer:
         text such as `<|im_start|>` as plain text (use it for untrusted user text).
         """
         backend = self._backend if parse_special else self._plain()
-        ids = backend.encode(text, add_special_tokens=False).ids
+        ids = backend.encode(_valid_text(text), add_special_tokens=False).ids
         if (self._add_bos if add_bos is None else add_bos) and self._bos_id is not None:
             ids.insert(0, self._bos_id)
         if (self._add_eos if add_eos is None else add_eos) and self._eos_id is not None:
@@ -572,3 +572,13 @@ def _spm_bytes(token: str, token_type: int) -> bytes:
     if token_type in (CONTROL, UNKNOWN):
         return token.encode("utf-8")
     return token.replace(SPIECE_SPACE, " ").encode("utf-8")
+
+
+def _valid_text(text: str) -> str:
+    """`text` with each lone surrogate (JSON's "\\ud800", a non-UTF-8 byte in argv under
+    surrogateescape) replaced by U+FFFD, which the tokenizers library needs."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text

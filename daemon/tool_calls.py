@@ -54,15 +54,25 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's function: {"type": "function", "function": {...}} as OpenAI sends them,
+    or the function object alone."""
+    return tool["function"] if isinstance(tool.get("function"), dict) else tool
+
+
 def _functions(tools: list[dict[str, Any]] | None) -> list[tuple[str, dict[str, Any]]]:
-    """(name, function) of each tool with a string name ({"type": "function", "function":
-    {...}} as OpenAI sends them, or the function object alone)."""
-    out = []
-    for t in tools or []:
-        fn = t.get("function") if isinstance(t.get("function"), dict) else t
-        if isinstance(fn.get("name"), str):
-            out.append((fn["name"], fn))
-    return out
+    """(name, function) of each tool with a string name."""
+    return [(fn["name"], fn) for fn in map(_function, tools or [])
+            if isinstance(fn.get("name"), str)]
+
+
+def check_tools(tools: list[dict[str, Any]]) -> None:
+    """ValueError naming the first tool whose function has no name (a non-empty string):
+    a call to it could not be told apart, nor a grammar force one."""
+    for i, tool in enumerate(tools):
+        name = _function(tool).get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}]: a function needs a 'name', a non-empty string")
 
 
 def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:

@@ -18,6 +18,7 @@ from ..daemon.scheduler import QueueFull
 from ..daemon.service import Piece, Result, Service, Stream
 from ..daemon.tool_calls import (
     ToolCallStream,
+    check_tools,
     forced_call_grammar,
     parse_tool_calls,
     tool_names,
@@ -118,11 +119,14 @@ async def _constraint(svc: Service, body: dict[str, Any]) -> Grammar | None:
             raise BadRequest(f"unsupported response_format type {rf['type']!r}",
                              param="response_format")
     for field, k in (("json_schema", "json_schema"), ("grammar", "lark"), ("regex", "regex")):
-        if body.get(field) is not None:
+        value = body.get(field)
+        if field == "grammar" and isinstance(value, str) and not value.strip():
+            value = None  # no grammar, as llama.cpp takes it (its clients send "")
+        if value is not None:
             if kind is not None:
                 raise BadRequest("give only one constraint (response_format, json_schema, "
                                  "grammar or regex)", param=field)
-            kind, spec = k, body[field]
+            kind, spec = k, value
     if kind is None:
         return None
     try:
@@ -250,6 +254,10 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if tools is not None and not (isinstance(tools, list)
                                       and all(isinstance(t, dict) for t in tools)):
             raise BadRequest("'tools' must be an array of objects", param="tools")
+        try:
+            check_tools(tools or [])
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="tools") from None
         names, forced = _tool_choice(tools, body.get("tool_choice"),
                                      get(body, "parallel_tool_calls", bool, True))
         if names is None:  # tool_choice none: the model is not told of tools either
@@ -492,12 +500,21 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await json_body(request)
     content = get(body, "content", str, "")
     add_special = get(body, "add_special", bool, False)
-    ids = svc.tokenizer.encode(content, add_bos=add_special, parse_special=True)
+    ids = svc.tokenizer.encode(content, add_bos=add_special,
+                               parse_special=get(body, "parse_special", bool, True))
     if get(body, "with_pieces", bool, False):
         return web.json_response({"tokens": [
-            {"id": i, "piece": svc.tokenizer.token_bytes(i).decode("utf-8", "replace")}
-            for i in ids]})
+            {"id": i, "piece": _piece(svc.tokenizer.token_bytes(i))} for i in ids]})
     return web.json_response({"tokens": ids})
+
+
+def _piece(data: bytes) -> str | list[int]:
+    """A token's text, or its bytes where they are not UTF-8 on their own (part of a
+    character), as llama.cpp's /tokenize gives them."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -61,6 +61,9 @@ def test_outputs_validate_and_greedy_is_identical_with_a_draft(setup, schema) ->
     want, g0 = _run(target, tok, schema, max_tokens=200)
     assert g0.finish_reason == "stop", g0.finish_reason
     jsonschema.validate(json.loads(tok.decode(want, skip_special=True)), schema)
+    # a budget that ends on the token completing the object cut nothing off: "stop"
+    assert _run(target, tok, schema, max_tokens=len(want))[1].finish_reason == "stop"
+    assert _run(target, tok, schema, max_tokens=len(want) - 1)[1].finish_reason == "length"
     for drafter in (DraftModelDrafter(ModelRunner(draft, n_ctx=512)), NgramDrafter()):
         got, g1 = _run(target, tok, schema, drafter=drafter, max_tokens=200,
                        draft=DraftParams(n_max=4))
@@ -97,6 +100,16 @@ def test_http_response_format_and_bad_constraints(setup, tmp_path, monkeypatch) 
         assert status == 200 and out["content"] in ("aa", "ab", "ba", "bb"), out
         status, out = srv.request("POST", "/completion", {"prompt": "x", "regex": "[ab"})
         assert status == 400 and "regex" in out["error"]["message"]
+        status, out = srv.request("POST", "/completion", {"prompt": "x", "regex": "a\ud800"})
+        assert status == 400 and "not valid Unicode" in out["error"]["message"], out
+        # "" is no grammar, as llama.cpp's clients send it
+        status, out = srv.request("POST", "/completion", {"prompt": "x", "grammar": " ",
+                                                          "n_predict": 2})
+        assert status == 200 and out["tokens_predicted"] == 2, out
+        # compiles, but llguidance's lexer gives up on the first token: a dead end, not a 500
+        status, out = srv.request("POST", "/completion", {"prompt": "x", "n_predict": 4,
+                                                          "regex": "(a{1000}){1000}"})
+        assert status == 200 and out["stop_type"] == "grammar_dead_end", out
         status, out = srv.request("POST", "/v1/completions", {
             "prompt": "x", "response_format": {"type": "json_schema",
                                                "json_schema": {"schema": {"type": "nope"}}}})

@@ -177,6 +177,10 @@ def text_of(tok: Tokenizer, tokens: Sequence[int]) -> str:
         ("gbnf", 'root ::= "a" (', "Expected ')'"),
         ("regex", 42, "must be a string"),
         ("xml", "<a/>", "unknown constraint kind 'xml'"),
+        ("regex", "a\ud800", "not valid Unicode text"),  # a lone surrogate from JSON
+        # GBNF, though it has a rule "start" (Lark's start rule): named, not a Lark error
+        ("lark", 'start ::= "x"\nroot ::= start', "Rule 'start' already exists"),
+        ("lark", 'start: "\ud800"', "not valid Unicode text"),
     ],
 )
 def test_bad_constraints_raise_grammar_error(
@@ -224,9 +228,33 @@ def test_good_constraints_accept_their_language(
 def test_tokenizer_and_compiled_constraints_are_cached(tiny_tok: Tokenizer) -> None:
     assert lltokenizer_for(tiny_tok) is lltokenizer_for(tiny_tok)
     a = compile_constraint("json_schema", {"type": "string", "maxLength": 3}, tiny_tok)
-    b = compile_constraint("json_schema", '{"maxLength": 3, "type": "string"}', tiny_tok)
+    b = compile_constraint("json_schema", '{"type": "string", "maxLength": 3}', tiny_tok)
     assert a is b
     assert a.start() is not a.start()
+
+
+def test_json_schema_properties_come_in_the_schemas_order(tiny_tok: Tokenizer) -> None:
+    """"reasoning" before "answer" when the schema lists them so (OpenAI's order too)."""
+    props = {"reasoning": {"type": "string"}, "answer": {"type": "integer"}}
+    first = {"type": "object", "properties": props, "required": ["reasoning", "answer"]}
+    swapped = {**first, "properties": dict(reversed(props.items()))}
+    in_order = tiny_tok.encode('{"reasoning": "x", "answer": 1}', add_bos=False)
+    other = tiny_tok.encode('{"answer": 1, "reasoning": "x"}', add_bos=False)
+    for schema, good, bad in ((first, in_order, other), (swapped, other, in_order)):
+        state = compile_constraint("json_schema", schema, tiny_tok).start()
+        assert state.valid_prefix(good) == len(good)
+        assert state.valid_prefix(bad) < len(bad)
+
+
+def test_a_grammar_failing_inside_llguidance_is_a_dead_end(tiny_tok: Tokenizer) -> None:
+    """The mask allows "a", but consuming it exceeds llguidance's lexer limit: the state
+    becomes a dead end (the request ends "grammar_dead_end"), nothing raises."""
+    state = compile_constraint("regex", "(a{1000}){1000}", tiny_tok).start()
+    a = tiny_tok.encode("a", add_bos=False)[0]
+    assert state.is_allowed(a)
+    state.consume(a)
+    assert state.dead_end and state.is_stopped() and not state.allowed(TINY_LOGITS).any()
+    assert "too many expressions" in (state.stop_reason or "")
 
 
 def test_json_whitespace_is_bounded(tiny_tok: Tokenizer) -> None:

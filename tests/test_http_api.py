@@ -189,6 +189,34 @@ def test_unix_socket_sync_and_async_clients(server) -> None:  # noqa: ANN001
     assert server.socket_path.stat().st_mode & 0o777 == 0o600
 
 
+def test_tokenize_pieces_and_special_parsing(server) -> None:  # noqa: ANN001
+    c = Client(port=server.port)
+    text = "日<|im_start|>"
+    pieces = [p["piece"] for p in c.post("/tokenize", {"content": text, "with_pieces": True})
+              ["tokens"]]
+    # a piece that is part of a character comes back as its bytes, as llama.cpp gives them
+    assert any(isinstance(p, list) for p in pieces), pieces
+    assert b"".join(bytes(p) if isinstance(p, list) else p.encode() for p in pieces) == (
+        text.encode())
+    special = c.post("/tokenize", {"content": "<|im_start|>"})["tokens"]
+    assert len(special) == 1
+    plain = c.post("/tokenize", {"content": "<|im_start|>", "parse_special": False})["tokens"]
+    assert special[0] not in plain
+    assert c.post("/tokenize", {"content": "a\ud800"})["tokens"] == c.post(
+        "/tokenize", {"content": "a\ufffd"})["tokens"]  # a lone surrogate: U+FFFD, no 500
+
+
+def test_control_tokens_add_no_text(server) -> None:  # noqa: ANN001
+    """A reply holding a control token (forced by a grammar here) streams and returns
+    without its text, as llama.cpp's server does; the tokens still count."""
+    c = Client(port=server.port)
+    body = {"prompt": "x", "n_predict": 8, "grammar": 'start: "a" <|im_start|> "b"'}
+    out = c.post("/completion", body)
+    assert out["content"] == "ab" and out["tokens_predicted"] >= 3, out
+    pieces = list(c.stream("/completion", body))
+    assert "".join(p["content"] for p in pieces) == "ab"
+
+
 def test_eight_concurrent_streams_equal_their_solo_runs(server, tiny_path, tmp_path) -> None:  # noqa: ANN001
     prompts = [f"prompt number {i} says" + " word" * i for i in range(8)]
     results: dict[int, str] = {}
@@ -238,7 +266,7 @@ def test_disconnect_mid_stream_frees_the_slot(server) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("kind", ["bad_json", "wrong_type", "huge_prompt", "unknown_route",
                                   "wrong_method", "bad_host", "foreign_origin", "not_object",
                                   "bad_tokens", "n_two", "bad_adaptive", "empty_prompt",
-                                  "huge_number", "deep_json"])
+                                  "huge_number", "deep_json", "nameless_tool"])
 def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:  # noqa: ANN001
     req = {
         "bad_json": ("POST", "/v1/completions", None, {}, b"{not json", 400, "malformed JSON"),
@@ -265,6 +293,10 @@ def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:  # noqa
                         None, 400, "'temperature' is out of range"),
         "deep_json": ("POST", "/completion", None, {}, b"[" * 100_000, 400,
                       "nested too deeply"),
+        "nameless_tool": ("POST", "/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": "x"}],
+                           "tools": [{"type": "function", "function": {"name": ""}}]}, {},
+                          None, 400, "tools[0]: a function needs a 'name'"),
     }[kind]
     method, path, body, headers, raw, want_status, want_text = req
     status, out = server.request(method, path, body, headers=headers, raw=raw)

@@ -153,6 +153,8 @@ def test_tiny_encode_decode(tiny: Tokenizer) -> None:
     for text in ["hello world", "", "  spaces\n\ttabs", "naïve 日本 😀", "a\r\nb"]:
         assert tiny.decode(tiny.encode(text)) == text
     assert tiny.encode("") == []
+    # lone surrogates (JSON "\\ud800", undecodable argv bytes) become U+FFFD
+    assert tiny.encode("a\ud800b\udce9") == tiny.encode("a\ufffdb\ufffd")
     assert tiny.vocab_size == len(tiny_gpt2_meta()["tokenizer.ggml.tokens"])
     assert tiny.token_text(tiny.token_to_id("Ġworld")) == "Ġworld"
     assert tiny.token_bytes(tiny.token_to_id("Ġworld")) == b" world"
