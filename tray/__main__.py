@@ -11,7 +11,9 @@ from .app import add_tray_args, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>`: where is a hung tray stuck?
+    # `kill -USR1 <pid>`: where is a hung tray stuck? (a diagnostic only: the dump reads
+    # other threads' frames unlocked, and a tray whose threads run may crash on it)
+    if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     p = argparse.ArgumentParser(prog="specd tray", description=(
         "A system-tray icon showing and controlling the specd daemon."))
