@@ -143,8 +143,7 @@ ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m
 
 #elif SPECD_AVX2
 /* ---------------------------------------------------------------------------------- */
-/* 256-bit passes: each row group in two halves of 8 rows (the second pass over a group */
-/* finds it in the cache)                                                               */
+/* 256-bit passes: each superblock of a row group in two halves of 8 rows, in turn     */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 enum { ROWS_PER_PASS = 3 }; /* 16 registers: 3 rows' state beside the codes */
 #define SPECD_VNNI256 1
@@ -171,9 +170,9 @@ ALWAYS_INLINE __m256i pairs_u8(const uint8_t *lo, const uint8_t *hi) {
 }
 /* The first half's pass over a superblock fetches the one PF_AHEAD superblocks on (the
    next row group's, near a group's end; it follows in memory), a few lines a sub-block:
-   verify blocks of several rows are compute-bound enough that the hardware prefetcher
-   falls behind. kernel_ab, 2 threads, this Zen 3 host: 4 rows 0.80-0.86x the time, one
-   row 0.97-1.02x (Q6_K's single rows do without: 1.02-1.07x with it). */
+   the hardware prefetcher alone falls behind, most of all in verify blocks of several
+   rows, which are compute-bound. kernel_ab, 2 threads, this Zen 3 host: 3-4 rows
+   0.84-0.93x the time, one row 0.97-1.01x; 6 superblocks on instead of 2: the same. */
 enum { PF_AHEAD = 2 };
 ALWAYS_INLINE void prefetch_lines(const uint8_t *p, const int lines) {
   for (int l = 0; l < lines; l++) _mm_prefetch((const char *)p + 64 * l, _MM_HINT_T0);
@@ -252,20 +251,27 @@ ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, cons
   }
 }
 
-/* y[m][8h + r] += rows 8h .. 8h+7 of the row group . rows m0 .. m0+mt-1 of A */
-ALWAYS_INLINE void half_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
-                             const int mt, const int h, float (*y)[GROUP]) {
+/* y[m][r] += the row group . rows m0 .. m0+mt-1 of A: superblock by superblock, its two
+   halves in turn (the second finds the superblock in L1), so the group streams from
+   memory once while both halves compute (one row: 0.8x the time of a pass over the
+   whole group per half, which left the second half's compute without memory traffic) */
+ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                             const int mt, float (*y)[GROUP]) {
   for (size_t i = 0; i + 1 < nb; i++, w += Q4_K_GROUP_BYTES)
-    sb_half_q4_k(w, i, 8, a, m0, mt, h, y);
-  if (a->trim == 0) sb_half_q4_k(w, nb - 1, 8, a, m0, mt, h, y);
-  else sb_half_q4_k(w, nb - 1, 8 - a->trim, a, m0, mt, h, y);
+    for (int h = 0; h < 2; h++) sb_half_q4_k(w, i, 8, a, m0, mt, h, y);
+  for (int h = 0; h < 2; h++) {
+    if (a->trim == 0) sb_half_q4_k(w, nb - 1, 8, a, m0, mt, h, y);
+    else sb_half_q4_k(w, nb - 1, 8 - a->trim, a, m0, mt, h, y);
+  }
 }
 
-ALWAYS_INLINE void half_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
-                             const int mt, const int h, float (*y)[GROUP]) {
+/* y[m][8h + r] += rows 8h .. 8h+7 of superblock i of the row group (at w) . rows m0 ..
+   m0+mt-1 of A */
+ALWAYS_INLINE void sb_half_q6_k(const uint8_t *w, size_t i, const Act *a, size_t m0,
+                                const int mt, const int h, float (*y)[GROUP]) {
   const size_t k = a->k;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-  for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES) {
+  {
     const uint8_t *sc = w + Q6_K_SC + HALF * h, *ql = w + Q6_K_QL + 32 * h;
     __m256i isum[ROWS_PER_PASS];
     __m256i sp[8];
@@ -278,7 +284,7 @@ ALWAYS_INLINE void half_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m
       isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
     }
     for (int j = 0; j < 16; j++, ql += 192) {
-      if (h == 0 && mt > 1) prefetch_lines(w + PF_AHEAD * Q6_K_GROUP_BYTES + 256 * j, 4);
+      if (h == 0) prefetch_lines(w + PF_AHEAD * Q6_K_GROUP_BYTES + 256 * j, 4);
       const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
       const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64));
       const __m256i hb = _mm256_loadu_si256((const __m256i *)(ql + 128));
@@ -324,9 +330,13 @@ ALWAYS_INLINE void half_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m
     }
   }
 }
-#define HALF_PASSES(pass, n)                                \
-  (half_##pass(w, nb, a, m0 + m, n, 0, y + m),              \
-   half_##pass(w, nb, a, m0 + m, n, 1, y + m))
+
+ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                             const int mt, float (*y)[GROUP]) {
+  for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES)
+    for (int h = 0; h < 2; h++) sb_half_q6_k(w, i, a, m0, mt, h, y);
+}
+#define HALF_PASSES(pass, n) pass_##pass(w, nb, a, m0 + m, n, y + m)
 #endif
 
 #if SPECD_AVX2
