@@ -103,10 +103,11 @@ def resolve_draft_quant(draft_quant: str, device: str = "cpu") -> str:
 def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> BuildOptions:
     """Graph options of the target or the draft model on `device` ("cpu" / "cuda:N").
 
-    Where specd's kernels run (`target_kernels`: CPU, compiled) a target's Q4_K / Q6_K
-    matrices go through GgufMatMul (the same weights, 4.6 / 6.6 bits read per weight
-    instead of the 6 / 10 of the lossless MatMulNBits layout) and its attention through
-    CachedAttention (rotary, cache write and attention in one node) over an f16 KV cache
+    Where specd's kernels run (`target_kernels`: CPU, compiled) a target's Q4_0 / Q4_1 /
+    Q4_K / Q6_K matrices go through GgufMatMul (the same weights; Q4_K / Q6_K: 4.6 / 6.6
+    bits read per weight instead of the 6 / 10 of the lossless MatMulNBits layout) and its
+    attention through CachedAttention (rotary, cache write and attention in one node) over
+    an f16 KV cache
     (half the memory; each value rounded once, when written); both give a verified row
     exactly the bits of a single step. The
     draft gets the same attention (0.5B step with q4k weights: 15.7 ms with

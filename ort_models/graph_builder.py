@@ -138,7 +138,8 @@ class GgufRows:
 
     type_name: str
     n: int
-    k: int  # the product's K; rows hold ceil(K / 256) superblocks (zero-padded)
+    k: int  # the product's K; K-quant rows hold ceil(K / 256) superblocks (zero-padded),
+    # Q4_0 / Q4_1 rows K / 32 blocks
     data: np.ndarray  # [N, row_bytes] uint8
 
 

@@ -229,13 +229,16 @@ class ReferenceModel:
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[M, K] float32 -> (q [M, K/256, 256] int64, da [M, K/256] float32): per 256 values
-    q = rint(x * (127 / amax)), da = amax / 127 (zeros where amax = 0)."""
+    q = rint(x * (127 / amax)), da = amax / 127 (zeros where 127 / amax is not finite:
+    amax = 0, or below ~3.7e-37)."""
     xb = np.asarray(x, np.float32).reshape(x.shape[0], -1, 256)
     amax = np.abs(xb).max(axis=-1)
-    safe = np.where(amax > 0, amax, np.float32(1))
+    with np.errstate(divide="ignore", over="ignore"):
+        ok = np.isfinite(np.float32(127) / amax)
+    safe = np.where(ok, amax, np.float32(1))
     inv = (np.float32(127) / safe).astype(np.float32)
-    q = np.where(amax[..., None] > 0, np.rint(xb * inv[..., None]), 0).astype(np.int64)
-    da = np.where(amax > 0, safe / np.float32(127), np.float32(0)).astype(np.float32)
+    q = np.where(ok[..., None], np.rint(xb * inv[..., None]), 0).astype(np.int64)
+    da = np.where(ok, safe / np.float32(127), np.float32(0)).astype(np.float32)
     return q, da
 
 

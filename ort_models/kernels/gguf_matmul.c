@@ -12,7 +12,8 @@
  *
  * Arithmetic (the contract tests/numpy_reference.py's gguf_matmul reproduces bit for bit):
  * each row of A is quantized per 256 values to int8, q = rint(a * (127 / amax)),
- * da = amax / 127 (da = 0 and q = 0 where amax = 0). Per superblock the integer dot
+ * da = amax / 127 (da = 0 and q = 0 where 127 / amax is not finite: amax = 0, or so
+ * small that the quotient overflows). Per superblock the integer dot
  * products are exact; the float32 combination, in superblock order, is
  *   Q4_K: y += da * (d * isum - dmin * imin)
  *         isum = sum_j sc[j] * sum_{i in j} q4[i] a[i]     (8 sub-blocks of 32)
@@ -25,6 +26,7 @@
  * a multi-token call equals a single-token call bit for bit (speculative verification
  * relies on it). Built with -ffp-contract=off so that no FMA changes the rounding.
  */
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -75,11 +77,11 @@ static void quantize_row(const float *x, size_t k_in, size_t k, int8_t *q, float
       float v = fabsf(xb[i]);
       amax = v > amax ? v : amax;
     }
-    if (amax == 0.0f) {
+    const float id = 127.0f / amax;
+    if (!(id <= FLT_MAX)) { /* amax 0, or below ~3.7e-37, where 127 / amax overflows */
       d[b] = 0.0f;
       memset(qb, 0, QK_K);
     } else {
-      const float id = 127.0f / amax;
       d[b] = amax / 127.0f;
 #if SPECD_AVX2
       const __m256 vid = _mm256_set1_ps(id);
