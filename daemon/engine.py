@@ -107,11 +107,10 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
     Q4_K / Q6_K matrices go through GgufMatMul (the same weights; Q4_K / Q6_K: 4.6 / 6.6
     bits read per weight instead of the 6 / 10 of the lossless MatMulNBits layout) and its
     attention through CachedAttention (rotary, cache write and attention in one node) over
-    an f16 KV cache
-    (half the memory; each value rounded once, when written); both give a verified row
-    exactly the bits of a single step. The
-    draft gets the same attention (0.5B step with q4k weights: 15.7 ms with
-    GroupQueryAttention, 13.5 with CausalAttention; BENCHMARKS.md).
+    an f16 KV cache (half the memory; each value rounded once, when written); both give a
+    verified row exactly the bits of a single step. The draft gets the same attention
+    (0.5B step with q4k weights: 15.7 ms with GroupQueryAttention, 13.5 with
+    CausalAttention; BENCHMARKS.md).
 
     Without them a draft, whose numbers only choose what is proposed, gets the fused
     attention on CPU, which is faster but not batch-invariant; the target keeps the
