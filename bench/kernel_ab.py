@@ -1,7 +1,8 @@
 """GgufMatMul's group kernels at two revisions, interleaved in one process.
 
     python bench/kernel_ab.py [--base HEAD~1] [--shapes 1536x8960,8960x1536]
-                              [--types Q4_K,Q6_K] [--sizes 1,4,5,8] [--repeats 9] [--threads 2]
+                              [--types Q4_K,Q6_K,Q4_0,Q4_1] [--sizes 1,4,5,8] [--repeats 9]
+                              [--threads 2]
 
 This machine's timings drift by 10-20% between runs, more than a kernel change is worth,
 so two builds of `ort_models/kernels/gguf_matmul.c` (the one at git revision `--base`
@@ -45,21 +46,27 @@ static void *run_part(void *p) {
   }
   return NULL;
 }
-/* seconds for one [m, k] x [n, k]^T product over `threads` threads (k a multiple of 256) */
-double SIDE_matmul(int q6, size_t m, size_t n, size_t k, const uint8_t *w, const int8_t *q,
+/* seconds for one [m, k] x [n, k]^T product over `threads` threads (k a multiple of 256);
+   type 0 Q4_K, 1 Q6_K, 2 Q4_0, 3 Q4_1 */
+double SIDE_matmul(int type, size_t m, size_t n, size_t k, const uint8_t *w, const int8_t *q,
                    const float *d, const int16_t *s16, const int16_t *s32, int threads) {
   Act a;
   memset(&a, 0, sizeof a);
   a.k = k; a.q = (int8_t *)q; a.d = (float *)d; a.sum16 = (int16_t *)s16; a.sum32 = (int16_t *)s32;
-  const size_t nb = k / QK_K, gb = nb * (q6 ? Q6_K_GROUP_BYTES : Q4_K_GROUP_BYTES);
+  size_t nb = k / QK_K, gb = nb * Q4_K_GROUP_BYTES;
+  GroupFn fn = group_q4_k;
+  if (type == 1) gb = nb * Q6_K_GROUP_BYTES, fn = group_q6_k;
+#ifdef HAS_Q4_LEGACY
+  if (type == 2) nb = k / 32, gb = nb * Q4_0_BLOCK_BYTES, fn = group_q4_0;
+  if (type == 3) nb = k / 32, gb = nb * Q4_1_BLOCK_BYTES, fn = group_q4_1;
+#endif
   const size_t groups = (n + GROUP - 1) / GROUP;
   Part parts[16];
   pthread_t th[16];
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   for (int t = 0; t < threads; t++) {
-    parts[t] = (Part){w, groups * t / threads, groups * (t + 1) / threads, gb, nb, &a, m,
-                      q6 ? group_q6_k : group_q4_k};
+    parts[t] = (Part){w, groups * t / threads, groups * (t + 1) / threads, gb, nb, &a, m, fn};
     pthread_create(&th[t], NULL, run_part, &parts[t]);
   }
   for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
@@ -107,9 +114,10 @@ static int by_value(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 int main(int argc, char **argv) {
-  const int q6 = atoi(argv[1]), repeats = atoi(argv[5]), threads = atoi(argv[6]);
+  const int type = atoi(argv[1]), repeats = atoi(argv[5]), threads = atoi(argv[6]);
   const size_t k = (size_t)atol(argv[2]), n = (size_t)atol(argv[3]), m = (size_t)atol(argv[4]);
-  const size_t mat = ((n + 15) / 16 * 16) * (k / 256) * (q6 ? 210 : 148);
+  const size_t group_bytes[4] = {k / 256 * 2368, k / 256 * 3360, k / 32 * 288, k / 32 * 320};
+  const size_t mat = (n + 15) / 16 * group_bytes[type];
   const size_t copies = (512u << 20) / mat + 1;
   uint8_t *w = malloc(copies * mat);
   for (size_t i = 0; i < copies * mat; i++) w[i] = (uint8_t)((i * 2654435761u) >> 13);
@@ -126,7 +134,7 @@ int main(int argc, char **argv) {
     for (int s = 0; s < 2; s++) {
       double sum = 0;
       for (size_t c = 0; c < copies; c++)
-        sum += side[s](q6, m, n, k, w + c * mat, q, d, s16, s32, threads);
+        sum += side[s](type, m, n, k, w + c * mat, q, d, s16, s32, threads);
       if (r >= 0) t[s][r] = sum / copies;
     }
   for (int s = 0; s < 2; s++) qsort(t[s], repeats, sizeof(double), by_value);
@@ -135,6 +143,7 @@ int main(int argc, char **argv) {
 }
 """
 
+TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q4_1")  # the harness's type numbers
 FLAGS = ["-O3", "-std=c11", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 
 
@@ -163,9 +172,11 @@ def build(base: str, tmp: Path) -> Path:
         sources(rev, src)
         (src / "wrap.c").write_text(WRAPPER.replace("SIDE_", f"{side}_"))
         obj = tmp / f"{side}.o"
-        # each build's op table gets its own name; nothing else of it is global
-        subprocess.run([cc, *FLAGS, f"-Dspecd_gguf_matmul={side}_op", "-c", str(src / "wrap.c"),
-                        "-o", str(obj)], check=True)
+        # each build's op table gets its own name; nothing else of it is global. Q4_0 /
+        # Q4_1 only where the revision has them (a side without times Q4_K in their place)
+        legacy = ["-DHAS_Q4_LEGACY"] if (src / "gguf_legacy.h").exists() else []
+        subprocess.run([cc, *FLAGS, *legacy, f"-Dspecd_gguf_matmul={side}_op", "-c",
+                        str(src / "wrap.c"), "-o", str(obj)], check=True)
         objs.append(str(obj))
     (tmp / "stubs.c").write_text(STUBS)
     (tmp / "main.c").write_text(MAIN)
@@ -179,7 +190,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="HEAD~1", help="git revision to compare against")
     ap.add_argument("--shapes", default="1536x8960,8960x1536", help="KxN, comma-separated")
-    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--types", default="Q4_K,Q6_K", help=f"of {','.join(TYPES)}")
     ap.add_argument("--sizes", default="1,4,5,8", help="rows M of the activations")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
@@ -194,7 +205,7 @@ def main() -> None:
             for shape in args.shapes.split(","):
                 k, n = shape.split("x")
                 for m in args.sizes.split(","):
-                    out = subprocess.run([str(exe), str(int(type_name == "Q6_K")), k, n, m,
+                    out = subprocess.run([str(exe), str(TYPES.index(type_name)), k, n, m,
                                           str(args.repeats), str(args.threads)],
                                          check=True, capture_output=True, text=True).stdout
                     base, work = map(float, out.split())

@@ -168,15 +168,6 @@ ALWAYS_INLINE __m256i bcast4(const void *p) {
 ALWAYS_INLINE __m256i pairs_u8(const uint8_t *lo, const uint8_t *hi) {
   return _mm256_or_si256(u8x8(lo), _mm256_slli_epi32(u8x8(hi), 16));
 }
-/* The first half's pass over a superblock fetches the one PF_AHEAD superblocks on (the
-   next row group's, near a group's end; it follows in memory), a few lines a sub-block:
-   the hardware prefetcher alone falls behind, most of all in verify blocks of several
-   rows, which are compute-bound. kernel_ab, 2 threads, this Zen 3 host: 3-4 rows
-   0.84-0.93x the time, one row 0.97-1.01x; 6 superblocks on instead of 2: the same. */
-enum { PF_AHEAD = 2 };
-ALWAYS_INLINE void prefetch_lines(const uint8_t *p, const int lines) {
-  for (int l = 0; l < lines; l++) _mm_prefetch((const char *)p + 64 * l, _MM_HINT_T0);
-}
 ALWAYS_INLINE __m256i pairs_i8(const uint8_t *lo, const uint8_t *hi) {
   return _mm256_or_si256(_mm256_and_si256(i8x8(lo), _mm256_set1_epi32(0xFFFF)),
                          _mm256_slli_epi32(i8x8(hi), 16));

@@ -22,61 +22,68 @@ ALWAYS_INLINE __m256i bcast4x8(const void *p) {
   return _mm256_set1_epi32(v);
 }
 
-/* y[m][8h + r] += rows 8h .. 8h+7 of the row group (nb blocks at w) . rows m0 .. m0+mt-1
-   of A; with_min: Q4_1 (d and m a block), else Q4_0 (d, codes - 8) */
-ALWAYS_INLINE void half_q4_legacy(const uint8_t *w, size_t nb, const Act *a, size_t m0,
-                                  const int mt, const int h, const int with_min,
-                                  float (*y)[GROUP]) {
+/* y[m][8h + r] += rows 8h .. 8h+7 of superblock i of the row group (its nsub blocks at
+   w) . rows m0 .. m0+mt-1 of A; with_min: Q4_1 (d and m a block), else Q4_0 (d, codes
+   - 8) */
+ALWAYS_INLINE void sb_half_q4_legacy(const uint8_t *w, size_t i, size_t nsub, const Act *a,
+                                     size_t m0, const int mt, const int h,
+                                     const int with_min, float (*y)[GROUP]) {
   const size_t k = a->k, block = with_min ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES;
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (size_t i = 0; 8 * i < nb; i++) {
-    const size_t nsub = nb - 8 * i < 8 ? nb - 8 * i : 8;
-    __m256 t[LEGACY_ROWS];
+  __m256 t[LEGACY_ROWS];
 #pragma GCC unroll 8
-    for (int m = 0; m < mt; m++) t[m] = _mm256_setzero_ps();
-    for (size_t j = 0; j < nsub; j++, w += block) {
-      const uint8_t *qs = w + (with_min ? 64 : 32) + 32 * h;
-      __m256i s16[LEGACY_ROWS];
+  for (int m = 0; m < mt; m++) t[m] = _mm256_setzero_ps();
+  for (size_t j = 0; j < nsub; j++, w += block) {
+    if (h == 0) prefetch_lines(w + PF_AHEAD * 8 * block, 5);
+    const uint8_t *qs = w + (with_min ? 64 : 32) + 32 * h;
+    __m256i s16[LEGACY_ROWS];
 #pragma GCC unroll 4
-      for (int p = 0; p < 4; p++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
-        const __m256i lo = _mm256_and_si256(v, m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-#pragma GCC unroll 8
-        for (int m = 0; m < mt; m++) {
-          const int8_t *xp = a->q + (m0 + m) * k + QK_K * i + 32 * j + 8 * p;
-          const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4x8(xp)),
-                                             _mm256_maddubs_epi16(hi, bcast4x8(xp + 4)));
-          s16[m] = p ? _mm256_add_epi16(s16[m], s) : s;
-        }
-      }
-      const __m256 d = LOAD_F16X8(w + 2 * HALF * h);
-      const __m256 mn = with_min ? LOAD_F16X8(w + 32 + 2 * HALF * h) : d;
+    for (int p = 0; p < 4; p++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
+      const __m256i lo = _mm256_and_si256(v, m4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
 #pragma GCC unroll 8
       for (int m = 0; m < mt; m++) {
-        const int bs = a->sum32[(m0 + m) * (k / 32) + 8 * i + j];
-        const __m256i s = _mm256_madd_epi16(s16[m], ones);
-        __m256 u;
-        if (with_min)
-          u = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(s)),
-                            _mm256_mul_ps(mn, _mm256_set1_ps((float)bs)));
-        else
-          u = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(s, _mm256_set1_epi32(8 * bs))));
-        t[m] = _mm256_add_ps(t[m], u);
+        const int8_t *xp = a->q + (m0 + m) * k + QK_K * i + 32 * j + 8 * p;
+        const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4x8(xp)),
+                                           _mm256_maddubs_epi16(hi, bcast4x8(xp + 4)));
+        s16[m] = p ? _mm256_add_epi16(s16[m], s) : s;
       }
     }
+    const __m256 d = LOAD_F16X8(w + 2 * HALF * h);
+    const __m256 mn = with_min ? LOAD_F16X8(w + 32 + 2 * HALF * h) : d;
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++) {
-      const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
-      float *ym = y[m] + HALF * h;
-      _mm256_storeu_ps(ym, _mm256_add_ps(_mm256_loadu_ps(ym), _mm256_mul_ps(da, t[m])));
+      const int bs = a->sum32[(m0 + m) * (k / 32) + 8 * i + j];
+      const __m256i s = _mm256_madd_epi16(s16[m], ones);
+      __m256 u;
+      if (with_min)
+        u = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(s)),
+                          _mm256_mul_ps(mn, _mm256_set1_ps((float)bs)));
+      else
+        u = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(s, _mm256_set1_epi32(8 * bs))));
+      t[m] = _mm256_add_ps(t[m], u);
     }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < mt; m++) {
+    const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+    float *ym = y[m] + HALF * h;
+    _mm256_storeu_ps(ym, _mm256_add_ps(_mm256_loadu_ps(ym), _mm256_mul_ps(da, t[m])));
   }
 }
 
-#define LEGACY_PASS(n)                                                 \
-  (half_q4_legacy(w, nb, a, m0 + m, n, 0, with_min, y + m),            \
-   half_q4_legacy(w, nb, a, m0 + m, n, 1, with_min, y + m))
+/* superblock by superblock, both halves in turn (as the K-quants' passes) */
+ALWAYS_INLINE void pass_q4_legacy(const uint8_t *w, size_t nb, const Act *a, size_t m0,
+                                  const int mt, const int with_min, float (*y)[GROUP]) {
+  const size_t block = with_min ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES;
+  for (size_t i = 0; 8 * i < nb; i++, w += 8 * block) {
+    const size_t nsub = nb - 8 * i < 8 ? nb - 8 * i : 8;
+    for (int h = 0; h < 2; h++) sb_half_q4_legacy(w, i, nsub, a, m0, mt, h, with_min, y);
+  }
+}
+
+#define LEGACY_PASS(n) pass_q4_legacy(w, nb, a, m0 + m, n, with_min, y + m)
 
 ALWAYS_INLINE void group_q4_legacy(const uint8_t *w, size_t nb, const Act *a, size_t m0,
                                    size_t mt, const int with_min, float (*y)[GROUP]) {
