@@ -159,12 +159,9 @@ enum { ROWS_PER_PASS = 3 }; /* 16 registers: 3 rows' state beside the codes */
    instead of two 32-bit ones leaves registers for 4 rows a pass: a verify block of a
    draft of 3 reads and unpacks each code vector once. */
 enum { ROWS_PER_PASS = 4 };
+#define SPECD_VNNI256 0
 #endif
-ALWAYS_INLINE __m256i bcast4(const void *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+#define bcast4 bcast4x8
 ALWAYS_INLINE __m256i pairs_u8(const uint8_t *lo, const uint8_t *hi) {
   return _mm256_or_si256(u8x8(lo), _mm256_slli_epi32(u8x8(hi), 16));
 }
@@ -178,7 +175,6 @@ ALWAYS_INLINE __m256i pairs_i8(const uint8_t *lo, const uint8_t *hi) {
 ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, const Act *a,
                                 size_t m0, const int mt, const int h, float (*y)[GROUP]) {
   const size_t k = a->k;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   const uint8_t *sc = w + Q4_K_SC + HALF * h, *mn = w + Q4_K_MN + HALF * h;
   const uint8_t *qs = w + Q4_K_QS + 32 * h;
   const int8_t *x[ROWS_PER_PASS];
@@ -190,29 +186,12 @@ ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, cons
   }
   for (int j = 0; j < nsub; j++, qs += 4 * 64) {
     if (h == 0) prefetch_lines(w + PF_AHEAD * Q4_K_GROUP_BYTES + 320 * j, 5);
-#if SPECD_VNNI256
-    __m256i s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
-#else
-    __m256i s16[ROWS_PER_PASS]; /* the sub-block's 8 maddubs a row, summed in 16 bits */
-#endif
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++) {
-      const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
-      const __m256i lo = _mm256_and_si256(v, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const int8_t *xj[ROWS_PER_PASS];
 #pragma GCC unroll 8
-      for (int m = 0; m < mt; m++) {
-        const int8_t *xp = x[m] + 32 * j + 8 * p;
-#if SPECD_VNNI256
-        s0[m] = DPBUSD(p ? s0[m] : _mm256_setzero_si256(), lo, bcast4(xp));
-        s1[m] = DPBUSD(p ? s1[m] : _mm256_setzero_si256(), hi, bcast4(xp + 4));
-#else
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp)),
-                                           _mm256_maddubs_epi16(hi, bcast4(xp + 4)));
-        s16[m] = p ? _mm256_add_epi16(s16[m], t) : t;
-#endif
-      }
-    }
+    for (int m = 0; m < mt; m++) xj[m] = x[m] + 32 * j;
+    /* VNNI: s0, s1 32-bit sums; else s0 the sub-block's 8 maddubs a row, in 16 bits */
+    __m256i s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
+    codes32_dot(qs, xj, mt, SPECD_VNNI256, s0, s1);
 #if SPECD_VNNI256
     const __m256i scj = u8x8(sc + GROUP * j);
 #pragma GCC unroll 8
@@ -222,7 +201,7 @@ ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, cons
     const __m256i scj = pairs_u8(sc + GROUP * j, sc + GROUP * j);
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++)
-      isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(s16[m], scj));
+      isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(s0[m], scj));
 #endif
   }
   const __m256 d = LOAD_F16X8(w + 2 * HALF * h), dmin = LOAD_F16X8(w + 32 + 2 * HALF * h);

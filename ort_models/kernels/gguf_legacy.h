@@ -10,17 +10,11 @@
  *   y += da * t,   s[j] = sum_{l in j} q4[l] a[l]  (exact integers)
  *
  * The vector code is the same 256-bit code in every build (AVX-512 ones too): 8 maddubs
- * of a block summed in 16 bits (|lane| <= 8 * 2 * 15 * 127 = 30480) and widened by one
- * madd, as the K-quant kernels do without VNNI. */
+ * of a block summed in 16 bits (codes32_dot, which Q4_K's sub-blocks use too) and
+ * widened by one madd, as the K-quant kernels do without VNNI. */
 
 #if SPECD_AVX2
 enum { LEGACY_ROWS = 4 }; /* rows of A a pass: 2 registers of state each */
-
-ALWAYS_INLINE __m256i bcast4x8(const void *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
 
 /* y[m][8h + r] += rows 8h .. 8h+7 of superblock i of the row group (its nsub blocks at
    w) . rows m0 .. m0+mt-1 of A; with_min: Q4_1 (d and m a block), else Q4_0 (d, codes
@@ -29,27 +23,17 @@ ALWAYS_INLINE void sb_half_q4_legacy(const uint8_t *w, size_t i, size_t nsub, co
                                      size_t m0, const int mt, const int h,
                                      const int with_min, float (*y)[GROUP]) {
   const size_t k = a->k, block = with_min ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 t[LEGACY_ROWS];
 #pragma GCC unroll 8
   for (int m = 0; m < mt; m++) t[m] = _mm256_setzero_ps();
   for (size_t j = 0; j < nsub; j++, w += block) {
     if (h == 0) prefetch_lines(w + PF_AHEAD * 8 * block, 5);
-    const uint8_t *qs = w + (with_min ? 64 : 32) + 32 * h;
-    __m256i s16[LEGACY_ROWS];
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; p++) {
-      const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
-      const __m256i lo = _mm256_and_si256(v, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const int8_t *xj[LEGACY_ROWS];
 #pragma GCC unroll 8
-      for (int m = 0; m < mt; m++) {
-        const int8_t *xp = a->q + (m0 + m) * k + QK_K * i + 32 * j + 8 * p;
-        const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4x8(xp)),
-                                           _mm256_maddubs_epi16(hi, bcast4x8(xp + 4)));
-        s16[m] = p ? _mm256_add_epi16(s16[m], s) : s;
-      }
-    }
+    for (int m = 0; m < mt; m++) xj[m] = a->q + (m0 + m) * k + QK_K * i + 32 * j;
+    __m256i s16[LEGACY_ROWS];
+    codes32_dot(w + (with_min ? 64 : 32) + 32 * h, xj, mt, 0, s16, NULL);
     const __m256 d = LOAD_F16X8(w + 2 * HALF * h);
     const __m256 mn = with_min ? LOAD_F16X8(w + 32 + 2 * HALF * h) : d;
 #pragma GCC unroll 8

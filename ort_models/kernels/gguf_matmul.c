@@ -163,6 +163,45 @@ enum { PF_AHEAD = 2 };
 ALWAYS_INLINE void prefetch_lines(const uint8_t *p, const int lines) {
   for (int l = 0; l < lines; l++) _mm_prefetch((const char *)p + 64 * l, _MM_HINT_T0);
 }
+ALWAYS_INLINE __m256i bcast4x8(const void *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SPECD_DPBUSD256 1
+#endif
+/* One sub-block of 32 4-bit codes, Q4_K's and Q4_0 / Q4_1's layout (4 parts of 64 bytes
+   at qs, of which this half's 32: byte 4r+e of part p holds row r's codes 8p+e, low
+   nibble, and 8p+4+e, high), against A's 32 int8 values at x[m], rows m < mt. vnni (a
+   constant; only where vpdpbusd on 256 bits exists): s0[m], s1[m] the 32-bit sums of the
+   low and the high nibbles' products. Else s0[m] the 16-bit sums of the 8 maddubs, each
+   a pair of u8 x s8 products: exact, |lane| <= 8 * 2 * 15 * 127 = 30480. */
+ALWAYS_INLINE void codes32_dot(const uint8_t *qs, const int8_t *const *x, const int mt,
+                               const int vnni, __m256i *s0, __m256i *s1) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  (void)vnni, (void)s1;
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; p++) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
+    const __m256i lo = _mm256_and_si256(v, m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) {
+      const int8_t *xp = x[m] + 8 * p;
+#if SPECD_DPBUSD256
+      if (vnni) {
+        s0[m] = _mm256_dpbusd_epi32(p ? s0[m] : _mm256_setzero_si256(), lo, bcast4x8(xp));
+        s1[m] = _mm256_dpbusd_epi32(p ? s1[m] : _mm256_setzero_si256(), hi, bcast4x8(xp + 4));
+        continue;
+      }
+#endif
+      const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4x8(xp)),
+                                         _mm256_maddubs_epi16(hi, bcast4x8(xp + 4)));
+      s0[m] = p ? _mm256_add_epi16(s0[m], t) : t;
+    }
+  }
+}
 #endif
 
 #include "gguf_kquants.h"
