@@ -144,9 +144,8 @@ ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m
 #elif SPECD_AVX2
 /* ---------------------------------------------------------------------------------- */
 /* 256-bit passes: each superblock of a row group in two halves of 8 rows, in turn     */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if SPECD_DPBUSD256
 enum { ROWS_PER_PASS = 3 }; /* 16 registers: 3 rows' state beside the codes */
-#define SPECD_VNNI256 1
 #define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #else
 /* Without VNNI, u8 x s8 products come from maddubs: pairs of products summed into 16-bit
@@ -159,7 +158,6 @@ enum { ROWS_PER_PASS = 3 }; /* 16 registers: 3 rows' state beside the codes */
    instead of two 32-bit ones leaves registers for 4 rows a pass: a verify block of a
    draft of 3 reads and unpacks each code vector once. */
 enum { ROWS_PER_PASS = 4 };
-#define SPECD_VNNI256 0
 #endif
 #define bcast4 bcast4x8
 ALWAYS_INLINE __m256i pairs_u8(const uint8_t *lo, const uint8_t *hi) {
@@ -191,8 +189,8 @@ ALWAYS_INLINE void sb_half_q4_k(const uint8_t *w, size_t i, const int nsub, cons
     for (int m = 0; m < mt; m++) xj[m] = x[m] + 32 * j;
     /* VNNI: s0, s1 32-bit sums; else s0 the sub-block's 8 maddubs a row, in 16 bits */
     __m256i s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
-    codes32_dot(qs, xj, mt, SPECD_VNNI256, s0, s1);
-#if SPECD_VNNI256
+    codes32_dot(qs, xj, mt, SPECD_DPBUSD256, s0, s1);
+#if SPECD_DPBUSD256
     const __m256i scj = u8x8(sc + GROUP * j);
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++)
@@ -265,7 +263,7 @@ ALWAYS_INLINE void sb_half_q6_k(const uint8_t *w, size_t i, const Act *a, size_t
       const __m256i c2 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(hb, m30));
       const __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
-#if SPECD_VNNI256
+#if SPECD_DPBUSD256
       const __m256i scj = i8x8(sc + GROUP * j);
 #pragma GCC unroll 8
       for (int m = 0; m < mt; m++) {

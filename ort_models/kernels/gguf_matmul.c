@@ -169,7 +169,9 @@ ALWAYS_INLINE __m256i bcast4x8(const void *p) {
   return _mm256_set1_epi32(v);
 }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define SPECD_DPBUSD256 1
+#define SPECD_DPBUSD256 1 /* vpdpbusd on 256-bit vectors */
+#else
+#define SPECD_DPBUSD256 0
 #endif
 /* One sub-block of 32 4-bit codes, Q4_K's and Q4_0 / Q4_1's layout (4 parts of 64 bytes
    at qs, of which this half's 32: byte 4r+e of part p holds row r's codes 8p+e, low
