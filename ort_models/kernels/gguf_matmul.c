@@ -163,6 +163,11 @@ enum { PF_AHEAD = 2 };
 ALWAYS_INLINE void prefetch_lines(const uint8_t *p, const int lines) {
   for (int l = 0; l < lines; l++) _mm_prefetch((const char *)p + 64 * l, _MM_HINT_T0);
 }
+/* An empty asm statement that claims to read and change v: the sums before it must be
+   done here. Without it GCC (12, -O3) unrolls a sub-block's loop over 4 rows of A by
+   computing all 32 maddubs first and adding them up afterwards, which leaves 20 of them
+   spilled to the stack; with it each row's sum stays in one register. */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 ALWAYS_INLINE __m256i bcast4x8(const void *p) {
   int32_t v;
   memcpy(&v, p, 4);
@@ -201,6 +206,7 @@ ALWAYS_INLINE void codes32_dot(const uint8_t *qs, const int8_t *const *x, const 
       const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4x8(xp)),
                                          _mm256_maddubs_epi16(hi, bcast4x8(xp + 4)));
       s0[m] = p ? _mm256_add_epi16(s0[m], t) : t;
+      KEEP_IN_REGISTER(s0[m]);
     }
   }
 }
