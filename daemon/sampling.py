@@ -123,10 +123,18 @@ def derive_seeds(seed: int | None) -> tuple[int, int]:
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    """Stable float64 softmax over the last axis; -inf entries get probability 0."""
+    """Stable softmax over the last axis, float64 out; -inf entries get probability 0.
+
+    The shift by the maximum is taken in float64, exp in float32 (each term within an
+    ulp of float32, ~6e-8 relative; the values are <= 0, so no overflow), the sum and
+    the division in float64. NumPy's float64 exp has no SIMD path on AVX2 CPUs: 1.4 ms
+    over 152k logits against 0.2 ms in float32, once per sampled row.
+    """
     x = np.asarray(logits, dtype=np.float64)
-    e = x - np.max(x, axis=-1, keepdims=True)  # one fresh buffer, then in place
-    np.exp(e, out=e)
+    with np.errstate(over="ignore"):  # below float32's range: -inf, probability 0
+        shifted = (x - np.max(x, axis=-1, keepdims=True)).astype(np.float32)  # <= 0
+    np.exp(shifted, out=shifted)
+    e = shifted.astype(np.float64)
     e /= np.sum(e, axis=-1, keepdims=True)
     return e
 

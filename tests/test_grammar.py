@@ -378,7 +378,8 @@ def test_masked_probs_are_the_renormalised_allowed_distribution() -> None:
     mask = rng.random(50) < 0.3
     p = Sampler(SamplerParams(temperature=1.0)).probs(logits, mask)
     expected = np.where(mask, softmax(logits), 0.0)
-    assert np.allclose(p, expected / expected.sum(), rtol=1e-12, atol=0)
+    # softmax's exp is float32: two routes to the same probabilities agree to its ulps
+    assert np.allclose(p, expected / expected.sum(), rtol=1e-6, atol=0)
     full = np.ones(50, dtype=bool)
     sampler = Sampler(SamplerParams(temperature=0.7, top_k=5))
     assert np.array_equal(sampler.probs(logits, full), sampler.probs(logits))
