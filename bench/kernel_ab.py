@@ -2,7 +2,7 @@
 
     python bench/kernel_ab.py [--base HEAD~1] [--shapes 1536x8960,8960x1536]
                               [--types Q4_K,Q6_K,Q4_0,Q4_1] [--sizes 1,4,5,8] [--repeats 9]
-                              [--threads 2]
+                              [--threads 2] [--hot]
 
 This machine's timings drift by 10-20% between runs, more than a kernel change is worth,
 so two builds of `ort_models/kernels/gguf_matmul.c` (the one at git revision `--base`
@@ -11,7 +11,11 @@ specd builds with) that calls them alternately on the same threads, matrices str
 from memory (512 MiB of weight copies, far past the caches) and the same quantized
 activations. Prints the median ms per matrix of each build and their ratio. The weights
 are random bytes: the timing does not depend on their values, only on their size, which
-both layouts share.
+both layouts share. `--hot` times the kernels' arithmetic instead: one copy of the
+matrix, multiplied 64 times in a row, so it stays in the caches (pick a shape that fits
+them, e.g. 1536x1024 for the L2 of two cores); a verify block of several rows is
+compute-bound, and there the instructions per row decide its time. Each call starts its
+own threads (tens of microseconds), which dilutes the ratios of small shapes.
 """
 
 from __future__ import annotations
@@ -115,10 +119,12 @@ static int by_value(const void *a, const void *b) {
 }
 int main(int argc, char **argv) {
   const int type = atoi(argv[1]), repeats = atoi(argv[5]), threads = atoi(argv[6]);
+  const int hot = atoi(argv[7]);
   const size_t k = (size_t)atol(argv[2]), n = (size_t)atol(argv[3]), m = (size_t)atol(argv[4]);
   const size_t group_bytes[4] = {k / 256 * 2368, k / 256 * 3360, k / 32 * 288, k / 32 * 320};
   const size_t mat = (n + 15) / 16 * group_bytes[type];
-  const size_t copies = (512u << 20) / mat + 1;
+  /* streamed: enough copies to pass the caches; hot: one copy, called `calls` times */
+  const size_t copies = hot ? 1 : (512u << 20) / mat + 1, calls = hot ? 64 : copies;
   uint8_t *w = malloc(copies * mat);
   for (size_t i = 0; i < copies * mat; i++) w[i] = (uint8_t)((i * 2654435761u) >> 13);
   int8_t *q = malloc(m * k);
@@ -133,9 +139,9 @@ int main(int argc, char **argv) {
   for (int r = -1; r < repeats; r++)  /* a first round warms up */
     for (int s = 0; s < 2; s++) {
       double sum = 0;
-      for (size_t c = 0; c < copies; c++)
-        sum += side[s](type, m, n, k, w + c * mat, q, d, s16, s32, threads);
-      if (r >= 0) t[s][r] = sum / copies;
+      for (size_t c = 0; c < calls; c++)
+        sum += side[s](type, m, n, k, w + c % copies * mat, q, d, s16, s32, threads);
+      if (r >= 0) t[s][r] = sum / calls;
     }
   for (int s = 0; s < 2; s++) qsort(t[s], repeats, sizeof(double), by_value);
   printf("%.4f %.4f\n", t[0][repeats / 2] * 1e3, t[1][repeats / 2] * 1e3);
@@ -194,11 +200,15 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,4,5,8", help="rows M of the activations")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hot", action="store_true",
+                    help="the same matrix over and over, in the caches: arithmetic only")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         exe = build(args.base, Path(d))
+        where = "hot in the caches" if args.hot else "streamed from memory"
         print(f"GgufMatMul groups, {args.base} (base) against the working tree (work), "
-              f"{args.threads} threads, medians of {args.repeats} interleaved rounds\n")
+              f"{args.threads} threads, {where}, medians of {args.repeats} interleaved "
+              "rounds\n")
         print("| type | K×N | M | base ms | work ms | work / base |")
         print("|---|---|---|---|---|---|")
         for type_name in args.types.split(","):
@@ -206,7 +216,8 @@ def main() -> None:
                 k, n = shape.split("x")
                 for m in args.sizes.split(","):
                     out = subprocess.run([str(exe), str(TYPES.index(type_name)), k, n, m,
-                                          str(args.repeats), str(args.threads)],
+                                          str(args.repeats), str(args.threads),
+                                          str(int(args.hot))],
                                          check=True, capture_output=True, text=True).stdout
                     base, work = map(float, out.split())
                     print(f"| {type_name} | {k}×{n} | {m} | {base:.3f} | {work:.3f} | "
