@@ -10,7 +10,7 @@ inputs
     logits_rows  int64 [R]           rows of the S new tokens whose logits are wanted
     past_key_i / past_value_i float32 [1, n_kv, kv_len, head_dim]  per layer i (kv_len >= n_ctx)
 outputs
-    logits       float32 [R, vocab]
+    logits       float32 [R, vocab] (vocab: the first `vocab_rows` ids, where set)
     present_key_i / present_value_i  the same buffers, written in place at pos..pos+S-1
     hidden_l     float32 [S, n_embd] residual stream after layer l (optional)
 
@@ -94,8 +94,13 @@ class BuildOptions:
     # KV cache element type: "f32", or "f16" (half the memory and the attention's reads;
     # native attention only, which converts exactly to float32 before any arithmetic)
     kv_dtype: str = "f32"
+    # logits for the ids below this only, 0 = all (drafts: a draft then proposes only
+    # those ids, and its output matrix, a quarter of a small draft's bytes, is cut)
+    vocab_rows: int = 0
 
     def __post_init__(self) -> None:
+        if self.vocab_rows < 0:
+            raise ValueError(f"vocab_rows must be >= 0 (0: all), got {self.vocab_rows}")
         if self.requant not in REQUANT_KINDS:
             raise ValueError(f"unknown requant {self.requant!r} (one of "
                              f"{', '.join(repr(k) for k in REQUANT_KINDS)})")
@@ -119,7 +124,12 @@ class BuildOptions:
         at = {"exact": "", "fused": "_gqa", "native": "_natt"}[self.attention]
         kn = "_kgguf" if self.kernels == "gguf" else ""
         kv = "_kv16" if self.kv_dtype == "f16" else ""
-        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}{kv}"
+        vr = f"_v{self.vocab_rows}" if self.vocab_rows else ""
+        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}{kv}{vr}"
+
+    def logits_width(self, n_vocab: int) -> int:
+        """Ids the graph's logits cover."""
+        return min(self.vocab_rows, n_vocab) if self.vocab_rows else n_vocab
 
     @property
     def kv_bytes(self) -> int:
@@ -236,6 +246,20 @@ def _concat_rows(ws: list[Matrix]) -> Matrix:
         zero_point=np.concatenate([w.zero_point for w in qs])  # type: ignore[misc]
         if isinstance(w0.zero_point, np.ndarray) else w0.zero_point,
         bias=None if w0.bias is None else np.concatenate([w.bias for w in qs]))  # type: ignore[misc]
+
+
+def _first_rows(w: Matrix, rows: int) -> Matrix:
+    """The matrix's first `rows` rows (output channels)."""
+    if isinstance(w, np.ndarray):
+        return w[:rows]
+    if isinstance(w, GgufRows):
+        return GgufRows(w.type_name, rows, w.k, w.data[:rows])
+    return QuantizedMatrix(
+        n=rows, k=w.k, bits=w.bits, block_size=w.block_size, q=w.q[:rows],
+        scales=w.scales[:rows],
+        zero_point=w.zero_point[:rows] if isinstance(w.zero_point, np.ndarray)
+        else w.zero_point,
+        bias=None if w.bias is None else w.bias[:rows])
 
 
 def _linears(c: _Ctx, x: str, names: list[str]) -> list[str]:
@@ -523,8 +547,13 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
     rows_d = g.op("Gather", [delta, "logits_rows"], axis=0)
     _, h = _add_norm(c, rows_x, rows_d, "output_norm.weight")
     out_name = "token_embd.weight" if hp.tied_embeddings else "output.weight"
+    width = options.logits_width(hp.n_vocab)
+    if width < hp.n_vocab:  # the first ids only (drafts)
+        head = f"output.first{width}.weight"
+        c.shared[head] = _first_rows(_matrix(c, out_name), width)
+        out_name = head
     g.op("Identity", [_linear(c, h, out_name)], out=["logits"])
-    g.output("logits", F32, ["R", hp.n_vocab])
+    g.output("logits", F32, ["R", width])
     c.tick("output")
 
 

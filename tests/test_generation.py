@@ -195,6 +195,30 @@ def test_rejection_sampling_seeded_runs_repeat(models) -> None:  # noqa: ANN001
     assert c != a
 
 
+def test_a_draft_cut_to_its_first_ids_keeps_the_output_the_targets(
+        tiny_model_factory) -> None:  # noqa: ANN001
+    """A draft whose logits cover only ids below 128 (as drafts are built, past 98,304)
+    never proposes the others; greedy output stays the target's, and rejection sampling
+    still emits them: their draft probability is 0, so the residual carries them."""
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3, perturb=0.01,
+                              context_length=1024)
+    target = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
+                                              context_length=1024))
+    draft = load_or_build(path, BuildOptions(vocab_rows=128))
+    want, _ = run(target, max_tokens=64, ignore_eos=True)
+    assert any(t >= 128 for t in want)
+    got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
+                   draft=DraftParams(n_max=4))
+    assert got == want and gen.stats.accepted > 0
+    sp = SamplerParams(temperature=1.5, seed=5)
+    dp = DraftParams(n_max=4, probabilistic=True)
+    a, ga = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
+                draft=dp)
+    b, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
+               draft=dp)
+    assert a == b and any(t >= 128 for t in a) and ga.stats.drafted > 0
+
+
 def test_target_rng_unchanged_by_the_draft_when_nothing_is_drafted(models) -> None:  # noqa: ANN001
     """Separate streams: a drafter that never proposes leaves the target's draws alone."""
     target, draft = models

@@ -513,6 +513,36 @@ def test_requantized_draft_graph_matches_its_reference(tiny_model_factory, arch,
     assert np.abs(plain - want).max() / np.abs(want).max() > 1e-4
 
 
+_HEADS = [("qwen2", "Q8_0", {}, {}), ("llama", "F32", {}, {}),  # MatMulNBits, dense (tied)
+          ("qwen2", "Q5_0", {}, {"requant": "q4"})]  # re-quantized, per-block zero points
+if native_ops.library() is not None:  # GgufMatMul rows: an exact Q4_K head, a q4k draft's
+    _HEADS += [("qwen2", "Q4_K", K_DIMS, {"kernels": "gguf"}),
+               ("llama", "Q8_0", {}, {"kernels": "gguf", "requant": "q4k"})]
+
+
+@pytest.mark.parametrize("arch, wt, dims, opts", _HEADS)
+def test_vocab_rows_gives_the_first_ids_logits(tiny_model_factory, arch, wt, dims,
+                                               opts) -> None:
+    """A draft's head cut to the first ids: those logits, bit for bit (output channels
+    are independent), and nothing else; a separate graph in the cache."""
+    path = tiny_model_factory(arch=arch, weight_type=wt, **dims)
+    full = load_or_build(path, BuildOptions(**opts))
+    cut = load_or_build(path, BuildOptions(**opts, vocab_rows=100))
+    assert cut.folder != full.folder
+    assert cut.read_bytes_per_token < full.read_bytes_per_token
+    want = _all_rows(ModelRunner(full, n_ctx=256), TOKENS)  # [S, vocab]
+    got = _all_rows(ModelRunner(cut, n_ctx=256), TOKENS)  # [S, 100]
+    assert got.shape == (len(TOKENS), 100)
+    np.testing.assert_array_equal(got, want[:, :100])
+    n_vocab = full.hparams.n_vocab  # past the vocabulary: all of it
+    assert BuildOptions(vocab_rows=n_vocab + 5).logits_width(n_vocab) == n_vocab
+
+
+def test_negative_vocab_rows_is_refused() -> None:
+    with pytest.raises(ValueError, match="vocab_rows must be >= 0"):
+        BuildOptions(vocab_rows=-1)
+
+
 def test_unknown_requant_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown requant 'q3'"):
         BuildOptions(requant="q3")
