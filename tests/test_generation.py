@@ -45,6 +45,17 @@ def draft_drafter(draft, n_ctx=512):  # noqa: ANN001, ANN201
     return DraftModelDrafter(ModelRunner(draft, n_ctx=n_ctx))
 
 
+def sampled_twice(target, draft, *, temperature: float, seed: int):  # noqa: ANN001, ANN201
+    """Two seeded rejection-sampled runs (draft n_max=4): (tokens, tokens, first run)."""
+    sp = SamplerParams(temperature=temperature, seed=seed)
+    dp = DraftParams(n_max=4, probabilistic=True)
+    a, ga = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
+                draft=dp)
+    b, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
+               draft=dp)
+    return a, b, ga
+
+
 @pytest.mark.parametrize("n_max", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("p_min", [0.0, 0.5])
 def test_greedy_speculation_is_byte_identical(models, n_max, p_min) -> None:  # noqa: ANN001
@@ -182,14 +193,10 @@ def test_sampled_with_greedy_verification_equals_target_only(models) -> None:  #
 
 def test_rejection_sampling_seeded_runs_repeat(models) -> None:  # noqa: ANN001
     target, draft = models
-    sp = SamplerParams(temperature=0.8, seed=5)
-    dp = DraftParams(n_max=4, probabilistic=True)
-    a, ga = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
-                draft=dp)
-    b, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
-               draft=dp)
+    a, b, ga = sampled_twice(target, draft, temperature=0.8, seed=5)
     assert a == b
     assert ga.stats.accepted > 0
+    dp = DraftParams(n_max=4, probabilistic=True)
     c, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True,
                sampling=SamplerParams(temperature=0.8, seed=6), draft=dp)
     assert c != a
@@ -210,12 +217,7 @@ def test_a_draft_cut_to_its_first_ids_keeps_the_output_the_targets(
     got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
                    draft=DraftParams(n_max=4))
     assert got == want and gen.stats.accepted > 0
-    sp = SamplerParams(temperature=1.5, seed=5)
-    dp = DraftParams(n_max=4, probabilistic=True)
-    a, ga = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
-                draft=dp)
-    b, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
-               draft=dp)
+    a, b, ga = sampled_twice(target, draft, temperature=1.5, seed=5)
     assert a == b and any(t >= 128 for t in a) and ga.stats.drafted > 0
 
 
