@@ -241,63 +241,61 @@ ALWAYS_INLINE void sb_half_q6_k(const uint8_t *w, size_t i, const Act *a, size_t
                                 const int mt, const int h, float (*y)[GROUP]) {
   const size_t k = a->k;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-  {
-    const uint8_t *sc = w + Q6_K_SC + HALF * h, *ql = w + Q6_K_QL + 32 * h;
-    __m256i isum[ROWS_PER_PASS];
-    __m256i sp[8];
-    for (int t = 0; t < 8; t++) sp[t] = pairs_i8(sc + 32 * t, sc + 32 * t + GROUP);
+  const uint8_t *sc = w + Q6_K_SC + HALF * h, *ql = w + Q6_K_QL + 32 * h;
+  __m256i isum[ROWS_PER_PASS];
+  __m256i sp[8];
+  for (int t = 0; t < 8; t++) sp[t] = pairs_i8(sc + 32 * t, sc + 32 * t + GROUP);
 #pragma GCC unroll 8
-    for (int m = 0; m < mt; m++) {
-      const int16_t *bs = a->sum16 + (m0 + m) * (k / 16) + i * 16;
-      __m256i off = _mm256_madd_epi16(sp[0], bcast4(bs));
-      for (int t = 1; t < 8; t++) off = _mm256_add_epi32(off, _mm256_madd_epi16(sp[t], bcast4(bs + 2 * t)));
-      isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
-    }
-    for (int j = 0; j < 16; j++, ql += 192) {
-      if (h == 0) prefetch_lines(w + PF_AHEAD * Q6_K_GROUP_BYTES + 256 * j, 4);
-      const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-      const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64));
-      const __m256i hb = _mm256_loadu_si256((const __m256i *)(ql + 128));
-      const __m256i c0 =
-          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
-      const __m256i c1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                         _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
-      const __m256i c2 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(hb, m30));
-      const __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+  for (int m = 0; m < mt; m++) {
+    const int16_t *bs = a->sum16 + (m0 + m) * (k / 16) + i * 16;
+    __m256i off = _mm256_madd_epi16(sp[0], bcast4(bs));
+    for (int t = 1; t < 8; t++) off = _mm256_add_epi32(off, _mm256_madd_epi16(sp[t], bcast4(bs + 2 * t)));
+    isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
+  }
+  for (int j = 0; j < 16; j++, ql += 192) {
+    if (h == 0) prefetch_lines(w + PF_AHEAD * Q6_K_GROUP_BYTES + 256 * j, 4);
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(ql + 128));
+    const __m256i c0 =
+        _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+    const __m256i c1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                       _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+    const __m256i c2 = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(hb, m30));
+    const __m256i c3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
 #if SPECD_DPBUSD256
-      const __m256i scj = i8x8(sc + GROUP * j);
-#pragma GCC unroll 8
-      for (int m = 0; m < mt; m++) {
-        const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
-        __m256i s0 = DPBUSD(_mm256_setzero_si256(), c0, bcast4(x));
-        __m256i s1 = DPBUSD(_mm256_setzero_si256(), c1, bcast4(x + 4));
-        s0 = DPBUSD(s0, c2, bcast4(x + 8));
-        s1 = DPBUSD(s1, c3, bcast4(x + 12));
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), scj));
-      }
-#else
-      const __m256i scj = pairs_i8(sc + GROUP * j, sc + GROUP * j);
-#pragma GCC unroll 8
-      for (int m = 0; m < mt; m++) {
-        const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
-        const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4(x)),
-                                            _mm256_maddubs_epi16(c2, bcast4(x + 8)));
-        const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(c1, bcast4(x + 4)),
-                                            _mm256_maddubs_epi16(c3, bcast4(x + 12)));
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(s0, scj),
-                                                             _mm256_madd_epi16(s1, scj)));
-      }
-#endif
-    }
-    const __m256 d = LOAD_F16X8(w + 2 * HALF * h);
+    const __m256i scj = i8x8(sc + GROUP * j);
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++) {
-      const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
-      const __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m]));
-      float *ym = y[m] + HALF * h;
-      _mm256_storeu_ps(ym, _mm256_add_ps(_mm256_loadu_ps(ym), _mm256_mul_ps(da, t)));
+      const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
+      __m256i s0 = DPBUSD(_mm256_setzero_si256(), c0, bcast4(x));
+      __m256i s1 = DPBUSD(_mm256_setzero_si256(), c1, bcast4(x + 4));
+      s0 = DPBUSD(s0, c2, bcast4(x + 8));
+      s1 = DPBUSD(s1, c3, bcast4(x + 12));
+      isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), scj));
     }
+#else
+    const __m256i scj = pairs_i8(sc + GROUP * j, sc + GROUP * j);
+#pragma GCC unroll 8
+    for (int m = 0; m < mt; m++) {
+      const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
+      const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(c0, bcast4(x)),
+                                          _mm256_maddubs_epi16(c2, bcast4(x + 8)));
+      const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(c1, bcast4(x + 4)),
+                                          _mm256_maddubs_epi16(c3, bcast4(x + 12)));
+      isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(s0, scj),
+                                                           _mm256_madd_epi16(s1, scj)));
+    }
+#endif
+  }
+  const __m256 d = LOAD_F16X8(w + 2 * HALF * h);
+#pragma GCC unroll 8
+  for (int m = 0; m < mt; m++) {
+    const __m256 da = _mm256_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+    const __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[m]));
+    float *ym = y[m] + HALF * h;
+    _mm256_storeu_ps(ym, _mm256_add_ps(_mm256_loadu_ps(ym), _mm256_mul_ps(da, t)));
   }
 }
 
