@@ -50,20 +50,34 @@ static void *run_part(void *p) {
   }
   return NULL;
 }
-/* seconds for one [m, k] x [n, k]^T product over `threads` threads (k a multiple of 256);
-   type 0 Q4_K, 1 Q6_K, 2 Q4_0, 3 Q4_1 */
+/* type 0 Q4_K, 1 Q6_K, 2 Q4_0, 3 Q4_1 (k a multiple of 256): this build's group function,
+   the units of K it takes and the bytes of a row group of 16 */
+static GroupFn layout(int type, size_t k, size_t *nb, size_t *gb) {
+  *nb = k / QK_K;
+#ifdef HAS_Q4_LEGACY
+  if (type == 2 || type == 3) {
+    *nb = k / 32;
+    *gb = *nb * (type == 2 ? Q4_0_BLOCK_BYTES : Q4_1_BLOCK_BYTES);
+    return type == 2 ? group_q4_0 : group_q4_1;
+  }
+#endif
+  *gb = *nb * (type == 1 ? Q6_K_GROUP_BYTES : Q4_K_GROUP_BYTES);
+  return type == 1 ? group_q6_k : group_q4_k;
+}
+/* bytes of an [n, k] matrix in this build's layout */
+size_t SIDE_matrix_bytes(int type, size_t n, size_t k) {
+  size_t nb, gb;
+  layout(type, k, &nb, &gb);
+  return (n + GROUP - 1) / GROUP * gb;
+}
+/* seconds for one [m, k] x [n, k]^T product over `threads` threads */
 double SIDE_matmul(int type, size_t m, size_t n, size_t k, const uint8_t *w, const int8_t *q,
                    const float *d, const int16_t *s16, const int16_t *s32, int threads) {
   Act a;
   memset(&a, 0, sizeof a);
   a.k = k; a.q = (int8_t *)q; a.d = (float *)d; a.sum16 = (int16_t *)s16; a.sum32 = (int16_t *)s32;
-  size_t nb = k / QK_K, gb = nb * Q4_K_GROUP_BYTES;
-  GroupFn fn = group_q4_k;
-  if (type == 1) gb = nb * Q6_K_GROUP_BYTES, fn = group_q6_k;
-#ifdef HAS_Q4_LEGACY
-  if (type == 2) nb = k / 32, gb = nb * Q4_0_BLOCK_BYTES, fn = group_q4_0;
-  if (type == 3) nb = k / 32, gb = nb * Q4_1_BLOCK_BYTES, fn = group_q4_1;
-#endif
+  size_t nb, gb;
+  const GroupFn fn = layout(type, k, &nb, &gb);
   const size_t groups = (n + GROUP - 1) / GROUP;
   Part parts[16];
   pthread_t th[16];
@@ -113,6 +127,8 @@ double base_matmul(int, size_t, size_t, size_t, const uint8_t *, const int8_t *,
 double work_matmul(int, size_t, size_t, size_t, const uint8_t *, const int8_t *, const float *,
                    const int16_t *, const int16_t *, int);
 void work_quantize(const float *, size_t, int8_t *, float *, int16_t *, int16_t *);
+size_t base_matrix_bytes(int, size_t, size_t);
+size_t work_matrix_bytes(int, size_t, size_t);
 static int by_value(const void *a, const void *b) {
   const double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
@@ -121,8 +137,10 @@ int main(int argc, char **argv) {
   const int type = atoi(argv[1]), repeats = atoi(argv[5]), threads = atoi(argv[6]);
   const int hot = atoi(argv[7]);
   const size_t k = (size_t)atol(argv[2]), n = (size_t)atol(argv[3]), m = (size_t)atol(argv[4]);
-  const size_t group_bytes[4] = {k / 256 * 2368, k / 256 * 3360, k / 32 * 288, k / 32 * 320};
-  const size_t mat = (n + 15) / 16 * group_bytes[type];
+  /* each copy holds either build's matrix (their layouts may differ in size) */
+  const size_t base_bytes = base_matrix_bytes(type, n, k);
+  const size_t work_bytes = work_matrix_bytes(type, n, k);
+  const size_t mat = base_bytes > work_bytes ? base_bytes : work_bytes;
   /* streamed: enough copies to pass the caches; hot: one copy, called `calls` times */
   const size_t copies = hot ? 1 : (512u << 20) / mat + 1, calls = hot ? 64 : copies;
   uint8_t *w = malloc(copies * mat);
