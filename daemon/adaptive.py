@@ -37,13 +37,16 @@ a round costs ~0.1 s here and timings on a shared machine swing by 20%, so short
 averages made the choice follow noise. Acceptance at a position never drafted is the
 last observed position's; positions seen only a few times lean on that prior.
 
-A drafter with a free source beside its model (`HybridDrafter`: prompt lookup) offers
-its lookup proposal each round before anything runs; `choose_source` then weighs
-verifying that offer (acceptance kept apart, per position, for lookups: it follows how
-much the text repeats itself, not how well the draft model predicts it) against
-the model's best length and a plain step, and takes the fastest predicted. A lookup
-round leaves the draft model behind: it catches up on those tokens the next time it
-drafts, at the measured catch-up cost.
+A free source (prompt lookup, alone or beside a model in `HybridDrafter`) offers its
+proposal each round before anything runs; `choose_source` then weighs verifying that
+offer against the model's best length (if there is a model) and a plain step, and takes
+the fastest predicted. Lookup acceptance is kept apart from the model's, per position
+and per match length (the context n-gram the offer continues): it follows how much the
+text repeats itself, not how well a model predicts it, and a 4-token match is a far
+better bet than a 2-token one (the Qwen pair's bench replies, position 1: 0.67-1.0
+against 0.15-0.52; on prose at temperature 0.7, where only short matches occur, pooled
+estimates kept verifying them at a loss). A lookup round leaves the draft model behind:
+it catches up on those tokens the next time it drafts, at the measured catch-up cost.
 """
 
 from __future__ import annotations
@@ -183,7 +186,17 @@ class AdaptiveDraftLength:
         n = max(self.n_max, 0)
         self._verify = _Line(self.decay)
         self._model = _Acceptance(n, self.decay, self.prior_accept)
-        self._lookup = _Acceptance(n, self.decay, LOOKUP_PRIOR)
+        self._lookups: dict[int, _Acceptance] = {}  # match length -> its offers' acceptance
+
+    def _source(self, lookup: int) -> _Acceptance:
+        """Acceptance of the draft model (lookup 0) or of lookups matching that many tokens."""
+        if lookup <= 0:
+            return self._model
+        acc = self._lookups.get(lookup)
+        if acc is None:
+            acc = self._lookups[lookup] = _Acceptance(len(self._model.hits), self.decay,
+                                                      LOOKUP_PRIOR)
+        return acc
 
     # -- observations ---------------------------------------------------------------------
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
@@ -227,19 +240,18 @@ class AdaptiveDraftLength:
             self._probing = False
             self._probe_overhead += seconds - n_emitted * (self.verify_cost(1) or 0.0)
 
-    def observe_acceptance(self, n_drafted: int, n_accepted: int, lookup: bool = False
-                           ) -> None:
-        """The target accepted n_accepted of n_drafted tokens from the draft model (or, with
-        `lookup`, from the lookup offer)."""
-        (self._lookup if lookup else self._model).observe(n_drafted, n_accepted)
+    def observe_acceptance(self, n_drafted: int, n_accepted: int, lookup: int = 0) -> None:
+        """The target accepted n_accepted of n_drafted tokens from the draft model (lookup
+        0) or from a lookup offer continuing a match of `lookup` context tokens."""
+        self._source(lookup).observe(n_drafted, n_accepted)
 
-    def observe_position(self, i: int, hit: bool, lookup: bool = False) -> None:
+    def observe_position(self, i: int, hit: bool, lookup: int = 0) -> None:
         """A guess at draft position i (0-based), given the positions before it accepted,
         checked without verifying it: a draft's teacher-forced rows, or the guess after a
         fully accepted round for the target's bonus token. Rounds only reach the lengths
         they draft, so without these the acceptance of the next position is a prior
-        that is rarely tested."""
-        (self._lookup if lookup else self._model).observe_at(i, hit)
+        that is rarely tested. `lookup` as in `observe_acceptance`."""
+        self._source(lookup).observe_at(i, hit)
 
     # -- estimates ------------------------------------------------------------------------
     @property
@@ -247,10 +259,10 @@ class AdaptiveDraftLength:
         """Estimated conditional acceptance per draft position of the draft model."""
         return self._model.rates()
 
-    @property
-    def accept_lookup(self) -> list[float]:
-        """Estimated conditional acceptance per position of lookup offers."""
-        return self._lookup.rates()
+    def accept_lookup(self, match: int) -> list[float]:
+        """Estimated conditional acceptance per position of lookup offers continuing a
+        match of `match` context tokens."""
+        return self._source(max(match, 1)).rates()
 
     def verify_cost(self, s: int) -> float | None:
         """Fitted seconds for a target pass over s tokens (None before any data)."""
@@ -303,14 +315,16 @@ class AdaptiveDraftLength:
         rest = plain if self._rest_drafting is None else self._rest_drafting
         return self.expected_tokens(n) / (draft + (self.verify_cost(n + 1) or t1) + rest)
 
-    def lookup_rate(self, n: int) -> float | None:
-        """Predicted tokens per second of verifying n tokens of a lookup offer."""
+    def lookup_rate(self, n: int, match: int) -> float | None:
+        """Predicted tokens per second of verifying n tokens of a lookup offer continuing a
+        match of `match` context tokens."""
         t1 = self.verify_cost(1)
         if t1 is None:
             return None
         rest = next((r for r in (self._rest_lookup, self._rest_drafting, self._rest_plain)
                      if r is not None), 0.0)
-        return self._lookup.expected_tokens(n) / ((self.verify_cost(n + 1) or t1) + rest)
+        expected = self._source(max(match, 1)).expected_tokens(n)
+        return expected / ((self.verify_cost(n + 1) or t1) + rest)
 
     @property
     def shortest(self) -> int:
@@ -357,19 +371,22 @@ class AdaptiveDraftLength:
                 return best_n + 1
         return best_n
 
-    def choose_source(self, limit: int, offered: int) -> tuple[int, bool]:
+    def choose_source(self, limit: int, offered: int, match: int, *, model: bool = True
+                      ) -> tuple[int, bool]:
         """(tokens to verify, from the lookup offer?) for a round where a lookup offers
-        `offered` tokens at no cost: the offer's best length when it is predicted faster
-        than the draft model's choice (a plain step included), else `choose(limit)`'s."""
-        n = self.choose(limit)
+        `offered` tokens continuing a match of `match` context tokens, at no cost: the
+        offer's best length when it is predicted faster than the draft model's choice (a
+        plain step included), else `choose(limit)`'s; without a draft `model`, faster
+        than a plain step, else (0, False)."""
+        n = self.choose(limit) if model else 0
         if offered <= 0 or self.verify_cost(1) is None:
             return n, False
         best_m, best_rate = 0, 0.0
         for m in range(self.shortest, min(offered, limit, self.n_max) + 1):
-            r = self.lookup_rate(m) or 0.0
+            r = self.lookup_rate(m, match) or 0.0
             if r > best_rate * 1.02:
                 best_m, best_rate = m, r
-        other = (self.rate(0) if self._probing else self.rate(n)) or 0.0
+        other = (self.rate(0) if self._probing or not model else self.rate(n)) or 0.0
         if best_m == 0 or best_rate <= other:
             return n, False
         if self._probing:  # the probe waits for the next round without an offer

@@ -25,6 +25,7 @@ from ..ort_models.runner import ModelRunner
 from .adaptive import AdaptiveDraftLength
 from .drafters.base import Draft, Drafter, DraftParams
 from .drafters.hybrid import HybridDrafter
+from .drafters.ngram import NgramDrafter
 from .drafters.synthetic import SyntheticDrafter
 from .grammar import GrammarState
 from .sampling import Sampler, SamplerParams, derive_seeds
@@ -215,11 +216,12 @@ class Generation:
         emitted, dead, accepted = self._verify(rows, draft)
         self.stats.record_round(len(draft.tokens), accepted, draft.lookup)
         if self.adaptive is not None and draft.tokens:
-            self.adaptive.observe_acceptance(len(draft.tokens), accepted, self._lookup_round)
-            if (self._lookup_round and accepted == len(draft.tokens) < len(emitted)
+            match = draft.match if self._lookup_round else 0
+            self.adaptive.observe_acceptance(len(draft.tokens), accepted, match)
+            if (match and accepted == len(draft.tokens) < len(emitted)
                     and self._offer_next is not None):
                 self.adaptive.observe_position(accepted, emitted[accepted] == self._offer_next,
-                                               lookup=True)
+                                               match)
         if self.drafter is not None:
             # the last emitted token is the next round's `last`, whatever chose it
             self.drafter.accept(self.seq, len(emitted) - 1)
@@ -242,15 +244,23 @@ class Generation:
         drafter = self.drafter
         if self.adaptive is None:
             n = min(dp.n_max, limit)
-        elif isinstance(drafter, HybridDrafter):
-            offered = drafter.offer(self.seq, last, pos, min(dp.n_max, limit))
-            n, self._lookup_round = self.adaptive.choose_source(limit, len(offered.tokens))
+        elif isinstance(drafter, HybridDrafter | NgramDrafter):
+            # a free offer first; the controller weighs it against the model (if any)
+            # and a plain step
+            hybrid = isinstance(drafter, HybridDrafter)
+            lookup = drafter.lookup if hybrid else drafter
+            offered = lookup.draft(self.seq, last, pos, min(dp.n_max, limit),
+                                   DraftParams(n_max=dp.n_max))
+            n, self._lookup_round = self.adaptive.choose_source(
+                limit, len(offered.tokens), offered.match, model=hybrid)
             if self._lookup_round:
                 draft = self._usable(offered.truncate(n))
                 # the offer's next token, checked against the bonus token if all n pass
                 whole = len(draft.tokens) == n < len(offered.tokens)
                 self._offer_next = offered.tokens[n] if whole else None
                 return draft, 0.0
+            if not hybrid:
+                return Draft([]), 0.0  # a plain step: the lookup is the only source
             drafter = drafter.model
         else:
             n = self.adaptive.choose(limit)

@@ -1,5 +1,7 @@
 """The adaptive draft length controller."""
 
+import pytest
+
 from specd.daemon.adaptive import AdaptiveDraftLength
 
 
@@ -217,10 +219,10 @@ def test_a_lookup_offer_is_verified_where_lookups_are_accepted() -> None:
     _warm(a, 0.07, 0.012, 0.035)  # draft costs half a target step
     for _ in range(50):
         a.observe_acceptance(4, 0)  # the model's drafts fail
-        a.observe_acceptance(4, 4, lookup=True)  # the lookups hold
-    assert a.choose_source(8, 0) == (0, False)
-    assert a.choose_source(8, 5) == (5, True)  # all of the offer
-    assert a.choose_source(3, 5) == (3, True)  # no more than the limit
+        a.observe_acceptance(4, 4, lookup=2)  # the lookups hold
+    assert a.choose_source(8, 0, 0) == (0, False)
+    assert a.choose_source(8, 5, 2) == (5, True)  # all of the offer
+    assert a.choose_source(3, 5, 2) == (3, True)  # no more than the limit
 
 
 def test_a_lookup_offer_loses_to_a_better_model() -> None:
@@ -228,8 +230,8 @@ def test_a_lookup_offer_loses_to_a_better_model() -> None:
     _warm(a, 0.07, 0.012, 0.002)  # a near-free draft model that is always right
     for _ in range(50):
         a.observe_acceptance(8, 8)
-        a.observe_acceptance(4, 1, lookup=True)
-    n, lookup = a.choose_source(8, 4)
+        a.observe_acceptance(4, 1, lookup=2)
+    n, lookup = a.choose_source(8, 4, 2)
     assert n == 8 and not lookup
 
 
@@ -238,9 +240,43 @@ def test_rejected_lookups_are_not_verified() -> None:
     _warm(a, 0.07, 0.012, 0.035)
     for _ in range(50):
         a.observe_acceptance(4, 0)
-        a.observe_acceptance(4, 0, lookup=True)
-    assert a.choose_source(8, 4) == (0, False)
-    assert a.accept_lookup[0] < 0.05
+        a.observe_acceptance(4, 0, lookup=2)
+    assert a.choose_source(8, 4, 2) == (0, False)
+    assert a.accept_lookup(2)[0] < 0.05
+
+
+def test_lookup_acceptance_is_kept_per_match_length() -> None:
+    """Offers continuing a 2-token match fail, those continuing 4 tokens hold: each
+    match length is judged on its own record, and an unseen one starts from the prior."""
+    a = AdaptiveDraftLength(n_max=4)
+    _warm(a, 0.07, 0.012, 0.035)
+    for _ in range(50):
+        a.observe_acceptance(4, 0)
+        a.observe_acceptance(3, 0, lookup=2)
+        a.observe_acceptance(3, 3, lookup=4)
+    assert a.accept_lookup(2)[0] < 0.05 and a.accept_lookup(4)[0] > 0.95
+    assert a.choose_source(4, 3, 2) == (0, False)
+    assert a.choose_source(4, 3, 4) == (3, True)
+    assert a.accept_lookup(3) == pytest.approx([0.5] * 4)  # the prior: not yet tried
+    assert a.choose_source(4, 3, 3)[1]  # worth trying at that prior
+
+
+def test_without_a_model_an_offer_is_verified_only_where_it_pays() -> None:
+    """Prompt lookup alone: a round verifies the offer or takes a plain step; it never
+    asks for a model draft (nor probes one)."""
+    a = AdaptiveDraftLength(n_max=4)
+    assert a.choose_source(4, 3, 2, model=False) == (0, False)  # no timing yet
+    for _ in range(10):
+        for s in (1, 2, 3, 4):
+            a.observe_verify(s, 0.070 + 0.012 * (s - 1))
+        a.observe_round(0, 1, 0.07, 0.0)
+    assert a.choose_source(4, 0, 0, model=False) == (0, False)
+    for _ in range(50):
+        a.observe_acceptance(3, 0, lookup=2)  # short matches miss
+        a.observe_acceptance(2, 2, lookup=3)
+    assert a.choose_source(4, 3, 2, model=False) == (0, False)
+    assert a.choose_source(4, 2, 3, model=False) == (2, True)
+    assert all(a.choose_source(4, 0, 0, model=False) == (0, False) for _ in range(20))
 
 
 def test_a_lookup_round_postpones_a_probe() -> None:
@@ -248,10 +284,10 @@ def test_a_lookup_round_postpones_a_probe() -> None:
     _warm(a, 0.07, 0.012, 0.035)
     a.observe_acceptance(4, 0)  # little evidence on the model yet: probes are free to run
     for _ in range(20):
-        a.observe_acceptance(4, 4, lookup=True)
-    assert a.choose_source(8, 4) == (4, True)  # a probe was due, the offer went first
+        a.observe_acceptance(4, 4, lookup=2)
+    assert a.choose_source(8, 4, 2) == (4, True)  # a probe was due, the offer went first
     a.observe_round(4, 5, 0.09, 0.0, lookup=True)
-    assert a.choose_source(8, 0) == (2, False)  # the probe, next time nothing is offered
+    assert a.choose_source(8, 0, 0) == (2, False)  # the probe, next time nothing is offered
 
 
 def test_checked_guesses_correct_a_rarely_drafted_position() -> None:
@@ -267,8 +303,8 @@ def test_checked_guesses_correct_a_rarely_drafted_position() -> None:
         a.observe_position(2, True)
     assert a.accept[2] > 0.9
     assert a.choose(8) > 2
-    a.observe_position(1, False, lookup=True)
-    assert a.accept_lookup[1] < a.accept_lookup[0] and a.accept[1] > 0.9
+    a.observe_position(1, False, lookup=2)
+    assert a.accept_lookup(2)[1] < a.accept_lookup(2)[0] and a.accept[1] > 0.9
 
 
 def test_a_drafters_catch_up_limit_bounds_what_a_probe_is_predicted_to_cost() -> None:

@@ -15,15 +15,16 @@ from specd.ort_models.runner import ModelRunner
 
 
 def scan_lookup(history: list[int], last: int, n_max: int, min_ngram: int, max_ngram: int,
-                max_history: int) -> list[int]:
-    """Prompt lookup by scanning: the latest earlier occurrence of the longest tail."""
+                max_history: int) -> tuple[list[int], int]:
+    """Prompt lookup by scanning: what follows the latest earlier occurrence of the
+    longest tail, and that tail's length (0: no match)."""
     ctx = history[-max_history:] + [last]
     for n in range(min(max_ngram, len(ctx) - 1), min_ngram - 1, -1):
         tail = ctx[-n:]
         for start in range(len(ctx) - n - 1, -1, -1):
             if ctx[start:start + n] == tail:
-                return ctx[start + n:start + n + n_max]
-    return []
+                return ctx[start + n:start + n + n_max], n
+    return [], 0
 
 
 @pytest.mark.parametrize("min_ngram,max_ngram,max_history", [
@@ -37,10 +38,10 @@ def test_ngram_index_finds_what_a_scan_finds(min_ngram, max_ngram, max_history) 
     for _ in range(300):
         last = rng.randrange(4) if rng.random() < 0.7 else rng.randrange(4, 6)
         n_max = rng.randrange(1, 9)
-        want = scan_lookup(history, last, n_max, min_ngram, max_ngram, max_history)
+        want, match = scan_lookup(history, last, n_max, min_ngram, max_ngram, max_history)
         got = d.draft(0, last, len(history), n_max, DraftParams(n_max=n_max))
         assert got.tokens == want
-        assert got.lookup == bool(want)
+        assert got.lookup == bool(want) and got.match == (match if want else 0)
         found += bool(want)
         grown = [last] + [rng.randrange(6) for _ in range(rng.randrange(0, 5))]
         history += grown
@@ -74,7 +75,7 @@ def test_hybrid_drafts_from_the_lookup_first_then_the_model(draft_runner) -> Non
     # the tail (31, 42)'s earlier occurrence is followed by 53, 64, 20
     d = h.draft(0, 42, len(prompt), 3, params)
     assert d.tokens == [53, 64, 20] and d.lookup
-    assert h.offer(0, 42, len(prompt), 2).tokens == [53, 64]
+    assert d.match == 3  # the tail (20, 31, 42) occurred before
     h.accept(0, 3)
     h.process(0, [42, 53, 64, 20])
     # nothing repeats the tail (20, 99): the model drafts, as it would alone

@@ -525,8 +525,9 @@ def test_p_min_does_not_turn_short_lookups_into_misses(models, monkeypatch) -> N
     seen: list[tuple[int, bool]] = []
     real = AdaptiveDraftLength.observe_position
 
-    def spy(self, i, hit, lookup=False):  # noqa: ANN001, ANN202
-        seen.append((i, hit))
+    def spy(self, i, hit, lookup=0):  # noqa: ANN001, ANN202
+        if not lookup:  # the model's positions (there is no model here)
+            seen.append((i, hit))
         return real(self, i, hit, lookup)
 
     monkeypatch.setattr(AdaptiveDraftLength, "observe_position", spy)

@@ -57,13 +57,21 @@ class Draft:
     # (teacher forcing); after a round whose n drafts were all accepted, the guess for
     # the target's bonus token is a sample of position n given n accepted.
     forced: tuple[tuple[int, bool], ...] | None = None
-    lookup: bool = False  # found in the context (prompt lookup), no model ran
+    # a prompt lookup's proposal (no model ran): the length of the context n-gram it
+    # continues, the evidence behind it (a 4-token match is accepted far more often than
+    # a 2-token one); 0 for a model's draft
+    match: int = 0
     unsure: bool = False  # stopped short because the draft's confidence fell below p_min
+
+    @property
+    def lookup(self) -> bool:
+        """Found in the context (prompt lookup), no model ran."""
+        return self.match > 0
 
     def truncate(self, n: int) -> Draft:
         """Drop drafts past n, with their q rows."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     self.valid, self.step_s, self.caught_up, self.forced, self.lookup,
+                     self.valid, self.step_s, self.caught_up, self.forced, self.match,
                      self.unsure)
 
 

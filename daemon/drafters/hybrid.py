@@ -3,7 +3,7 @@
 Two sources behind one drafter: an n-gram lookup (free: a few dict probes) and a model
 drafter (a pass per token). With a fixed draft length a round drafts from the lookup
 when it has a match and from the model otherwise. Under the adaptive controller the
-generation asks for the lookup's `offer` first and lets the controller choose between
+generation asks `lookup` for its offer first and lets the controller choose between
 verifying it, drafting with the model and a plain step (`AdaptiveDraftLength.
 choose_source`); the model then drafts through `model` directly.
 
@@ -33,13 +33,9 @@ class HybridDrafter(Drafter):
         self.model.begin(seq, prompt, sampler)
         self.lookup.begin(seq, prompt)
 
-    def offer(self, seq: int, last: int, pos: int, n_max: int) -> Draft:
-        """The lookup's proposal for this round (no model runs; no tokens without a match)."""
-        return self.lookup.draft(seq, last, pos, n_max, DraftParams(n_max=n_max))
-
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
               grammar: GrammarState | None = None) -> Draft:
-        offered = self.offer(seq, last, pos, n_max)
+        offered = self.lookup.draft(seq, last, pos, n_max, params)
         if offered.tokens:  # verified greedily even when sampling: exact for any fixed draft
             return offered
         return self.model.draft(seq, last, pos, n_max, params, grammar)

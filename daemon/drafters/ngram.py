@@ -76,7 +76,7 @@ class NgramDrafter(Drafter):
             follow = h.at(start + n, start + n + n_max)
             if len(follow) < n_max and start + n + len(follow) == h.end:
                 follow.append(last)  # the match runs up to the newest token
-            return Draft(follow, lookup=True)
+            return Draft(follow, match=n)
         return Draft([])
 
     def end(self, seq: int) -> None:
