@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from onnx import TensorProto
@@ -130,6 +130,13 @@ class BuildOptions:
     def logits_width(self, n_vocab: int) -> int:
         """Ids the graph's logits cover."""
         return min(self.vocab_rows, n_vocab) if self.vocab_rows else n_vocab
+
+    def for_vocab(self, n_vocab: int) -> BuildOptions:
+        """These options for a model of n_vocab ids: a cut that keeps every row is no cut
+        (vocab_rows 0), so it builds and caches the same graph as none."""
+        if self.vocab_rows and self.vocab_rows >= n_vocab:
+            return replace(self, vocab_rows=0)
+        return self
 
     @property
     def kv_bytes(self) -> int:

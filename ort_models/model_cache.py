@@ -128,6 +128,7 @@ def load_or_build(path: str | os.PathLike[str], options: BuildOptions | None = N
     options = options or BuildOptions()
     f = GGUFFile(path)
     hp = validate_gguf(f)
+    options = options.for_vocab(hp.n_vocab)
     sha = f.content_hash()
     folder = graph_folder(sha, options)
     built_now = False

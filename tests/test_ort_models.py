@@ -534,8 +534,11 @@ def test_vocab_rows_gives_the_first_ids_logits(tiny_model_factory, arch, wt, dim
     got = _all_rows(ModelRunner(cut, n_ctx=256), TOKENS)  # [S, 100]
     assert got.shape == (len(TOKENS), 100)
     np.testing.assert_array_equal(got, want[:, :100])
-    n_vocab = full.hparams.n_vocab  # past the vocabulary: all of it
+    n_vocab = full.hparams.n_vocab  # past the vocabulary: all of it, and the same graph
     assert BuildOptions(vocab_rows=n_vocab + 5).logits_width(n_vocab) == n_vocab
+    whole = load_or_build(path, BuildOptions(**opts, vocab_rows=n_vocab))
+    assert whole.folder == full.folder and not whole.built_now
+    assert whole.options.vocab_rows == 0
 
 
 def test_negative_vocab_rows_is_refused() -> None:
