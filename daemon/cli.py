@@ -21,7 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
     p.add_argument("-md", "--model-draft", dest="draft", default=None,
                    help="draft GGUF path or catalog name")
-    cli_fit.add_draft_quant_arg(p)
+    cli_fit.add_draft_build_args(p)
     cli_fit.add_spin_arg(p)
     p.add_argument("--spec-type", default="auto",
                    choices=["auto", "none", "draft", "ngram", "draft+ngram", "synthetic"],

@@ -14,13 +14,13 @@ if TYPE_CHECKING:
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from .catalog import DEFAULT_DRAFT, DEFAULT_TARGET
-    from .cli_fit import add_draft_quant_arg, add_spin_arg
+    from .cli_fit import add_draft_build_args, add_spin_arg
 
     b = sub.add_parser("bench", help="benchmark speculation configurations (and llama.cpp)")
     b.add_argument("-m", "--model", default=DEFAULT_TARGET)
     b.add_argument("-md", "--model-draft", dest="draft", default=DEFAULT_DRAFT)
     b.add_argument("--no-draft", action="store_true", help="benchmark without a draft model")
-    add_draft_quant_arg(b)
+    add_draft_build_args(b)
     add_spin_arg(b)
     b.add_argument("-t", "--threads", type=int, default=None)
     b.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=2048)
@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(target=args.model, draft=draft,
                                  spec_type="draft" if draft else "none", n_ctx=args.n_ctx,
                                  threads=threads, draft_quant=args.draft_quant,
+                                 draft_vocab=args.draft_vocab,
                                  spin=args.spin),
                     progress=ProgressBar())
     print(f"specd: {engine.runtime.describe()}", file=sys.stderr)

@@ -23,7 +23,7 @@ from ..memory_fit.probes import FakeProbe, MemoryProbe, ProbeError, probe_for
 from ..ort_models.graph_builder import ATTN_BUCKET, BuildOptions
 from .cli_generate import int_at_least
 from .config import RANGES
-from .engine import DRAFT_QUANTS, build_options
+from .engine import DRAFT_QUANTS, DRAFT_VOCAB_ROWS, build_options
 
 if TYPE_CHECKING:
     from ..ort_models.model_cache import BuiltModel
@@ -53,7 +53,7 @@ def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
     p.add_argument("-md", "--model-draft", dest="draft", default=None,
                    help="draft GGUF path or catalog name")
-    add_draft_quant_arg(p)
+    add_draft_build_args(p)
     p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=1,
                    help="parallel sequences (default 1)")
     p.add_argument("--device", default="auto",
@@ -84,12 +84,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def add_draft_quant_arg(p: argparse.ArgumentParser) -> None:
+def add_draft_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quant", default="auto", choices=list(DRAFT_QUANTS),
                    help="draft weights: re-quantized to GGUF Q4_K blocks for specd's CPU "
                         "kernel (q4k), to 4 bits in blocks of 32 (q4) or 128 (q4g128) for "
                         "MatMulNBits, or exactly as in its GGUF; auto (default): q4k where "
                         "the kernels compiled, else q4. The output is the target's either way")
+    p.add_argument("--draft-vocab", type=int_at_least(0), default=DRAFT_VOCAB_ROWS,
+                   help=f"the draft proposes only ids below this (its output matrix shrinks "
+                        f"to those rows; BPE and SentencePiece number tokens roughly by "
+                        f"frequency); 0: all. Default {DRAFT_VOCAB_ROWS}. The output is the "
+                        f"target's either way")
 
 
 def add_spin_arg(p: argparse.ArgumentParser) -> None:
@@ -104,7 +109,7 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                max_ctx: int | None = None, threads: int | None = None, fetch: bool = True,
                use_cache: bool = True, probe: MemoryProbe | None = None,
                build_progress: BuildProgress | None = None, draft_quant: str = "auto",
-               progress: Any = None) -> tuple[Plan, list[ModelCost]]:
+               draft_vocab: int = -1, progress: Any = None) -> tuple[Plan, list[ModelCost]]:
     """Resolve, build, measure and fit target (+ draft); returns the plan and the costs."""
     from .model_store import resolve_model
 
@@ -116,7 +121,7 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
         if name is None:
             continue
         path = resolve_model(name, fetch=fetch, progress=progress, to_run=True)  # a bar
-        built = built_model(path, bp(label), build_options(label, draft_quant, dev))
+        built = built_model(path, bp(label), build_options(label, draft_quant, dev, draft_vocab))
         trained = built.hparams.n_ctx_train
         if 0 < trained < ATTN_BUCKET:  # nothing to measure at, nothing to plan
             raise FitError(f"a context of at least {ATTN_BUCKET} tokens is needed; "
@@ -156,6 +161,7 @@ def run_fit(args: argparse.Namespace) -> int:
                              max_ctx=args.max_ctx, threads=args.threads,
                              fetch=not args.no_fetch, use_cache=not args.remeasure,
                              build_progress=_build_progress, draft_quant=args.draft_quant,
+                             draft_vocab=args.draft_vocab,
                              progress=ProgressBar())
     except (FitError, MeasureError, ProbeError, ModelStoreError, GGUFError, ValueError,
             RuntimeError, OSError) as exc:

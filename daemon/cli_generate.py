@@ -61,7 +61,7 @@ def engine_config_from_args(args: argparse.Namespace, *, slots: int = 1):  # noq
         slots=slots, threads=args.threads, device=args.device, ngram_min=args.spec_ngram_min,
         ngram_max=args.spec_ngram_max, synthetic_rates=rates,
         synthetic_mean=args.spec_synthetic_mean, fetch=not args.no_fetch,
-        draft_quant=args.draft_quant, spin=args.spin,
+        draft_quant=args.draft_quant, draft_vocab=args.draft_vocab, spin=args.spin,
         defaults=params_from_args(args))
 
 

@@ -55,7 +55,8 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
                          device=args.device, slots=args.slots, max_ctx=max_ctx,
                          min_ctx=min(DEFAULT_MIN_CTX, max_ctx or DEFAULT_MIN_CTX),
                          threads=args.threads, fetch=not args.no_fetch,
-                         draft_quant=args.draft_quant, build_progress=_build_progress,
+                         draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
+                         build_progress=_build_progress,
                          progress=ProgressBar())
     for w in plan.warnings:
         print(f"specd: warning: {w}", file=sys.stderr)

@@ -67,6 +67,7 @@ class EngineConfig:
     synthetic_mean: float | None = None
     synthetic_seed: int = 0
     draft_quant: str = "auto"  # a key of DRAFT_QUANTS
+    draft_vocab: int = -1  # ids a draft may propose (those below it); 0: all; -1: the default
     spin: bool = False  # CPU pool threads spin during a run (faster only on an idle machine)
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
@@ -110,8 +111,10 @@ def resolve_draft_quant(draft_quant: str, device: str = "cpu") -> str:
 DRAFT_VOCAB_ROWS = 98_304
 
 
-def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> BuildOptions:
-    """Graph options of the target or the draft model on `device` ("cpu" / "cuda:N").
+def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
+                  draft_vocab: int = -1) -> BuildOptions:
+    """Graph options of the target or the draft model on `device` ("cpu" / "cuda:N"); a
+    draft's logits cover the ids below `draft_vocab` (0: all; -1: DRAFT_VOCAB_ROWS).
 
     Where specd's kernels run (`target_kernels`: CPU, compiled) a target's Q4_0 / Q4_1 /
     Q4_K / Q6_K matrices go through GgufMatMul (the same weights; Q4_K / Q6_K: 4.6 / 6.6
@@ -141,7 +144,7 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu") -> 
     attention = "native" if native else "fused" if device == "cpu" else "exact"
     return BuildOptions(requant=requant, kernels="gguf" if requant == "q4k" else "ort",
                         attention=attention, kv_dtype="f16" if native else "f32",
-                        vocab_rows=DRAFT_VOCAB_ROWS)
+                        vocab_rows=DRAFT_VOCAB_ROWS if draft_vocab < 0 else draft_vocab)
 
 
 def resolve_spec_type(spec_type: str, draft: str | None) -> str:
@@ -197,7 +200,7 @@ class Engine:
         if draft_path is not None and d_file is not None:
             self.draft = self._load(draft_path, d_file, bp("draft"),
                                     build_options("draft", cfg.draft_quant,
-                                                  self.runtime.device),
+                                                  self.runtime.device, cfg.draft_vocab),
                                     exact=False)
             self.drafter = DraftModelDrafter(self.draft.runner,
                                              vocab_limit=self.target.built.hparams.n_vocab)
@@ -282,5 +285,7 @@ class Engine:
             d["draft"] = {"name": self.draft.name, "path": str(self.draft.path),
                           "arch": self.draft.built.hparams.arch, "n_ctx": self.draft.runner.n_ctx,
                           "quant": resolve_draft_quant(self.cfg.draft_quant,
-                                                       self.runtime.device)}
+                                                       self.runtime.device),
+                          "vocab": self.draft.built.options.logits_width(
+                              self.draft.built.hparams.n_vocab)}
         return d

@@ -190,3 +190,17 @@ def test_token_and_thread_counts_are_range_checked() -> None:
     for flag in ("-n", "-t"):
         r = specd("generate", flag, "-5", "hi")
         assert r.returncode == 2 and "-5 is out of range (at least 0)" in r.stderr, r.stderr
+
+
+def test_draft_vocab_reaches_the_engine_config_and_is_range_checked() -> None:
+    from specd.daemon.cli import build_parser
+    from specd.daemon.cli_generate import engine_config_from_args
+    from specd.daemon.engine import DRAFT_VOCAB_ROWS
+
+    parser = build_parser()
+    for argv, want in ((["generate", "hi"], DRAFT_VOCAB_ROWS),
+                       (["generate", "--draft-vocab", "0", "hi"], 0),
+                       (["serve", "--draft-vocab", "65536"], 65536)):
+        assert engine_config_from_args(parser.parse_args(argv)).draft_vocab == want
+    r = specd("generate", "--draft-vocab", "-5", "hi")
+    assert r.returncode == 2 and "-5 is out of range (at least 0)" in r.stderr, r.stderr

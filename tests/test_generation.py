@@ -10,7 +10,7 @@ from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.synthetic import SyntheticDrafter
-from specd.daemon.engine import build_options, target_kernels
+from specd.daemon.engine import DRAFT_VOCAB_ROWS, build_options, target_kernels
 from specd.daemon.generation import Generation, GenerationParams, RequestError
 from specd.daemon.sampling import SamplerParams
 from specd.ort_models.graph_builder import BuildOptions
@@ -98,6 +98,10 @@ def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None
         if target_kernels() == "gguf" else BuildOptions())
     assert build_options("target", device="cuda:0") == BuildOptions()
     assert build_options("draft", device="cuda:0").attention == "exact"  # fp32 GQA: CPU only
+    assert build_options("draft").vocab_rows == DRAFT_VOCAB_ROWS  # -1: the default cut
+    assert build_options("draft", draft_vocab=0).vocab_rows == 0  # --draft-vocab 0: all
+    assert build_options("draft", draft_vocab=5000).vocab_rows == 5000
+    assert build_options("target", draft_vocab=5000).vocab_rows == 0  # targets: never cut
     want, _ = run(target, max_tokens=64, ignore_eos=True)
     got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
                    draft=DraftParams(n_max=4))

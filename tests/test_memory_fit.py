@@ -343,7 +343,8 @@ def test_cli_fit_rejects_bad_slots_and_margins(tiny_cost: tuple[Any, ModelCost],
     parser = argparse.ArgumentParser(prog="specd")
     add_fit_parser(parser.add_subparsers())
     for bad in (["--slots", "0"], ["--slots", "100000000"], ["--margin-mb", "inf"],
-                ["--margin-mb", "nan"], ["--margin-mb", "-100000"]):
+                ["--margin-mb", "nan"], ["--margin-mb", "-100000"], ["--draft-vocab", "-1"],
+                ["--draft-vocab", "many"]):
         with pytest.raises(SystemExit) as info:  # a usage error, before any measuring
             parser.parse_args(["fit", "-m", str(built.gguf_path), *bad])
         assert info.value.code == 2
