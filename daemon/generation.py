@@ -4,8 +4,9 @@ The speculative round (see docs/architecture.md for the invariants):
  1. choose n: min(n_max or adaptive choice, room in the context, room in the attention
     bucket so every verified row equals a single-token step, tokens left to generate - 1)
  2. draft = drafter.draft(seq, last, pos, n)          (drafts shorter than n_min dropped;
-    a HybridDrafter under the adaptive controller first offers its lookup's tokens and
-    the controller picks the source: the offer, the draft model or neither)
+    under the adaptive controller a prompt lookup, alone or in a HybridDrafter, first
+    offers its tokens and the controller picks the source: the offer, the draft model
+    (if any) or neither)
  3. target.forward(seq, [last, *draft], pos, all rows) (one pass; writes KV in place)
  4. verify: greedy (target's choice per row) or rejection sampling (p vs q)
  5. drafter.accept(k); drafter.process(emitted); stats; the rejected rows of both KV
@@ -249,8 +250,7 @@ class Generation:
             # and a plain step
             hybrid = isinstance(drafter, HybridDrafter)
             lookup = drafter.lookup if hybrid else drafter
-            offered = lookup.draft(self.seq, last, pos, min(dp.n_max, limit),
-                                   DraftParams(n_max=dp.n_max))
+            offered = lookup.draft(self.seq, last, pos, min(dp.n_max, limit), dp)
             n, self._lookup_round = self.adaptive.choose_source(
                 limit, len(offered.tokens), offered.match, model=hybrid)
             if self._lookup_round:

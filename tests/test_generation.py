@@ -147,14 +147,17 @@ def test_draft_equal_to_target_accepts_everything(models) -> None:  # noqa: ANN0
     assert gen.stats.accepted == gen.stats.drafted
 
 
-def test_ngram_speculation_is_byte_identical(models) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_ngram_speculation_is_byte_identical(models, adaptive) -> None:  # noqa: ANN001
+    """Prompt lookup alone; under the adaptive controller each round verifies the offer
+    or takes a plain step (there is no model to draft)."""
     target, _ = models
     prompt = PROMPT + PROMPT[1:] + PROMPT[1:]  # repetition for lookup to find
     want, _ = run(target, prompt=prompt, max_tokens=64, ignore_eos=True)
     got, gen = run(target, NgramDrafter(), prompt=prompt, max_tokens=64, ignore_eos=True,
-                   draft=DraftParams(n_max=6))
+                   draft=DraftParams(n_max=6), adaptive=adaptive)
     assert got == want
-    assert gen.stats.rounds > 0
+    assert gen.stats.rounds > 0 and gen.stats.rounds == gen.stats.lookup_rounds
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
