@@ -141,12 +141,21 @@ def built_model(path: str | os.PathLike[str], progress: Any = None,
     from ..ort_models.model_cache import graph_folder, is_complete, load_or_build
 
     options = options or BuildOptions()
-    folder = graph_folder(content_hash(path), options)
-    if is_complete(folder):
+    sha = content_hash(path)
+    # a vocabulary cut at or past the model's size is cached as no cut (for_vocab), and
+    # the size is known only from a folder's meta: try the cut's folder, then the whole's
+    tries = [options] + ([dataclasses.replace(options, vocab_rows=0)] if options.vocab_rows
+                         else [])
+    for opts in tries:
+        folder = graph_folder(sha, opts)
+        if not is_complete(folder):
+            continue
         try:
-            return dataclasses.replace(built_from_folder(folder), gguf_path=Path(path))
+            built = built_from_folder(folder)
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # an unreadable meta.json: let load_or_build check and rebuild
+            break  # an unreadable meta.json: let load_or_build check and rebuild
+        if options.for_vocab(built.hparams.n_vocab) == built.options:
+            return dataclasses.replace(built, gguf_path=Path(path))
     return load_or_build(path, options, progress)
 
 

@@ -398,3 +398,29 @@ def test_weights_mapped_in_place_count_as_weights(tiny_model_factory: Any, tmp_p
                           build_options("target"))
     cost = measure(built, "cpu", threads=1, use_cache=False)
     assert cost.weights_bytes >= 0.8 * built.weights_bytes
+
+
+def test_built_model_finds_a_whole_vocabulary_cut_under_no_cut(tiny_model_factory: Any,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """A cut at or past the vocabulary is cached as no cut: `built_model` reads that
+    folder's meta (no GGUF parsing, no build); a real cut is not served by it."""
+    from specd.daemon.cli_fit import built_model
+    from specd.ort_models import model_cache
+    from specd.ort_models.graph_builder import BuildOptions
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5)
+    whole = model_cache.load_or_build(path)
+    n_vocab = whole.hparams.n_vocab
+    real = model_cache.load_or_build
+
+    def refuse(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("built_model should not have parsed or built the GGUF")
+
+    monkeypatch.setattr(model_cache, "load_or_build", refuse)
+    got = built_model(path, options=BuildOptions(vocab_rows=n_vocab + 7))
+    assert got.folder == whole.folder and got.options.vocab_rows == 0
+    monkeypatch.setattr(model_cache, "load_or_build", real)
+    cut = built_model(path, options=BuildOptions(vocab_rows=n_vocab // 2))
+    assert cut.folder != whole.folder and cut.options.vocab_rows == n_vocab // 2
