@@ -34,8 +34,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="drafts shorter than this are not verified (default 0)")
     p.add_argument("--spec-draft-p-min", dest="p_min", type=float, default=0.0,
                    help="stop drafting when the draft's top probability is below this")
-    p.add_argument("--spec-draft-probabilistic", action="store_true",
-                   help="sample drafts and verify by rejection sampling (default: greedy)")
+    p.add_argument("--spec-draft-probabilistic", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="sampled requests: sample drafts and verify by rejection sampling "
+                        "(default; the target's distribution). --no-spec-draft-probabilistic"
+                        ": propose the draft's argmax and keep it where the target's own draw "
+                        "agrees (the tokens target-only decoding draws from the same seed, "
+                        "accepted less often)")
     p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="choose the draft length (and source) per round from measured "
                         "acceptance and costs, up to --spec-draft-n-max (default: on; "

@@ -204,3 +204,13 @@ def test_draft_vocab_reaches_the_engine_config_and_is_range_checked() -> None:
         assert engine_config_from_args(parser.parse_args(argv)).draft_vocab == want
     r = specd("generate", "--draft-vocab", "-5", "hi")
     assert r.returncode == 2 and "-5 is out of range (at least 0)" in r.stderr, r.stderr
+
+
+def test_sampled_requests_draft_probabilistically_unless_told_not_to() -> None:
+    from specd.daemon.cli import build_parser
+    from specd.daemon.cli_generate import params_from_args
+
+    parser = build_parser()
+    assert params_from_args(parser.parse_args(["generate", "hi"])).draft.probabilistic
+    off = parser.parse_args(["generate", "--no-spec-draft-probabilistic", "hi"])
+    assert not params_from_args(off).draft.probabilistic

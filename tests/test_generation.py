@@ -171,7 +171,8 @@ def test_draft_and_lookup_speculation_is_byte_identical(models, adaptive, temper
     want, _ = run(target, prompt=prompt, max_tokens=64, ignore_eos=True, sampling=sp)
     drafter = HybridDrafter(draft_drafter(draft), NgramDrafter(min_ngram=1))  # many matches
     got, gen = run(target, drafter, prompt=prompt, max_tokens=64, ignore_eos=True,
-                   sampling=sp, draft=DraftParams(n_max=6), adaptive=adaptive)
+                   sampling=sp, draft=DraftParams(n_max=6, probabilistic=False),
+                   adaptive=adaptive)
     assert got == want
     s = gen.stats
     assert s.lookup_rounds > 0
@@ -194,7 +195,7 @@ def test_sampled_with_greedy_verification_equals_target_only(models) -> None:  #
     sp = SamplerParams(temperature=0.9, top_k=40, seed=11)
     want, _ = run(target, max_tokens=48, ignore_eos=True, sampling=sp)
     got, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
-                 draft=DraftParams(n_max=4))
+                 draft=DraftParams(n_max=4, probabilistic=False))
     assert got == want
 
 

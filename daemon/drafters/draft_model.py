@@ -110,9 +110,10 @@ class DraftModelDrafter(Drafter):
         caught_up = len(pending) > 2  # after target-only rounds: a small prefill first
         step_s: list[float] = []
         unsure = False
+        sampled = params.probabilistic and st.sampler is not None  # else the argmax
         for _ in range(n_max):
             t0 = time.perf_counter()
-            if len(pending) > 1 and not params.probabilistic:
+            if len(pending) > 1 and not sampled:
                 row, forced = self._check_guesses(seq, pending, p, full_run)
             else:
                 row = self._logits(  # [vocab]
@@ -122,7 +123,7 @@ class DraftModelDrafter(Drafter):
             mask = None if grammar is None else grammar.allowed(row.shape[0])  # [vocab]
             if mask is not None and not mask.any():
                 break
-            if params.probabilistic and st.sampler is not None:
+            if sampled:
                 tok, q = st.sampler.sample_with_probs(row, mask)
                 top = float(q.max())
                 q_rows.append(q)
