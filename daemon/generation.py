@@ -92,7 +92,6 @@ class Generation:
         self._last: int | None = None
         self._pos = 0
         self._cursor: int | None = None
-        self._lookup_round = False  # this round verifies a lookup offer (hybrid drafter)
         self._offer_next: int | None = None  # the offered token after those verified
         self._t_decode = time.perf_counter()
 
@@ -217,7 +216,7 @@ class Generation:
         emitted, dead, accepted = self._verify(rows, draft)
         self.stats.record_round(len(draft.tokens), accepted, draft.lookup)
         if self.adaptive is not None and draft.tokens:
-            match = draft.match if self._lookup_round else 0
+            match = draft.match  # > 0: a lookup offer's round
             self.adaptive.observe_acceptance(len(draft.tokens), accepted, match)
             if (match and accepted == len(draft.tokens) < len(emitted)
                     and self._offer_next is not None):
@@ -231,7 +230,7 @@ class Generation:
         if self.adaptive is not None:
             self.adaptive.observe_round(len(draft.tokens), len(emitted),
                                         time.perf_counter() - t_round, draft_s,
-                                        self._lookup_round)
+                                        draft.lookup)
         out = self._emit(emitted)
         self._grammar_finished(dead)
         return out
@@ -239,7 +238,6 @@ class Generation:
     def _draft(self, last: int, pos: int, limit: int) -> tuple[Draft, float]:
         """The round's draft and the seconds the drafter took (0 if it did not run)."""
         dp = self.params.draft
-        self._lookup_round = False
         if self.drafter is None or limit <= 0 or dp.n_max <= 0:
             return Draft([]), 0.0
         drafter = self.drafter
@@ -251,9 +249,9 @@ class Generation:
             hybrid = isinstance(drafter, HybridDrafter)
             lookup = drafter.lookup if hybrid else drafter
             offered = lookup.draft(self.seq, last, pos, min(dp.n_max, limit), dp)
-            n, self._lookup_round = self.adaptive.choose_source(
+            n, take_offer = self.adaptive.choose_source(
                 limit, len(offered.tokens), offered.match, model=hybrid)
-            if self._lookup_round:
+            if take_offer:
                 draft = self._usable(offered.truncate(n))
                 # the offer's next token, checked against the bonus token if all n pass
                 whole = len(draft.tokens) == n < len(offered.tokens)
@@ -300,7 +298,6 @@ class Generation:
         if len(draft.tokens) < max(self.params.draft.n_min, 1):
             assert self.drafter is not None
             self.drafter.accept(self.seq, 0)
-            self._lookup_round = False
             return Draft([])
         if not draft.valid:
             self.stats.valid = False
