@@ -109,7 +109,8 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                max_ctx: int | None = None, threads: int | None = None, fetch: bool = True,
                use_cache: bool = True, probe: MemoryProbe | None = None,
                build_progress: BuildProgress | None = None, draft_quant: str = "auto",
-               draft_vocab: int = -1, progress: Any = None) -> tuple[Plan, list[ModelCost]]:
+               draft_vocab: int = DRAFT_VOCAB_ROWS, progress: Any = None
+               ) -> tuple[Plan, list[ModelCost]]:
     """Resolve, build, measure and fit target (+ draft); returns the plan and the costs."""
     from .model_store import resolve_model
 

@@ -52,6 +52,16 @@ class EngineError(Exception):
 DEFAULT_N_CTX = 4096  # per sequence, capped at the model's trained context
 
 
+# A draft's logits cover the ids below this (where its vocabulary is larger): it proposes
+# only those, and its output matrix shrinks. Byte-level BPE and SentencePiece vocabularies
+# number their tokens roughly by frequency, so the ids left out are rare: the Qwen2.5
+# target's 256-token replies to the bench's six prompts and temperatures hold one id past
+# it in 1,510 (a sure rejection where it is due). The 0.5B Qwen draft reads 27 MB less a
+# step (its 152k-row head, 76 MB of 290 as Q4_K, becomes 49 MB): 7-10% off its step.
+# 65,536 would save more but leaves out 0.4-3.1% of those tokens.
+DRAFT_VOCAB_ROWS = 98_304
+
+
 @dataclass
 class EngineConfig:
     target: str
@@ -67,7 +77,7 @@ class EngineConfig:
     synthetic_mean: float | None = None
     synthetic_seed: int = 0
     draft_quant: str = "auto"  # a key of DRAFT_QUANTS
-    draft_vocab: int = -1  # ids a draft may propose (those below it); 0: all; -1: the default
+    draft_vocab: int = DRAFT_VOCAB_ROWS  # a draft proposes only ids below this; 0: all
     spin: bool = False  # CPU pool threads spin during a run (faster only on an idle machine)
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
@@ -101,20 +111,10 @@ def resolve_draft_quant(draft_quant: str, device: str = "cpu") -> str:
     return "q4k" if target_kernels(device) == "gguf" else "q4"
 
 
-# A draft's logits cover the ids below this (where its vocabulary is larger): it proposes
-# only those, and its output matrix shrinks. Byte-level BPE and SentencePiece vocabularies
-# number their tokens roughly by frequency, so the ids left out are rare: the Qwen2.5
-# target's 256-token replies to the bench's six prompts and temperatures hold one id past
-# it in 1,510 (a sure rejection where it is due). The 0.5B Qwen draft reads 27 MB less a
-# step (its 152k-row head, 76 MB of 290 as Q4_K, becomes 49 MB): 7-10% off its step.
-# 65,536 would save more but leaves out 0.4-3.1% of those tokens.
-DRAFT_VOCAB_ROWS = 98_304
-
-
 def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
-                  draft_vocab: int = -1) -> BuildOptions:
+                  draft_vocab: int = DRAFT_VOCAB_ROWS) -> BuildOptions:
     """Graph options of the target or the draft model on `device` ("cpu" / "cuda:N"); a
-    draft's logits cover the ids below `draft_vocab` (0: all; -1: DRAFT_VOCAB_ROWS).
+    draft's logits cover the ids below `draft_vocab` (0: all).
 
     Where specd's kernels run (`target_kernels`: CPU, compiled) a target's Q4_0 / Q4_1 /
     Q4_K / Q6_K matrices go through GgufMatMul (the same weights; Q4_K / Q6_K: 4.6 / 6.6
@@ -144,7 +144,7 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
     attention = "native" if native else "fused" if device == "cpu" else "exact"
     return BuildOptions(requant=requant, kernels="gguf" if requant == "q4k" else "ort",
                         attention=attention, kv_dtype="f16" if native else "f32",
-                        vocab_rows=DRAFT_VOCAB_ROWS if draft_vocab < 0 else draft_vocab)
+                        vocab_rows=draft_vocab)
 
 
 def resolve_spec_type(spec_type: str, draft: str | None) -> str:

@@ -98,7 +98,7 @@ def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None
         if target_kernels() == "gguf" else BuildOptions())
     assert build_options("target", device="cuda:0") == BuildOptions()
     assert build_options("draft", device="cuda:0").attention == "exact"  # fp32 GQA: CPU only
-    assert build_options("draft").vocab_rows == DRAFT_VOCAB_ROWS  # -1: the default cut
+    assert build_options("draft").vocab_rows == DRAFT_VOCAB_ROWS  # the default cut
     assert build_options("draft", draft_vocab=0).vocab_rows == 0  # --draft-vocab 0: all
     assert build_options("draft", draft_vocab=5000).vocab_rows == 5000
     assert build_options("target", draft_vocab=5000).vocab_rows == 0  # targets: never cut
