@@ -32,6 +32,11 @@ fully accepted round of n, the draft's guess for the target's bonus token (one m
 logits row of the pass it runs anyway) is a sample of position n + 1 given n accepted;
 the same holds for the token a lookup offered after those verified.
 
+A verified position counts the probability it was accepted with (sum(min(p, q)) under
+rejection sampling, p(d) where the target draws and a fixed draft must match), not the
+outcome, a coin with that bias: the same mean, and at temperature 0.7 far less noise
+(each outcome's variance a(1 - a), ~0.24 on prose, besides the spread of a itself).
+
 Estimates are discounted averages with a long memory (about the last 50 observations):
 a round costs ~0.1 s here and timings on a shared machine swing by 20%, so short
 averages made the choice follow noise. Acceptance at a position never drafted is the
@@ -120,13 +125,16 @@ class _Acceptance:
         self.hits = [0.0] * self.n
         self.trials = [0.0] * self.n
 
-    def observe(self, n_drafted: int, n_accepted: int) -> None:
-        """A verified round: positions up to the first rejection were reached."""
+    def observe(self, n_drafted: int, n_accepted: int, probs: Sequence[float] = ()) -> None:
+        """A verified round: positions up to the first rejection were reached; `probs`,
+        where known, the probability each was accepted with (counted instead of the
+        outcome: the same mean, less noise)."""
         for i in range(min(n_drafted, n_accepted + 1)):
-            self.observe_at(i, i < n_accepted)
+            self.observe_at(i, probs[i] if i < len(probs) else float(i < n_accepted))
 
-    def observe_at(self, i: int, hit: bool) -> None:
-        """One sample of position i alone, given positions before it accepted."""
+    def observe_at(self, i: int, hit: float) -> None:
+        """One sample of position i alone, given positions before it accepted: whether it
+        was accepted (1.0 / 0.0, or a bool), or the probability it was."""
         if 0 <= i < self.n:
             self.hits[i] = self.decay * self.hits[i] + float(hit)
             self.trials[i] = self.decay * self.trials[i] + 1.0
@@ -240,10 +248,14 @@ class AdaptiveDraftLength:
             self._probing = False
             self._probe_overhead += seconds - n_emitted * (self.verify_cost(1) or 0.0)
 
-    def observe_acceptance(self, n_drafted: int, n_accepted: int, lookup: int = 0) -> None:
+    def observe_acceptance(self, n_drafted: int, n_accepted: int, lookup: int = 0,
+                           probs: Sequence[float] = ()) -> None:
         """The target accepted n_accepted of n_drafted tokens from the draft model (lookup
-        0) or from a lookup offer continuing a match of `lookup` context tokens."""
-        self._source(lookup).observe(n_drafted, n_accepted)
+        0) or from a lookup offer continuing a match of `lookup` context tokens; `probs`:
+        the probability each position up to the first rejection was accepted with
+        (`VerifyResult.accept_probs`; at temperature > 0 they estimate acceptance with
+        less noise than the outcomes, drawn from them)."""
+        self._source(lookup).observe(n_drafted, n_accepted, probs)
 
     def observe_position(self, i: int, hit: bool, lookup: int = 0) -> None:
         """A guess at draft position i (0-based), given the positions before it accepted,

@@ -31,7 +31,7 @@ from .drafters.synthetic import SyntheticDrafter
 from .grammar import GrammarState
 from .sampling import Sampler, SamplerParams, derive_seeds
 from .stats import SpecStats
-from .verify import verify_greedy, verify_rejection
+from .verify import acceptance_probability, to_width, verify_greedy, verify_rejection
 
 
 class RequestError(ValueError):
@@ -93,6 +93,9 @@ class Generation:
         self._pos = 0
         self._cursor: int | None = None
         self._offer_next: int | None = None  # the offered token after those verified
+        # the target's distribution [vocab] of the last round's bonus token (None: the
+        # round did not end on one, or greedy)
+        self._bonus_p: np.ndarray | None = None
         self._t_decode = time.perf_counter()
 
     @property
@@ -213,11 +216,11 @@ class Generation:
         self.stats.verify_s += dt
         if self.adaptive is not None:
             self.adaptive.observe_verify(len(draft.tokens) + 1, dt)
-        emitted, dead, accepted = self._verify(rows, draft)
+        emitted, dead, accepted, alphas, self._bonus_p = self._verify(rows, draft)
         self.stats.record_round(len(draft.tokens), accepted, draft.lookup)
         if self.adaptive is not None and draft.tokens:
             match = draft.match  # > 0: a lookup offer's round
-            self.adaptive.observe_acceptance(len(draft.tokens), accepted, match)
+            self.adaptive.observe_acceptance(len(draft.tokens), accepted, match, alphas)
             if (match and accepted == len(draft.tokens) < len(emitted)
                     and self._offer_next is not None):
                 self.adaptive.observe_position(accepted, emitted[accepted] == self._offer_next,
@@ -278,6 +281,10 @@ class Generation:
                 self.adaptive.observe_draft(dt, draft.step_s[1:])
             for i, hit in draft.forced or ():
                 self.adaptive.observe_position(i, hit)
+            if draft.bonus_q is not None and self._bonus_p is not None:
+                i, q = draft.bonus_q
+                self.adaptive.observe_position(
+                    i, acceptance_probability(self._bonus_p, to_width(q, self._bonus_p.shape[0])))
             if draft.unsure and len(draft.tokens) < n:
                 # stopped short for want of confidence (p_min): position len(tokens)
                 # yields nothing, as a rejection there would (else nothing tells the
@@ -303,17 +310,20 @@ class Generation:
             self.stats.valid = False
         return draft
 
-    def _verify(self, rows: np.ndarray, draft: Draft) -> tuple[list[int], bool, int]:
-        """(emitted tokens, grammar dead end reached, drafts accepted)."""
+    def _verify(self, rows: np.ndarray, draft: Draft
+                ) -> tuple[list[int], bool, int, tuple[float, ...], np.ndarray | None]:
+        """(emitted tokens, grammar dead end reached, drafts accepted, the probability of
+        acceptance at each position decided, the target's distribution of the bonus token
+        after full acceptance)."""
         if isinstance(self.drafter, SyntheticDrafter) and draft.tokens:
             out = self._verify_synthetic(rows, draft)
-            return out, False, len(out) - 1
+            return out, False, len(out) - 1, (), None
         if draft.probs is not None and self.params.draft.probabilistic:
             r = verify_rejection(rows, draft.tokens, draft.probs, self.sampler, self.grammar,
                                  draft_masked=True)
         else:
             r = verify_greedy(rows, draft.tokens, self.sampler, self.grammar)
-        return r.tokens, r.grammar_dead_end, r.n_accepted
+        return r.tokens, r.grammar_dead_end, r.n_accepted, r.accept_probs, r.bonus_probs
 
     def _verify_synthetic(self, rows: np.ndarray, draft: Draft) -> list[int]:
         assert isinstance(self.drafter, SyntheticDrafter)

@@ -338,6 +338,17 @@ class Sampler:
         token, ids, p = self._draw(logits, mask)
         return token, _densify(ids, p, np.shape(logits)[-1])
 
+    def sample_with_prob_of(
+        self, logits: np.ndarray, token: int, mask: np.ndarray | None = None
+    ) -> tuple[int, float]:
+        """Like :meth:`sample`, and the probability the distribution drawn from gives
+        ``token`` (greedy: 1.0 if it is the argmax, else 0.0)."""
+        choice, ids, p = self._draw(logits, mask)
+        if ids is None:
+            return choice, float(p[token]) if 0 <= token < p.shape[0] else 0.0
+        at = int(np.searchsorted(ids, token))  # ids ascend
+        return choice, float(p[at]) if at < ids.shape[0] and ids[at] == token else 0.0
+
     def _draw(
         self, logits: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[int, np.ndarray | None, np.ndarray]:

@@ -34,7 +34,7 @@ on it (``n_accepted == len(tokens)``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -45,8 +45,10 @@ __all__ = [
     "SparseDraftProbs",
     "TokenConstraint",
     "VerifyResult",
+    "acceptance_probability",
     "accepts_draft",
     "residual_distribution",
+    "to_width",
     "verify_greedy",
     "verify_rejection",
 ]
@@ -60,12 +62,23 @@ class VerifyResult:
     accepted drafts (``len == n_accepted``) where the grammar ended the block on one.
     grammar_dead_end: the grammar allowed no token after ``tokens`` (the block was cut
     there; the request must stop).
+    accept_probs: for each draft position decided (up to and including the first
+    rejection), the probability that it was accepted given the drafts before it:
+    sum(min(p, q)) under rejection sampling, p(d) where the target draws and the draft
+    must match (1 or 0 when greedy). Each acceptance outcome is a coin with this bias,
+    so its mean estimates acceptance as the outcomes do, without the coins' noise.
+    bonus_probs: after full acceptance, the target's distribution [vocab] the bonus token
+    was drawn from (a draft's distribution there gives a free sample of the acceptance
+    one position further).
     """
 
     n_accepted: int
     tokens: list[int]
     n_drafted: int
     grammar_dead_end: bool = False
+    accept_probs: tuple[float, ...] = field(default=(), compare=False)
+    # after full acceptance: the target's distribution the bonus token was drawn from
+    bonus_probs: np.ndarray | None = field(default=None, compare=False)  # [vocab]
 
     @property
     def all_accepted(self) -> bool:
@@ -131,17 +144,19 @@ def verify_greedy(
     vocab = rows.shape[1]
     n = len(draft_tokens)
     tokens: list[int] = []
+    alphas: list[float] = []
     for i, drafted in enumerate(draft_tokens):
         mask = _mask(grammar, vocab)  # [vocab] or None
         if mask is not None and i > 0 and not mask.any():
-            return _dead_end(tokens, n)
-        choice = sampler.sample(rows[i], mask)
+            return _dead_end(tokens, n, alphas)
+        choice, alpha = sampler.sample_with_prob_of(rows[i], int(drafted), mask)
+        alphas.append(alpha)
         _emit(choice, tokens, sampler, grammar)
         if choice != int(drafted):
-            return VerifyResult(i, tokens, n)
+            return VerifyResult(i, tokens, n, accept_probs=tuple(alphas))
         if _stopped(grammar):  # the constraint is complete: end as plain decoding does
-            return VerifyResult(i + 1, tokens, n)
-    return _with_bonus(rows, tokens, sampler, n, grammar)
+            return VerifyResult(i + 1, tokens, n, accept_probs=tuple(alphas))
+    return _with_bonus(rows, tokens, sampler, n, grammar, alphas)
 
 
 def verify_rejection(
@@ -178,26 +193,28 @@ def verify_rejection(
     _check_draft_probs(draft_probs, n)
     vocab = rows.shape[1]
     tokens: list[int] = []
+    alphas: list[float] = []
     for i, drafted in enumerate(draft_tokens):
         d = int(drafted)
         mask = _mask(grammar, vocab)  # [vocab] or None
         if mask is not None and i > 0 and not mask.any():
-            return _dead_end(tokens, n)
+            return _dead_end(tokens, n, alphas)
         p = sampler.probs(rows[i], mask)  # [vocab]
         q = _draft_row(draft_probs, i, vocab)  # [vocab]
         if mask is not None and draft_masked:
             q = _restrict(q, mask)
         p_d = p[d] if 0 <= d < vocab else 0.0
         q_d = q[d] if 0 <= d < vocab else 0.0
+        alphas.append(acceptance_probability(p, q))
         if accepts_draft(sampler.uniform(), p_d, q_d):
             _emit(d, tokens, sampler, grammar)
             if _stopped(grammar):  # the constraint is complete: end as plain decoding does
-                return VerifyResult(i + 1, tokens, n)
+                return VerifyResult(i + 1, tokens, n, accept_probs=tuple(alphas))
             continue
         correction = sample_from_probs(residual_distribution(p, q), sampler.uniform())
         _emit(correction, tokens, sampler, grammar)
-        return VerifyResult(i, tokens, n)
-    return _with_bonus(rows, tokens, sampler, n, grammar)
+        return VerifyResult(i, tokens, n, accept_probs=tuple(alphas))
+    return _with_bonus(rows, tokens, sampler, n, grammar, alphas)
 
 
 def _stopped(grammar: TokenConstraint | None) -> bool:
@@ -210,6 +227,12 @@ def _stopped(grammar: TokenConstraint | None) -> bool:
 def accepts_draft(u: float, p_d: float, q_d: float) -> bool:
     """Accept with probability min(1, p_d / q_d) given u ~ U[0, 1) (no division)."""
     return u * q_d < p_d
+
+
+def acceptance_probability(p: np.ndarray, q: np.ndarray) -> float:
+    """sum(min(p, q)) over [vocab]: the probability that a draft drawn from q is accepted
+    against p (for q normalised; a q with mass off p's support is rejected there)."""
+    return float(np.minimum(p, q).sum())
 
 
 def residual_distribution(p: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -230,13 +253,19 @@ def _with_bonus(
     sampler: Sampler,
     n_drafted: int,
     grammar: TokenConstraint | None = None,
+    alphas: Sequence[float] = (),
 ) -> VerifyResult:
     mask = _mask(grammar, rows.shape[1])  # [vocab] or None
     if mask is not None and n_drafted > 0 and not mask.any():
-        return _dead_end(tokens, n_drafted)
-    bonus = sampler.sample(rows[n_drafted], mask)
+        return _dead_end(tokens, n_drafted, alphas)
+    p = None  # greedy: no distribution to weigh a draft's against (nor a sampling draft)
+    if sampler.is_greedy:
+        bonus = sampler.sample(rows[n_drafted], mask)
+    else:
+        bonus, p = sampler.sample_with_probs(rows[n_drafted], mask)  # p [vocab]
     _emit(bonus, tokens, sampler, grammar)
-    return VerifyResult(n_drafted, tokens, n_drafted)
+    return VerifyResult(n_drafted, tokens, n_drafted, accept_probs=tuple(alphas),
+                        bonus_probs=p)
 
 
 def _emit(token: int, tokens: list[int], sampler: Sampler, grammar: TokenConstraint | None) -> None:
@@ -250,11 +279,13 @@ def _mask(grammar: TokenConstraint | None, vocab: int) -> np.ndarray | None:
     return None if grammar is None else grammar.allowed(vocab)
 
 
-def _dead_end(tokens: list[int], n_drafted: int) -> VerifyResult:
+def _dead_end(tokens: list[int], n_drafted: int, alphas: Sequence[float] = ()
+              ) -> VerifyResult:
     """Cut the block after the accepted drafts: the last one is the round's final token."""
     if not tokens:  # only reachable at row 0, which the caller must check beforehand
         raise NoAllowedToken("the grammar allows no token")
-    return VerifyResult(len(tokens), tokens, n_drafted, grammar_dead_end=True)
+    return VerifyResult(len(tokens), tokens, n_drafted, grammar_dead_end=True,
+                        accept_probs=tuple(alphas))
 
 
 def _restrict(q: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -290,7 +321,12 @@ def _draft_row(draft_probs: DraftProbs, i: int, vocab: int) -> np.ndarray:
     """Draft distribution i as dense float64 [vocab], padded or cut to the target vocab."""
     if isinstance(draft_probs, SparseDraftProbs):
         return draft_probs.dense_row(i, vocab)
-    row = np.asarray(draft_probs[i], dtype=np.float64)  # [vocab_draft]
+    return to_width(draft_probs[i], vocab)
+
+
+def to_width(row: np.ndarray, vocab: int) -> np.ndarray:
+    """A draft's distribution [vocab_draft] as float64 [vocab]: zero-padded or cut."""
+    row = np.asarray(row, dtype=np.float64)  # [vocab_draft]
     if row.shape[0] == vocab:
         return row
     out = np.zeros(vocab, dtype=np.float64)  # [vocab]

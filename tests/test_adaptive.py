@@ -156,6 +156,21 @@ def test_acceptance_estimate_needs_evidence_to_move_far() -> None:
     assert a.accept[1] == a.accept[0]  # never drafted: extrapolated from position 1
 
 
+def test_acceptance_probabilities_count_in_place_of_outcomes() -> None:
+    a = AdaptiveDraftLength(n_max=4, prior_accept=0.7)
+    b = AdaptiveDraftLength(n_max=4, prior_accept=0.7)
+    for _ in range(40):
+        a.observe_acceptance(3, 0, probs=(0.6,))  # rejected at 1, accepted with p 0.6
+        b.observe_acceptance(3, 3, probs=(0.6, 0.6, 0.6))
+    assert a.accept[0] == pytest.approx(b.accept[0])
+    assert 0.58 < a.accept[0] < 0.62
+    assert b.accept[2] == pytest.approx(0.6, abs=0.01)
+    c = AdaptiveDraftLength(n_max=4, prior_accept=0.7)
+    for _ in range(40):
+        c.observe_acceptance(3, 1, probs=(0.9,))  # fewer probabilities: outcomes fill in
+    assert 0.88 < c.accept[0] < 0.92 and c.accept[1] < 0.1
+
+
 def test_verify_cost_uses_each_well_observed_size() -> None:
     a = AdaptiveDraftLength(n_max=8)
     for _ in range(5):

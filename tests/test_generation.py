@@ -12,7 +12,7 @@ from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.synthetic import SyntheticDrafter
 from specd.daemon.engine import DRAFT_VOCAB_ROWS, build_options, target_kernels
 from specd.daemon.generation import Generation, GenerationParams, RequestError
-from specd.daemon.sampling import SamplerParams
+from specd.daemon.sampling import Sampler, SamplerParams
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
@@ -429,6 +429,57 @@ def test_a_fully_accepted_round_checks_the_drafts_next_guess(models) -> None:  #
     drafter.process(0, [bonus, d2.tokens[0]])
     d3 = drafter.draft(0, 7, len(PROMPT) + 6, 2, DraftParams(n_max=2))
     assert d3.forced is None
+
+
+def test_a_sampling_drafts_distribution_for_the_bonus_token_is_reported(models) -> None:  # noqa: ANN001
+    """The sampled counterpart of the checked guess: after n accepted drafts, the draft's
+    distribution where the bonus token was drawn (position n), which the generation weighs
+    against the target's there."""
+    target, _ = models
+    dsp = SamplerParams(temperature=0.7, top_k=10, seed=5)
+    drafter = draft_drafter(target)
+    drafter.begin(0, PROMPT, Sampler(dsp, seed=5))
+    d = drafter.draft(0, 40, len(PROMPT), 3, DraftParams(n_max=3))
+    assert d.bonus_q is None and d.forced is None
+    drafter.accept(0, 3)
+    drafter.process(0, [40, *d.tokens])
+    d2 = drafter.draft(0, 41, len(PROMPT) + 4, 2, DraftParams(n_max=2))
+    assert d2.bonus_q is not None and d2.forced is None
+    i, q = d2.bonus_q
+    row = ModelRunner(target, n_ctx=512).prefill(0, [*PROMPT, 40, *d.tokens])  # [vocab]
+    assert i == 3
+    np.testing.assert_allclose(q, Sampler(dsp).probs(row), atol=1e-6)
+    drafter.accept(0, 1)  # one of two accepted: nothing to weigh next round
+    drafter.process(0, [41, d2.tokens[0]])
+    assert drafter.draft(0, 7, len(PROMPT) + 6, 2, DraftParams(n_max=2)).bonus_q is None
+
+
+def test_sampled_rounds_feed_the_controller_acceptance_probabilities(models) -> None:  # noqa: ANN001
+    """At temperature > 0 the adaptive controller counts sum(min(p, q)) per position
+    decided and at the bonus position, not only the outcomes."""
+    target, draft = models
+    seen: list[tuple[str, int, float]] = []
+    sp = SamplerParams(temperature=0.8, seed=11)
+    runner = ModelRunner(target, n_ctx=512)
+    gen = Generation(runner, 0, PROMPT, GenerationParams(
+        max_tokens=40, ignore_eos=True, sampling=sp, draft=DraftParams(n_max=3),
+        adaptive=True), eog=EOG, drafter=draft_drafter(draft))
+    a = gen.adaptive
+    assert a is not None
+    acc, pos = a.observe_acceptance, a.observe_position
+    a.observe_acceptance = lambda n, k, lookup=0, probs=(): (  # type: ignore[method-assign]
+        seen.extend(("round", i, x) for i, x in enumerate(probs)), acc(n, k, lookup, probs))
+    a.observe_position = lambda i, hit, lookup=0: (  # type: ignore[method-assign]
+        seen.append(("bonus", i, float(hit))), pos(i, hit, lookup))
+    gen.prefill()
+    while not gen.done:
+        gen.step()
+    rounds = [x for kind, _, x in seen if kind == "round"]
+    bonus = [(i, x) for kind, i, x in seen if kind == "bonus"]
+    assert rounds and bonus  # the tiny pair agrees often: full acceptances happen
+    assert all(0.0 <= x <= 1.0 + 1e-9 for x in rounds)
+    assert any(0.0 < x < 1.0 for x in rounds)  # probabilities, not outcomes
+    assert all(i >= 1 and 0.0 <= x <= 1.0 + 1e-9 for i, x in bonus)
 
 
 def test_adaptive_never_re_evaluates_the_prompt_on_the_draft(models) -> None:  # noqa: ANN001

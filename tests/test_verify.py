@@ -224,6 +224,55 @@ def test_residual_distribution() -> None:
     np.testing.assert_array_equal(residual_distribution(p, p), p)  # all-zero residual -> p
 
 
+# -- acceptance probabilities ---------------------------------------------------------
+
+
+def test_accept_probs_cover_the_positions_decided() -> None:
+    greedy = Sampler(SamplerParams(temperature=0.0))
+    rows = _one_hot_rows([4, 1, 7, 2], vocab=10)
+    assert verify_greedy(rows, [4, 1, 7], greedy).accept_probs == (1.0, 1.0, 1.0)
+    assert verify_greedy(rows, [4, 3, 7], greedy).accept_probs == (1.0, 0.0)
+    q = np.full((3, 10), 0.1)  # [n_draft, vocab]
+    r = verify_rejection(rows, [4, 3, 7], q, Sampler(SamplerParams(temperature=0.0), seed=0))
+    assert r.accept_probs == pytest.approx((0.1, 0.1))  # min(p, q) sums to q at the argmax
+
+
+def test_accept_probs_are_the_target_probability_where_the_target_draws() -> None:
+    rng = np.random.default_rng(21)
+    logits = rng.normal(size=(3, 30))  # [n_draft+1, vocab]
+    params = SamplerParams(temperature=0.7, top_k=12)
+    r = verify_greedy(logits, [5, 9], Sampler(params, seed=2))
+    ref = Sampler(params)
+    expected = [ref.probs(logits[i])[d] for i, d in enumerate([5, 9])]
+    assert r.accept_probs == pytest.approx(expected[: len(r.accept_probs)])
+
+
+def test_accept_probs_are_sum_min_p_q_under_rejection_sampling() -> None:
+    logits, q, params = _pairs()["filtered_target"]
+    p = Sampler(params).probs(logits)
+    for seed in range(20):
+        r = verify_rejection(_rows(logits, 3), [1, 1, 1], np.tile(q, (3, 1)),
+                             Sampler(params, seed=seed))
+        assert len(r.accept_probs) == min(3, r.n_accepted + 1)
+        assert r.accept_probs == pytest.approx([np.minimum(p, q).sum()] * len(r.accept_probs))
+
+
+def test_accept_probs_estimate_the_acceptance_rate() -> None:
+    """The mean of the probabilities matches the rate of the outcomes drawn from them
+    (3 sigma of 20k Bernoulli trials), for each kind of target/draft pair."""
+    for name, (logits, q, params) in _pairs().items():
+        sampler = Sampler(params, seed=31)
+        drafts = np.random.default_rng(32).choice(q.shape[0], size=20_000, p=q)
+        hits, alphas = 0, 0.0
+        for d in drafts:
+            r = verify_rejection(_rows(logits, 1), [int(d)], q[None, :], sampler)
+            hits += r.n_accepted
+            alphas += r.accept_probs[0]
+        n = drafts.shape[0]
+        a = alphas / n
+        assert abs(hits / n - a) <= 3 * np.sqrt(a * (1 - a) / n), name
+
+
 # -- rejection sampling: distribution exactness --------------------------------------
 
 

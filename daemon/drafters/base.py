@@ -67,6 +67,11 @@ class Draft:
     # a 2-token one); 0 for a model's draft
     match: int = 0
     unsure: bool = False  # stopped short because the draft's confidence fell below p_min
+    # a sampling draft's counterpart of the bonus guess in `forced`: (n, q), after a round
+    # whose n drafts were all accepted, q [vocab] the distribution it would have drawn
+    # position n from; against the target's distribution p there, sum(min(p, q)) is a
+    # free sample of position n's acceptance given n accepted
+    bonus_q: tuple[int, np.ndarray] | None = None
 
     @property
     def lookup(self) -> bool:
@@ -77,7 +82,7 @@ class Draft:
         """Drop drafts past n, with their q rows."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
                      self.valid, self.step_s, self.caught_up, self.forced, self.match,
-                     self.unsure)
+                     self.unsure, self.bonus_q)
 
 
 class Drafter(ABC):

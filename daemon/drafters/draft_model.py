@@ -111,10 +111,18 @@ class DraftModelDrafter(Drafter):
         step_s: list[float] = []
         unsure = False
         sampled = params.probabilistic and st.sampler is not None  # else the argmax
+        bonus_q: tuple[int, np.ndarray] | None = None
         for _ in range(n_max):
             t0 = time.perf_counter()
             if len(pending) > 1 and not sampled:
                 row, forced = self._check_guesses(seq, pending, p, full_run)
+            elif len(pending) == 2 and full_run and grammar is None:
+                # pending = [last draft, bonus]: the first row is where the bonus was drawn
+                out = self.runner.forward(seq, self._ids(pending), p,
+                                          [len(pending) - 2, len(pending) - 1])
+                assert st.sampler is not None
+                bonus_q = (full_run, st.sampler.probs(self._logits(out[0])))  # [vocab]
+                row = self._logits(out[1])
             else:
                 row = self._logits(  # [vocab]
                     self.runner.forward(seq, self._ids(pending), p)[0])
@@ -145,7 +153,7 @@ class DraftModelDrafter(Drafter):
                     break
         probs = np.stack(q_rows) if q_rows else None
         return Draft(list(st.drafted), probs, step_s=tuple(step_s), caught_up=caught_up,
-                     forced=forced, unsure=unsure)
+                     forced=forced, unsure=unsure, bonus_q=bonus_q)
 
     def _check_guesses(self, seq: int, pending: list[int], pos: int, full_run: int
                        ) -> tuple[np.ndarray, tuple[tuple[int, bool], ...]]:
