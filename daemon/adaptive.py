@@ -36,6 +36,9 @@ A verified position counts the probability it was accepted with (sum(min(p, q)) 
 rejection sampling, p(d) where the target draws and a fixed draft must match), not the
 outcome, a coin with that bias: the same mean, and at temperature 0.7 far less noise
 (each outcome's variance a(1 - a), ~0.24 on prose, besides the spread of a itself).
+The free samples at the bonus position do the same at temperature > 0: a sampling
+draft's distribution there against the target's, sum(min(p, q)); a lookup's next token,
+the target's probability of it.
 
 Estimates are discounted averages with a long memory (about the last 50 observations):
 a round costs ~0.1 s here and timings on a shared machine swing by 20%, so short
@@ -257,12 +260,13 @@ class AdaptiveDraftLength:
         less noise than the outcomes, drawn from them)."""
         self._source(lookup).observe(n_drafted, n_accepted, probs)
 
-    def observe_position(self, i: int, hit: bool, lookup: int = 0) -> None:
+    def observe_position(self, i: int, hit: float, lookup: int = 0) -> None:
         """A guess at draft position i (0-based), given the positions before it accepted,
         checked without verifying it: a draft's teacher-forced rows, or the guess after a
         fully accepted round for the target's bonus token. Rounds only reach the lengths
         they draft, so without these the acceptance of the next position is a prior
-        that is rarely tested. `lookup` as in `observe_acceptance`."""
+        that is rarely tested. `hit`: whether the guess was right, or (a sampled target)
+        the probability it would have been accepted. `lookup` as in `observe_acceptance`."""
         self._source(lookup).observe_at(i, hit)
 
     # -- estimates ------------------------------------------------------------------------

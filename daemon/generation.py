@@ -221,10 +221,14 @@ class Generation:
         if self.adaptive is not None and draft.tokens:
             match = draft.match  # > 0: a lookup offer's round
             self.adaptive.observe_acceptance(len(draft.tokens), accepted, match, alphas)
-            if (match and accepted == len(draft.tokens) < len(emitted)
-                    and self._offer_next is not None):
-                self.adaptive.observe_position(accepted, emitted[accepted] == self._offer_next,
-                                               match)
+            nxt = self._offer_next
+            if match and accepted == len(draft.tokens) < len(emitted) and nxt is not None:
+                # the offer's next token against the bonus: the probability the target
+                # gave it where it drew the bonus (at temperature > 0), else whether it won
+                p = self._bonus_p
+                hit = (float(p[nxt]) if p is not None and nxt < p.shape[0]
+                       else float(emitted[accepted] == nxt))
+                self.adaptive.observe_position(accepted, hit, match)
         if self.drafter is not None:
             # the last emitted token is the next round's `last`, whatever chose it
             self.drafter.accept(self.seq, len(emitted) - 1)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
-from specd.daemon.drafters.base import DraftParams
+from specd.daemon.drafters.base import Draft, DraftParams
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
@@ -39,6 +41,14 @@ def run(target, drafter=None, *, n_ctx=512, prompt=PROMPT, row_block=None, **kw)
         out += gen.step()
     gen.close()
     return out, gen
+
+
+def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """time.perf_counter advancing 1 ms a call: the adaptive controller's choices, which
+    follow measured times, are then the same on every run whatever the machine's load (a
+    busy host once made it verify no lookup at all)."""
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
 
 
 def draft_drafter(draft, n_ctx=512):  # noqa: ANN001, ANN201
@@ -148,10 +158,12 @@ def test_draft_equal_to_target_accepts_everything(models) -> None:  # noqa: ANN0
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_ngram_speculation_is_byte_identical(models, adaptive) -> None:  # noqa: ANN001
+def test_ngram_speculation_is_byte_identical(models, adaptive, monkeypatch) -> None:  # noqa: ANN001
     """Prompt lookup alone; under the adaptive controller each round verifies the offer
     or takes a plain step (there is no model to draft)."""
     target, _ = models
+    if adaptive:
+        steady_clock(monkeypatch)
     prompt = PROMPT + PROMPT[1:] + PROMPT[1:]  # repetition for lookup to find
     want, _ = run(target, prompt=prompt, max_tokens=64, ignore_eos=True)
     got, gen = run(target, NgramDrafter(), prompt=prompt, max_tokens=64, ignore_eos=True,
@@ -160,12 +172,49 @@ def test_ngram_speculation_is_byte_identical(models, adaptive) -> None:  # noqa:
     assert gen.stats.rounds > 0 and gen.stats.rounds == gen.stats.lookup_rounds
 
 
+def test_a_sampled_lookups_next_token_counts_its_target_probability(models, monkeypatch) -> None:  # noqa: ANN001
+    """After a fully accepted lookup offer, the offer's next token is weighed against the
+    target's distribution of the bonus: at temperature > 0 a probability, not a hit."""
+    target, _ = models
+    steady_clock(monkeypatch)
+    sp = SamplerParams(temperature=0.9, seed=11)
+    want, _ = run(target, max_tokens=40, ignore_eos=True, sampling=sp)
+
+    class Foresight(NgramDrafter):
+        """Offers what the target will draw (verified greedily, one uniform per emitted
+        token: the target-only tokens), one more than asked."""
+
+        def draft(self, seq, last, pos, n_max, params, grammar=None):  # noqa: ANN001, ANN202
+            j = pos - len(PROMPT)  # want[j] is `last`
+            return Draft(want[j + 1:j + 2 + n_max], match=4)
+
+    runner = ModelRunner(target, n_ctx=512)
+    gen = Generation(runner, 0, PROMPT, GenerationParams(
+        max_tokens=40, ignore_eos=True, sampling=sp, draft=DraftParams(n_max=3),
+        adaptive=True), eog=EOG, drafter=Foresight())
+    a = gen.adaptive
+    assert a is not None
+    seen: list[float] = []
+    pos = a.observe_position
+    a.observe_position = lambda i, hit, lookup=0: (  # type: ignore[method-assign]
+        seen.append(float(hit)) if lookup else None, pos(i, hit, lookup))
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    assert out == want and gen.stats.lookup_rounds > 0
+    assert seen and all(0.0 <= x <= 1.0 + 1e-9 for x in seen)
+    assert any(0.0 < x < 1.0 for x in seen)  # probabilities, not hits
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_draft_and_lookup_speculation_is_byte_identical(models, adaptive, temperature) -> None:  # noqa: ANN001
+def test_draft_and_lookup_speculation_is_byte_identical(models, adaptive, temperature,  # noqa: ANN001
+                                                       monkeypatch) -> None:
     """Rounds drafted by the lookup and rounds drafted by the model, verified greedily,
     give the target-only output (sampled too: one uniform per emitted token either way)."""
     target, draft = models
+    if adaptive:
+        steady_clock(monkeypatch)
     prompt = PROMPT + PROMPT[1:] + PROMPT[1:]  # repetition for lookup to find
     sp = SamplerParams(temperature=temperature, top_k=40, seed=11)
     want, _ = run(target, prompt=prompt, max_tokens=64, ignore_eos=True, sampling=sp)
@@ -454,10 +503,11 @@ def test_a_sampling_drafts_distribution_for_the_bonus_token_is_reported(models) 
     assert drafter.draft(0, 7, len(PROMPT) + 6, 2, DraftParams(n_max=2)).bonus_q is None
 
 
-def test_sampled_rounds_feed_the_controller_acceptance_probabilities(models) -> None:  # noqa: ANN001
+def test_sampled_rounds_feed_the_controller_acceptance_probabilities(models, monkeypatch) -> None:  # noqa: ANN001
     """At temperature > 0 the adaptive controller counts sum(min(p, q)) per position
     decided and at the bonus position, not only the outcomes."""
     target, draft = models
+    steady_clock(monkeypatch)
     seen: list[tuple[str, int, float]] = []
     sp = SamplerParams(temperature=0.8, seed=11)
     runner = ModelRunner(target, n_ctx=512)
