@@ -31,7 +31,13 @@ from .drafters.synthetic import SyntheticDrafter
 from .grammar import GrammarState
 from .sampling import Sampler, SamplerParams, derive_seeds
 from .stats import SpecStats
-from .verify import acceptance_probability, to_width, verify_greedy, verify_rejection
+from .verify import (
+    VerifyResult,
+    acceptance_probability,
+    to_width,
+    verify_greedy,
+    verify_rejection,
+)
 
 
 class RequestError(ValueError):
@@ -216,11 +222,14 @@ class Generation:
         self.stats.verify_s += dt
         if self.adaptive is not None:
             self.adaptive.observe_verify(len(draft.tokens) + 1, dt)
-        emitted, dead, accepted, alphas, self._bonus_p = self._verify(rows, draft)
+        result = self._verify(rows, draft)
+        emitted, accepted = result.tokens, result.n_accepted
+        self._bonus_p = result.bonus_probs  # the next draft's guess for the bonus meets it
         self.stats.record_round(len(draft.tokens), accepted, draft.lookup)
         if self.adaptive is not None and draft.tokens:
             match = draft.match  # > 0: a lookup offer's round
-            self.adaptive.observe_acceptance(len(draft.tokens), accepted, match, alphas)
+            self.adaptive.observe_acceptance(len(draft.tokens), accepted, match,
+                                             result.accept_probs)
             nxt = self._offer_next
             if match and accepted == len(draft.tokens) < len(emitted) and nxt is not None:
                 # the offer's next token against the bonus: the probability the target
@@ -239,7 +248,7 @@ class Generation:
                                         time.perf_counter() - t_round, draft_s,
                                         draft.lookup)
         out = self._emit(emitted)
-        self._grammar_finished(dead)
+        self._grammar_finished(result.grammar_dead_end)
         return out
 
     def _draft(self, last: int, pos: int, limit: int) -> tuple[Draft, float]:
@@ -314,20 +323,14 @@ class Generation:
             self.stats.valid = False
         return draft
 
-    def _verify(self, rows: np.ndarray, draft: Draft
-                ) -> tuple[list[int], bool, int, tuple[float, ...], np.ndarray | None]:
-        """(emitted tokens, grammar dead end reached, drafts accepted, the probability of
-        acceptance at each position decided, the target's distribution of the bonus token
-        after full acceptance)."""
+    def _verify(self, rows: np.ndarray, draft: Draft) -> VerifyResult:
         if isinstance(self.drafter, SyntheticDrafter) and draft.tokens:
             out = self._verify_synthetic(rows, draft)
-            return out, False, len(out) - 1, (), None
+            return VerifyResult(len(out) - 1, out, len(draft.tokens))
         if draft.probs is not None and self.params.draft.probabilistic:
-            r = verify_rejection(rows, draft.tokens, draft.probs, self.sampler, self.grammar,
-                                 draft_masked=True)
-        else:
-            r = verify_greedy(rows, draft.tokens, self.sampler, self.grammar)
-        return r.tokens, r.grammar_dead_end, r.n_accepted, r.accept_probs, r.bonus_probs
+            return verify_rejection(rows, draft.tokens, draft.probs, self.sampler,
+                                    self.grammar, draft_masked=True)
+        return verify_greedy(rows, draft.tokens, self.sampler, self.grammar)
 
     def _verify_synthetic(self, rows: np.ndarray, draft: Draft) -> list[int]:
         assert isinstance(self.drafter, SyntheticDrafter)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -80,9 +80,8 @@ class Draft:
 
     def truncate(self, n: int) -> Draft:
         """Drop drafts past n, with their q rows."""
-        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     self.valid, self.step_s, self.caught_up, self.forced, self.match,
-                     self.unsure, self.bonus_q)
+        return replace(self, tokens=self.tokens[:n],
+                       probs=None if self.probs is None else self.probs[:n])
 
 
 class Drafter(ABC):

@@ -118,8 +118,7 @@ class DraftModelDrafter(Drafter):
                 row, forced = self._check_guesses(seq, pending, p, full_run)
             elif len(pending) == 2 and full_run and grammar is None:
                 # pending = [last draft, bonus]: the first row is where the bonus was drawn
-                out = self.runner.forward(seq, self._ids(pending), p,
-                                          [len(pending) - 2, len(pending) - 1])
+                out = self.runner.forward(seq, self._ids(pending), p, [0, 1])  # [2, vocab]
                 assert st.sampler is not None
                 bonus_q = (full_run, st.sampler.probs(self._logits(out[0])))  # [vocab]
                 row = self._logits(out[1])
