@@ -396,6 +396,16 @@ class Tokenizer:
         return self._fim["pad"]
 
     @property
+    def fim_repo_id(self) -> int | None:
+        """The repo-name token of repo-level FIM prompts (`<|repo_name|>`)."""
+        return self._fim["rep"]
+
+    @property
+    def fim_sep_id(self) -> int | None:
+        """The file separator of repo-level FIM prompts (`<|file_sep|>`)."""
+        return self._fim["sep"]
+
+    @property
     def backend(self) -> _Backend:
         """The `tokenizers.Tokenizer` that encodes with special tokens parsed."""
         return self._backend

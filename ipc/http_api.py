@@ -13,6 +13,7 @@ from aiohttp import web
 from ..daemon.drafters.base import DraftParams
 from ..daemon.generation import GenerationParams, RequestError
 from ..daemon.grammar import Grammar, GrammarError
+from ..daemon.infill import DEFAULT_CHUNK_FILE, ExtraChunk, has_fim, infill_tokens
 from ..daemon.sampling import SamplerParams
 from ..daemon.scheduler import QueueFull
 from ..daemon.service import Piece, Result, Service, Stream
@@ -379,42 +380,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 # -- llama.cpp-compatible -----------------------------------------------------------------
 def _infill_prompt(svc: Service, body: dict[str, Any], max_tokens: int) -> list[int]:
-    """[extra files] <prefix> <suffix> <middle> prompt, trimmed to leave the context room
-    for the completion as llama.cpp's /infill does: the extra context keeps its newest
-    tokens, then the prefix its end and the suffix its start."""
+    """llama.cpp's /infill prompt (`daemon.infill`): extra files, then prefix, suffix and
+    prompt, trimmed to leave the context room for the completion."""
     tok = svc.tokenizer
-    if tok.fim_prefix_id is None or tok.fim_suffix_id is None or tok.fim_middle_id is None:
+    if not has_fim(tok):
         raise BadRequest("this model's vocabulary has no FIM tokens; /infill is unavailable")
-    prefix = get(body, "input_prefix", str, "")
-    suffix = get(body, "input_suffix", str, "")
-    prompt = get(body, "prompt", str, "")
     extra = body.get("input_extra") or []
-    if not isinstance(extra, list) or not all(isinstance(e, dict) for e in extra):
-        raise BadRequest("'input_extra' must be an array of {filename, text}",
+    if not isinstance(extra, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("filename", ""), str)
+            and isinstance(e.get("text", ""), str) for e in extra):
+        raise BadRequest("'input_extra' must be an array of {filename, text} (strings)",
                          param="input_extra")
-
-    def enc(text: str) -> list[int]:
-        return tok.encode(text, add_bos=False, parse_special=False)
-
-    extra_ids: list[int] = []
-    sep = tok.token_to_id("<|file_sep|>")
-    for e in extra:
-        text = f"{e.get('filename', '')}\n{e.get('text', '')}"
-        extra_ids += ([sep] if sep is not None else []) + enc(text)
-    if sep is not None and extra:
-        extra_ids += [sep]
-    pre, suf, mid = enc(prefix), enc(suffix), enc(prompt)
-    n_ctx = svc.engine.n_ctx
-    room = n_ctx - 1 - min(max(max_tokens, 0), n_ctx // 2)
-    over = 3 + len(pre) + len(suf) + len(mid) - room
-    if over > 0:
-        cut = min(over, len(pre))
-        pre, over = pre[cut:], over - cut
-    if over > 0:
-        suf = suf[: max(len(suf) - over, 0)]
-    core = [tok.fim_prefix_id, *pre, tok.fim_suffix_id, *suf, tok.fim_middle_id, *mid]
-    keep = max(room - len(core), 0)
-    return (extra_ids[max(len(extra_ids) - keep, 0):] if keep else []) + core
+    chunks = [ExtraChunk(e.get("filename", DEFAULT_CHUNK_FILE), e.get("text", ""))
+              for e in extra]
+    return infill_tokens(tok, get(body, "input_prefix", str, ""),
+                         get(body, "input_suffix", str, ""), get(body, "prompt", str, ""),
+                         chunks, svc.engine.n_ctx, max_tokens)
 
 
 async def _llama_completion(request: web.Request, *, infill: bool) -> web.StreamResponse:

@@ -306,7 +306,7 @@ def test_indent_limit_ends_an_editor_completion_as_llama_cpp_does() -> None:
 
 
 def test_infill_n_indent_over_http(tmp_path, tiny_model_factory) -> None:  # noqa: ANN001
-    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, fim=True,
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=6, fim=True,
                               context_length=1024)
     cfg = EngineConfig(target=str(path), spec_type="none", n_ctx=1024, slots=1)
     with live_server(cfg, tmp_path) as srv:

@@ -128,7 +128,8 @@ def natural_vocab_size() -> int:
     return 256 + len(_MERGES) + len(SPECIAL_TOKENS)
 
 
-FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>")
+FIM_TOKENS = (
+    "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>")
 
 
 def build_vocab(arch: str, vocab_size: int | None = None, fim: bool = False) -> TinyVocab:
