@@ -31,7 +31,7 @@ from specd.daemon import bench
 from specd.daemon.engine import Engine, EngineConfig, build_options
 from specd.daemon.generation import Generation, GenerationParams
 from specd.daemon.model_store import resolve_model
-from specd.daemon.sampling import SamplerParams
+from specd.daemon.sampling import SamplerParams, softmax
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
@@ -49,6 +49,7 @@ HELD_OUT = {
     "cpp": "Implement a thread-safe queue in C++17 with a condition variable.",
 }
 TOP = 256  # target ids kept per position for sum(min(p, q))
+TEMPERATURE = 0.7
 CHUNK = 64  # reply tokens per teacher-forced pass
 REPLIES = Path(__file__).resolve().parent / "results" / "draft-quality-replies.json"
 
@@ -83,11 +84,9 @@ def teacher_forced(runner: ModelRunner, prompt: list[int], reply: list[int]) -> 
     return np.concatenate(rows)
 
 
-def softmax(logits: np.ndarray, temperature: float = 0.7) -> np.ndarray:
-    z = logits.astype(np.float64) / temperature
-    z -= z.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
+def tempered(logits: np.ndarray) -> np.ndarray:
+    """The distributions [n, vocab] sampling at temperature 0.7 draws from (no filters)."""
+    return softmax(np.asarray(logits, np.float64) / TEMPERATURE)
 
 
 def target_stats(engine: Engine, replies: dict[str, dict]) -> dict[str, tuple]:
@@ -95,7 +94,7 @@ def target_stats(engine: Engine, replies: dict[str, dict]) -> dict[str, tuple]:
     out = {}
     for name, r in replies.items():
         logits = teacher_forced(engine.target.runner, r["prompt"], r["reply"])
-        p = softmax(logits)
+        p = tempered(logits)
         top = np.argsort(-p, axis=-1)[:, :TOP]
         out[name] = (logits.argmax(-1), top, np.take_along_axis(p, top, -1))
     return out
@@ -109,7 +108,7 @@ def draft_quality(runner: ModelRunner, replies: dict[str, dict],
         logits = teacher_forced(runner, r["prompt"], r["reply"])  # [n, draft width]
         arg, top, p_top = stats[name]
         width = logits.shape[1]
-        q = softmax(logits)
+        q = tempered(logits)
         q_top = np.where(top < width, np.take_along_axis(q, np.minimum(top, width - 1), -1), 0)
         out[name] = (float((logits.argmax(-1) == arg).mean()),
                      float(np.minimum(p_top, q_top).sum(-1).mean()))

@@ -45,18 +45,21 @@ def has_fim(tok: Tokenizer) -> bool:
     return None not in (tok.fim_prefix_id, tok.fim_suffix_id, tok.fim_middle_id)
 
 
+def _encode(tok: Tokenizer, text: str) -> list[int]:
+    """Plain text: no BOS, and special-token text stays text."""
+    return tok.encode(text, add_bos=False, parse_special=False)
+
+
 def extra_context(tok: Tokenizer, chunks: Sequence[ExtraChunk]) -> list[int]:
     """The tokens before the FIM part: the repo line, each chunk, the current file's line."""
-    def enc(text: str) -> list[int]:
-        return tok.encode(text, add_bos=False, parse_special=False)
-
     rep, sep = tok.fim_repo_id, tok.fim_sep_id
-    out: list[int] = [rep, *enc(REPO_NAME + "\n")] if rep is not None else []
+    out: list[int] = [rep, *_encode(tok, REPO_NAME + "\n")] if rep is not None else []
     for chunk in chunks:
-        out += [sep, *enc(chunk.filename + "\n")] if sep is not None else enc(SNIPPET_LINE)
-        out += enc(chunk.text)
+        out += ([sep, *_encode(tok, chunk.filename + "\n")] if sep is not None
+                else _encode(tok, SNIPPET_LINE))
+        out += _encode(tok, chunk.text)
     if sep is not None:
-        out += [sep, *enc(CURRENT_FILE + "\n")]
+        out += [sep, *_encode(tok, CURRENT_FILE + "\n")]
     return out
 
 
@@ -67,12 +70,8 @@ def infill_tokens(tok: Tokenizer, prefix: str, suffix: str, prompt: str,
     fim_pre, fim_suf, fim_mid = tok.fim_prefix_id, tok.fim_suffix_id, tok.fim_middle_id
     if fim_pre is None or fim_suf is None or fim_mid is None:
         raise ValueError("this vocabulary has no FIM tokens")
-
-    def enc(text: str) -> list[int]:
-        return tok.encode(text, add_bos=False, parse_special=False)
-
     extra = extra_context(tok, chunks)
-    pre, suf, mid = enc(prefix), enc(suffix), enc(prompt)
+    pre, suf, mid = (_encode(tok, t) for t in (prefix, suffix, prompt))
     room = n_ctx - 1 - min(max(max_tokens, 0), n_ctx // 2)
     over = 3 + len(pre) + len(suf) + len(mid) - room
     if over > 0:
