@@ -241,7 +241,7 @@ static void run_task(void *p, size_t t) {
     for (size_t m0 = 0; m0 < job->m; m0 += ROW_TILE) { /* ... across tiles of A */
       const size_t mt = job->m - m0 < ROW_TILE ? job->m - m0 : ROW_TILE;
       for (size_t c = c0; c < c1; c++) {
-        memset(acc, 0, sizeof acc);
+        memset(acc, 0, mt * sizeof acc[0]); /* the rows this tile uses */
         job->fn(job->w + c * job->group_bytes, job->nb, &job->act, m0, mt, acc);
         const size_t cols = job->n - c * GROUP < GROUP ? job->n - c * GROUP : GROUP;
         if (job->bias) /* the float32 sums an Add node after the product would make */
