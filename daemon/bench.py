@@ -125,6 +125,10 @@ class Cell:
     temperature: float
     config: str
     runs: list[RunResult] = field(default_factory=list)
+    # target-only only: a second run at the end of each repeat's group, so the others
+    # are compared with the machine state on both sides of them (`closing_runs[i]`
+    # closes the group `runs[i]` opened)
+    closing_runs: list[RunResult] = field(default_factory=list)
 
     def median(self, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in self.runs)
@@ -234,7 +238,13 @@ def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
               seed: int = 1234, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every (prompt, temperature, configuration) `repeats` times, round-robin, after one
     untimed warm-up run per configuration on the longest prompt (first-run allocations
-    and cold caches are not timed; they are charged to the configuration's memory)."""
+    and cold caches are not timed; they are charged to the configuration's memory).
+
+    Each repeat of a (prompt, temperature) runs the configurations back to back; specd's
+    target-only, when there are others, runs at both ends of that group (`Cell.runs`,
+    `Cell.closing_runs`), so each configuration's ratio to it is taken against the
+    machine state around it, and the two target-only runs of a group show how far the
+    machine alone moved a ratio (`bench_report`)."""
     prompts = prompts or PROMPTS
     configs = configs or default_configs(engine.draft is not None)
     runner = SpecdRunner(engine)
@@ -262,6 +272,7 @@ def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
         return runner.models_of(by_name[name])
 
     longest = max(encoded.values(), key=len)
+    bracket = "target-only" in by_name and len(names) > 1
     for name in sorted(names, key=lambda n: len(models_of(n))):  # target-only first
         r = run_one(name, longest, temperatures[0])
         footprint.grew(name, models_of(name), r.growth_bytes)
@@ -280,4 +291,12 @@ def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
                     log(f"[{rep + 1}/{repeats}] {pname:8s} T={temp:.1f} {name:24s} "
                         f"{r.decode_tps:6.2f} tok/s  accept-len {r.mean_acceptance_length:.2f}"
                         f"  {r.memory_bytes / 1e6:7.0f} MB")
+                if bracket:
+                    cell = cells[(pname, temp, "target-only")]
+                    r = run_one("target-only", ids, temp)
+                    footprint.grew("target-only", models_of("target-only"), r.growth_bytes)
+                    overall_peak = max(overall_peak, r.peak_bytes)
+                    cell.closing_runs.append(r)
+                    log(f"[{rep + 1}/{repeats}] {pname:8s} T={temp:.1f} "
+                        f"{'target-only (closing)':24s} {r.decode_tps:6.2f} tok/s")
     return {"cells": cells, "configs": names, "peak_rss": overall_peak}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -50,7 +51,8 @@ def summarize(result: dict[str, Any], *, bandwidth: float | None, weight_bytes: 
             "bandwidth_gbs": round(bandwidth / 1e9, 2) if bandwidth else None,
             "weight_bytes": weight_bytes,
             "bound_tps": {k: round(v, 1) for k, v in bound.items()},
-            "peak_rss_mb": round(result["peak_rss"] / 1e6, 1), "rows": rows}
+            "peak_rss_mb": round(result["peak_rss"] / 1e6, 1),
+            "machine_drift": machine_drift(cells), "rows": rows}
 
 
 def paired_ratio(key: str, cell: Cell, base: Cell | None) -> dict[str, Any]:
@@ -58,15 +60,38 @@ def paired_ratio(key: str, cell: Cell, base: Cell | None) -> dict[str, Any]:
     configuration of a prompt back to back, so the ratio of two runs of one repeat sees
     one machine state; their median (and min–max, `key`_range) is what is reported.
     On a shared host single runs swing by ±15% over minutes, which a ratio of the two
-    medians would carry whole."""
+    medians would carry whole.
+
+    Where `base` also ran at the end of each repeat's group (`closing_runs`: specd's
+    target-only), a run is compared with the geometric mean of the two runs around it,
+    which cancels a drift of the machine that is steady over the group; `base` against
+    itself is its closing run over its opening one: how far the machine alone moved."""
     if base is None or not base.runs:
         return {key: None, f"{key}_range": None}
-    ratios = [r.decode_tps / b.decode_tps
-              for r, b in zip(cell.runs, base.runs, strict=True) if b.decode_tps > 0]
+    bases = [b.decode_tps for b in base.runs]
+    if len(base.closing_runs) == len(base.runs):
+        closing = [c.decode_tps for c in base.closing_runs]
+        if cell is base:
+            pairs = list(zip(closing, bases, strict=True))
+        else:
+            pairs = list(zip([r.decode_tps for r in cell.runs],
+                             [math.sqrt(b * c) for b, c in zip(bases, closing, strict=True)],
+                             strict=True))
+    else:
+        pairs = list(zip([r.decode_tps for r in cell.runs], bases, strict=True))
+    ratios = [r / b for r, b in pairs if b > 0]
     if not ratios:
         return {key: None, f"{key}_range": None}
     return {key: round(statistics.median(ratios), 3),
             f"{key}_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+
+
+def machine_drift(cells: dict[tuple[str, float, str], Cell]) -> list[float]:
+    """Every group's closing target-only run over its opening one, ascending: ratios two
+    runs of the same work gave (1.0 on a quiet machine)."""
+    return sorted(round(c.decode_tps / o.decode_tps, 3) for (_, _, name), cell in cells.items()
+                  if name == "target-only" and len(cell.closing_runs) == len(cell.runs)
+                  for o, c in zip(cell.runs, cell.closing_runs, strict=True) if o.decode_tps)
 
 
 def _ratio_text(r: dict[str, Any], key: str) -> str:
@@ -100,6 +125,15 @@ def footnote(summary: dict[str, Any]) -> str:
     """What the × bound and memory columns are measured against."""
     parts = ["× target-only, × llama.cpp: median (min–max) over the repeats of the ratio "
              "of two runs of one repeat (run back to back, on one machine state)."]
+    drift = summary.get("machine_drift")
+    if drift:
+        mid = statistics.median(drift)
+        parts.append(
+            "specd's target-only ran at both ends of each repeat's group: × target-only is "
+            "taken against the geometric mean of those two runs, and target-only's own × "
+            "target-only is its closing run over its opening one. Over all groups that "
+            f"ratio of two runs of the same work was {mid:.3f} (median), {drift[0]:.3f}–"
+            f"{drift[-1]:.3f}: how far the machine alone moved a ratio in this run.")
     if summary.get("bandwidth_gbs"):
         bounds = ", ".join(f"{k} {summary['weight_bytes'][k] / 1e6:.0f} MB/token → "
                            f"{v} tok/s" for k, v in summary["bound_tps"].items())

@@ -23,9 +23,12 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
     result = bench.run_bench(engine, prompts={"p": "hello world hello world"},
                              temperatures=(0.0,), max_tokens=24, repeats=2, configs=configs,
                              log=lines.append)
-    assert len(lines) == 3 * len(configs)  # a warm-up run each, then the timed ones
+    # a warm-up run each, then the timed ones, and target-only again closing each group
+    assert len(lines) == 3 * len(configs) + 2
+    assert sum("target-only (closing)" in line for line in lines) == 2
     cells = result["cells"]
-    greedy = {cell.config: cell.runs for cell in cells.values()}
+    assert len(cells[("p", 0.0, "target-only")].closing_runs) == 2
+    greedy = {cell.config: cell.runs + cell.closing_runs for cell in cells.values()}
     # greedy speculation is exact: every configuration emits the same tokens
     hashes = {r.text_hash for runs in greedy.values() for r in runs}
     assert len(hashes) == 1
@@ -33,8 +36,9 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
     summary = bench_report.summarize(result, bandwidth=20e9, weight_bytes=weights,
                                      machine="test", command="pytest")
     rows = {r["config"]: r for r in summary["rows"]}
-    assert rows["target-only"]["vs_target_only"] == 1.0
-    assert rows["target-only"]["vs_target_only_range"] == [1.0, 1.0]
+    drift = summary["machine_drift"]  # target-only's closing runs over its opening ones
+    assert len(drift) == 2 and drift == sorted(drift) and all(d > 0 for d in drift)
+    assert rows["target-only"]["vs_target_only_range"] == [drift[0], drift[-1]]
     assert rows["target-only"]["vs_llama_cpp"] is None
     for r in rows.values():
         assert r["decode_tps"] > 0
@@ -62,6 +66,7 @@ def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
     assert [line.split("|")[lookup].strip() for line in table[2:]] == [
         "", str(rows["ngram n_max=8"]["lookup_share"]), str(rows["ngram adaptive"]["lookup_share"])]
     assert "memory MB: process RSS" in paths[1].read_text()
+    assert "ran at both ends of each repeat's group" in paths[1].read_text()
     no_memory = {**summary, "rows": [{**r, "memory_mb": None} for r in summary["rows"]]}
     assert "memory MB: not measured" in bench_report.markdown_table(no_memory)
 
@@ -86,6 +91,24 @@ def test_ratios_pair_the_runs_of_one_repeat() -> None:
     assert "| 1.1 |" in bench_report.markdown_table(summary)  # one value: no range
     uneven = _speeds("ngram adaptive", [27.0, 22.0, 37.2])
     assert bench_report.paired_ratio("x", uneven, base) == {"x": 1.1, "x_range": [0.9, 1.2]}
+
+
+def test_ratios_to_target_only_take_the_runs_around_them() -> None:
+    """Target-only opened and closed each group: the host slowed steadily through repeat
+    1 (30 -> 24 tok/s) and sped up through repeat 2 (20 -> 25); a configuration that ran
+    between them at 1.1x the machine's speed there reads 1.1x against the geometric mean
+    of the two, and target-only's own ratio is the closing run over the opening one."""
+    base = _speeds("target-only", [30.0, 20.0])
+    base.closing_runs = _speeds("target-only", [24.0, 25.0]).runs
+    cell = _speeds("ngram adaptive", [1.1 * (30 * 24) ** 0.5, 1.1 * (20 * 25) ** 0.5])
+    assert bench_report.paired_ratio("x", cell, base) == {"x": 1.1, "x_range": [1.1, 1.1]}
+    assert bench_report.paired_ratio("x", base, base) == {"x": 1.025, "x_range": [0.8, 1.25]}
+    cells = {("p", 0.0, c.config): c for c in (base, cell)}
+    assert bench_report.machine_drift(cells) == [0.8, 1.25]
+    summary = bench_report.summarize({"cells": cells, "peak_rss": 0}, bandwidth=None,
+                                     weight_bytes={}, machine="test", command="pytest")
+    assert summary["machine_drift"] == [0.8, 1.25]
+    assert "1.025 (median), 0.800–1.250" in bench_report.footnote(summary)
 
 
 def test_bandwidth_is_measured() -> None:
