@@ -60,7 +60,7 @@ from .quant import (
     requantize_q4,
 )
 
-BUILDER_VERSION = "12"
+BUILDER_VERSION = "13"
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4
 ATTENTION_KINDS = ("exact", "fused", "native")
@@ -168,6 +168,25 @@ def _rows(w: Matrix) -> int:
 
 
 @dataclass
+class _Pending:
+    """An activation no node has computed yet: the RMS norm of a block's input, or the
+    SwiGlu of the stacked gate and up. A GgufMatMul taking it computes it as its prologue,
+    in the pass that quantizes its input (a node fewer, ~10 us of dispatch each); any
+    other consumer gets it from its own node (`_materialize`)."""
+
+    kind: str  # "rms_norm" | "swiglu"
+    x: str  # rms_norm: the block input (or its rows); swiglu: [S, 2F] gate then up
+    delta: str | None = None  # rms_norm: added to x first
+    weight: str = ""  # rms_norm: the norm's weight initializer [K]
+    total: str | None = None  # rms_norm with delta: the name x + delta is given
+    tensor: str | None = None  # the activation, once a node wrote it
+    share: bool = False  # rms_norm: the product computing it writes it (others read it)
+
+
+Activation = str | _Pending
+
+
+@dataclass
 class _Ctx:
     g: GraphWriter
     hp: HParams
@@ -269,26 +288,44 @@ def _first_rows(w: Matrix, rows: int) -> Matrix:
         bias=None if w.bias is None else w.bias[:rows])
 
 
-def _linears(c: _Ctx, x: str, names: list[str]) -> list[str]:
+def _linears(c: _Ctx, x: Activation, names: list[str]) -> list[str]:
     """Several matrices applied to one input; runs of compatible ones share one MatMul."""
     outs: list[str] = []
+    for y, group in _grouped_linears(c, x, names):
+        outs.extend(_split(c, y, group))
+    return outs
+
+
+def _grouped_linears(c: _Ctx, x: Activation, names: list[str]) -> list[tuple[str, list[str]]]:
+    """The products of `_linears` before any Split: (output, the matrices stacked in it)
+    for each run of compatible matrices."""
+    if not all(_fusable(_matrix(c, names[0]), _matrix(c, n)) for n in names[1:]):
+        if isinstance(x, _Pending) and x.kind == "rms_norm" and x.tensor is None:
+            x.share = True  # the first product's prologue also writes it for the others
+        else:
+            x = _materialize(c, x)  # one node computes it for all the products
+    out: list[tuple[str, list[str]]] = []
     i = 0
     while i < len(names):
         j = i + 1
         while j < len(names) and _fusable(_matrix(c, names[i]), _matrix(c, names[j])):
             j += 1
         group = names[i:j]
-        if len(group) == 1:
-            outs.append(_linear(c, x, group[0]))
-        else:
-            sizes = [_rows(_matrix(c, n)) for n in group]
-            outs.extend(c.g.op("Split", [_stacked_linear(c, x, group), c.g.const(sizes)],
-                               len(group), axis=-1))
+        out.append((_linear(c, x, group[0]) if len(group) == 1
+                    else _stacked_linear(c, x, group), group))
         i = j
-    return outs
+    return out
 
 
-def _stacked_linear(c: _Ctx, x: str, names: list[str]) -> str:
+def _split(c: _Ctx, y: str, group: list[str]) -> list[str]:
+    """A stacked product's output [S, N_0 + N_1 + ...] as one tensor per matrix."""
+    if len(group) == 1:
+        return [y]
+    sizes = [_rows(_matrix(c, n)) for n in group]
+    return list(c.g.op("Split", [y, c.g.const(sizes)], len(group), axis=-1))
+
+
+def _stacked_linear(c: _Ctx, x: Activation, names: list[str]) -> str:
     """x @ [W_0; W_1; ...]^T (+ their biases) -> [S, N_0 + N_1 + ...] in one product, for
     matrices `_fusable` says can share one."""
     fused = names[0].rsplit(".", 2)[0] + "." + "+".join(
@@ -298,19 +335,23 @@ def _stacked_linear(c: _Ctx, x: str, names: list[str]) -> str:
     return _linear(c, x, fused, bias=[b for b in biases if c.f.has_tensor(b)])
 
 
-def _gated_ffn(c: _Ctx, h: str, p: str) -> str:
+def _gated_ffn(c: _Ctx, h: Activation, p: str) -> Activation:
     """silu(h @ gate^T) * (h @ up^T) -> [S, n_ff]: with specd's kernels one product over
-    the stacked gate and up and one SwiGlu node, else Split, Sigmoid and Muls."""
+    the stacked gate and up, then SwiGlu (pending: the down product's prologue, where it
+    is a GgufMatMul), else Split, Sigmoid and Muls."""
     names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
     if c.options.uses_native and _fusable(_matrix(c, names[0]), _matrix(c, names[1])):
-        return c.g.op("SwiGlu", [_stacked_linear(c, h, names)], domain=NATIVE)
+        return _Pending("swiglu", _stacked_linear(c, h, names))
     gate, up = _linears(c, h, names)
     return c.g.op("Mul", [c.g.op("Mul", [gate, c.g.op("Sigmoid", [gate])]), up])
 
 
-def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
+def _linear(c: _Ctx, x: Activation, name: str, bias: list[str] | None = None) -> str:
     """x [S, K] @ W^T (+ bias) -> [S, N] for the GGUF matrix `name` [N, K]."""
     g, w = c.g, _matrix(c, name)
+    pending = x if isinstance(x, _Pending) and x.tensor is None else None
+    if pending is None or not isinstance(w, GgufRows):
+        x = _materialize(c, x)
     if bias is None:
         own = name.replace(".weight", ".bias")
         bias = [own] if name.startswith("blk.") and c.f.has_tensor(own) else []
@@ -327,9 +368,27 @@ def _linear(c: _Ctx, x: str, name: str, bias: list[str] | None = None) -> str:
         raw = f"{name}.gguf"
         if not g.has(raw):
             g.weight(raw, regroup(w.type_name, w.data, w.n, w.k))  # [N/16, group bytes]
-        ins = [x, raw, bias_name] if bias_name else [x, raw]  # the kernel adds the bias
-        return g.op("GgufMatMul", ins, domain=NATIVE,
-                    ggml_type=GGUF_MATMUL_TYPES[w.type_name], K=w.k, N=w.n)
+        attrs = dict(ggml_type=GGUF_MATMUL_TYPES[w.type_name], K=w.k, N=w.n)
+        if pending is None:
+            assert isinstance(x, str)
+            ins = [x, raw, bias_name] if bias_name else [x, raw]  # the kernel adds the bias
+            return g.op("GgufMatMul", ins, domain=NATIVE, **attrs)
+        if pending.kind == "swiglu":
+            ins = [pending.x, raw, bias_name] if bias_name else [pending.x, raw]
+            return g.op("GgufMatMul", ins, domain=NATIVE, prologue=2, **attrs)
+        # the norm (of x + delta, whose sum the kernel also writes for the next block)
+        ins = [pending.x, raw, bias_name, pending.weight]
+        if pending.delta is not None:
+            ins.append(pending.delta)
+        y = g.fresh("gguf_matmul")
+        outs = [y, pending.total or ""]
+        if pending.share:
+            pending.tensor = g.fresh("norm")
+            outs.append(pending.tensor)
+        g.op("GgufMatMul", ins, domain=NATIVE, out=outs if any(outs[1:]) else [y],
+             prologue=1, epsilon=c.hp.rms_eps, **attrs)
+        pending.total = None  # written: a later materialization must not write it again
+        return y
     else:
         _write_quant(g, name, w)
         ins = [x, f"{name}.B", f"{name}.scales"]
@@ -397,22 +456,27 @@ def _head_norm(c: _Ctx, x: str, n_heads: int, weight: str) -> str:
     return g.op("Reshape", [y, g.const([0, n_heads * hd])])
 
 
-def _attention(c: _Ctx, i: int, h: str, pos_ids: str, mask: str, io: dict[str, str]) -> str:
+def _attention(c: _Ctx, i: int, h: Activation, pos_ids: str, mask: str, io: dict[str, str]) -> str:
     g, hp = c.g, c.hp
     hd, nkv = hp.head_dim, hp.n_head_kv
     p = f"blk.{i}."
-    q, k, v = _linears(c, h, [p + "attn_q.weight", p + "attn_k.weight",
-                              p + "attn_v.weight"])  # [S, H*hd], [S, Hkv*hd], [S, Hkv*hd]
-    if hp.qk_norm:
-        q = _head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
-        k = _head_norm(c, k, nkv, p + "attn_k_norm.weight")
+    names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
     kv_type = F16 if c.options.kv_dtype == "f16" else F32
     for name in (f"past_key_{i}", f"past_value_{i}"):
         g.input(name, kv_type, [1, nkv, "n_ctx", hd])
     for name in (f"present_key_{i}", f"present_value_{i}"):
         g.output(name, kv_type, [1, nkv, "n_ctx", hd])
+    if c.options.attention == "native" and not hp.qk_norm:
+        # CachedAttention reads q, k and v out of the stacked products, no Split between
+        return _linear(c, _cached_attention(c, i, _grouped_linears(c, h, names)),
+                       p + "attn_output.weight")
+    q, k, v = _linears(c, h, names)  # [S, H*hd], [S, Hkv*hd], [S, Hkv*hd]
+    if hp.qk_norm:
+        q = _head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
+        k = _head_norm(c, k, nkv, p + "attn_k_norm.weight")
     if c.options.attention == "native":
-        return _linear(c, _cached_attention(c, i, q, k, v), p + "attn_output.weight")
+        return _linear(c, _cached_attention(c, i, [(q, names[:1]), (k, names[1:2]),
+                                                   (v, names[2:])]), p + "attn_output.weight")
     q3, k3 = (g.op("Unsqueeze", [t, g.const([0])]) for t in (q, k))  # [1, S, *]
     fused = c.options.attention == "fused"
     v3 = g.op("Unsqueeze", [v, g.const([0])]) if fused else ""
@@ -462,11 +526,22 @@ def _write_kv(c: _Ctx, i: int, k3: str, v: str) -> tuple[str, str]:
     return ck, cv
 
 
-def _cached_attention(c: _Ctx, i: int, q: str, k: str, v: str) -> str:
+def _cached_attention(c: _Ctx, i: int, products: list[tuple[str, list[str]]]) -> str:
     """specd's CachedAttention on the unrotated projections: rotary, the write of the new
     keys and values into layer i's cache in place, and the exact attention over it in one
     node (~14 fewer per layer than RotaryEmbedding + TensorScatter + CausalAttention):
-    [S, H*hd]."""
+    [S, H*hd]. `products`: the q, k and v products as `_grouped_linears` gives them;
+    q + k + v or q + k stacked in one are read in place (`packed`), anything else split."""
+    shapes = [len(group) for _, group in products]
+    if shapes == [3]:
+        packed, (t,) = 2, [y for y, _ in products]
+        q = k = v = t
+    elif shapes == [2, 1]:
+        packed, q, v = 1, products[0][0], products[1][0]
+        k = q
+    else:
+        packed = 0
+        q, k, v = [t for y, group in products for t in _split(c, y, group)]
     g, hp = c.g, c.hp
     op = "CachedAttentionF16" if c.options.kv_dtype == "f16" else "CachedAttention"
     out, _, _ = g.op(op, [q, k, v, f"past_key_{i}", f"past_value_{i}", "position", "rope.cos",
@@ -474,7 +549,7 @@ def _cached_attention(c: _Ctx, i: int, q: str, k: str, v: str) -> str:
                      out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                      num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
                      scale=1.0 / math.sqrt(hp.head_dim), rotary_dim=hp.rope_dim,
-                     interleaved=int(hp.rope_interleaved))
+                     interleaved=int(hp.rope_interleaved), **({"packed": packed} if packed else {}))
     return out
 
 
@@ -552,7 +627,7 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
     assert delta is not None
     rows_x = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]
     rows_d = g.op("Gather", [delta, "logits_rows"], axis=0)
-    _, h = _add_norm(c, rows_x, rows_d, "output_norm.weight")
+    _, h = _add_norm(c, rows_x, rows_d, "output_norm.weight", keep_sum=False)
     out_name = "token_embd.weight" if hp.tied_embeddings else "output.weight"
     width = options.logits_width(hp.n_vocab)
     if width < hp.n_vocab:  # the first ids only (drafts)
@@ -586,14 +661,38 @@ def _attention_inputs(g: GraphWriter, hp: HParams, attention: str, s_len: str
     return _causal_mask(g, s_len), io
 
 
-def _add_norm(c: _Ctx, x: str, delta: str | None, weight: str) -> tuple[str, str]:
-    """(x + delta, RMSNorm(x + delta)) in one SkipSimplifiedLayerNormalization."""
+def _add_norm(c: _Ctx, x: str, delta: str | None, weight: str, *, keep_sum: bool = True
+              ) -> tuple[str, Activation]:
+    """(x + delta, RMSNorm(x + delta)): with specd's kernels left pending, for the
+    product that reads it to compute (`_Pending`), else one SkipSimplifiedLayerNormalization.
+    keep_sum=False: x + delta is not needed (the first of the pair is then meaningless)."""
     w = _vector(c, weight)
+    if c.options.kernels == "gguf":
+        total = None if delta is None or not keep_sum else c.g.fresh("residual")
+        pending = _Pending("rms_norm", x, delta, w, total)
+        return (x if total is None else total), pending
     if delta is None:
         return x, _rms_norm(c, x, w)
     h, _, _, total = c.g.op("SkipSimplifiedLayerNormalization", [delta, x, w], 4, domain=MS,
                             epsilon=c.hp.rms_eps)
     return total, h
+
+
+def _materialize(c: _Ctx, x: Activation) -> str:
+    """The activation as a tensor: a pending one gets its own node (once)."""
+    if isinstance(x, str):
+        return x
+    if x.tensor is None:
+        if x.kind == "swiglu":
+            x.tensor = c.g.op("SwiGlu", [x.x], domain=NATIVE)
+        elif x.delta is None:
+            x.tensor = _rms_norm(c, x.x, x.weight)
+        else:
+            outs = [c.g.fresh("norm"), "", "", x.total or c.g.fresh("residual")]
+            c.g.op("SkipSimplifiedLayerNormalization", [x.delta, x.x, x.weight], domain=MS,
+                   out=outs, epsilon=c.hp.rms_eps)
+            x.tensor, x.total = outs[0], None
+    return x.tensor
 
 
 def _f32_tensor(value: float):  # noqa: ANN202 - onnx TensorProto

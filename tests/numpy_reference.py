@@ -242,6 +242,20 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, da
 
 
+def gguf_rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
+    """GgufMatMul's prologue 1, bit for bit: per row of x [M, K] (float32), the sum of
+    squares in double as four chains (element i into chain i % 4, each summed in order,
+    then (c0 + c1) + (c2 + c3)), scale = float32(1 / sqrt(ss / K + eps)), and
+    h = (x * scale) * gamma in float32."""
+    x = np.asarray(x, np.float32)
+    sq = x.astype(np.float64) ** 2
+    chains = [np.cumsum(sq[:, j::4], axis=1)[:, -1] if sq.shape[1] > j else np.zeros(len(x))
+              for j in range(4)]
+    ss = (chains[0] + chains[1]) + (chains[2] + chains[3])  # [M]
+    scale = (1.0 / np.sqrt(ss / x.shape[1] + float(np.float32(eps)))).astype(np.float32)
+    return (x * scale[:, None]) * np.asarray(gamma, np.float32)
+
+
 def gguf_matmul(x: np.ndarray, blocks: Any) -> np.ndarray:
     """x [M, K] @ W^T for Q4_K / Q6_K blocks (tiny_gguf.KQuantBlocks) or Q4_0 / Q4_1
     blocks (tiny_gguf.Q4Blocks), rounding exactly as the kernel does."""

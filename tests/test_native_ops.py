@@ -17,7 +17,7 @@ from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
-from numpy_reference import ReferenceModel, gguf_matmul
+from numpy_reference import ReferenceModel, gguf_matmul, gguf_rms_norm
 from tiny_gguf import random_kquant_blocks, random_q4_blocks
 
 LIB = native_ops.library()
@@ -197,6 +197,78 @@ def test_bias_input_adds_as_an_add_node_would() -> None:
         _session(blocks.pack(), 12, 512, 40, bias=bias[:39]).run(None, {"A": x})
 
 
+def _prologue_session(blocks, k: int, n: int, prologue: int, *, skip: bool = False,  # noqa: ANN001
+                      sum_out: bool = False, gamma: np.ndarray | None = None,
+                      eps: float = 1e-6, threads: int = 2) -> ort.InferenceSession:
+    """GgufMatMul (Q4_K) with a prologue: 1 (RMS norm, weight `gamma`, optional residual
+    input S and sum output), 2 (SwiGlu over A [M, 2K])."""
+    weights = [numpy_helper.from_array(regroup("Q4_K", blocks.pack(), n, k), "W")]
+    ins, outs = ["A", "W"], [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])]
+    attrs: dict = {"prologue": prologue}
+    inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", "KA"])]
+    if prologue == 1:
+        assert gamma is not None
+        weights.append(numpy_helper.from_array(gamma, "G"))
+        ins += ["", "G"] + (["S"] if skip else [])
+        attrs["epsilon"] = eps
+        if skip:
+            inputs.append(helper.make_tensor_value_info("S", TensorProto.FLOAT, ["M", k]))
+        if sum_out:
+            outs.append(helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k]))
+    node = helper.make_node("GgufMatMul", ins, [o.name for o in outs], domain="specd",
+                            ggml_type=12, K=k, N=n, **attrs)
+    return _graph_session(helper.make_graph([node], "t", inputs, outs, weights), None, threads)
+
+
+@pytest.mark.parametrize("k", [512, 1536])
+def test_norm_prologue_matches_the_numpy_contract_bitwise(k: int) -> None:
+    """Prologue 1: Y = GgufMatMul(RMSNorm(A + S) * G), the sum A + S as a second output;
+    rows of a block equal rows alone, on any number of threads."""
+    rng = np.random.default_rng(k)
+    n, eps = 40, 1e-6
+    blocks = random_kquant_blocks(rng, n, k, "Q4_K", std=0.05)
+    gamma = rng.normal(1, 0.2, k).astype(np.float32)
+    with_sum = _prologue_session(blocks, k, n, 1, skip=True, sum_out=True, gamma=gamma, eps=eps)
+    alone = _prologue_session(blocks, k, n, 1, gamma=gamma, eps=eps, threads=1)
+    for m in (1, 3, 9, 40):  # 9 and 40: prologue rows in parallel tasks
+        a = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+        s = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+        y, total = with_sum.run(None, {"A": a, "S": s})
+        np.testing.assert_array_equal(total, a + s)
+        np.testing.assert_array_equal(y, gguf_matmul(gguf_rms_norm(a + s, gamma, eps), blocks))
+        np.testing.assert_array_equal(alone.run(None, {"A": a + s})[0], y)
+        rows = np.concatenate([with_sum.run(None, {"A": a[i:i + 1], "S": s[i:i + 1]})[0]
+                               for i in range(m)])
+        np.testing.assert_array_equal(rows, y)
+    # close to the float64 norm (the contract's rounding aside)
+    ref = (a + s) / np.sqrt(np.mean((a + s).astype(np.float64) ** 2, -1, keepdims=True) + eps)
+    np.testing.assert_allclose(gguf_rms_norm(a + s, gamma, eps), ref * gamma, rtol=1e-5)
+
+
+def test_swiglu_prologue_equals_swiglu_then_the_product() -> None:
+    rng = np.random.default_rng(3)
+    k, n = 768, 24
+    blocks = random_kquant_blocks(rng, n, k, "Q4_K", std=0.05)
+    fused = _prologue_session(blocks, k, n, 2)
+    for m in (1, 4, 12):
+        x = _gate_up(rng, m, k)
+        act = _swiglu_session().run(None, {"X": x})[0]
+        np.testing.assert_array_equal(fused.run(None, {"A": x})[0], gguf_matmul(act, blocks))
+    with pytest.raises(Exception, match="not 2K"):
+        fused.run(None, {"A": np.zeros((1, k), np.float32)})
+
+
+def test_bad_prologues_are_named() -> None:
+    rng = np.random.default_rng(4)
+    blocks = random_kquant_blocks(rng, 8, 256, "Q4_K", std=0.05)
+    with pytest.raises(Exception, match="prologue must be"):
+        _prologue_session(blocks, 256, 8, 3)
+    gamma = np.ones(256, np.float32)
+    sess = _prologue_session(blocks, 256, 8, 1, skip=True, gamma=gamma)
+    with pytest.raises(Exception, match="S does not have the shape of A"):
+        sess.run(None, {"A": np.zeros((2, 256), np.float32), "S": np.zeros((1, 256), np.float32)})
+
+
 def test_bad_shapes_and_attributes_are_named() -> None:
     rng = np.random.default_rng(1)
     blocks = random_kquant_blocks(rng, 8, 256, "Q4_K", std=0.05)
@@ -283,7 +355,7 @@ TOKENS = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]
 
 # Q5_K has no GgufMatMul path: its matrices stay on MatMulNBits beside the native attention
 MODEL_CASES = [("qwen2", "Q4_K"), ("llama", "Q6_K"), ("qwen3", "Q4_K"), ("llama", "Q5_K"),
-               ("llama", "Q4_0"), ("qwen2", "Q4_1")]
+               ("llama", "Q4_0"), ("qwen2", "Q4_1"), ("qwen2", "Q4_K+Q6_K")]
 # Q4_0 / Q4_1 rows end inside a superblock where K is not a multiple of 256 (SmolLM2: 576)
 Q4_DIMS = {"n_embd": 288, "n_ff": 544}
 NATIVE = BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")
@@ -293,7 +365,10 @@ NATIVE = BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")
 def kquant_model(request, tiny_model_factory):  # noqa: ANN001, ANN201
     arch, wt = request.param
     dims = K_DIMS if wt.endswith("_K") else Q4_DIMS
-    return tiny_model_factory(arch=arch, weight_type=wt, **dims), wt
+    # "A+B": attn_v of type B, as Q4_K_M files have in some layers (q and k stack apart)
+    weights, _, value = wt.partition("+")
+    extra = {"value_type": value} if value else {}
+    return tiny_model_factory(arch=arch, weight_type=weights, **dims, **extra), wt
 
 
 def test_model_uses_the_kernels_and_reads_fewer_bytes(kquant_model) -> None:  # noqa: ANN001
@@ -305,13 +380,25 @@ def test_model_uses_the_kernels_and_reads_fewer_bytes(kquant_model) -> None:  # 
     model = onnx.load(str(native.model_path), load_external_data=False)
     ops = {n.op_type for n in model.graph.node}
     assert "CachedAttentionF16" in ops and not ops & {"Softmax", "RotaryEmbedding", "TensorScatter"}
-    assert "SwiGlu" in ops and "Sigmoid" not in ops
+    assert "Sigmoid" not in ops
     if wt == "Q5_K":
+        assert "SwiGlu" in ops
         assert "GgufMatMul" not in ops
         assert native.read_bytes_per_token <= ort_built.read_bytes_per_token  # no mask consts
     else:
         assert "GgufMatMul" in ops and "MatMulNBits" not in ops
         assert native.read_bytes_per_token < ort_built.read_bytes_per_token
+        # the norms and SwiGlu run as the products' prologues, not as nodes of their own
+        assert not ops & {"SwiGlu", "SkipSimplifiedLayerNormalization"}
+        norms = [n.input[1] for n in model.graph.node
+                 if n.op_type == "SimplifiedLayerNormalization"]
+        assert all("_norm.weight" in w and ("attn_q" in w or "attn_k" in w) for w in norms)
+        assert "Split" not in ops or norms  # CachedAttention reads stacked q, k, v in place
+        packed = {a.i for n in model.graph.node for a in n.attribute if a.name == "packed"}
+        assert packed == ({1} if "+" in wt else set() if norms else {2})
+        prologues = [a.i for n in model.graph.node for a in n.attribute
+                     if n.op_type == "GgufMatMul" and a.name == "prologue"]
+        assert sorted(set(prologues)) == [1, 2]
 
 
 def test_model_logits_match_reference(kquant_model) -> None:  # noqa: ANN001
@@ -485,18 +572,21 @@ def test_attention_refuses_a_block_past_the_cache() -> None:
 
 
 def _cached_session(heads: int, kv_heads: int, hd: int, rd: int, interleaved: int,
-                    f16: bool, lib: Path | None = None) -> ort.InferenceSession:
+                    f16: bool, lib: Path | None = None, packed: int = 0) -> ort.InferenceSession:
+    """packed 1: q holds q then k (k names q too); 2: q, k, v (k and v name q)."""
     kv_type = TensorProto.FLOAT16 if f16 else TensorProto.FLOAT
+    qkv = ["q", "q", "v"] if packed == 1 else ["q", "q", "q"] if packed == 2 else ["q", "k", "v"]
     node = helper.make_node("CachedAttentionF16" if f16 else "CachedAttention",
-                            ["q", "k", "v", "pk", "pv", "pos", "cos", "sin"], ["Y", "K", "V"],
+                            [*qkv, "pk", "pv", "pos", "cos", "sin"], ["Y", "K", "V"],
                             domain="specd", num_heads=heads, kv_num_heads=kv_heads,
-                            scale=1.0 / np.sqrt(hd), rotary_dim=rd, interleaved=interleaved)
+                            scale=1.0 / np.sqrt(hd), rotary_dim=rd, interleaved=interleaved,
+                            **({"packed": packed} if packed else {}))
     cache = ["1", kv_heads, "n_ctx", hd]
+    width = {"q": "Wq" if packed else heads * hd, "k": kv_heads * hd, "v": kv_heads * hd}
     graph = helper.make_graph(
         [node], "cached",
-        [helper.make_tensor_value_info("q", TensorProto.FLOAT, ["S", heads * hd]),
-         helper.make_tensor_value_info("k", TensorProto.FLOAT, ["S", kv_heads * hd]),
-         helper.make_tensor_value_info("v", TensorProto.FLOAT, ["S", kv_heads * hd]),
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["S", width[n]])
+         for n in dict.fromkeys(qkv)] + [
          helper.make_tensor_value_info("pk", kv_type, cache),
          helper.make_tensor_value_info("pv", kv_type, cache),
          helper.make_tensor_value_info("pos", TensorProto.INT64, [1]),
@@ -552,6 +642,33 @@ def test_cached_attention_rotates_writes_and_attends(portable: tuple[str, Path],
         np.testing.assert_array_equal(pk, want_k)
         np.testing.assert_array_equal(pv, want_v)
         np.testing.assert_array_equal(y, want_y)
+
+
+@pytest.mark.parametrize("packed", [1, 2])
+def test_cached_attention_reads_packed_projections(packed: int) -> None:
+    """q, k (and v) as one stacked product's rows: the same bits as apart."""
+    rng = np.random.default_rng(packed)
+    heads, kv, hd, n_ctx, rd = 6, 2, 32, 64, 32
+    ang = np.arange(n_ctx)[:, None] * 10000.0 ** (-np.arange(0, rd, 2) / rd)[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    apart = _cached_session(heads, kv, hd, rd, 0, True)
+    together = _cached_session(heads, kv, hd, rd, 0, True, packed=packed)
+    for s, pos in ((1, 5), (4, 20)):
+        feed = {"q": rng.normal(0, 1, (s, heads * hd)).astype(np.float32),
+                "k": rng.normal(0, 1, (s, kv * hd)).astype(np.float32),
+                "v": rng.normal(0, 1, (s, kv * hd)).astype(np.float32),
+                "pk": rng.normal(0, 1, (1, kv, n_ctx, hd)).astype(np.float16),
+                "pv": rng.normal(0, 1, (1, kv, n_ctx, hd)).astype(np.float16),
+                "pos": np.array([pos]), "cos": cos, "sin": sin}
+        stacked = {**feed, "q": np.concatenate([feed["q"], feed["k"]]
+                                               + ([feed["v"]] if packed == 2 else []), axis=1)}
+        del stacked["k"]
+        if packed == 2:
+            del stacked["v"]
+        for got, want in zip(together.run(None, stacked), apart.run(None, feed), strict=True):
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(Exception, match=f"packed {packed}"):
+        together.run(None, {**stacked, "q": stacked["q"][:, :-1]})
 
 
 def test_cached_attention_names_a_short_rotary_table() -> None:

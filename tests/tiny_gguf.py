@@ -375,7 +375,7 @@ def _check_type(qtype: str, what: str, allowed: Sequence[str]) -> None:
 def _tensor_specs(
     arch: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int,
     n_ff: int, vocab: int, tied: bool, weight_type: str, embed_type: str, output_type: str,
-    norm_type: str,
+    norm_type: str, value_type: str | None = None,
 ) -> list[_TensorSpec]:
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     specs = [_TensorSpec("token_embd.weight", (vocab, n_embd), "embed", embed_type)]
@@ -388,7 +388,8 @@ def _tensor_specs(
         specs.append(_TensorSpec(p + "attn_k.weight", (kv_dim, n_embd), "matmul", weight_type))
         if arch == "qwen2":
             specs.append(_TensorSpec(p + "attn_k.bias", (kv_dim,), "bias", "F32"))
-        specs.append(_TensorSpec(p + "attn_v.weight", (kv_dim, n_embd), "matmul", weight_type))
+        specs.append(_TensorSpec(p + "attn_v.weight", (kv_dim, n_embd), "matmul",
+                                 value_type or weight_type))
         if arch == "qwen2":
             specs.append(_TensorSpec(p + "attn_v.bias", (kv_dim,), "bias", "F32"))
         if arch == "qwen3":
@@ -483,6 +484,7 @@ class _Config:
     rms_eps: float
     rope_freq_base: float
     rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
+    value_type: str | None = None  # attn_v's type where it differs (Q4_K_M files: Q6_K)
 
 
 def _write(
@@ -531,7 +533,7 @@ def _write(
     specs = _tensor_specs(
         cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff,
         len(voc.tokens), cfg.tied, cfg.weight_type, cfg.embed_type, cfg.output_type,
-        cfg.norm_type,
+        cfg.norm_type, cfg.value_type,
     )
     overrides = type_overrides or {}
     for spec in specs:
@@ -618,9 +620,11 @@ def write_tiny_gguf(
     rope_freq_base: float | None = None,
     fim: bool = False,
     rope_dim: int | None = None,
+    value_type: str | None = None,
 ) -> Path:
     """Write a tiny random model and return its path (fim: add Qwen's FIM specials;
-    rope_dim: partial rotary, the first rope_dim dims of each head rotated).
+    rope_dim: partial rotary, the first rope_dim dims of each head rotated; value_type:
+    attn_v's type, where it differs from the other matrices', as in Q4_K_M files).
 
     `weight_type` is used for every 2-D matmul weight and, unless `embed_type` /
     `output_type` say otherwise, for token_embd.weight / output.weight.  Norm weights use
@@ -637,6 +641,9 @@ def write_tiny_gguf(
     )
     if rope_dim is not None:
         cfg = dataclasses.replace(cfg, rope_dim=rope_dim)
+    if value_type is not None:
+        _check_type(value_type, "value_type", WEIGHT_TYPES)
+        cfg = dataclasses.replace(cfg, value_type=value_type)
     return _write(Path(path), cfg, seed=seed, perturb=perturb)
 
 

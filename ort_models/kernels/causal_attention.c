@@ -201,7 +201,10 @@ const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F
  *                                  where they are bound to the past buffers (specd's
  *                                  runner does), else a copy first
  *   attributes: num_heads, kv_num_heads, scale, rotary_dim (rd, even, <= hd),
- *               interleaved (1: pairs (2i, 2i+1) rotate; 0: (i, i + rd/2))
+ *               interleaved (1: pairs (2i, 2i+1) rotate; 0: (i, i + rd/2)),
+ *               packed (optional, 0): 1 = q is [S, (H+Hkv)*hd], each row q then k, and
+ *               k names the same tensor; 2 = q is [S, (H+2Hkv)*hd], q, k, v, and k and v
+ *               name it too (the product over the stacked projections, without a Split)
  *
  * The rotation of x at a row is, per pair (a, b) and angle i, a*cos - b*sin and
  * b*cos + a*sin in float32 without fused multiply-adds (dims past rd pass through); an
@@ -210,7 +213,7 @@ const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F
 
 typedef struct {
   Attn at;
-  int64_t rotary_dim, interleaved;
+  int64_t rotary_dim, interleaved, packed;
 } Cached;
 
 /* float32 -> float16 bits, rounded to nearest even (F16C's vcvtps2ph, ONNX's Cast) */
@@ -279,10 +282,17 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   CHECK(specd_tensor_shape(in[5], pd, &pr));
   CHECK(specd_tensor_shape(in[6], cosd, &cosr));
   CHECK(specd_tensor_shape(in[7], sind, &sinr));
-  if (qr != 2 || qd[1] % at->heads) return specd_fail("CachedAttention: q is not [S, H*hd]");
-  const int64_t s_len = qd[0], hd = qd[1] / at->heads, kvw = at->kv_heads * hd;
-  if (kr != 2 || vr != 2 || kd[0] != s_len || vd[0] != s_len || kd[1] != kvw || vd[1] != kvw)
-    return specd_fail("CachedAttention: k and v are not [S, Hkv*hd]");
+  /* heads of hd values in a row of q: H, and Hkv more for each projection packed in */
+  const int64_t q_heads = at->heads + cd->packed * at->kv_heads;
+  if (qr != 2 || qd[1] % q_heads)
+    return specd_fail(cd->packed == 2 ? "CachedAttention: q is not [S, (H+2Hkv)*hd] (packed 2)"
+                      : cd->packed  ? "CachedAttention: q is not [S, (H+Hkv)*hd] (packed 1)"
+                                    : "CachedAttention: q is not [S, H*hd]");
+  const int64_t s_len = qd[0], hd = qd[1] / q_heads, kvw = at->kv_heads * hd;
+  const int64_t kw = cd->packed >= 1 ? qd[1] : kvw, vw = cd->packed == 2 ? qd[1] : kvw;
+  if (kr != 2 || vr != 2 || kd[0] != s_len || vd[0] != s_len || kd[1] != kw || vd[1] != vw)
+    return specd_fail(cd->packed ? "CachedAttention: k and v are not the packed q or [S, Hkv*hd]"
+                                 : "CachedAttention: k and v are not [S, Hkv*hd]");
   if (ckr != 4 || ckd[0] != 1 || ckd[1] != at->kv_heads || ckd[3] != hd || cvr != 4 ||
       memcmp(ckd, cvd, sizeof(int64_t) * 4) != 0)
     return specd_fail("CachedAttention: the caches are not both [1, Hkv, n_ctx, hd]");
@@ -309,7 +319,8 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   CHECK(g_api->GetTensorMutableData((OrtValue *)in[7], (void **)&sn));
   OrtValue *y_val, *pk_val, *pv_val;
   float *y;
-  CHECK(g_api->KernelContext_GetOutput(ctx, 0, qd, 2, &y_val));
+  const int64_t yd[2] = {s_len, at->heads * hd};
+  CHECK(g_api->KernelContext_GetOutput(ctx, 0, yd, 2, &y_val));
   CHECK(g_api->KernelContext_GetOutput(ctx, 1, ckd, 4, &pk_val));
   CHECK(g_api->KernelContext_GetOutput(ctx, 2, cvd, 4, &pv_val));
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
@@ -324,19 +335,25 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   float *qr_rows = (float *)malloc(((size_t)s_len * heads * d + kvh * d) * sizeof(float));
   if (!qr_rows) return g_api->CreateStatus(ORT_FAIL, "CachedAttention: out of memory");
   float *krow = qr_rows + (size_t)s_len * heads * d;
+  /* where row s's q, k and v start, and the distance between rows, in floats */
+  const size_t q_stride = (size_t)qd[1], k_stride = (size_t)kw, v_stride = (size_t)vw;
+  const float *k0 = cd->packed >= 1 ? q + heads * d : k;
+  const float *v0 = cd->packed == 2 ? q + (heads + kvh) * d : v;
   for (int64_t s = 0; s < s_len; s++) {
     const size_t p = (size_t)(pos[0] + s);
-    rotate(q + s * heads * d, qr_rows + s * heads * d, heads, d, rd, (int)cd->interleaved,
+    rotate(q + s * q_stride, qr_rows + s * heads * d, heads, d, rd, (int)cd->interleaved,
            cs + p * half, sn + p * half);
-    rotate(k + s * kvh * d, krow, kvh, d, rd, (int)cd->interleaved, cs + p * half, sn + p * half);
+    rotate(k0 + s * k_stride, krow, kvh, d, rd, (int)cd->interleaved, cs + p * half,
+           sn + p * half);
+    const float *vrow = v0 + s * v_stride;
     for (size_t h = 0; h < kvh; h++) {
       const size_t at_row = (h * (size_t)n_ctx + p) * d;
       if (f16) {
         store_row_f16(krow + h * d, (uint16_t *)pres_k + at_row, d);
-        store_row_f16(v + (s * kvh + h) * d, (uint16_t *)pres_v + at_row, d);
+        store_row_f16(vrow + h * d, (uint16_t *)pres_v + at_row, d);
       } else {
         store_row(krow + h * d, (float *)pres_k + at_row, d);
-        store_row(v + (s * kvh + h) * d, (float *)pres_v + at_row, d);
+        store_row(vrow + h * d, (float *)pres_v + at_row, d);
       }
     }
   }
@@ -361,6 +378,13 @@ static OrtStatus *create_cached(const OrtApi *api, const OrtKernelInfo *info, vo
   CHECK(api->KernelInfoGetAttribute_float(info, "scale", &cd.at.scale));
   CHECK(api->KernelInfoGetAttribute_int64(info, "rotary_dim", &cd.rotary_dim));
   CHECK(api->KernelInfoGetAttribute_int64(info, "interleaved", &cd.interleaved));
+  OrtStatus *absent = api->KernelInfoGetAttribute_int64(info, "packed", &cd.packed);
+  if (absent) { /* optional: q, k and v apart */
+    api->ReleaseStatus(absent);
+    cd.packed = 0;
+  }
+  if (cd.packed < 0 || cd.packed > 2)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: packed must be 0, 1 or 2");
   if (cd.at.heads <= 0 || cd.at.kv_heads <= 0 || cd.at.heads % cd.at.kv_heads)
     return api->CreateStatus(ORT_INVALID_ARGUMENT,
                              "CachedAttention: kv_num_heads must divide num_heads");

@@ -4,11 +4,24 @@
  *   W  uint8   [ceil(N/16), nb * group bytes] GGUF rows (a row is an output channel) in
  *                                            groups of 16, see below and gguf_layouts.py
  *   B  float32 [N]             optional bias, added to each row of Y (as an Add would)
+ *   G  float32 [K]             prologue 1: the RMS norm's weight
+ *   S  float32 [..., K]        prologue 1, optional: the residual added to A first
  *   Y  float32 [..., N]
+ *   A+S float32 [..., K]       prologue 1 with S, optional output: the sum (the residual
+ *                              stream the next block adds to)
+ *   H  float32 [..., K]        prologue 1, optional output: the normed rows (for other
+ *                              products of the same input)
  *   attributes: ggml_type (2 = Q4_0, 3 = Q4_1, 12 = Q4_K, 14 = Q6_K), K, N (rows of W
  *               hold ceil(K/256) superblocks, a Q4_K row's last one only its sub-blocks
  *               of 32 up to K; Q4_0 / Q4_1 rows their K/32 blocks; A's values past K
- *               count as zeros)
+ *               count as zeros); prologue (default 0): what A goes through before the
+ *               product, in the same pass that quantizes it, instead of a node of its own
+ *               (each node costs ~10 us of dispatch, ~5% of a 0.5B draft step):
+ *                 1  RMS norm: h = x * (1 / sqrt(sum(x^2) / K + epsilon)) * G, x = A (+ S),
+ *                    the sum of squares in double, in a fixed order per row
+ *                 2  SwiGlu: A is [..., 2K], gate then up; h = silu(gate) * up with
+ *                    SwiGlu's arithmetic (swiglu.c)
+ *               epsilon: prologue 1's (float attribute)
  *
  * Arithmetic (the contract tests/numpy_reference.py's gguf_matmul reproduces bit for bit):
  * each row of A is quantized per 256 values to int8, q = rint(a * (127 / amax)),
@@ -255,8 +268,81 @@ static void run_task(void *p, size_t t) {
 }
 
 typedef struct {
-  int64_t type, k, n;
+  int64_t type, k, n, prologue;
+  float eps;
 } Kernel;
+
+enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SWIGLU = 2 };
+
+/* x [n] (+ skip) -> h = RMSNorm(x + skip) * gamma; sum_out, where given, gets x + skip */
+static void rms_norm_row(const float *x, const float *skip, const float *gamma, size_t n,
+                         float eps, float *sum_out, float *h) {
+  double acc[4] = {0.0, 0.0, 0.0, 0.0}; /* four chains in a fixed order: the same bits at any M */
+  for (size_t i = 0; i < n; i++) {
+    const float v = skip ? x[i] + skip[i] : x[i];
+    h[i] = v;
+    acc[i % 4] += (double)v * (double)v;
+  }
+  if (sum_out) memcpy(sum_out, h, n * sizeof(float));
+  const double ss = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  const float scale = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+  for (size_t i = 0; i < n; i++) h[i] = h[i] * scale * gamma[i];
+}
+
+/* Rows of A through the prologue and into the quantized activations, in tasks */
+typedef struct {
+  const Kernel *kn;
+  const float *a, *gamma, *skip;
+  float *sum_out, *h_out;
+  Act *act;
+  size_t m, k_in, nb, rows_per_task;
+} Prep;
+
+static void prep_task(void *p, size_t t) {
+  const Prep *pp = (const Prep *)p;
+  const size_t k_in = pp->k_in, k = pp->act->k, nb = pp->nb;
+  const size_t r0 = t * pp->rows_per_task;
+  const size_t r1 = r0 + pp->rows_per_task < pp->m ? r0 + pp->rows_per_task : pp->m;
+  float *h = NULL;
+  if (pp->kn->prologue != PROLOGUE_NONE) {
+    h = (float *)malloc(k_in * sizeof(float));
+    if (!h) abort(); /* a few KB: nothing sensible remains to be done without them */
+  }
+  for (size_t r = r0; r < r1; r++) {
+    const float *x = pp->a + r * k_in;
+    if (pp->kn->prologue == PROLOGUE_RMS_NORM) {
+      rms_norm_row(x, pp->skip ? pp->skip + r * k_in : NULL, pp->gamma, k_in, pp->kn->eps,
+                   pp->sum_out ? pp->sum_out + r * k_in : NULL, h);
+      if (pp->h_out) memcpy(pp->h_out + r * k_in, h, k_in * sizeof(float));
+      x = h;
+    } else if (pp->kn->prologue == PROLOGUE_SWIGLU) {
+      const float *g = pp->a + r * 2 * k_in;
+      specd_swiglu_row(g, g + k_in, h, k_in);
+      x = h;
+    }
+    const Act *act = pp->act;
+    quantize_row(x, k_in, k, act->q + r * k, act->d + r * nb, act->sum16 + r * (k / 16),
+                 act->sum32 + r * (k / 32));
+  }
+  free(h);
+}
+
+/* optional float32 input i, checked to be [K] (`vector`) or A's shape; NULL if absent */
+static OrtStatus *optional_input(OrtKernelContext *ctx, size_t n_in, size_t i,
+                                 const int64_t *adims, size_t arank, int vector,
+                                 const char *what, const float **out) {
+  *out = NULL;
+  const OrtValue *v = NULL;
+  if (n_in > i) CHECK(g_api->KernelContext_GetInput(ctx, i, &v));
+  if (!v) return NULL;
+  int64_t dims[8];
+  size_t rank;
+  CHECK(specd_tensor_shape(v, dims, &rank));
+  int same = vector ? rank == 1 && dims[0] == adims[arank - 1] : rank == arank;
+  for (size_t d = 0; same && !vector && d < rank; d++) same = dims[d] == adims[d];
+  if (!same) return specd_fail(what);
+  return g_api->GetTensorMutableData((OrtValue *)v, (void **)out);
+}
 
 static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   const Kernel *kn = (const Kernel *)kernel;
@@ -289,8 +375,11 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
       fn = group_q6_k, group_bytes = nb * Q6_K_GROUP_BYTES;
   }
   const size_t n_groups = (n + GROUP - 1) / GROUP;
-  if (arank < 1 || adims[arank - 1] != kn->k)
-    return specd_fail("GgufMatMul: the last dimension of A is not K");
+  const int64_t a_width = kn->prologue == PROLOGUE_SWIGLU ? 2 * kn->k : kn->k;
+  if (arank < 1 || adims[arank - 1] != a_width)
+    return specd_fail(kn->prologue == PROLOGUE_SWIGLU
+                          ? "GgufMatMul: the last dimension of A is not 2K (gate and up)"
+                          : "GgufMatMul: the last dimension of A is not K");
   if (wrank != 2 || (size_t)wdims[0] != n_groups || (size_t)wdims[1] != group_bytes)
     return specd_fail("GgufMatMul: W is not [ceil(N/16), group bytes] of its GGUF type's 16-row layout");
   size_t n_in = 0;
@@ -304,6 +393,23 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
     CHECK(specd_tensor_shape(b_val, bdims, &brank));
     if (brank != 1 || bdims[0] != kn->n) return specd_fail("GgufMatMul: bias is not [N]");
     CHECK(g_api->GetTensorMutableData((OrtValue *)b_val, (void **)&bias));
+  }
+  const float *gamma = NULL, *skip = NULL;
+  float *sum_out = NULL, *h_out = NULL;
+  if (kn->prologue == PROLOGUE_RMS_NORM) {
+    adims[arank - 1] = kn->k;
+    CHECK(optional_input(ctx, n_in, 3, adims, arank, 1, "GgufMatMul: G is not [K]", &gamma));
+    if (!gamma) return specd_fail("GgufMatMul: prologue 1 (RMS norm) needs its weight G");
+    CHECK(optional_input(ctx, n_in, 4, adims, arank, 0,
+                         "GgufMatMul: S does not have the shape of A", &skip));
+    size_t n_out = 0;
+    CHECK(g_api->KernelContext_GetOutputCount(ctx, &n_out));
+    float **outs[2] = {&sum_out, &h_out};
+    for (size_t o = 1; o < n_out && o < 3; o++) { /* absent ones come back NULL */
+      OrtValue *val = NULL;
+      CHECK(g_api->KernelContext_GetOutput(ctx, o, adims, arank, &val));
+      if (val) CHECK(g_api->GetTensorMutableData(val, (void **)outs[o - 1]));
+    }
   }
   size_t m = 1;
   for (size_t i = 0; i + 1 < arank; i++) m *= (size_t)adims[i];
@@ -326,9 +432,12 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
              {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k, trim}, bias, y};
   job.act.sum32 = (int16_t *)(scratch + m * k + m * nb * 4);
   job.act.sum16 = job.act.sum32 + m * (k / 32);
-  for (size_t r = 0; r < m; r++)
-    quantize_row(a + r * k_in, k_in, k, job.act.q + r * k, job.act.d + r * nb,
-                 job.act.sum16 + r * (k / 16), job.act.sum32 + r * (k / 32));
+  /* the rows' prologue and quantization: on this thread for a few rows (a verify block:
+     microseconds), else in 8 tasks of whole rows (a row's arithmetic does not depend on
+     which thread runs it) */
+  Prep prep = {kn, a, gamma, skip, sum_out, h_out, &job.act, m, k_in, nb, 0};
+  prep.rows_per_task = m < 8 ? m : (m + 7) / 8;
+  specd_parallel_for(prep_task, &prep, (m + prep.rows_per_task - 1) / prep.rows_per_task);
   size_t per = (n_groups + MAX_TASKS - 1) / MAX_TASKS;
   job.groups_per_task = per;
   specd_parallel_for(run_task, &job, (n_groups + per - 1) / per);
@@ -337,10 +446,20 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
 }
 
 static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
-  Kernel kn;
+  Kernel kn = {0, 0, 0, PROLOGUE_NONE, 0.0f};
   CHECK(api->KernelInfoGetAttribute_int64(info, "ggml_type", &kn.type));
   CHECK(api->KernelInfoGetAttribute_int64(info, "K", &kn.k));
   CHECK(api->KernelInfoGetAttribute_int64(info, "N", &kn.n));
+  OrtStatus *absent = api->KernelInfoGetAttribute_int64(info, "prologue", &kn.prologue);
+  if (absent) { /* optional: none */
+    api->ReleaseStatus(absent);
+    kn.prologue = PROLOGUE_NONE;
+  }
+  if (kn.prologue < PROLOGUE_NONE || kn.prologue > PROLOGUE_SWIGLU)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "GgufMatMul: prologue must be 0 (none), "
+                                                   "1 (RMS norm) or 2 (SwiGlu)");
+  if (kn.prologue == PROLOGUE_RMS_NORM)
+    CHECK(api->KernelInfoGetAttribute_float(info, "epsilon", &kn.eps));
   if (kn.type != TYPE_Q4_0 && kn.type != TYPE_Q4_1 && kn.type != TYPE_Q4_K &&
       kn.type != TYPE_Q6_K)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "GgufMatMul: ggml_type must be 2 (Q4_0), "
@@ -354,7 +473,11 @@ static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **ke
 }
 
 
-static const ONNXTensorElementDataType INPUTS[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
-                                                   ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8,
-                                                   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
-const SpecdOpDef specd_gguf_matmul = {"GgufMatMul", 3, INPUTS, create, compute, 0, NULL, 2};
+static const ONNXTensorElementDataType INPUTS[] = {
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+static const ONNXTensorElementDataType OUTPUTS[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+                                                    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+                                                    ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+const SpecdOpDef specd_gguf_matmul = {"GgufMatMul", 5, INPUTS, create, compute, 3, OUTPUTS, 2, 1};

@@ -87,11 +87,10 @@ static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp *op,
 static size_t ORT_API_CALL output_count(const OrtCustomOp *op) {
   return def_of(op)->n_outputs ? def_of(op)->n_outputs : 1;
 }
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL io_required(const OrtCustomOp *op,
-                                                                     size_t i) {
-  (void)op;
-  (void)i;
-  return INPUT_OUTPUT_REQUIRED;
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_required(const OrtCustomOp *op,
+                                                                         size_t i) {
+  const size_t req = def_of(op)->n_outputs_required;
+  return req && i >= req ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_required(const OrtCustomOp *op,
                                                                         size_t i) {
@@ -174,7 +173,7 @@ OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtA
       op->GetOutputTypeCount = output_count;
       op->KernelDestroy = destroy_any;
       op->GetInputCharacteristic = input_required;
-      op->GetOutputCharacteristic = io_required;
+      op->GetOutputCharacteristic = output_required;
       op->GetInputMemoryType = input_mem;
       op->GetVariadicInputMinArity = one;
       op->GetVariadicInputHomogeneity = one;

@@ -26,6 +26,10 @@ OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank);
  * (thread_pool.c); returns when every task is done. */
 void specd_parallel_for(void (*fn)(void *, size_t), void *data, size_t n);
 
+/* y[i] = silu(g[i]) * u[i] for i < n: SwiGlu's arithmetic (swiglu.c), the same bits
+ * on every path and at every offset. */
+void specd_swiglu_row(const float *g, const float *u, float *y, size_t n);
+
 #define CHECK(expr)          \
   do {                       \
     OrtStatus *st_ = (expr); \
@@ -42,6 +46,7 @@ typedef struct {
   size_t n_outputs;                                /* 0: one float32 output */
   const ONNXTensorElementDataType *output_types;
   size_t n_required; /* 0: every input required; else inputs from this one on optional */
+  size_t n_outputs_required; /* 0: every output required; else outputs from this one on optional */
 } SpecdOpDef;
 
 extern const SpecdOpDef specd_gguf_matmul;

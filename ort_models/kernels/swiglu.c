@@ -29,6 +29,22 @@ static inline float silu_mul(float g, float u) {
   return num / (1.0f + e) * u;
 }
 
+void specd_swiglu_row(const float *g, const float *u, float *y, size_t n) {
+  size_t c = 0;
+#if SPECD_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  for (; c + 8 <= n; c += 8) {
+    __m256 gv = _mm256_loadu_ps(g + c);
+    __m256 e = exp8(_mm256_or_ps(gv, sign)); /* -|g| */
+    __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+    __m256 num = _mm256_blendv_ps(gv, _mm256_mul_ps(gv, e), neg);
+    __m256 s = _mm256_div_ps(num, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(y + c, _mm256_mul_ps(s, _mm256_loadu_ps(u + c)));
+  }
+#endif
+  for (; c < n; c++) y[c] = silu_mul(g[c], u[c]);
+}
+
 /* Y[j0 .. j1) (flat indices; a range may span rows) */
 static void swiglu_range(const Job *job, size_t j0, size_t j1) {
   const size_t f = job->f;
@@ -36,20 +52,7 @@ static void swiglu_range(const Job *job, size_t j0, size_t j1) {
     const size_t row = j0 / f, col = j0 % f;
     const size_t end = (j1 - j0 < f - col) ? col + (j1 - j0) : f;
     const float *g = job->x + row * 2 * f, *u = g + f;
-    float *y = job->y + row * f;
-    size_t c = col;
-#if SPECD_AVX2
-    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
-    for (; c + 8 <= end; c += 8) {
-      __m256 gv = _mm256_loadu_ps(g + c);
-      __m256 e = exp8(_mm256_or_ps(gv, sign)); /* -|g| */
-      __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
-      __m256 num = _mm256_blendv_ps(gv, _mm256_mul_ps(gv, e), neg);
-      __m256 s = _mm256_div_ps(num, _mm256_add_ps(one, e));
-      _mm256_storeu_ps(y + c, _mm256_mul_ps(s, _mm256_loadu_ps(u + c)));
-    }
-#endif
-    for (; c < end; c++) y[c] = silu_mul(g[c], u[c]);
+    specd_swiglu_row(g + col, u + col, job->y + row * f + col, end - col);
     j0 += end - col;
   }
 }
