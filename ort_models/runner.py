@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -241,7 +242,7 @@ class ModelRunner:
         for name in self.hidden_names:
             b.bind_output(name, "cpu")
         self.session.run_with_iobinding(b)
-        outs = b.get_outputs()
+        outs = _bound_outputs(b)
         # outputs come in the order bound: KV first (2 per layer), then logits, hidden
         k0 = 2 * self.hp.n_layer
         logits = outs[k0].numpy()[:n_rows]  # [R, vocab]
@@ -274,3 +275,12 @@ class ModelRunner:
                 break
         assert logits is not None
         return logits[0]
+
+
+def _bound_outputs(b: Any) -> list[Any]:  # an onnxruntime.IOBinding
+    """The binding's outputs as ORT's C-level values (each has .numpy()): the public
+    `get_outputs` wraps every one in a Python OrtValue, 2 per layer for the KV caches
+    that are never read here, ~0.25 ms a call (2% of a 0.5B draft step)."""
+    inner = getattr(b, "_iobinding", None)
+    return inner.get_outputs() if inner is not None else b.get_outputs()
+
