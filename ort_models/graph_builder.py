@@ -456,7 +456,8 @@ def _head_norm(c: _Ctx, x: str, n_heads: int, weight: str) -> str:
     return g.op("Reshape", [y, g.const([0, n_heads * hd])])
 
 
-def _attention(c: _Ctx, i: int, h: Activation, pos_ids: str, mask: str, io: dict[str, str]) -> str:
+def _attention(c: _Ctx, i: int, h: Activation, pos_ids: str, mask: str,
+               io: dict[str, str]) -> str:
     g, hp = c.g, c.hp
     hd, nkv = hp.head_dim, hp.n_head_kv
     p = f"blk.{i}."
@@ -549,7 +550,8 @@ def _cached_attention(c: _Ctx, i: int, products: list[tuple[str, list[str]]]) ->
                      out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                      num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
                      scale=1.0 / math.sqrt(hp.head_dim), rotary_dim=hp.rope_dim,
-                     interleaved=int(hp.rope_interleaved), **({"packed": packed} if packed else {}))
+                     interleaved=int(hp.rope_interleaved),
+                     **({"packed": packed} if packed else {}))
     return out
 
 

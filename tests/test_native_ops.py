@@ -198,10 +198,11 @@ def test_bias_input_adds_as_an_add_node_would() -> None:
 
 
 def _prologue_session(blocks, k: int, n: int, prologue: int, *, skip: bool = False,  # noqa: ANN001
-                      sum_out: bool = False, gamma: np.ndarray | None = None,
-                      eps: float = 1e-6, threads: int = 2) -> ort.InferenceSession:
+                      sum_out: bool = False, normed_out: bool = False,
+                      gamma: np.ndarray | None = None, eps: float = 1e-6,
+                      threads: int = 2) -> ort.InferenceSession:
     """GgufMatMul (Q4_K) with a prologue: 1 (RMS norm, weight `gamma`, optional residual
-    input S and sum output), 2 (SwiGlu over A [M, 2K])."""
+    input S, sum output X and normed-rows output H), 2 (SwiGlu over A [M, 2K])."""
     weights = [numpy_helper.from_array(regroup("Q4_K", blocks.pack(), n, k), "W")]
     ins, outs = ["A", "W"], [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])]
     attrs: dict = {"prologue": prologue}
@@ -215,7 +216,12 @@ def _prologue_session(blocks, k: int, n: int, prologue: int, *, skip: bool = Fal
             inputs.append(helper.make_tensor_value_info("S", TensorProto.FLOAT, ["M", k]))
         if sum_out:
             outs.append(helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k]))
-    node = helper.make_node("GgufMatMul", ins, [o.name for o in outs], domain="specd",
+        if normed_out:
+            outs.append(helper.make_tensor_value_info("H", TensorProto.FLOAT, ["M", k]))
+    names = [o.name for o in outs]
+    if normed_out and not sum_out:
+        names.insert(1, "")  # the sum output absent, the normed rows after it
+    node = helper.make_node("GgufMatMul", ins, names, domain="specd",
                             ggml_type=12, K=k, N=n, **attrs)
     return _graph_session(helper.make_graph([node], "t", inputs, outs, weights), None, threads)
 
@@ -240,6 +246,14 @@ def test_norm_prologue_matches_the_numpy_contract_bitwise(k: int) -> None:
         rows = np.concatenate([with_sum.run(None, {"A": a[i:i + 1], "S": s[i:i + 1]})[0]
                                for i in range(m)])
         np.testing.assert_array_equal(rows, y)
+    # the normed rows as a third output (another product of the same input reads them),
+    # with or without the sum before them
+    for with_total in (True, False):
+        sess = _prologue_session(blocks, k, n, 1, skip=True, sum_out=with_total,
+                                 normed_out=True, gamma=gamma, eps=eps)
+        *rest, h = sess.run(None, {"A": a, "S": s})
+        np.testing.assert_array_equal(h, gguf_rms_norm(a + s, gamma, eps))
+        np.testing.assert_array_equal(rest[0], y)
     # close to the float64 norm (the contract's rounding aside)
     ref = (a + s) / np.sqrt(np.mean((a + s).astype(np.float64) ** 2, -1, keepdims=True) + eps)
     np.testing.assert_allclose(gguf_rms_norm(a + s, gamma, eps), ref * gamma, rtol=1e-5)

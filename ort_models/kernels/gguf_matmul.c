@@ -54,7 +54,7 @@
 #endif
 
 enum { QK_K = 256, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q4_K = 12, TYPE_Q6_K = 14 };
-enum { ROW_TILE = 16, COL_TILE = 4, MAX_TASKS = 256 };
+enum { ROW_TILE = 16, COL_TILE = 4, MAX_TASKS = 256, PREP_VALUES = 16384 };
 
 /* ---------------------------------------------------------------------------------- */
 /* numbers                                                                             */
@@ -432,11 +432,14 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
              {(int8_t *)scratch, (float *)(scratch + m * k), NULL, NULL, k, trim}, bias, y};
   job.act.sum32 = (int16_t *)(scratch + m * k + m * nb * 4);
   job.act.sum16 = job.act.sum32 + m * (k / 32);
-  /* the rows' prologue and quantization: on this thread for a few rows (a verify block:
-     microseconds), else in 8 tasks of whole rows (a row's arithmetic does not depend on
-     which thread runs it) */
+  /* the rows' prologue and quantization, in tasks of whole rows (a row's arithmetic does
+     not depend on which thread runs it) of at least PREP_VALUES values, at most 8: a
+     task costs the pool a few microseconds, a value ~1 ns (4 rows of a 1.5B's down
+     product: 2 tasks) */
   Prep prep = {kn, a, gamma, skip, sum_out, h_out, &job.act, m, k_in, nb, 0};
-  prep.rows_per_task = m < 8 ? m : (m + 7) / 8;
+  size_t prep_tasks = m * k_in / PREP_VALUES;
+  prep_tasks = prep_tasks < 1 ? 1 : prep_tasks > 8 ? 8 : prep_tasks > m ? m : prep_tasks;
+  prep.rows_per_task = (m + prep_tasks - 1) / prep_tasks;
   specd_parallel_for(prep_task, &prep, (m + prep.rows_per_task - 1) / prep.rows_per_task);
   size_t per = (n_groups + MAX_TASKS - 1) / MAX_TASKS;
   job.groups_per_task = per;
