@@ -278,25 +278,20 @@ def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
         footprint.grew(name, models_of(name), r.growth_bytes)
         overall_peak = max(overall_peak, r.peak_bytes)
         log(f"[warm-up] {name:24s} {r.decode_tps:6.2f} tok/s")
+    # a repeat's group: every configuration, then target-only again to close it
+    group = [(name, False) for name in names] + ([("target-only", True)] if bracket else [])
     for rep in range(repeats):
         for pname, ids in encoded.items():
             for temp in temperatures:
-                for name in names:
+                for name, closing in group:
                     cell = cells.setdefault((pname, temp, name), Cell(pname, temp, name))
                     r = run_one(name, ids, temp)
                     r.memory_bytes = footprint.of(name, models_of(name), r)
                     footprint.grew(name, models_of(name), r.growth_bytes)
                     overall_peak = max(overall_peak, r.peak_bytes)
-                    cell.runs.append(r)
-                    log(f"[{rep + 1}/{repeats}] {pname:8s} T={temp:.1f} {name:24s} "
+                    (cell.closing_runs if closing else cell.runs).append(r)
+                    label = f"{name} (closing)" if closing else name
+                    log(f"[{rep + 1}/{repeats}] {pname:8s} T={temp:.1f} {label:24s} "
                         f"{r.decode_tps:6.2f} tok/s  accept-len {r.mean_acceptance_length:.2f}"
                         f"  {r.memory_bytes / 1e6:7.0f} MB")
-                if bracket:
-                    cell = cells[(pname, temp, "target-only")]
-                    r = run_one("target-only", ids, temp)
-                    footprint.grew("target-only", models_of("target-only"), r.growth_bytes)
-                    overall_peak = max(overall_peak, r.peak_bytes)
-                    cell.closing_runs.append(r)
-                    log(f"[{rep + 1}/{repeats}] {pname:8s} T={temp:.1f} "
-                        f"{'target-only (closing)':24s} {r.decode_tps:6.2f} tok/s")
     return {"cells": cells, "configs": names, "peak_rss": overall_peak}

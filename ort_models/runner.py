@@ -283,4 +283,3 @@ def _bound_outputs(b: Any) -> list[Any]:  # an onnxruntime.IOBinding
     that are never read here, ~0.25 ms a call (2% of a 0.5B draft step)."""
     inner = getattr(b, "_iobinding", None)
     return inner.get_outputs() if inner is not None else b.get_outputs()
-

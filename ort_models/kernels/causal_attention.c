@@ -378,11 +378,7 @@ static OrtStatus *create_cached(const OrtApi *api, const OrtKernelInfo *info, vo
   CHECK(api->KernelInfoGetAttribute_float(info, "scale", &cd.at.scale));
   CHECK(api->KernelInfoGetAttribute_int64(info, "rotary_dim", &cd.rotary_dim));
   CHECK(api->KernelInfoGetAttribute_int64(info, "interleaved", &cd.interleaved));
-  OrtStatus *absent = api->KernelInfoGetAttribute_int64(info, "packed", &cd.packed);
-  if (absent) { /* optional: q, k and v apart */
-    api->ReleaseStatus(absent);
-    cd.packed = 0;
-  }
+  cd.packed = specd_int64_attribute_or(api, info, "packed", 0); /* 0: q, k, v apart */
   if (cd.packed < 0 || cd.packed > 2)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: packed must be 0, 1 or 2");
   if (cd.at.heads <= 0 || cd.at.kv_heads <= 0 || cd.at.heads % cd.at.kv_heads)

@@ -327,20 +327,19 @@ static void prep_task(void *p, size_t t) {
   free(h);
 }
 
-/* optional float32 input i, checked to be [K] (`vector`) or A's shape; NULL if absent */
+/* optional float32 input i, checked to have the shape dims[0..rank); NULL if absent */
 static OrtStatus *optional_input(OrtKernelContext *ctx, size_t n_in, size_t i,
-                                 const int64_t *adims, size_t arank, int vector,
-                                 const char *what, const float **out) {
+                                 const int64_t *dims, size_t rank, const char *what,
+                                 const float **out) {
   *out = NULL;
   const OrtValue *v = NULL;
   if (n_in > i) CHECK(g_api->KernelContext_GetInput(ctx, i, &v));
   if (!v) return NULL;
-  int64_t dims[8];
-  size_t rank;
-  CHECK(specd_tensor_shape(v, dims, &rank));
-  int same = vector ? rank == 1 && dims[0] == adims[arank - 1] : rank == arank;
-  for (size_t d = 0; same && !vector && d < rank; d++) same = dims[d] == adims[d];
-  if (!same) return specd_fail(what);
+  int64_t got[8];
+  size_t got_rank;
+  CHECK(specd_tensor_shape(v, got, &got_rank));
+  if (got_rank != rank || memcmp(got, dims, rank * sizeof(int64_t)) != 0)
+    return specd_fail(what);
   return g_api->GetTensorMutableData((OrtValue *)v, (void **)out);
 }
 
@@ -383,24 +382,16 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   if (wrank != 2 || (size_t)wdims[0] != n_groups || (size_t)wdims[1] != group_bytes)
     return specd_fail("GgufMatMul: W is not [ceil(N/16), group bytes] of its GGUF type's 16-row layout");
   size_t n_in = 0;
-  const OrtValue *b_val = NULL;
   const float *bias = NULL;
   CHECK(g_api->KernelContext_GetInputCount(ctx, &n_in));
-  if (n_in > 2) CHECK(g_api->KernelContext_GetInput(ctx, 2, &b_val));
-  if (b_val) {
-    int64_t bdims[8];
-    size_t brank;
-    CHECK(specd_tensor_shape(b_val, bdims, &brank));
-    if (brank != 1 || bdims[0] != kn->n) return specd_fail("GgufMatMul: bias is not [N]");
-    CHECK(g_api->GetTensorMutableData((OrtValue *)b_val, (void **)&bias));
-  }
+  CHECK(optional_input(ctx, n_in, 2, &kn->n, 1, "GgufMatMul: bias is not [N]", &bias));
   const float *gamma = NULL, *skip = NULL;
   float *sum_out = NULL, *h_out = NULL;
   if (kn->prologue == PROLOGUE_RMS_NORM) {
     adims[arank - 1] = kn->k;
-    CHECK(optional_input(ctx, n_in, 3, adims, arank, 1, "GgufMatMul: G is not [K]", &gamma));
+    CHECK(optional_input(ctx, n_in, 3, &kn->k, 1, "GgufMatMul: G is not [K]", &gamma));
     if (!gamma) return specd_fail("GgufMatMul: prologue 1 (RMS norm) needs its weight G");
-    CHECK(optional_input(ctx, n_in, 4, adims, arank, 0,
+    CHECK(optional_input(ctx, n_in, 4, adims, arank,
                          "GgufMatMul: S does not have the shape of A", &skip));
     size_t n_out = 0;
     CHECK(g_api->KernelContext_GetOutputCount(ctx, &n_out));
@@ -453,11 +444,7 @@ static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **ke
   CHECK(api->KernelInfoGetAttribute_int64(info, "ggml_type", &kn.type));
   CHECK(api->KernelInfoGetAttribute_int64(info, "K", &kn.k));
   CHECK(api->KernelInfoGetAttribute_int64(info, "N", &kn.n));
-  OrtStatus *absent = api->KernelInfoGetAttribute_int64(info, "prologue", &kn.prologue);
-  if (absent) { /* optional: none */
-    api->ReleaseStatus(absent);
-    kn.prologue = PROLOGUE_NONE;
-  }
+  kn.prologue = specd_int64_attribute_or(api, info, "prologue", PROLOGUE_NONE);
   if (kn.prologue < PROLOGUE_NONE || kn.prologue > PROLOGUE_SWIGLU)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "GgufMatMul: prologue must be 0 (none), "
                                                    "1 (RMS norm) or 2 (SwiGlu)");

@@ -50,6 +50,15 @@ OrtStatus *specd_new_state(const void *state, size_t size, void **out) {
   return NULL;
 }
 
+int64_t specd_int64_attribute_or(const OrtApi *api, const OrtKernelInfo *info, const char *name,
+                                 int64_t fallback) {
+  int64_t v;
+  OrtStatus *absent = api->KernelInfoGetAttribute_int64(info, name, &v);
+  if (!absent) return v;
+  api->ReleaseStatus(absent);
+  return fallback;
+}
+
 OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank) {
   OrtTensorTypeAndShapeInfo *info;
   CHECK(g_api->GetTensorTypeAndShape(v, &info));

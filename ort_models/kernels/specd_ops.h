@@ -19,6 +19,9 @@ OrtStatus *specd_fail(const char *msg);
 /* *out = a heap copy of the `size` bytes at `state` (a kernel's attributes; freed by the
  * glue when ORT destroys the kernel). */
 OrtStatus *specd_new_state(const void *state, size_t size, void **out);
+/* The int64 attribute `name`, or `fallback` where the node does not set it. */
+int64_t specd_int64_attribute_or(const OrtApi *api, const OrtKernelInfo *info, const char *name,
+                                 int64_t fallback);
 /* dims[0..rank) of a tensor (rank <= 8). */
 OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank);
 
