@@ -19,11 +19,11 @@ import argparse
 import statistics
 from dataclasses import dataclass
 
-from specd.daemon import bench
-from specd.daemon.drafters.base import DraftParams
-from specd.daemon.engine import Engine, EngineConfig
-from specd.daemon.generation import Generation, GenerationParams
-from specd.daemon.sampling import SamplerParams
+from specd.daemon.benchmark import run as bench
+from specd.daemon.serving.engine import Engine, EngineConfig
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.spec.sampling import SamplerParams
 
 
 @dataclass

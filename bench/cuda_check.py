@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
-from specd.daemon.engine import build_options  # noqa: E402
+from specd.daemon.serving.engine import build_options  # noqa: E402
 from specd.ort_models.model_cache import load_or_build  # noqa: E402
 from specd.ort_models.providers import choose_runtime  # noqa: E402
 from specd.ort_models.runner import CUDA_ROW_BLOCK, ModelRunner  # noqa: E402

@@ -15,8 +15,8 @@ import statistics
 import subprocess
 import sys
 
-from specd.daemon.bench import measure_bandwidth
-from specd.daemon.model_store import resolve_model
+from specd.daemon.benchmark.run import measure_bandwidth
+from specd.daemon.models.store import resolve_model
 from specd.ort_models.gguf_file import GGUFFile
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."

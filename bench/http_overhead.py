@@ -16,10 +16,10 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from specd.daemon.engine import EngineConfig  # noqa: E402
-from specd.daemon.generation import GenerationParams  # noqa: E402
+from specd.daemon.serving.engine import EngineConfig  # noqa: E402
+from specd.daemon.spec.generation import GenerationParams  # noqa: E402
 from specd.ipc.client import Client  # noqa: E402
 
 from live_server import live_server  # noqa: E402

@@ -10,10 +10,10 @@ import argparse
 import json
 import statistics
 
-from specd.daemon.drafters.base import DraftParams
-from specd.daemon.engine import Engine, EngineConfig
-from specd.daemon.generation import Generation, GenerationParams
-from specd.daemon.grammar import compile_constraint
+from specd.daemon.serving.engine import Engine, EngineConfig
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.text.grammar import compile_constraint
 
 SCHEMA = {
     "type": "object",

@@ -29,7 +29,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from specd.daemon.bench import measure_bandwidth
+from specd.daemon.benchmark.run import measure_bandwidth
 from specd.ort_models import native_ops
 from specd.ort_models.gguf_layouts import BLOCK_BYTES, GROUP, GROUP_BYTES, regroup
 

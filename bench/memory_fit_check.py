@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from specd.daemon.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
-from specd.daemon.cli_fit import fit_models
-from specd.daemon.engine import Engine, EngineConfig
-from specd.daemon.generation import GenerationParams
+from specd.daemon.cli.fit import fit_models
+from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from specd.daemon.serving.engine import Engine, EngineConfig
+from specd.daemon.spec.generation import GenerationParams
 from specd.memory_fit.plan import fmt_bytes
 from specd.memory_fit.rss import PeakRss, read_hwm, rss_bytes
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from specd.daemon import bench
-from specd.daemon.drafters.base import DraftParams
-from specd.daemon.engine import Engine, EngineConfig
-from specd.daemon.generation import Generation, GenerationParams
-from specd.daemon.sampling import SamplerParams
+from specd.daemon.benchmark import run as bench
+from specd.daemon.serving.engine import Engine, EngineConfig
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.spec.sampling import SamplerParams
 
 
 def run(engine: Engine, ids: list[int], spec: str, temperature: float, seed: int,

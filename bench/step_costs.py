@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from specd.daemon.model_store import resolve_model
+from specd.daemon.models.store import resolve_model
 from specd.ort_models import native_ops
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build

@@ -10,20 +10,21 @@ from typing import Any
 
 from aiohttp import web
 
-from ..daemon.drafters.base import DraftParams
-from ..daemon.generation import GenerationParams, RequestError
-from ..daemon.grammar import Grammar, GrammarError
-from ..daemon.infill import DEFAULT_CHUNK_FILE, ExtraChunk, has_fim, infill_tokens
-from ..daemon.sampling import SamplerParams
-from ..daemon.scheduler import QueueFull
-from ..daemon.service import Piece, Result, Service, Stream
-from ..daemon.tool_calls import (
+from specd.daemon.serving.scheduler import QueueFull
+from specd.daemon.serving.service import Piece, Result, Service, Stream
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import GenerationParams, RequestError
+from specd.daemon.spec.sampling import SamplerParams
+from specd.daemon.text.grammar import Grammar, GrammarError
+from specd.daemon.text.infill import DEFAULT_CHUNK_FILE, ExtraChunk, has_fim, infill_tokens
+from specd.daemon.text.tool_calls import (
     ToolCallStream,
     check_tools,
     forced_call_grammar,
     parse_tool_calls,
     tool_names,
 )
+
 from .metrics import render_metrics
 from .security import cors_on_prepare, error_response, make_middlewares
 from .validation import BadRequest, get, json_body, stop_list, token_list

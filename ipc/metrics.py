@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..daemon.service import Service
+from specd.daemon.serving.service import Service
 
 
 def render_metrics(svc: Service) -> str:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..ort_models.paths import runtime_dir, state_dir
+from specd.ort_models.paths import runtime_dir, state_dir
+
 from .security import is_loopback_host, load_or_create_token
 
 log = logging.getLogger("specd.server")

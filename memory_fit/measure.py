@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..ort_models.graph_builder import ATTN_BUCKET
+from specd.ort_models.graph_builder import ATTN_BUCKET
+
 from .rss import PeakRss, rss_bytes
 
 if TYPE_CHECKING:
-    from ..ort_models.model_cache import BuiltModel
+    from specd.ort_models.model_cache import BuiltModel
 
 COST_FILE = "memory_cost.json"
 COST_VERSION = 4
@@ -168,7 +169,7 @@ def measure(built: BuiltModel, device: str = "cpu", *, threads: int | None = Non
             use_cache: bool = True, isolate: bool = True,
             points: tuple[int, ...] | None = None) -> ModelCost:
     """The ModelCost of a BuiltModel on `device` ("cpu" / "cuda:N"), cached per folder."""
-    from ..ort_models.runner import default_threads
+    from specd.ort_models.runner import default_threads
 
     threads = threads or default_threads()
     folder = Path(built.folder)
@@ -223,9 +224,9 @@ def _measure_subprocess(folder: Path, device: str, threads: int, points: tuple[i
 
 def built_from_folder(folder: str | os.PathLike[str]) -> BuiltModel:
     """A BuiltModel from a graph folder's meta.json (no GGUF parsing, no hashing)."""
-    from ..ort_models.arch import HParams
-    from ..ort_models.graph_builder import BuildOptions
-    from ..ort_models.model_cache import META_FILE, BuiltModel
+    from specd.ort_models.arch import HParams
+    from specd.ort_models.graph_builder import BuildOptions
+    from specd.ort_models.model_cache import META_FILE, BuiltModel
 
     folder = Path(folder)
     meta = json.loads((folder / META_FILE).read_text())
@@ -267,7 +268,7 @@ def _warm_runtime(device: str, threads: int) -> None:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from ..ort_models.providers import session_providers
+    from specd.ort_models.providers import session_providers
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
@@ -290,8 +291,8 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
 
     import numpy as np
 
-    from ..ort_models.providers import choose_runtime
-    from ..ort_models.runner import ModelRunner
+    from specd.ort_models.providers import choose_runtime
+    from specd.ort_models.runner import ModelRunner
 
     hp = built.hparams
     ctxs = sorted(points)
@@ -352,14 +353,14 @@ class _HostCost:
         self._keep: list[object] = []
         if not gguf.is_file():  # graph folder built from a file since moved: no host part
             return
-        from ..ort_models.gguf_file import GGUFFile
+        from specd.ort_models.gguf_file import GGUFFile
 
         r = rss_bytes()
         f = GGUFFile(gguf)
         self._keep.append(f)
         self.metadata_bytes = max(0, rss_bytes() - r)
         try:
-            from ..daemon.tokenizer import Tokenizer
+            from specd.daemon.text.tokenizer import Tokenizer
 
             r = rss_bytes()
             self._keep.append(Tokenizer.from_metadata(f.metadata))
@@ -381,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         built = dataclasses.replace(built, gguf_path=Path(args.gguf))
     pts = (tuple(int(x) for x in args.points.split(",")) if args.points
            else default_points(built.hparams.n_ctx_train))
-    from ..ort_models.runner import default_threads
+    from specd.ort_models.runner import default_threads
 
     cost = measure_in_process(built, args.device, args.threads or default_threads(), pts)
     print(json.dumps(cost.as_dict()))

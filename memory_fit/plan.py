@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..ort_models.graph_builder import ATTN_BUCKET
+from specd.ort_models.graph_builder import ATTN_BUCKET
+
 from .measure import ModelCost
 from .probes import MemoryProbe
 

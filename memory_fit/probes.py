@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..ort_models.providers import parse_device
+from specd.ort_models.providers import parse_device
 
 
 class ProbeError(RuntimeError):

@@ -15,7 +15,7 @@ from tiny_gguf import write_tiny_gguf
 
 # The suite checks the CPU path, also where a GPU is (ORT's CUDA kernels multiply in TF32
 # and pick algorithms by shape; the reference tolerances and batch-invariance tests here
-# are the CPU's). tests/test_cuda.py asks for CUDA explicitly.
+# are the CPU's). tests/ort_models/test_cuda.py asks for CUDA explicitly.
 os.environ["SPECD_DEVICE"] = "cpu"
 
 
@@ -43,7 +43,7 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 @pytest.fixture(scope="session")
 def tiny_tok(tiny_model_factory: Callable[..., Path]) -> Any:
     """The tiny qwen2 model's tokenizer (byte tokens: any text can be spelled)."""
-    from specd.daemon.tokenizer import Tokenizer
+    from specd.daemon.text.tokenizer import Tokenizer
     from specd.ort_models.gguf_file import GGUFFile
 
     return Tokenizer.from_metadata(GGUFFile(tiny_model_factory(arch="qwen2")).metadata)
@@ -54,7 +54,7 @@ def fetched_model(name: str) -> Path:
     platformdirs data dir) if it is not there yet; skips the test only where it cannot be
     had (offline). Tests that need a real model call this rather than skipping when it
     happens not to be downloaded yet: the suite must test them on a fresh machine too."""
-    from specd.daemon.model_store import ModelStoreError, model_path, resolve_model
+    from specd.daemon.models.store import ModelStoreError, model_path, resolve_model
 
     if model_path(name).is_file():
         return model_path(name)

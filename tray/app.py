@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..daemon import config as config_mod
-from ..daemon import service_control as sc
-from ..ipc.client import DaemonUnavailable
+from specd.daemon.control import config as config_mod
+from specd.daemon.control import service_control as sc
+from specd.ipc.client import DaemonUnavailable
+
 from .state import SEPARATOR, IconState, MenuItem, Observation, Starting, TrayView, view
 
 ICON_SIZE = 64

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ..daemon.service_control import DaemonSnapshot
+from specd.daemon.control.service_control import DaemonSnapshot
 
 
 class IconState(StrEnum):

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...ort_models.runner import ModelRunner
-from ..grammar import GrammarState
-from ..sampling import Sampler, mask_logits, top_probability
-from .base import Draft, Drafter, DraftParams
+from specd.daemon.spec.drafter import Draft, Drafter, DraftParams
+from specd.daemon.spec.sampling import Sampler, mask_logits, top_probability
+from specd.daemon.text.grammar import GrammarState
+from specd.ort_models.runner import ModelRunner
 
 
 @dataclass

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..grammar import GrammarState
-from ..sampling import Sampler
-from .base import Draft, Drafter, DraftParams
+from specd.daemon.spec.drafter import Draft, Drafter, DraftParams
+from specd.daemon.spec.sampling import Sampler
+from specd.daemon.text.grammar import GrammarState
+
 from .ngram import NgramDrafter
 
 

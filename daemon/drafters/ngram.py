@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .base import Draft, Drafter, DraftParams
+from specd.daemon.spec.drafter import Draft, Drafter, DraftParams
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .base import Draft, Drafter, DraftParams
+from specd.daemon.spec.drafter import Draft, Drafter, DraftParams
 
 
 def rates_for_mean_length(mean_len: float, n: int) -> list[float]:

@@ -2,7 +2,8 @@
 
 from collections.abc import Callable
 
-from ..gguf_file import GGUFError, GGUFFile
+from specd.ort_models.gguf_file import GGUFError, GGUFFile
+
 from . import llama, qwen2, qwen3
 from .base import HParams
 

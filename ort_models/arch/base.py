@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gguf_file import GGUFError, GGUFFile
+from specd.ort_models.gguf_file import GGUFError, GGUFFile
 
 
 @dataclass(frozen=True)

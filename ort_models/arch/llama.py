@@ -1,6 +1,7 @@
 """`llama` (Llama 2/3, SmolLM2): llama.cpp NORM rope over adjacent pairs."""
 
-from ..gguf_file import GGUFFile
+from specd.ort_models.gguf_file import GGUFFile
+
 from .base import HParams, read_common
 
 

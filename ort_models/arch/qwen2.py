@@ -1,6 +1,7 @@
 """`qwen2` (Qwen2, Qwen2.5, Qwen2.5-Coder): NEOX rope, biases on q/k/v."""
 
-from ..gguf_file import GGUFFile
+from specd.ort_models.gguf_file import GGUFFile
+
 from .base import HParams, read_common
 
 

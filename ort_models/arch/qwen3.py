@@ -1,6 +1,7 @@
 """`qwen3`: NEOX rope, per-head RMSNorm of q and k, no biases."""
 
-from ..gguf_file import GGUFFile
+from specd.ort_models.gguf_file import GGUFFile
+
 from .base import HParams, read_common
 
 

@@ -1,0 +1,1 @@
+"""`specd bench`: runs, the llama.cpp peer, and the report."""

@@ -1,0 +1,1 @@
+"""The `specd` command line: argparse and printing; the one place that wires everything."""

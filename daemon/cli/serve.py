@@ -1,0 +1,121 @@
+"""`specd serve`: the daemon in the foreground, with logs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from .generate import _build_progress, engine_config_from_args, int_at_least
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from specd.ipc.server import DEFAULT_PORT
+
+    p.add_argument("--host", default="127.0.0.1", help="TCP address (default 127.0.0.1)")
+    from specd.daemon.control.config import RANGES  # the bounds `specd config set` checks too
+
+    p.add_argument("--port", type=int_at_least(*RANGES["port"]), default=DEFAULT_PORT,
+                   help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
+    p.add_argument("--socket", default=None, help="Unix socket path (default: runtime dir)")
+    p.add_argument("--no-socket", action="store_true", help="TCP only")
+    p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=2,
+                   help="parallel sequences (default 2)")
+    p.add_argument("--queue", type=int_at_least(1), default=64,
+                   help="most queued requests (then 503)")
+    p.add_argument("--require-token", action="store_true",
+                   help="require the bearer token (state dir file) on TCP")
+    p.add_argument("--allow-non-loopback", action="store_true",
+                   help="allow a non-loopback --host (a token is then always required)")
+    p.add_argument("--allow-origin", action="append", default=[],
+                   help="a browser Origin allowed to call the API (repeatable)")
+    p.add_argument("--no-fit", action="store_true",
+                   help="use -c and --slots as given instead of the measured memory plan")
+
+
+def plan_memory(args: argparse.Namespace) -> dict | None:
+    """Fit the context and slots to measured memory (-c is the upper bound); may drop the
+    draft, with a warning. Returns the plan for /props."""
+    from specd.daemon.models.store import ProgressBar
+
+    from .fit import fit_models
+
+    if args.no_fit:
+        return None
+    from specd.daemon.serving.engine import MODEL_SPEC_TYPES
+    from specd.memory_fit.plan import DEFAULT_MIN_CTX
+    from specd.ort_models.graph_builder import ATTN_BUCKET
+    from specd.ort_models.runner import round_up
+
+    uses_draft = args.spec_type == "auto" or args.spec_type in MODEL_SPEC_TYPES
+    # -c as the runner takes it (whole buckets, rounded up), and no smaller floor than it
+    max_ctx = None if args.n_ctx is None else round_up(args.n_ctx, ATTN_BUCKET)
+    plan, _ = fit_models(args.model, args.draft if uses_draft else None,
+                         device=args.device, slots=args.slots, max_ctx=max_ctx,
+                         min_ctx=min(DEFAULT_MIN_CTX, max_ctx or DEFAULT_MIN_CTX),
+                         threads=args.threads, fetch=not args.no_fetch,
+                         draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
+                         build_progress=_build_progress,
+                         progress=ProgressBar())
+    for w in plan.warnings:
+        print(f"specd: warning: {w}", file=sys.stderr)
+    print(f"specd: memory plan: n_ctx {plan.n_ctx}, slots {plan.slots}"
+          + (", draft dropped" if plan.draft_dropped else ""), file=sys.stderr)
+    args.n_ctx, args.slots = plan.n_ctx, plan.slots
+    if plan.draft_dropped:
+        args.draft = None
+        if args.spec_type == "draft":
+            args.spec_type = "none"
+        elif args.spec_type in ("draft+ngram", "auto"):
+            args.spec_type = "ngram"  # the lookup half needs no memory
+    return plan.as_dict()
+
+
+def build_service(args: argparse.Namespace):  # noqa: ANN201
+    from specd.daemon.models.store import ProgressBar
+    from specd.daemon.serving.engine import Engine
+    from specd.daemon.serving.scheduler import Scheduler
+    from specd.daemon.serving.service import Service
+
+    cfg = engine_config_from_args(args, slots=args.slots)
+    engine = Engine(cfg, progress=ProgressBar(), build_progress=_build_progress)
+    return Service(engine, Scheduler(engine, max_queue=args.queue))
+
+
+def run(args: argparse.Namespace) -> int:
+    from specd.ipc.http_api import create_app
+    from specd.ipc.server import (
+        ServeConfig,
+        check_free,
+        default_socket_path,
+        resolve_token,
+        serve_forever,
+    )
+
+    logging.getLogger("specd").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    scfg = ServeConfig(host=args.host, port=args.port,
+                       socket_path=None if args.no_socket else Path(args.socket)
+                       if args.socket else default_socket_path(),
+                       require_token=args.require_token,
+                       allow_non_loopback=args.allow_non_loopback,
+                       allowed_origins=set(args.allow_origin))
+    token = resolve_token(scfg)
+    check_free(scfg)  # before minutes of loading
+    memory_plan = plan_memory(args)
+    service = build_service(args)
+    print(f"specd: {service.engine.runtime.describe()}", file=sys.stderr)
+    d = service.engine.describe()
+    print(f"specd: target {d['target']['name']}, spec {d['spec_type']}"
+          + (f", draft {d['draft']['name']}" if "draft" in d else "")
+          + f", n_ctx {d['n_ctx']}, slots {d['slots']}", file=sys.stderr, flush=True)
+    app = create_app(service, allowed_origins=scfg.allowed_origins, token=token,
+                     memory_plan=memory_plan)
+    try:
+        asyncio.run(serve_forever(app, scfg))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.scheduler.stop()
+    return 0

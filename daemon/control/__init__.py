@@ -1,0 +1,1 @@
+"""Process control of a background daemon, and the user config file."""

@@ -1,0 +1,137 @@
+"""The user config file (`config_dir()/config.toml`): defaults for `specd start` and the service.
+
+Only a few flat keys; `SPECD_<KEY>` environment variables override the file
+(e.g. `SPECD_PORT=0 specd start`).  Read with tomllib, written with a tiny writer.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from specd.ort_models.paths import config_dir
+
+# key -> type; every key is also the argparse `dest` of the matching `specd serve` option
+KEYS: dict[str, type] = {
+    "model": str,
+    "draft": str,
+    "spec_type": str,
+    "host": str,
+    "port": int,
+    "slots": int,
+    "n_ctx": int,
+    "threads": int,
+}
+
+# the values `specd serve` accepts for them (checked when set, not at the next start)
+RANGES: dict[str, tuple[int, int | None]] = {"port": (0, 65535), "slots": (1, 64),
+                                             "n_ctx": (1, None), "threads": (1, None)}
+
+_HEADER = ("# specd configuration: defaults for `specd start` and the user service.\n"
+           "# Keys: " + ", ".join(KEYS) + ". SPECD_<KEY> environment variables override.\n")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def config_path() -> Path:
+    return config_dir() / "config.toml"
+
+
+def coerce(key: str, value: Any) -> str | int:
+    """`value` (str from the CLI/env, or a TOML value) as the key's type."""
+    if key not in KEYS:
+        raise ConfigError(f"unknown config key {key!r} (known: {', '.join(KEYS)})")
+    typ = KEYS[key]
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, not {value!r}")
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be an integer, not {value!r}") from None
+        lo, hi = RANGES.get(key, (None, None))
+        if lo is not None and number < lo or hi is not None and number > hi:
+            raise ConfigError(f"{key} must be at least {lo}"
+                              + (f" and at most {hi}" if hi is not None else "")
+                              + f", not {number}")
+        return number
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, not {value!r}")
+    if key == "spec_type":
+        from specd.daemon.serving.engine import SPEC_TYPES
+
+        if value not in SPEC_TYPES:
+            raise ConfigError(f"spec_type must be one of {', '.join(SPEC_TYPES)}, "
+                              f"not {value!r}")
+    return value
+
+
+def read_file(path: Path | None = None) -> dict[str, str | int]:
+    """The file's values only (no env overrides); {} when there is no file."""
+    path = path or config_path()
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    try:
+        return {k: coerce(k, v) for k, v in raw.items()}
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def env_overrides() -> dict[str, str | int]:
+    out: dict[str, str | int] = {}
+    for key in KEYS:
+        value = os.environ.get(f"SPECD_{key.upper()}")
+        if value is not None and value != "":
+            try:
+                out[key] = coerce(key, value)
+            except ConfigError as exc:
+                raise ConfigError(f"SPECD_{key.upper()}: {exc}") from None
+    return out
+
+
+def load_config(path: Path | None = None) -> dict[str, str | int]:
+    """The file's values with `SPECD_<KEY>` environment overrides applied."""
+    return {**read_file(path), **env_overrides()}
+
+
+def _toml_value(value: str | int) -> str:
+    if isinstance(value, int):
+        return str(value)
+    escaped = (value.replace("\\", "\\\\").replace('"', '\\"')
+               .replace("\n", "\\n").replace("\t", "\\t"))
+    return f'"{escaped}"'
+
+
+def dumps(values: dict[str, str | int]) -> str:
+    body = "".join(f"{k} = {_toml_value(values[k])}\n" for k in KEYS if k in values)
+    return _HEADER + body
+
+
+def write_file(values: dict[str, str | int], path: Path | None = None) -> Path:
+    path = path or config_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(dumps(values), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def set_value(key: str, value: str | int | None, path: Path | None = None) -> Path:
+    """Set (or with value None / "", remove) one key in the file; returns the file's path."""
+    values = read_file(path)
+    if value is None or value == "":
+        if key not in KEYS:
+            coerce(key, "")  # raises the unknown-key error
+        values.pop(key, None)
+    else:
+        values[key] = coerce(key, value)
+    return write_file(values, path)

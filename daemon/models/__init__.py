@@ -1,0 +1,1 @@
+"""The model catalog and store, compatibility checks, and what is built from a GGUF."""

@@ -1,0 +1,1 @@
+"""The engine (loaded models), the slot scheduler and the request service."""

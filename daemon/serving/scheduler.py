@@ -1,0 +1,228 @@
+"""Slots and continuous batching: one worker thread drives every active generation.
+
+Each slot owns one target KV sequence (and the drafter's sequence of the same index).
+Between rounds new requests join free slots and finished or cancelled ones leave. A new
+request takes the free slot whose cached tokens share the longest prefix with its prompt
+and reuses that KV (with no real match: an empty slot, else the one used longest ago).
+Prefill runs in chunks of `prefill_chunk` tokens interleaved with the other slots'
+rounds, so a long prompt does not stall running streams.
+
+Rows are computed the same way however they are batched or chunked (see
+ort_models/graph_builder.py), so a request's output does not depend on what else runs.
+On CUDA that holds for decoding and verify blocks (one fixed call shape), not across
+prefill chunkings: a prompt whose prefix was reused is prefilled in other chunks than a
+fresh one, and ORT's CUDA kernels may round those rows differently (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from specd.daemon.spec.generation import Generation, GenerationParams, RequestError
+from specd.daemon.spec.stats import SpecStats
+from specd.daemon.text.grammar import Grammar
+
+from .engine import Engine
+
+log = logging.getLogger("specd.scheduler")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: GenerationParams
+    # called from the worker thread with each round's tokens; True: end the request there
+    # (its consumer met a stop string or its time limit)
+    on_tokens: Callable[[list[int]], bool | None]
+    on_done: Callable[[Request], None]
+    cache_prompt: bool = True
+    grammar: Grammar | None = None  # compiled constraint; a fresh state per request
+    id: int = 0
+    gen: Generation | None = None
+    slot: int | None = None
+    error: str | None = None
+    cancelled: bool = False
+    t_submit: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class Slot:
+    index: int
+    cached: list[int] = field(default_factory=list)  # tokens whose KV the slot holds
+    request: Request | None = None
+    last_used: int = 0  # when its last request ended (a counter): evict the oldest first
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, max_queue: int = 64, prefill_chunk: int = 256):
+        self.engine = engine
+        self.slots = [Slot(i) for i in range(engine.cfg.slots)]
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.queue: deque[Request] = deque()
+        self.totals = SpecStats()
+        self.requests_total = 0
+        self.requests_failed = 0
+        self._lock = threading.Condition()
+        self._next_id = 1
+        self._used = 0  # slots' last_used clock
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- API (any thread) -----------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        with self._lock:
+            self._drop_cancelled()  # requests whose clients left hold no place in the queue
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            req.id = self._next_id
+            self._next_id += 1
+            self.queue.append(req)
+            self._lock.notify()
+        return req
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting for a slot (not those cancelled while they waited)."""
+        return sum(not r.cancelled for r in list(self.queue))
+
+    def slot_info(self) -> list[dict[str, object]]:
+        out = []
+        for s in self.slots:
+            r = s.request
+            out.append({
+                "id": s.index,
+                "state": "idle" if r is None else ("prefill" if r.gen is None
+                                                   or not r.gen.prefilled else "generating"),
+                "n_cached": len(s.cached),
+                "request_id": None if r is None else r.id,
+                "n_generated": 0 if r is None or r.gen is None else len(r.gen.tokens),
+            })
+        return out
+
+    # -- worker ---------------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        """Finish the queued requests whose clients left (the caller holds the lock)."""
+        if any(r.cancelled for r in self.queue):
+            gone = [r for r in self.queue if r.cancelled]
+            self.queue = deque(r for r in self.queue if not r.cancelled)
+            for r in gone:
+                self._finish(r, None)
+
+    def _choose_slot(self, free: list[Slot], req: Request) -> Slot:
+        """The free slot sharing the longest prefix with the prompt; with no real match (a
+        BOS alone is none), an empty slot, else the one used longest ago: another
+        conversation's cache is only given up when nothing else is free."""
+        def key(s: Slot) -> tuple[int, bool, int]:
+            shared = common_prefix(s.cached, req.prompt) if req.cache_prompt else 0
+            return (shared if shared > 1 else 0), not s.cached, -s.last_used
+
+        return max(free, key=key)
+
+    def _admit(self) -> None:
+        with self._lock:
+            self._drop_cancelled()
+            while self.queue:
+                free = [s for s in self.slots if s.request is None]
+                if not free:
+                    return
+                req = self.queue.popleft()
+                slot = self._choose_slot(free, req)
+                reuse = common_prefix(slot.cached, req.prompt) if req.cache_prompt else 0
+                try:
+                    req.gen = self.engine.start(
+                        slot.index, req.prompt, req.params, reuse=reuse,
+                        grammar=None if req.grammar is None else req.grammar.start())
+                except (RequestError, ValueError) as exc:
+                    req.error = str(exc)
+                    self._finish(req, None)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - off the queue: must still finish
+                    log.exception("request %d could not start", req.id)
+                    req.error = f"internal error: {exc}"
+                    self._finish(req, None)
+                    continue
+                slot.cached = list(req.prompt[:reuse])
+                slot.request = req
+                req.slot = slot.index
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self.queue and all(
+                        s.request is None for s in self.slots):
+                    self._lock.wait()
+                if self._stop:
+                    return
+            try:
+                self._admit()
+                for slot in self.slots:
+                    if slot.request is not None:
+                        self._advance(slot)
+            except Exception:  # noqa: BLE001 - the worker must outlive any bug
+                log.exception("scheduler round failed")
+
+    def _advance(self, slot: Slot) -> None:
+        req = slot.request
+        assert req is not None and req.gen is not None
+        gen = req.gen
+        try:
+            if req.cancelled:
+                gen.finish("cancelled")
+            else:
+                out = gen.step() if gen.prefilled else gen.prefill(self.prefill_chunk)
+                if out and req.on_tokens(out):
+                    gen.finish("stop")  # the request's consumer wants no more
+        except Exception as exc:  # noqa: BLE001 - one bad request never stops the daemon
+            log.exception("request %d failed", req.id)
+            req.error = f"internal error: {exc}"
+            gen.finish("error")
+        if gen.done:
+            with self._lock:  # _finish also runs from submit() (requests cancelled queued)
+                # the KV now holds the prompt and everything evaluated after it
+                slot.cached = gen.evaluated_tokens if gen.finish_reason != "error" else []
+                self._finish(req, slot)
+
+    def _finish(self, req: Request, slot: Slot | None) -> None:
+        """A request leaves (its slot, if any, is free again); the caller holds the lock."""
+        if slot is not None:
+            slot.request = None
+            self._used += 1
+            slot.last_used = self._used
+        if req.gen is not None:
+            req.gen.close()
+            self.totals.merge(req.gen.stats)
+        self.requests_total += 1
+        if req.error:
+            self.requests_failed += 1
+        try:
+            req.on_done(req)
+        except Exception:  # noqa: BLE001
+            log.exception("on_done callback failed")

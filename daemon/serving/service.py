@@ -1,0 +1,266 @@
+"""Requests as the protocols see them: text in, a stream of text pieces out.
+
+`Service.generate()` submits a request to the scheduler and yields `Piece`s (new text,
+token ids) and a final `Result`, applying stop strings and streaming-safe detokenization.
+Protocol layers (ipc/) only format these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from specd.daemon.spec.generation import GenerationParams, check_prompt_fits
+from specd.daemon.spec.stats import SpecStats
+from specd.daemon.text.detokenize import IncrementalDetokenizer
+from specd.daemon.text.grammar import Grammar, compile_constraint
+
+from .engine import Engine
+from .scheduler import Request, Scheduler
+
+
+@dataclass
+class Piece:
+    text: str
+    tokens: list[int]
+
+
+@dataclass
+class Result:
+    text: str
+    finish_reason: str  # stop | length | cancelled | time_limit | error
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    stats: SpecStats
+    stopping_word: str = ""
+    error: str | None = None
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back a tail that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.hit: str | None = None
+
+    def feed(self, text: str) -> str:
+        """New text -> the part safe to emit now (everything before any stop string)."""
+        if self.hit is not None:
+            return ""
+        buf = self._held + text
+        best = None
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self.hit = best[1]
+            self._held = ""
+            return buf[: best[0]]
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        out, self._held = ("" if self.hit else self._held), ""
+        return out
+
+
+class IndentLimit:
+    """llama.cpp's n_indent (editor completions): once a line after the first starts with
+    a non-blank character at an indentation below n_indent, the completion ends just
+    before that character (a blank line counts as indentation 0)."""
+
+    def __init__(self, n_indent: int):
+        self.n_indent = n_indent
+        self._text = ""
+        self._line = -1  # where the current line starts, once a newline has come out
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """New text -> (the part to keep, whether the completion ends here)."""
+        start = len(self._text)
+        self._text += text
+        if self._line < 0:
+            nl = self._text.find("\n")
+            if nl < 0:
+                return text, False
+            self._line = nl + 1
+        while True:
+            pos = self._line
+            while pos < len(self._text) and self._text[pos] in " \t":
+                pos += 1
+            if pos == len(self._text):
+                return text, False  # the line's indentation is not complete yet
+            if pos - self._line < self.n_indent:
+                return text[: max(pos - start, 0)], True
+            nl = self._text.find("\n", pos)
+            if nl < 0:
+                return text, False
+            self._line = nl + 1
+
+
+class Service:
+    def __init__(self, engine: Engine, scheduler: Scheduler):
+        self.engine = engine
+        self.scheduler = scheduler
+        self.started = time.time()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.engine.tokenizer
+
+    async def compile_constraint(self, kind: str, spec: Any) -> Grammar:
+        """Compile off the event loop (the first use builds llguidance's tokenizer)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, compile_constraint, kind, spec, self.tokenizer)
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """RequestError unless the prompt fits the context (before queueing it)."""
+        check_prompt_fits(prompt, self.engine.n_ctx)
+
+    def submit(self, prompt: list[int], params: GenerationParams, *,
+               stop: list[str] | None = None, cache_prompt: bool = True,
+               t_max_ms: float | None = None, grammar: Grammar | None = None,
+               n_indent: int = 0) -> Stream:
+        """Queue a request (RequestError if the prompt does not fit, QueueFull if the queue
+        is), before anything is sent to the client; iterate the Stream for its output."""
+        self.check_prompt(prompt)
+        return Stream(self, prompt, params, stop=stop, cache_prompt=cache_prompt,
+                      t_max_ms=t_max_ms, grammar=grammar, n_indent=n_indent)
+
+    async def generate(self, prompt: list[int], params: GenerationParams,
+                       **kw: Any) -> AsyncIterator[Piece | Result]:
+        """submit(), then its Pieces and Result. Cancel by closing."""
+        async for ev in self.submit(prompt, params, **kw):
+            yield ev
+
+
+class Stream:
+    """One submitted request's output: Pieces as text becomes final, then one Result.
+
+    Stop strings end the request at the token that completes one (later tokens a round
+    produced are neither streamed nor counted). `t_max_ms` limits generation, as
+    llama.cpp's t_max_predict_ms: timed from the first generated token, and applied once a
+    newline has come out (so a completion has at least its first line). Both are decided
+    on the scheduler's worker thread as the tokens come out (`_on_tokens`), so the
+    request ends in the round that met them, not whenever the event loop gets to them.
+    Iterate once; `cancel()` (or closing the iteration) stops the request.
+    """
+
+    def __init__(self, svc: Service, prompt: list[int], params: GenerationParams, *,
+                 stop: list[str] | None, cache_prompt: bool, t_max_ms: float | None,
+                 grammar: Grammar | None, n_indent: int = 0):
+        self.svc, self.prompt = svc, prompt
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._t_max = t_max_ms / 1000.0 if t_max_ms else None
+        # the worker thread's, until the "done" event (after which only the loop reads)
+        # control tokens (<|im_start|>, <|fim_middle|>, ...) add no text, as in llama.cpp's
+        # server; user-defined ones such as Qwen's <tool_call> stay
+        self._detok = IncrementalDetokenizer(svc.tokenizer, skip_special=True)
+        self._matcher = StopMatcher(stop or [])
+        self._eog = svc.engine.eog_ids
+        self._n_out = 0  # tokens streamed: all of them, or up to the one ending a stop string
+        self._t_first: float | None = None
+        self._newline = self._timed_out = self._indented = False
+        self._indent = IndentLimit(n_indent) if n_indent > 0 else None
+        self.req = Request(
+            prompt=prompt, params=params, cache_prompt=cache_prompt, grammar=grammar,
+            on_tokens=self._on_tokens,
+            on_done=lambda r: self._loop.call_soon_threadsafe(
+                self._events.put_nowait, ("done", r)),
+        )
+        svc.scheduler.submit(self.req)
+
+    def cancel(self) -> None:
+        self.req.cancel()
+
+    @property
+    def _ended(self) -> bool:
+        """A stop string completed, time is up, or a line fell below the indentation."""
+        return self._matcher.hit is not None or self._timed_out or self._indented
+
+    def _on_tokens(self, tokens: list[int]) -> bool:
+        """(worker thread) Tokens a round produced: stream the text that is final; True
+        when the request must end here."""
+        if self._ended:
+            return True
+        out, used = [], []
+        for t in tokens:
+            used.append(t)
+            raw = "" if t in self._eog else self._detok.push(t)
+            if self._indent is not None:
+                raw, self._indented = self._indent.feed(raw)
+            self._newline = self._newline or "\n" in raw
+            out.append(self._matcher.feed(raw))
+            if self._matcher.hit is not None or self._indented:
+                break
+        self._n_out += len(used)
+        piece = "".join(out)
+        if piece or used:
+            self._loop.call_soon_threadsafe(self._events.put_nowait,
+                                            ("piece", Piece(piece, used)))
+        now = time.monotonic()
+        self._t_first = now if self._t_first is None else self._t_first
+        if (self._t_max is not None and self._newline and self._matcher.hit is None
+                and now - self._t_first > self._t_max):
+            self._timed_out = True
+        return self._ended
+
+    def __aiter__(self) -> AsyncIterator[Piece | Result]:
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[Piece | Result]:
+        req, matcher = self.req, self._matcher
+        text: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            while True:
+                kind, value = await self._events.get()
+                if kind == "done":
+                    break
+                text.append(value.text)
+                yield value
+            # (after an indentation cut, text the detokenizer holds lies past the cut)
+            tail = matcher.feed("" if self._indented else self._detok.flush()) + matcher.flush()
+            if tail:
+                text.append(tail)
+                yield Piece(tail, [])
+        except BaseException:
+            req.cancel()
+            raise
+        n_out, timed_out = self._n_out, self._timed_out
+        gen = req.gen
+        stats = gen.stats if gen is not None else SpecStats(prompt_tokens=len(self.prompt))
+        reason = "stop" if matcher.hit is not None else "time_limit" if timed_out else (
+            "length" if self._indented else
+            gen.finish_reason if gen is not None and gen.finish_reason else "error")
+        if req.error:
+            reason = "error"
+        elapsed = time.perf_counter() - t0
+        yield Result(
+            text="".join(text), finish_reason=reason, prompt_tokens=len(self.prompt),
+            completion_tokens=n_out,
+            cached_tokens=stats.cached_tokens, stats=stats, stopping_word=matcher.hit or "",
+            error=req.error,
+            timings={
+                "prompt_n": len(self.prompt) - stats.cached_tokens,
+                "prompt_ms": round(stats.prefill_s * 1000, 3),
+                "prompt_per_second": round(stats.prefill_tps, 3),
+                "predicted_n": n_out,
+                "predicted_ms": round(stats.decode_s * 1000, 3),
+                "predicted_per_second": round(stats.decode_tps, 3),
+                "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
+                "total_ms": round(elapsed * 1000, 3),
+            })

@@ -1,0 +1,2 @@
+"""The speculative round: one request's generation, verification, sampling,
+the draft-length policy and the drafter interface."""

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizer, detokenizer, chat templates, tool calls, infill, grammars."""

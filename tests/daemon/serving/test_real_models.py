@@ -1,0 +1,120 @@
+"""Real weights: SmolLM2-135M (real tokenizer, real answers) and the Qwen2.5-Coder pair."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import pytest
+
+from specd.daemon.drafters.draft_model import DraftModelDrafter
+from specd.daemon.drafters.hybrid import HybridDrafter
+from specd.daemon.models.store import ModelStoreError
+from specd.daemon.serving.engine import Engine, EngineConfig
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.text.tool_calls import parse_tool_calls, tool_names
+from specd.ort_models.runner import ModelRunner
+
+
+def _engine(target: str, draft: str | None = None, **kw) -> Engine:  # noqa: ANN003
+    try:
+        return Engine(EngineConfig(target=target, draft=draft, **kw))
+    except Exception as exc:  # noqa: BLE001
+        if isinstance(exc.__cause__, ModelStoreError) or "pip" in str(exc):
+            pytest.skip(f"model not available: {exc}")
+        raise
+
+
+def _generate(engine: Engine, prompt: list[int], *, drafter=None, **kw) -> list[int]:  # noqa: ANN001, ANN003
+    gen = Generation(engine.target.runner, 0, prompt, GenerationParams(**kw),
+                     eog=engine.eog_ids, drafter=drafter)
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    gen.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol() -> Engine:
+    return _engine("smollm2-135m-instruct", n_ctx=1024)
+
+
+@pytest.mark.real
+def test_smollm2_knows_the_capital_of_france(smol: Engine) -> None:
+    prompt = smol.encode_prompt("What is the capital of France?", chat=True)
+    text = smol.tokenizer.decode(_generate(smol, prompt, max_tokens=48), skip_special=True)
+    assert "Paris" in text, text
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("n_max", [1, 2, 4, 8, 16])
+def test_smollm2_self_draft_is_byte_identical(smol: Engine, n_max: int) -> None:
+    prompt = smol.encode_prompt("Write a haiku about autumn leaves.", chat=True)
+    want = _generate(smol, prompt, max_tokens=48, ignore_eos=True)
+    drafter = DraftModelDrafter(ModelRunner(smol.target.built, n_ctx=1024))
+    got = _generate(smol, prompt, drafter=drafter, max_tokens=48, ignore_eos=True,
+                    draft=DraftParams(n_max=n_max, p_min=0.5 if n_max == 8 else 0.0))
+    assert got == want
+
+
+@pytest.fixture(scope="module")
+def qwen_pair() -> Engine:
+    return _engine("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", n_ctx=1024)
+
+
+CODE_PROMPT = "Write a Python function is_palindrome(s) that ignores case and spaces."
+
+
+@pytest.mark.slow
+def test_qwen_coder_writes_a_plausible_function(qwen_pair: Engine) -> None:
+    prompt = qwen_pair.encode_prompt(CODE_PROMPT, chat=True)
+    text = qwen_pair.tokenizer.decode(_generate(qwen_pair, prompt, max_tokens=160),
+                                      skip_special=True)
+    m = re.search(r"```(?:python)?\n(.*?)(```|$)", text, re.S)
+    code = m.group(1) if m else text
+    tree = ast.parse(code)
+    names = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    assert "is_palindrome" in names, text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_text", [
+    CODE_PROMPT,
+    "Explain in two sentences why the sky is blue.",
+])
+def test_qwen_pair_speculation_is_byte_identical(qwen_pair: Engine, prompt_text: str) -> None:
+    prompt = qwen_pair.encode_prompt(prompt_text, chat=True)
+    want = _generate(qwen_pair, prompt, max_tokens=64, ignore_eos=True)
+    assert isinstance(qwen_pair.drafter, HybridDrafter)  # spec type auto with a draft
+    model = qwen_pair.drafter.model
+    for n_max in (4, 16):
+        got = _generate(qwen_pair, prompt, drafter=model, max_tokens=64,
+                        ignore_eos=True, draft=DraftParams(n_max=n_max))
+        assert got == want, n_max
+    # the draft model and prompt lookup, chosen per round by the adaptive controller
+    got = _generate(qwen_pair, prompt, drafter=qwen_pair.drafter, max_tokens=64,
+                    ignore_eos=True, draft=DraftParams(n_max=8), adaptive=True)
+    assert got == want
+
+
+WEATHER_TOOL = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+@pytest.mark.slow
+def test_qwen_coder_calls_a_tool(qwen_pair: Engine) -> None:
+    """The default target, given a tool through its own template, answers with a call that
+    specd reads as one (it writes a ```json block rather than <tool_call> tags)."""
+    prompt = qwen_pair.chat_tokens(
+        [{"role": "user", "content": "What's the weather in Paris right now?"}], WEATHER_TOOL)
+    text = qwen_pair.tokenizer.decode(_generate(qwen_pair, prompt, max_tokens=60),
+                                      skip_special=True)
+    content, calls = parse_tool_calls(text, tool_names(WEATHER_TOOL))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})], text
+    assert content is None

@@ -1,0 +1,322 @@
+"""The request lifecycle over the real HTTP API (tiny model): stop strings and usage,
+time limits, the serve defaults, queueing before a stream starts, errors mid-stream,
+CORS, /infill trimming."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from specd.daemon.serving.engine import EngineConfig
+from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.sampling import SamplerParams
+from specd.ipc.client import Client, DaemonError
+
+from live_server import LiveServer, live_server
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tiny_model_factory):  # noqa: ANN001, ANN201
+    return tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
+
+
+@pytest.fixture(autouse=True)
+def _state(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("SPECD_STATE_DIR", str(tmp_path / "state"))
+
+
+def _events(payload: Any) -> list[Any]:
+    """The data: events of an SSE body."""
+    assert isinstance(payload, str), payload
+    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+            for line in payload.splitlines() if line.startswith("data: ")]
+
+
+def _raw(srv: LiveServer, method: str, path: str, body: Any = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request(method, path, None if body is None else json.dumps(body).encode(),
+                 {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    out = resp.status, dict(resp.getheaders()), resp.read()
+    conn.close()
+    return out
+
+
+def test_stop_string_ends_the_count_at_its_token(tiny_path, tmp_path) -> None:  # noqa: ANN001
+    """Rounds of prompt lookup emit several tokens at once; the usage counts the tokens up
+    to the one that completes the stop string, the same in every run."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="ngram", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        req = {"prompt": "one two one two one two", "n_predict": 40, "ignore_eos": True}
+        status, body = srv.request("POST", "/completion", {**req, "stream": True})
+        assert status == 200
+        tokens = [t for ev in _events(body) if not ev["stop"] for t in ev["tokens"]]
+        text = srv.service.tokenizer.decode(tokens)
+        stop = text[12:15]
+        assert len(stop) == 3 and text.find(stop) >= 6
+        k = next(n for n in range(1, len(tokens) + 1)
+                 if stop in srv.service.tokenizer.decode(tokens[:n]))
+        for _ in range(4):
+            status, out = srv.request("POST", "/completion", {**req, "stop": [stop]})
+            assert status == 200, out
+            assert out["content"] == text[: text.find(stop)]
+            assert out["stop_type"] == "word" and out["stopping_word"] == stop
+            assert out["tokens_predicted"] == k
+        status, out = srv.request("POST", "/v1/completions", {
+            "prompt": req["prompt"], "max_tokens": 40, "ignore_eos": True, "stop": stop})
+        assert out["usage"]["completion_tokens"] == k
+        status, body = srv.request("POST", "/completion", {**req, "stop": [stop],
+                                                           "stream": True})
+        streamed = [t for ev in _events(body) if not ev["stop"] for t in ev["tokens"]]
+        assert streamed == tokens[:k]
+
+
+def test_warm_up_request_caches_the_prompt_and_time_limit_starts_at_the_first_token(
+        tiny_path, tmp_path) -> None:  # noqa: ANN001
+    """llama.vim's cache warm-up: n_predict 0 and a 1 ms budget evaluate and keep the
+    prompt; the budget never cuts prompt processing short."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        prompt = "lorem ipsum dolor sit amet " * 14
+        warm = {"prompt": prompt, "n_predict": 0, "t_max_predict_ms": 1, "cache_prompt": True}
+        status, out = srv.request("POST", "/completion", warm)
+        assert status == 200, out
+        assert out["tokens_predicted"] == 0 and out["content"] == ""
+        assert srv.request("GET", "/slots")[1][0]["n_cached"] == out["tokens_evaluated"] > 100
+        status, out = srv.request("POST", "/completion", {
+            "prompt": prompt, "n_predict": 12, "ignore_eos": True, "t_max_predict_ms": 1})
+        assert status == 200, out
+        assert out["tokens_cached"] == out["tokens_evaluated"] - 1  # the last is evaluated
+        assert out["tokens_predicted"] >= 1
+        if "\n" not in out["content"]:  # the limit applies once a line is complete
+            assert out["tokens_predicted"] == 12
+        status, out = srv.request("POST", "/v1/completions", {"prompt": prompt,
+                                                              "max_tokens": 0})
+        assert status == 200 and out["usage"]["completion_tokens"] == 0
+
+
+def test_serve_defaults_apply_to_requests(tiny_path, tmp_path) -> None:  # noqa: ANN001
+    """`specd serve -n 5 --ignore-eos --temp 0.9 --seed 7`: what /props reports is what a
+    request without those fields gets."""
+    defaults = GenerationParams(max_tokens=5, ignore_eos=True,
+                                sampling=SamplerParams(temperature=0.9, seed=7))
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1,
+                       defaults=defaults)
+    with live_server(cfg, tmp_path) as srv:
+        assert srv.request("GET", "/props")[1]["default_generation_settings"]["n_predict"] == 5
+        outs = [srv.request("POST", "/completion", {"prompt": "tell me"})[1]
+                for _ in range(2)]
+        assert [o["tokens_predicted"] for o in outs] == [5, 5]
+        assert outs[0]["content"] == outs[1]["content"]  # the default seed
+        for route, key in (("/v1/completions", "prompt"), ("/infill", "input_prefix")):
+            status, out = srv.request("POST", route, {key: "tell me"})
+            if route == "/infill":
+                assert status == 400  # this vocabulary has no FIM tokens
+                continue
+            assert out["usage"]["completion_tokens"] == 5
+        out = srv.request("POST", "/completion", {"prompt": "tell me", "n_predict": 3,
+                                                  "seed": 8})[1]
+        assert out["tokens_predicted"] == 3
+
+
+def test_full_queue_refuses_a_stream_before_it_starts(tiny_path, tmp_path,
+                                                      monkeypatch) -> None:  # noqa: ANN001
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path, max_queue=1) as srv:
+        runner = srv.service.engine.target.runner
+        real, gate = runner.forward, threading.Event()
+
+        def held(*args: Any, **kw: Any) -> Any:  # the running request waits here
+            gate.wait(60)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(runner, "forward", held)
+        req = {"prompt": "a", "n_predict": 4, "ignore_eos": True}
+        sched = srv.service.scheduler
+        threads = [threading.Thread(target=srv.request, args=("POST", "/completion", req))
+                   for _ in range(2)]
+        try:
+            for t, ready in zip(threads, (lambda: sched.slots[0].request is not None,
+                                          lambda: sched.queue_length == 1), strict=True):
+                t.start()  # the first runs (held), the second waits in the queue
+                deadline = time.time() + 20
+                while not ready() and time.time() < deadline:
+                    time.sleep(0.02)
+                assert ready()
+            for path, body in (("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi"}]}),
+                               ("/v1/completions", {"prompt": "hi"}),
+                               ("/completion", {"prompt": "hi"})):
+                status, out = srv.request("POST", path, {**body, "stream": True})
+                assert status == 503, out
+                assert "queue is full" in out["error"]["message"]
+        finally:
+            gate.set()
+            for t in threads:
+                if t.ident is not None:  # started
+                    t.join(60)
+
+
+def test_failure_mid_stream_is_an_error_event(tiny_path, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        runner = srv.service.engine.target.runner
+        real, calls = runner.forward, []
+
+        def failing(*args: Any, **kw: Any) -> Any:
+            calls.append(1)
+            if len(calls) > 4:
+                raise RuntimeError("device lost")
+            return real(*args, **kw)
+
+        monkeypatch.setattr(runner, "forward", failing)
+        for path, body in (("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/completion", {"prompt": "hi"})):
+            calls.clear()
+            status, payload = srv.request("POST", path, {**body, "stream": True,
+                                                         "n_predict": 20, "max_tokens": 20,
+                                                         "ignore_eos": True})
+            events = _events(payload)
+            assert status == 200
+            assert "device lost" in events[-1]["error"]["message"]
+            assert "[DONE]" not in events
+            assert not any(isinstance(e, dict) and e.get("choices") and
+                           e["choices"][0]["finish_reason"] for e in events)
+        calls.clear()
+        with pytest.raises(DaemonError, match="device lost") as info:
+            list(Client(srv.socket_path).stream("/completion", {
+                "prompt": "hi", "n_predict": 20, "ignore_eos": True}))
+        assert info.value.status == 500
+        monkeypatch.setattr(runner, "forward", real)
+        assert srv.request("POST", "/completion", {"prompt": "hi", "n_predict": 2})[0] == 200
+
+
+def test_cors_for_allowed_origins(tiny_path, tmp_path) -> None:  # noqa: ANN001
+    origin = "http://app.localhost:5173"
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path, allowed_origins={origin}, require_token=True) as srv:
+        status, headers, _ = _raw(srv, "OPTIONS", "/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert status == 204
+        assert headers["Access-Control-Allow-Origin"] == origin
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        auth = {"Origin": origin, "Authorization": f"Bearer {srv.token}"}
+        status, headers, _ = _raw(srv, "POST", "/completion", {"prompt": 5}, auth)
+        assert status == 400 and headers["Access-Control-Allow-Origin"] == origin
+        status, headers, body = _raw(srv, "POST", "/completion", {
+            "prompt": "hi", "n_predict": 2, "stream": True}, auth)
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == origin
+        assert b"data: " in body
+        status, headers, _ = _raw(srv, "OPTIONS", "/completion", headers={
+            "Origin": "http://evil.example.com", "Access-Control-Request-Method": "POST"})
+        assert status in (401, 403) and "Access-Control-Allow-Origin" not in headers
+
+
+def test_infill_trims_extra_context_to_fit(tmp_path, tiny_model_factory) -> None:  # noqa: ANN001
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=6, fim=True)
+    cfg = EngineConfig(target=str(path), spec_type="none", n_ctx=256, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        extra = [{"filename": f"f{i}.py", "text": "value = compute(value) + 1\n" * 20}
+                 for i in range(6)]
+        status, out = srv.request("POST", "/infill", {
+            "input_prefix": "def f():\n    ", "input_suffix": "\n", "input_extra": extra,
+            "n_predict": 16, "ignore_eos": True})
+        assert status == 200, out
+        assert 256 - 1 - 16 - 20 < out["tokens_evaluated"] <= 256 - 1 - 16
+        assert out["tokens_predicted"] == 16
+
+
+def test_chat_prompts_get_one_bos_and_the_tools(tiny_path, tmp_path) -> None:  # noqa: ANN001
+    """A template that writes `{{ bos_token }}` itself on a vocabulary that adds BOS gets
+    one BOS, not two; `tools` reach the template; a non-text part is a 400."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        engine = srv.service.engine
+        tok = engine.tokenizer
+        assert tok.bos_id is not None
+        engine.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m.content }}"
+                                "{% endfor %}{% if tools %}|{{ tools[0].function.name }}"
+                                "{% endif %}")
+        tok._add_bos = True  # a vocabulary that adds BOS (llama-bpe, SentencePiece)
+        ids = engine.chat_tokens([{"role": "user", "content": "hi"}])
+        assert ids.count(tok.bos_id) == 1 and ids[0] == tok.bos_id
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        status, out = srv.request("POST", "/v1/chat/completions", {**chat, "tools": [tool]})
+        assert status == 200, out
+        with_tools = out["usage"]["prompt_tokens"]
+        status, out = srv.request("POST", "/v1/chat/completions", chat)
+        assert with_tools == out["usage"]["prompt_tokens"] + len(
+            tok.encode("|get_weather", add_bos=False))
+        status, out = srv.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": [{"type": "image_url",
+                                                       "image_url": {"url": "x"}}]}]})
+        assert status == 400 and "image_url" in out["error"]["message"]
+        status, out = srv.request("POST", "/v1/chat/completions", {**chat, "tools": "no"})
+        assert status == 400 and out["error"]["param"] == "tools"
+
+
+def test_response_fields_as_llama_vim_asks(tiny_path, tmp_path) -> None:  # noqa: ANN001
+    """llama.vim asks for "timings/prompt_n" and the like and reads them as flat keys (it
+    showed zeros in its stats line); paths not found are left out, as llama.cpp does."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        fields = ["content", "timings/prompt_n", "timings/predicted_n", "tokens_cached",
+                  "truncated", "no/such/field"]
+        status, out = srv.request("POST", "/completion", {
+            "prompt": "hello", "n_predict": 3, "ignore_eos": True, "response_fields": fields})
+        assert status == 200, out
+        assert set(out) == set(fields[:-1])
+        assert out["timings/predicted_n"] == 3 and out["timings/prompt_n"] >= 1
+        status, out = srv.request("POST", "/completion", {"prompt": "x",
+                                                          "response_fields": "content"})
+        assert status == 400 and "response_fields" in out["error"]["message"]
+
+
+def test_indent_limit_ends_an_editor_completion_as_llama_cpp_does() -> None:
+    """n_indent: the first later line indented less than n_indent (a blank one too) ends
+    the completion before its first character; text in any token split is cut alike."""
+    from specd.daemon.serving.service import IndentLimit
+
+    def run(pieces: list[str], n: int) -> tuple[str, bool]:
+        lim, out = IndentLimit(n), []
+        for p in pieces:
+            kept, stop = lim.feed(p)
+            out.append(kept)
+            if stop:
+                return "".join(out), True
+        return "".join(out), False
+
+    body = " return math.pi * r ** 2\n\n\ndef circumference(r):\n    return 2\n"
+    assert run([body], 4) == (" return math.pi * r ** 2\n", True)  # the blank line ends it
+    assert run(list(body), 4) == (" return math.pi * r ** 2\n", True)  # one char at a time
+    nested = "x = 1\n    if y:\n        z\n  w\n"
+    assert run(list(nested), 4) == ("x = 1\n    if y:\n        z\n  ", True)
+    assert run([nested], 2) == (nested, False)
+    assert run(["first line only"], 4) == ("first line only", False)
+
+
+def test_infill_n_indent_over_http(tmp_path, tiny_model_factory) -> None:  # noqa: ANN001
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=6, fim=True,
+                              context_length=1024)
+    cfg = EngineConfig(target=str(path), spec_type="none", n_ctx=1024, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        req = {"input_prefix": "if a:\n    b\n", "input_suffix": "\n", "n_predict": 200,
+               "ignore_eos": True}
+        status, free = srv.request("POST", "/infill", req)
+        assert status == 200, free
+        text = free["content"]
+        assert 0 < text.index("\n") < len(text) - 1  # this seed writes a second line
+        status, out = srv.request("POST", "/infill", {**req, "n_indent": 1000})
+        assert status == 200, out
+        assert out["content"] == text[: text.index("\n") + 1]  # cut before it
+        assert out["stop_type"] == "limit" and out["tokens_predicted"] < 200

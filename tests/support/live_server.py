@@ -1,0 +1,89 @@
+"""A real specd server (engine + scheduler + aiohttp) on loopback and a Unix socket,
+running in a background thread for the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from specd.daemon.serving.engine import Engine, EngineConfig
+from specd.daemon.serving.scheduler import Scheduler
+from specd.daemon.serving.service import Service
+from specd.ipc.http_api import create_app
+from specd.ipc.server import ServeConfig, resolve_token, start_server
+
+
+class LiveServer:
+    def __init__(self, service: Service, port: int, socket_path: Path, token: str | None):
+        self.service, self.port, self.socket_path, self.token = (service, port, socket_path,
+                                                                 token)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def request(self, method: str, path: str, body: Any = None, *,
+                headers: dict[str, str] | None = None, raw: bytes | None = None,
+                timeout: float = 120) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        h = {"Content-Type": "application/json"}
+        if self.token:
+            h["Authorization"] = f"Bearer {self.token}"
+        h.update(headers or {})
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        conn.request(method, path, data, h)
+        resp = conn.getresponse()
+        payload = resp.read()
+        conn.close()
+        try:
+            return resp.status, json.loads(payload)
+        except ValueError:
+            return resp.status, payload.decode("utf-8", "replace")
+
+
+@contextlib.contextmanager
+def live_server(cfg: EngineConfig, tmp: Path, *, require_token: bool = False,
+                allowed_origins: set[str] | None = None, max_queue: int = 64,
+                max_body: int = 8 << 20) -> Iterator[LiveServer]:
+    engine = Engine(cfg)
+    scheduler = Scheduler(engine, max_queue=max_queue)
+    service = Service(engine, scheduler)
+    sock = tmp / "specd.sock"
+    scfg = ServeConfig(port=0, socket_path=sock, require_token=require_token,
+                       allowed_origins=allowed_origins or set())
+    token = resolve_token(scfg)
+    app = create_app(service, allowed_origins=scfg.allowed_origins, token=token,
+                     max_body=max_body)
+    loop = asyncio.new_event_loop()
+    started: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        started["srv"] = loop.run_until_complete(start_server(app, scfg))
+        ready.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert ready.wait(30), "server did not start"
+    try:
+        yield LiveServer(service, started["srv"].port, sock, token)
+    finally:
+        asyncio.run_coroutine_threadsafe(started["srv"].close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+        scheduler.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
