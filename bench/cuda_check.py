@@ -29,12 +29,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
-from specd.daemon.serving.engine import build_options  # noqa: E402
-from specd.ort_models.model_cache import load_or_build  # noqa: E402
-from specd.ort_models.providers import choose_runtime  # noqa: E402
-from specd.ort_models.runner import CUDA_ROW_BLOCK, ModelRunner  # noqa: E402
+from specd.daemon.models.building import build_options
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.providers import choose_runtime
+from specd.ort_models.runner import CUDA_ROW_BLOCK, ModelRunner
 
-from tiny_gguf import write_tiny_gguf  # noqa: E402
+from tiny_gguf import write_tiny_gguf
 
 DEVICE = "cuda:0"
 TOKENS = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]

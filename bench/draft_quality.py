@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from specd.daemon.benchmark import run as bench
+from specd.daemon.models.building import build_options
 from specd.daemon.models.store import resolve_model
-from specd.daemon.serving.engine import Engine, EngineConfig, build_options
+from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.sampling import SamplerParams, softmax
 from specd.ort_models.model_cache import load_or_build

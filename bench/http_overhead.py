@@ -18,14 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
-from specd.daemon.serving.engine import EngineConfig  # noqa: E402
-from specd.daemon.spec.generation import GenerationParams  # noqa: E402
-from specd.ipc.client import Client  # noqa: E402
+from specd.daemon.serving.engine import EngineConfig
+from specd.daemon.spec.generation import GenerationParams
+from specd.ipc.client import Client
 
-from live_server import live_server  # noqa: E402
+from live_server import live_server
 
 
-def in_process(engine, prompt: list[int], n: int) -> float:  # noqa: ANN001
+def in_process(engine, prompt: list[int], n: int) -> float:
     gen = engine.start(0, prompt, GenerationParams(max_tokens=n, ignore_eos=True))
     gen.prefill()
     t0 = time.perf_counter()

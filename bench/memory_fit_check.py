@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from specd.daemon.cli.fit import fit_models
+from specd.daemon.models.building import fit_models
 from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.spec.generation import GenerationParams
@@ -38,7 +38,7 @@ def prompt_ids(engine: Engine, n: int) -> tuple[list[int], str]:
         ids = engine.encode_prompt(PROMPT_TEXT * (n // 40 + 1))
         if len(ids) >= n:
             return ids[:n], "tokenized text"
-    except Exception:  # noqa: BLE001 - any tokenizer trouble: random ids do as well
+    except Exception:
         pass
     return np.random.default_rng(0).integers(1000, 20000, n).tolist(), "random ids"
 

@@ -48,7 +48,7 @@ def op_shares(built, threads: int | None, spinning: bool, pos: int = POS,
     runner = ModelRunner(built, n_ctx=pos + 512, threads=threads, spinning=spinning)
     runner.session = ort.InferenceSession(str(built.model_path), so,
                                           providers=["CPUExecutionProvider"])
-    runner._kv, runner._bindings = [], []  # noqa: SLF001 - rebind to the profiled session
+    runner._bindings = []  # rebind the cache to the profiled session
     runner.add_sequence()
     calls = 20
     for i in range(calls):

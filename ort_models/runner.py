@@ -1,10 +1,8 @@
-"""One model on ONNX Runtime: the session, its IOBindings and the KV buffers it owns.
+"""One model on ONNX Runtime: the session, its IOBindings, and calls that run tokens.
 
-Each sequence slot has one static K and one V buffer per layer, [1, n_kv, kv_len, hd]
-(kv_len: the context, plus room for filler rows: a fixed-shape call's on CUDA, a single
-step's second row where min_rows is 2), bound as
-both past and present so the graph writes new rows in place. Rolling back is free: the
-next call simply starts at a smaller position and overwrites the old rows.
+The KV cache (`kv_cache.KVCache`) is bound as both past and present, so the graph writes
+new rows in place; rolling back is free: the next call starts at a smaller position and
+overwrites the old rows.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import numpy as np
 
 from . import native_ops
 from .graph_builder import ATTN_BUCKET
+from .kv_cache import KVCache
 from .model_cache import BuiltModel
 from .providers import (
     RuntimeChoice,
@@ -71,21 +70,22 @@ class ModelRunner:
     def __init__(self, built: BuiltModel, *, n_ctx: int, n_seq: int = 1,
                  threads: int | None = None, runtime: RuntimeChoice | None = None,
                  spinning: bool | str = False, row_block: int | None = None,
-                 min_rows: int | None = None):
+                 min_rows: int | None = None, kv: KVCache | None = None):
         """row_block: every call of up to this many tokens runs as exactly this many rows
         (filler rows after the real ones, computed and dropped). Default 1 on the CPU,
         where kernels compute a row the same way whatever the number of rows (but see
         min_rows), and CUDA_ROW_BLOCK on CUDA, where ORT's kernels (cuBLAS, MatMulNBits)
-        choose their algorithm by the shape: measured on an H200 (bench/cuda_check.py),
-        a block's rows differed from single steps by up to 0.06 in the logits of the tiny
-        test models with calls of their natural shape, and equalled them bit for bit with
-        one fixed shape. A verified row is then computed exactly as the single step at its
-        position, so greedy speculation gives the target's own output on CUDA too.
+        choose their algorithm by the shape: with one fixed shape a verified row is
+        computed exactly as the single step at its position (bench/cuda_check.py), so
+        greedy speculation gives the target's own output on CUDA too.
 
         min_rows: calls of fewer tokens run this many rows (filler rows again), larger
         ones their own. Default on the CPU: 2 where ORT computes a one-row MatMulNBits
         product differently from the same row in a larger call (MLAS's 4-bit kernels on
-        CPUs without VNNI, measured by row_invariance at load), else 1."""
+        CPUs without VNNI, measured by row_invariance at load), else 1.
+
+        kv: a KV cache to share with another runner of a graph with the same layers (a
+        drafter's graphs over one draft cache); default: the runner's own."""
         import onnxruntime as ort
 
         self.built = built
@@ -107,13 +107,9 @@ class ModelRunner:
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
-        # Spinning pool threads win a little on an idle machine and lose badly when the
-        # cores are shared. Qwen 1.5B (+0.5B draft, n=2), 2 threads, this 2-core box:
-        # idle 14.5 vs 13.2 tok/s (19.4 vs 17.4 speculative) with/without spinning; one
-        # busy process beside it 7.5 vs 10.7 (10.5 vs 14.2). So off by default.
-        # spinning=True spins only while a run lasts; "always" keeps spinning. specd's own
-        # kernels (most of a step) run on their own workers, which spin 150 us after each
-        # task and then sleep (native_ops, kernels/thread_pool.c), whatever this says.
+        # spinning=True spins only while a run lasts; "always" keeps spinning (specd's own
+        # kernels run on their own workers, which spin briefly after each task whatever
+        # this says)
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         if spinning is True:
             so.add_session_config_entry("session.force_spinning_stop", "1")
@@ -135,12 +131,20 @@ class ModelRunner:
         # KV rows: the context, plus room for the filler rows of a call near its end
         # (never past the rotary table: filler positions must exist)
         self._kv_len = min(self.n_ctx + self._filler_rows - 1, self._max_positions())
-        self.hidden_names = [o.name for o in self.session.get_outputs()
-                             if o.name.startswith("hidden_")]
-        self._kv_dtype = np.float16 if built.options.kv_dtype == "f16" else np.float32
-        self._kv: list[list[tuple[object, object]]] = []
-        self._bindings: list[object] = []
-        for _ in range(n_seq):
+        # hidden-state outputs, in the order the graph lists them: (name, layer)
+        self._hidden = [(o.name, int(o.name.removeprefix("hidden_")))
+                        for o in self.session.get_outputs() if o.name.startswith("hidden_")]
+        kv_dtype = np.float16 if built.options.kv_dtype == "f16" else np.float32
+        if kv is None:
+            kv = KVCache(self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, self._kv_len,
+                         kv_dtype, self._device, self._dev_id)
+        elif kv.shape != (1, self.hp.n_head_kv, self._kv_len, self.hp.head_dim) or (
+                kv.n_layer != self.hp.n_layer or kv.dtype != kv_dtype):
+            raise ValueError(f"a shared KV cache of {kv.n_layer} layers {kv.shape} {kv.dtype} "
+                             f"does not fit {built.folder.name}")
+        self.kv = kv
+        self._bindings: list[Any] = []  # an onnxruntime.IOBinding per sequence slot
+        while len(self._bindings) < max(n_seq, kv.n_seq):
             self.add_sequence()
 
     def _max_positions(self) -> int:
@@ -148,11 +152,18 @@ class ModelRunner:
 
     @property
     def n_seq(self) -> int:
-        return len(self._kv)
+        return len(self._bindings)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The layers whose hidden states (the residual stream after the layer) the graph
+        outputs, for `forward_with_features`."""
+        return tuple(layer for _, layer in self._hidden)
 
     @property
     def kv_bytes(self) -> int:
-        return self.n_seq * self._kv_len * self.hp.kv_bytes_per_token(self.built.options.kv_bytes)
+        return self.kv.n_seq * self._kv_len * self.hp.kv_bytes_per_token(
+            self.built.options.kv_bytes)
 
     @property
     def _filler_rows(self) -> int:
@@ -180,42 +191,41 @@ class ModelRunner:
         return limit
 
     def add_sequence(self) -> int:
-        """Allocate the KV buffers of one more sequence slot; returns its index."""
-        import onnxruntime as ort
-
-        hp = self.hp
-        shape = (1, hp.n_head_kv, self._kv_len, hp.head_dim)
-        layers = []
+        """Bind one more sequence slot (allocating its KV buffers unless a runner sharing
+        the cache did); returns its index."""
+        seq = len(self._bindings)
+        if seq == self.kv.n_seq:
+            self.kv.add_sequence()
         binding = self.session.io_binding()
-        for i in range(hp.n_layer):
-            k = ort.OrtValue.ortvalue_from_shape_and_type(shape, self._kv_dtype, self._device,
-                                                          self._dev_id)
-            v = ort.OrtValue.ortvalue_from_shape_and_type(shape, self._kv_dtype, self._device,
-                                                          self._dev_id)
-            if self._device == "cpu":  # finite contents: masked keys must multiply to 0
-                k.numpy()[...] = 0
-                v.numpy()[...] = 0
-            else:
-                zeros = np.zeros(shape, self._kv_dtype)
-                k.update_inplace(zeros)
-                v.update_inplace(zeros)
-            binding.bind_ortvalue_input(f"past_key_{i}", k)
-            binding.bind_ortvalue_output(f"present_key_{i}", k)
-            binding.bind_ortvalue_input(f"past_value_{i}", v)
-            binding.bind_ortvalue_output(f"present_value_{i}", v)
-            layers.append((k, v))
-        self._kv.append(layers)
+        self.kv.bind(binding, seq)
         self._bindings.append(binding)
-        return len(self._kv) - 1
+        return seq
 
     def forward(self, seq: int, tokens: Sequence[int], pos: int,
-                rows: Sequence[int] | None = None, *, hidden: bool = False
-                ) -> np.ndarray | tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Run `tokens` at positions pos.. on sequence `seq`.
+                rows: Sequence[int] | None = None) -> np.ndarray:
+        """Run `tokens` at positions pos.. on sequence `seq`; the logits of `rows` (default:
+        the last token) [len(rows), vocab]."""
+        return self._run(seq, tokens, pos, rows, ())[0]
 
-        Returns logits [len(rows), vocab] (rows default to the last token); with
-        hidden=True also the hidden-state outputs {name: [S, n_embd]}.
-        """
+    def forward_with_features(self, seq: int, tokens: Sequence[int], pos: int,
+                              rows: Sequence[int] | None = None,
+                              layers: Sequence[int] | None = None
+                              ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """`forward`, and the hidden states of `layers` (default: all the graph outputs)
+        for every token: {layer: [len(tokens), n_embd]}."""
+        return self._run(seq, tokens, pos, rows, self._check_layers(layers))
+
+    def _check_layers(self, layers: Sequence[int] | None) -> tuple[int, ...]:
+        if layers is None:
+            return self.feature_layers
+        missing = sorted(set(layers) - set(self.feature_layers))
+        if missing:
+            raise ValueError(f"{self.built.folder.name} outputs the hidden states of layers "
+                             f"{list(self.feature_layers)}, not {missing}")
+        return tuple(layers)
+
+    def _run(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int] | None,
+             layers: tuple[int, ...]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         n = len(tokens)
         if n == 0:
             raise ValueError("forward needs at least one token")
@@ -239,17 +249,16 @@ class ModelRunner:
         b.bind_cpu_input("attn_len", np.array([attn_len_for(pos + n, self.n_ctx)], np.int64))
         b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
         b.bind_output("logits", "cpu")
-        for name in self.hidden_names:
+        for name, _ in self._hidden:
             b.bind_output(name, "cpu")
         self.session.run_with_iobinding(b)
         outs = _bound_outputs(b)
         # outputs come in the order bound: KV first (2 per layer), then logits, hidden
         k0 = 2 * self.hp.n_layer
         logits = outs[k0].numpy()[:n_rows]  # [R, vocab]
-        if not hidden:
-            return logits
-        return logits, {name: outs[k0 + 1 + j].numpy()[:n]
-                        for j, name in enumerate(self.hidden_names)}
+        features = {layer: outs[k0 + 1 + j].numpy()[:n]  # [n, n_embd]
+                    for j, (_, layer) in enumerate(self._hidden) if layer in layers}
+        return logits, features
 
     def prefill(self, seq: int, tokens: Sequence[int], pos: int = 0,
                 chunk: int = ATTN_BUCKET) -> np.ndarray:
@@ -258,28 +267,39 @@ class ModelRunner:
         Chunks end on bucket boundaries, so prefill is the same computation whoever
         calls it (with or without speculation).
         """
+        return self._prefill(seq, tokens, pos, chunk, ())[0]
+
+    def prefill_with_features(self, seq: int, tokens: Sequence[int], pos: int = 0,
+                              layers: Sequence[int] | None = None, chunk: int = ATTN_BUCKET
+                              ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """`prefill`, and the hidden states of `layers` (default: all the graph outputs)
+        for every prompt token: {layer: [len(tokens), n_embd]}."""
+        return self._prefill(seq, tokens, pos, chunk, self._check_layers(layers))
+
+    def _prefill(self, seq: int, tokens: Sequence[int], pos: int, chunk: int,
+                 layers: tuple[int, ...]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         if not tokens:
             raise ValueError("prefill needs at least one token")
         if pos + len(tokens) > self.n_ctx:
             raise ContextFull(f"prompt of {len(tokens)} tokens at position {pos} does not fit "
                               f"in the context of {self.n_ctx} tokens")
         logits = None
+        parts: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
         i = 0
         while i < len(tokens):
             p = pos + i
             n = min(len(tokens) - i, chunk - (p % chunk))
-            last = i + n == len(tokens)
-            logits = self.forward(seq, tokens[i:i + n], p, [n - 1])
+            logits, features = self._run(seq, tokens[i:i + n], p, [n - 1], layers)
+            for layer, rows in features.items():
+                parts[layer].append(rows)
             i += n
-            if last:
-                break
         assert logits is not None
-        return logits[0]
+        return logits[0], {layer: np.concatenate(rows) for layer, rows in parts.items()}
 
 
 def _bound_outputs(b: Any) -> list[Any]:  # an onnxruntime.IOBinding
     """The binding's outputs as ORT's C-level values (each has .numpy()): the public
-    `get_outputs` wraps every one in a Python OrtValue, 2 per layer for the KV caches
-    that are never read here, ~0.25 ms a call (2% of a 0.5B draft step)."""
+    `get_outputs` would wrap every one in a Python OrtValue, 2 per layer for the KV caches
+    that are never read here, a cost per call that shows in a draft step."""
     inner = getattr(b, "_iobinding", None)
     return inner.get_outputs() if inner is not None else b.get_outputs()

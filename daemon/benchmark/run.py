@@ -17,10 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from specd.daemon.drafters.draft_model import DraftModelDrafter
-from specd.daemon.drafters.hybrid import HybridDrafter
-from specd.daemon.drafters.ngram import NgramDrafter
-from specd.daemon.serving.engine import MODEL_SPEC_TYPES, Engine
+from specd.daemon.drafters.registry import MODEL_SPEC_TYPES, make_drafter
+from specd.daemon.serving.engine import Engine
 from specd.daemon.spec.drafter import Drafter, DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
@@ -191,14 +189,7 @@ class SpecdRunner:
         self.engine = engine
 
     def drafter_for(self, cfg: BenchConfig) -> Drafter | None:
-        if cfg.spec in MODEL_SPEC_TYPES:
-            assert self.engine.draft is not None
-            model = DraftModelDrafter(self.engine.draft.runner,
-                                      vocab_limit=self.engine.target.built.hparams.n_vocab)
-            return model if cfg.spec == "draft" else HybridDrafter(model)
-        if cfg.spec == "ngram":
-            return NgramDrafter()
-        return None
+        return make_drafter(cfg.spec, self.engine.drafter_inputs())
 
     def run(self, prompt: list[int], cfg: BenchConfig, temperature: float, max_tokens: int,
             seed: int) -> RunResult:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
-    from .fit import add_draft_build_args, add_spin_arg
+    from .options import add_draft_build_args, add_spin_arg
 
     b = sub.add_parser("bench", help="benchmark speculation configurations (and llama.cpp)")
     b.add_argument("-m", "--model", default=DEFAULT_TARGET)
@@ -48,7 +48,7 @@ def _choices(args: argparse.Namespace, has_draft: bool
              ) -> tuple[dict[str, str], tuple[float, ...], list[BenchConfig]]:
     """Prompts, temperatures and configurations asked for (ValueError naming a bad one)."""
     from specd.daemon.benchmark import run as bench
-    from specd.daemon.serving.engine import MODEL_SPEC_TYPES
+    from specd.daemon.drafters.registry import MODEL_SPEC_TYPES
 
     prompts = {}
     for k in dict.fromkeys(p.strip() for p in args.prompts.split(",")):

@@ -6,27 +6,13 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
 
-
-def int_at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in [lo, hi], else a usage error naming the range."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < lo or hi is not None and value > hi:
-            raise argparse.ArgumentTypeError(
-                f"{value} is out of range (at least {lo}" + (f", at most {hi})" if hi is not None
-                                                             else ")"))
-        return value
-    return parse
+from .options import build_progress
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:
@@ -42,7 +28,7 @@ def params_from_args(args: argparse.Namespace) -> GenerationParams:
     )
 
 
-def engine_config_from_args(args: argparse.Namespace, *, slots: int = 1):  # noqa: ANN201
+def engine_config_from_args(args: argparse.Namespace, *, slots: int = 1):
     from specd.daemon.serving.engine import EngineConfig
 
     rates = None
@@ -76,20 +62,6 @@ def _prompt_text(args: argparse.Namespace) -> tuple[str, bool]:
     return args.prompt, False
 
 
-def _build_progress(label: str):  # noqa: ANN202
-    from specd.daemon.models.store import ProgressBar
-
-    bar = ProgressBar(unit="steps")
-
-    def report(done: int, total: int, what: str) -> None:
-        if done == 1:
-            print(f"specd: building the ONNX graph of the {label} (first use only)",
-                  file=sys.stderr)
-        bar(done, total, what)
-
-    return report
-
-
 def run(args: argparse.Namespace) -> int:
     from specd.daemon.models.store import ProgressBar
     from specd.daemon.serving.engine import Engine
@@ -97,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
     text, chat = _prompt_text(args)
     cfg = engine_config_from_args(args)
-    engine = Engine(cfg, progress=ProgressBar(), build_progress=_build_progress)
+    engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     print(f"specd: {engine.runtime.describe()}", file=sys.stderr)
     prompt = engine.encode_prompt(text, chat=chat)
     params = cfg.defaults

@@ -12,7 +12,7 @@ from . import bench as cli_bench
 from . import fit as cli_fit
 from . import generate as cli_generate
 from . import serve as cli_serve
-from .generate import int_at_least
+from .options import add_draft_build_args, add_spin_arg, int_at_least
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -24,8 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
     p.add_argument("-md", "--model-draft", dest="draft", default=None,
                    help="draft GGUF path or catalog name")
-    cli_fit.add_draft_build_args(p)
-    cli_fit.add_spin_arg(p)
+    add_draft_build_args(p)
+    add_spin_arg(p)
     p.add_argument("--spec-type", default="auto",
                    choices=["auto", "none", "draft", "ngram", "draft+ngram", "synthetic"],
                    help="speculation: draft+ngram = the draft model and prompt lookup (each "
@@ -149,7 +149,7 @@ def _models_list(args: argparse.Namespace) -> int:
             mark = "*" if r["downloaded"] else " "
             note = "" if r["runnable"] else (f"  [specd cannot run {e.arch} models yet: "
                                              "its tokenizer only]")
-            print(f"{mark} {r['name']:32s} {r['size'] / 1e6:8.1f} MB  {r['description']}{note}")
+            print(f"{mark} {r['name']:32s} {e.size / 1e6:8.1f} MB  {r['description']}{note}")
     return EXIT_OK
 
 
@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
         return EXIT_OK
-    except Exception as exc:  # noqa: BLE001 - one clear line, no traceback for users
+    except Exception as exc:  # one clear line, no traceback for users
         from specd.daemon.models.store import ModelStoreError
         from specd.daemon.serving.engine import EngineError
         from specd.daemon.spec.generation import RequestError

@@ -8,7 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from .generate import _build_progress, engine_config_from_args, int_at_least
+from .generate import engine_config_from_args
+from .options import build_progress, int_at_least
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -38,13 +39,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def plan_memory(args: argparse.Namespace) -> dict | None:
     """Fit the context and slots to measured memory (-c is the upper bound); may drop the
     draft, with a warning. Returns the plan for /props."""
+    from specd.daemon.models.building import fit_models
     from specd.daemon.models.store import ProgressBar
-
-    from .fit import fit_models
 
     if args.no_fit:
         return None
-    from specd.daemon.serving.engine import MODEL_SPEC_TYPES
+    from specd.daemon.drafters.registry import MODEL_SPEC_TYPES
     from specd.memory_fit.plan import DEFAULT_MIN_CTX
     from specd.ort_models.graph_builder import ATTN_BUCKET
     from specd.ort_models.runner import round_up
@@ -57,7 +57,7 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
                          min_ctx=min(DEFAULT_MIN_CTX, max_ctx or DEFAULT_MIN_CTX),
                          threads=args.threads, fetch=not args.no_fetch,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         build_progress=_build_progress,
+                         build_progress=build_progress,
                          progress=ProgressBar())
     for w in plan.warnings:
         print(f"specd: warning: {w}", file=sys.stderr)
@@ -73,14 +73,14 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
     return plan.as_dict()
 
 
-def build_service(args: argparse.Namespace):  # noqa: ANN201
+def build_service(args: argparse.Namespace):
     from specd.daemon.models.store import ProgressBar
     from specd.daemon.serving.engine import Engine
     from specd.daemon.serving.scheduler import Scheduler
     from specd.daemon.serving.service import Service
 
     cfg = engine_config_from_args(args, slots=args.slots)
-    engine = Engine(cfg, progress=ProgressBar(), build_progress=_build_progress)
+    engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     return Service(engine, Scheduler(engine, max_queue=args.queue))
 
 

@@ -62,7 +62,7 @@ def coerce(key: str, value: Any) -> str | int:
     if not isinstance(value, str):
         raise ConfigError(f"{key} must be a string, not {value!r}")
     if key == "spec_type":
-        from specd.daemon.serving.engine import SPEC_TYPES
+        from specd.daemon.drafters.registry import SPEC_TYPES
 
         if value not in SPEC_TYPES:
             raise ConfigError(f"spec_type must be one of {', '.join(SPEC_TYPES)}, "

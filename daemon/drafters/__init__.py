@@ -1,5 +1,2 @@
-"""Drafters: every kind of draft behind one interface (see base.Drafter)."""
-
-from specd.daemon.spec.drafter import Draft, Drafter, DraftParams
-
-__all__ = ["Draft", "DraftParams", "Drafter"]
+"""Drafters: one module per kind of draft, behind `specd.daemon.spec.drafter.Drafter`, and
+the registry that builds them by speculation type (`registry.make_drafter`)."""

@@ -7,8 +7,8 @@ accepted round the last draft too) in one call, then one token per step.
 After rounds the target decoded alone (the adaptive controller found drafting did not
 pay), the draft catches up on at most `catch_up` of the tokens it skipped, the latest:
 the older ones are left out of its cache, a gap it never fills. A probe then costs the
-same however long drafting was off (the whole catch-up was ~60% of a probe on prose), and
-a draft's context missing a stretch only changes what it proposes, never the output.
+same however long drafting was off, and a draft's context missing a stretch only changes
+what it proposes, never the output.
 From the gap on, the draft's cache position of a token is its sequence position less
 `offset`, the tokens left out.
 """
@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specd.daemon.spec.drafter import Draft, Drafter, DraftParams
+from specd.daemon.spec.drafter import (
+    Drafter,
+    DraftEvidence,
+    DraftParams,
+    Features,
+    Proposal,
+)
 from specd.daemon.spec.sampling import Sampler, mask_logits, top_probability
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.runner import ModelRunner
@@ -40,7 +46,7 @@ class _SeqState:
 
 
 FORCED_ROWS = 16  # late rows checked against the tokens that followed them (their logits
-# cost an lm_head row each: next to nothing beside the pass, which reads the weights once)
+# cost an lm_head row each, little beside the pass, which reads the weights once)
 CATCH_UP = 16  # most skipped tokens evaluated before drafting (the latest)
 
 
@@ -59,7 +65,8 @@ class DraftModelDrafter(Drafter):
     def n_ctx(self) -> int:
         return self.runner.n_ctx
 
-    def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None) -> None:
+    def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
+              features: Features | None = None) -> None:
         """Evaluate the prompt on the draft, reusing the prefix its cache already holds."""
         while self.runner.n_seq <= seq:
             self.runner.add_sequence()
@@ -86,7 +93,7 @@ class DraftModelDrafter(Drafter):
         return rows[..., : self.vocab_limit] if self.vocab_limit else rows
 
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: GrammarState | None = None) -> Draft:
+              grammar: GrammarState | None = None) -> Proposal:
         st = self._seqs[seq]
         if len(st.history) != pos:
             raise RuntimeError(f"draft history has {len(st.history)} tokens, target at {pos}")
@@ -103,10 +110,10 @@ class DraftModelDrafter(Drafter):
         n_max = min(n_max, self.n_ctx - st.draft_pos - 1)
         st.drafted = []
         if n_max <= 0:
-            return Draft([])
+            return Proposal([])
         q_rows: list[np.ndarray] = []
         pending = [*st.history[p + st.offset:], last]
-        forced: tuple[tuple[int, bool], ...] | None = None
+        forced: tuple[tuple[int, bool], ...] = ()
         caught_up = len(pending) > 2  # after target-only rounds: a small prefill first
         step_s: list[float] = []
         unsure = False
@@ -150,9 +157,10 @@ class DraftModelDrafter(Drafter):
                 grammar.consume(tok)
                 if grammar.is_stopped():
                     break
-        probs = np.stack(q_rows) if q_rows else None
-        return Draft(list(st.drafted), probs, step_s=tuple(step_s), caught_up=caught_up,
-                     forced=forced, unsure=unsure, bonus_q=bonus_q)
+        probs = np.stack(q_rows) if q_rows else None  # [n, vocab]
+        return Proposal(list(st.drafted), probs, DraftEvidence(
+            step_seconds=tuple(step_s), includes_catch_up=caught_up, guess_checks=forced,
+            bonus_q=bonus_q, stopped_unsure=unsure))
 
     def _check_guesses(self, seq: int, pending: list[int], pos: int, full_run: int
                        ) -> tuple[np.ndarray, tuple[tuple[int, bool], ...]]:
@@ -178,7 +186,8 @@ class DraftModelDrafter(Drafter):
         st.full_run = len(st.drafted) if st.drafted and n_accepted >= len(st.drafted) else 0
         st.drafted, st.draft_pos = [], None
 
-    def process(self, seq: int, tokens: Sequence[int]) -> None:
+    def process(self, seq: int, tokens: Sequence[int],
+                features: Features | None = None) -> None:
         self._seqs[seq].history.extend(tokens)
 
     def end(self, seq: int) -> None:

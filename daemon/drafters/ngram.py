@@ -6,8 +6,7 @@ occurrence are the draft. Good for code edits and quoting, free when nothing mat
 
 The search is an index, not a scan: per sequence a dict from each n-gram of the history
 to its latest start, updated as the sequence grows, so a lookup costs a few dict probes
-whatever the context's length (a scan of 4k tokens took milliseconds in Python, a
-tenth of a target step).
+whatever the context's length. The drafter's proposals are free offers (no model runs).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specd.daemon.spec.drafter import Draft, Drafter, DraftParams
+from specd.daemon.spec.drafter import Drafter, DraftEvidence, DraftParams, Features, Proposal
 
 
 @dataclass
@@ -34,6 +33,7 @@ class _History:
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    runs_model = False
 
     def __init__(self, *, min_ngram: int = 2, max_ngram: int = 4, max_history: int = 8192):
         if not 1 <= min_ngram <= max_ngram:
@@ -41,11 +41,13 @@ class NgramDrafter(Drafter):
         self.min_ngram, self.max_ngram, self.max_history = min_ngram, max_ngram, max_history
         self._hist: dict[int, _History] = {}
 
-    def begin(self, seq: int, prompt: Sequence[int], sampler: object = None) -> None:
+    def begin(self, seq: int, prompt: Sequence[int], sampler: object = None,
+              features: Features | None = None) -> None:
         self._hist[seq] = _History()
         self.process(seq, prompt)
 
-    def process(self, seq: int, tokens: Sequence[int]) -> None:
+    def process(self, seq: int, tokens: Sequence[int],
+                features: Features | None = None) -> None:
         h = self._hist.setdefault(seq, _History())
         first_new = h.end
         h.tokens.extend(tokens)
@@ -59,13 +61,13 @@ class NgramDrafter(Drafter):
             h.offset += drop
             h.latest = {g: s for g, s in h.latest.items() if s >= h.offset}
 
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: object = None) -> Draft:
+    def offer(self, seq: int, last: int, pos: int, n_max: int) -> Proposal:
+        """What followed the latest earlier occurrence of the context's longest tail."""
         if n_max <= 0:
-            return Draft([])
+            return Proposal([])
         h = self._hist.get(seq)
         if h is None:
-            return Draft([])
+            return Proposal([])
         # the context is the newest max_history tokens of the history, then `last`
         window = max(h.end - self.max_history, h.offset)
         for n in range(min(self.max_ngram, h.end - window), self.min_ngram - 1, -1):
@@ -76,8 +78,12 @@ class NgramDrafter(Drafter):
             follow = h.at(start + n, start + n + n_max)
             if len(follow) < n_max and start + n + len(follow) == h.end:
                 follow.append(last)  # the match runs up to the newest token
-            return Draft(follow, match=n)
-        return Draft([])
+            return Proposal(follow, evidence=DraftEvidence(lookup_match=n))
+        return Proposal([])
+
+    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+              grammar: object = None) -> Proposal:
+        return self.offer(seq, last, pos, n_max)
 
     def end(self, seq: int) -> None:
         self._hist.pop(seq, None)

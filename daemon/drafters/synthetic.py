@@ -1,7 +1,7 @@
 """Synthetic acceptance (benchmarks only): acceptance drawn from configured rates.
 
-The drafted tokens are placeholders; after the real verify pass the engine asks
-`acceptance(...)` how many to accept and emits the target's own choices for those rows.
+The drafted tokens are placeholders; after the real verify pass the round asks
+`accepts_position(...)` row by row and emits the target's own choices for those rows.
 So verify costs are real while acceptance is controlled. Output is marked not valid: rows
 after the first are conditioned on placeholders. A drafted end-of-generation token is
 never accepted. Rates all 0 reproduce target-only output exactly.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specd.daemon.spec.drafter import Draft, Drafter, DraftParams
+from specd.daemon.spec.drafter import Drafter, DraftParams, Proposal
 
 
 def rates_for_mean_length(mean_len: float, n: int) -> list[float]:
@@ -52,11 +52,11 @@ class SyntheticDrafter(Drafter):
         self._rng = np.random.default_rng(seed)
 
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: object = None) -> Draft:
+              grammar: object = None) -> Proposal:
         n = min(n_max, len(self.rates))
-        return Draft([last] * n, valid=False)
+        return Proposal([last] * n)
 
-    def accept_position(self, i: int, target_choice: int, eog: set[int]) -> bool:
+    def accepts_position(self, i: int, target_choice: int, eog: set[int]) -> bool:
         """Whether draft position i (reached) is accepted; the target's choice is kept."""
         if target_choice in eog:
             return False

@@ -1,28 +1,34 @@
-"""The one drafter interface.
+"""The drafter interface: what a drafter declares, proposes and is told.
 
 A round for sequence `seq`, with `last` the newest token (at position `pos`, not yet
 evaluated by the target):
 
-    draft = drafter.draft(seq, last, pos, n_max, params)   # propose up to n_max tokens
-    ... target verifies [last, *draft.tokens] in one pass ...
-    drafter.accept(seq, n_accepted)                        # roll back rejected drafts
-    drafter.process(seq, emitted)                          # tokens the sequence grew by
+    offer = drafter.offer(seq, last, pos, n_max)          # a free proposal, if it has one
+    proposal = drafter.draft(seq, last, pos, n, params)   # or a model's proposal
+    ... the target verifies [last, *proposal.tokens] in one pass ...
+    drafter.accept(seq, n_accepted)                       # roll back rejected drafts
+    drafter.process(seq, emitted, features)               # tokens the sequence grew by
 
-`begin(seq, prompt, sampler)` starts a sequence (the prompt is already evaluated by the
-target); `end(seq)` frees it.
+`begin(seq, prompt, sampler, features)` starts a sequence (the prompt is already evaluated
+by the target); `end(seq)` frees it. A proposal carries what verification needs (tokens,
+q rows) apart from what the draft-length policy learns from it (`DraftEvidence`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from specd.daemon.text.grammar import GrammarState
 
 from .sampling import Sampler
+
+# the target's hidden states of chosen layers: layer -> [n_tokens, n_embd], one row per
+# token the call evaluated, in order
+Features = Mapping[int, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -31,10 +37,9 @@ class DraftParams:
     n_min: int = 0  # drafts shorter than this are not verified
     p_min: float = 0.0  # stop drafting when the draft's top probability falls below
     # sampled requests: sample drafts from q and verify by rejection sampling (False: the
-    # draft's argmax, accepted where the target's own draw equals it: the output is then
-    # the very tokens target-only decoding draws from the same seed, but a draft token is
-    # accepted with probability p(argmax q) instead of sum(min(p, q)): on the Qwen pair's
-    # prose at T 0.7, 0.52 / 0.63 against 0.61 / 0.72). Greedy requests draft greedily.
+    # draft's argmax, accepted where the target's own draw equals it; the output is then
+    # the very tokens target-only decoding draws from the same seed, but accepted less
+    # often). Greedy requests draft greedily.
     probabilistic: bool = True
 
     def validate(self) -> DraftParams:
@@ -46,70 +51,98 @@ class DraftParams:
         return self
 
 
-@dataclass
-class Draft:
-    tokens: list[int]
-    probs: np.ndarray | None = None  # [n, vocab] q rows when drafted probabilistically
-    valid: bool = True  # False: synthetic acceptance (benchmark only), output not the target's
+@dataclass(frozen=True)
+class DraftEvidence:
+    """What a proposal teaches the draft-length policy; verification never reads it."""
+
+    # > 0: found by prompt lookup (no model ran), continuing a context n-gram this long
+    lookup_match: int = 0
     # seconds of each proposal step, if the drafter timed them (the first step also feeds
-    # what the draft has not seen yet: the last token, after a full acceptance two)
-    step_s: tuple[float, ...] = ()
-    # the call also caught up on tokens the drafter skipped while the target decoded alone,
-    # so its time is not what a steady round costs
-    caught_up: bool = False
-    # the drafter's greedy guesses checked against tokens the target emitted, as (draft
-    # position, 0-based; guessed right): free acceptance measurements, or None. Rows the
-    # draft evaluates late (tokens skipped while it was idle) are position-0 guesses
-    # (teacher forcing); after a round whose n drafts were all accepted, the guess for
-    # the target's bonus token is a sample of position n given n accepted.
-    forced: tuple[tuple[int, bool], ...] | None = None
-    # a prompt lookup's proposal (no model ran): the length of the context n-gram it
-    # continues, the evidence behind it (a 4-token match is accepted far more often than
-    # a 2-token one); 0 for a model's draft
-    match: int = 0
-    unsure: bool = False  # stopped short because the draft's confidence fell below p_min
-    # a sampling draft's counterpart of the bonus guess in `forced`: (n, q), after a round
-    # whose n drafts were all accepted, q [vocab] the distribution it would have drawn
-    # position n from; against the target's distribution p there, sum(min(p, q)) is a
-    # free sample of position n's acceptance given n accepted
+    # the tokens the draft had not seen yet)
+    step_seconds: tuple[float, ...] = ()
+    # the call first evaluated tokens skipped while the target decoded alone, so its time
+    # is not what a steady round costs
+    includes_catch_up: bool = False
+    # (draft position, 0-based; guessed right) for the draft's greedy guesses checked
+    # against tokens the target emitted: rows evaluated late are position-0 guesses, and
+    # after a round whose n drafts were all accepted the guess for the bonus token is a
+    # guess at position n
+    guess_checks: tuple[tuple[int, bool], ...] = ()
+    # a sampling draft's counterpart of the bonus guess: (n, q [vocab]), the distribution
+    # it would have drawn position n from after n accepted drafts
     bonus_q: tuple[int, np.ndarray] | None = None
+    # stopped short because the draft's confidence fell below p_min
+    stopped_unsure: bool = False
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for the target to verify."""
+
+    tokens: list[int]
+    q_rows: np.ndarray | None = None  # [n, vocab] the distributions drafts were sampled from
+    evidence: DraftEvidence = field(default_factory=DraftEvidence)
 
     @property
-    def lookup(self) -> bool:
-        """Found in the context (prompt lookup), no model ran."""
-        return self.match > 0
+    def is_lookup(self) -> bool:
+        """Found in the context (prompt lookup): no model ran."""
+        return self.evidence.lookup_match > 0
 
-    def truncate(self, n: int) -> Draft:
+    def truncate(self, n: int) -> Proposal:
         """Drop drafts past n, with their q rows."""
         return replace(self, tokens=self.tokens[:n],
-                       probs=None if self.probs is None else self.probs[:n])
+                       q_rows=None if self.q_rows is None else self.q_rows[:n])
 
 
 class Drafter(ABC):
+    """One kind of draft. What it is, it declares in its class attributes; the round
+    reads them instead of asking which class it is."""
+
     name: str = "none"
-    #: True when acceptance is decided by the drafter (synthetic), not by verification
+    #: `draft()` runs a model (a pass per proposal step, which the policy weighs against
+    #: its acceptance); False: the drafter's only proposals are its free offers
+    runs_model: bool = True
+    #: acceptance is decided by the drafter (`accepts_position`), not by verification
+    #: (synthetic rates: the output is then not the target's)
     decides_acceptance: bool = False
+    #: layers of the target whose hidden states the drafter reads (`Features`): the target
+    #: must be built to output them, and the round passes them with each verified token
+    target_layers: tuple[int, ...] = ()
     #: most tokens skipped in target-only rounds that the drafter evaluates before its next
     #: draft (None: all of them; a drafter without a model evaluates none, at no cost)
     catch_up: int | None = None
 
-    def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None) -> None:
-        """A new sequence whose prompt the target has evaluated."""
+    def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
+              features: Features | None = None) -> None:
+        """A new sequence whose prompt the target has evaluated (`features`: the target's
+        hidden states of the prompt's tokens, for drafters that declare target layers)."""
+
+    def offer(self, seq: int, last: int, pos: int, n_max: int) -> Proposal | None:
+        """A proposal found without running a model (prompt lookup), offered before the
+        round decides how to draft; None: the drafter has no free source."""
+        return None
 
     @abstractmethod
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: GrammarState | None = None) -> Draft:
+              grammar: GrammarState | None = None) -> Proposal:
         """Propose up to n_max tokens to follow `last` (at position `pos`).
 
         `grammar` is a fork of the request's constraint state, the drafter's to advance
         along its proposals (model drafters sample under its masks)."""
 
+    def accepts_position(self, i: int, target_choice: int, eog: set[int]) -> bool:
+        """Whether draft position i (reached) is accepted, for a drafter that decides
+        acceptance; the target's own choice is what gets emitted."""
+        raise NotImplementedError(f"{self.name} does not decide acceptance")
+
     def accept(self, seq: int, n_accepted: int) -> None:
         """The target accepted the first n_accepted tokens of the last draft; a no-op when
         nothing was drafted since the last call (rounds the target decoded alone)."""
 
-    def process(self, seq: int, tokens: Sequence[int]) -> None:
-        """The sequence grew by these tokens (accepted drafts and the target's token)."""
+    def process(self, seq: int, tokens: Sequence[int],
+                features: Features | None = None) -> None:
+        """The sequence grew by these tokens, now in the target's KV cache (`features`:
+        their hidden states, for drafters that declare target layers)."""
 
     def end(self, seq: int) -> None:
         """The sequence is finished; free what it holds."""

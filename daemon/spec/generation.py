@@ -1,16 +1,11 @@
-"""One request's decode: prefill, then speculative rounds, one round per `step()`.
+"""One request's decode: prefill, then one speculative round per `step()`.
 
-The speculative round (see docs/architecture.md for the invariants):
- 1. choose n: min(n_max or adaptive choice, room in the context, room in the attention
-    bucket so every verified row equals a single-token step, tokens left to generate - 1)
- 2. draft = drafter.draft(seq, last, pos, n)          (drafts shorter than n_min dropped;
-    under the adaptive controller a prompt lookup, alone or in a HybridDrafter, first
-    offers its tokens and the controller picks the source: the offer, the draft model
-    (if any) or neither)
- 3. target.forward(seq, [last, *draft], pos, all rows) (one pass; writes KV in place)
- 4. verify: greedy (target's choice per row) or rejection sampling (p vs q)
- 5. drafter.accept(k); drafter.process(emitted); stats; the rejected rows of both KV
-    caches are simply overwritten next round (position pos + k + 1)
+A round: plan (the policy picks how many tokens to draft, and from which source) →
+propose (the drafter's proposal, trimmed to what may be emitted) → forward (one target
+pass over [last, *draft], writing its KV in place) → verify (greedy, or rejection
+sampling against the draft's q) → commit (the drafter keeps the accepted tokens; the
+rejected rows of both KV caches are overwritten by the next round) → observe (the policy
+learns from the round's record). docs/architecture.md states the round's invariants.
 """
 
 from __future__ import annotations
@@ -21,24 +16,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specd.daemon.drafters.hybrid import HybridDrafter
-from specd.daemon.drafters.ngram import NgramDrafter
-from specd.daemon.drafters.synthetic import SyntheticDrafter
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import ModelRunner
 
-from .drafter import Draft, Drafter, DraftParams
-from .policy import AdaptiveDraftLength
+from .drafter import Drafter, DraftParams, Features, Proposal
+from .policy import (
+    AdaptiveDraftLength,
+    DraftPolicy,
+    FixedDraftLength,
+    ModelCall,
+    RoundPlan,
+    RoundRecord,
+)
 from .sampling import Sampler, SamplerParams, derive_seeds
 from .stats import SpecStats
-from .verify import (
-    VerifyResult,
-    acceptance_probability,
-    to_width,
-    verify_greedy,
-    verify_rejection,
-)
+from .verify import VerifyResult, verify_greedy, verify_rejection
 
 
 class RequestError(ValueError):
@@ -65,6 +58,24 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
+def make_policy(params: GenerationParams, drafter: Drafter | None) -> DraftPolicy:
+    """The request's draft-length policy: adaptive, or n_max every round."""
+    dp = params.draft
+    if params.adaptive:
+        return AdaptiveDraftLength(dp.n_max, n_min=dp.n_min,
+                                   catch_up_limit=None if drafter is None else drafter.catch_up)
+    return FixedDraftLength(dp.n_max, n_min=dp.n_min)
+
+
+@dataclass
+class _Proposed:
+    """The propose step's outcome: the proposal to verify, and what the policy learns."""
+
+    proposal: Proposal
+    model_call: ModelCall | None = None
+    offer_next: int | None = None  # the offer's token after those kept (all of them kept)
+
+
 class Generation:
     """State of one sequence slot while it generates."""
 
@@ -74,22 +85,23 @@ class Generation:
         check_prompt_fits(prompt, target.n_ctx)
         params.sampling.validate()
         params.draft.validate()
+        if drafter is not None and drafter.target_layers:
+            missing = set(drafter.target_layers) - set(target.feature_layers)
+            if missing:
+                raise ValueError(f"drafter {drafter.name} reads the target's layers "
+                                 f"{sorted(missing)}, which its graph does not output")
         self.target, self.seq, self.params = target, seq, params
         self.prompt = list(prompt)
         self.eog = set() if params.ignore_eos else set(eog)
         self.drafter = drafter
         self.grammar = grammar  # the request's constraint state (advanced on emitted tokens)
-        seed = params.sampling.seed
-        t_seed, d_seed = derive_seeds(seed)
+        t_seed, d_seed = derive_seeds(params.sampling.seed)
         self.sampler = Sampler(params.sampling, seed=t_seed)
-        dp = params.sampling
+        temperature = params.sampling.temperature
         self.draft_sampler = Sampler(
-            SamplerParams(temperature=dp.temperature, top_k=params.draft_top_k,
-                          seed=d_seed), seed=d_seed) if not dp.is_greedy else None
-        self.adaptive = AdaptiveDraftLength(
-            params.draft.n_max, n_min=params.draft.n_min,
-            catch_up_limit=None if drafter is None else drafter.catch_up,
-        ) if params.adaptive else None
+            SamplerParams(temperature=temperature, top_k=params.draft_top_k, seed=d_seed),
+            seed=d_seed) if not params.sampling.is_greedy else None
+        self.policy = make_policy(params, drafter)
         # a fully cached prompt still evaluates its last token (its logits are needed)
         self.stats = SpecStats(prompt_tokens=len(prompt),
                                cached_tokens=min(reuse, max(len(prompt) - 1, 0)))
@@ -99,7 +111,7 @@ class Generation:
         self._last: int | None = None
         self._pos = 0
         self._cursor: int | None = None
-        self._offer_next: int | None = None  # the offered token after those verified
+        self._prompt_features: dict[int, list[np.ndarray]] = {}
         # the target's distribution [vocab] of the last round's bonus token (None: the
         # round did not end on one, or greedy)
         self._bonus_p: np.ndarray | None = None
@@ -123,6 +135,11 @@ class Generation:
             return self.prompt[: self._pos]
         return self.all_tokens[: self._pos]
 
+    @property
+    def _layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the drafter reads."""
+        return () if self.drafter is None else self.drafter.target_layers
+
     # -- prefill --------------------------------------------------------------------------
     @property
     def prefilled(self) -> bool:
@@ -134,9 +151,8 @@ class Generation:
         Returns [] while prompt remains, then the first generated token. A budgeted call
         stops at the last attention-bucket boundary within its budget (at the budget when
         none is in reach), and the runner chunks on those boundaries too: with budgets of
-        a bucket or more the calls are those of one unbudgeted prefill. (On the CPU the KV
-        is the same however the prompt is split; on CUDA it is the same calls that make
-        it the same.)
+        a bucket or more the calls are those of one unbudgeted prefill, so the KV is the
+        same however the prompt is split.
         """
         if self.prefilled:
             return []
@@ -146,21 +162,15 @@ class Generation:
         start = self._cursor
         end = len(self.prompt)
         if budget is not None and start + budget < end:
-            # stop on a bucket boundary where one is in reach, so a budgeted prompt is cut
-            # where the runner would cut it anyway (the same calls on any device)
             cut = start + budget
             boundary = cut - cut % ATTN_BUCKET
             end = boundary if boundary > start else cut
-        logits = self.target.prefill(self.seq, self.prompt[start:end], start)  # [vocab]
+        logits = self._prefill_chunk(self.prompt[start:end], start)  # [vocab]
         self._cursor = end
         if end < len(self.prompt):
             self.stats.prefill_s += time.perf_counter() - t0
             return []
-        if self.drafter is not None:
-            try:
-                self.drafter.begin(self.seq, self.prompt, self.draft_sampler)
-            except Exception:  # noqa: BLE001 - a failing draft never fails the request
-                self.drafter = None
+        self._begin_drafter()
         # the draft's pass over the prompt is prompt processing too (it precedes the first
         # token), not decoding
         self.stats.prefill_s += time.perf_counter() - t0
@@ -179,6 +189,30 @@ class Generation:
         out = self._emit([tok])
         self._grammar_finished()
         return out
+
+    def _prefill_chunk(self, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """Evaluate prompt tokens; the drafter's layers' features are kept for `begin`."""
+        if not self._layers:
+            return self.target.prefill(self.seq, tokens, pos)
+        logits, features = self.target.prefill_with_features(self.seq, tokens, pos,
+                                                             self._layers)
+        for layer, rows in features.items():
+            self._prompt_features.setdefault(layer, []).append(rows)
+        return logits
+
+    def _begin_drafter(self) -> None:
+        """Start the drafter on the evaluated prompt (a failing drafter is dropped: the
+        request goes on target-only). A drafter reading features gets those of the
+        tokens evaluated here (a reused prefix's were computed by an earlier request)."""
+        if self.drafter is None:
+            return
+        features = ({layer: np.concatenate(rows) for layer, rows
+                     in self._prompt_features.items()} if self._layers else None)
+        self._prompt_features = {}
+        try:
+            self.drafter.begin(self.seq, self.prompt, self.draft_sampler, features)
+        except Exception:  # a failing draft never fails the request
+            self.drafter = None
 
     def _grammar_finished(self, dead: bool = False) -> bool:
         """Stop at a grammar dead end, or once the grammar allows nothing but the end."""
@@ -206,148 +240,144 @@ class Generation:
             return self.prefill()
         if self._grammar_finished():
             return []
-        last, pos = self._last, self._pos
-        assert last is not None
-        limit = min(self.target.invariant_block_limit(pos) - 1,
-                    self.target.n_ctx - pos - 1,
-                    self.params.max_tokens - len(self.tokens) - 1)
+        limit = self._draft_limit()
         if limit < 0:
             self.finish_reason = "length"
             return []
         t_round = time.perf_counter()
-        draft, draft_s = self._draft(last, pos, limit)
-        t0 = time.perf_counter()
-        rows = self.target.forward(self.seq, [last, *draft.tokens], pos,
-                                   list(range(len(draft.tokens) + 1)))  # [n+1, vocab]
-        dt = time.perf_counter() - t0
-        self.stats.verify_s += dt
-        if self.adaptive is not None:
-            self.adaptive.observe_verify(len(draft.tokens) + 1, dt)
-        result = self._verify(rows, draft)
-        emitted, accepted = result.tokens, result.n_accepted
-        self._bonus_p = result.bonus_probs  # the next draft's guess for the bonus meets it
-        self.stats.record_round(len(draft.tokens), accepted, draft.lookup)
-        if self.adaptive is not None and draft.tokens:
-            match = draft.match  # > 0: a lookup offer's round
-            self.adaptive.observe_acceptance(len(draft.tokens), accepted, match,
-                                             result.accept_probs)
-            nxt = self._offer_next
-            if match and accepted == len(draft.tokens) < len(emitted) and nxt is not None:
-                # the offer's next token against the bonus: the probability the target
-                # gave it where it drew the bonus (at temperature > 0), else whether it won
-                p = self._bonus_p
-                hit = (float(p[nxt]) if p is not None and nxt < p.shape[0]
-                       else float(emitted[accepted] == nxt))
-                self.adaptive.observe_position(accepted, hit, match)
-        if self.drafter is not None:
-            # the last emitted token is the next round's `last`, whatever chose it
-            self.drafter.accept(self.seq, len(emitted) - 1)
-            self.drafter.process(self.seq, [last, *emitted[:-1]])  # now in the target's KV
-        self._pos = pos + len(emitted)
-        if self.adaptive is not None:
-            self.adaptive.observe_round(len(draft.tokens), len(emitted),
-                                        time.perf_counter() - t_round, draft_s,
-                                        draft.lookup)
-        out = self._emit(emitted)
+        plan, offer = self._plan(limit)
+        proposed = self._propose(plan, offer)
+        rows, features, verify_s = self._forward(proposed.proposal)
+        result = self._verify(rows, proposed.proposal)
+        self._commit(result, features)
+        self._observe(proposed, result, time.perf_counter() - t_round, verify_s)
+        out = self._emit(result.tokens)
         self._grammar_finished(result.grammar_dead_end)
         return out
 
-    def _draft(self, last: int, pos: int, limit: int) -> tuple[Draft, float]:
-        """The round's draft and the seconds the drafter took (0 if it did not run)."""
+    def _draft_limit(self) -> int:
+        """Most tokens this round may draft: every verified row must equal a single step
+        (one attention bucket), fit the context, and leave room for the target's token."""
+        pos = self._pos
+        return min(self.target.invariant_block_limit(pos) - 1,
+                   self.target.n_ctx - pos - 1,
+                   self.params.max_tokens - len(self.tokens) - 1)
+
+    def _plan(self, limit: int) -> tuple[RoundPlan, Proposal | None]:
+        """The policy's plan, and the drafter's free offer it weighed (if any)."""
         dp = self.params.draft
         if self.drafter is None or limit <= 0 or dp.n_max <= 0:
-            return Draft([]), 0.0
-        drafter = self.drafter
-        if self.adaptive is None:
-            n = min(dp.n_max, limit)
-        elif isinstance(drafter, HybridDrafter | NgramDrafter):
-            # a free offer first; the controller weighs it against the model (if any)
-            # and a plain step
-            hybrid = isinstance(drafter, HybridDrafter)
-            lookup = drafter.lookup if hybrid else drafter
-            offered = lookup.draft(self.seq, last, pos, min(dp.n_max, limit), dp)
-            n, take_offer = self.adaptive.choose_source(
-                limit, len(offered.tokens), offered.match, model=hybrid)
-            if take_offer:
-                draft = self._usable(offered.truncate(n))
-                # the offer's next token, checked against the bonus token if all n pass
-                whole = len(draft.tokens) == n < len(offered.tokens)
-                self._offer_next = offered.tokens[n] if whole else None
-                return draft, 0.0
-            if not hybrid:
-                return Draft([]), 0.0  # a plain step: the lookup is the only source
-            drafter = drafter.model
-        else:
-            n = self.adaptive.choose(limit)
-        if n <= 0 or n < dp.n_min:  # a draft shorter than n_min would not be verified
-            return Draft([]), 0.0
-        t0 = time.perf_counter()
+            return RoundPlan(0), None
+        assert self._last is not None
+        offer = self.drafter.offer(self.seq, self._last, self._pos, min(dp.n_max, limit))
+        return self.policy.plan(limit, offer, self.drafter.runs_model), offer
+
+    def _propose(self, plan: RoundPlan, offer: Proposal | None) -> _Proposed:
+        """The proposal to verify: the offer's first n tokens or the model's draft of n,
+        trimmed to what may be emitted (empty: a plain target step)."""
+        if offer is not None and plan.take_offer:
+            proposal = self._usable(offer.truncate(plan.n))
+            whole = len(proposal.tokens) == plan.n < len(offer.tokens)
+            return _Proposed(proposal, offer_next=offer.tokens[plan.n] if whole else None)
+        dp = self.params.draft
+        if self.drafter is None or not self.drafter.runs_model or plan.n < max(dp.n_min, 1):
+            return _Proposed(Proposal([]))
+        assert self._last is not None
         fork = None if self.grammar is None else self.grammar.fork()
+        t0 = time.perf_counter()
         try:
-            draft = drafter.draft(self.seq, last, pos, n, dp, fork)
-        except Exception:  # noqa: BLE001 - fall back to target-only decoding
+            drafted = self.drafter.draft(self.seq, self._last, self._pos, plan.n, dp, fork)
+        except Exception:  # a failing draft never fails the request: go on target-only
             self.drafter = None
-            return Draft([]), 0.0
-        dt = time.perf_counter() - t0
-        self.stats.draft_s += dt
-        if self.adaptive is not None:
-            if not draft.caught_up:  # a steady round, overheads included
-                self.adaptive.observe_draft(dt, draft.step_s[1:])
-            for i, hit in draft.forced or ():
-                self.adaptive.observe_position(i, hit)
-            if draft.bonus_q is not None and self._bonus_p is not None:
-                i, q = draft.bonus_q
-                self.adaptive.observe_position(
-                    i, acceptance_probability(self._bonus_p, to_width(q, self._bonus_p.shape[0])))
-            if draft.unsure and len(draft.tokens) < n:
-                # stopped short for want of confidence (p_min): position len(tokens)
-                # yields nothing, as a rejection there would (else nothing tells the
-                # controller that drafting n no longer pays)
-                self.adaptive.observe_position(len(draft.tokens), False)
-        return self._usable(draft.truncate(n)), dt
+            return _Proposed(Proposal([]))
+        seconds = time.perf_counter() - t0
+        self.stats.draft_s += seconds
+        call = ModelCall(plan.n, len(drafted.tokens), seconds, drafted.evidence)
+        return _Proposed(self._usable(drafted.truncate(plan.n)), model_call=call)
 
-    def _usable(self, draft: Draft) -> Draft:
-        """The part of a draft worth verifying: up to its first end of generation, what
-        the grammar allows, at least n_min."""
-        cut = next((i + 1 for i, t in enumerate(draft.tokens) if t in self.eog), None)
+    def _usable(self, proposal: Proposal) -> Proposal:
+        """The part of a proposal worth verifying: up to its first end of generation, what
+        the grammar allows, at least n_min tokens (else nothing)."""
+        cut = next((i + 1 for i, t in enumerate(proposal.tokens) if t in self.eog), None)
         if cut is not None:  # nothing after an end of generation would be emitted
-            draft = draft.truncate(cut)
-        if self.grammar is not None and draft.probs is None:
-            # drafts made without the grammar (n-gram): keep the part it allows (exact:
+            proposal = proposal.truncate(cut)
+        if self.grammar is not None and proposal.q_rows is None:
+            # drafts made without the grammar (lookup): keep the part it allows (exact:
             # greedy verification is exact for any draft)
-            draft = draft.truncate(self.grammar.valid_prefix(draft.tokens))
-        if len(draft.tokens) < max(self.params.draft.n_min, 1):
-            assert self.drafter is not None
-            self.drafter.accept(self.seq, 0)
-            return Draft([])
-        if not draft.valid:
-            self.stats.valid = False
-        return draft
+            proposal = proposal.truncate(self.grammar.valid_prefix(proposal.tokens))
+        if len(proposal.tokens) < max(self.params.draft.n_min, 1):
+            return Proposal([])
+        return proposal
 
-    def _verify(self, rows: np.ndarray, draft: Draft) -> VerifyResult:
-        if isinstance(self.drafter, SyntheticDrafter) and draft.tokens:
-            out = self._verify_synthetic(rows, draft)
-            return VerifyResult(len(out) - 1, out, len(draft.tokens))
-        if draft.probs is not None and self.params.draft.probabilistic:
-            return verify_rejection(rows, draft.tokens, draft.probs, self.sampler,
+    def _forward(self, proposal: Proposal) -> tuple[np.ndarray, Features | None, float]:
+        """The target's pass over [last, *draft]: logits of every row [n + 1, vocab], the
+        drafter's layers' features (if it reads any) and the pass's seconds."""
+        assert self._last is not None
+        tokens = [self._last, *proposal.tokens]
+        rows = list(range(len(tokens)))
+        t0 = time.perf_counter()
+        features: Features | None = None
+        if self._layers:
+            logits, features = self.target.forward_with_features(
+                self.seq, tokens, self._pos, rows, self._layers)
+        else:
+            logits = self.target.forward(self.seq, tokens, self._pos, rows)
+        seconds = time.perf_counter() - t0
+        self.stats.verify_s += seconds
+        return logits, features, seconds
+
+    def _verify(self, rows: np.ndarray, proposal: Proposal) -> VerifyResult:
+        if proposal.tokens and self.drafter is not None and self.drafter.decides_acceptance:
+            self.stats.valid = False  # rows after the first follow placeholder drafts
+            out = self._verify_by_drafter(rows, proposal, self.drafter)
+            return VerifyResult(len(out) - 1, out, len(proposal.tokens))
+        if proposal.q_rows is not None and self.params.draft.probabilistic:
+            return verify_rejection(rows, proposal.tokens, proposal.q_rows, self.sampler,
                                     self.grammar, draft_masked=True)
-        return verify_greedy(rows, draft.tokens, self.sampler, self.grammar)
+        return verify_greedy(rows, proposal.tokens, self.sampler, self.grammar)
 
-    def _verify_synthetic(self, rows: np.ndarray, draft: Draft) -> list[int]:
-        assert isinstance(self.drafter, SyntheticDrafter)
+    def _verify_by_drafter(self, rows: np.ndarray, proposal: Proposal,
+                           drafter: Drafter) -> list[int]:
+        """The target's own choice per row, for as many rows as the drafter accepts."""
         out: list[int] = []
-        for i in range(len(draft.tokens) + 1):
+        for i in range(len(proposal.tokens) + 1):
             g = self.grammar
             choice = self.sampler.sample(rows[i], None if g is None else g.allowed(len(rows[i])))
             self.sampler.accept(choice)
             if g is not None:
                 g.consume(choice)
             out.append(choice)
-            if i == len(draft.tokens) or not self.drafter.accept_position(i, choice, self.eog):
+            if i == len(proposal.tokens) or not drafter.accepts_position(i, choice, self.eog):
                 break
             if g is not None and g.is_stopped():
                 break
         return out
+
+    def _commit(self, result: VerifyResult, features: Features | None) -> None:
+        """The verified tokens join the sequence: the drafter drops its rejected drafts
+        and sees the tokens now in the target's KV ([last, *emitted[:-1]]; the last
+        emitted token is the next round's `last`)."""
+        assert self._last is not None
+        emitted = result.tokens
+        if self.drafter is not None:
+            self.drafter.accept(self.seq, len(emitted) - 1)
+            kept = None if features is None else {
+                layer: rows[: len(emitted)] for layer, rows in features.items()}
+            self.drafter.process(self.seq, [self._last, *emitted[:-1]], kept)
+        self._pos += len(emitted)
+
+    def _observe(self, proposed: _Proposed, result: VerifyResult, seconds: float,
+                 verify_s: float) -> None:
+        """Statistics and the policy learn from the round."""
+        proposal = proposed.proposal
+        self.stats.record_round(len(proposal.tokens), result.n_accepted, proposal.is_lookup)
+        self.policy.observe(RoundRecord(
+            n_drafted=len(proposal.tokens), n_accepted=result.n_accepted,
+            emitted=result.tokens, seconds=seconds, verify_seconds=verify_s,
+            model_call=proposed.model_call, lookup_match=proposal.evidence.lookup_match,
+            accept_probs=result.accept_probs, offer_next=proposed.offer_next,
+            bonus_probs=result.bonus_probs, last_bonus_probs=self._bonus_p))
+        self._bonus_p = result.bonus_probs  # the next draft's guess for the bonus meets it
 
     # -- output ---------------------------------------------------------------------------
     def _emit(self, toks: list[int]) -> list[int]:

@@ -1,78 +1,114 @@
-"""Adaptive draft length: choose n per round from measured acceptance and measured costs.
+"""The draft-length policy: how many tokens each round drafts, and from which source.
 
-Expected tokens from a round drafting n:  E(n) = 1 + sum_{i=1..n} prod_{j<=i} a_j,
-with a_j the conditional acceptance at draft position j. Its time:
-T(n) = t_draft(n) + t_verify(n + 1), t_verify a line a + b*S fitted to observed passes
-and t_draft(n) = t_first + (n - 1) * t_next: the first proposal of a call costs more
-(it also feeds the token the draft has not seen, two after a full acceptance, and the
-call's fixed overheads), so a mean per step made n = 1 look as good as n = 2 on the
-Qwen pair when it was 10-20% slower.
-The chosen n maximises E(n) / T(n); n = 0 (target-only step) wins unless drafting is
-predicted 6% faster (2% once drafting), so speculation does not run slower than plain
-decoding. While at n = 0 a probe round (n = 2) lets the estimates recover, but a probe
-is not cheap: the draft must first evaluate the tokens it skipped (~5 ms a token for
-the 0.5B beside a 1.5B step of ~75 ms; a draft model evaluates only the latest
-`catch_up_limit` of them), so probing on a fixed schedule cost ~6% of decode time on
-prose, where drafting never pays. Probes therefore run on a budget: at
-least `probe_every` idle rounds apart, and only while what probes have cost beyond
-plain steps, plus the predicted cost of this one (catch-up included), stays within
-`probe_budget` of the decode time so far; until position 1 has MIN_EVIDENCE trials
-(the catch-ups' teacher-forced rows count), probes are not budgeted, or two or three
-unlucky first rounds at temperature 0.7 left code at n = 0 for the whole request.
+The round asks the policy for a `RoundPlan` before anything runs and reports one
+`RoundRecord` after it. `FixedDraftLength` drafts n_max every round (a free offer first,
+where the drafter has one). `AdaptiveDraftLength` chooses n to maximise the predicted
+tokens per second, E(n) / T(n), from measured acceptance and measured costs:
 
-Both sides also carry the round's remaining time (sampling, acceptance, bookkeeping),
-measured apart for plain and drafting rounds: at temperature > 0 a drafting round
-samples p and q over 152k logits per row, a few ms that made n = 1 on prose look ~4%
-better than it ran.
+    E(n) = 1 + sum_{i=1..n} prod_{j<=i} a_j      (a_j: acceptance at draft position j)
+    T(n) = t_draft(n) + t_verify(n + 1) + the round's other time
 
-Rounds only reach the positions they draft, so a position rarely drafted keeps the few
-unlucky samples it got (code at n = 2 estimated position 3 at 0.71 where rounds of 3
-accepted it 87% of the time). Free samples fill that in (`observe_position`): after a
-fully accepted round of n, the draft's guess for the target's bonus token (one more
-logits row of the pass it runs anyway) is a sample of position n + 1 given n accepted;
-the same holds for the token a lookup offered after those verified.
-
-A verified position counts the probability it was accepted with (sum(min(p, q)) under
-rejection sampling, p(d) where the target draws and a fixed draft must match), not the
-outcome, a coin with that bias: the same mean, and at temperature 0.7 far less noise
-(each outcome's variance a(1 - a), ~0.24 on prose, besides the spread of a itself).
-The free samples at the bonus position do the same at temperature > 0: a sampling
-draft's distribution there against the target's, sum(min(p, q)); a lookup's next token,
-the target's probability of it.
-
-Estimates are discounted averages with a long memory (about the last 50 observations):
-a round costs ~0.1 s here and timings on a shared machine swing by 20%, so short
-averages made the choice follow noise. Acceptance at a position never drafted is the
-last observed position's; positions seen only a few times lean on that prior.
-
-A free source (prompt lookup, alone or beside a model in `HybridDrafter`) offers its
-proposal each round before anything runs; `choose_source` then weighs verifying that
-offer against the model's best length (if there is a model) and a plain step, and takes
-the fastest predicted. Lookup acceptance is kept apart from the model's, per position
-and per match length (the context n-gram the offer continues): it follows how much the
-text repeats itself, not how well a model predicts it, and a 4-token match is a far
-better bet than a 2-token one (the Qwen pair's bench replies, position 1: 0.67-1.0
-against 0.15-0.52; on prose at temperature 0.7, where only short matches occur, pooled
-estimates kept verifying them at a loss). A lookup round leaves the draft model behind:
-it catches up on those tokens the next time it drafts, at the measured catch-up cost.
+n = 0 (a plain target step) wins unless drafting is predicted clearly faster, with budgeted
+probe rounds so that estimates recover; a free lookup offer is weighed against the model's
+best length and a plain step, with acceptance kept per lookup match length. The reasoning
+behind each rule is in docs/adaptive-policy.md.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from .drafter import DraftEvidence, Proposal
+from .verify import acceptance_probability, to_width
+
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior at each draft position
 DRAFT_COST_RATE = 0.1  # weight of each new draft timing (a ~10-observation memory)
+LOOKUP_PRIOR = 0.5  # acceptance assumed for lookup proposals before any was verified
+MIN_EVIDENCE = 8.0  # (discounted) trials at draft position 1 before probes cost budget
+MIN_WEIGHT_AT_SIZE = 3.0  # observations of one pass size before its own mean is used
+PRIOR_VERIFY_SLOPE = 0.15  # relative cost of each extra verified token before a fit
+CATCH_UP_PRIOR = 0.2  # a skipped token's catch-up cost, as a share of a drafting call
+START_MARGIN = 1.06  # leaving n = 0 must be predicted this much faster
+SWITCH_MARGIN = 1.02  # ... once drafting, or between two lengths or two offers
+EXPLORE_MARGIN = 0.95  # a longer draft is explored when predicted within this share
+PROBE_LENGTH = 2  # tokens a probe round drafts (at least n_min)
 
 
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + DRAFT_COST_RATE * (new - old)
 
 
-LOOKUP_PRIOR = 0.5  # acceptance assumed for lookup proposals before any was verified
-MIN_EVIDENCE = 8.0  # (discounted) trials at draft position 1 before probes cost budget
-MIN_WEIGHT_AT_SIZE = 3.0  # observations of one pass size before its own mean is used
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a round drafts: n tokens (0: a plain target step), from the free offer or
+    from the drafter's model."""
+
+    n: int
+    take_offer: bool = False
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """The drafter's model call in a round."""
+
+    n_requested: int
+    n_proposed: int
+    seconds: float
+    evidence: DraftEvidence
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One round as the policy learns from it."""
+
+    n_drafted: int  # tokens verified after `last` (the usable part of the proposal)
+    n_accepted: int
+    emitted: Sequence[int]
+    seconds: float  # the whole round
+    verify_seconds: float  # the target's pass over n_drafted + 1 tokens
+    model_call: ModelCall | None = None  # None: no model ran (a plain step or an offer)
+    lookup_match: int = 0  # > 0: the round verified a lookup offer continuing this match
+    # per verified position up to the first rejection, the probability it was accepted
+    accept_probs: Sequence[float] = ()
+    offer_next: int | None = None  # the offer's token after those verified, all accepted
+    bonus_probs: np.ndarray | None = None  # [vocab] the target's, where it drew the bonus
+    last_bonus_probs: np.ndarray | None = None  # the previous round's
+
+    @property
+    def draft_seconds(self) -> float:
+        return 0.0 if self.model_call is None else self.model_call.seconds
+
+
+class DraftPolicy(ABC):
+    """Chooses each round's draft before it runs; learns from each round after."""
+
+    @abstractmethod
+    def plan(self, limit: int, offer: Proposal | None, runs_model: bool) -> RoundPlan:
+        """The round's plan, drafting at most `limit` tokens. `offer`: the drafter's free
+        proposal (None: it has no free source); `runs_model`: its `draft()` runs a model."""
+
+    def observe(self, record: RoundRecord) -> None:
+        """Learn from a finished round."""
+
+
+@dataclass
+class FixedDraftLength(DraftPolicy):
+    """n_max tokens every round: the free offer when it has any, else the model."""
+
+    n_max: int
+    n_min: int = 0
+
+    def plan(self, limit: int, offer: Proposal | None, runs_model: bool) -> RoundPlan:
+        n = min(self.n_max, limit)
+        if n <= 0 or n < self.n_min:
+            return RoundPlan(0)
+        if offer is not None and offer.tokens:
+            return RoundPlan(n, take_offer=True)
+        return RoundPlan(n if runs_model else 0)
 
 
 @dataclass
@@ -109,7 +145,7 @@ class _Line:
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
         if len(self.at_size) < 2 or var <= 1e-12:
-            return my * (1.0 + 0.15 * (x - mx))  # prior slope: verify is nearly flat
+            return my * (1.0 + PRIOR_VERIFY_SLOPE * (x - mx))  # verify is nearly flat
         b = max((self.sxy / self.w - mx * my) / var, 0.0)
         return max(my + b * (x - mx), 1e-6)
 
@@ -162,7 +198,7 @@ class _Acceptance:
 
 
 @dataclass
-class AdaptiveDraftLength:
+class AdaptiveDraftLength(DraftPolicy):
     n_max: int
     n_min: int = 0  # shorter drafts are not verified: never chosen, nor probed
     decay: float = 0.98  # weight kept by older observations at each new one
@@ -305,7 +341,7 @@ class AdaptiveDraftLength:
         (before any was measured: a fifth of a drafting step, as prefill runs here)."""
         if self._catch_up is not None:
             return self._catch_up
-        return 0.2 * (self._draft_first or 0.0)
+        return CATCH_UP_PRIOR * (self._draft_first or 0.0)
 
     def probe_cost(self, n: int = 2) -> float:
         """Predicted seconds a probe of n costs beyond plain steps for the same tokens."""
@@ -353,19 +389,19 @@ class AdaptiveDraftLength:
         shortest = self.shortest
         if limit < shortest:
             return 0
-        probe = min(max(2, shortest), limit)
+        probe = min(max(PROBE_LENGTH, shortest), limit)
         if self.rate(0) is None:
             return 0  # first measure a plain target step
         if self.draft_cost(1) is None:
             return probe  # then a short probe for the draft and verify costs
         # hysteresis: leaving n = 0 must be predicted clearly faster (a wrong start costs
         # a catch-up on the draft as well); between draft lengths 2% decides
-        start = 1.02 if self._drafting else 1.06
+        start = SWITCH_MARGIN if self._drafting else START_MARGIN
         base = self.rate(0) or 0.0
         best_n, best_rate = 0, base
         for n in range(shortest, limit + 1):
             r = self.rate(n) or 0.0
-            if r > max(best_rate * 1.02, base * start):
+            if r > max(best_rate * SWITCH_MARGIN, base * start):
                 best_n, best_rate = n, r
         self._drafting = best_n > 0
         if best_n == 0:
@@ -383,7 +419,7 @@ class AdaptiveDraftLength:
             self._idle_rounds = 0
             self._drafting_rounds += 1
             if (best_n < limit and self._drafting_rounds % self.explore_every == 0
-                    and (self.rate(best_n + 1) or 0.0) >= 0.95 * best_rate):
+                    and (self.rate(best_n + 1) or 0.0) >= EXPLORE_MARGIN * best_rate):
                 return best_n + 1
         return best_n
 
@@ -400,7 +436,7 @@ class AdaptiveDraftLength:
         best_m, best_rate = 0, 0.0
         for m in range(self.shortest, min(offered, limit, self.n_max) + 1):
             r = self.lookup_rate(m, match) or 0.0
-            if r > best_rate * 1.02:
+            if r > best_rate * SWITCH_MARGIN:
                 best_m, best_rate = m, r
         other = (self.rate(0) if self._probing or not model else self.rate(n)) or 0.0
         if best_m == 0 or best_rate <= other:
@@ -409,3 +445,47 @@ class AdaptiveDraftLength:
             self._probing = False
             self._idle_rounds = self.probe_every
         return best_m, True
+
+    # -- the round's interface --------------------------------------------------------------
+    def plan(self, limit: int, offer: Proposal | None, runs_model: bool) -> RoundPlan:
+        if offer is None:
+            return RoundPlan(self.choose(limit))
+        n, take = self.choose_source(limit, len(offer.tokens), offer.evidence.lookup_match,
+                                     model=runs_model)
+        return RoundPlan(n, take)
+
+    def observe(self, record: RoundRecord) -> None:
+        """Learn from a round, in the order its facts arose: the model call's evidence,
+        the target pass, the verified positions, the offer's next token, the whole round."""
+        r = record
+        if r.model_call is not None:
+            self._observe_model_call(r.model_call, r.last_bonus_probs)
+        self.observe_verify(r.n_drafted + 1, r.verify_seconds)
+        if r.n_drafted:
+            self.observe_acceptance(r.n_drafted, r.n_accepted, r.lookup_match, r.accept_probs)
+            nxt = r.offer_next
+            if r.lookup_match and nxt is not None and r.n_accepted == r.n_drafted < len(r.emitted):
+                # the offer's next token against the bonus: the probability the target gave
+                # it where it drew the bonus (at temperature > 0), else whether it won
+                p = r.bonus_probs
+                hit = (float(p[nxt]) if p is not None and nxt < p.shape[0]
+                       else float(r.emitted[r.n_accepted] == nxt))
+                self.observe_position(r.n_accepted, hit, r.lookup_match)
+        self.observe_round(r.n_drafted, len(r.emitted), r.seconds, r.draft_seconds,
+                           r.lookup_match > 0)
+
+    def _observe_model_call(self, call: ModelCall, bonus_p: np.ndarray | None) -> None:
+        """A draft model's call: its cost (when steady) and its free acceptance samples."""
+        ev = call.evidence
+        if not ev.includes_catch_up:
+            self.observe_draft(call.seconds, ev.step_seconds[1:])
+        for i, hit in ev.guess_checks:
+            self.observe_position(i, hit)
+        if ev.bonus_q is not None and bonus_p is not None:
+            i, q = ev.bonus_q
+            self.observe_position(
+                i, acceptance_probability(bonus_p, to_width(q, bonus_p.shape[0])))
+        if ev.stopped_unsure and call.n_proposed < call.n_requested:
+            # stopped short for want of confidence (p_min): position n_proposed yields
+            # nothing, as a rejection there would
+            self.observe_position(call.n_proposed, False)

@@ -356,14 +356,14 @@ def test_serve_plan_keeps_lookup_and_takes_c_as_the_runner_does(
         capsys: pytest.CaptureFixture[str]) -> None:
     """`serve -c` is rounded up to whole buckets as the runner rounds it; when the draft
     is dropped, `--spec-type auto` keeps prompt lookup (it needs no memory)."""
-    from specd.daemon.cli import fit as cli_fit
     from specd.daemon.cli.main import build_parser
     from specd.daemon.cli.serve import plan_memory
+    from specd.daemon.models import building
     from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES
 
     built, _ = tiny_cost
     gguf = str(built.gguf_path)
-    monkeypatch.setattr(cli_fit, "probe_for", lambda dev: probe(64 * GiB))
+    monkeypatch.setattr(building, "probe_for", lambda dev: probe(64 * GiB))
 
     def planned(*argv: str) -> argparse.Namespace:
         args = build_parser().parse_args(["serve", "-m", gguf, "--device", "cpu", "-t", "1",
@@ -375,10 +375,10 @@ def test_serve_plan_keeps_lookup_and_takes_c_as_the_runner_does(
     assert planned("-c", "300").n_ctx == 512
     assert planned("-c", "100").n_ctx == 256
     capsys.readouterr()
-    alone = cli_fit.fit_models(gguf, device="cpu", threads=1, max_ctx=1024, margin_bytes=0,
-                               probe=probe(64 * GiB))[0].total_bytes
+    alone = building.fit_models(gguf, device="cpu", threads=1, max_ctx=1024, margin_bytes=0,
+                                probe=probe(64 * GiB))[0].total_bytes
     room = alone + DEFAULT_MARGIN_BYTES + (64 << 10)  # the target alone, not with the draft
-    monkeypatch.setattr(cli_fit, "probe_for", lambda dev: probe(room))
+    monkeypatch.setattr(building, "probe_for", lambda dev: probe(room))
     args = planned("-md", gguf, "-c", "1024")
     assert args.draft is None and args.spec_type == "ngram"
     assert "draft model dropped" in capsys.readouterr().err
@@ -389,7 +389,7 @@ def test_weights_mapped_in_place_count_as_weights(tiny_model_factory: Any, tmp_p
     """specd's kernels read their initializers where ORT maps them, so they become
     resident in the first run, not at load: they still show as weights (the 1.5B's
     showed 3 MiB of weights and 1.1 GiB of workspace)."""
-    from specd.daemon.serving.engine import build_options
+    from specd.daemon.models.building import build_options
     from specd.ort_models.model_cache import load_or_build
 
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
@@ -405,7 +405,7 @@ def test_built_model_finds_a_whole_vocabulary_cut_under_no_cut(tiny_model_factor
                                                                 tmp_path: Path) -> None:
     """A cut at or past the vocabulary is cached as no cut: `built_model` reads that
     folder's meta (no GGUF parsing, no build); a real cut is not served by it."""
-    from specd.daemon.cli.fit import built_model
+    from specd.daemon.models.building import built_model
     from specd.ort_models import model_cache
     from specd.ort_models.graph_builder import BuildOptions
 

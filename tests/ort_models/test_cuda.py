@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specd.daemon.drafters.draft_model import DraftModelDrafter
-from specd.daemon.serving.engine import build_options
+from specd.daemon.models.building import build_options
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
@@ -37,7 +37,7 @@ def _why_no_cuda() -> str | None:
         from specd.memory_fit.probes import CudaProbe
 
         CudaProbe(0).read()
-    except Exception as exc:  # noqa: BLE001 - any failure means: no usable device
+    except Exception as exc:  # any failure means: no usable device
         return f"no CUDA device: {exc}"
     return None
 
@@ -59,26 +59,26 @@ EOG = {349}
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
 
 
-def _runtime():  # noqa: ANN202
+def _runtime():
     from specd.ort_models.providers import choose_runtime
 
     return choose_runtime(DEVICE)
 
 
-def _runner(built, n_ctx: int = 512, **kw) -> ModelRunner:  # noqa: ANN001, ANN003
+def _runner(built, n_ctx: int = 512, **kw) -> ModelRunner:
     r = ModelRunner(built, n_ctx=n_ctx, runtime=_runtime(), **kw)
     assert r.session.get_providers()[0] == "CUDAExecutionProvider"
     return r
 
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)
-def case(request, tiny_model_factory):  # noqa: ANN001, ANN201
+def case(request, tiny_model_factory):
     arch, wt, kw = request.param
     path = tiny_model_factory(arch=arch, weight_type=wt, **kw)
     return path, wt, load_or_build(path, build_options("target", device=DEVICE))
 
 
-def test_auto_chooses_cuda_and_the_exact_target_graph(monkeypatch) -> None:  # noqa: ANN001
+def test_auto_chooses_cuda_and_the_exact_target_graph(monkeypatch) -> None:
     from specd.ort_models.providers import choose_runtime
 
     monkeypatch.delenv("SPECD_DEVICE", raising=False)  # conftest pins the rest to the CPU
@@ -87,7 +87,7 @@ def test_auto_chooses_cuda_and_the_exact_target_graph(monkeypatch) -> None:  # n
     assert build_options("target", device=DEVICE) == BuildOptions()
 
 
-def test_logits_match_reference(case) -> None:  # noqa: ANN001
+def test_logits_match_reference(case) -> None:
     path, wt, built = case
     want = ReferenceModel(path).forward(TOKENS)  # [S, vocab] float64
     got = _runner(built).forward(0, TOKENS, 0, list(range(len(TOKENS))))
@@ -98,7 +98,7 @@ def test_logits_match_reference(case) -> None:  # noqa: ANN001
     assert (got.argmax(-1) == want.argmax(-1))[clear].all()
 
 
-def test_verify_rows_equal_single_steps_bitwise(case) -> None:  # noqa: ANN001
+def test_verify_rows_equal_single_steps_bitwise(case) -> None:
     """The promise greedy exactness rests on, with the runner's fixed call shape."""
     _, _, built = case
     singles_r = _runner(built)
@@ -114,7 +114,7 @@ def test_verify_rows_equal_single_steps_bitwise(case) -> None:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model_factory):  # noqa: ANN001, ANN201
+def pair(tiny_model_factory):
     kw = {"arch": "qwen2", "weight_type": "Q8_0", "seed": 3, "context_length": 1024}
     target = tiny_model_factory(**kw)
     draft = tiny_model_factory(**kw, perturb=0.01)
@@ -122,7 +122,7 @@ def pair(tiny_model_factory):  # noqa: ANN001, ANN201
             load_or_build(draft, build_options("draft", device=DEVICE)))
 
 
-def _generate(target, drafter=None, **kw) -> tuple[list[int], Generation]:  # noqa: ANN001, ANN003
+def _generate(target, drafter=None, **kw) -> tuple[list[int], Generation]:
     gen = Generation(_runner(target), 0, PROMPT, GenerationParams(**kw), eog=EOG,
                      drafter=drafter)
     out = gen.prefill()
@@ -134,7 +134,7 @@ def _generate(target, drafter=None, **kw) -> tuple[list[int], Generation]:  # no
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 @pytest.mark.parametrize("n_max, adaptive", [(3, False), (7, False), (7, True)])
-def test_speculation_is_exact_on_cuda(pair, temperature, n_max, adaptive) -> None:  # noqa: ANN001
+def test_speculation_is_exact_on_cuda(pair, temperature, n_max, adaptive) -> None:
     _, _, target, draft = pair
     assert draft.options.requant == "q4" and draft.options.attention == "exact"
     sp = SamplerParams(temperature=temperature, top_k=40, seed=11)
@@ -154,7 +154,7 @@ def _specd(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_cli_generate_on_cuda(pair) -> None:  # noqa: ANN001
+def test_cli_generate_on_cuda(pair) -> None:
     target, draft, _, _ = pair
     common = ["hello hello hello world", "-n", "32", "--ignore-eos", "--device", "cuda"]
     want = _specd("generate", "-m", str(target), *common)
@@ -168,7 +168,7 @@ def test_cli_generate_on_cuda(pair) -> None:  # noqa: ANN001
     assert "No registered plugin EP" not in got.stderr  # ORT's warning per session
 
 
-def test_memory_probe_and_measure_on_cuda(pair) -> None:  # noqa: ANN001
+def test_memory_probe_and_measure_on_cuda(pair) -> None:
     from specd.memory_fit.measure import measure
     from specd.memory_fit.probes import probe_for
 

@@ -37,7 +37,7 @@ TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
 KQUANTS = ("Q4_K", "Q6_K")
 
 
-def _blocks(rng: np.random.Generator, n: int, k: int, qtype: str, std: float = 0.05):  # noqa: ANN202
+def _blocks(rng: np.random.Generator, n: int, k: int, qtype: str, std: float = 0.05):
     """Random blocks of `qtype` with their logical fields (the contract's input)."""
     make = random_kquant_blocks if qtype in KQUANTS else random_q4_blocks
     return make(rng, n, k, qtype, std)
@@ -61,7 +61,7 @@ def _session(raw: np.ndarray, ggml_type: int, k: int, n: int, lib: Path | None =
     return _graph_session(graph, lib, threads)
 
 
-def _graph_session(graph, lib: Path | None = None,  # noqa: ANN001 - onnx GraphProto
+def _graph_session(graph, lib: Path | None = None,  # onnx GraphProto
                    threads: int = 0) -> ort.InferenceSession:
     """A CPU session over a one-node graph of specd's ops (threads 0: ORT's default)."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
@@ -160,7 +160,7 @@ OTHER_BUILDS = {"plain": ("-O2",), "avx2": ("-O2", "-mavx2", "-mfma", "-mf16c")}
 
 
 @pytest.fixture(scope="module", params=list(OTHER_BUILDS))
-def portable(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:  # noqa: ANN001
+def portable(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """(name, library) of the kernels built without -march=native."""
     try:
         return request.param, native_ops.build(flags=OTHER_BUILDS[request.param],
@@ -197,7 +197,7 @@ def test_bias_input_adds_as_an_add_node_would() -> None:
         _session(blocks.pack(), 12, 512, 40, bias=bias[:39]).run(None, {"A": x})
 
 
-def _prologue_session(blocks, k: int, n: int, prologue: int, *, skip: bool = False,  # noqa: ANN001
+def _prologue_session(blocks, k: int, n: int, prologue: int, *, skip: bool = False,
                       sum_out: bool = False, normed_out: bool = False,
                       gamma: np.ndarray | None = None, eps: float = 1e-6,
                       threads: int = 2) -> ort.InferenceSession:
@@ -302,7 +302,7 @@ def test_bad_shapes_and_attributes_are_named() -> None:
 
 def test_unavailable_kernels_say_why_and_the_engine_falls_back(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from specd.daemon.serving.engine import build_options
+    from specd.daemon.models.building import build_options
 
     monkeypatch.setenv("SPECD_NATIVE", "0")
     monkeypatch.setattr(native_ops, "_cached", {})
@@ -376,7 +376,7 @@ NATIVE = BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")
 
 
 @pytest.fixture(scope="module", params=MODEL_CASES, ids=[f"{a}-{w}" for a, w in MODEL_CASES])
-def kquant_model(request, tiny_model_factory):  # noqa: ANN001, ANN201
+def kquant_model(request, tiny_model_factory):
     arch, wt = request.param
     dims = K_DIMS if wt.endswith("_K") else Q4_DIMS
     # "A+B": attn_v of type B, as Q4_K_M files have in some layers (q and k stack apart)
@@ -385,7 +385,7 @@ def kquant_model(request, tiny_model_factory):  # noqa: ANN001, ANN201
     return tiny_model_factory(arch=arch, weight_type=weights, **dims, **extra), wt
 
 
-def test_model_uses_the_kernels_and_reads_fewer_bytes(kquant_model) -> None:  # noqa: ANN001
+def test_model_uses_the_kernels_and_reads_fewer_bytes(kquant_model) -> None:
     import onnx
 
     path, wt = kquant_model
@@ -415,7 +415,7 @@ def test_model_uses_the_kernels_and_reads_fewer_bytes(kquant_model) -> None:  # 
         assert sorted(set(prologues)) == [1, 2]
 
 
-def test_model_logits_match_reference(kquant_model) -> None:  # noqa: ANN001
+def test_model_logits_match_reference(kquant_model) -> None:
     path, _ = kquant_model
     r = ModelRunner(load_or_build(path, NATIVE), n_ctx=256)
     want = ReferenceModel(path).forward(TOKENS)
@@ -430,7 +430,7 @@ def test_model_logits_match_reference(kquant_model) -> None:  # noqa: ANN001
     assert (got.argmax(-1) == want.argmax(-1))[clear].all()
 
 
-def test_model_block_equals_single_steps_bitwise(kquant_model) -> None:  # noqa: ANN001
+def test_model_block_equals_single_steps_bitwise(kquant_model) -> None:
     built = load_or_build(kquant_model[0], NATIVE)
     singles_r = ModelRunner(built, n_ctx=512)
     singles = np.stack([singles_r.forward(0, [t], i)[0] for i, t in enumerate(TOKENS)])
@@ -703,7 +703,7 @@ ATTN_CASES = [("qwen2", {}), ("llama", {"n_head_kv": 4}), ("qwen3", {}),
 
 @pytest.mark.parametrize("kv", ["f32", "f16"])
 @pytest.mark.parametrize("arch, kw", ATTN_CASES, ids=[a + str(kw) for a, kw in ATTN_CASES])
-def test_native_attention_model_matches_reference(tiny_model_factory, arch, kw, kv) -> None:  # noqa: ANN001
+def test_native_attention_model_matches_reference(tiny_model_factory, arch, kw, kv) -> None:
     """attention="native" in fp32 (f32 or f16 cache): prefill across a bucket boundary as
     the reference says, and a verify block equal to single steps bit for bit."""
     path = tiny_model_factory(arch=arch, weight_type="F32", context_length=1024, **kw)
@@ -729,7 +729,7 @@ def test_cc_may_carry_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     if cc is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("CC", f"{cc} -O2")
-    assert native_ops._compiler_command() == [cc, "-O2"]  # noqa: SLF001
+    assert native_ops._compiler_command() == [cc, "-O2"]
     assert native_ops.compiler() == cc
     monkeypatch.setenv("CC", "no-such-compiler-here -m64")
     assert native_ops.compiler() is None

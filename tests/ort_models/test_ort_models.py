@@ -31,7 +31,7 @@ TOKENS = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)
-def case(request, tiny_model_factory):  # noqa: ANN001, ANN201
+def case(request, tiny_model_factory):
     arch, wt, kw = request.param
     return tiny_model_factory(arch=arch, weight_type=wt, **kw), wt
 
@@ -40,7 +40,7 @@ def _all_rows(r: ModelRunner, toks: list[int], pos: int = 0) -> np.ndarray:
     return r.forward(0, toks, pos, list(range(len(toks))))
 
 
-def test_logits_match_reference_exactly_in_fp32(case) -> None:  # noqa: ANN001
+def test_logits_match_reference_exactly_in_fp32(case) -> None:
     """accuracy_level 1 computes in fp32: the repacking itself must be lossless."""
     path, _ = case
     r = ModelRunner(load_or_build(path, BuildOptions(accuracy_level=1)), n_ctx=256)
@@ -50,7 +50,7 @@ def test_logits_match_reference_exactly_in_fp32(case) -> None:  # noqa: ANN001
     assert rel < 2e-5, rel
 
 
-def test_logits_match_reference_at_accuracy_level_4(case) -> None:  # noqa: ANN001
+def test_logits_match_reference_at_accuracy_level_4(case) -> None:
     """int8 activations (as llama.cpp on CPU): small error, same greedy where clear."""
     path, wt = case
     r = ModelRunner(load_or_build(path), n_ctx=256)
@@ -83,7 +83,7 @@ def test_greedy_32_steps_matches_reference(tiny_model_factory) -> None:
         assert got == want[-32:]
 
 
-def test_multi_token_block_equals_single_steps_bitwise(case) -> None:  # noqa: ANN001
+def test_multi_token_block_equals_single_steps_bitwise(case) -> None:
     path, _ = case
     built = load_or_build(path)
     singles_r = ModelRunner(built, n_ctx=512)
@@ -126,7 +126,7 @@ def test_bucket_crossing_prefill_matches_reference(tiny_model_factory) -> None:
 
 @pytest.mark.parametrize("arch, kw", [("qwen2", {}), ("llama", {"n_head_kv": 4}),
                                       ("qwen3", {}), ("llama", {"rope_dim": 8})])
-def test_fused_attention_matches_reference(tiny_model_factory, arch, kw) -> None:  # noqa: ANN001
+def test_fused_attention_matches_reference(tiny_model_factory, arch, kw) -> None:
     """attention="fused" (GroupQueryAttention, drafts): chunked prefill across a bucket
     boundary, a multi-token block and a rolled-back block, all as the reference says."""
     path = tiny_model_factory(arch=arch, weight_type="F32", context_length=1024, **kw)
@@ -156,11 +156,50 @@ def test_hidden_state_outputs(tiny_model_factory) -> None:
     path = tiny_model_factory(arch="llama", weight_type="F32")
     built = load_or_build(path, BuildOptions(hidden_layers=(0, 1)))
     r = ModelRunner(built, n_ctx=256)
-    logits, hidden = r.forward(0, TOKENS, 0, hidden=True)
-    assert sorted(hidden) == ["hidden_0", "hidden_1"]
-    assert hidden["hidden_0"].shape == (len(TOKENS), 64)
+    assert r.feature_layers == (0, 1)
+    logits, hidden = r.forward_with_features(0, TOKENS, 0)
+    assert sorted(hidden) == [0, 1]
+    assert hidden[0].shape == (len(TOKENS), 64)
     assert np.array_equal(logits, ModelRunner(load_or_build(path), n_ctx=256)
                           .forward(0, TOKENS, 0))
+    _, only = r.forward_with_features(0, TOKENS, 0, layers=[1])
+    assert sorted(only) == [1] and np.array_equal(only[1], hidden[1])
+    with pytest.raises(ValueError, match="not \\[2\\]"):
+        r.forward_with_features(0, TOKENS, 0, layers=[2])
+
+
+def test_prefill_features_are_the_forward_features(tiny_model_factory) -> None:
+    """A prompt evaluated in bucket-sized chunks gives each token's hidden states as one
+    call over the whole prompt does (the rows are computed alike, whatever the call)."""
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", context_length=512)
+    built = load_or_build(path, BuildOptions(hidden_layers=(1,)))
+    prompt = [(i * 37) % 300 + 3 for i in range(300)]
+    chunked = ModelRunner(built, n_ctx=512)
+    last, features = chunked.prefill_with_features(0, prompt, 0, chunk=128)
+    whole = ModelRunner(built, n_ctx=512)
+    logits, want = whole.forward_with_features(0, prompt, 0, [len(prompt) - 1])
+    assert features[1].shape == (len(prompt), 64)
+    np.testing.assert_allclose(features[1], want[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(last, logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_runners_can_share_one_kv_cache(tiny_model_factory) -> None:
+    """Two sessions bound to one KVCache see each other's rows: what one evaluates, the
+    other attends to (a drafter's injection and block graphs share a draft cache so)."""
+    path = tiny_model_factory(arch="qwen2", weight_type="F32")
+    built = load_or_build(path)
+    alone = ModelRunner(built, n_ctx=256)
+    want = alone.forward(0, TOKENS, 0, [len(TOKENS) - 1])
+    first = ModelRunner(built, n_ctx=256)
+    second = ModelRunner(built, n_ctx=256, kv=first.kv)
+    assert second.kv is first.kv and second.n_seq == first.n_seq == 1
+    first.forward(0, TOKENS[:-1], 0)  # writes rows 0..n-2 of the shared cache
+    got = second.forward(0, TOKENS[-1:], len(TOKENS) - 1)  # attends to them
+    np.testing.assert_array_equal(got, want)
+    assert second.add_sequence() == 1 and first.kv.n_seq == 2
+    other = load_or_build(tiny_model_factory(arch="llama", weight_type="F32", n_layer=3))
+    with pytest.raises(ValueError, match="shared KV cache"):
+        ModelRunner(other, n_ctx=256, kv=first.kv)
 
 
 def _calls(r: ModelRunner, *, hidden: bool = False) -> list[np.ndarray]:
@@ -175,8 +214,11 @@ def _calls(r: ModelRunner, *, hidden: bool = False) -> list[np.ndarray]:
                             ([TOKENS[0]], 12, None), (fill[13:254], 13, None),
                             ([7, 8], 254, [0, 1]), (fill[256:510], 256, None),
                             ([9], 510, None), ([10], 511, None)):
-        res = r.forward(0, toks, pos, rows, hidden=hidden)
-        out += [res[0], *res[1].values()] if hidden else [res]
+        if hidden:
+            logits, features = r.forward_with_features(0, toks, pos, rows)
+            out += [logits, *features.values()]
+        else:
+            out.append(r.forward(0, toks, pos, rows))
     return out
 
 
@@ -278,7 +320,7 @@ def test_second_load_does_not_rebuild(tiny_model_factory) -> None:
 
 
 def test_a_build_removes_graphs_of_other_builder_versions(tiny_model_factory, tmp_path,
-                                                          monkeypatch) -> None:  # noqa: ANN001
+                                                          monkeypatch) -> None:
     from specd.ort_models.model_cache import BUILDER_VERSION
 
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))  # a cache of its own
@@ -309,7 +351,7 @@ print(json.dumps({"built_now": built.built_now, "finite": bool(abs(logits).max()
 
 
 def test_two_processes_loading_one_new_graph_build_it_once(tiny_model_factory, tmp_path,
-                                                           monkeypatch) -> None:  # noqa: ANN001
+                                                           monkeypatch) -> None:
     """Started together on an empty cache: one builds, the other waits for it and loads
     the complete graph (before, both built and the second removed the folder the first
     was loading: NO_SUCHFILE)."""
@@ -333,7 +375,7 @@ def test_two_processes_loading_one_new_graph_build_it_once(tiny_model_factory, t
 
 
 def test_leftovers_of_killed_builds_and_damaged_graphs(tiny_model_factory, tmp_path,
-                                                       monkeypatch) -> None:  # noqa: ANN001
+                                                       monkeypatch) -> None:
     """A build killed mid-way (SIGTERM, SIGKILL) leaves its scratch folder: the next build
     of that graph removes it. A damaged graph (a file cut short) is rebuilt, not trusted."""
     import subprocess
@@ -366,7 +408,7 @@ def test_leftovers_of_killed_builds_and_damaged_graphs(tiny_model_factory, tmp_p
 
 
 def test_a_graph_ort_cannot_load_names_its_folder(tiny_model_factory, tmp_path,
-                                                  monkeypatch) -> None:  # noqa: ANN001
+                                                  monkeypatch) -> None:
     from specd.ort_models.runner import GraphLoadError
 
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
@@ -378,7 +420,7 @@ def test_a_graph_ort_cannot_load_names_its_folder(tiny_model_factory, tmp_path,
 
 
 def test_an_unwritable_hash_memo_does_not_stop_a_load(tiny_model_factory, tmp_path,
-                                                      monkeypatch) -> None:  # noqa: ANN001
+                                                      monkeypatch) -> None:
     """The content-hash memo is only a memo: a full (here: unwritable) cache still loads."""
     from specd.ort_models.gguf_file import content_hash
 
@@ -398,7 +440,7 @@ def test_an_unwritable_hash_memo_does_not_stop_a_load(tiny_model_factory, tmp_pa
     ("unsupported_q2_k", "blk.0.ffn_up.weight.*Q2_K"),
     ("missing_tensor", "missing tensor 'blk.1.ffn_down.weight'"),
 ])
-def test_bad_files_give_one_clear_error(tmp_path, variant, message) -> None:  # noqa: ANN001
+def test_bad_files_give_one_clear_error(tmp_path, variant, message) -> None:
     paths = write_corrupt_variants(tmp_path)
     with pytest.raises(GGUFError, match=message) as info:
         load_or_build(paths[variant])
@@ -406,7 +448,7 @@ def test_bad_files_give_one_clear_error(tmp_path, variant, message) -> None:  # 
     assert paths[variant].name in str(info.value)  # which file (a target's or a draft's)
 
 
-def _patch_uint32(src, dst, key: str, value: int):  # noqa: ANN001, ANN202
+def _patch_uint32(src, dst, key: str, value: int):
     """A copy of GGUF `src` whose uint32 metadata `key` holds `value` (same length)."""
     blob = bytearray(src.read_bytes())
     raw = key.encode()
@@ -430,7 +472,7 @@ def _patch_uint32(src, dst, key: str, value: int):  # noqa: ANN001, ANN202
     ("llama.rope.dimension_count", 1000, "rope.dimension_count is 1000;.*head dimension 16"),
 ])
 def test_metadata_disagreeing_with_the_tensors_is_named(tmp_path, key, value,
-                                                         message) -> None:  # noqa: ANN001
+                                                         message) -> None:
     good = write_tiny_gguf(tmp_path / "good.gguf", arch="llama", weight_type="Q8_0")
     bad = _patch_uint32(good, tmp_path / "bad.gguf", key, value)
     with pytest.raises(GGUFError, match=message) as info:
@@ -438,7 +480,7 @@ def test_metadata_disagreeing_with_the_tensors_is_named(tmp_path, key, value,
     assert "\n" not in str(info.value) and "bad.gguf" in str(info.value)
 
 
-def _patch_tensor_dim(src, dst, name: str, axis: int, value: int):  # noqa: ANN001, ANN202
+def _patch_tensor_dim(src, dst, name: str, axis: int, value: int):
     """A copy of GGUF `src` whose tensor `name` claims `value` along GGUF axis `axis`."""
     blob = bytearray(src.read_bytes())
     raw = name.encode()
@@ -451,7 +493,7 @@ def _patch_tensor_dim(src, dst, name: str, axis: int, value: int):  # noqa: ANN0
     return dst
 
 
-def test_a_later_layer_disagreeing_with_the_metadata_is_named(tmp_path) -> None:  # noqa: ANN001
+def test_a_later_layer_disagreeing_with_the_metadata_is_named(tmp_path) -> None:
     """Every layer is checked, not only the first (a wrong shape in layer 1 failed at the
     first token, inside ONNX Runtime)."""
     good = write_tiny_gguf(tmp_path / "good.gguf", arch="llama", weight_type="Q8_0")
@@ -461,7 +503,7 @@ def test_a_later_layer_disagreeing_with_the_metadata_is_named(tmp_path) -> None:
     assert "bad.gguf" in str(info.value)
 
 
-def test_impossible_tensor_sizes_and_duplicates_are_named(tmp_path) -> None:  # noqa: ANN001
+def test_impossible_tensor_sizes_and_duplicates_are_named(tmp_path) -> None:
     good = write_tiny_gguf(tmp_path / "good.gguf", arch="llama", weight_type="Q8_0")
     huge = _patch_tensor_dim(good, tmp_path / "huge.gguf", "blk.0.ffn_up.weight", 1, 2**62)
     with pytest.raises(GGUFError, match="huge.gguf: truncated file: tensor 'blk.0.ffn_up"):
@@ -475,7 +517,7 @@ def test_impossible_tensor_sizes_and_duplicates_are_named(tmp_path) -> None:  # 
         load_or_build(dup)
 
 
-def _requantized_reference(path, kind: str) -> ReferenceModel:  # noqa: ANN001
+def _requantized_reference(path, kind: str) -> ReferenceModel:
     """The reference with every multiplied matrix replaced by its 4-bit re-quantization
     (the embedding lookup keeps the GGUF's exact rows)."""
     from specd.ort_models.quant import requant_block_size, requantize_q4
@@ -581,7 +623,7 @@ def test_bytes_read_per_token_leave_out_only_row_lookups(tiny_model_factory) -> 
     assert g_tied.bytes_read_per_token() == sum(t.data.nbytes for t in g_tied.tensors.values())
 
 
-def test_runtime_choice_and_session_providers(monkeypatch) -> None:  # noqa: ANN001
+def test_runtime_choice_and_session_providers(monkeypatch) -> None:
     import onnxruntime as ort
 
     from specd.ort_models.providers import choose_runtime, session_providers
@@ -605,7 +647,7 @@ def test_runtime_choice_and_session_providers(monkeypatch) -> None:  # noqa: ANN
                                            "CPUExecutionProvider"]
 
 
-def test_a_cuda_build_without_usable_cuda_falls_back_or_says_why(monkeypatch) -> None:  # noqa: ANN001
+def test_a_cuda_build_without_usable_cuda_falls_back_or_says_why(monkeypatch) -> None:
     """onnxruntime-gpu lists its CUDA EP even where the CUDA libraries (or the device) are
     missing: "auto" must then take the CPU and say why, and an explicit cuda device must
     be a clear error, not a crash at the first session."""
@@ -627,7 +669,7 @@ def test_a_cuda_build_without_usable_cuda_falls_back_or_says_why(monkeypatch) ->
 
 @pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels did not compile")
 def test_a_graph_with_specds_cpu_kernels_runs_on_the_cpu(tiny_model_factory,
-                                                        monkeypatch) -> None:  # noqa: ANN001
+                                                        monkeypatch) -> None:
     from specd.ort_models.providers import RuntimeChoice
 
     built = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q4_K", **K_DIMS),

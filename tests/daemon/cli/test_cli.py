@@ -18,7 +18,7 @@ def specd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_generate_streams_text_to_stdout_and_stats_to_stderr(tiny_model_factory) -> None:  # noqa: ANN001
+def test_generate_streams_text_to_stdout_and_stats_to_stderr(tiny_model_factory) -> None:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
     r = specd("generate", "-m", str(path), "hello world", "-n", "12", "--ignore-eos",
               "--spec-type", "ngram", "--json")
@@ -28,7 +28,7 @@ def test_generate_streams_text_to_stdout_and_stats_to_stderr(tiny_model_factory)
     assert r.stdout.strip()
 
 
-def test_generate_with_draft_model_and_prompt_lookup(tiny_model_factory) -> None:  # noqa: ANN001
+def test_generate_with_draft_model_and_prompt_lookup(tiny_model_factory) -> None:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
     draft = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12, perturb=0.01)
     want = specd("generate", "-m", str(path), "hello hello hello world", "-n", "24",
@@ -44,7 +44,7 @@ def test_generate_with_draft_model_and_prompt_lookup(tiny_model_factory) -> None
     assert r.returncode != 0 and "--spec-type draft+ngram needs a draft model" in r.stderr
 
 
-def test_prompt_file_and_chat(tiny_model_factory, tmp_path) -> None:  # noqa: ANN001
+def test_prompt_file_and_chat(tiny_model_factory, tmp_path) -> None:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
     pf = tmp_path / "p.txt"
     pf.write_text("hello world\n")
@@ -56,7 +56,7 @@ def test_prompt_file_and_chat(tiny_model_factory, tmp_path) -> None:  # noqa: AN
 
 
 @pytest.mark.parametrize("variant", ["truncated", "garbage", "unknown_arch", "unsupported_type"])
-def test_bad_files_are_one_line_errors(tmp_path, variant) -> None:  # noqa: ANN001
+def test_bad_files_are_one_line_errors(tmp_path, variant) -> None:
     bad = write_corrupt_variants(tmp_path)[variant]
     r = specd("generate", "-m", str(bad), "hi", "-n", "2")
     assert r.returncode == 1
@@ -64,7 +64,7 @@ def test_bad_files_are_one_line_errors(tmp_path, variant) -> None:  # noqa: ANN0
     assert lines[-1].startswith("specd: error:") and "Traceback" not in r.stderr, r.stderr
 
 
-def test_device_errors_are_one_line(tiny_model_factory) -> None:  # noqa: ANN001
+def test_device_errors_are_one_line(tiny_model_factory) -> None:
     import onnxruntime as ort
 
     path = str(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12))
@@ -77,7 +77,7 @@ def test_device_errors_are_one_line(tiny_model_factory) -> None:  # noqa: ANN001
         assert "CUDA EP not available: the CPU package onnxruntime is installed" in r.stderr
 
 
-def test_serve_setup_errors_are_one_line(tiny_model_factory, tmp_path) -> None:  # noqa: ANN001
+def test_serve_setup_errors_are_one_line(tiny_model_factory, tmp_path) -> None:
     """What `specd serve` (and so `specd start` and the service) meets before it listens:
     the memory plan's errors and out-of-range flags, as one line each."""
     path = str(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12))
@@ -96,7 +96,7 @@ def test_serve_setup_errors_are_one_line(tiny_model_factory, tmp_path) -> None: 
         assert r.returncode == 2 and want in r.stderr, r.stderr
 
 
-def test_output_piped_into_head_ends_quietly(tiny_model_factory) -> None:  # noqa: ANN001
+def test_output_piped_into_head_ends_quietly(tiny_model_factory) -> None:
     path = str(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12))
     r = subprocess.run(f"{sys.executable} -m specd.daemon.cli generate -m {path} hi -n 480 "
                        "--ignore-eos | head -c 1", shell=True, capture_output=True, text=True,
@@ -119,7 +119,7 @@ def test_unknown_model_name_lists_the_catalog() -> None:
     assert r.returncode == 1 and "qwen2.5-coder-1.5b-instruct" in r.stderr
 
 
-def test_synthetic_needs_rates(tiny_model_factory) -> None:  # noqa: ANN001
+def test_synthetic_needs_rates(tiny_model_factory) -> None:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
     r = specd("generate", "-m", str(path), "hi", "--spec-type", "synthetic")
     assert r.returncode == 1 and "--spec-synthetic-rates" in r.stderr
@@ -150,14 +150,14 @@ def test_models_info_explains_compatibility() -> None:
     (["--prompts", "code,poetry"], "unknown prompt 'poetry'"),
     (["--temperatures", "0,warm"], "--temperatures takes numbers"),
 ])
-def test_bench_refuses_bad_choices_before_loading(tiny_model_factory, args, message) -> None:  # noqa: ANN001
+def test_bench_refuses_bad_choices_before_loading(tiny_model_factory, args, message) -> None:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
     r = specd("bench", "-m", str(path), "--no-draft", *args, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_bench_runs_end_to_end(tiny_model_factory, tmp_path) -> None:  # noqa: ANN001
+def test_bench_runs_end_to_end(tiny_model_factory, tmp_path) -> None:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12)
     r = specd("bench", "-m", str(path), "--no-draft", "--configs", "target-only,ngram n_max=4",
               "--prompts", "code", "--temperatures", "0", "-n", "8", "--repeats", "1",
@@ -169,7 +169,7 @@ def test_bench_runs_end_to_end(tiny_model_factory, tmp_path) -> None:  # noqa: A
     assert "× bound" in r.stdout and (tmp_path / "bench.png").is_file()
 
 
-def test_models_info_describes_an_architecture_specd_cannot_run(tmp_path) -> None:  # noqa: ANN001
+def test_models_info_describes_an_architecture_specd_cannot_run(tmp_path) -> None:
     from tiny_gguf import write_corrupt_variants
 
     path = write_corrupt_variants(tmp_path)["unknown_arch"]
@@ -195,7 +195,7 @@ def test_token_and_thread_counts_are_range_checked() -> None:
 def test_draft_vocab_reaches_the_engine_config_and_is_range_checked() -> None:
     from specd.daemon.cli.generate import engine_config_from_args
     from specd.daemon.cli.main import build_parser
-    from specd.daemon.serving.engine import DRAFT_VOCAB_ROWS
+    from specd.daemon.models.building import DRAFT_VOCAB_ROWS
 
     parser = build_parser()
     for argv, want in ((["generate", "hi"], DRAFT_VOCAB_ROWS),

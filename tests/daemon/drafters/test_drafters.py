@@ -29,7 +29,7 @@ def scan_lookup(history: list[int], last: int, n_max: int, min_ngram: int, max_n
 
 @pytest.mark.parametrize("min_ngram,max_ngram,max_history", [
     (2, 4, 8192), (1, 3, 8192), (2, 4, 24), (3, 3, 40)])
-def test_ngram_index_finds_what_a_scan_finds(min_ngram, max_ngram, max_history) -> None:  # noqa: ANN001
+def test_ngram_index_finds_what_a_scan_finds(min_ngram, max_ngram, max_history) -> None:
     rng = random.Random(min_ngram * 100 + max_ngram * 10 + max_history)
     d = NgramDrafter(min_ngram=min_ngram, max_ngram=max_ngram, max_history=max_history)
     history = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
@@ -39,9 +39,9 @@ def test_ngram_index_finds_what_a_scan_finds(min_ngram, max_ngram, max_history) 
         last = rng.randrange(4) if rng.random() < 0.7 else rng.randrange(4, 6)
         n_max = rng.randrange(1, 9)
         want, match = scan_lookup(history, last, n_max, min_ngram, max_ngram, max_history)
-        got = d.draft(0, last, len(history), n_max, DraftParams(n_max=n_max))
+        got = d.offer(0, last, len(history), n_max)
         assert got.tokens == want
-        assert got.lookup == bool(want) and got.match == (match if want else 0)
+        assert got.is_lookup == bool(want) and got.evidence.lookup_match == (match if want else 0)
         found += bool(want)
         grown = [last] + [rng.randrange(6) for _ in range(rng.randrange(0, 5))]
         history += grown
@@ -60,28 +60,30 @@ def test_ngram_sequences_are_apart() -> None:
 
 
 @pytest.fixture(scope="module")
-def draft_runner(tiny_model_factory):  # noqa: ANN001, ANN201
+def draft_runner(tiny_model_factory):
     built = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
                                              context_length=1024))
     return ModelRunner(built, n_ctx=256)
 
 
-def test_hybrid_drafts_from_the_lookup_first_then_the_model(draft_runner) -> None:  # noqa: ANN001
+def test_hybrid_offers_the_lookup_and_drafts_with_the_model(draft_runner) -> None:
     model = DraftModelDrafter(draft_runner)
     h = HybridDrafter(model)
+    assert h.runs_model and not NgramDrafter.runs_model
     prompt = [348, 20, 31, 42, 53, 64, 20, 31]
     h.begin(0, prompt)
     params = DraftParams(n_max=3)
     # the tail (31, 42)'s earlier occurrence is followed by 53, 64, 20
-    d = h.draft(0, 42, len(prompt), 3, params)
-    assert d.tokens == [53, 64, 20] and d.lookup
-    assert d.match == 3  # the tail (20, 31, 42) occurred before
+    d = h.offer(0, 42, len(prompt), 3)
+    assert d.tokens == [53, 64, 20] and d.is_lookup
+    assert d.evidence.lookup_match == 3  # the tail (20, 31, 42) occurred before
     h.accept(0, 3)
     h.process(0, [42, 53, 64, 20])
-    # nothing repeats the tail (20, 99): the model drafts, as it would alone
+    # nothing repeats the tail (20, 99): no offer; the model drafts, as it would alone
     pos = len(prompt) + 4
+    assert h.offer(0, 99, pos, 3).tokens == []
     d = h.draft(0, 99, pos, 3, params)
-    assert not d.lookup and len(d.tokens) == 3
+    assert not d.is_lookup and len(d.tokens) == 3
     alone = DraftModelDrafter(draft_runner)
     alone.begin(1, prompt + [42, 53, 64, 20])
     assert alone.draft(1, 99, pos, 3, params).tokens == d.tokens

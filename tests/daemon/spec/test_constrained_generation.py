@@ -36,7 +36,7 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_factory):  # noqa: ANN001, ANN201
+def setup(tiny_model_factory):
     tp = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=8, context_length=1024)
     dp = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=8, perturb=0.01,
                             context_length=1024)
@@ -44,7 +44,7 @@ def setup(tiny_model_factory):  # noqa: ANN001, ANN201
     return load_or_build(tp), load_or_build(dp), tok, tp
 
 
-def _run(built, tok, schema, *, drafter=None, **kw):  # noqa: ANN001, ANN003, ANN202
+def _run(built, tok, schema, *, drafter=None, **kw):
     grammar = compile_constraint("json_schema", schema, tok).start()
     prompt = tok.encode("<|im_start|>user\ngive json<|im_end|>\n<|im_start|>assistant\n")
     gen = Generation(ModelRunner(built, n_ctx=512), 0, prompt, GenerationParams(**kw),
@@ -56,7 +56,7 @@ def _run(built, tok, schema, *, drafter=None, **kw):  # noqa: ANN001, ANN003, AN
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "nested", "pattern"])
-def test_outputs_validate_and_greedy_is_identical_with_a_draft(setup, schema) -> None:  # noqa: ANN001
+def test_outputs_validate_and_greedy_is_identical_with_a_draft(setup, schema) -> None:
     target, draft, tok, _ = setup
     want, g0 = _run(target, tok, schema, max_tokens=200)
     assert g0.finish_reason == "stop", g0.finish_reason
@@ -73,7 +73,7 @@ def test_outputs_validate_and_greedy_is_identical_with_a_draft(setup, schema) ->
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "nested", "pattern"])
 @pytest.mark.parametrize("probabilistic", [False, True])
-def test_sampled_outputs_validate(setup, schema, probabilistic) -> None:  # noqa: ANN001
+def test_sampled_outputs_validate(setup, schema, probabilistic) -> None:
     target, draft, tok, _ = setup
     for seed in range(3):
         out, gen = _run(target, tok, schema, max_tokens=200,
@@ -84,7 +84,7 @@ def test_sampled_outputs_validate(setup, schema, probabilistic) -> None:  # noqa
         jsonschema.validate(json.loads(tok.decode(out, skip_special=True)), schema)
 
 
-def test_http_response_format_and_bad_constraints(setup, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_http_response_format_and_bad_constraints(setup, tmp_path, monkeypatch) -> None:
     *_, path = setup
     monkeypatch.setenv("SPECD_STATE_DIR", str(tmp_path / "state"))
     cfg = EngineConfig(target=str(path), spec_type="ngram", n_ctx=512, slots=1)

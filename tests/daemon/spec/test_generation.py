@@ -11,8 +11,8 @@ from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.synthetic import SyntheticDrafter
-from specd.daemon.serving.engine import DRAFT_VOCAB_ROWS, build_options, target_kernels
-from specd.daemon.spec.drafter import Draft, DraftParams
+from specd.daemon.models.building import DRAFT_VOCAB_ROWS, build_options, target_kernels
+from specd.daemon.spec.drafter import DraftEvidence, DraftParams, Proposal
 from specd.daemon.spec.generation import Generation, GenerationParams, RequestError
 from specd.daemon.spec.sampling import Sampler, SamplerParams
 from specd.ort_models.graph_builder import BuildOptions
@@ -24,7 +24,7 @@ PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model_factory):  # noqa: ANN001, ANN201
+def models(tiny_model_factory):
     target = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
                                               context_length=1024))
     draft = load_or_build(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=3,
@@ -32,7 +32,7 @@ def models(tiny_model_factory):  # noqa: ANN001, ANN201
     return target, draft
 
 
-def run(target, drafter=None, *, n_ctx=512, prompt=PROMPT, row_block=None, **kw):  # noqa: ANN001, ANN003, ANN201
+def run(target, drafter=None, *, n_ctx=512, prompt=PROMPT, row_block=None, **kw):
     runner = ModelRunner(target, n_ctx=n_ctx, row_block=row_block)
     params = GenerationParams(**kw)
     gen = Generation(runner, 0, prompt, params, eog=EOG, drafter=drafter)
@@ -51,11 +51,11 @@ def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
 
 
-def draft_drafter(draft, n_ctx=512):  # noqa: ANN001, ANN201
+def draft_drafter(draft, n_ctx=512):
     return DraftModelDrafter(ModelRunner(draft, n_ctx=n_ctx))
 
 
-def sampled_twice(target, draft, *, temperature: float, seed: int):  # noqa: ANN001, ANN201
+def sampled_twice(target, draft, *, temperature: float, seed: int):
     """Two seeded rejection-sampled runs (draft n_max=4): (tokens, tokens, first run)."""
     sp = SamplerParams(temperature=temperature, seed=seed)
     dp = DraftParams(n_max=4, probabilistic=True)
@@ -68,7 +68,7 @@ def sampled_twice(target, draft, *, temperature: float, seed: int):  # noqa: ANN
 
 @pytest.mark.parametrize("n_max", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("p_min", [0.0, 0.5])
-def test_greedy_speculation_is_byte_identical(models, n_max, p_min) -> None:  # noqa: ANN001
+def test_greedy_speculation_is_byte_identical(models, n_max, p_min) -> None:
     target, draft = models
     want, _ = run(target, max_tokens=64, ignore_eos=True)
     got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
@@ -80,7 +80,7 @@ def test_greedy_speculation_is_byte_identical(models, n_max, p_min) -> None:  # 
 
 
 @pytest.mark.parametrize("n_max", [3, 8])
-def test_speculation_with_a_fixed_row_block(models, n_max) -> None:  # noqa: ANN001
+def test_speculation_with_a_fixed_row_block(models, n_max) -> None:
     """The target runner's fixed call shape (CUDA's) on the CPU, where rows do not depend
     on it: verify blocks are capped at the row block, and the output is the target's.
     (That the fixed shape makes rows exact on CUDA is tests/ort_models/test_cuda.py's to show.)"""
@@ -92,7 +92,7 @@ def test_speculation_with_a_fixed_row_block(models, n_max) -> None:  # noqa: ANN
     assert gen.stats.rounds > 0 and max(gen.stats.draft_lengths) <= 3  # row block 4
 
 
-def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None:  # noqa: ANN001
+def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None:
     """A draft built as the engine builds drafts (re-quantized to 4 bits, fused attention,
     neither batch-invariant nor exact) changes acceptance only."""
     target, _ = models
@@ -126,7 +126,7 @@ def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None
     ("F16", 320, 448),  # K = 320 and 448: the draft's Q4_K rows end inside a superblock
 ])
 def test_gguf_kernel_target_with_q4k_draft_is_byte_identical(
-        tiny_model_factory, n_max: int, weights: str, n_embd: int,  # noqa: ANN001
+        tiny_model_factory, n_max: int, weights: str, n_embd: int,
         n_ff: int) -> None:
     """A target and a Q4_K-requantized draft of a perturbed copy of it (specd's kernels):
     the output is the target's, and the draft proposes far better than chance (a kernel
@@ -148,7 +148,7 @@ def test_gguf_kernel_target_with_q4k_draft_is_byte_identical(
     assert first > 0.1, gen.stats.per_position_acceptance()
 
 
-def test_draft_equal_to_target_accepts_everything(models) -> None:  # noqa: ANN001
+def test_draft_equal_to_target_accepts_everything(models) -> None:
     target, _ = models
     want, _ = run(target, max_tokens=40, ignore_eos=True)
     got, gen = run(target, draft_drafter(target), max_tokens=40, ignore_eos=True,
@@ -158,7 +158,7 @@ def test_draft_equal_to_target_accepts_everything(models) -> None:  # noqa: ANN0
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_ngram_speculation_is_byte_identical(models, adaptive, monkeypatch) -> None:  # noqa: ANN001
+def test_ngram_speculation_is_byte_identical(models, adaptive, monkeypatch) -> None:
     """Prompt lookup alone; under the adaptive controller each round verifies the offer
     or takes a plain step (there is no model to draft)."""
     target, _ = models
@@ -172,7 +172,7 @@ def test_ngram_speculation_is_byte_identical(models, adaptive, monkeypatch) -> N
     assert gen.stats.rounds > 0 and gen.stats.rounds == gen.stats.lookup_rounds
 
 
-def test_a_sampled_lookups_next_token_counts_its_target_probability(models, monkeypatch) -> None:  # noqa: ANN001
+def test_a_sampled_lookups_next_token_counts_its_target_probability(models, monkeypatch) -> None:
     """After a fully accepted lookup offer, the offer's next token is weighed against the
     target's distribution of the bonus: at temperature > 0 a probability, not a hit."""
     target, _ = models
@@ -184,15 +184,15 @@ def test_a_sampled_lookups_next_token_counts_its_target_probability(models, monk
         """Offers what the target will draw (verified greedily, one uniform per emitted
         token: the target-only tokens), one more than asked."""
 
-        def draft(self, seq, last, pos, n_max, params, grammar=None):  # noqa: ANN001, ANN202
+        def offer(self, seq, last, pos, n_max):
             j = pos - len(PROMPT)  # want[j] is `last`
-            return Draft(want[j + 1:j + 2 + n_max], match=4)
+            return Proposal(want[j + 1:j + 2 + n_max], evidence=DraftEvidence(lookup_match=4))
 
     runner = ModelRunner(target, n_ctx=512)
     gen = Generation(runner, 0, PROMPT, GenerationParams(
         max_tokens=40, ignore_eos=True, sampling=sp, draft=DraftParams(n_max=3),
         adaptive=True), eog=EOG, drafter=Foresight())
-    a = gen.adaptive
+    a = gen.policy
     assert a is not None
     seen: list[float] = []
     pos = a.observe_position
@@ -208,7 +208,7 @@ def test_a_sampled_lookups_next_token_counts_its_target_probability(models, monk
 
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_draft_and_lookup_speculation_is_byte_identical(models, adaptive, temperature,  # noqa: ANN001
+def test_draft_and_lookup_speculation_is_byte_identical(models, adaptive, temperature,
                                                        monkeypatch) -> None:
     """Rounds drafted by the lookup and rounds drafted by the model, verified greedily,
     give the target-only output (sampled too: one uniform per emitted token either way)."""
@@ -229,7 +229,7 @@ def test_draft_and_lookup_speculation_is_byte_identical(models, adaptive, temper
         assert s.rounds > s.lookup_rounds
 
 
-def test_adaptive_is_byte_identical(models) -> None:  # noqa: ANN001
+def test_adaptive_is_byte_identical(models) -> None:
     target, draft = models
     want, _ = run(target, max_tokens=64, ignore_eos=True)
     got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
@@ -238,7 +238,7 @@ def test_adaptive_is_byte_identical(models) -> None:  # noqa: ANN001
     assert sum(gen.stats.draft_lengths.values()) > 0
 
 
-def test_sampled_with_greedy_verification_equals_target_only(models) -> None:  # noqa: ANN001
+def test_sampled_with_greedy_verification_equals_target_only(models) -> None:
     """Greedy verification of a sampled target draws one uniform per token either way."""
     target, draft = models
     sp = SamplerParams(temperature=0.9, top_k=40, seed=11)
@@ -248,7 +248,7 @@ def test_sampled_with_greedy_verification_equals_target_only(models) -> None:  #
     assert got == want
 
 
-def test_rejection_sampling_seeded_runs_repeat(models) -> None:  # noqa: ANN001
+def test_rejection_sampling_seeded_runs_repeat(models) -> None:
     target, draft = models
     a, b, ga = sampled_twice(target, draft, temperature=0.8, seed=5)
     assert a == b
@@ -260,7 +260,7 @@ def test_rejection_sampling_seeded_runs_repeat(models) -> None:  # noqa: ANN001
 
 
 def test_a_draft_cut_to_its_first_ids_keeps_the_output_the_targets(
-        tiny_model_factory) -> None:  # noqa: ANN001
+        tiny_model_factory) -> None:
     """A draft whose logits cover only ids below 128 (as drafts are built, past 98,304)
     never proposes the others; greedy output stays the target's, and rejection sampling
     still emits them: their draft probability is 0, so the residual carries them."""
@@ -278,7 +278,7 @@ def test_a_draft_cut_to_its_first_ids_keeps_the_output_the_targets(
     assert a == b and any(t >= 128 for t in a) and ga.stats.drafted > 0
 
 
-def test_target_rng_unchanged_by_the_draft_when_nothing_is_drafted(models) -> None:  # noqa: ANN001
+def test_target_rng_unchanged_by_the_draft_when_nothing_is_drafted(models) -> None:
     """Separate streams: a drafter that never proposes leaves the target's draws alone."""
     target, draft = models
     sp = SamplerParams(temperature=1.0, seed=21)
@@ -289,7 +289,7 @@ def test_target_rng_unchanged_by_the_draft_when_nothing_is_drafted(models) -> No
     assert got == want
 
 
-def test_synthetic_rates_zero_equal_target_only(models) -> None:  # noqa: ANN001
+def test_synthetic_rates_zero_equal_target_only(models) -> None:
     target, _ = models
     want, _ = run(target, max_tokens=40, ignore_eos=True)
     got, gen = run(target, SyntheticDrafter([0.0] * 4), max_tokens=40, ignore_eos=True,
@@ -299,14 +299,14 @@ def test_synthetic_rates_zero_equal_target_only(models) -> None:  # noqa: ANN001
     assert not gen.stats.valid
 
 
-def test_synthetic_rates_one_accept_every_draft(models) -> None:  # noqa: ANN001
+def test_synthetic_rates_one_accept_every_draft(models) -> None:
     target, _ = models
     _, gen = run(target, SyntheticDrafter([1.0] * 4), max_tokens=41, ignore_eos=True,
                  draft=DraftParams(n_max=4))
     assert gen.stats.accepted == gen.stats.drafted > 0
 
 
-def test_synthetic_rounds_leave_only_the_prompt_cached(models) -> None:  # noqa: ANN001
+def test_synthetic_rounds_leave_only_the_prompt_cached(models) -> None:
     """Synthetically accepted drafts have no real KV: a later request on the slot must
     not reuse them (the scheduler caches `evaluated_tokens`)."""
     target, _ = models
@@ -317,7 +317,7 @@ def test_synthetic_rounds_leave_only_the_prompt_cached(models) -> None:  # noqa:
 
 
 def test_a_draft_with_fewer_ids_keeps_drafting_past_them(tiny_model_factory,
-                                                         models) -> None:  # noqa: ANN001
+                                                         models) -> None:
     """compat lets vocabulary sizes differ a little; an id the draft lacks reaches it as
     id 0 instead of failing the draft (which would end speculation for the request)."""
     _, draft = models
@@ -334,14 +334,14 @@ def test_a_draft_with_fewer_ids_keeps_drafting_past_them(tiny_model_factory,
     assert gen.drafter is not None and gen.stats.drafted > 0
 
 
-def test_budgeted_prefill_stops_on_bucket_boundaries(models) -> None:  # noqa: ANN001
+def test_budgeted_prefill_stops_on_bucket_boundaries(models) -> None:
     """After a reused prefix of 100 tokens, 256-token budgets cut where the runner's own
     chunks end (a fresh prefill of the same suffix makes the same calls)."""
     target, _ = models
     runner = ModelRunner(target, n_ctx=1024)
     real, calls = runner.prefill, []
 
-    def prefill(seq, tokens, pos=0, **kw):  # noqa: ANN001, ANN003, ANN202
+    def prefill(seq, tokens, pos=0, **kw):
         calls.append((pos, len(tokens)))
         return real(seq, tokens, pos, **kw)
 
@@ -358,7 +358,7 @@ def test_budgeted_prefill_stops_on_bucket_boundaries(models) -> None:  # noqa: A
     assert calls == [(0, 100), (100, 100), (200, 100)]
 
 
-def test_the_first_token_is_prompt_processing_in_the_stats(models) -> None:  # noqa: ANN001
+def test_the_first_token_is_prompt_processing_in_the_stats(models) -> None:
     target, draft = models
     _, gen = run(target, draft_drafter(draft), max_tokens=20, ignore_eos=True,
                  draft=DraftParams(n_max=3))
@@ -367,7 +367,7 @@ def test_the_first_token_is_prompt_processing_in_the_stats(models) -> None:  # n
     assert s.decode_tps == pytest.approx(19 / s.decode_s)
 
 
-def test_synthetic_mean_length_is_close(models) -> None:  # noqa: ANN001
+def test_synthetic_mean_length_is_close(models) -> None:
     target, _ = models
     _, gen = run(target, SyntheticDrafter(mean_length=3.0, n_max=4, seed=1), max_tokens=300,
                  ignore_eos=True, draft=DraftParams(n_max=4), n_ctx=1024)
@@ -375,12 +375,12 @@ def test_synthetic_mean_length_is_close(models) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("rates", [[1.2], [-0.1], [0.2, 0.5], []])
-def test_synthetic_bad_rates_are_clear_errors(rates) -> None:  # noqa: ANN001
+def test_synthetic_bad_rates_are_clear_errors(rates) -> None:
     with pytest.raises(ValueError, match="rate"):
         SyntheticDrafter(rates)
 
 
-def test_prompt_filling_the_context_completes(models) -> None:  # noqa: ANN001
+def test_prompt_filling_the_context_completes(models) -> None:
     target, draft = models
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 340, size=256 - 3).tolist()
@@ -392,7 +392,7 @@ def test_prompt_filling_the_context_completes(models) -> None:  # noqa: ANN001
     assert len(got) == 4  # positions 253, 254, 255 evaluated + the token after
 
 
-def test_speculation_across_a_bucket_boundary_is_exact(models) -> None:  # noqa: ANN001
+def test_speculation_across_a_bucket_boundary_is_exact(models) -> None:
     target, draft = models
     rng = np.random.default_rng(4)
     prompt = rng.integers(3, 340, size=240).tolist()
@@ -402,13 +402,13 @@ def test_speculation_across_a_bucket_boundary_is_exact(models) -> None:  # noqa:
     assert got == want
 
 
-def test_oversize_prompt_is_a_request_error(models) -> None:  # noqa: ANN001
+def test_oversize_prompt_is_a_request_error(models) -> None:
     target, _ = models
     with pytest.raises(RequestError, match="300 tokens long .* at most 255"):
         run(target, n_ctx=256, prompt=[5] * 300)
 
 
-def test_n_min_skips_short_drafts(models) -> None:  # noqa: ANN001
+def test_n_min_skips_short_drafts(models) -> None:
     target, draft = models
     want, _ = run(target, max_tokens=32, ignore_eos=True)
     got, gen = run(target, draft_drafter(draft), max_tokens=32, ignore_eos=True,
@@ -417,14 +417,14 @@ def test_n_min_skips_short_drafts(models) -> None:  # noqa: ANN001
     assert all(n == 0 or n >= 3 for n in gen.stats.draft_lengths)
 
 
-def test_draft_model_reuses_its_cached_prefix(models) -> None:  # noqa: ANN001
+def test_draft_model_reuses_its_cached_prefix(models) -> None:
     target, draft = models
     drafter = draft_drafter(draft)
     first, _ = run(target, drafter, max_tokens=24, ignore_eos=True, draft=DraftParams(n_max=4))
     calls: list[int] = []
     real_prefill = drafter.runner.prefill
 
-    def counting(seq, tokens, pos=0, chunk=256):  # noqa: ANN001, ANN202
+    def counting(seq, tokens, pos=0, chunk=256):
         calls.append(len(tokens))
         return real_prefill(seq, tokens, pos, chunk)
 
@@ -437,7 +437,7 @@ def test_draft_model_reuses_its_cached_prefix(models) -> None:  # noqa: ANN001
     assert calls and calls[0] < len(longer)
 
 
-def test_target_only_rounds_keep_the_drafts_cache(models) -> None:  # noqa: ANN001
+def test_target_only_rounds_keep_the_drafts_cache(models) -> None:
     """Rounds at n = 0 report accept(0) with no draft: the draft's cache must keep the
     prompt, or the next draft re-evaluates all of it (seconds for a long prompt)."""
     target, _ = models
@@ -448,7 +448,7 @@ def test_target_only_rounds_keep_the_drafts_cache(models) -> None:  # noqa: ANN0
         drafter.accept(0, 0)
         drafter.process(0, [tok])
     d = drafter.draft(0, want[3], len(PROMPT) + 3, 2, DraftParams(n_max=2))
-    assert d.forced is not None and len(d.forced) == 3  # caught up on 3 tokens, not the prompt
+    assert len(d.evidence.guess_checks) == 3  # caught up on 3 tokens, not the prompt
     drafter.accept(0, 2)
     drafter.process(0, [want[3], *d.tokens])
     drafter.accept(0, 0)  # a target-only round after a full acceptance
@@ -456,11 +456,11 @@ def test_target_only_rounds_keep_the_drafts_cache(models) -> None:  # noqa: ANN0
     d2 = drafter.draft(0, want[7], len(PROMPT) + 7, 2, DraftParams(n_max=2))
     # pending: the draft's last proposal (never evaluated), the target's token, last; the
     # first guess is the one after two accepted drafts (position 2), the next position 0
-    assert d2.forced == ((2, True), (0, True))
+    assert d2.evidence.guess_checks == ((2, True), (0, True))
     assert d2.tokens == want[8:10]
 
 
-def test_a_fully_accepted_round_checks_the_drafts_next_guess(models) -> None:  # noqa: ANN001
+def test_a_fully_accepted_round_checks_the_drafts_next_guess(models) -> None:
     """After n accepted drafts, the draft's guess for the target's bonus token is a free
     sample of draft position n (0-based) given the n before it accepted."""
     target, _ = models
@@ -473,14 +473,14 @@ def test_a_fully_accepted_round_checks_the_drafts_next_guess(models) -> None:  #
         drafter.accept(0, 3)
         drafter.process(0, want[0:4])
         d2 = drafter.draft(0, bonus, len(PROMPT) + 4, 2, DraftParams(n_max=2))
-        assert d2.forced == ((3, right),)
+        assert d2.evidence.guess_checks == ((3, right),)
     drafter.accept(0, 1)  # one of two accepted: the next round has nothing to check
     drafter.process(0, [bonus, d2.tokens[0]])
     d3 = drafter.draft(0, 7, len(PROMPT) + 6, 2, DraftParams(n_max=2))
-    assert d3.forced is None
+    assert d3.evidence.guess_checks == ()
 
 
-def test_a_sampling_drafts_distribution_for_the_bonus_token_is_reported(models) -> None:  # noqa: ANN001
+def test_a_sampling_drafts_distribution_for_the_bonus_token_is_reported(models) -> None:
     """The sampled counterpart of the checked guess: after n accepted drafts, the draft's
     distribution where the bonus token was drawn (position n), which the generation weighs
     against the target's there."""
@@ -489,21 +489,21 @@ def test_a_sampling_drafts_distribution_for_the_bonus_token_is_reported(models) 
     drafter = draft_drafter(target)
     drafter.begin(0, PROMPT, Sampler(dsp, seed=5))
     d = drafter.draft(0, 40, len(PROMPT), 3, DraftParams(n_max=3))
-    assert d.bonus_q is None and d.forced is None
+    assert d.evidence.bonus_q is None and d.evidence.guess_checks == ()
     drafter.accept(0, 3)
     drafter.process(0, [40, *d.tokens])
     d2 = drafter.draft(0, 41, len(PROMPT) + 4, 2, DraftParams(n_max=2))
-    assert d2.bonus_q is not None and d2.forced is None
-    i, q = d2.bonus_q
+    assert d2.evidence.bonus_q is not None and d2.evidence.guess_checks == ()
+    i, q = d2.evidence.bonus_q
     row = ModelRunner(target, n_ctx=512).prefill(0, [*PROMPT, 40, *d.tokens])  # [vocab]
     assert i == 3
     np.testing.assert_allclose(q, Sampler(dsp).probs(row), atol=1e-6)
     drafter.accept(0, 1)  # one of two accepted: nothing to weigh next round
     drafter.process(0, [41, d2.tokens[0]])
-    assert drafter.draft(0, 7, len(PROMPT) + 6, 2, DraftParams(n_max=2)).bonus_q is None
+    assert drafter.draft(0, 7, len(PROMPT) + 6, 2, DraftParams(n_max=2)).evidence.bonus_q is None
 
 
-def test_sampled_rounds_feed_the_controller_acceptance_probabilities(models, monkeypatch) -> None:  # noqa: ANN001
+def test_sampled_rounds_feed_the_controller_acceptance_probabilities(models, monkeypatch) -> None:
     """At temperature > 0 the adaptive controller counts sum(min(p, q)) per position
     decided and at the bonus position, not only the outcomes."""
     target, draft = models
@@ -514,7 +514,7 @@ def test_sampled_rounds_feed_the_controller_acceptance_probabilities(models, mon
     gen = Generation(runner, 0, PROMPT, GenerationParams(
         max_tokens=40, ignore_eos=True, sampling=sp, draft=DraftParams(n_max=3),
         adaptive=True), eog=EOG, drafter=draft_drafter(draft))
-    a = gen.adaptive
+    a = gen.policy
     assert a is not None
     acc, pos = a.observe_acceptance, a.observe_position
     a.observe_acceptance = lambda n, k, lookup=0, probs=(): (  # type: ignore[method-assign]
@@ -532,19 +532,19 @@ def test_sampled_rounds_feed_the_controller_acceptance_probabilities(models, mon
     assert all(i >= 1 and 0.0 <= x <= 1.0 + 1e-9 for i, x in bonus)
 
 
-def test_adaptive_never_re_evaluates_the_prompt_on_the_draft(models) -> None:  # noqa: ANN001
+def test_adaptive_never_re_evaluates_the_prompt_on_the_draft(models) -> None:
     target, draft = models
     drafter = draft_drafter(draft)
     starts: list[int] = []
     forward = drafter.runner.forward
 
-    def spy(seq, tokens, pos, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def spy(seq, tokens, pos, *args, **kw):
         starts.append(pos)
         return forward(seq, tokens, pos, *args, **kw)
 
     begin = drafter.begin
 
-    def begin_then_spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+    def begin_then_spy(*args, **kw):
         begin(*args, **kw)  # evaluates the prompt once
         drafter.runner.forward = spy
 
@@ -554,7 +554,7 @@ def test_adaptive_never_re_evaluates_the_prompt_on_the_draft(models) -> None:  #
     assert starts and min(starts) >= len(PROMPT)
 
 
-def test_catch_up_checks_the_drafters_guesses_against_emitted_tokens(models) -> None:  # noqa: ANN001
+def test_catch_up_checks_the_drafters_guesses_against_emitted_tokens(models) -> None:
     """After target-only rounds the draft evaluates the skipped tokens and reports, per
     row, whether its greedy guess was the token that followed (teacher forcing)."""
     target, _ = models
@@ -563,10 +563,10 @@ def test_catch_up_checks_the_drafters_guesses_against_emitted_tokens(models) -> 
     drafter.begin(0, PROMPT)
     drafter.process(0, want[:10])  # 10 target-only tokens, then a drafting round
     d = drafter.draft(0, want[10], len(PROMPT) + 10, 2, DraftParams(n_max=2))
-    assert d.forced == ((0, True),) * 10  # <= FORCED_ROWS, all teacher-forced position 0
+    assert d.evidence.guess_checks == ((0, True),) * 10  # all teacher-forced position 0
     assert d.tokens == want[11:13]
     d2 = drafter.draft(0, want[10], len(PROMPT) + 10, 2, DraftParams(n_max=2))
-    assert d2.forced is None  # nothing skipped this time
+    assert d2.evidence.guess_checks == ()  # nothing skipped this time
 
 
 class _CountingDrafter(DraftModelDrafter):
@@ -576,12 +576,12 @@ class _CountingDrafter(DraftModelDrafter):
         super().__init__(runner)
         self.asked: list[int] = []
 
-    def draft(self, seq, last, pos, n_max, params, grammar=None):  # noqa: ANN001, ANN201
+    def draft(self, seq, last, pos, n_max, params, grammar=None):
         self.asked.append(n_max)
         return super().draft(seq, last, pos, n_max, params, grammar)
 
 
-def test_drafts_end_at_an_end_of_generation(models) -> None:  # noqa: ANN001
+def test_drafts_end_at_an_end_of_generation(models) -> None:
     """Drafts past an end-of-generation token would never be emitted: they are not
     verified, nor counted as accepted."""
     target, _ = models
@@ -598,7 +598,7 @@ def test_drafts_end_at_an_end_of_generation(models) -> None:  # noqa: ANN001
     assert gen.stats.drafted == gen.stats.accepted == 3  # the drafts up to the end
 
 
-def test_adaptive_never_drafts_shorter_than_n_min(models) -> None:  # noqa: ANN001
+def test_adaptive_never_drafts_shorter_than_n_min(models) -> None:
     """Drafts shorter than n_min are thrown away unverified, so the adaptive controller
     must neither choose nor probe such lengths (each would be a draft call for nothing)."""
     target, draft = models
@@ -612,7 +612,7 @@ def test_adaptive_never_drafts_shorter_than_n_min(models) -> None:  # noqa: ANN0
         assert min(n for n in gen.stats.draft_lengths if n) >= 3  # 0: plain rounds
 
 
-def test_adaptive_stops_drafting_when_every_draft_comes_back_empty(models) -> None:  # noqa: ANN001
+def test_adaptive_stops_drafting_when_every_draft_comes_back_empty(models) -> None:
     """p_min = 1 stops every draft before its first token: the controller must learn
     that drafting yields nothing and fall back to plain steps (probing now and then)."""
     target, draft = models
@@ -624,7 +624,7 @@ def test_adaptive_stops_drafting_when_every_draft_comes_back_empty(models) -> No
     assert len(drafter.asked) <= 95 // 3, drafter.asked  # about every round before
 
 
-def test_p_min_does_not_turn_short_lookups_into_misses(models, monkeypatch) -> None:  # noqa: ANN001
+def test_p_min_does_not_turn_short_lookups_into_misses(models, monkeypatch) -> None:
     """Only a draft the model cut for want of confidence counts as a miss where it
     stopped; a prompt lookup that found fewer tokens (p_min does not apply to it) must
     teach the controller nothing of the sort."""
@@ -634,7 +634,7 @@ def test_p_min_does_not_turn_short_lookups_into_misses(models, monkeypatch) -> N
     seen: list[tuple[int, bool]] = []
     real = AdaptiveDraftLength.observe_position
 
-    def spy(self, i, hit, lookup=0):  # noqa: ANN001, ANN202
+    def spy(self, i, hit, lookup=0):
         if not lookup:  # the model's positions (there is no model here)
             seen.append((i, hit))
         return real(self, i, hit, lookup)
@@ -646,7 +646,7 @@ def test_p_min_does_not_turn_short_lookups_into_misses(models, monkeypatch) -> N
     assert seen == []
 
 
-def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> None:  # noqa: ANN001
+def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> None:
     """After many target-only rounds the draft evaluates only the latest `catch_up`
     tokens it skipped, placed right after what its cache holds (a gap it never fills);
     a later request reuses only the cache's prefix before the gap."""
@@ -656,11 +656,11 @@ def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> Non
     calls: list[tuple[int, int]] = []
     forward, prefill = drafter.runner.forward, drafter.runner.prefill
 
-    def spy(seq, tokens, pos, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def spy(seq, tokens, pos, *args, **kw):
         calls.append((len(tokens), pos))
         return forward(seq, tokens, pos, *args, **kw)
 
-    def spy_prefill(seq, tokens, pos=0, chunk=256):  # noqa: ANN001, ANN202
+    def spy_prefill(seq, tokens, pos=0, chunk=256):
         calls.append((len(tokens), pos))
         return prefill(seq, tokens, pos, chunk)
 
@@ -672,7 +672,7 @@ def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> Non
     d = drafter.draft(0, want[10], n + 10, 2, DraftParams(n_max=2))
     assert calls == [(5, n), (1, n + 5)]  # want[6:10] and the last, after the prompt
     # the four evaluated rows' guesses, checked (wrong or right: the context has a gap)
-    assert d.forced is not None and [i for i, _ in d.forced] == [0] * 4
+    assert [i for i, _ in d.evidence.guess_checks] == [0] * 4
     drafter.accept(0, 0)
     drafter.process(0, [want[10]])
     drafter.draft(0, want[11], n + 11, 1, DraftParams(n_max=1))
@@ -685,7 +685,7 @@ def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> Non
     assert d.tokens == want[13:16]  # the target as its own draft, its context whole again
 
 
-def test_speculation_with_catch_up_gaps_is_byte_identical(models, tiny_model_factory) -> None:  # noqa: ANN001
+def test_speculation_with_catch_up_gaps_is_byte_identical(models, tiny_model_factory) -> None:
     """An unrelated draft: the adaptive controller mostly decodes target-only and probes,
     each probe after a gap in the draft's context. The output is the target's."""
     target, _ = models
@@ -696,5 +696,5 @@ def test_speculation_with_catch_up_gaps_is_byte_identical(models, tiny_model_fac
     got, gen = run(target, drafter, max_tokens=96, ignore_eos=True,
                    draft=DraftParams(n_max=4), adaptive=True)
     assert got == want
-    assert drafter._seqs[0].offset > 0  # noqa: SLF001 - gaps were left
+    assert drafter._seqs[0].offset > 0  # gaps were left
     assert gen.stats.drafted > 0

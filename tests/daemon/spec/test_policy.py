@@ -82,8 +82,8 @@ def test_probing_stops_when_catching_up_costs_more_than_the_budget() -> None:
     assert abs(a.catch_up_cost() - 0.005) < 1e-9
     choices = _idle(a, 300, 0.075)
     assert sum(1 for n in choices if n) <= 2
-    spent = a._probe_overhead  # noqa: SLF001 - the accounting under test
-    assert spent <= 0.03 * a._elapsed + 0.2  # noqa: SLF001
+    spent = a._probe_overhead  # the accounting under test
+    assert spent <= 0.03 * a._elapsed + 0.2
 
 
 def test_unlucky_first_rounds_do_not_end_probing() -> None:
@@ -370,7 +370,7 @@ def test_probes_go_on_through_a_long_stretch_when_catch_ups_are_bounded() -> Non
                 a.observe_round(0, 1, t1, 0.0)
                 skipped += 1
         late_probes[limit] = sum(1 for i in probes if i >= 1500)
-        assert a._probe_overhead <= 0.03 * a._elapsed + 0.2  # noqa: SLF001
+        assert a._probe_overhead <= 0.03 * a._elapsed + 0.2
     assert late_probes[None] == 0
     assert late_probes[16] >= 10
 
@@ -382,4 +382,40 @@ def test_a_drafter_that_never_catches_up() -> None:
     for _ in range(5):
         a.observe_round(0, 1, 0.075, 0.0)
     a.observe_round(2, 1, 0.12, 0.04)
-    assert a.probe_cost() >= 0.0 and a._catch_up is None  # noqa: SLF001
+    assert a.probe_cost() >= 0.0 and a._catch_up is None
+
+
+def test_the_fixed_policy_drafts_n_max_and_takes_any_offer() -> None:
+    from specd.daemon.spec.drafter import DraftEvidence, Proposal
+    from specd.daemon.spec.policy import FixedDraftLength, RoundPlan
+
+    p = FixedDraftLength(n_max=4, n_min=2)
+    offer = Proposal([5, 6, 7], evidence=DraftEvidence(lookup_match=2))
+    assert p.plan(8, None, runs_model=True) == RoundPlan(4)
+    assert p.plan(3, None, runs_model=True) == RoundPlan(3)  # the room left
+    assert p.plan(1, None, runs_model=True) == RoundPlan(0)  # shorter than n_min
+    assert p.plan(8, offer, runs_model=True) == RoundPlan(4, take_offer=True)
+    assert p.plan(8, Proposal([]), runs_model=True) == RoundPlan(4)  # no offer: the model
+    assert p.plan(8, Proposal([]), runs_model=False) == RoundPlan(0)  # lookup alone
+
+
+def test_the_adaptive_policy_learns_from_round_records() -> None:
+    """A record feeds the same estimates as the observe_* calls it stands for."""
+    from specd.daemon.spec.drafter import DraftEvidence
+    from specd.daemon.spec.policy import ModelCall, RoundRecord
+
+    by_record, by_calls = AdaptiveDraftLength(n_max=4), AdaptiveDraftLength(n_max=4)
+    for _ in range(3):
+        call = ModelCall(3, 3, 0.02, DraftEvidence(step_seconds=(0.01, 0.005, 0.005),
+                                                   guess_checks=((0, True),)))
+        by_record.observe(RoundRecord(n_drafted=3, n_accepted=2, emitted=[1, 2, 3],
+                                      seconds=0.2, verify_seconds=0.1, model_call=call,
+                                      accept_probs=(0.9, 0.8, 0.3)))
+        by_calls.observe_draft(0.02, (0.005, 0.005))
+        by_calls.observe_position(0, True)
+        by_calls.observe_verify(4, 0.1)
+        by_calls.observe_acceptance(3, 2, 0, (0.9, 0.8, 0.3))
+        by_calls.observe_round(3, 3, 0.2, 0.02, False)
+    assert by_record.accept == by_calls.accept
+    assert by_record.draft_cost(3) == by_calls.draft_cost(3)
+    assert by_record.rate(2) == by_calls.rate(2)

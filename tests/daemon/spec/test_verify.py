@@ -23,7 +23,7 @@ from specd.daemon.spec.verify import (
     verify_rejection,
 )
 
-from chi_square import FAIL_P, PASS_P, chi2_pvalue, chi2_sf  # noqa: F401
+from chi_square import FAIL_P, PASS_P, chi2_pvalue, chi2_sf
 
 # -- helpers -------------------------------------------------------------------
 

@@ -1,0 +1,60 @@
+"""Options and helpers the `specd` commands share (argparse types, build options)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from specd.daemon.models.building import DRAFT_QUANTS, DRAFT_VOCAB_ROWS
+
+
+def int_at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi], else a usage error naming the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < lo or hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(
+                f"{value} is out of range (at least {lo}" + (f", at most {hi})" if hi is not None
+                                                             else ")"))
+        return value
+    return parse
+
+
+def add_draft_build_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-quant", default="auto", choices=list(DRAFT_QUANTS),
+                   help="draft weights: re-quantized to GGUF Q4_K blocks for specd's CPU "
+                        "kernel (q4k), to 4 bits in blocks of 32 (q4) or 128 (q4g128) for "
+                        "MatMulNBits, or exactly as in its GGUF; auto (default): q4k where "
+                        "the kernels compiled, else q4. The output is the target's either way")
+    p.add_argument("--draft-vocab", type=int_at_least(0), default=DRAFT_VOCAB_ROWS,
+                   help=f"the draft proposes only ids below this (its output matrix shrinks "
+                        f"to those rows; BPE and SentencePiece number tokens roughly by "
+                        f"frequency); 0: all. Default {DRAFT_VOCAB_ROWS}. The output is the "
+                        f"target's either way")
+
+
+def add_spin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spin", action="store_true",
+                   help="CPU threads busy-wait during a forward pass: ~10%% faster on an idle "
+                        "machine, ~30%% slower when other programs use the cores")
+
+
+def build_progress(label: str) -> Callable[[int, int, str], None]:
+    """A graph build's progress bar for the target or the draft (said once, on the first step)."""
+    from specd.daemon.models.store import ProgressBar
+
+    bar = ProgressBar(unit="steps")
+
+    def report(done: int, total: int, what: str) -> None:
+        if done == 1:
+            print(f"specd: building the ONNX graph of the {label} (first use only)",
+                  file=sys.stderr)
+        bar(done, total, what)
+
+    return report
+
+

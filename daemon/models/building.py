@@ -1,0 +1,157 @@
+"""What is built from a GGUF and how: graph options per role and device, the built model
+of a file (from its cache folder when built already), and fitting target + draft into
+the device's memory (`specd fit` and `specd serve` start alike).
+
+Fitting snapshots the free memory first (measuring loads the models, in a subprocess),
+builds or loads the graphs, measures them (cached in each graph folder), then plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from specd.memory_fit.measure import ModelCost, measure
+from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError, Plan, fit
+from specd.memory_fit.probes import FakeProbe, MemoryProbe, probe_for
+from specd.ort_models import native_ops
+from specd.ort_models.graph_builder import ATTN_BUCKET, BuildOptions
+
+if TYPE_CHECKING:
+    from specd.ort_models.model_cache import BuiltModel
+
+BuildProgress = Callable[[str], Any]
+
+
+class BuildError(ValueError):
+    """Build options that cannot be had on this machine (message for the user)."""
+
+
+# how a draft model's weights are laid out: re-quantized to Q4_K blocks read by specd's
+# GgufMatMul ("q4k"), to 4 bits in blocks of 32 or 128 for MatMulNBits ("q4", "q4g128"),
+# or exactly as its GGUF holds them; "auto" picks q4k where the kernels compiled, else q4.
+# Targets are always exact.
+DRAFT_QUANTS = {"auto": "", "q4k": "q4k", "q4": "q4", "q4g128": "q4g128", "exact": ""}
+# A draft's logits cover the ids below this (where its vocabulary is larger): it proposes
+# only those, and its output matrix shrinks. Byte-level BPE and SentencePiece vocabularies
+# number their tokens roughly by frequency, so the ids left out are rare.
+DRAFT_VOCAB_ROWS = 98_304
+
+
+def target_kernels(device: str = "cpu") -> str:
+    """"gguf" (specd's kernels on the GGUF's own blocks: fewer bytes per token) where
+    they run, i.e. on the CPU and where they compiled; else "ort" (MatMulNBits)."""
+    return "gguf" if device == "cpu" and native_ops.library() is not None else "ort"
+
+
+def resolve_draft_quant(draft_quant: str, device: str = "cpu") -> str:
+    """"auto" -> "q4k" where specd's kernels run on `device`, else "q4"."""
+    if draft_quant != "auto":
+        return draft_quant
+    return "q4k" if target_kernels(device) == "gguf" else "q4"
+
+
+def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
+                  draft_vocab: int = DRAFT_VOCAB_ROWS) -> BuildOptions:
+    """Graph options of the target or the draft model on `device` ("cpu" / "cuda:N"); a
+    draft's logits cover the ids below `draft_vocab` (0: all).
+
+    Where specd's kernels run (`target_kernels`: CPU, compiled) a target's Q4_0 / Q4_1 /
+    Q4_K / Q6_K matrices go through GgufMatMul (the GGUF's own blocks: fewer bytes read
+    than MatMulNBits' lossless layout) and its attention through CachedAttention (rotary,
+    cache write and attention in one node) over an f16 KV cache; both give a verified row
+    exactly the bits of a single step. The draft gets the same attention.
+
+    Without them a draft, whose numbers only choose what is proposed, gets the fused
+    attention on CPU, which is faster but not batch-invariant; the target keeps the
+    exact one. On CUDA drafts keep the exact one too: ORT's CUDA GroupQueryAttention
+    takes fp16/bf16 only, and these graphs are fp32.
+    """
+    if draft_quant not in DRAFT_QUANTS:
+        raise BuildError(f"unknown draft quant {draft_quant!r} (one of "
+                          f"{', '.join(DRAFT_QUANTS)})")
+    native = target_kernels(device) == "gguf"
+    if role != "draft":
+        return (BuildOptions(kernels="gguf", attention="native", kv_dtype="f16") if native
+                else BuildOptions())
+    requant = DRAFT_QUANTS[resolve_draft_quant(draft_quant, device)]
+    if requant == "q4k" and not native:
+        raise BuildError(f"--draft-quant q4k needs specd's kernels on the CPU "
+                          f"({native_ops.unavailable_reason() or 'device ' + device})")
+    attention = "native" if native else "fused" if device == "cpu" else "exact"
+    return BuildOptions(requant=requant, kernels="gguf" if requant == "q4k" else "ort",
+                        attention=attention, kv_dtype="f16" if native else "f32",
+                        vocab_rows=draft_vocab)
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> what the engine would use ("cpu" / "cuda:N"); "cuda" -> "cuda:0"."""
+    from specd.ort_models.providers import choose_runtime
+
+    if device == "auto":
+        return choose_runtime("auto").device
+    if device == "cuda":
+        return "cuda:0"
+    return device
+
+
+def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | None = None,
+               *, device: str = "auto", slots: int = 1,
+               margin_bytes: int = DEFAULT_MARGIN_BYTES, min_ctx: int = DEFAULT_MIN_CTX,
+               max_ctx: int | None = None, threads: int | None = None, fetch: bool = True,
+               use_cache: bool = True, probe: MemoryProbe | None = None,
+               build_progress: BuildProgress | None = None, draft_quant: str = "auto",
+               draft_vocab: int = DRAFT_VOCAB_ROWS, progress: Any = None
+               ) -> tuple[Plan, list[ModelCost]]:
+    """Resolve, build, measure and fit target (+ draft); returns the plan and the costs."""
+    from specd.daemon.models.store import resolve_model
+
+    dev = resolve_device(device)
+    free = FakeProbe.snapshot(probe or probe_for(dev))  # before anything is loaded
+    bp = build_progress or (lambda label: None)
+    costs = []
+    for label, name in (("target", target), ("draft", draft)):
+        if name is None:
+            continue
+        path = resolve_model(name, fetch=fetch, progress=progress, to_run=True)  # a bar
+        built = built_model(path, bp(label), build_options(label, draft_quant, dev, draft_vocab))
+        trained = built.hparams.n_ctx_train
+        if 0 < trained < ATTN_BUCKET:  # nothing to measure at, nothing to plan
+            raise FitError(f"a context of at least {ATTN_BUCKET} tokens is needed; "
+                           f"{Path(path).name} was trained on {trained}")
+        costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
+    plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
+               margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx)
+    return plan, costs
+
+
+def built_model(path: str | os.PathLike[str], progress: Any = None,
+                options: BuildOptions | None = None) -> BuiltModel:
+    """The BuiltModel of a GGUF: from its graph folder's meta.json when it is built
+    already (no GGUF parsing: instant), else load_or_build (builds it)."""
+    from specd.memory_fit.measure import built_from_folder
+    from specd.ort_models.gguf_file import content_hash
+    from specd.ort_models.model_cache import graph_folder, is_complete, load_or_build
+
+    options = options or BuildOptions()
+    sha = content_hash(path)
+    # a vocabulary cut at or past the model's size is cached as no cut (for_vocab), and
+    # the size is known only from a folder's meta: try the cut's folder, then the whole's
+    tries = [options] + ([dataclasses.replace(options, vocab_rows=0)] if options.vocab_rows
+                         else [])
+    for opts in tries:
+        folder = graph_folder(sha, opts)
+        if not is_complete(folder):
+            continue
+        try:
+            built = built_from_folder(folder)
+        except (OSError, ValueError, KeyError, TypeError):
+            break  # an unreadable meta.json: let load_or_build check and rebuild
+        if options.for_vocab(built.hparams.n_vocab) == built.options:
+            return dataclasses.replace(built, gguf_path=Path(path))
+    return load_or_build(path, options, progress)
+
+

@@ -1,0 +1,51 @@
+"""The speculation-type registry: one place maps a spec type to its drafter."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.daemon.drafters.draft_model import DraftModelDrafter
+from specd.daemon.drafters.hybrid import HybridDrafter
+from specd.daemon.drafters.ngram import NgramDrafter
+from specd.daemon.drafters.registry import (
+    MODEL_SPEC_TYPES,
+    SPEC_TYPES,
+    DrafterInputs,
+    SpecTypeError,
+    make_drafter,
+    resolve_spec_type,
+)
+from specd.daemon.drafters.synthetic import SyntheticDrafter
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+
+def test_spec_types_name_the_registry() -> None:
+    assert SPEC_TYPES == ("auto", "none", "draft", "ngram", "draft+ngram", "synthetic")
+    assert MODEL_SPEC_TYPES == ("draft", "draft+ngram")
+
+
+def test_auto_resolves_by_whether_there_is_a_draft() -> None:
+    assert resolve_spec_type("auto", "d.gguf") == "draft+ngram"
+    assert resolve_spec_type("auto", None) == "none"
+    with pytest.raises(SpecTypeError, match="needs a draft model"):
+        resolve_spec_type("draft", None)
+    with pytest.raises(SpecTypeError, match="unknown spec type 'eagle'"):
+        resolve_spec_type("eagle", None)
+
+
+def test_each_type_builds_its_drafter(tiny_model_factory) -> None:
+    runner = ModelRunner(load_or_build(tiny_model_factory(arch="qwen2")), n_ctx=256)
+    inputs = DrafterInputs(draft_runner=runner, target_vocab=300, ngram_min=1, ngram_max=3,
+                           synthetic_mean=2.0, n_max=4)
+    assert make_drafter("none", inputs) is None
+    model = make_drafter("draft", inputs)
+    assert isinstance(model, DraftModelDrafter) and model.vocab_limit == 300
+    hybrid = make_drafter("draft+ngram", inputs)
+    assert isinstance(hybrid, HybridDrafter) and hybrid.lookup.max_ngram == 3
+    ngram = make_drafter("ngram", inputs)
+    assert isinstance(ngram, NgramDrafter) and (ngram.min_ngram, ngram.max_ngram) == (1, 3)
+    synthetic = make_drafter("synthetic", inputs)
+    assert isinstance(synthetic, SyntheticDrafter) and len(synthetic.rates) == 4
+    with pytest.raises(SpecTypeError, match="needs a draft model"):
+        make_drafter("draft", DrafterInputs())
