@@ -1,0 +1,225 @@
+"""Self-attention over the KV cache, in the three kinds BuildOptions.attention names:
+"exact" written out (TensorScatter + MatMul + Softmax, row-invariant), "fused"
+(GroupQueryAttention) and "native" (specd's CachedAttention)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto
+
+from specd.ort_models.arch import HParams
+from specd.ort_models.native_ops import DOMAIN as NATIVE
+from specd.ort_models.onnx_writer import MS, GraphWriter
+
+from .context import BuildContext
+from .linear import grouped_linears, linear, linears, split
+from .norms import head_norm
+from .options import F16, F32
+from .pending import Activation
+
+
+@dataclass
+class AttentionInputs:
+    """What every layer's attention shares, built once per graph; a kind's tensors are ""
+    where the graph uses another kind."""
+
+    pos_ids: str  # [1, S] positions of the new tokens
+    s_len: str  # [1] S
+    mask: str = ""  # exact: [S, T] additive causal mask
+    shape4: str = ""  # exact: [Hkv, G, -1, attn_len]
+    shape3: str = ""  # exact: [Hkv, -1, attn_len]
+    qpad: str = ""  # exact, group size 1: a zero query row [Hkv, 1, hd]
+    ppad: str = ""  # exact, group size 1: zero probabilities [Hkv, 1, attn_len]
+    seqlens_k: str = ""  # fused: int32 [1] pos + S - 1
+    total_len: str = ""  # fused: int32 scalar pos + S
+
+
+def rope_tables(hp: HParams, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [max_pos, rope_dim/2] float32 of the rotary angles."""
+    inv = hp.rope_base ** (-np.arange(0, hp.rope_dim, 2, dtype=np.float64) / hp.rope_dim)
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # [P, rot/2]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def attention_inputs(c: BuildContext, ids: str) -> AttentionInputs:
+    """The new tokens' positions, the rotary tables (rope.cos, rope.sin) and what the
+    graph's kind of attention needs besides, from the graph inputs `ids`, `position` and
+    `attn_len`."""
+    g, hp = c.g, c.hp
+    s_len = g.op("Shape", [ids])  # [1]
+    pos_ids = g.op("Unsqueeze", [g.op("Add", [g.op("Range", [
+        g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)]), "position"]),
+        g.const([0])])  # [1, S]
+    cos, sin = rope_tables(hp, c.options.max_positions or hp.n_ctx_train)
+    g.weight("rope.cos", cos)
+    g.weight("rope.sin", sin)
+    io = AttentionInputs(pos_ids, s_len)
+    if c.options.attention == "native":  # CachedAttention takes `position` and masks by itself
+        return io
+    if c.options.attention == "fused":  # GroupQueryAttention's int32 lengths; it masks itself
+        end = g.op("Cast", [g.op("Add", ["position", s_len])], to=TensorProto.INT32)
+        io.seqlens_k = g.op("Sub", [end, g.const([1], np.int32)])  # [1]
+        io.total_len = g.op("Squeeze", [end, g.const([0])])  # scalar
+        return io
+    nkv, grp = hp.n_head_kv, hp.group_size
+    io.shape4 = g.op("Concat", [g.const([nkv, grp, -1]), "attn_len"], axis=0)
+    io.shape3 = g.op("Concat", [g.const([nkv, -1]), "attn_len"], axis=0)
+    if grp == 1:
+        io.qpad = g.const(np.zeros((nkv, 1, hp.head_dim), np.float32), np.float32)
+        t_len = g.op("Concat", [g.const([nkv, 1]), "attn_len"], axis=0)
+        io.ppad = g.op("ConstantOfShape", [t_len], value=_f32_tensor(0.0))
+    io.mask = _causal_mask(g, s_len)
+    return io
+
+
+def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> str:
+    """Layer i's attention block for its normed input h: the q/k/v products, the cache
+    update (graph inputs past_key_i / past_value_i, outputs present_key_i /
+    present_value_i) and the output product -> [S, n_embd]."""
+    g, hp = c.g, c.hp
+    hd, nkv = hp.head_dim, hp.n_head_kv
+    p = f"blk.{i}."
+    names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+    kv_type = F16 if c.options.kv_dtype == "f16" else F32
+    for name in (f"past_key_{i}", f"past_value_{i}"):
+        g.input(name, kv_type, [1, nkv, "n_ctx", hd])
+    for name in (f"present_key_{i}", f"present_value_{i}"):
+        g.output(name, kv_type, [1, nkv, "n_ctx", hd])
+    if c.options.attention == "native" and not hp.qk_norm:
+        # CachedAttention reads q, k and v out of the stacked products, no Split between
+        return linear(c, _cached_attention(c, i, grouped_linears(c, h, names)),
+                      p + "attn_output.weight")
+    q, k, v = linears(c, h, names)  # [S, H*hd], [S, Hkv*hd], [S, Hkv*hd]
+    if hp.qk_norm:
+        q = head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
+        k = head_norm(c, k, nkv, p + "attn_k_norm.weight")
+    if c.options.attention == "native":
+        return linear(c, _cached_attention(c, i, [(q, names[:1]), (k, names[1:2]),
+                                                  (v, names[2:])]), p + "attn_output.weight")
+    q3, k3 = (g.op("Unsqueeze", [t, g.const([0])]) for t in (q, k))  # [1, S, *]
+    fused = c.options.attention == "fused"
+    v3 = g.op("Unsqueeze", [v, g.const([0])]) if fused else ""
+    if fused and hp.rope_dim == hd:
+        out = _fused_attention(c, i, q3, k3, v3, io, rotary=True)
+    else:
+        rot: dict[str, Any] = dict(domain=MS, interleaved=int(hp.rope_interleaved),
+                                   rotary_embedding_dim=hp.rope_dim)
+        q3 = g.op("RotaryEmbedding", [q3, io.pos_ids, "rope.cos", "rope.sin"],
+                  num_heads=hp.n_head, **rot)  # [1, S, H*hd]
+        k3 = g.op("RotaryEmbedding", [k3, io.pos_ids, "rope.cos", "rope.sin"], num_heads=nkv,
+                  **rot)
+        if fused:
+            out = _fused_attention(c, i, q3, k3, v3, io, rotary=False)
+        else:
+            out = _exact_attention(c, i, q3, k3, v, io)
+    return linear(c, out, p + "attn_output.weight")
+
+
+def _fused_attention(c: BuildContext, i: int, q3: str, k3: str, v3: str, io: AttentionInputs,
+                     *, rotary: bool) -> str:
+    """GroupQueryAttention on [1, S, *] projections (rotated inside if `rotary`), writing
+    the cache buffers in place -> [S, H*hd]."""
+    g, hp = c.g, c.hp
+    extra = ["rope.cos", "rope.sin"] if rotary else []
+    out, _, _ = g.op("GroupQueryAttention", [q3, k3, v3, f"past_key_{i}", f"past_value_{i}",
+                                             io.seqlens_k, io.total_len, *extra], 3,
+                     domain=MS, out=[g.fresh("gqa"), f"present_key_{i}", f"present_value_{i}"],
+                     num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
+                     scale=1.0 / math.sqrt(hp.head_dim), do_rotary=int(rotary),
+                     rotary_interleaved=int(hp.rope_interleaved))  # [1, S, H*hd]
+    return g.op("Reshape", [out, g.const([-1, hp.n_head * hp.head_dim])])
+
+
+def _write_kv(c: BuildContext, i: int, k3: str, v: str) -> tuple[str, str]:
+    """New keys/values -> [1, Hkv, S, hd], written in place into layer i's cache at
+    `position`; returns the updated caches."""
+    g, hp = c.g, c.hp
+    hd, nkv = hp.head_dim, hp.n_head_kv
+    k4 = g.op("Transpose", [g.op("Reshape", [k3, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
+    v4 = g.op("Transpose", [g.op("Reshape", [v, g.const([1, -1, nkv, hd])])], perm=[0, 2, 1, 3])
+    if c.options.kv_dtype == "f16":  # rounded once, when written
+        k4, v4 = (g.op("Cast", [t], to=F16) for t in (k4, v4))
+    ck = g.op("TensorScatter", [f"past_key_{i}", k4, "position"], axis=2,
+              out=[f"present_key_{i}"])
+    cv = g.op("TensorScatter", [f"past_value_{i}", v4, "position"], axis=2,
+              out=[f"present_value_{i}"])
+    return ck, cv
+
+
+def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[str]]]) -> str:
+    """specd's CachedAttention on the unrotated projections: rotary, the write of the new
+    keys and values into layer i's cache in place, and the exact attention over it in one
+    node: [S, H*hd]. `products`: the q, k and v products as `grouped_linears` gives them;
+    q + k + v or q + k stacked in one are read in place (`packed`), anything else split."""
+    shapes = [len(group) for _, group in products]
+    if shapes == [3]:
+        packed, (t,) = 2, [y for y, _ in products]
+        q = k = v = t
+    elif shapes == [2, 1]:
+        packed, q, v = 1, products[0][0], products[1][0]
+        k = q
+    else:
+        packed = 0
+        q, k, v = [t for y, group in products for t in split(c, y, group)]
+    g, hp = c.g, c.hp
+    op = "CachedAttentionF16" if c.options.kv_dtype == "f16" else "CachedAttention"
+    out, _, _ = g.op(op, [q, k, v, f"past_key_{i}", f"past_value_{i}", "position", "rope.cos",
+                          "rope.sin"], 3, domain=NATIVE,
+                     out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
+                     num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
+                     scale=1.0 / math.sqrt(hp.head_dim), rotary_dim=hp.rope_dim,
+                     interleaved=int(hp.rope_interleaved),
+                     **({"packed": packed} if packed else {}))
+    return out
+
+
+def _exact_attention(c: BuildContext, i: int, q3: str, k3: str, v: str,
+                     io: AttentionInputs) -> str:
+    """Attention written out over the first `attn_len` cached keys, each row computed the
+    same way whatever S -> [S, H*hd]."""
+    g, hp = c.g, c.hp
+    hd, nkv, grp = hp.head_dim, hp.n_head_kv, hp.group_size
+    ck, cv = _write_kv(c, i, k3, v)
+    zero, two = g.const([0]), g.const([2])
+    keys = g.op("Reshape", [g.op("Slice", [ck, zero, "attn_len", two]), g.const([nkv, -1, hd])])
+    vals = g.op("Reshape", [g.op("Slice", [cv, zero, "attn_len", two]), g.const([nkv, -1, hd])])
+    # queries -> [Hkv, G*S, hd]; query head h uses kv head h // G
+    q4 = g.op("Transpose", [g.op("Reshape", [q3, g.const([-1, nkv, grp, hd])])],
+              perm=[1, 2, 0, 3])  # [Hkv, G, S, hd]
+    qm = g.op("Reshape", [q4, g.const([nkv, -1, hd])])
+    if grp == 1:  # keep M >= 2 so MLAS never takes its M == 1 GEMV path (not row-invariant)
+        qm = g.op("Concat", [qm, io.qpad], axis=1)
+    scores = g.op("MatMul", [qm, g.op("Transpose", [keys], perm=[0, 2, 1])])  # [Hkv, M, T]
+    scores = g.op("Mul", [scores, g.const(1.0 / math.sqrt(hd), np.float32)])
+    if grp == 1:
+        scores = g.op("Slice", [scores, g.const([0]), io.s_len, g.const([1])])
+    s4 = g.op("Reshape", [scores, io.shape4])  # [Hkv, G, S, T]
+    probs = g.op("Softmax", [g.op("Add", [s4, io.mask])], axis=-1)
+    probs = g.op("Reshape", [probs, io.shape3])  # [Hkv, G*S, T]
+    if grp == 1:
+        probs = g.op("Concat", [probs, io.ppad], axis=1)
+    out = g.op("MatMul", [probs, vals])  # [Hkv, M, hd]
+    if grp == 1:
+        out = g.op("Slice", [out, g.const([0]), io.s_len, g.const([1])])
+    out = g.op("Transpose", [g.op("Reshape", [out, g.const([nkv, grp, -1, hd])])],
+               perm=[2, 0, 1, 3])  # [S, Hkv, G, hd]
+    return g.op("Reshape", [out, g.const([-1, hp.n_head * hd])])
+
+
+def _causal_mask(g: GraphWriter, s_len: str) -> str:
+    """[S, T] additive mask: 0 where key t <= position of row s, -inf after."""
+    t = g.op("Range", [g.const(0), g.op("Squeeze", ["attn_len", g.const([0])]), g.const(1)])
+    rows = g.op("Range", [g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)])
+    row_pos = g.op("Unsqueeze", [g.op("Add", [rows, "position"]), g.const([1])])  # [S, 1]
+    allowed = g.op("LessOrEqual", [t, row_pos])  # [S, T]
+    return g.op("Where", [allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32)])
+
+
+def _f32_tensor(value: float) -> TensorProto:
+    from onnx import helper
+
+    return helper.make_tensor("value", F32, [1], [value])

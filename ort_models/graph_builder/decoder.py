@@ -1,0 +1,79 @@
+"""The whole decoder graph: graph inputs, token embedding, the layers, the logits head
+(the graph contract: the package docstring)."""
+
+from __future__ import annotations
+
+from specd.ort_models.arch import HParams
+from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.onnx_writer import GraphWriter
+
+from .attention import AttentionInputs, attention, attention_inputs
+from .context import BuildContext
+from .linear import linear
+from .mlp import feed_forward
+from .norms import add_norm
+from .options import F32, I64, BuildOptions, Progress
+from .weights import matrix
+
+
+def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
+                progress: Progress | None = None) -> None:
+    """Write the decoder graph of the GGUF model `f` into `g`."""
+    c = BuildContext(g, hp, f, options, progress, total=hp.n_layer + 2)
+    ids = g.input("input_ids", I64, ["S"])
+    g.input("position", I64, [1])
+    g.input("attn_len", I64, [1])
+    g.input("logits_rows", I64, ["R"])
+    io = attention_inputs(c, ids)
+
+    x = embedding(c, ids)  # [S, E] residual stream
+    c.tick("embedding")
+    delta: str | None = None  # the block output not yet added to x
+    for i in range(hp.n_layer):
+        x, delta = decoder_layer(c, i, x, delta, io)
+        if i in options.hidden_layers:
+            g.op("Add", [x, delta], out=[f"hidden_{i}"])
+            g.output(f"hidden_{i}", F32, ["S", hp.n_embd])
+        c.shared.clear()
+        c.tick(f"layer {i + 1}/{hp.n_layer}")
+
+    assert delta is not None
+    g.op("Identity", [logits_head(c, x, delta)], out=["logits"])
+    g.output("logits", F32, ["R", options.logits_width(hp.n_vocab)])
+    c.tick("output")
+
+
+def embedding(c: BuildContext, ids: str) -> str:
+    """Rows of token_embd at `ids` [S] -> [S, E], dequantized exactly as
+    gguf.quants.dequantize does."""
+    src = "token_embd.weight"
+    w = matrix(c, src, exact=True)
+    # a re-quantized tied output must not share the lookup's initializers
+    name = f"{src}.exact" if c.options.requant else src
+    return w.lookup(c.g, name, ids)
+
+
+def decoder_layer(c: BuildContext, i: int, x: str, delta: str | None, io: AttentionInputs
+                  ) -> tuple[str, str]:
+    """Block i on the residual stream x + delta [S, E] (delta None: x alone): returns the
+    new (x, delta), the block's feed-forward output left to add (the next norm adds it)."""
+    p = f"blk.{i}."
+    x, h = add_norm(c, x, delta, p + "attn_norm.weight")
+    x, h = add_norm(c, x, attention(c, i, h, io), p + "ffn_norm.weight")
+    return x, feed_forward(c, h, p)
+
+
+def logits_head(c: BuildContext, x: str, delta: str) -> str:
+    """Logits [R, width] of the rows `logits_rows` of the residual stream x + delta: the
+    output norm and matrix (the first `vocab_rows` ids where the options cut it)."""
+    g, hp = c.g, c.hp
+    rows_x = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]
+    rows_d = g.op("Gather", [delta, "logits_rows"], axis=0)
+    _, h = add_norm(c, rows_x, rows_d, "output_norm.weight", keep_sum=False)
+    out_name = "token_embd.weight" if hp.tied_embeddings else "output.weight"
+    width = c.options.logits_width(hp.n_vocab)
+    if width < hp.n_vocab:  # the first ids only (drafts)
+        head = f"output.first{width}.weight"
+        c.shared[head] = matrix(c, out_name).first_rows(width)
+        out_name = head
+    return linear(c, h, out_name)  # [R, width]
