@@ -7,10 +7,10 @@
 * KV: from the hyper-parameters, layers x kv heads x head dim x 2 (K, V) x 2 or 4 bytes
   (the graph's f16 / f32 cache) per token per sequence; the runner's buffers are
   [1, n_kv, kv_len, head_dim], where kv_len exceeds n_ctx only on CUDA, by the fixed call
-  shape's filler rows (CUDA_ROW_BLOCK - 1 = 7 positions: under 0.2% at 4k, not planned).
+  shape's filler rows (CUDA_ROW_BLOCK - 1 positions, too few to plan for).
 * host (CPU only): the parsed GGUF header (GGUFFile) and the tokenizer built from it, RSS
   deltas measured last (the tokenizer's freed scratch would otherwise be reused by the
-  session and hide ~100 MB of workspace); the engine keeps both for the target and the
+  session and hide part of its workspace); the engine keeps both for the target and the
   header for the draft.
 * load overhead: the peak above the settled weights while the session is created.
 * workspace: the activations and arena growth of the worst call, a full prefill chunk of
@@ -37,6 +37,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -194,7 +195,7 @@ def _canonical_device(device: str) -> str:
     return "cpu" if kind == "cpu" else f"cuda:{index}"
 
 
-MEASURE_TIMEOUT_S = 1800.0  # a 1.5B model measures in well under a minute on 2 cores
+MEASURE_TIMEOUT_S = 1800.0  # generous: it stops a hung child, not a slow one
 
 
 def _measure_subprocess(folder: Path, device: str, threads: int, points: tuple[int, ...],
@@ -317,9 +318,9 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
     r2 = used.now()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, hp.n_vocab, ATTN_BUCKET).tolist()  # one full chunk [256]
-    # the first chunk a session runs grows its arenas once, whatever the context (by 12 MB
-    # on SmolLM2, 36 MB on the 1.5B): run one first, so the points differ by their context
-    # alone and the slope does not carry that growth out to the trained context
+    # the first chunk a session runs grows its arenas once, whatever the context: run one
+    # first, so the points differ by their context alone and the slope does not carry that
+    # growth out to the trained context
     used.peak_of(lambda: runner.forward(0, tokens, 0))
     # weights a session maps from weights.bin rather than copies (specd's kernels read
     # their initializers in place) become resident in that first run, not at load: count
@@ -330,7 +331,7 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
     pts = []
     for ctx in ctxs:
         # the chunk at positions ctx-256 .. ctx-1 attends over ctx keys (attn_len = ctx)
-        peak = used.peak_of(lambda c=ctx: runner.forward(0, tokens, c - ATTN_BUCKET))
+        peak = used.peak_of(partial(runner.forward, 0, tokens, ctx - ATTN_BUCKET))
         pts.append((ctx, max(0, peak - r2 - lazy)))
     # last, so the session and its runs see a heap without freed blocks to reuse
     host = _HostCost(Path(built.gguf_path)) if device == "cpu" else None  # RAM = the device
@@ -365,7 +366,7 @@ class _HostCost:
             r = rss_bytes()
             self._keep.append(Tokenizer.from_metadata(f.metadata))
             self.tokenizer_bytes = max(0, rss_bytes() - r)
-        except Exception:  # noqa: BLE001 - no usable tokenizer: nothing to count
+        except Exception:  # no usable tokenizer: nothing to count
             pass
 
 

@@ -35,7 +35,7 @@ class _Cursor:
     """Little-endian reads over the memory-mapped file with bounds checks."""
 
     def __init__(self, buf: np.ndarray, path: Path):
-        self.mv, self.pos, self.path = memoryview(buf), 0, path
+        self.mv, self.pos, self.path = buf.data, 0, path
 
     def take(self, n: int) -> memoryview:
         if self.pos + n > len(self.mv):
@@ -103,9 +103,9 @@ def _value(cur: _Cursor, vtype: int, depth: int = 0) -> Any:
 class GGUFFile:
     """A GGUF file opened read-only (memory-mapped).
 
-    The header is parsed here: gguf's own reader builds a numpy view per vocabulary
-    string (about 10 s for a 150k-token vocabulary); this takes a fraction of a second.
-    The gguf package supplies the type tables.
+    The header is parsed here rather than by gguf's own reader, which builds a numpy view
+    per vocabulary string (slow for large vocabularies). The gguf package supplies the
+    type tables.
     """
 
     def __init__(self, path: str | os.PathLike[str]):

@@ -9,7 +9,7 @@ the machine's C compiler (`$CC`, else cc / gcc / clang) and `-march=native` into
 cache dir, once per source, compiler and CPU; ORT loads them with
 `SessionOptions.register_custom_ops_library`.
 
-Where no compiler works the graphs use MatMulNBits as before: `library()` returns None
+Where no compiler works the graphs use ONNX Runtime's MatMulNBits: `library()` returns None
 and `unavailable_reason()` says why. `SPECD_NATIVE=0` turns the kernels off.
 """
 

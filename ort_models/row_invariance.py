@@ -1,17 +1,14 @@
 """Does ONNX Runtime compute a one-row MatMulNBits call as it computes that row in a
-larger call, on this machine? Measured, not assumed.
+larger call, on this machine? Checked at run time, not assumed.
 
 Greedy speculation is exact only if a verified row (a row of a multi-token call) equals
 the single-token step at its position bit for bit. MLAS picks its kernel for a quantized
-product by the CPU's instruction sets and by M, the rows of the call:
-- AMD EPYC (Zen 3: AVX2, no VNNI), ORT 1.32, 4-bit with accuracy_level 4: the rows of
-  M = 2 .. 9 calls all agreed bit for bit, and an M = 1 call's row differed from them by
-  up to 2.5e-6 (K 2048, N 4096); 8-bit agreed at every M.
-- An AVX-512 VNNI machine (ort-notes): 4-bit agreed at M = 1 and M = 9.
-So where a graph's MatMulNBits computes one row differently, its runner makes every
-single-token call two rows (a filler row, computed and dropped): then all calls take the
-M >= 2 kernels. The check runs once per process and configuration, on a small product
-with random codes (a few ms).
+product by the CPU's instruction sets and by M, the rows of the call: on some CPUs and
+configurations (4-bit without VNNI, for one) the rows of M >= 2 calls agree bit for bit
+while an M = 1 call's row differs from them. So where a graph's MatMulNBits computes one
+row differently, its runner makes every single-token call two rows (a filler row,
+computed and dropped): then all calls take the M >= 2 kernels. The check runs once per
+process and configuration, on a small product with random codes.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ def add_draft_build_args(p: argparse.ArgumentParser) -> None:
 
 def add_spin_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spin", action="store_true",
-                   help="CPU threads busy-wait during a forward pass: ~10%% faster on an idle "
-                        "machine, ~30%% slower when other programs use the cores")
+                   help="CPU threads busy-wait during a forward pass: faster on an idle "
+                        "machine, much slower when other programs use the cores")
 
 
 def build_progress(label: str) -> Callable[[int, int, str], None]:

@@ -8,7 +8,7 @@ Prefill runs in chunks of `prefill_chunk` tokens interleaved with the other slot
 rounds, so a long prompt does not stall running streams.
 
 Rows are computed the same way however they are batched or chunked (see
-ort_models/graph_builder.py), so a request's output does not depend on what else runs.
+ort_models/graph_builder/), so a request's output does not depend on what else runs.
 On CUDA that holds for decoding and verify blocks (one fixed call shape), not across
 prefill chunkings: a prompt whose prefix was reused is prefilled in other chunks than a
 fresh one, and ORT's CUDA kernels may round those rows differently (docs/architecture.md).
@@ -43,7 +43,7 @@ class Request:
     # called from the worker thread with each round's tokens; True: end the request there
     # (its consumer met a stop string or its time limit)
     on_tokens: Callable[[list[int]], bool | None]
-    on_done: Callable[[Request], None]
+    on_done: Callable[[Request], object]  # its result is not used
     cache_prompt: bool = True
     grammar: Grammar | None = None  # compiled constraint; a fresh state per request
     id: int = 0
@@ -114,7 +114,7 @@ class Scheduler:
         return sum(not r.cancelled for r in list(self.queue))
 
     def slot_info(self) -> list[dict[str, object]]:
-        out = []
+        out: list[dict[str, object]] = []
         for s in self.slots:
             r = s.request
             out.append({
@@ -164,7 +164,7 @@ class Scheduler:
                     req.error = str(exc)
                     self._finish(req, None)
                     continue
-                except Exception as exc:  # noqa: BLE001 - off the queue: must still finish
+                except Exception as exc:  # off the queue: must still finish
                     log.exception("request %d could not start", req.id)
                     req.error = f"internal error: {exc}"
                     self._finish(req, None)
@@ -186,7 +186,7 @@ class Scheduler:
                 for slot in self.slots:
                     if slot.request is not None:
                         self._advance(slot)
-            except Exception:  # noqa: BLE001 - the worker must outlive any bug
+            except Exception:  # the worker must outlive any bug
                 log.exception("scheduler round failed")
 
     def _advance(self, slot: Slot) -> None:
@@ -200,7 +200,7 @@ class Scheduler:
                 out = gen.step() if gen.prefilled else gen.prefill(self.prefill_chunk)
                 if out and req.on_tokens(out):
                     gen.finish("stop")  # the request's consumer wants no more
-        except Exception as exc:  # noqa: BLE001 - one bad request never stops the daemon
+        except Exception as exc:  # one bad request never stops the daemon
             log.exception("request %d failed", req.id)
             req.error = f"internal error: {exc}"
             gen.finish("error")
@@ -224,5 +224,5 @@ class Scheduler:
             self.requests_failed += 1
         try:
             req.on_done(req)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("on_done callback failed")

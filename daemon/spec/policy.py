@@ -205,8 +205,9 @@ class AdaptiveDraftLength(DraftPolicy):
     probe_every: int = 4  # fewest rounds at n=0 between probes
     probe_budget: float = 0.03  # share of decode time probes may cost beyond plain steps
     prior_accept: float = 0.7
-    # every this many drafting rounds, draft one more when that is predicted within 5%:
-    # costs seen only at lengths no longer chosen would otherwise never be corrected
+    # every this many drafting rounds, draft one more when that is predicted nearly as
+    # fast (EXPLORE_MARGIN): costs seen only at lengths no longer chosen would otherwise
+    # never be corrected
     explore_every: int = 8
     # most skipped tokens the drafter evaluates before drafting (None: all of them)
     catch_up_limit: int | None = None
@@ -338,7 +339,7 @@ class AdaptiveDraftLength(DraftPolicy):
 
     def catch_up_cost(self) -> float:
         """Estimated seconds per skipped token the draft evaluates before it drafts
-        (before any was measured: a fifth of a drafting step, as prefill runs here)."""
+        (before any was measured: CATCH_UP_PRIOR of a drafting call)."""
         if self._catch_up is not None:
             return self._catch_up
         return CATCH_UP_PRIOR * (self._draft_first or 0.0)
@@ -395,7 +396,7 @@ class AdaptiveDraftLength(DraftPolicy):
         if self.draft_cost(1) is None:
             return probe  # then a short probe for the draft and verify costs
         # hysteresis: leaving n = 0 must be predicted clearly faster (a wrong start costs
-        # a catch-up on the draft as well); between draft lengths 2% decides
+        # a catch-up on the draft as well); between draft lengths SWITCH_MARGIN decides
         start = SWITCH_MARGIN if self._drafting else START_MARGIN
         base = self.rate(0) or 0.0
         best_n, best_rate = 0, base

@@ -30,7 +30,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import numpy as np
@@ -39,6 +39,9 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers import normalizers
 
 from .tokenizer import CONTROL, SPIECE_SPACE, UNKNOWN, UNUSED, USER_DEFINED, Tokenizer
+
+if TYPE_CHECKING:  # a TypedDict of the extension's stub only
+    from llguidance._lib import JsonCompileOptions
 
 __all__ = [
     "CONSTRAINT_KINDS",
@@ -59,7 +62,7 @@ CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "lark", "gbnf")
 # A schema's "x-guidance" options override this.
 JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
 
-_JSON_DEFAULTS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE}
+_JSON_DEFAULTS: JsonCompileOptions = {"whitespace_pattern": JSON_WHITESPACE}
 _COMPILED_CACHE_SIZE = 64  # compiled constraints kept per tokenizer
 
 
@@ -139,7 +142,7 @@ def _entry(tok: Tokenizer) -> _TokenizerEntry:
 
 
 def lltokenizer_for(tok: Tokenizer) -> llg.LLTokenizer:
-    """The llguidance tokenizer for ``tok`` (built once per Tokenizer object, ~0.5-2 s)."""
+    """The llguidance tokenizer for ``tok`` (slow to build: once per Tokenizer object)."""
     return _entry(tok).lltok
 
 
@@ -208,7 +211,7 @@ def _grammar_source(kind: str, spec: Any) -> tuple[str, str]:
                 text = gbnf_to_lark(text)
             elif kind == "gbnf":
                 text = any_to_lark(text)  # Lark text as it is
-        except Exception as e:  # noqa: BLE001 - the converter raises assorted errors
+        except Exception as e:  # the converter raises assorted errors
             # (a rule named "start" too: the converter renames root to start)
             raise GrammarError(f"invalid {kind} grammar (GBNF): {e}") from None
         return spec, llg.LLMatcher.grammar_from_lark(text)
