@@ -3,6 +3,7 @@
 
     python3 installers/quickstart.py demo          # default model pair, speculative
     python3 installers/quickstart.py test [ARGS]   # the test suite (pytest ARGS)
+    python3 installers/quickstart.py check         # ruff and mypy (CI runs it first)
     python3 installers/quickstart.py ARGS          # any `specd ARGS`
 
 Needs only Python 3.11+. Installs specd with the ONNX Runtime build that fits the
@@ -21,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("SPECD_VENV", ROOT / ".venv"))
+# where `check` links the package for mypy: pyproject's [tool.mypy] mypy_path
+MYPY_TREE = ROOT / "build" / "mypy"
 DEMO = ["generate", "-m", "qwen2.5-coder-1.5b-instruct", "-md", "qwen2.5-coder-0.5b-instruct",
         "--chat", "Write a Python function that checks whether a number is prime."]
 
@@ -77,6 +80,70 @@ def specd_args(argv: list[str]) -> tuple[list[str], bool]:
     return argv, False
 
 
+def package_dirs() -> dict[str, str]:
+    """The installed package's top folders: {"daemon": "daemon", ...} for each
+    `specd.NAME` = folder of pyproject's package-dir (nested entries must be subfolders)."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as fh:
+        mapping = tomllib.load(fh)["tool"]["setuptools"]["package-dir"]
+    top = {k.split(".")[1]: v for k, v in mapping.items() if k.count(".") == 1}
+    for key, folder in mapping.items():
+        parts = key.split(".")
+        if len(parts) > 2 and folder != "/".join([top[parts[1]], *parts[2:]]):
+            raise SystemExit(f"quickstart: package-dir {key} = {folder!r} is not a subfolder "
+                             "of its parent's: the mypy link tree cannot show it")
+    return top
+
+
+def link_tree(dest: Path = MYPY_TREE) -> dict[Path, Path]:
+    """dest/specd/NAME -> the checkout's folder of specd.NAME, for every top package, so
+    that mypy finds `specd` as it is installed. The editable install maps the folders by
+    an import hook, which mypy never runs. Returns {link: folder}."""
+    pkg = dest / "specd"
+    pkg.mkdir(parents=True, exist_ok=True)
+    want = {pkg / name: ROOT / folder for name, folder in package_dirs().items()}
+    for old in pkg.iterdir():  # a package no longer in pyproject, or a moved folder
+        if old not in want or not old.is_symlink() or old.resolve() != want[old].resolve():
+            if old.is_symlink() or old.is_file():
+                old.unlink()
+            else:
+                shutil.rmtree(old)
+    for link, folder in want.items():
+        if not link.is_symlink():
+            link.symlink_to(folder, target_is_directory=True)
+    return want
+
+
+def check() -> int:
+    """`ruff check .` and `mypy -p specd` from the venv (both run; 1 if either fails)."""
+    py = str(_bin("python"))
+    rc_ruff = subprocess.run([py, "-m", "ruff", "check", "."], cwd=ROOT).returncode
+    links = link_tree()
+    out = subprocess.run([py, "-m", "mypy", "-p", "specd"], cwd=ROOT, capture_output=True,
+                         text=True)
+    # name the checkout's files rather than their links (mypy prints paths under the
+    # working directory relative to it)
+    prefixes = {}
+    for link, folder in links.items():
+        name = str(folder.relative_to(ROOT)) + os.sep
+        prefixes[str(link) + os.sep] = name
+        prefixes[str(link.relative_to(ROOT)) + os.sep] = name
+    for stream, text in ((sys.stdout, out.stdout), (sys.stderr, out.stderr)):
+        for line in text.splitlines(keepends=True):
+            for prefix, name in prefixes.items():
+                if line.startswith(prefix):
+                    line = name + line[len(prefix):]
+                    break
+            stream.write(line)
+        stream.flush()
+    if rc_ruff or out.returncode:
+        print(f"quickstart: check failed (ruff exited with {rc_ruff}, mypy with "
+              f"{out.returncode})", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
     try:
         ensure_env()
@@ -85,6 +152,8 @@ def main(argv: list[str]) -> int:
               "see pip's message above (offline? no wheel for this Python?)",
               file=sys.stderr)
         return 1
+    if argv == ["check"]:
+        return check()
     if argv[:1] == ["test"]:
         cmd = [str(_bin("python")), "-m", "pytest", *argv[1:]]
         rc = subprocess.run(cmd, cwd=ROOT).returncode

@@ -26,7 +26,7 @@ from specd.daemon.text.tool_calls import (
 )
 
 from .metrics import render_metrics
-from .security import cors_on_prepare, error_response, make_middlewares
+from .security import Handler, cors_on_prepare, error_response, make_middlewares
 from .validation import BadRequest, get, json_body, stop_list, token_list
 
 SERVICE = web.AppKey("service", Service)
@@ -549,7 +549,7 @@ async def metrics(request: web.Request) -> web.Response:
                         content_type="text/plain", charset="utf-8")
 
 
-def _busy(handler):  # noqa: ANN001, ANN202
+def _busy(handler: Handler) -> Handler:
     async def wrapped(request: web.Request) -> web.StreamResponse:
         try:
             return await handler(request)

@@ -9,10 +9,14 @@ import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from .validation import BadRequest
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Middleware
 
 log = logging.getLogger("specd.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -64,7 +68,7 @@ def load_or_create_token(path: Path) -> str:
 
 
 def make_middlewares(*, allowed_origins: set[str], token: str | None,
-                     check_host: bool = True) -> list[object]:
+                     check_host: bool = True) -> list[Middleware]:
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
@@ -83,7 +87,7 @@ def make_middlewares(*, allowed_origins: set[str], token: str | None,
             raise
         except ConnectionResetError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the daemon survives every bad request
+        except Exception as exc:  # the daemon survives every bad request
             log.exception("unhandled error on %s %s", request.method, request.path)
             return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 

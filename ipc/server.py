@@ -13,6 +13,7 @@ import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from aiohttp import web
 
@@ -136,7 +137,8 @@ async def start_server(app: web.Application, cfg: ServeConfig) -> RunningServer:
     await tcp.start()
     port = cfg.port
     if port == 0:
-        server = tcp._server  # noqa: SLF001 - the bound port of an ephemeral site
+        # the bound port of an ephemeral site (aiohttp types the loop's Server as its base)
+        server = cast("asyncio.Server | None", tcp._server)
         port = server.sockets[0].getsockname()[1] if server and server.sockets else 0
     sock_path = None
     if cfg.socket_path is not None and sys.platform != "win32":

@@ -32,8 +32,8 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None,
-        *, lo: float | None = None, hi: float | None = None) -> Any:
+def get(body: dict[str, Any], name: str, kind: type[Any] | tuple[type[Any], ...],
+        default: Any = None, *, lo: float | None = None, hi: float | None = None) -> Any:
     value = body.get(name, default)
     if value is None:
         return default

@@ -158,8 +158,7 @@ def _configs(slots: int, has_draft: bool, on_fail: Sequence[str]) -> list[tuple[
                 out += [(s, False) for s in (range(slots, 0, -1) if reduced else [slots])]
         else:
             raise ValueError(f"unknown on_fail step {step!r} (one of {ON_FAIL_STEPS})")
-    seen: set[tuple[int, bool]] = set()
-    return [c for c in out if not (c in seen or seen.add(c))]
+    return list(dict.fromkeys(out))  # in order, each candidate once
 
 
 def _rows(target: ModelCost, second: ModelCost | None, n_ctx: int, slots: int,

@@ -21,6 +21,7 @@ Q4_0 / Q4_1 (blocks of 32, no superblocks), per block of 16 rows: d[16] f16 |
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -119,9 +120,10 @@ def q4_legacy_x16(raw: np.ndarray, n: int, k: int, type_name: str) -> np.ndarray
     return np.ascontiguousarray(out.reshape(g, -1))
 
 
-REGROUP = {"Q4_K": q4_k_x16, "Q6_K": q6_k_x16,
-           "Q4_0": partial(q4_legacy_x16, type_name="Q4_0"),
-           "Q4_1": partial(q4_legacy_x16, type_name="Q4_1")}
+REGROUP: dict[str, Callable[[np.ndarray, int, int], np.ndarray]] = {
+    "Q4_K": q4_k_x16, "Q6_K": q6_k_x16,
+    "Q4_0": partial(q4_legacy_x16, type_name="Q4_0"),
+    "Q4_1": partial(q4_legacy_x16, type_name="Q4_1")}
 
 
 def regroup(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:

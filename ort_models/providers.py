@@ -116,7 +116,7 @@ def cuda_problem(index: int = 0) -> str | None:
         ort.preload_dlls()
     try:
         ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.float32), "cuda", index)
-    except Exception as exc:  # noqa: BLE001 - ORT's own error types
+    except Exception as exc:  # ORT's own error types
         missing = [lib for lib in ("cudart", "cublas") if ctypes.util.find_library(lib) is None]
         hint = f"; lib{missing[0]} is not installed" if missing else ""
         return f"{ort_error_line(exc, 200)}{hint}"

@@ -74,13 +74,13 @@ def poll(timeout: float = 3.0) -> Observation:
         return sc.fetch_snapshot(sc.client_for(timeout=timeout))
     except DaemonUnavailable:
         return Starting(pid) if pid is not None else None
-    except Exception as exc:  # noqa: BLE001 - shown in the menu, never fatal
+    except Exception as exc:  # shown in the menu, never fatal
         return exc
 
 
 def open_path(path: Path) -> None:
     if sys.platform == "win32":
-        os.startfile(str(path))  # type: ignore[attr-defined]  # noqa: S606
+        os.startfile(str(path))  # type: ignore[attr-defined]
         return
     opener = "open" if sys.platform == "darwin" else "xdg-open"
     with contextlib.suppress(OSError):
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"specd: error: the tray needs pystray and Pillow ({exc.name} is missing): "
               "pip install 'specd[tray]'", file=sys.stderr)
         return 1
-    except Exception as exc:  # noqa: BLE001 - e.g. no display for the chosen backend
+    except Exception as exc:  # e.g. no display for the chosen backend
         print(f"specd: error: no tray available ({exc}): is a desktop session running?",
               file=sys.stderr)
         return 1
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         TrayApp(interval=args.interval).run()
     except KeyboardInterrupt:
         return 0
-    except Exception as exc:  # noqa: BLE001 - e.g. Xlib's "Bad display name"
+    except Exception as exc:  # e.g. Xlib's "Bad display name"
         if getattr(args, "verbose", False):
             raise
         print(f"specd: error: no tray available ({exc}): is a desktop session running?",

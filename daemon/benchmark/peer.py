@@ -98,7 +98,7 @@ class PeerRunner:
             llm = self._llm(mode)
             llm.reset()
             llm.set_seed(seed)
-            draft = getattr(llm, "draft_model", None)
+            draft: Any = getattr(llm, "draft_model", None)  # llama-cpp-python's, if any
             if hasattr(draft, "reset"):
                 draft.reset()
             t0 = time.perf_counter()

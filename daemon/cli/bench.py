@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from specd.daemon.benchmark.peer import PeerRunner
     from specd.daemon.benchmark.run import BenchConfig
 
 
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         print("specd bench: --peer-draft needs a draft model (drop --no-draft)",
               file=sys.stderr)
         return 2
-    peer_cls = None
+    peer_cls: type[PeerRunner] | None = None
     if args.peer or args.peer_lookup or args.peer_draft:  # either implies --peer
         import importlib.util
 
@@ -96,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
             print("specd bench: --peer needs llama-cpp-python (pip install "
                   "'specd[bench]')", file=sys.stderr)
             return 2
-        from specd.daemon.benchmark.peer import PeerRunner as peer_cls
+        from specd.daemon.benchmark.peer import PeerRunner
+
+        peer_cls = PeerRunner
     engine = Engine(EngineConfig(target=args.model, draft=draft,
                                  spec_type="draft" if draft else "none", n_ctx=args.n_ctx,
                                  threads=threads, draft_quant=args.draft_quant,

@@ -31,7 +31,7 @@ def _err(msg: str) -> int:
 
 
 def _serve_actions(p: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in p._actions if a.option_strings and a.dest != "help"]  # noqa: SLF001
+    return [a for a in p._actions if a.option_strings and a.dest != "help"]
 
 
 def _absolute(dest: str, value: str) -> str:
@@ -53,7 +53,7 @@ def _argv_for(args: argparse.Namespace, actions: list[argparse.Action],
     for a in actions:
         default = getattr(a, "serve_default", a.default)
         value = getattr(args, a.dest, _UNSET)
-        if value is _UNSET or value is None and isinstance(a, argparse._AppendAction):  # noqa: SLF001
+        if value is _UNSET or value is None and isinstance(a, argparse._AppendAction):
             if cfg is None or a.dest not in cfg or cfg[a.dest] == default:
                 continue
             value = cfg[a.dest]
@@ -86,7 +86,7 @@ def _start_args(p: argparse.ArgumentParser, add_model_args: AddArgs,
     actions = _serve_actions(p)
     for a in actions:
         a.serve_default = a.default  # type: ignore[attr-defined]
-        a.default = None if isinstance(a, argparse._AppendAction) else _UNSET  # noqa: SLF001
+        a.default = None if isinstance(a, argparse._AppendAction) else _UNSET
     p.add_argument("--wait", dest="wait_s", type=float, default=600.0, metavar="SECONDS",
                    help="how long to wait for the daemon to answer (default 600)")
     return actions
@@ -162,9 +162,9 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
                        timeout=args.wait_s, cwd=sc.state_dir(),
                        on_wait=lambda e: _progress(e, shown))
     except KeyboardInterrupt:  # the daemon goes on loading: say so
-        pid = sc.running_pid()
-        print(f"\nspecd goes on starting in the background (pid {pid}); `specd status` to "
-              "see it, `specd stop` to stop it" if pid else "\nspecd start interrupted",
+        bg = sc.running_pid()
+        print(f"\nspecd goes on starting in the background (pid {bg}); `specd status` to "
+              "see it, `specd stop` to stop it" if bg else "\nspecd start interrupted",
               file=sys.stderr)
         return 130
     st = sc.status()

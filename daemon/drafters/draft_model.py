@@ -117,11 +117,11 @@ class DraftModelDrafter(Drafter):
         caught_up = len(pending) > 2  # after target-only rounds: a small prefill first
         step_s: list[float] = []
         unsure = False
-        sampled = params.probabilistic and st.sampler is not None  # else the argmax
+        sampler = st.sampler if params.probabilistic else None  # None: the argmax
         bonus_q: tuple[int, np.ndarray] | None = None
         for _ in range(n_max):
             t0 = time.perf_counter()
-            if len(pending) > 1 and not sampled:
+            if len(pending) > 1 and sampler is None:
                 row, forced = self._check_guesses(seq, pending, p, full_run)
             elif len(pending) == 2 and full_run and grammar is None:
                 # pending = [last draft, bonus]: the first row is where the bonus was drawn
@@ -137,8 +137,8 @@ class DraftModelDrafter(Drafter):
             mask = None if grammar is None else grammar.allowed(row.shape[0])  # [vocab]
             if mask is not None and not mask.any():
                 break
-            if sampled:
-                tok, q = st.sampler.sample_with_probs(row, mask)
+            if sampler is not None:
+                tok, q = sampler.sample_with_probs(row, mask)
                 top = float(q.max())
                 q_rows.append(q)
             else:

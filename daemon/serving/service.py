@@ -117,7 +117,7 @@ class Service:
         self.started = time.time()
 
     @property
-    def tokenizer(self):  # noqa: ANN201
+    def tokenizer(self):
         return self.engine.tokenizer
 
     async def compile_constraint(self, kind: str, spec: Any) -> Grammar:

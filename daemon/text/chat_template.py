@@ -216,7 +216,7 @@ class _TemplateDict:
 class _Namespace(jinja2.utils.Namespace):
     """jinja's namespace, refusing underscore-prefixed names (no reaching into internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (jinja's signature trick)
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:

@@ -103,7 +103,8 @@ def forced_call_grammar(tools: list[dict[str, Any]], only: str | None = None,
     schema: what tool_choice "required" or a named function asks for. Each tool's
     parameters are their own %json rule, so their "#" and "$defs" references resolve
     against the tool's schema; arguments are always an object, as OpenAI sends them."""
-    calls, rules = [], []
+    calls: list[str] = []
+    rules: list[str] = []
     for name, fn in _functions(tools):
         if only is not None and name != only:
             continue

@@ -171,7 +171,7 @@ def test_unknown_platform() -> None:
 def _cli_has(command: str) -> bool:
     from specd.daemon.cli import main as cli
 
-    sub = next(a for a in cli.build_parser()._actions  # noqa: SLF001
+    sub = next(a for a in cli.build_parser()._actions
                if a.__class__.__name__ == "_SubParsersAction")
     return command in sub.choices
 
@@ -238,7 +238,7 @@ def test_install_sh_dry_run(tmp_path: Path) -> None:
     assert r.returncode == 1 and "unknown option --bogus" in r.stderr
 
 
-def _quickstart():  # noqa: ANN202 - the module, loaded from its file (not a package)
+def _quickstart():  # the module, loaded from its file (not a package)
     import importlib.util
 
     path = Path(__file__).resolve().parents[2] / "installers" / "quickstart.py"
@@ -272,3 +272,22 @@ def test_quickstart_demo_takes_more_options() -> None:
     assert qs.specd_args([]) == (qs.DEMO, True)
     assert qs.specd_args(["demo", "-n", "64"]) == ([*qs.DEMO, "-n", "64"], True)
     assert qs.specd_args(["models", "list"]) == (["models", "list"], False)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="symlinks need a privilege there")
+def test_quickstart_check_links_the_package_as_it_is_installed(tmp_path: Path) -> None:
+    """`quickstart.py check` runs `mypy -p specd`; mypy cannot see the editable install's
+    import hook, so the checkout's folders are linked as the installed package's."""
+    import importlib.util
+
+    qs = _quickstart()
+    links = qs.link_tree(tmp_path)
+    for link, folder in links.items():
+        spec = importlib.util.find_spec(f"specd.{link.name}")  # as installed
+        assert spec is not None and spec.submodule_search_locations is not None
+        assert Path(spec.submodule_search_locations[0]).resolve() == folder.resolve()
+        assert link.parent == tmp_path / "specd" and link.resolve() == folder.resolve()
+    assert (tmp_path / "specd" / "ort_models" / "arch" / "__init__.py").is_file()
+    stale = tmp_path / "specd" / "gone"
+    stale.symlink_to(tmp_path, target_is_directory=True)
+    assert qs.link_tree(tmp_path) == links and not os.path.lexists(stale)

@@ -18,12 +18,12 @@ from live_server import live_server
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tiny_model_factory):  # noqa: ANN001, ANN201
+def tiny_path(tiny_model_factory):
     return tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_path, tmp_path_factory):  # noqa: ANN001, ANN201
+def server(tiny_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("srv")
     mp = pytest.MonkeyPatch()
     mp.setenv("SPECD_STATE_DIR", str(tmp / "state"))
@@ -33,7 +33,7 @@ def server(tiny_path, tmp_path_factory):  # noqa: ANN001, ANN201
     mp.undo()
 
 
-def _alone(tiny_path, tmp_path, prompt: str, n: int) -> str:  # noqa: ANN001
+def _alone(tiny_path, tmp_path, prompt: str, n: int) -> str:
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
     with live_server(cfg, tmp_path) as srv:
         status, body = srv.request("POST", "/completion",
@@ -42,7 +42,7 @@ def _alone(tiny_path, tmp_path, prompt: str, n: int) -> str:  # noqa: ANN001
         return body["content"]
 
 
-def test_health_models_props_slots_metrics(server) -> None:  # noqa: ANN001
+def test_health_models_props_slots_metrics(server) -> None:
     assert server.request("GET", "/health") == (200, {"status": "ok"})
     status, models = server.request("GET", "/v1/models")
     assert status == 200 and models["data"][0]["object"] == "model"
@@ -54,7 +54,7 @@ def test_health_models_props_slots_metrics(server) -> None:  # noqa: ANN001
     assert status == 200 and "specd_requests_total" in text and "specd_queue_length" in text
 
 
-def test_completion_and_timings(server) -> None:  # noqa: ANN001
+def test_completion_and_timings(server) -> None:
     status, body = server.request("POST", "/completion",
                                   {"prompt": "hello world", "n_predict": 12, "ignore_eos": True})
     assert status == 200, body
@@ -68,7 +68,7 @@ def test_completion_and_timings(server) -> None:  # noqa: ANN001
         assert status == 200 and other["content"] == body["content"], other
 
 
-def test_openai_client_chat_and_completions(server) -> None:  # noqa: ANN001
+def test_openai_client_chat_and_completions(server) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
     chat = client.chat.completions.create(
@@ -113,7 +113,7 @@ TOOL_REPLY = ('start: "Checking.\\n<tool_call>\\n{\\"name\\": \\"get_weather\\",
               '\\"arguments\\": {\\"city\\": \\"Paris\\"}}\\n</tool_call>"')
 
 
-def test_openai_client_gets_tool_calls(server) -> None:  # noqa: ANN001
+def test_openai_client_gets_tool_calls(server) -> None:
     """A reply's <tool_call> blocks come back as message.tool_calls (finish_reason
     tool_calls), whole or streamed, as the official client reads them."""
     openai = pytest.importorskip("openai")
@@ -170,7 +170,7 @@ def test_openai_client_gets_tool_calls(server) -> None:  # noqa: ANN001
         client.chat.completions.create(**{**ask, "tool_choice": "required"})
 
 
-def test_unix_socket_sync_and_async_clients(server) -> None:  # noqa: ANN001
+def test_unix_socket_sync_and_async_clients(server) -> None:
     c = Client(server.socket_path)
     assert c.health()
     out = c.post("/completion", {"prompt": "abc", "n_predict": 5, "ignore_eos": True})
@@ -189,7 +189,7 @@ def test_unix_socket_sync_and_async_clients(server) -> None:  # noqa: ANN001
     assert server.socket_path.stat().st_mode & 0o777 == 0o600
 
 
-def test_tokenize_pieces_and_special_parsing(server) -> None:  # noqa: ANN001
+def test_tokenize_pieces_and_special_parsing(server) -> None:
     c = Client(port=server.port)
     text = "日<|im_start|>"
     pieces = [p["piece"] for p in c.post("/tokenize", {"content": text, "with_pieces": True})
@@ -206,7 +206,7 @@ def test_tokenize_pieces_and_special_parsing(server) -> None:  # noqa: ANN001
         "/tokenize", {"content": "a\ufffd"})["tokens"]  # a lone surrogate: U+FFFD, no 500
 
 
-def test_control_tokens_add_no_text(server) -> None:  # noqa: ANN001
+def test_control_tokens_add_no_text(server) -> None:
     """A reply holding a control token (forced by a grammar here) streams and returns
     without its text, as llama.cpp's server does; the tokens still count."""
     c = Client(port=server.port)
@@ -217,7 +217,7 @@ def test_control_tokens_add_no_text(server) -> None:  # noqa: ANN001
     assert "".join(p["content"] for p in pieces) == "ab"
 
 
-def test_eight_concurrent_streams_equal_their_solo_runs(server, tiny_path, tmp_path) -> None:  # noqa: ANN001
+def test_eight_concurrent_streams_equal_their_solo_runs(server, tiny_path, tmp_path) -> None:
     prompts = [f"prompt number {i} says" + " word" * i for i in range(8)]
     results: dict[int, str] = {}
 
@@ -237,7 +237,7 @@ def test_eight_concurrent_streams_equal_their_solo_runs(server, tiny_path, tmp_p
         assert results[i] == _alone(tiny_path, tmp_path / f"a{i}", prompts[i], 16)
 
 
-def test_disconnect_mid_stream_frees_the_slot(server) -> None:  # noqa: ANN001
+def test_disconnect_mid_stream_frees_the_slot(server) -> None:
     sock = socket.create_connection(("127.0.0.1", server.port))
     body = json.dumps({"prompt": "go on", "n_predict": 480, "ignore_eos": True,
                        "stream": True}).encode()
@@ -267,7 +267,7 @@ def test_disconnect_mid_stream_frees_the_slot(server) -> None:  # noqa: ANN001
                                   "wrong_method", "bad_host", "foreign_origin", "not_object",
                                   "bad_tokens", "n_two", "bad_adaptive", "empty_prompt",
                                   "huge_number", "deep_json", "nameless_tool"])
-def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:  # noqa: ANN001
+def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:
     req = {
         "bad_json": ("POST", "/v1/completions", None, {}, b"{not json", 400, "malformed JSON"),
         "wrong_type": ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, {},
@@ -306,7 +306,7 @@ def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:  # noqa
     assert server.request("GET", "/health")[0] == 200
 
 
-def test_token_required_when_configured(tiny_path, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_token_required_when_configured(tiny_path, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECD_STATE_DIR", str(tmp_path / "state"))
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=256, slots=1)
     with live_server(cfg, tmp_path, require_token=True) as srv:
@@ -320,7 +320,7 @@ def test_token_required_when_configured(tiny_path, tmp_path, monkeypatch) -> Non
         assert Client(srv.socket_path).get("/props")["total_slots"] == 1
 
 
-def test_infill_and_prefix_cache(tmp_path, monkeypatch, tiny_model_factory) -> None:  # noqa: ANN001
+def test_infill_and_prefix_cache(tmp_path, monkeypatch, tiny_model_factory) -> None:
     """llama.vim-shaped /infill; a request extending the first one's prefix reuses its KV."""
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=6, fim=True)
     monkeypatch.setenv("SPECD_STATE_DIR", str(tmp_path / "state"))
@@ -342,7 +342,7 @@ def test_infill_and_prefix_cache(tmp_path, monkeypatch, tiny_model_factory) -> N
             second["tokens_cached"]
 
 
-def test_queue_full_is_503(tiny_path, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_queue_full_is_503(tiny_path, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECD_STATE_DIR", str(tmp_path / "state"))
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
     with live_server(cfg, tmp_path, max_queue=1) as srv:
@@ -360,7 +360,7 @@ def test_queue_full_is_503(tiny_path, tmp_path, monkeypatch) -> None:  # noqa: A
         assert 503 in codes and 200 in codes
 
 
-def test_body_size_limit(tiny_path, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_body_size_limit(tiny_path, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECD_STATE_DIR", str(tmp_path / "state"))
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=256, slots=1)
     with live_server(cfg, tmp_path, max_body=1024) as srv:
@@ -369,13 +369,13 @@ def test_body_size_limit(tiny_path, tmp_path, monkeypatch) -> None:  # noqa: ANN
         assert srv.request("GET", "/health")[0] == 200
 
 
-def test_client_errors_are_typed(server) -> None:  # noqa: ANN001
+def test_client_errors_are_typed(server) -> None:
     with pytest.raises(DaemonError) as info:
         Client(server.socket_path).post("/v1/completions", {"prompt": 5})
     assert info.value.status == 400
 
 
-def test_http_conn_keepalive_survives(server) -> None:  # noqa: ANN001
+def test_http_conn_keepalive_survives(server) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     for _ in range(3):
         conn.request("GET", "/health", headers={"Host": "localhost:1"})

@@ -21,12 +21,12 @@ from live_server import LiveServer, live_server
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tiny_model_factory):  # noqa: ANN001, ANN201
+def tiny_path(tiny_model_factory):
     return tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
 
 
 @pytest.fixture(autouse=True)
-def _state(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def _state(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPECD_STATE_DIR", str(tmp_path / "state"))
 
 
@@ -48,7 +48,7 @@ def _raw(srv: LiveServer, method: str, path: str, body: Any = None,
     return out
 
 
-def test_stop_string_ends_the_count_at_its_token(tiny_path, tmp_path) -> None:  # noqa: ANN001
+def test_stop_string_ends_the_count_at_its_token(tiny_path, tmp_path) -> None:
     """Rounds of prompt lookup emit several tokens at once; the usage counts the tokens up
     to the one that completes the stop string, the same in every run."""
     cfg = EngineConfig(target=str(tiny_path), spec_type="ngram", n_ctx=512, slots=1)
@@ -78,7 +78,7 @@ def test_stop_string_ends_the_count_at_its_token(tiny_path, tmp_path) -> None:  
 
 
 def test_warm_up_request_caches_the_prompt_and_time_limit_starts_at_the_first_token(
-        tiny_path, tmp_path) -> None:  # noqa: ANN001
+        tiny_path, tmp_path) -> None:
     """llama.vim's cache warm-up: n_predict 0 and a 1 ms budget evaluate and keep the
     prompt; the budget never cuts prompt processing short."""
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
@@ -101,7 +101,7 @@ def test_warm_up_request_caches_the_prompt_and_time_limit_starts_at_the_first_to
         assert status == 200 and out["usage"]["completion_tokens"] == 0
 
 
-def test_serve_defaults_apply_to_requests(tiny_path, tmp_path) -> None:  # noqa: ANN001
+def test_serve_defaults_apply_to_requests(tiny_path, tmp_path) -> None:
     """`specd serve -n 5 --ignore-eos --temp 0.9 --seed 7`: what /props reports is what a
     request without those fields gets."""
     defaults = GenerationParams(max_tokens=5, ignore_eos=True,
@@ -126,7 +126,7 @@ def test_serve_defaults_apply_to_requests(tiny_path, tmp_path) -> None:  # noqa:
 
 
 def test_full_queue_refuses_a_stream_before_it_starts(tiny_path, tmp_path,
-                                                      monkeypatch) -> None:  # noqa: ANN001
+                                                      monkeypatch) -> None:
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
     with live_server(cfg, tmp_path, max_queue=1) as srv:
         runner = srv.service.engine.target.runner
@@ -163,7 +163,7 @@ def test_full_queue_refuses_a_stream_before_it_starts(tiny_path, tmp_path,
                     t.join(60)
 
 
-def test_failure_mid_stream_is_an_error_event(tiny_path, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_failure_mid_stream_is_an_error_event(tiny_path, tmp_path, monkeypatch) -> None:
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
     with live_server(cfg, tmp_path) as srv:
         runner = srv.service.engine.target.runner
@@ -198,7 +198,7 @@ def test_failure_mid_stream_is_an_error_event(tiny_path, tmp_path, monkeypatch) 
         assert srv.request("POST", "/completion", {"prompt": "hi", "n_predict": 2})[0] == 200
 
 
-def test_cors_for_allowed_origins(tiny_path, tmp_path) -> None:  # noqa: ANN001
+def test_cors_for_allowed_origins(tiny_path, tmp_path) -> None:
     origin = "http://app.localhost:5173"
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
     with live_server(cfg, tmp_path, allowed_origins={origin}, require_token=True) as srv:
@@ -221,7 +221,7 @@ def test_cors_for_allowed_origins(tiny_path, tmp_path) -> None:  # noqa: ANN001
         assert status in (401, 403) and "Access-Control-Allow-Origin" not in headers
 
 
-def test_infill_trims_extra_context_to_fit(tmp_path, tiny_model_factory) -> None:  # noqa: ANN001
+def test_infill_trims_extra_context_to_fit(tmp_path, tiny_model_factory) -> None:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=6, fim=True)
     cfg = EngineConfig(target=str(path), spec_type="none", n_ctx=256, slots=1)
     with live_server(cfg, tmp_path) as srv:
@@ -235,7 +235,7 @@ def test_infill_trims_extra_context_to_fit(tmp_path, tiny_model_factory) -> None
         assert out["tokens_predicted"] == 16
 
 
-def test_chat_prompts_get_one_bos_and_the_tools(tiny_path, tmp_path) -> None:  # noqa: ANN001
+def test_chat_prompts_get_one_bos_and_the_tools(tiny_path, tmp_path) -> None:
     """A template that writes `{{ bos_token }}` itself on a vocabulary that adds BOS gets
     one BOS, not two; `tools` reach the template; a non-text part is a 400."""
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
@@ -265,7 +265,7 @@ def test_chat_prompts_get_one_bos_and_the_tools(tiny_path, tmp_path) -> None:  #
         assert status == 400 and out["error"]["param"] == "tools"
 
 
-def test_response_fields_as_llama_vim_asks(tiny_path, tmp_path) -> None:  # noqa: ANN001
+def test_response_fields_as_llama_vim_asks(tiny_path, tmp_path) -> None:
     """llama.vim asks for "timings/prompt_n" and the like and reads them as flat keys (it
     showed zeros in its stats line); paths not found are left out, as llama.cpp does."""
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
@@ -305,7 +305,7 @@ def test_indent_limit_ends_an_editor_completion_as_llama_cpp_does() -> None:
     assert run(["first line only"], 4) == ("first line only", False)
 
 
-def test_infill_n_indent_over_http(tmp_path, tiny_model_factory) -> None:  # noqa: ANN001
+def test_infill_n_indent_over_http(tmp_path, tiny_model_factory) -> None:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=6, fim=True,
                               context_length=1024)
     cfg = EngineConfig(target=str(path), spec_type="none", n_ctx=1024, slots=1)

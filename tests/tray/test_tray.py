@@ -146,7 +146,7 @@ def test_icons_differ_per_state() -> None:
 def _cli_has(command: str) -> bool:
     from specd.daemon.cli import main as cli
 
-    sub = next(a for a in cli.build_parser()._actions  # noqa: SLF001
+    sub = next(a for a in cli.build_parser()._actions
                if a.__class__.__name__ == "_SubParsersAction")
     return command in sub.choices
 
@@ -158,7 +158,7 @@ def _start_xvfb() -> tuple[subprocess.Popen, str]:
     for num in range(base, base + 20):
         if Path(f"/tmp/.X{num}-lock").exists() or Path(f"/tmp/.X11-unix/X{num}").exists():
             continue
-        log = tempfile.TemporaryFile()  # noqa: SIM115 - Xvfb's stderr, for the skip reason
+        log = tempfile.TemporaryFile()  # Xvfb's stderr, for the skip reason
         proc = subprocess.Popen(["Xvfb", f":{num}", "-screen", "0", "320x120x24", "-nolisten",
                                  "tcp"], stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 20
@@ -166,7 +166,7 @@ def _start_xvfb() -> tuple[subprocess.Popen, str]:
             try:
                 _titles(f":{num}")
                 return proc, f":{num}"
-            except Exception:  # noqa: BLE001 - Xlib's connection errors: not up yet
+            except Exception:  # Xlib's connection errors: not up yet
                 time.sleep(0.1)
         proc.kill()
         proc.wait()

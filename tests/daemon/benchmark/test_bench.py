@@ -12,12 +12,12 @@ from specd.daemon.serving.engine import Engine, EngineConfig
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_factory):  # noqa: ANN001, ANN201
+def engine(tiny_model_factory):
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
     return Engine(EngineConfig(target=str(path), spec_type="ngram", n_ctx=512))
 
 
-def test_run_summarize_and_write(engine, tmp_path) -> None:  # noqa: ANN001
+def test_run_summarize_and_write(engine, tmp_path) -> None:
     configs = bench.default_configs(has_draft=False)
     assert [c.name for c in configs] == ["target-only", "ngram n_max=8", "ngram adaptive"]
     lines: list[str] = []
@@ -147,7 +147,7 @@ def test_footprint_charges_lasting_growth_to_what_ran_cold() -> None:
     ("draft adaptive", "draft", 8, True), ("ngram n_max=12", "ngram", 12, False),
     ("ngram adaptive", "ngram", 8, True), ("draft+ngram n_max=3", "draft+ngram", 3, False),
     ("draft+ngram adaptive", "draft+ngram", 8, True)])
-def test_configs_parse_from_their_names(name, spec, n_max, adaptive) -> None:  # noqa: ANN001
+def test_configs_parse_from_their_names(name, spec, n_max, adaptive) -> None:
     cfg = bench.parse_config(name)
     assert (cfg.name, cfg.spec, cfg.n_max, cfg.adaptive) == (name, spec, n_max, adaptive)
 
@@ -165,6 +165,6 @@ def test_draft_configs_take_a_p_min() -> None:
                                   "target-only n_max=2", "draft n_max=2 p_min=0",
                                   "draft n_max=2 p_min=x", "ngram n_max=2 p_min=0.5",
                                   "draft p_min=0.5"])
-def test_unknown_configs_are_named_in_the_error(name) -> None:  # noqa: ANN001
+def test_unknown_configs_are_named_in_the_error(name) -> None:
     with pytest.raises(ValueError, match="unknown bench configuration"):
         bench.parse_config(name)

@@ -28,7 +28,7 @@ NAME = "tiny-qwen2-Q8_0"  # general.name of the tiny model
 def _cli_has(command: str) -> bool:
     from specd.daemon.cli import main as cli
 
-    sub = next(a for a in cli.build_parser()._actions  # noqa: SLF001
+    sub = next(a for a in cli.build_parser()._actions
                if a.__class__.__name__ == "_SubParsersAction")
     return command in sub.choices
 
@@ -107,7 +107,7 @@ def test_start_argv_from_options_and_config(env: dict[str, str], tmp_path: Path,
     from specd.daemon.cli.service import _argv_for, _start_args
 
     p = argparse.ArgumentParser()
-    actions = _start_args(p, cli._add_model_args, cli._add_sampling_args,  # noqa: SLF001
+    actions = _start_args(p, cli._add_model_args, cli._add_sampling_args,
                           cli_serve.add_serve_args)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")

@@ -9,17 +9,17 @@ from specd.daemon.models.compat import draft_incompatibilities
 from specd.ort_models.gguf_file import GGUFFile
 
 
-def _meta(factory, **kw):  # noqa: ANN001, ANN003, ANN202
+def _meta(factory, **kw):
     return GGUFFile(factory(**kw)).metadata
 
 
-def test_same_vocab_is_compatible(tiny_model_factory) -> None:  # noqa: ANN001
+def test_same_vocab_is_compatible(tiny_model_factory) -> None:
     a = _meta(tiny_model_factory, arch="qwen2", seed=1)
     b = _meta(tiny_model_factory, arch="qwen2", seed=2)
     assert draft_incompatibilities(a, b) == []
 
 
-def test_different_vocabs_name_every_difference(tiny_model_factory) -> None:  # noqa: ANN001
+def test_different_vocabs_name_every_difference(tiny_model_factory) -> None:
     qwen = _meta(tiny_model_factory, arch="qwen2")
     llama = _meta(tiny_model_factory, arch="llama")
     problems = " | ".join(draft_incompatibilities(qwen, llama))
@@ -28,7 +28,7 @@ def test_different_vocabs_name_every_difference(tiny_model_factory) -> None:  # 
     assert "token texts differ, first at id 0" in problems
 
 
-def test_vocab_size_and_type(tiny_model_factory) -> None:  # noqa: ANN001
+def test_vocab_size_and_type(tiny_model_factory) -> None:
     a = dict(_meta(tiny_model_factory, arch="qwen2"))
     b = dict(a)
     b["tokenizer.ggml.tokens"] = a["tokenizer.ggml.tokens"] + ["x"] * 300

@@ -18,16 +18,16 @@ from specd.daemon.text.tool_calls import parse_tool_calls, tool_names
 from specd.ort_models.runner import ModelRunner
 
 
-def _engine(target: str, draft: str | None = None, **kw) -> Engine:  # noqa: ANN003
+def _engine(target: str, draft: str | None = None, **kw) -> Engine:
     try:
         return Engine(EngineConfig(target=target, draft=draft, **kw))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         if isinstance(exc.__cause__, ModelStoreError) or "pip" in str(exc):
             pytest.skip(f"model not available: {exc}")
         raise
 
 
-def _generate(engine: Engine, prompt: list[int], *, drafter=None, **kw) -> list[int]:  # noqa: ANN001, ANN003
+def _generate(engine: Engine, prompt: list[int], *, drafter=None, **kw) -> list[int]:
     gen = Generation(engine.target.runner, 0, prompt, GenerationParams(**kw),
                      eog=engine.eog_ids, drafter=drafter)
     out = gen.prefill()

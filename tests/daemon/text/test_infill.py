@@ -10,7 +10,7 @@ from specd.ort_models.gguf_file import GGUFFile
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_factory) -> Tokenizer:  # noqa: ANN001
+def tok(tiny_model_factory) -> Tokenizer:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=6, fim=True)
     return Tokenizer.from_metadata(GGUFFile(path).metadata)
 
@@ -58,7 +58,7 @@ def test_trimming_keeps_the_newest_extra_and_the_prefix_end(tok: Tokenizer) -> N
     assert body.endswith("a = 1\n<|fim_suffix|>tail\n<|fim_middle|>")
 
 
-def test_no_fim_tokens_is_refused(tiny_model_factory) -> None:  # noqa: ANN001
+def test_no_fim_tokens_is_refused(tiny_model_factory) -> None:
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=6)
     plain = Tokenizer.from_metadata(GGUFFile(path).metadata)
     with pytest.raises(ValueError, match="no FIM tokens"):

@@ -146,7 +146,7 @@ def test_escaped_names_of_bare_calls() -> None:
         assert [c.name for c in s.finish()[1]] == [name]
 
 
-def test_forced_call_grammar(tiny_tok) -> None:  # noqa: ANN001
+def test_forced_call_grammar(tiny_tok) -> None:
     """tool_choice required / named: each tool's parameters are their own JSON document
     ($defs and "#" resolve in it), arguments are always an object, one call unless
     parallel calls are allowed."""
