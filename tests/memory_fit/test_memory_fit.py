@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import mmap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -273,20 +274,29 @@ def test_draft_trained_context_caps() -> None:
     assert any("draft's trained context (20000)" in w for w in plan.warnings)
 
 
+def _resident(n: int) -> mmap.mmap:
+    """n bytes of fresh, resident memory: an anonymous mapping written through. (A numpy
+    array may be served from heap pages an earlier test freed and left resident, and then
+    the RSS does not move.)"""
+    m = mmap.mmap(-1, n)
+    m.write(b"\x01" * n)
+    return m
+
+
 def test_peak_rss_nests_and_reports_growth() -> None:
     from specd.memory_fit.rss import PeakRss, lifetime_peak
 
     mib = 1 << 20
     with PeakRss() as outer:
         with PeakRss() as inner:
-            scratch = np.ones(64 * mib // 8)  # touched: resident
-            del scratch
-        kept = np.ones(32 * mib // 8)
+            scratch = _resident(64 * mib)
+            scratch.close()  # unmapped: no longer resident
+        kept = _resident(32 * mib)
     assert inner.peak - inner.start >= 60 * mib
     assert outer.peak >= inner.peak  # the inner block's reset did not lose the outer's peak
     assert outer.growth >= 30 * mib
     assert lifetime_peak() >= outer.start
-    del kept
+    kept.close()
 
 
 def test_models_trained_on_one_bucket_are_measured_at_it(tiny_model_factory: Any,
