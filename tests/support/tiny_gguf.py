@@ -375,20 +375,21 @@ def _check_type(qtype: str, what: str, allowed: Sequence[str]) -> None:
 def _tensor_specs(
     arch: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int,
     n_ff: int, vocab: int, tied: bool, weight_type: str, embed_type: str, output_type: str,
-    norm_type: str, value_type: str | None = None,
+    norm_type: str, value_type: str | None = None, attn_in: int | None = None,
 ) -> list[_TensorSpec]:
-    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    """Every tensor of the model (attn_in: the width q/k/v read, where not n_embd)."""
+    q_dim, kv_dim, n_in = n_head * head_dim, n_head_kv * head_dim, attn_in or n_embd
     specs = [_TensorSpec("token_embd.weight", (vocab, n_embd), "embed", embed_type)]
     for i in range(n_layer):
         p = f"blk.{i}."
         specs.append(_TensorSpec(p + "attn_norm.weight", (n_embd,), "norm", norm_type))
-        specs.append(_TensorSpec(p + "attn_q.weight", (q_dim, n_embd), "matmul", weight_type))
+        specs.append(_TensorSpec(p + "attn_q.weight", (q_dim, n_in), "matmul", weight_type))
         if arch == "qwen2":
             specs.append(_TensorSpec(p + "attn_q.bias", (q_dim,), "bias", "F32"))
-        specs.append(_TensorSpec(p + "attn_k.weight", (kv_dim, n_embd), "matmul", weight_type))
+        specs.append(_TensorSpec(p + "attn_k.weight", (kv_dim, n_in), "matmul", weight_type))
         if arch == "qwen2":
             specs.append(_TensorSpec(p + "attn_k.bias", (kv_dim,), "bias", "F32"))
-        specs.append(_TensorSpec(p + "attn_v.weight", (kv_dim, n_embd), "matmul",
+        specs.append(_TensorSpec(p + "attn_v.weight", (kv_dim, n_in), "matmul",
                                  value_type or weight_type))
         if arch == "qwen2":
             specs.append(_TensorSpec(p + "attn_v.bias", (kv_dim,), "bias", "F32"))
@@ -487,6 +488,20 @@ class _Config:
     value_type: str | None = None  # attn_v's type where it differs (Q4_K_M files: Q6_K)
 
 
+def add_tokenizer(w: GGUFWriter, voc: TinyVocab) -> None:
+    """The tokenizer keys, as convert_hf_to_gguf.py writes a gpt2-style BPE vocabulary."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(voc.pre)
+    w.add_token_list(voc.tokens)
+    w.add_token_types(voc.token_types)
+    w.add_token_merges(voc.merges)
+    w.add_bos_token_id(voc.bos_id)
+    w.add_eos_token_id(voc.eos_id)
+    w.add_pad_token_id(voc.pad_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+
 def _write(
     path: Path,
     cfg: _Config,
@@ -519,16 +534,7 @@ def _write(
     if cfg.weight_type not in ("F32", "F16", "BF16"):
         w.add_quantization_version(2)
     voc = cfg.vocab
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(voc.pre)
-    w.add_token_list(voc.tokens)
-    w.add_token_types(voc.token_types)
-    w.add_token_merges(voc.merges)
-    w.add_bos_token_id(voc.bos_id)
-    w.add_eos_token_id(voc.eos_id)
-    w.add_pad_token_id(voc.pad_id)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    add_tokenizer(w, voc)
 
     specs = _tensor_specs(
         cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff,
