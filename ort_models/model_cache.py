@@ -17,9 +17,10 @@ import functools
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -143,8 +144,24 @@ def load_or_build(path: str | os.PathLike[str], options: BuildOptions | None = N
 
 def _build_into(f: GGUFFile, hp: HParams, options: BuildOptions, folder: Path,
                 progress: Progress | None) -> None:
-    """Build into a scratch folder, then rename it into place (the caller holds the
-    folder's lock, so no other process is building or loading an incomplete folder)."""
+    def write(tmp: Path) -> list[str]:
+        with open(tmp / WEIGHTS_FILE, "wb") as wf:
+            g = GraphWriter(wf, WEIGHTS_FILE)
+            build_graph(f, hp, g, options, progress)
+        g.save(tmp / MODEL_FILE)
+        return [MODEL_FILE, WEIGHTS_FILE]
+
+    meta = {"builder_version": BUILDER_VERSION, "gguf": str(f.path),
+            "hparams": dataclasses.asdict(hp), "options": dataclasses.asdict(options)}
+    build_folder(folder, write, meta, Path(f.path).name)
+
+
+def build_folder(folder: Path, write: Callable[[Path], list[str]], meta: dict[str, Any],
+                 what: str) -> None:
+    """Build into a scratch folder with `write(scratch) -> the files it wrote`, record
+    meta.json (with those files' sizes: `is_complete`), then rename it into place. The
+    caller holds the folder's lock, so no other process is building or loading an
+    incomplete folder."""
     for scratch in folder.parent.glob(f"{folder.name}.tmp*"):  # builds that were killed
         pid = scratch.name.rsplit(".tmp", 1)[-1]
         # (under the lock none is alive; where there is no lock, as on Windows, a live
@@ -154,23 +171,18 @@ def _build_into(f: GGUFFile, hp: HParams, options: BuildOptions, folder: Path,
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
-        with open(tmp / WEIGHTS_FILE, "wb") as wf:
-            g = GraphWriter(wf, WEIGHTS_FILE)
-            build_graph(f, hp, g, options, progress)
-        g.save(tmp / MODEL_FILE)
-        for name in (WEIGHTS_FILE, MODEL_FILE):
+        files = write(tmp)
+        for name in files:
             _fsync(tmp / name)
-        meta = {"builder_version": BUILDER_VERSION, "gguf": str(f.path),
-                "hparams": dataclasses.asdict(hp), "options": dataclasses.asdict(options),
-                "file_sizes": {n: (tmp / n).stat().st_size for n in (MODEL_FILE, WEIGHTS_FILE)}}
+        meta = {**meta, "file_sizes": {n: (tmp / n).stat().st_size for n in files}}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         _fsync(tmp / META_FILE)
         shutil.rmtree(folder, ignore_errors=True)  # incomplete or damaged: see is_complete
         os.replace(tmp, folder)
     except OSError as exc:
-        raise OSError(exc.errno, f"building the graph of {Path(f.path).name} in {folder.parent}"
-                      f" failed: {exc.strerror or exc} (the graph takes about the size of the "
-                      "GGUF file, or more for re-quantized drafts; SPECD_CACHE_DIR moves the "
+        raise OSError(exc.errno, f"building the graph of {what} in {folder.parent} failed: "
+                      f"{exc.strerror or exc} (the graph takes about the size of the GGUF "
+                      "file, or more for re-quantized drafts; SPECD_CACHE_DIR moves the "
                       "cache)") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from onnx import TensorProto
@@ -45,19 +44,49 @@ def rope_tables(hp: HParams, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def attention_inputs(c: BuildContext, ids: str) -> AttentionInputs:
-    """The new tokens' positions, the rotary tables (rope.cos, rope.sin) and what the
-    graph's kind of attention needs besides, from the graph inputs `ids`, `position` and
-    `attn_len`."""
+def rotary_positions(c: BuildContext, s_len: str) -> str:
+    """The positions [1, S] of S new tokens from the graph input `position` (s_len: [1] S),
+    and the rotary tables rope.cos / rope.sin as initializers."""
     g, hp = c.g, c.hp
-    s_len = g.op("Shape", [ids])  # [1]
     pos_ids = g.op("Unsqueeze", [g.op("Add", [g.op("Range", [
         g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)]), "position"]),
         g.const([0])])  # [1, S]
     cos, sin = rope_tables(hp, c.options.max_positions or hp.n_ctx_train)
     g.weight("rope.cos", cos)
     g.weight("rope.sin", sin)
-    io = AttentionInputs(pos_ids, s_len)
+    return pos_ids
+
+
+def rotate(c: BuildContext, x3: str, pos_ids: str, n_heads: int) -> str:
+    """RoPE of x3 [1, S, n_heads*hd] at `pos_ids` [1, S] with the tables rotary_positions
+    wrote."""
+    hp = c.hp
+    return c.g.op("RotaryEmbedding", [x3, pos_ids, "rope.cos", "rope.sin"], domain=MS,
+                  interleaved=int(hp.rope_interleaved), rotary_embedding_dim=hp.rope_dim,
+                  num_heads=n_heads)
+
+
+def kv_cache_io(c: BuildContext, i: int) -> None:
+    """Layer i's cache buffers as graph inputs (past_*) and outputs (present_*)."""
+    g, hp = c.g, c.hp
+    kv_type = F16 if c.options.kv_dtype == "f16" else F32
+    for name in (f"past_key_{i}", f"past_value_{i}"):
+        g.input(name, kv_type, [1, hp.n_head_kv, "n_ctx", hp.head_dim])
+    for name in (f"present_key_{i}", f"present_value_{i}"):
+        g.output(name, kv_type, [1, hp.n_head_kv, "n_ctx", hp.head_dim])
+
+
+def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True) -> AttentionInputs:
+    """The new tokens' positions, the rotary tables (rope.cos, rope.sin) and what the
+    graph's kind of attention needs besides, from the graph inputs `ids` ([S], or [S, *]:
+    its rows are the new tokens), `position` and `attn_len`. causal=False (exact attention
+    only): every new row attends to all `attn_len` keys, later rows of its block included."""
+    g, hp = c.g, c.hp
+    s_len = g.op("Shape", [ids]) if causal else g.op("Shape", [ids], end=1)  # [1]
+    io = AttentionInputs(rotary_positions(c, s_len), s_len)
+    if not causal and c.options.attention != "exact":
+        raise ValueError("attention over a whole block (not causal) is written out: "
+                         f"attention 'exact', not {c.options.attention!r}")
     if c.options.attention == "native":  # CachedAttention takes `position` and masks by itself
         return io
     if c.options.attention == "fused":  # GroupQueryAttention's int32 lengths; it masks itself
@@ -72,7 +101,7 @@ def attention_inputs(c: BuildContext, ids: str) -> AttentionInputs:
         io.qpad = g.const(np.zeros((nkv, 1, hp.head_dim), np.float32), np.float32)
         t_len = g.op("Concat", [g.const([nkv, 1]), "attn_len"], axis=0)
         io.ppad = g.op("ConstantOfShape", [t_len], value=_f32_tensor(0.0))
-    io.mask = _causal_mask(g, s_len)
+    io.mask = _causal_mask(g, s_len) if causal else g.const(0.0, np.float32)
     return io
 
 
@@ -84,11 +113,7 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
     hd, nkv = hp.head_dim, hp.n_head_kv
     p = f"blk.{i}."
     names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-    kv_type = F16 if c.options.kv_dtype == "f16" else F32
-    for name in (f"past_key_{i}", f"past_value_{i}"):
-        g.input(name, kv_type, [1, nkv, "n_ctx", hd])
-    for name in (f"present_key_{i}", f"present_value_{i}"):
-        g.output(name, kv_type, [1, nkv, "n_ctx", hd])
+    kv_cache_io(c, i)
     if c.options.attention == "native" and not hp.qk_norm:
         # CachedAttention reads q, k and v out of the stacked products, no Split between
         return linear(c, _cached_attention(c, i, grouped_linears(c, h, names)),
@@ -106,12 +131,8 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
     if fused and hp.rope_dim == hd:
         out = _fused_attention(c, i, q3, k3, v3, io, rotary=True)
     else:
-        rot: dict[str, Any] = dict(domain=MS, interleaved=int(hp.rope_interleaved),
-                                   rotary_embedding_dim=hp.rope_dim)
-        q3 = g.op("RotaryEmbedding", [q3, io.pos_ids, "rope.cos", "rope.sin"],
-                  num_heads=hp.n_head, **rot)  # [1, S, H*hd]
-        k3 = g.op("RotaryEmbedding", [k3, io.pos_ids, "rope.cos", "rope.sin"], num_heads=nkv,
-                  **rot)
+        q3 = rotate(c, q3, io.pos_ids, hp.n_head)  # [1, S, H*hd]
+        k3 = rotate(c, k3, io.pos_ids, nkv)
         if fused:
             out = _fused_attention(c, i, q3, k3, v3, io, rotary=False)
         else:
@@ -134,7 +155,7 @@ def _fused_attention(c: BuildContext, i: int, q3: str, k3: str, v3: str, io: Att
     return g.op("Reshape", [out, g.const([-1, hp.n_head * hp.head_dim])])
 
 
-def _write_kv(c: BuildContext, i: int, k3: str, v: str) -> tuple[str, str]:
+def write_kv(c: BuildContext, i: int, k3: str, v: str) -> tuple[str, str]:
     """New keys/values -> [1, Hkv, S, hd], written in place into layer i's cache at
     `position`; returns the updated caches."""
     g, hp = c.g, c.hp
@@ -183,7 +204,7 @@ def _exact_attention(c: BuildContext, i: int, q3: str, k3: str, v: str,
     same way whatever S -> [S, H*hd]."""
     g, hp = c.g, c.hp
     hd, nkv, grp = hp.head_dim, hp.n_head_kv, hp.group_size
-    ck, cv = _write_kv(c, i, k3, v)
+    ck, cv = write_kv(c, i, k3, v)
     zero, two = g.const([0]), g.const([2])
     keys = g.op("Reshape", [g.op("Slice", [ck, zero, "attn_len", two]), g.const([nkv, -1, hd])])
     vals = g.op("Reshape", [g.op("Slice", [cv, zero, "attn_len", two]), g.const([nkv, -1, hd])])

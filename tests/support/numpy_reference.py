@@ -42,6 +42,26 @@ def _field_value(f: Any) -> Any:
     return f.parts[-1].tolist()[0]
 
 
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str]]:
+    """(metadata, float64 weights in numpy order, tensor type names) of a GGUF file; I64
+    tensors (a head's d2t) stay int64."""
+    reader = GGUFReader(str(path), "r")
+    metadata = {name: _field_value(f) for name, f in reader.fields.items()
+                if not name.startswith("GGUF.")}
+    weights: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order
+        if t.tensor_type.name == "I64":
+            weights[t.name] = np.asarray(t.data, dtype=np.int64).reshape(shape)
+        else:
+            values = dequantize(np.asarray(t.data), t.tensor_type)
+            weights[t.name] = np.asarray(values, dtype=np.float64).reshape(shape)
+        types[t.name] = t.tensor_type.name
+    del reader
+    return metadata, weights, types
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis, float64."""
     ms = np.mean(x * x, axis=-1, keepdims=True)
@@ -87,19 +107,7 @@ class ReferenceModel:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        reader = GGUFReader(str(self.path), "r")
-        self.metadata: dict[str, Any] = {
-            name: _field_value(f) for name, f in reader.fields.items()
-            if not name.startswith("GGUF.")
-        }
-        self.tensor_types: dict[str, str] = {}
-        self.weights: dict[str, np.ndarray] = {}
-        for t in reader.tensors:
-            values = dequantize(np.asarray(t.data), t.tensor_type)
-            shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order
-            self.weights[t.name] = np.asarray(values, dtype=np.float64).reshape(shape)
-            self.tensor_types[t.name] = t.tensor_type.name
-        del reader
+        self.metadata, self.weights, self.tensor_types = read_gguf(self.path)
 
         md = self.metadata
         arch = md["general.architecture"]
@@ -130,8 +138,11 @@ class ReferenceModel:
     def new_cache(self) -> KVCache:
         return KVCache()
 
-    def step(self, tokens: list[int] | np.ndarray, cache: KVCache) -> np.ndarray:
-        """Run `tokens` at positions cache.length.., append to `cache`; logits [T, vocab]."""
+    def step(self, tokens: list[int] | np.ndarray, cache: KVCache,
+             layer_inputs: dict[int, np.ndarray] | None = None) -> np.ndarray:
+        """Run `tokens` at positions cache.length.., append to `cache`; logits [T, vocab].
+        layer_inputs, if given, receives the residual stream entering each layer L [T,
+        n_embd] (L = n_layer: after the last layer, before the final norm)."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             return np.zeros((0, self.vocab_size), dtype=np.float64)
@@ -150,6 +161,8 @@ class ReferenceModel:
         x = self.weights["token_embd.weight"][ids]  # [T, n_embd]
         first = not cache.keys
         for layer in range(self.n_layer):
+            if layer_inputs is not None:
+                layer_inputs[layer] = x
             p = f"blk.{layer}."
             w = self.weights
             h = rms_norm(x, w[p + "attn_norm.weight"], self.eps)
@@ -189,6 +202,8 @@ class ReferenceModel:
             up = h @ w[p + "ffn_up.weight"].T
             x = x + (silu(gate) * up) @ w[p + "ffn_down.weight"].T
 
+        if layer_inputs is not None:
+            layer_inputs[self.n_layer] = x
         h = rms_norm(x, self.weights["output_norm.weight"], self.eps)
         return h @ self.output_weight.T
 
@@ -315,3 +330,100 @@ def _gguf_matmul_q4(x: np.ndarray, blocks: Any) -> np.ndarray:
             t = t + u
         y = y + da[:, i:i + 1] * t
     return y
+
+
+# ---------------------------------------------------------------------------------------
+# A DFlash head (llama.cpp b11434, src/models/dflash.cpp), beside a ReferenceModel target
+# ---------------------------------------------------------------------------------------
+
+
+class ReferenceDFlash:
+    """float64 oracle of a DFlash head drafting for `target`.
+
+    inject(features, positions): g = RMSNorm(fc @ clamp(features), enc.output_norm); per
+    layer K = RoPE(RMSNorm_head(W_k g, attn_k_norm)), V = W_v g, stored at the positions.
+    block(tokens, pos): Qwen3-style layers over [cached rows < pos, the block's own rows],
+    every row attending to all of them (causal within the block only where
+    dflash.attention.causal says so); output_norm, then the LM head: the head's output,
+    else its token_embd, else the target's; d2t scatters reduced-vocabulary logits to
+    target ids (-inf elsewhere). Token embeddings: the head's, else the target's. RoPE is
+    NEOX, as for qwen3.
+    """
+
+    def __init__(self, path: str | Path, target: ReferenceModel, n_ctx: int = 512):
+        self.metadata, self.weights, _ = read_gguf(Path(path))
+        md, w = self.metadata, self.weights
+        self.n_layer = int(md["dflash.block_count"])
+        self.n_embd = int(md["dflash.embedding_length"])
+        self.n_head = int(md["dflash.attention.head_count"])
+        self.n_head_kv = int(md.get("dflash.attention.head_count_kv", self.n_head))
+        self.head_dim = int(md.get("dflash.attention.key_length", self.n_embd // self.n_head))
+        self.n_rot = int(md.get("dflash.rope.dimension_count", self.head_dim))
+        self.eps = float(md["dflash.attention.layer_norm_rms_epsilon"])
+        self.rope_base = float(md.get("dflash.rope.freq_base", 10000.0))
+        self.causal = bool(md.get("dflash.attention.causal", False))
+        self.target_layers = [int(x) for x in md["dflash.target_layers"]]
+        self.target = target
+        self.embed = w.get("token_embd.weight", target.weights["token_embd.weight"])
+        self.output = w.get("output.weight", w.get("token_embd.weight", target.output_weight))
+        self.d2t = w.get("d2t")
+        shape = (self.n_head_kv, n_ctx, self.head_dim)
+        self.keys = [np.zeros(shape) for _ in range(self.n_layer)]
+        self.values = [np.zeros(shape) for _ in range(self.n_layer)]
+
+    def features(self, layer_inputs: dict[int, np.ndarray]) -> np.ndarray:
+        """The head's input rows [T, L*E]: the target's streams entering its layers."""
+        return np.concatenate([layer_inputs[i] for i in self.target_layers], axis=-1)
+
+    def _kv(self, h: np.ndarray, layer: int, positions: np.ndarray) -> None:
+        """K and V of rows h [T, E] at `positions`, written into the layer's cache."""
+        p, w = f"blk.{layer}.", self.weights
+        n = h.shape[0]
+        k = (h @ w[p + "attn_k.weight"].T).reshape(n, self.n_head_kv, self.head_dim)
+        v = (h @ w[p + "attn_v.weight"].T).reshape(n, self.n_head_kv, self.head_dim)
+        k = rms_norm(k, w[p + "attn_k_norm.weight"], self.eps).transpose(1, 0, 2)
+        k = rope(k, positions, self.n_rot, self.rope_base, neox=True)  # [Hkv, T, hd]
+        self.keys[layer][:, positions] = k
+        self.values[layer][:, positions] = v.transpose(1, 0, 2)
+
+    def inject(self, features: np.ndarray, positions: np.ndarray) -> None:
+        x = np.clip(np.nan_to_num(np.asarray(features, np.float64), nan=0.0),
+                    -65504.0, 65504.0)
+        g = rms_norm(x @ self.weights["fc.weight"].T, self.weights["enc.output_norm.weight"],
+                     self.eps)
+        for layer in range(self.n_layer):
+            self._kv(g, layer, np.asarray(positions))
+
+    def block(self, tokens: list[int], pos: int) -> np.ndarray:
+        """Logits [B, target vocab] of the block `tokens` at positions pos.. ."""
+        w, n = self.weights, len(tokens)
+        positions = np.arange(pos, pos + n)
+        end = pos + n
+        group, hd = self.n_head // self.n_head_kv, self.head_dim
+        masked = (np.arange(end)[None, :] > positions[:, None]) if self.causal else (
+            np.zeros((n, end), bool))
+        x = self.embed[np.asarray(tokens)]
+        for layer in range(self.n_layer):
+            p = f"blk.{layer}."
+            h = rms_norm(x, w[p + "attn_norm.weight"], self.eps)
+            q = (h @ w[p + "attn_q.weight"].T).reshape(n, self.n_head, hd)
+            q = rms_norm(q, w[p + "attn_q_norm.weight"], self.eps).transpose(1, 0, 2)
+            q = rope(q, positions, self.n_rot, self.rope_base, neox=True)  # [H, B, hd]
+            self._kv(h, layer, positions)
+            keys = np.repeat(self.keys[layer][:, :end], group, axis=0)  # [H, end, hd]
+            vals = np.repeat(self.values[layer][:, :end], group, axis=0)
+            scores = q @ keys.transpose(0, 2, 1) / np.sqrt(float(hd))  # [H, B, end]
+            scores = np.where(masked[None], -np.inf, scores)
+            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            attn = (probs @ vals).transpose(1, 0, 2).reshape(n, self.n_head * hd)
+            x = x + attn @ w[p + "attn_output.weight"].T
+            h = rms_norm(x, w[p + "ffn_norm.weight"], self.eps)
+            x = x + (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)
+                     ) @ w[p + "ffn_down.weight"].T
+        logits = rms_norm(x, w["output_norm.weight"], self.eps) @ self.output.T  # [B, Vd]
+        if self.d2t is None:
+            return logits
+        full = np.full((n, self.target.vocab_size), -np.inf)
+        full[:, self.d2t.reshape(-1)] = logits
+        return full

@@ -1,0 +1,130 @@
+"""A DFlash head as the draft: a whole block proposed in one pass, fed by the target's own
+hidden states.
+
+Per sequence the head's KV cache holds, at each position the target has verified, K/V
+rows injected from that token's features (the target layers' hidden states the head
+reads, concatenated in its order). A round runs the block [last, MASK × n] at the next
+positions and proposes from its rows 1..n: each row's distribution is conditioned on the
+context and the block, not on the tokens drawn at the other rows, so sampling row by row
+and verifying by rejection sampling against those rows is exact. The block's own rows
+are overwritten by the next injection, so nothing needs rolling back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specd.daemon.spec.drafter import (
+    Drafter,
+    DraftEvidence,
+    DraftParams,
+    Features,
+    Proposal,
+)
+from specd.daemon.spec.sampling import Sampler, mask_logits, top_probability
+from specd.daemon.text.grammar import GrammarState
+from specd.ort_models.head_runner import HeadRunner
+from specd.ort_models.heads import DEFAULT_BLOCK_SIZE
+
+
+@dataclass
+class _SeqState:
+    injected: int = 0  # positions [0, injected) hold the context's K/V rows
+    sampler: Sampler | None = None
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+
+    def __init__(self, runner: HeadRunner):
+        head = runner.built.head
+        if head.mask_token_id is None:
+            raise ValueError(f"{runner.built.head_path.name} names no mask token")
+        self.runner = runner
+        self.target_layers = head.hidden_layers
+        self.mask_id = head.mask_token_id
+        self.block_size = head.block_size or DEFAULT_BLOCK_SIZE
+        self._seqs: dict[int, _SeqState] = {}
+
+    def _rows(self, features: Features | None, n: int) -> np.ndarray:
+        """The head's input rows [n, L*E] from the target's features."""
+        if features is None:
+            raise ValueError("a DFlash head needs the target's features of every token")
+        rows = np.concatenate([features[layer] for layer in self.target_layers], axis=-1)
+        if rows.shape[0] != n:
+            raise ValueError(f"{rows.shape[0]} feature rows for {n} tokens")
+        return rows
+
+    def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
+              features: Features | None = None) -> None:
+        """Inject the evaluated prompt tokens' rows (a prefix reused from an earlier request
+        on this slot was injected by it: its rows are still in the cache)."""
+        while self.runner.n_seq <= seq:
+            self.runner.add_sequence()
+        n = 0 if features is None else next(iter(features.values())).shape[0]
+        start = len(prompt) - n
+        old = self._seqs.get(seq)
+        if start > (old.injected if old is not None else 0):
+            raise ValueError(f"the head's cache holds {old.injected if old else 0} context "
+                             f"rows, the prompt's features start at {start}")
+        self._seqs[seq] = _SeqState(injected=start, sampler=sampler)
+        if n:
+            self.process(seq, prompt[start:], features)
+
+    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+              grammar: GrammarState | None = None) -> Proposal:
+        st = self._seqs[seq]
+        if st.injected != pos:
+            raise RuntimeError(f"the head's context ends at {st.injected}, the target at {pos}")
+        n = min(n_max, self.block_size - 1, self.runner.n_ctx - pos - 1)
+        if n <= 0:
+            return Proposal([])
+        t0 = time.perf_counter()
+        logits = self.runner.block(seq, [last] + [self.mask_id] * n, pos,
+                                   list(range(1, n + 1)))  # [n, vocab]
+        sampler = st.sampler if params.probabilistic else None  # None: the argmax
+        tokens: list[int] = []
+        q_rows: list[np.ndarray] = []
+        unsure = False
+        for row in logits:
+            mask = None if grammar is None else grammar.allowed(row.shape[0])  # [vocab]
+            if mask is not None and not mask.any():
+                break
+            if sampler is not None:
+                tok, q = sampler.sample_with_probs(row, mask)
+                top = float(q.max())
+            else:
+                masked = row if mask is None else mask_logits(row, mask)
+                tok = int(np.argmax(masked))
+                top = top_probability(masked) if params.p_min > 0 else 1.0
+            if params.p_min > 0 and top < params.p_min:
+                unsure = True
+                break
+            tokens.append(tok)
+            if sampler is not None:
+                q_rows.append(q)
+            if grammar is not None:
+                grammar.consume(tok)
+                if grammar.is_stopped():
+                    break
+        seconds = time.perf_counter() - t0
+        # one pass proposes them all: the later proposals cost nothing more
+        steps = (seconds,) + (0.0,) * max(len(tokens) - 1, 0)
+        return Proposal(tokens, np.stack(q_rows) if q_rows else None,
+                        DraftEvidence(step_seconds=steps, stopped_unsure=unsure))
+
+    def process(self, seq: int, tokens: Sequence[int],
+                features: Features | None = None) -> None:
+        """Inject the verified tokens' rows after the context (over the block's rows)."""
+        st = self._seqs[seq]
+        self.runner.inject(seq, self._rows(features, len(tokens)), st.injected)
+        st.injected += len(tokens)
+
+    def end(self, seq: int) -> None:
+        st = self._seqs.get(seq)
+        if st is not None:
+            st.sampler = None

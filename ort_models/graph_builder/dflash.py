@@ -1,0 +1,158 @@
+"""The two graphs of a DFlash head (`ort_models/heads.py` reads its GGUF), over one draft KV
+cache that both bind:
+
+injection  features [S, L*E_t] of S verified target tokens at `position`:
+           g = RMSNorm_enc(fc · features); for every head layer K = RoPE(k_norm(W_k g)),
+           V = W_v g, written into the cache at the tokens' positions. No logits.
+block      input_ids [B] = [last, MASK × (B - 1)] at `position`: the head's Qwen3-style
+           layers, each row attending to all `attn_len` (= position + B) keys: the
+           injected context and the whole block (not causal within it, unless the head
+           says so); logits [R, vocab] of the rows `logits_rows` through the LM head (the
+           target's unless the head has its own), scattered to target ids through `d2t`
+           where the head drafts a reduced vocabulary (-inf elsewhere).
+
+Graph inputs and outputs follow the decoder graph's contract (package docstring):
+`position`, `attn_len`, `logits_rows`, past_/present_ key/value per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specd.ort_models.arch import HParams
+from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.heads import HeadParams
+from specd.ort_models.onnx_writer import GraphWriter
+
+from .attention import attention_inputs, kv_cache_io, rotary_positions, rotate, write_kv
+from .context import BuildContext
+from .decoder import decoder_layer, embedding
+from .linear import linear
+from .norms import add_norm, head_norm, rms_norm
+from .options import ACCURACY_LEVEL, F32, I64, BuildOptions, Progress
+from .pending import materialize
+
+FEATURE_LIMIT = 65504.0  # non-finite or huge target features are clamped to float16's range
+
+
+def head_hparams(head: HeadParams, target: HParams) -> HParams:
+    """The head's decoder as HParams (Qwen3-style layers: per-head q/k norms), over the
+    target's vocabulary."""
+    return HParams(arch="dflash", n_layer=head.n_layer, n_embd=head.n_embd,
+                   n_head=head.n_head, n_head_kv=head.n_head_kv, head_dim=head.head_dim,
+                   n_ff=head.n_ff, n_vocab=target.n_vocab, n_ctx_train=head.n_ctx_train,
+                   rms_eps=head.rms_eps, rope_base=head.rope_base, rope_dim=head.rope_dim,
+                   rope_interleaved=head.rope_interleaved, qk_norm=True)
+
+
+def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL) -> BuildOptions:
+    """Head graphs: attention written out (the block is not causal), float32 cache, rotary
+    tables as long as the target's context."""
+    return BuildOptions(attention="exact", kv_dtype="f32", max_positions=target.n_ctx_train,
+                        accuracy_level=accuracy_level)
+
+
+def unsupported(head: HeadParams) -> list[str]:
+    """What a head uses that these graphs do not build yet (empty: buildable)."""
+    out = []
+    if head.kind != "dflash":
+        out.append(f"kind {head.kind}")
+    if head.shared_kv:
+        out.append("layers without attn_v (V shared with K)")
+    if head.hidden_act != "silu":
+        out.append(f"activation {head.hidden_act}")
+    if head.sliding_window:
+        out.append("sliding-window attention")
+    for name, value in (("embedding scale", head.embedding_scale),
+                        ("attention scale", head.attention_scale),
+                        ("attention value scale", head.attention_value_scale)):
+        if value is not None:
+            out.append(name)
+    if head.extra_tensors:
+        out.append("tensors " + ", ".join(head.extra_tensors))
+    return out
+
+
+def build_injection_graph(head_file: GGUFFile, head: HeadParams, target: HParams,
+                          g: GraphWriter, options: BuildOptions,
+                          progress: Progress | None = None) -> None:
+    """Write the injection graph (module docstring) into `g`."""
+    c = BuildContext(g, head_hparams(head, target), head_file, options, progress,
+                     total=head.n_layer + 1)
+    width = len(head.target_layers) * head.target_hidden_size
+    features = g.input("features", F32, ["S", width])
+    g.input("position", I64, [1])
+    pos_ids = rotary_positions(c, g.op("Shape", [features], end=1))
+    finite = g.op("Where", [g.op("IsNaN", [features]), g.const(0.0, np.float32), features])
+    x = g.op("Clip", [finite, g.const(-FEATURE_LIMIT, np.float32),
+                      g.const(FEATURE_LIMIT, np.float32)])  # [S, L*E_t]
+    fused = rms_norm(c, linear(c, x, "fc.weight"), c.vector("enc.output_norm.weight"))  # [S, E]
+    c.tick("encoder")
+    nkv = c.hp.n_head_kv
+    for i in range(head.n_layer):
+        p = f"blk.{i}."
+        kv_cache_io(c, i)
+        k = head_norm(c, linear(c, fused, p + "attn_k.weight"), nkv, p + "attn_k_norm.weight")
+        k3 = rotate(c, g.op("Unsqueeze", [k, g.const([0])]), pos_ids, nkv)  # [1, S, Hkv*hd]
+        write_kv(c, i, k3, linear(c, fused, p + "attn_v.weight"))
+        c.shared.clear()
+        c.tick(f"layer {i + 1}/{head.n_layer}")
+
+
+def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFile,
+                      target: HParams, g: GraphWriter, options: BuildOptions,
+                      progress: Progress | None = None) -> None:
+    """Write the block graph (module docstring) into `g`; the token embeddings and the LM
+    head come from the target's file where the head has none of its own."""
+    c = BuildContext(g, head_hparams(head, target), head_file, options, progress,
+                     total=head.n_layer + 2)
+    # the target's tensors, for what the head shares (its own names do not clash: a head
+    # has token_embd / output only where it does not share them)
+    tc = BuildContext(g, target, target_file, dataclasses.replace(options, max_positions=0),
+                      None)
+    ids = g.input("input_ids", I64, ["S"])
+    g.input("position", I64, [1])
+    g.input("attn_len", I64, [1])
+    g.input("logits_rows", I64, ["R"])
+    io = attention_inputs(c, ids, causal=head.causal)
+    x = embedding(c if head.has_token_embd else tc, ids)  # [S, E]
+    c.tick("embedding")
+    delta: str | None = None
+    for i in range(head.n_layer):
+        x, delta = decoder_layer(c, i, x, delta, io)
+        c.shared.clear()
+        c.tick(f"layer {i + 1}/{head.n_layer}")
+    assert delta is not None
+    rows_x = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]
+    rows_d = g.op("Gather", [delta, "logits_rows"], axis=0)
+    _, h = add_norm(c, rows_x, rows_d, "output_norm.weight", keep_sum=False)
+    normed = materialize(c, h)  # with the head's eps, whoever owns the LM head
+    logits = _lm_head(c if head.has_output else tc, normed)  # [R, draft vocab]
+    if head.draft_vocab is not None and head_file.has_tensor("d2t"):
+        logits = _scatter_to_target(c, logits, head_file, target.n_vocab)
+    g.op("Identity", [logits], out=["logits"])
+    g.output("logits", F32, ["R", target.n_vocab])
+    c.tick("output")
+
+
+def _lm_head(c: BuildContext, h: str) -> str:
+    """Logits of the normed rows h through `c`'s file's output matrix (tied: its token
+    embeddings)."""
+    name = "output.weight" if c.f.has_tensor("output.weight") else "token_embd.weight"
+    return linear(c, h, name)
+
+
+def _scatter_to_target(c: BuildContext, logits: str, head_file: GGUFFile, n_vocab: int
+                       ) -> str:
+    """Draft-vocabulary logits [R, Vd] at their target ids (`d2t`, absolute) in [R, n_vocab],
+    -inf at every other id."""
+    g = c.g
+    raw = np.ascontiguousarray(head_file.tensor("d2t").data)  # I64, checked by read_head
+    d2t = raw.view(np.int64).reshape(1, -1)  # [1, Vd]
+    shape = g.op("Shape", [logits])  # [2]: R, Vd
+    index = g.op("Expand", [g.weight("d2t", d2t), shape])  # [R, Vd]
+    full_shape = g.op("Concat", [g.op("Shape", [logits], end=1), g.const([n_vocab])], axis=0)
+    base = g.op("Expand", [g.const(-np.inf, np.float32), full_shape])  # [R, n_vocab]
+    return g.op("ScatterElements", [base, index, logits], axis=1)

@@ -1,0 +1,163 @@
+"""A DFlash head on ONNX Runtime: its two graphs (injection, block), built once per (head,
+target) pair into the graph cache, and two sessions over one draft KV cache.
+
+`inject` writes the K/V rows of verified target tokens from their features; `block` runs
+[last, MASK...] over them and returns the logits of the rows asked for. A block's own K/V
+rows land after the injected ones and are overwritten by the next injection or block, so
+rolling back is free, as in the target's cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .arch import HParams, read_hparams
+from .gguf_file import GGUFFile
+from .graph_builder import BUILDER_VERSION, Progress
+from .graph_builder.dflash import (
+    build_block_graph,
+    build_injection_graph,
+    head_hparams,
+    head_options,
+    unsupported,
+)
+from .graph_builder.options import ACCURACY_LEVEL
+from .heads import HeadParams, read_head
+from .kv_cache import KVCache
+from .model_cache import META_FILE, build_folder, is_complete
+from .onnx_writer import GraphWriter
+from .paths import cache_dir, exclusive_lock
+from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
+from .runner import ContextFull, default_threads
+
+GRAPHS = ("inject", "block")
+
+
+@dataclass(frozen=True)
+class BuiltHead:
+    folder: Path
+    head: HeadParams
+    hparams: HParams  # the head's decoder (over the target's vocabulary)
+    target: HParams
+    head_path: Path
+
+    def model_path(self, graph: str) -> Path:
+        return self.folder / f"{graph}.onnx"
+
+
+def load_or_build_head(head_path: str | Path, target_path: str | Path,
+                       progress: Progress | None = None, *,
+                       accuracy_level: int = ACCURACY_LEVEL) -> BuiltHead:
+    """The head's graphs for this target, built (under the folder's lock) unless cached
+    (accuracy_level: MatMulNBits', as in BuildOptions)."""
+    head_file, target_file = GGUFFile(head_path), GGUFFile(target_path)
+    head, target = read_head(head_file), read_hparams(target_file)
+    missing = unsupported(head)
+    if missing:
+        raise ValueError(f"{Path(head_path).name}: specd does not run this head yet: "
+                         + "; ".join(missing))
+    options = head_options(target, accuracy_level)
+    folder = (cache_dir() / "heads" / f"{head_file.content_hash()[:16]}-"
+              f"{target_file.content_hash()[:16]}-b{BUILDER_VERSION}-{options.key()}")
+    if not is_complete(folder):
+        with exclusive_lock(folder.with_name(f"{folder.name}.lock")):
+            if not is_complete(folder):
+                def write(tmp: Path) -> list[str]:
+                    files = []
+                    for name in GRAPHS:
+                        with open(tmp / f"{name}.bin", "wb") as wf:
+                            g = GraphWriter(wf, f"{name}.bin")
+                            if name == "inject":
+                                build_injection_graph(head_file, head, target, g, options,
+                                                      progress)
+                            else:
+                                build_block_graph(head_file, head, target_file, target, g,
+                                                  options, progress)
+                        g.save(tmp / f"{name}.onnx")
+                        files += [f"{name}.onnx", f"{name}.bin"]
+                    return files
+
+                meta = {"builder_version": BUILDER_VERSION, "head": str(head_path),
+                        "target": str(target_path), "head_params": dataclasses.asdict(head)}
+                build_folder(folder, write, meta, Path(head_path).name)
+    assert (folder / META_FILE).is_file()
+    return BuiltHead(folder, head, head_hparams(head, target), target, Path(head_path))
+
+
+class HeadRunner:
+    """The injection and block sessions of a built head, bound to one KVCache; a binding
+    per sequence slot and session."""
+
+    def __init__(self, built: BuiltHead, *, n_ctx: int, n_seq: int = 1,
+                 threads: int | None = None, runtime: RuntimeChoice | None = None):
+        import onnxruntime as ort
+
+        self.built, self.hp = built, built.hparams
+        self.n_ctx = min(n_ctx, built.target.n_ctx_train)
+        self.runtime = runtime or choose_runtime("auto")
+        device, device_id = parse_device(self.runtime.device)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads or default_threads()
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.sessions = {name: ort.InferenceSession(
+            str(built.model_path(name)), so, providers=session_providers(self.runtime.device))
+            for name in GRAPHS}
+        self.kv = KVCache(self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, self.n_ctx,
+                          np.float32, device, device_id)
+        self._bindings: list[dict[str, Any]] = []
+        for _ in range(n_seq):
+            self.add_sequence()
+
+    @property
+    def n_seq(self) -> int:
+        return len(self._bindings)
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.built.head.target_layers) * self.built.head.target_hidden_size
+
+    def add_sequence(self) -> int:
+        seq = self.kv.add_sequence()
+        bindings = {name: s.io_binding() for name, s in self.sessions.items()}
+        for b in bindings.values():
+            self.kv.bind(b, seq)
+        self._bindings.append(bindings)
+        return seq
+
+    def _check(self, pos: int, n: int) -> None:
+        if n == 0:
+            raise ValueError("a head call needs at least one row")
+        if pos < 0 or pos + n > self.n_ctx:
+            raise ContextFull(f"positions {pos}..{pos + n - 1} do not fit in the head's "
+                              f"context of {self.n_ctx} tokens")
+
+    def inject(self, seq: int, features: np.ndarray, pos: int) -> None:
+        """Write the K/V rows of target tokens at positions pos.. from their features
+        [n, L*E_t] (the target layers' hidden states, concatenated in the head's order)."""
+        self._check(pos, features.shape[0])
+        b = self._bindings[seq]["inject"]
+        b.bind_cpu_input("features", np.ascontiguousarray(features, dtype=np.float32))
+        b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
+        self.sessions["inject"].run_with_iobinding(b)
+
+    def block(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int]
+              ) -> np.ndarray:
+        """Run the block `tokens` at positions pos.. over the injected context; the logits
+        of `rows` [len(rows), vocab]."""
+        self._check(pos, len(tokens))
+        b = self._bindings[seq]["block"]
+        b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
+        b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
+        b.bind_cpu_input("attn_len", np.array([pos + len(tokens)], dtype=np.int64))
+        b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
+        b.bind_output("logits", "cpu")
+        self.sessions["block"].run_with_iobinding(b)
+        return b.get_outputs()[-1].numpy()  # [R, vocab]: bound after the caches

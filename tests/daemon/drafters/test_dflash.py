@@ -1,0 +1,113 @@
+"""A DFlash head drafting for a tiny target through the round: the target's output,
+the head's cache as one injection of the sequence leaves it, proposals from the block."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from specd.daemon.drafters.dflash import DFlashDrafter
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.spec.sampling import SamplerParams
+from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.graph_builder import BuildOptions
+from specd.ort_models.head_runner import HeadRunner, load_or_build_head
+from specd.ort_models.heads import read_head
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+from tiny_heads import write_tiny_head
+
+PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[Any, Any, Path, Path]:
+    target_path = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3,
+                                     context_length=512)
+    head_path = write_tiny_head(tmp_path_factory.mktemp("head") / "head.gguf", seed=5)
+    layers = read_head(GGUFFile(head_path)).hidden_layers
+    plain = load_or_build(target_path)
+    with_features = load_or_build(target_path, BuildOptions(hidden_layers=tuple(layers)))
+    return plain, with_features, target_path, head_path
+
+
+def _run(built: Any, drafter: DFlashDrafter | None, **params: Any) -> tuple[list[int], Any]:
+    gen = Generation(ModelRunner(built, n_ctx=512), 0, PROMPT,
+                     GenerationParams(max_tokens=48, ignore_eos=True, **params), eog=set(),
+                     drafter=drafter)
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    return out, gen
+
+
+def _drafter(pair: tuple[Any, Any, Path, Path]) -> DFlashDrafter:
+    _, _, target_path, head_path = pair
+    return DFlashDrafter(HeadRunner(load_or_build_head(head_path, target_path), n_ctx=512))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_output_with_a_head_is_the_targets(pair: tuple[Any, Any, Path, Path],
+                                                   adaptive: bool) -> None:
+    plain, with_features, _, _ = pair
+    want, _ = _run(plain, None)
+    drafter = _drafter(pair)
+    got, gen = _run(with_features, drafter, draft=DraftParams(n_max=3), adaptive=adaptive)
+    assert got == want
+    assert gen.stats.rounds > 0 and gen.stats.drafted > 0
+
+
+def test_the_heads_cache_is_one_injection_of_the_sequence(pair: tuple[Any, Any, Path, Path]
+                                                          ) -> None:
+    """After rounds with rejections (their block rows overwritten), the head's cache holds,
+    at every position the target verified, the rows one injection of those tokens'
+    features writes."""
+    _, with_features, _, _ = pair
+    drafter = _drafter(pair)
+    _, gen = _run(with_features, drafter, draft=DraftParams(n_max=3))
+    assert gen.stats.accepted < gen.stats.drafted  # rejected drafts: their rows overwritten
+    tokens = gen.evaluated_tokens
+    _, feats = ModelRunner(with_features, n_ctx=512).forward_with_features(0, tokens, 0)
+    fresh = HeadRunner(drafter.runner.built, n_ctx=512)
+    fresh.inject(0, drafter._rows(feats, len(tokens)), 0)  # the rows the drafter injects
+    n = len(tokens)
+    for (k, v), (k2, v2) in zip(drafter.runner.kv.layers(0), fresh.kv.layers(0), strict=True):
+        np.testing.assert_allclose(k.numpy()[0, :, :n], k2.numpy()[0, :, :n], rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_allclose(v.numpy()[0, :, :n], v2.numpy()[0, :, :n], rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_proposals_are_the_blocks_rows(pair: tuple[Any, Any, Path, Path]) -> None:
+    """Greedy: each row's argmax; sampled: q rows are the rows' distributions; p_min stops
+    where the top probability falls below it."""
+    _, with_features, _, _ = pair
+    drafter = _drafter(pair)
+    runner = ModelRunner(with_features, n_ctx=512)
+    _, feats = runner.forward_with_features(0, PROMPT, 0)
+    drafter.begin(0, PROMPT, None, feats)
+    mask = drafter.mask_id
+    logits = drafter.runner.block(0, [5, mask, mask, mask], len(PROMPT), [1, 2, 3])
+    greedy = drafter.draft(0, 5, len(PROMPT), 3, DraftParams(n_max=3))
+    assert greedy.tokens == [int(t) for t in logits.argmax(axis=-1)]
+    assert greedy.q_rows is None and len(greedy.evidence.step_seconds) == 3
+    top = np.exp(logits.max(-1)) / np.exp(logits).sum(-1)  # [3]
+    cut = float(top.max()) + 1e-3  # above every row's top probability: stop at once
+    stopped = drafter.draft(0, 5, len(PROMPT), 3, DraftParams(n_max=3, p_min=min(cut, 1.0)))
+    assert stopped.tokens == [] and stopped.evidence.stopped_unsure
+    from specd.daemon.spec.sampling import Sampler
+
+    sp = SamplerParams(temperature=0.8, top_k=10, seed=1)
+    drafter.begin(1, PROMPT, Sampler(sp, seed=1), feats)
+    sampled = drafter.draft(1, 5, len(PROMPT), 3, DraftParams(n_max=3))
+    assert sampled.q_rows is not None and sampled.q_rows.shape[0] == len(sampled.tokens) == 3
+    for row, q, tok in zip(logits, sampled.q_rows, sampled.tokens, strict=True):
+        np.testing.assert_allclose(q, Sampler(sp).probs(row), atol=1e-6)
+        assert q[tok] > 0

@@ -1,0 +1,99 @@
+"""A DFlash head's graphs on ONNX Runtime against the numpy reference: the injected K/V
+rows, the block's logits, and rounds that overwrite rejected rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from specd.ort_models.head_runner import HeadRunner, load_or_build_head
+
+from numpy_reference import ReferenceDFlash, ReferenceModel
+from tiny_heads import write_tiny_head
+
+PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def target_path(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
+
+
+def _pair(target_path: Path, tmp_path: Path, **head: Any
+          ) -> tuple[HeadRunner, ReferenceDFlash, ReferenceModel]:
+    path = write_tiny_head(tmp_path / "head.gguf", kind="dflash", seed=5, **head)
+    ref_target = ReferenceModel(target_path)
+    # MatMulNBits in float32 (accuracy level 1), as the reference computes
+    runner = HeadRunner(load_or_build_head(path, target_path, accuracy_level=1), n_ctx=512)
+    return runner, ReferenceDFlash(path, ref_target, n_ctx=runner.n_ctx), ref_target
+
+
+def _features(ref_head: ReferenceDFlash, ref_target: ReferenceModel, tokens: list[int]
+              ) -> np.ndarray:
+    inputs: dict[int, np.ndarray] = {}
+    ref_target.step(tokens, ref_target.new_cache(), inputs)
+    return ref_head.features(inputs)  # [T, L*E]
+
+
+@pytest.mark.parametrize("head", [
+    {}, {"causal": True}, {"causal": False}, {"own_embeddings": True, "own_output": True},
+    {"draft_vocab": 100}], ids=["default", "causal", "not-causal", "own-tensors", "d2t"])
+def test_injection_and_block_match_the_reference(target_path: Path, tmp_path: Path,
+                                                 head: dict[str, Any]) -> None:
+    runner, ref, ref_target = _pair(target_path, tmp_path, **head)
+    features = _features(ref, ref_target, PROMPT)
+    n = len(PROMPT)
+    runner.inject(0, features.astype(np.float32), 0)
+    ref.inject(features, np.arange(n))
+    for layer, (k, v) in enumerate(runner.kv.layers(0)):
+        np.testing.assert_allclose(k.numpy()[0, :, :n], ref.keys[layer][:, :n], **TOL)
+        np.testing.assert_allclose(v.numpy()[0, :, :n], ref.values[layer][:, :n], **TOL)
+    mask = runner.built.head.mask_token_id
+    assert mask is not None
+    block = [PROMPT[-1], mask, mask, mask]
+    got = runner.block(0, block, n, [0, 1, 2, 3])  # [4, vocab]
+    want = ref.block(block, n)
+    assert got.shape == want.shape == (4, ref_target.vocab_size)
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got), finite)  # d2t: the same ids left at -inf
+    np.testing.assert_allclose(got[finite], want[finite], **TOL)
+    if head.get("causal"):  # row 0 sees nothing after it: the block's other rows don't count
+        np.testing.assert_allclose(runner.block(0, block[:1], n, [0]), want[:1], **TOL)
+
+
+def test_rounds_overwrite_rejected_rows(target_path: Path, tmp_path: Path) -> None:
+    """A block writes its rows after the context; the next round injects the verified
+    tokens over them: the cache then holds what one injection of the whole sequence
+    writes, and the next block's logits are those of a fresh run."""
+    runner, ref, ref_target = _pair(target_path, tmp_path)
+    seq = PROMPT + [7, 8, 9, 10, 11]
+    features = _features(ref, ref_target, seq).astype(np.float32)
+    n = len(PROMPT)
+    mask = runner.built.head.mask_token_id
+    runner.inject(0, features[:n], 0)
+    runner.block(0, [seq[n], mask, mask, mask], n, [1, 2, 3])  # rows n..n+3 written
+    runner.inject(0, features[n:n + 2], n)  # two verified: n, n + 1; rows n+2, n+3 stale
+    fresh = HeadRunner(runner.built, n_ctx=512)
+    fresh.inject(0, features[:n + 2], 0)
+    block = [seq[n + 2], mask, mask]
+    np.testing.assert_array_equal(runner.block(0, block, n + 2, [0, 1, 2]),
+                                  fresh.block(0, block, n + 2, [0, 1, 2]))
+    for (k, v), (k2, v2) in zip(runner.kv.layers(0), fresh.kv.layers(0), strict=True):
+        np.testing.assert_array_equal(k.numpy()[0, :, :n + 5], k2.numpy()[0, :, :n + 5])
+        np.testing.assert_array_equal(v.numpy()[0, :, :n + 5], v2.numpy()[0, :, :n + 5])
+
+
+def test_non_finite_features_are_clamped(target_path: Path, tmp_path: Path) -> None:
+    runner, ref, ref_target = _pair(target_path, tmp_path)
+    features = _features(ref, ref_target, PROMPT[:4])
+    features[0, 0], features[1, 3], features[2, 5] = np.nan, np.inf, -1e9
+    runner.inject(0, features.astype(np.float32), 0)
+    ref.inject(features, np.arange(4))
+    k = runner.kv.layers(0)[0][0].numpy()[0, :, :4]
+    assert np.isfinite(k).all()
+    np.testing.assert_allclose(k, ref.keys[0][:, :4], **TOL)
