@@ -46,6 +46,7 @@ from specd.ort_models.graph_builder import ATTN_BUCKET
 from .rss import PeakRss, rss_bytes
 
 if TYPE_CHECKING:
+    from specd.ort_models.head_runner import BuiltHead
     from specd.ort_models.model_cache import BuiltModel
 
 COST_FILE = "memory_cost.json"
@@ -221,6 +222,17 @@ def _measure_subprocess(folder: Path, device: str, threads: int, points: tuple[i
         err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise MeasureError(f"{what} failed: {err}")
     return ModelCost.from_dict(json.loads(lines[-1]))
+
+
+def head_cost(built: BuiltHead) -> ModelCost:
+    """What a drafter head needs: its graphs' weights as written (the target's embeddings
+    and LM head included where it shares them) and its KV cache (float32). Its workspace
+    is not measured: a block pass holds a few rows of activations and their logits."""
+    from specd.ort_models.head_runner import GRAPHS
+
+    weights = sum((built.folder / f"{name}.bin").stat().st_size for name in GRAPHS)
+    return ModelCost(weights_bytes=weights, kv_bytes_per_token=built.hparams.kv_bytes_per_token(4),
+                     n_ctx_train=built.target.n_ctx_train, name=built.head_path.name)
 
 
 def built_from_folder(folder: str | os.PathLike[str]) -> BuiltModel:

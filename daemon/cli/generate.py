@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     print(f"specd: {engine.runtime.describe()}", file=sys.stderr)
+    if engine.draft_choice:
+        print(f"specd: {engine.draft_choice}", file=sys.stderr)
     prompt = engine.encode_prompt(text, chat=chat)
     params = cfg.defaults
     gen = engine.start(0, prompt, params)
@@ -112,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
               f"{s.mean_acceptance_length:.2f}; draft {s.draft_s:.2f}s, verify "
               f"{s.verify_s:.2f}s"
               + (f"; {s.lookup_rounds} rounds by prompt lookup ({s.lookup_accepted} accepted)"
-                 if engine.spec_type == "draft+ngram" else ""), file=sys.stderr)
+                 if engine.spec_type in ("draft+ngram", "draft-dflash") else ""),
+              file=sys.stderr)
         print(f"specd: per-position acceptance [{acc}]; draft lengths {{{lengths}}}"
               + ("" if s.valid else "; SYNTHETIC: output not valid"), file=sys.stderr)
     return 0

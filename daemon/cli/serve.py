@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     memory_plan = plan_memory(args)
     service = build_service(args)
     print(f"specd: {service.engine.runtime.describe()}", file=sys.stderr)
+    if service.engine.draft_choice:
+        print(f"specd: {service.engine.draft_choice}", file=sys.stderr)
     d = service.engine.describe()
     print(f"specd: target {d['target']['name']}, spec {d['spec_type']}"
           + (f", draft {d['draft']['name']}" if "draft" in d else "")

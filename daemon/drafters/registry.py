@@ -1,7 +1,10 @@
 """Speculation types: each name maps to the factory of its drafter.
 
 The engine, the CLI and the bench all build drafters here. `auto` and `none` are not
-drafters: `auto` resolves to `draft+ngram` with a draft model, else to `none`.
+drafters: `auto` resolves by the draft file (`-md`): a DFlash head (recognised from its
+metadata, `ort_models.heads.head_kind`) to `draft-dflash`, a draft model to
+`draft+ngram`, no draft to `none`. Prompt lookup offers its proposals in front of a
+model or a head.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specd.daemon.spec.drafter import Drafter
+from specd.ort_models.head_runner import HeadRunner
 from specd.ort_models.runner import ModelRunner
 
+from .dflash import DFlashDrafter
 from .draft_model import DraftModelDrafter
 from .hybrid import HybridDrafter
 from .ngram import NgramDrafter
@@ -27,6 +32,7 @@ class DrafterInputs:
     """What a drafter may be built from."""
 
     draft_runner: ModelRunner | None = None  # the draft model, for the types that load one
+    head_runner: HeadRunner | None = None  # the drafter head, for the types that load one
     target_vocab: int | None = None  # the target's vocabulary size (drafts propose below it)
     ngram_min: int = 2
     ngram_max: int = 4
@@ -39,13 +45,19 @@ class DrafterInputs:
 @dataclass(frozen=True)
 class SpecType:
     name: str
-    loads_draft_model: bool
+    loads_draft_model: bool  # the draft file (-md) is loaded: a model, or a head
     build: Callable[[DrafterInputs], Drafter]
+    head_kind: str | None = None  # the kind of head the draft file must be (None: a model)
 
 
 def _model(inputs: DrafterInputs) -> DraftModelDrafter:
     assert inputs.draft_runner is not None
     return DraftModelDrafter(inputs.draft_runner, vocab_limit=inputs.target_vocab)
+
+
+def _dflash(inputs: DrafterInputs) -> HybridDrafter:
+    assert inputs.head_runner is not None
+    return HybridDrafter(DFlashDrafter(inputs.head_runner), _ngram(inputs))
 
 
 def _ngram(inputs: DrafterInputs) -> NgramDrafter:
@@ -62,20 +74,40 @@ SPEC_TYPE_REGISTRY: dict[str, SpecType] = {s.name: s for s in (
     SpecType("ngram", False, _ngram),
     SpecType("draft+ngram", True, lambda i: HybridDrafter(_model(i), _ngram(i))),
     SpecType("synthetic", False, _synthetic),
+    SpecType("draft-dflash", True, _dflash, head_kind="dflash"),
 )}
 SPEC_TYPES = ("auto", "none", *SPEC_TYPE_REGISTRY)
 # the spec types that load a draft model
 MODEL_SPEC_TYPES = tuple(n for n, s in SPEC_TYPE_REGISTRY.items() if s.loads_draft_model)
 
 
-def resolve_spec_type(spec_type: str, draft: str | None) -> str:
-    """The spec type to run: `auto` resolved, a type that needs a draft model checked."""
+def check_spec_type(spec_type: str, draft: str | None) -> None:
+    """An unknown spec type, or one that needs a draft file without one, is refused."""
     if spec_type not in SPEC_TYPES:
         raise SpecTypeError(f"unknown spec type {spec_type!r} (one of {', '.join(SPEC_TYPES)})")
-    if spec_type == "auto":  # the draft model and prompt lookup where there is a draft
-        return "draft+ngram" if draft else "none"
     if spec_type in MODEL_SPEC_TYPES and not draft:
         raise SpecTypeError(f"--spec-type {spec_type} needs a draft model (-md)")
+
+
+def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None = None) -> str:
+    """The spec type to run: `auto` resolved by the draft file's kind (`head_kind`: None for
+    a draft model), a type that needs another kind of draft file refused."""
+    check_spec_type(spec_type, draft)
+    if spec_type == "auto":
+        if not draft:
+            return "none"
+        auto = next((n for n, s in SPEC_TYPE_REGISTRY.items()
+                     if s.loads_draft_model and s.head_kind == draft_kind), None)
+        if auto is None:
+            raise SpecTypeError(f"{draft} is a {draft_kind} drafter head, which specd does not "
+                                "run yet (DFlash heads it does)")
+        return "draft+ngram" if draft_kind is None else auto
+    spec = SPEC_TYPE_REGISTRY.get(spec_type)
+    if spec is not None and spec.loads_draft_model and spec.head_kind != draft_kind:
+        what = "a draft model" if draft_kind is None else f"a {draft_kind} head"
+        want = "a draft model" if spec.head_kind is None else f"a {spec.head_kind} head"
+        raise SpecTypeError(f"--spec-type {spec_type} needs {want}, and {draft} is {what} "
+                            "(--spec-type auto picks by the file)")
     return spec_type
 
 
@@ -86,6 +118,8 @@ def make_drafter(spec_type: str, inputs: DrafterInputs) -> Drafter | None:
     spec = SPEC_TYPE_REGISTRY.get(spec_type)
     if spec is None:
         raise SpecTypeError(f"unknown spec type {spec_type!r} (one of {', '.join(SPEC_TYPES)})")
-    if spec.loads_draft_model and inputs.draft_runner is None:
-        raise SpecTypeError(f"spec type {spec_type} needs a draft model")
+    loaded = inputs.draft_runner if spec.head_kind is None else inputs.head_runner
+    if spec.loads_draft_model and loaded is None:
+        raise SpecTypeError(f"spec type {spec_type} needs a draft "
+                            + ("model" if spec.head_kind is None else f"{spec.head_kind} head"))
     return spec.build(inputs)

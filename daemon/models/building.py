@@ -14,11 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specd.memory_fit.measure import ModelCost, measure
+from specd.memory_fit.measure import ModelCost, head_cost, measure
 from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError, Plan, fit
 from specd.memory_fit.probes import FakeProbe, MemoryProbe, probe_for
 from specd.ort_models import native_ops
+from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.graph_builder import ATTN_BUCKET, BuildOptions
+from specd.ort_models.head_runner import load_or_build_head
+from specd.ort_models.heads import HeadParams, head_kind, read_head
 
 if TYPE_CHECKING:
     from specd.ort_models.model_cache import BuiltModel
@@ -112,20 +115,36 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
     dev = resolve_device(device)
     free = FakeProbe.snapshot(probe or probe_for(dev))  # before anything is loaded
     bp = build_progress or (lambda label: None)
+    target_path = resolve_model(target, fetch=fetch, progress=progress, to_run=True)  # a bar
+    draft_path = (None if draft is None
+                  else resolve_model(draft, fetch=fetch, progress=progress, to_run=True))
+    head = None if draft_path is None else draft_head(draft_path)
     costs = []
-    for label, name in (("target", target), ("draft", draft)):
-        if name is None:
+    for label, path in (("target", target_path), ("draft", draft_path)):
+        if path is None or (label == "draft" and head is not None):
             continue
-        path = resolve_model(name, fetch=fetch, progress=progress, to_run=True)  # a bar
-        built = built_model(path, bp(label), build_options(label, draft_quant, dev, draft_vocab))
+        options = build_options(label, draft_quant, dev, draft_vocab)
+        if label == "target" and head is not None:  # the hidden states the head reads
+            options = dataclasses.replace(options,
+                                          hidden_layers=tuple(sorted(set(head.hidden_layers))))
+        built = built_model(path, bp(label), options)
         trained = built.hparams.n_ctx_train
         if 0 < trained < ATTN_BUCKET:  # nothing to measure at, nothing to plan
             raise FitError(f"a context of at least {ATTN_BUCKET} tokens is needed; "
                            f"{Path(path).name} was trained on {trained}")
         costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
+    if head is not None and draft_path is not None:
+        costs.append(head_cost(load_or_build_head(draft_path, target_path,
+                                                  bp("draft head"))))
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
                margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx)
     return plan, costs
+
+
+def draft_head(path: str | os.PathLike[str]) -> HeadParams | None:
+    """The drafter head a draft file holds (None: a draft model)."""
+    f = GGUFFile(path)
+    return None if head_kind(f.metadata, f.tensors) is None else read_head(f)
 
 
 def built_model(path: str | os.PathLike[str], progress: Any = None,

@@ -7,6 +7,7 @@ go through `Engine.start()`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from specd.daemon.drafters.registry import (
     MODEL_SPEC_TYPES,
     DrafterInputs,
     SpecTypeError,
+    check_spec_type,
     make_drafter,
     resolve_spec_type,
 )
@@ -26,7 +28,7 @@ from specd.daemon.models.building import (
     build_options,
     resolve_draft_quant,
 )
-from specd.daemon.models.compat import draft_incompatibilities
+from specd.daemon.models.compat import draft_incompatibilities, head_incompatibilities
 from specd.daemon.models.store import resolve_model
 from specd.daemon.spec.drafter import Drafter
 from specd.daemon.spec.generation import Generation, GenerationParams
@@ -35,8 +37,11 @@ from specd.daemon.text.grammar import GrammarState
 from specd.daemon.text.tokenizer import Tokenizer
 from specd.memory_fit.rss import rss_bytes
 from specd.ort_models import native_ops
+from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.graph_builder import BuildOptions
+from specd.ort_models.head_runner import HeadRunner, load_or_build_head
+from specd.ort_models.heads import HeadFormatError, HeadParams, head_kind, read_head
 from specd.ort_models.model_cache import BuiltModel, load_or_build
 from specd.ort_models.providers import RuntimeChoice, choose_runtime
 from specd.ort_models.runner import ModelRunner
@@ -103,19 +108,28 @@ class Engine:
             log.info("specd kernels (GgufMatMul, CachedAttention): %s",
                      f"off, using ONNX Runtime's ops: {why}" if why else "on")
         try:
-            self.spec_type = resolve_spec_type(cfg.spec_type, cfg.draft)
+            check_spec_type(cfg.spec_type, cfg.draft)
         except SpecTypeError as exc:
             raise EngineError(str(exc)) from None
         target_path = self._resolve(cfg.target, progress)
-        draft_path = (self._resolve(cfg.draft, progress)
-                      if self.spec_type in MODEL_SPEC_TYPES else None)
+        loads_draft = cfg.draft is not None and (cfg.spec_type == "auto"
+                                                 or cfg.spec_type in MODEL_SPEC_TYPES)
+        draft_path = self._resolve(cfg.draft, progress) if loads_draft else None
         tgt_file = GGUFFile(target_path)
         d_file = GGUFFile(draft_path) if draft_path is not None else None
-        if draft_path is not None and d_file is not None:
-            problems = draft_incompatibilities(tgt_file.metadata, d_file.metadata)
-            if problems:
-                raise EngineError(f"draft {draft_path.name} cannot draft for "
-                                  f"{target_path.name}: " + "; ".join(problems))
+        # a drafter head (its kind from the file's metadata) or a draft model
+        self.draft_kind = None if d_file is None else head_kind(d_file.metadata, d_file.tensors)
+        try:
+            self.spec_type = resolve_spec_type(cfg.spec_type, cfg.draft, self.draft_kind)
+        except SpecTypeError as exc:
+            raise EngineError(str(exc)) from None
+        head = None if d_file is None else self._check_draft(tgt_file, d_file)
+        # what the draft file is and the speculation it runs, said at start
+        self.draft_choice = "" if head is None or draft_path is None else (
+            f"{draft_path.name} is a {head.kind} head ({head.arch} architecture, "
+            f"{head.n_layer} layers, reading target layers {list(head.target_layers)}): "
+            f"speculation {self.spec_type}"
+            + (" (chosen by --spec-type auto)" if cfg.spec_type == "auto" else ""))
         before_tokenizer = rss_bytes()
         self.tokenizer = Tokenizer.from_metadata(tgt_file.metadata)
         self.chat_template: str | None = tgt_file.get("tokenizer.chat_template")
@@ -124,9 +138,13 @@ class Engine:
         try:
             target_options = build_options("target", device=self.runtime.device)
             draft_options = (build_options("draft", cfg.draft_quant, self.runtime.device,
-                                           cfg.draft_vocab) if draft_path is not None else None)
+                                           cfg.draft_vocab)
+                             if draft_path is not None and head is None else None)
         except BuildError as exc:
             raise EngineError(str(exc)) from None
+        if head is not None:  # the target outputs the hidden states the head reads
+            target_options = dataclasses.replace(
+                target_options, hidden_layers=tuple(sorted(set(head.hidden_layers))))
         self.target = self._load(target_path, tgt_file, bp("target"), target_options)
         self.target.resident_bytes += max(tokenizer_bytes, 0)
         self.n_ctx = self.target.runner.n_ctx
@@ -138,13 +156,40 @@ class Engine:
         self.draft: LoadedModel | None = None
         if draft_path is not None and d_file is not None and draft_options is not None:
             self.draft = self._load(draft_path, d_file, bp("draft"), draft_options, exact=False)
+        self.head: HeadRunner | None = None
+        if draft_path is not None and head is not None:
+            try:
+                built = load_or_build_head(draft_path, target_path, bp("draft head"))
+            except ValueError as exc:  # a head kind or feature not built yet
+                raise EngineError(str(exc)) from None
+            self.head = HeadRunner(built, n_ctx=self.n_ctx, n_seq=cfg.slots,
+                                   threads=cfg.threads, runtime=self.runtime)
         self.drafter: Drafter | None = make_drafter(self.spec_type, self.drafter_inputs())
+
+    def _check_draft(self, tgt_file: GGUFFile, d_file: GGUFFile) -> HeadParams | None:
+        """Refuse a draft file that cannot draft for the target, before anything is built;
+        a head's parameters (None for a draft model)."""
+        name, target = Path(d_file.path).name, Path(tgt_file.path).name
+        if self.draft_kind is None:
+            problems = draft_incompatibilities(tgt_file.metadata, d_file.metadata)
+            head = None
+        else:
+            try:
+                head = read_head(d_file)
+            except HeadFormatError as exc:
+                raise EngineError(str(exc)) from None
+            problems = head_incompatibilities(head, read_hparams(tgt_file), tgt_file.metadata,
+                                              d_file.metadata)
+        if problems:
+            raise EngineError(f"draft {name} cannot draft for {target}: " + "; ".join(problems))
+        return head
 
     def drafter_inputs(self) -> DrafterInputs:
         """What this engine's drafters are built from (its draft model, if loaded)."""
         cfg = self.cfg
         return DrafterInputs(
             draft_runner=None if self.draft is None else self.draft.runner,
+            head_runner=self.head,
             target_vocab=self.target.built.hparams.n_vocab, ngram_min=cfg.ngram_min,
             ngram_max=cfg.ngram_max, synthetic_rates=cfg.synthetic_rates,
             synthetic_mean=cfg.synthetic_mean, synthetic_seed=cfg.synthetic_seed,
@@ -224,4 +269,10 @@ class Engine:
                                                        self.runtime.device),
                           "vocab": self.draft.built.options.logits_width(
                               self.draft.built.hparams.n_vocab)}
+        if self.head is not None:
+            head = self.head.built.head
+            d["draft"] = {"path": str(self.head.built.head_path), "arch": head.arch,
+                          "kind": head.kind, "n_layer": head.n_layer,
+                          "target_layers": list(head.target_layers),
+                          "block_size": head.block_size, "n_ctx": self.head.n_ctx}
         return d

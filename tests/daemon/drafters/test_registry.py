@@ -21,8 +21,9 @@ from specd.ort_models.runner import ModelRunner
 
 
 def test_spec_types_name_the_registry() -> None:
-    assert SPEC_TYPES == ("auto", "none", "draft", "ngram", "draft+ngram", "synthetic")
-    assert MODEL_SPEC_TYPES == ("draft", "draft+ngram")
+    assert SPEC_TYPES == ("auto", "none", "draft", "ngram", "draft+ngram", "synthetic",
+                          "draft-dflash")
+    assert MODEL_SPEC_TYPES == ("draft", "draft+ngram", "draft-dflash")
 
 
 def test_auto_resolves_by_whether_there_is_a_draft() -> None:
@@ -32,6 +33,19 @@ def test_auto_resolves_by_whether_there_is_a_draft() -> None:
         resolve_spec_type("draft", None)
     with pytest.raises(SpecTypeError, match="unknown spec type 'eagle'"):
         resolve_spec_type("eagle", None)
+
+
+def test_auto_resolves_a_head_by_its_kind() -> None:
+    assert resolve_spec_type("auto", "h.gguf", "dflash") == "draft-dflash"
+    assert resolve_spec_type("draft-dflash", "h.gguf", "dflash") == "draft-dflash"
+    with pytest.raises(SpecTypeError, match="eagle3 drafter head, which specd does not run"):
+        resolve_spec_type("auto", "h.gguf", "eagle3")
+    with pytest.raises(SpecTypeError, match="needs a draft model, and h.gguf is a dflash head"):
+        resolve_spec_type("draft+ngram", "h.gguf", "dflash")
+    with pytest.raises(SpecTypeError, match="needs a dflash head, and m.gguf is a draft model"):
+        resolve_spec_type("draft-dflash", "m.gguf", None)
+    with pytest.raises(SpecTypeError, match="needs a draft dflash head"):
+        make_drafter("draft-dflash", DrafterInputs())
 
 
 def test_each_type_builds_its_drafter(tiny_model_factory) -> None:

@@ -1,0 +1,113 @@
+"""A drafter head as `-md`: recognised from its metadata, refused where it does not fit,
+and drafting through the engine with the target's own output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from specd.daemon.serving.engine import Engine, EngineConfig, EngineError
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import GenerationParams
+
+from tiny_heads import write_tiny_head
+
+PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
+
+
+@pytest.fixture(scope="module")
+def files(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+          ) -> tuple[Path, Path]:
+    target = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
+    head = write_tiny_head(tmp_path_factory.mktemp("heads") / "dflash.gguf", seed=5)
+    return target, head
+
+
+def _engine(target: Path, draft: Path | None, spec_type: str = "auto") -> Engine:
+    return Engine(EngineConfig(target=str(target), draft=None if draft is None else str(draft),
+                               spec_type=spec_type, n_ctx=512, fetch=False, device="cpu"))
+
+
+def _generate(engine: Engine, **params: object) -> list[int]:
+    gen = engine.start(0, PROMPT, GenerationParams(max_tokens=40, ignore_eos=True,
+                                                   draft=DraftParams(n_max=4), **params))
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    gen.close()
+    return out
+
+
+def test_auto_picks_dflash_for_a_head_and_says_so(files: tuple[Path, Path]) -> None:
+    target, head = files
+    engine = _engine(target, head)
+    assert engine.spec_type == "draft-dflash" and engine.draft_kind == "dflash"
+    assert engine.head is not None and engine.draft is None
+    assert "dflash.gguf is a dflash head" in engine.draft_choice
+    assert "chosen by --spec-type auto" in engine.draft_choice
+    assert engine.target.runner.feature_layers == (0, 1)  # target layers 1, 2 -> hidden 0, 1
+    assert engine.describe()["draft"]["kind"] == "dflash"
+    want = _generate(_engine(target, None, "none"))
+    assert _generate(engine) == want
+    assert _generate(engine, adaptive=True) == want
+
+
+def test_the_target_outputs_hidden_states_only_with_a_head(files: tuple[Path, Path]) -> None:
+    target, _ = files
+    assert _engine(target, None, "none").target.runner.feature_layers == ()
+
+
+@pytest.mark.parametrize("spec_type,draft_is_head,message", [
+    ("draft", True, "needs a draft model, and .* is a dflash head"),
+    ("draft+ngram", True, "needs a draft model, and .* is a dflash head"),
+    ("draft-dflash", False, "needs a dflash head, and .* is a draft model"),
+])
+def test_a_spec_type_for_another_kind_of_draft_is_refused(
+        files: tuple[Path, Path], tiny_model_factory: Callable[..., Path], spec_type: str,
+        draft_is_head: bool, message: str) -> None:
+    target, head = files
+    draft = head if draft_is_head else tiny_model_factory(arch="qwen3", weight_type="Q8_0",
+                                                          seed=4, context_length=512)
+    with pytest.raises(EngineError, match=message):
+        _engine(target, draft, spec_type)
+
+
+def test_heads_that_do_not_fit_or_run_are_refused(files: tuple[Path, Path],
+                                                  tmp_path: Path) -> None:
+    target, _ = files
+    wide = write_tiny_head(tmp_path / "wide.gguf", n_embd=96, target_hidden_size=96)
+    with pytest.raises(EngineError, match="cannot draft for"):
+        _engine(target, wide)
+    dspark = write_tiny_head(tmp_path / "dspark.gguf", kind="dspark")
+    with pytest.raises(EngineError, match="dspark drafter head, which specd does not run yet"):
+        _engine(target, dspark)
+
+
+def test_generate_with_a_head_from_the_cli(files: tuple[Path, Path]) -> None:
+    target, head = files
+    r = subprocess.run([sys.executable, "-m", "specd.daemon.cli", "generate", "-m",
+                        str(target), "-md", str(head), "hello", "-n", "16", "--ignore-eos",
+                        "--device", "cpu", "--no-fetch"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "dflash.gguf is a dflash head" in r.stderr
+    assert "speculation draft-dflash:" in r.stderr
+
+
+def test_fit_counts_the_head_and_its_cache(files: tuple[Path, Path]) -> None:
+    import json
+
+    target, head = files
+    r = subprocess.run([sys.executable, "-m", "specd.daemon.cli", "fit", "-m", str(target),
+                        "-md", str(head), "--device", "cpu", "--no-fetch", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    draft = json.loads(r.stdout)["models"][1]
+    assert draft["role"] == "draft" and draft["name"] == "dflash.gguf"
+    # 2 layers x 2 kv heads x 16 dims x K and V x float32
+    assert draft["kv_bytes_per_token"] == 2 * 2 * 16 * 2 * 4
+    assert draft["weights_bytes"] > 0
