@@ -111,3 +111,15 @@ def test_fit_counts_the_head_and_its_cache(files: tuple[Path, Path]) -> None:
     # 2 layers x 2 kv heads x 16 dims x K and V x float32
     assert draft["kv_bytes_per_token"] == 2 * 2 * 16 * 2 * 4
     assert draft["weights_bytes"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_heads_draft_for_every_target_architecture(arch: str,
+                                                   tiny_model_factory: Callable[..., Path],
+                                                   tmp_path: Path) -> None:
+    """qwen2 included, where llama.cpp's graph does not capture layer inputs for a head."""
+    target = tiny_model_factory(arch=arch, weight_type="Q8_0", seed=3, context_length=512)
+    head = write_tiny_head(tmp_path / "dflash.gguf", seed=5, target_arch=arch)
+    engine = _engine(target, head)
+    assert engine.spec_type == "draft-dflash"
+    assert _generate(engine) == _generate(_engine(target, None, "none"))
