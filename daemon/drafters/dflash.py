@@ -25,10 +25,12 @@ from specd.daemon.spec.drafter import (
     Features,
     Proposal,
 )
-from specd.daemon.spec.sampling import Sampler, mask_logits, top_probability
+from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.head_runner import HeadRunner
 from specd.ort_models.heads import DEFAULT_BLOCK_SIZE
+
+from .picking import pick_token
 
 
 @dataclass
@@ -91,22 +93,14 @@ class DFlashDrafter(Drafter):
         q_rows: list[np.ndarray] = []
         unsure = False
         for row in logits:
-            mask = None if grammar is None else grammar.allowed(row.shape[0])  # [vocab]
-            if mask is not None and not mask.any():
+            pick = pick_token(row, sampler, grammar, params.p_min)
+            if pick.token is None:
+                unsure = pick.unsure
                 break
-            if sampler is not None:
-                tok, q = sampler.sample_with_probs(row, mask)
-                top = float(q.max())
-            else:
-                masked = row if mask is None else mask_logits(row, mask)
-                tok = int(np.argmax(masked))
-                top = top_probability(masked) if params.p_min > 0 else 1.0
-            if params.p_min > 0 and top < params.p_min:
-                unsure = True
-                break
+            tok = pick.token
             tokens.append(tok)
-            if sampler is not None:
-                q_rows.append(q)
+            if pick.q is not None:
+                q_rows.append(pick.q)
             if grammar is not None:
                 grammar.consume(tok)
                 if grammar.is_stopped():

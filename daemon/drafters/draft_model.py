@@ -28,9 +28,11 @@ from specd.daemon.spec.drafter import (
     Features,
     Proposal,
 )
-from specd.daemon.spec.sampling import Sampler, mask_logits, top_probability
+from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.runner import ModelRunner
+
+from .picking import pick_token
 
 
 @dataclass
@@ -134,22 +136,13 @@ class DraftModelDrafter(Drafter):
                     self.runner.forward(seq, self._ids(pending), p)[0])
             p += len(pending)
             st.n_cached = p
-            mask = None if grammar is None else grammar.allowed(row.shape[0])  # [vocab]
-            if mask is not None and not mask.any():
+            pick = pick_token(row, sampler, grammar, params.p_min)
+            if pick.token is None:
+                unsure = pick.unsure
                 break
-            if sampler is not None:
-                tok, q = sampler.sample_with_probs(row, mask)
-                top = float(q.max())
-                q_rows.append(q)
-            else:
-                masked = row if mask is None else mask_logits(row, mask)
-                tok = int(np.argmax(masked))
-                top = top_probability(masked) if params.p_min > 0 else 1.0
-            if params.p_min > 0 and top < params.p_min:
-                if q_rows:
-                    q_rows.pop()
-                unsure = True
-                break
+            tok = pick.token
+            if pick.q is not None:
+                q_rows.append(pick.q)
             st.drafted.append(tok)
             pending = [tok]
             step_s.append(time.perf_counter() - t0)
