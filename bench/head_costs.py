@@ -1,8 +1,8 @@
 """What a DFlash head's calls cost beside the target's step, for random heads shaped like
 those Qwen2.5-Coder-1.5B would get (n_embd 1536, 12 heads, 2 KV heads of 128, FFN 8960,
-Q8_0 weights, three target layers read), side by side in one process.
+three target layers read), side by side in one process.
 
-    python bench/head_costs.py [--layers 1,2,5] [--blocks 4,8,16] [--repeats 20] [-t 2]
+    python bench/head_costs.py [--layers 1,2,5] [--blocks 4,8,16] [--weight-type Q8_0]
 
 Per head shape (depth; the target's full LM head shared, or a 32k draft vocabulary
 through d2t): one injection of one and of four committed tokens, and one block pass
@@ -59,6 +59,7 @@ def main() -> int:
     ap.add_argument("--blocks", default="4,8,16")
     ap.add_argument("--vocabs", default="0,32768", help="draft vocabularies (0: the target's)")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--weight-type", default="Q8_0", help="the heads' matrices (Q8_0, Q4_0, F16)")
     ap.add_argument("--draft-n", type=int, default=3)
     ap.add_argument("--draft-tau", type=float, default=3.58)
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -100,7 +101,7 @@ def main() -> int:
                     Path(tmp) / f"head-{layers}-{vocab}.gguf", n_layer=layers, n_embd=1536,
                     n_head=12, n_head_kv=2, head_dim=128, n_ff=8960, target_layers=(2, 14, 27),
                     target_hidden_size=1536, block_size=max(blocks) + 1,
-                    vocab_size=QWEN_VOCAB, mask_token_id=QWEN_MASK, weight_type="Q8_0",
+                    vocab_size=QWEN_VOCAB, mask_token_id=QWEN_MASK, weight_type=args.weight_type,
                     draft_vocab=vocab or None, target_arch="qwen2")
                 head = HeadRunner(load_or_build_head(head_path, target_path), n_ctx=1024,
                                   threads=args.threads)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import native_ops
 from .arch import HParams, read_hparams
 from .gguf_file import GGUFFile
 from .graph_builder import BUILDER_VERSION, Progress
@@ -46,23 +47,28 @@ class BuiltHead:
     hparams: HParams  # the head's decoder (over the target's vocabulary)
     target: HParams
     head_path: Path
+    uses_native: bool = False  # specd's ops are in its graphs: sessions must register them
 
     def model_path(self, graph: str) -> Path:
         return self.folder / f"{graph}.onnx"
 
 
 def load_or_build_head(head_path: str | Path, target_path: str | Path,
-                       progress: Progress | None = None, *,
-                       accuracy_level: int = ACCURACY_LEVEL) -> BuiltHead:
-    """The head's graphs for this target, built (under the folder's lock) unless cached
-    (accuracy_level: MatMulNBits', as in BuildOptions)."""
+                       progress: Progress | None = None, *, device: str = "cpu",
+                       accuracy_level: int = ACCURACY_LEVEL, kernels: str | None = None
+                       ) -> BuiltHead:
+    """The head's graphs for this target on `device`, built (under the folder's lock) unless
+    cached. kernels (as in BuildOptions): default "gguf" where specd's kernels run (the
+    CPU, compiled), else "ort"; accuracy_level: MatMulNBits'."""
     head_file, target_file = GGUFFile(head_path), GGUFFile(target_path)
     head, target = read_head(head_file), read_hparams(target_file)
     missing = unsupported(head)
     if missing:
         raise ValueError(f"{Path(head_path).name}: specd does not run this head yet: "
                          + "; ".join(missing))
-    options = head_options(target, accuracy_level)
+    if kernels is None:
+        kernels = "gguf" if device == "cpu" and native_ops.library() is not None else "ort"
+    options = head_options(target, accuracy_level, kernels)
     folder = (cache_dir() / "heads" / f"{head_file.content_hash()[:16]}-"
               f"{target_file.content_hash()[:16]}-b{BUILDER_VERSION}-{options.key()}")
     if not is_complete(folder):
@@ -87,7 +93,8 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
                         "target": str(target_path), "head_params": dataclasses.asdict(head)}
                 build_folder(folder, write, meta, Path(head_path).name)
     assert (folder / META_FILE).is_file()
-    return BuiltHead(folder, head, head_hparams(head, target), target, Path(head_path))
+    return BuiltHead(folder, head, head_hparams(head, target), target, Path(head_path),
+                     options.uses_native)
 
 
 class HeadRunner:
@@ -107,6 +114,8 @@ class HeadRunner:
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if built.uses_native:
+            native_ops.register(so)
         self.sessions = {name: ort.InferenceSession(
             str(built.model_path(name)), so, providers=session_providers(self.runtime.device))
             for name in GRAPHS}

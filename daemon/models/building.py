@@ -134,8 +134,8 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                            f"{Path(path).name} was trained on {trained}")
         costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
     if head is not None and draft_path is not None:
-        costs.append(head_cost(load_or_build_head(draft_path, target_path,
-                                                  bp("draft head"))))
+        costs.append(head_cost(load_or_build_head(draft_path, target_path, bp("draft head"),
+                                                  device=dev)))
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
                margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx)
     return plan, costs

@@ -159,7 +159,8 @@ class Engine:
         self.head: HeadRunner | None = None
         if draft_path is not None and head is not None:
             try:
-                built = load_or_build_head(draft_path, target_path, bp("draft head"))
+                built = load_or_build_head(draft_path, target_path, bp("draft head"),
+                                           device=self.runtime.device)
             except ValueError as exc:  # a head kind or feature not built yet
                 raise EngineError(str(exc)) from None
             self.head = HeadRunner(built, n_ctx=self.n_ctx, n_seq=cfg.slots,

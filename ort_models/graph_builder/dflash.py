@@ -47,11 +47,13 @@ def head_hparams(head: HeadParams, target: HParams) -> HParams:
                    rope_interleaved=head.rope_interleaved, qk_norm=True)
 
 
-def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL) -> BuildOptions:
+def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
+                 kernels: str = "ort") -> BuildOptions:
     """Head graphs: attention written out (the block is not causal), float32 cache, rotary
-    tables as long as the target's context."""
+    tables as long as the target's context; kernels "gguf": specd's GgufMatMul for the
+    matrix types it reads (the others as ONNX Runtime's)."""
     return BuildOptions(attention="exact", kv_dtype="f32", max_positions=target.n_ctx_train,
-                        accuracy_level=accuracy_level)
+                        accuracy_level=accuracy_level, kernels=kernels)
 
 
 def unsupported(head: HeadParams) -> list[str]:

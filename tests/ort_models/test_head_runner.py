@@ -28,8 +28,9 @@ def _pair(target_path: Path, tmp_path: Path, **head: Any
           ) -> tuple[HeadRunner, ReferenceDFlash, ReferenceModel]:
     path = write_tiny_head(tmp_path / "head.gguf", kind="dflash", seed=5, **head)
     ref_target = ReferenceModel(target_path)
-    # MatMulNBits in float32 (accuracy level 1), as the reference computes
-    runner = HeadRunner(load_or_build_head(path, target_path, accuracy_level=1), n_ctx=512)
+    # ONNX Runtime's products in float32 (accuracy level 1), as the reference computes
+    runner = HeadRunner(load_or_build_head(path, target_path, accuracy_level=1, kernels="ort"),
+                        n_ctx=512)
     return runner, ReferenceDFlash(path, ref_target, n_ctx=runner.n_ctx), ref_target
 
 
@@ -97,3 +98,35 @@ def test_non_finite_features_are_clamped(target_path: Path, tmp_path: Path) -> N
     k = runner.kv.layers(0)[0][0].numpy()[0, :, :4]
     assert np.isfinite(k).all()
     np.testing.assert_allclose(k, ref.keys[0][:, :4], **TOL)
+
+
+def test_specd_kernels_run_the_heads_products(tiny_model_factory: Callable[..., Path],
+                                              tmp_path: Path) -> None:
+    """Where specd's kernels run, a head's Q4_0 matrices (and the target's shared LM head)
+    go through GgufMatMul; its logits stay those of the reference within the error of 8-bit
+    activations (the ONNX Runtime path is checked exactly above)."""
+    import onnx
+
+    from specd.ort_models import native_ops
+
+    if native_ops.library() is None:
+        pytest.skip(f"specd's kernels are off: {native_ops.unavailable_reason()}")
+    target_path = tiny_model_factory(arch="qwen3", weight_type="Q4_0", seed=3,
+                                     context_length=512)
+    path = write_tiny_head(tmp_path / "head.gguf", seed=5, weight_type="Q4_0")
+    built = load_or_build_head(path, target_path)
+    ops = {n.op_type for name in ("inject", "block")
+           for n in onnx.load(str(built.model_path(name)), load_external_data=False).graph.node}
+    assert "GgufMatMul" in ops and built.uses_native
+    runner = HeadRunner(built, n_ctx=512)
+    ref_target = ReferenceModel(target_path)
+    ref = ReferenceDFlash(path, ref_target, n_ctx=runner.n_ctx)
+    features = _features(ref, ref_target, PROMPT)
+    runner.inject(0, features.astype(np.float32), 0)
+    ref.inject(features, np.arange(len(PROMPT)))
+    mask = runner.built.head.mask_token_id
+    block = [PROMPT[-1], mask, mask]
+    got, want = runner.block(0, block, len(PROMPT), [0, 1, 2]), ref.block(block, len(PROMPT))
+    # 8-bit activations in every product: close, not equal (2% of the logits' spread)
+    assert np.abs(got - want).mean() < 0.05 * want.std()
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.999
