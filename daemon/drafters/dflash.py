@@ -41,6 +41,8 @@ class _SeqState:
 
 class DFlashDrafter(Drafter):
     name = "dflash"
+    one_pass = True
+    catch_up = 0  # tokens skipped while the target decoded alone were injected as they came
 
     def __init__(self, runner: HeadRunner):
         head = runner.built.head
@@ -105,11 +107,9 @@ class DFlashDrafter(Drafter):
                 grammar.consume(tok)
                 if grammar.is_stopped():
                     break
-        seconds = time.perf_counter() - t0
-        # one pass proposes them all: the later proposals cost nothing more
-        steps = (seconds,) + (0.0,) * max(len(tokens) - 1, 0)
+        seconds = time.perf_counter() - t0  # one pass proposed them all
         return Proposal(tokens, np.stack(q_rows) if q_rows else None,
-                        DraftEvidence(step_seconds=steps, stopped_unsure=unsure))
+                        DraftEvidence(step_seconds=(seconds,), stopped_unsure=unsure))
 
     def process(self, seq: int, tokens: Sequence[int],
                 features: Features | None = None) -> None:

@@ -27,6 +27,7 @@ class HybridDrafter(Drafter):
         self.lookup = lookup if lookup is not None else NgramDrafter()
         self.catch_up = model.catch_up
         self.target_layers = model.target_layers
+        self.one_pass = model.one_pass
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:

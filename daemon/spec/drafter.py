@@ -111,6 +111,9 @@ class Drafter(ABC):
     #: most tokens skipped in target-only rounds that the drafter evaluates before its next
     #: draft (None: all of them; a drafter without a model evaluates none, at no cost)
     catch_up: int | None = None
+    #: `draft()` proposes all its tokens in one pass (a head's block), whose cost grows
+    #: with the block's length far less than a step per token
+    one_pass: bool = False
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:

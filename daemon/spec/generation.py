@@ -63,7 +63,8 @@ def make_policy(params: GenerationParams, drafter: Drafter | None) -> DraftPolic
     dp = params.draft
     if params.adaptive:
         return AdaptiveDraftLength(dp.n_max, n_min=dp.n_min,
-                                   catch_up_limit=None if drafter is None else drafter.catch_up)
+                                   catch_up_limit=None if drafter is None else drafter.catch_up,
+                                   one_pass=drafter is not None and drafter.one_pass)
     return FixedDraftLength(dp.n_max, n_min=dp.n_min)
 
 

@@ -211,7 +211,11 @@ class AdaptiveDraftLength(DraftPolicy):
     explore_every: int = 8
     # most skipped tokens the drafter evaluates before drafting (None: all of them)
     catch_up_limit: int | None = None
+    # the drafter proposes a whole block in one pass (a head): a call's cost is a line in
+    # the block length, fitted as the verify pass's is, not first + (n - 1) * next
+    one_pass: bool = False
     _verify: _Line = field(init=False)
+    _block: _Line = field(init=False)
     _draft_first: float | None = None  # seconds: a steady drafting call, but its later steps
     _draft_next: float | None = None  # seconds: each proposal step after the first
     _draft_calls: int = 0
@@ -233,6 +237,7 @@ class AdaptiveDraftLength(DraftPolicy):
     def __post_init__(self) -> None:
         n = max(self.n_max, 0)
         self._verify = _Line(self.decay)
+        self._block = _Line(self.decay)
         self._model = _Acceptance(n, self.decay, self.prior_accept)
         self._lookups: dict[int, _Acceptance] = {}  # match length -> its offers' acceptance
 
@@ -251,13 +256,19 @@ class AdaptiveDraftLength(DraftPolicy):
         self._verify.add(n_tokens, seconds)
         self._last_verify = seconds
 
-    def observe_draft(self, seconds: float, later_steps: Sequence[float] = ()) -> None:
-        """A steady drafting call took `seconds`, of which `later_steps` were its second,
-        third, ... proposal steps (a drafter that does not time its steps passes none).
-        The first call is not used: its passes run at shapes and cache states not seen
-        again (up to 2x slower), and an outlier stays long where lengths are rarely tried."""
+    def observe_draft(self, seconds: float, later_steps: Sequence[float] = (),
+                      n: int = 0) -> None:
+        """A steady drafting call for n tokens took `seconds`, of which `later_steps` were
+        its second, third, ... proposal steps (a drafter that does not time its steps
+        passes none; a one-pass drafter has none). The first call is not used: its passes
+        run at shapes and cache states not seen again, and an outlier stays long where
+        lengths are rarely tried."""
         self._draft_calls += 1
         if self._draft_calls == 1:
+            return
+        if self.one_pass:
+            self._block.add(n, seconds)
+            self._draft_first = _ema(self._draft_first, seconds)
             return
         self._draft_first = _ema(self._draft_first, seconds - sum(later_steps))
         for t in later_steps:
@@ -327,6 +338,8 @@ class AdaptiveDraftLength(DraftPolicy):
         first = self._draft_first
         if first is None:
             return None
+        if self.one_pass:
+            return self._block.at(n)
         nxt = first if self._draft_next is None else self._draft_next
         return first + (n - 1) * nxt
 
@@ -479,7 +492,7 @@ class AdaptiveDraftLength(DraftPolicy):
         """A draft model's call: its cost (when steady) and its free acceptance samples."""
         ev = call.evidence
         if not ev.includes_catch_up:
-            self.observe_draft(call.seconds, ev.step_seconds[1:])
+            self.observe_draft(call.seconds, ev.step_seconds[1:], call.n_requested)
         for i, hit in ev.guess_checks:
             self.observe_position(i, hit)
         if ev.bonus_q is not None and bonus_p is not None:

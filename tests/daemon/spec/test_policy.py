@@ -419,3 +419,18 @@ def test_the_adaptive_policy_learns_from_round_records() -> None:
     assert by_record.accept == by_calls.accept
     assert by_record.draft_cost(3) == by_calls.draft_cost(3)
     assert by_record.rate(2) == by_calls.rate(2)
+
+
+def test_a_one_pass_drafters_cost_is_a_line_in_the_block_length() -> None:
+    """A head's block costs a + b*n, not a step per token: measured at n = 4 and n = 8,
+    n = 6 is priced between them, where per-step pricing would make it flat (the later
+    steps cost nothing) or a multiple of the first."""
+    a = AdaptiveDraftLength(n_max=8, one_pass=True)
+    b = AdaptiveDraftLength(n_max=8)
+    for n, seconds in [(4, 0.010)] * 4 + [(8, 0.014)] * 4:
+        a.observe_draft(seconds, (), n)
+        b.observe_draft(seconds, (), n)
+    cost = a.draft_cost(6)
+    assert cost is not None and 0.0115 < cost < 0.0125
+    assert a.draft_cost(8) > a.draft_cost(4)  # type: ignore[operator]
+    assert b.draft_cost(8) == pytest.approx(8 * b.draft_cost(1))  # type: ignore[operator]
