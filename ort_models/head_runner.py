@@ -55,11 +55,12 @@ class BuiltHead:
 
 def load_or_build_head(head_path: str | Path, target_path: str | Path,
                        progress: Progress | None = None, *, device: str = "cpu",
-                       accuracy_level: int = ACCURACY_LEVEL, kernels: str | None = None
-                       ) -> BuiltHead:
+                       accuracy_level: int = ACCURACY_LEVEL, kernels: str | None = None,
+                       requant: str | None = None) -> BuiltHead:
     """The head's graphs for this target on `device`, built (under the folder's lock) unless
-    cached. kernels (as in BuildOptions): default "gguf" where specd's kernels run (the
-    CPU, compiled), else "ort"; accuracy_level: MatMulNBits'."""
+    cached. kernels and requant (as in BuildOptions): default "gguf" with every matrix
+    re-quantized to Q4_K where specd's kernels run (the CPU, compiled), as a draft model's
+    are; else "ort" and the GGUF's own blocks. accuracy_level: MatMulNBits'."""
     head_file, target_file = GGUFFile(head_path), GGUFFile(target_path)
     head, target = read_head(head_file), read_hparams(target_file)
     missing = unsupported(head)
@@ -68,7 +69,9 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
                          + "; ".join(missing))
     if kernels is None:
         kernels = "gguf" if device == "cpu" and native_ops.library() is not None else "ort"
-    options = head_options(target, accuracy_level, kernels)
+    if requant is None:
+        requant = "q4k" if kernels == "gguf" else ""
+    options = head_options(target, accuracy_level, kernels, requant)
     folder = (cache_dir() / "heads" / f"{head_file.content_hash()[:16]}-"
               f"{target_file.content_hash()[:16]}-b{BUILDER_VERSION}-{options.key()}")
     if not is_complete(folder):

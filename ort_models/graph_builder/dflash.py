@@ -48,12 +48,13 @@ def head_hparams(head: HeadParams, target: HParams) -> HParams:
 
 
 def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
-                 kernels: str = "ort") -> BuildOptions:
+                 kernels: str = "ort", requant: str = "") -> BuildOptions:
     """Head graphs: attention written out (the block is not causal), float32 cache, rotary
     tables as long as the target's context; kernels "gguf": specd's GgufMatMul for the
-    matrix types it reads (the others as ONNX Runtime's)."""
+    matrix types it reads (the others as ONNX Runtime's); requant "q4k": every matrix
+    re-quantized to Q4_K for it, as drafts' are (the shared LM head included)."""
     return BuildOptions(attention="exact", kv_dtype="f32", max_positions=target.n_ctx_train,
-                        accuracy_level=accuracy_level, kernels=kernels)
+                        accuracy_level=accuracy_level, kernels=kernels, requant=requant)
 
 
 def unsupported(head: HeadParams) -> list[str]:
