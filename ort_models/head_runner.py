@@ -35,7 +35,7 @@ from .model_cache import META_FILE, build_folder, is_complete
 from .onnx_writer import GraphWriter
 from .paths import cache_dir, exclusive_lock
 from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
-from .runner import ContextFull, default_threads
+from .runner import bound_outputs, check_call, default_threads, session_options
 
 GRAPHS = ("inject", "block")
 
@@ -68,7 +68,7 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
         raise ValueError(f"{Path(head_path).name}: specd does not run this head yet: "
                          + "; ".join(missing))
     if kernels is None:
-        kernels = "gguf" if device == "cpu" and native_ops.library() is not None else "ort"
+        kernels = native_ops.kernels_for(device)
     if requant is None:
         requant = "q4k" if kernels == "gguf" else ""
     options = head_options(target, accuracy_level, kernels, requant)
@@ -112,13 +112,7 @@ class HeadRunner:
         self.n_ctx = min(n_ctx, built.target.n_ctx_train)
         self.runtime = runtime or choose_runtime("auto")
         device, device_id = parse_device(self.runtime.device)
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads or default_threads()
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 3
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if built.uses_native:
-            native_ops.register(so)
+        so = session_options(threads or default_threads(), native=built.uses_native)
         self.sessions = {name: ort.InferenceSession(
             str(built.model_path(name)), so, providers=session_providers(self.runtime.device))
             for name in GRAPHS}
@@ -144,17 +138,10 @@ class HeadRunner:
         self._bindings.append(bindings)
         return seq
 
-    def _check(self, pos: int, n: int) -> None:
-        if n == 0:
-            raise ValueError("a head call needs at least one row")
-        if pos < 0 or pos + n > self.n_ctx:
-            raise ContextFull(f"positions {pos}..{pos + n - 1} do not fit in the head's "
-                              f"context of {self.n_ctx} tokens")
-
     def inject(self, seq: int, features: np.ndarray, pos: int) -> None:
         """Write the K/V rows of target tokens at positions pos.. from their features
         [n, L*E_t] (the target layers' hidden states, concatenated in the head's order)."""
-        self._check(pos, features.shape[0])
+        check_call(pos, features.shape[0], self.n_ctx)
         b = self._bindings[seq]["inject"]
         b.bind_cpu_input("features", np.ascontiguousarray(features, dtype=np.float32))
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
@@ -164,7 +151,7 @@ class HeadRunner:
               ) -> np.ndarray:
         """Run the block `tokens` at positions pos.. over the injected context; the logits
         of `rows` [len(rows), vocab]."""
-        self._check(pos, len(tokens))
+        check_call(pos, len(tokens), self.n_ctx)
         b = self._bindings[seq]["block"]
         b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
@@ -172,4 +159,4 @@ class HeadRunner:
         b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
         b.bind_output("logits", "cpu")
         self.sessions["block"].run_with_iobinding(b)
-        return b.get_outputs()[-1].numpy()  # [R, vocab]: bound after the caches
+        return bound_outputs(b)[2 * self.hp.n_layer].numpy()  # [R, vocab]: after the caches

@@ -146,6 +146,11 @@ def library(flags: tuple[str, ...] = ("-march=native",)) -> Path | None:
         return lib
 
 
+def kernels_for(device: str) -> str:
+    """"gguf" where specd's kernels run on `device` (the CPU, compiled), else "ort"."""
+    return "gguf" if device == "cpu" and library() is not None else "ort"
+
+
 def unavailable_reason(flags: tuple[str, ...] = ("-march=native",)) -> str | None:
     library(flags)
     return _reasons.get(flags)

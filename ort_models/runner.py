@@ -61,6 +61,38 @@ def bucket_block_limit(pos: int, n_ctx: int) -> int:
     return min(round_up(pos + 1, ATTN_BUCKET), n_ctx) - pos
 
 
+def check_call(pos: int, n: int, n_ctx: int) -> None:
+    """A call of n tokens at positions pos.. must hold one token and fit the context."""
+    if n == 0:
+        raise ValueError("a forward call needs at least one token")
+    if pos < 0 or pos + n > n_ctx:
+        raise ContextFull(f"positions {pos}..{pos + n - 1} do not fit in the context of "
+                          f"{n_ctx} tokens")
+
+
+def session_options(threads: int, *, spinning: bool | str = False,
+                    native: bool = False) -> Any:  # an onnxruntime.SessionOptions
+    """Options of a session run by one caller at a time: `threads` intra-op threads, all
+    graph optimizations, specd's ops registered where the graph uses them (native)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    # spinning=True spins only while a run lasts; "always" keeps spinning (specd's own
+    # kernels run on their own workers, which spin briefly after each task whatever
+    # this says)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if spinning is True:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
+    if native:
+        native_ops.register(so)
+    return so
+
+
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else (os.cpu_count() or 1))
@@ -101,20 +133,7 @@ class ModelRunner:
                              "Runtime's ops for that device (kernels 'ort', attention not "
                              "'native')")
         self.threads = threads or default_threads()
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = self.threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.log_severity_level = 3
-        # spinning=True spins only while a run lasts; "always" keeps spinning (specd's own
-        # kernels run on their own workers, which spin briefly after each task whatever
-        # this says)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        if spinning is True:
-            so.add_session_config_entry("session.force_spinning_stop", "1")
-        if built.options.uses_native:
-            native_ops.register(so)
+        so = session_options(self.threads, spinning=spinning, native=built.options.uses_native)
         try:
             self.session = ort.InferenceSession(
                 str(built.model_path), so, providers=session_providers(self.runtime.device))
@@ -227,11 +246,7 @@ class ModelRunner:
     def _run(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int] | None,
              layers: tuple[int, ...]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         n = len(tokens)
-        if n == 0:
-            raise ValueError("forward needs at least one token")
-        if pos < 0 or pos + n > self.n_ctx:
-            raise ContextFull(f"positions {pos}..{pos + n - 1} do not fit in the context of "
-                              f"{self.n_ctx} tokens")
+        check_call(pos, n, self.n_ctx)
         rows = [n - 1] if rows is None else list(rows)
         n_rows = len(rows)
         ids = list(tokens)
@@ -252,7 +267,7 @@ class ModelRunner:
         for name, _ in self._hidden:
             b.bind_output(name, "cpu")
         self.session.run_with_iobinding(b)
-        outs = _bound_outputs(b)
+        outs = bound_outputs(b)
         # outputs come in the order bound: KV first (2 per layer), then logits, hidden
         k0 = 2 * self.hp.n_layer
         logits = outs[k0].numpy()[:n_rows]  # [R, vocab]
@@ -297,7 +312,7 @@ class ModelRunner:
         return logits[0], {layer: np.concatenate(rows) for layer, rows in parts.items()}
 
 
-def _bound_outputs(b: Any) -> list[Any]:  # an onnxruntime.IOBinding
+def bound_outputs(b: Any) -> list[Any]:  # an onnxruntime.IOBinding
     """The binding's outputs as ORT's C-level values (each has .numpy()): the public
     `get_outputs` would wrap every one in a Python OrtValue, 2 per layer for the KV caches
     that are never read here, a cost per call that shows in a draft step."""

@@ -47,7 +47,7 @@ DRAFT_VOCAB_ROWS = 98_304
 def target_kernels(device: str = "cpu") -> str:
     """"gguf" (specd's kernels on the GGUF's own blocks: fewer bytes per token) where
     they run, i.e. on the CPU and where they compiled; else "ort" (MatMulNBits)."""
-    return "gguf" if device == "cpu" and native_ops.library() is not None else "ort"
+    return native_ops.kernels_for(device)
 
 
 def resolve_draft_quant(draft_quant: str, device: str = "cpu") -> str:
