@@ -96,12 +96,14 @@ def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None 
     if spec_type == "auto":
         if not draft:
             return "none"
-        auto = next((n for n, s in SPEC_TYPE_REGISTRY.items()
-                     if s.loads_draft_model and s.head_kind == draft_kind), None)
+        if draft_kind is None:  # a draft model, with prompt lookup in front
+            return "draft+ngram"
+        auto = next((n for n, s in SPEC_TYPE_REGISTRY.items() if s.head_kind == draft_kind),
+                    None)
         if auto is None:
             raise SpecTypeError(f"{draft} is a {draft_kind} drafter head, which specd does not "
                                 "run yet (DFlash heads it does)")
-        return "draft+ngram" if draft_kind is None else auto
+        return auto
     spec = SPEC_TYPE_REGISTRY.get(spec_type)
     if spec is not None and spec.loads_draft_model and spec.head_kind != draft_kind:
         what = "a draft model" if draft_kind is None else f"a {draft_kind} head"

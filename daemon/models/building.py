@@ -58,9 +58,11 @@ def resolve_draft_quant(draft_quant: str, device: str = "cpu") -> str:
 
 
 def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
-                  draft_vocab: int = DRAFT_VOCAB_ROWS) -> BuildOptions:
+                  draft_vocab: int = DRAFT_VOCAB_ROWS, head: HeadParams | None = None
+                  ) -> BuildOptions:
     """Graph options of the target or the draft model on `device` ("cpu" / "cuda:N"); a
-    draft's logits cover the ids below `draft_vocab` (0: all).
+    draft's logits cover the ids below `draft_vocab` (0: all); a target beside a drafter
+    `head` outputs the hidden states the head reads.
 
     Where specd's kernels run (`target_kernels`: CPU, compiled) a target's Q4_0 / Q4_1 /
     Q4_K / Q6_K matrices go through GgufMatMul (the GGUF's own blocks: fewer bytes read
@@ -78,8 +80,10 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
                           f"{', '.join(DRAFT_QUANTS)})")
     native = target_kernels(device) == "gguf"
     if role != "draft":
-        return (BuildOptions(kernels="gguf", attention="native", kv_dtype="f16") if native
-                else BuildOptions())
+        layers = () if head is None else tuple(sorted(set(head.hidden_layers)))
+        return (BuildOptions(kernels="gguf", attention="native", kv_dtype="f16",
+                             hidden_layers=layers) if native
+                else BuildOptions(hidden_layers=layers))
     requant = DRAFT_QUANTS[resolve_draft_quant(draft_quant, device)]
     if requant == "q4k" and not native:
         raise BuildError(f"--draft-quant q4k needs specd's kernels on the CPU "
@@ -123,11 +127,8 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
     for label, path in (("target", target_path), ("draft", draft_path)):
         if path is None or (label == "draft" and head is not None):
             continue
-        options = build_options(label, draft_quant, dev, draft_vocab)
-        if label == "target" and head is not None:  # the hidden states the head reads
-            options = dataclasses.replace(options,
-                                          hidden_layers=tuple(sorted(set(head.hidden_layers))))
-        built = built_model(path, bp(label), options)
+        built = built_model(path, bp(label),
+                            build_options(label, draft_quant, dev, draft_vocab, head))
         trained = built.hparams.n_ctx_train
         if 0 < trained < ATTN_BUCKET:  # nothing to measure at, nothing to plan
             raise FitError(f"a context of at least {ATTN_BUCKET} tokens is needed; "

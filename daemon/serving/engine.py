@@ -7,7 +7,6 @@ go through `Engine.start()`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -136,15 +135,12 @@ class Engine:
         tokenizer_bytes = rss_bytes() - before_tokenizer
         bp = build_progress or (lambda label: None)
         try:
-            target_options = build_options("target", device=self.runtime.device)
+            target_options = build_options("target", device=self.runtime.device, head=head)
             draft_options = (build_options("draft", cfg.draft_quant, self.runtime.device,
                                            cfg.draft_vocab)
                              if draft_path is not None and head is None else None)
         except BuildError as exc:
             raise EngineError(str(exc)) from None
-        if head is not None:  # the target outputs the hidden states the head reads
-            target_options = dataclasses.replace(
-                target_options, hidden_layers=tuple(sorted(set(head.hidden_layers))))
         self.target = self._load(target_path, tgt_file, bp("target"), target_options)
         self.target.resident_bytes += max(tokenizer_bytes, 0)
         self.n_ctx = self.target.runner.n_ctx
