@@ -26,11 +26,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft GGUF path or catalog name")
     add_draft_build_args(p)
     add_spin_arg(p)
-    p.add_argument("--spec-type", default="auto",
-                   choices=["auto", "none", "draft", "ngram", "draft+ngram", "synthetic"],
+    from specd.daemon.drafters.registry import SPEC_TYPES
+
+    p.add_argument("--spec-type", default="auto", choices=SPEC_TYPES,
                    help="speculation: draft+ngram = the draft model and prompt lookup (each "
-                        "round verifies the faster-predicted one); auto = draft+ngram if -md "
-                        "is given, else none")
+                        "round verifies the faster-predicted one); draft-dflash = a DFlash "
+                        "head (-md head.gguf) and prompt lookup; auto = picked by the -md "
+                        "file (a head's kind, else draft+ngram), none without -md")
     p.add_argument("--spec-draft-n-max", dest="n_max", type=int, default=8,
                    help="most tokens drafted per round (default 8)")
     p.add_argument("--spec-draft-n-min", dest="n_min", type=int, default=0,
