@@ -1,8 +1,9 @@
-"""A DFlash head on ONNX Runtime: its two graphs (injection, block), built once per (head,
+"""A DFlash or DSpark head on ONNX Runtime: its two graphs (injection, block), built once per (head,
 target) pair into the graph cache, and two sessions over one draft KV cache.
 
 `inject` writes the K/V rows of verified target tokens from their features; `block` runs
-[last, MASK...] over them and returns the logits of the rows asked for. A block's own K/V
+[last, MASK...] over them and returns the logits of the rows asked for (and a DSpark
+head's confidences). A block's own K/V
 rows land after the injected ones and are overwritten by the next injection or block, so
 rolling back is free, as in the target's cache.
 """
@@ -38,6 +39,12 @@ from .providers import RuntimeChoice, choose_runtime, parse_device, session_prov
 from .runner import bound_outputs, check_call, default_threads, session_options
 
 GRAPHS = ("inject", "block")
+
+
+@dataclass(frozen=True)
+class BlockOutput:
+    logits: np.ndarray  # [R, vocab] the rows asked for
+    confidence: np.ndarray | None  # [R] DSpark's confidence head (None: the head has none)
 
 
 @dataclass(frozen=True)
@@ -148,9 +155,9 @@ class HeadRunner:
         self.sessions["inject"].run_with_iobinding(b)
 
     def block(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int]
-              ) -> np.ndarray:
+              ) -> BlockOutput:
         """Run the block `tokens` at positions pos.. over the injected context; the logits
-        of `rows` [len(rows), vocab]."""
+        of `rows` (a DSpark head's Markov chain runs over them in the order given)."""
         check_call(pos, len(tokens), self.n_ctx)
         b = self._bindings[seq]["block"]
         b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
@@ -158,5 +165,10 @@ class HeadRunner:
         b.bind_cpu_input("attn_len", np.array([pos + len(tokens)], dtype=np.int64))
         b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
         b.bind_output("logits", "cpu")
+        if self.built.head.has_confidence_head:
+            b.bind_output("confidence", "cpu")
         self.sessions["block"].run_with_iobinding(b)
-        return bound_outputs(b)[2 * self.hp.n_layer].numpy()  # [R, vocab]: after the caches
+        out = bound_outputs(b)
+        first = 2 * self.hp.n_layer  # after the caches, in the order bound
+        conf = out[first + 1].numpy() if self.built.head.has_confidence_head else None
+        return BlockOutput(out[first].numpy(), conf)

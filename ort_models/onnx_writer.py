@@ -7,6 +7,8 @@ referenced as external data.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -89,10 +91,24 @@ class GraphWriter:
         self.nodes.append(helper.make_node(op_type, inputs, outs, domain=domain, **attrs))
         return outs[0] if len(outs) == 1 else outs
 
+    @contextmanager
+    def body(self, name: str, inputs: list[onnx.ValueInfoProto],
+             outputs: list[onnx.ValueInfoProto]) -> Iterator[list[onnx.GraphProto]]:
+        """Nodes written inside the block form a subgraph (a Loop's body), yielded as a
+        one-item list once the block ends. Constants and weights stay in the main graph,
+        which the body reads from its outer scope."""
+        outer, self.nodes = self.nodes, []
+        made: list[onnx.GraphProto] = []
+        try:
+            yield made
+        finally:
+            nodes, self.nodes = self.nodes, outer
+        made.append(helper.make_graph(nodes, name, inputs, outputs))
+
     def save(self, path: Path, *, opset: int = 24) -> None:
         graph = helper.make_graph(self.nodes, "specd", self.inputs, self.outputs,
                                   self.initializers)
-        domains = sorted({n.domain for n in self.nodes} - {"", MS})
+        domains = sorted(_domains(self.nodes) - {"", MS})
         model = helper.make_model(
             graph,
             opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)]
@@ -102,3 +118,14 @@ class GraphWriter:
         model.ir_version = 10
         with open(path, "wb") as f:
             f.write(model.SerializeToString())
+
+
+def _domains(nodes: list[onnx.NodeProto]) -> set[str]:
+    """The op domains of nodes and of the subgraphs in their attributes."""
+    out = set()
+    for n in nodes:
+        out.add(n.domain)
+        for a in n.attribute:
+            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+                out |= _domains(list(sub.node))
+    return out

@@ -1,5 +1,5 @@
-"""The two graphs of a DFlash head (`ort_models/heads.py` reads its GGUF), over one draft KV
-cache that both bind:
+"""The two graphs of a DFlash or DSpark head (`ort_models/heads.py` reads its GGUF), over
+one draft KV cache that both bind:
 
 injection  features [S, L*E_t] of S verified target tokens at `position`:
            g = RMSNorm_enc(fc · features); for every head layer K = RoPE(k_norm(W_k g)),
@@ -9,7 +9,9 @@ block      input_ids [B] = [last, MASK × (B - 1)] at `position`: the head's Qwe
            injected context and the whole block (not causal within it, unless the head
            says so); logits [R, vocab] of the rows `logits_rows` through the LM head (the
            target's unless the head has its own), scattered to target ids through `d2t`
-           where the head drafts a reduced vocabulary (-inf elsewhere).
+           where the head drafts a reduced vocabulary (-inf elsewhere). A DSpark head's
+           rows go through its Markov chain first (graph_builder/dspark.py), over the
+           rows in the order given, and its confidence head adds `confidence` [R].
 
 Graph inputs and outputs follow the decoder graph's contract (package docstring):
 `position`, `attn_len`, `logits_rows`, past_/present_ key/value per layer.
@@ -29,11 +31,13 @@ from specd.ort_models.onnx_writer import GraphWriter
 from .attention import attention_inputs, kv_cache_io, rotary_positions, rotate, write_kv
 from .context import BuildContext
 from .decoder import decoder_layer, embedding
+from .dspark import markov_chain
 from .linear import linear
 from .norms import add_norm, head_norm, rms_norm
 from .options import ACCURACY_LEVEL, F32, I64, BuildOptions, Progress
 from .pending import materialize
 
+BUILT_EXTRAS = ("conf_proj.bias",)  # optional tensors these graphs build
 FEATURE_LIMIT = 65504.0  # non-finite or huge target features are clamped to float16's range
 
 
@@ -60,7 +64,7 @@ def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
 def unsupported(head: HeadParams) -> list[str]:
     """What a head uses that these graphs do not build yet (empty: buildable)."""
     out = []
-    if head.kind != "dflash":
+    if head.kind not in ("dflash", "dspark"):
         out.append(f"kind {head.kind}")
     if head.shared_kv:
         out.append("layers without attn_v (V shared with K)")
@@ -73,8 +77,9 @@ def unsupported(head: HeadParams) -> list[str]:
                         ("attention value scale", head.attention_value_scale)):
         if value is not None:
             out.append(name)
-    if head.extra_tensors:
-        out.append("tensors " + ", ".join(head.extra_tensors))
+    extras = [name for name in head.extra_tensors if name not in BUILT_EXTRAS]
+    if extras:
+        out.append("tensors " + ", ".join(extras))
     return out
 
 
@@ -133,6 +138,12 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     _, h = add_norm(c, rows_x, rows_d, "output_norm.weight", keep_sum=False)
     normed = materialize(c, h)  # with the head's eps, whoever owns the LM head
     logits = _lm_head(c if head.has_output else tc, normed)  # [R, draft vocab]
+    if head.kind == "dspark":
+        anchor = g.op("Gather", [ids, g.const([0])], axis=0)  # [1]
+        logits, confidence = markov_chain(c, head, logits, normed, anchor)
+        if confidence is not None:
+            g.op("Identity", [confidence], out=["confidence"])
+            g.output("confidence", F32, ["R"])
     if head.draft_vocab is not None and head_file.has_tensor("d2t"):
         logits = _scatter_to_target(c, logits, head_file, target.n_vocab)
     g.op("Identity", [logits], out=["logits"])

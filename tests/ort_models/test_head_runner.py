@@ -24,9 +24,9 @@ def target_path(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
 
 
-def _pair(target_path: Path, tmp_path: Path, **head: Any
+def _pair(target_path: Path, tmp_path: Path, kind: str = "dflash", **head: Any
           ) -> tuple[HeadRunner, ReferenceDFlash, ReferenceModel]:
-    path = write_tiny_head(tmp_path / "head.gguf", kind="dflash", seed=5, **head)
+    path = write_tiny_head(tmp_path / "head.gguf", kind=kind, seed=5, **head)
     ref_target = ReferenceModel(target_path)
     # ONNX Runtime's products in float32 (accuracy level 1), as the reference computes
     runner = HeadRunner(load_or_build_head(path, target_path, accuracy_level=1, kernels="ort"),
@@ -57,14 +57,49 @@ def test_injection_and_block_match_the_reference(target_path: Path, tmp_path: Pa
     mask = runner.built.head.mask_token_id
     assert mask is not None
     block = [PROMPT[-1], mask, mask, mask]
-    got = runner.block(0, block, n, [0, 1, 2, 3])  # [4, vocab]
+    got = runner.block(0, block, n, [0, 1, 2, 3]).logits  # [4, vocab]
     want = ref.block(block, n)
     assert got.shape == want.shape == (4, ref_target.vocab_size)
     finite = np.isfinite(want)
     assert np.array_equal(np.isfinite(got), finite)  # d2t: the same ids left at -inf
     np.testing.assert_allclose(got[finite], want[finite], **TOL)
     if head.get("causal"):  # row 0 sees nothing after it: the block's other rows don't count
-        np.testing.assert_allclose(runner.block(0, block[:1], n, [0]), want[:1], **TOL)
+        np.testing.assert_allclose(runner.block(0, block[:1], n, [0]).logits, want[:1],
+                                   **TOL)
+
+
+@pytest.mark.parametrize("head", [
+    {}, {"confidence_head": False}, {"sample_from_anchor": False}, {"draft_vocab": 100},
+    {"draft_vocab": 100, "markov_rank": 8, "confidence_head": False}],
+    ids=["default", "no-confidence", "bonus-anchor", "d2t", "d2t-rank8-no-confidence"])
+def test_dspark_markov_chain_and_confidence_match_the_reference(
+        target_path: Path, tmp_path: Path, head: dict[str, Any]) -> None:
+    """DSpark's block: each read row biased by W2 · W1[prev], prev chained from the anchor
+    through each row's argmax (in the draft vocabulary, mapped through d2t), and the
+    confidence head over [normed row ; W1[prev]]; for any run of rows, as the drafter reads
+    them in either layout."""
+    runner, ref, ref_target = _pair(target_path, tmp_path, kind="dspark", **head)
+    features = _features(ref, ref_target, PROMPT)
+    n = len(PROMPT)
+    runner.inject(0, features.astype(np.float32), 0)
+    ref.inject(features, np.arange(n))
+    mask = runner.built.head.mask_token_id
+    assert mask is not None
+    block = [PROMPT[-1], mask, mask, mask]
+    for rows in ([0, 1, 2, 3], [1, 2, 3], [0]):
+        got = runner.block(0, block, n, rows)
+        want, conf = ref.markov_block(block, n, rows)
+        finite = np.isfinite(want)
+        assert np.array_equal(np.isfinite(got.logits), finite)
+        np.testing.assert_allclose(got.logits[finite], want[finite], **TOL)
+        if conf is None:
+            assert got.confidence is None
+        else:
+            assert got.confidence is not None
+            np.testing.assert_allclose(got.confidence, conf, **TOL)
+    # the chain conditions on the previous row's argmax: not the unbiased logits
+    plain = ref.block(block, n)
+    assert not np.allclose(runner.block(0, block, n, [0, 1]).logits[1], plain[1][None])
 
 
 def test_rounds_overwrite_rejected_rows(target_path: Path, tmp_path: Path) -> None:
@@ -82,8 +117,8 @@ def test_rounds_overwrite_rejected_rows(target_path: Path, tmp_path: Path) -> No
     fresh = HeadRunner(runner.built, n_ctx=512)
     fresh.inject(0, features[:n + 2], 0)
     block = [seq[n + 2], mask, mask]
-    np.testing.assert_array_equal(runner.block(0, block, n + 2, [0, 1, 2]),
-                                  fresh.block(0, block, n + 2, [0, 1, 2]))
+    np.testing.assert_array_equal(runner.block(0, block, n + 2, [0, 1, 2]).logits,
+                                  fresh.block(0, block, n + 2, [0, 1, 2]).logits)
     for (k, v), (k2, v2) in zip(runner.kv.layers(0), fresh.kv.layers(0), strict=True):
         np.testing.assert_array_equal(k.numpy()[0, :, :n + 5], k2.numpy()[0, :, :n + 5])
         np.testing.assert_array_equal(v.numpy()[0, :, :n + 5], v2.numpy()[0, :, :n + 5])
@@ -126,7 +161,37 @@ def test_specd_kernels_run_the_heads_products(tiny_model_factory: Callable[..., 
     ref.inject(features, np.arange(len(PROMPT)))
     mask = runner.built.head.mask_token_id
     block = [PROMPT[-1], mask, mask]
-    got, want = runner.block(0, block, len(PROMPT), [0, 1, 2]), ref.block(block, len(PROMPT))
+    got = runner.block(0, block, len(PROMPT), [0, 1, 2]).logits
+    want = ref.block(block, len(PROMPT))
     # 8-bit activations in every product: close, not equal (2% of the logits' spread)
     assert np.abs(got - want).mean() < 0.05 * want.std()
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.999
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_heads_converted_by_llama_cpp_match_the_reference(target_path: Path, kind: str
+                                                          ) -> None:
+    """The heads llama.cpp's own converter wrote (tests/fixtures/heads: z-lab DFlash, and
+    DSpark with a reduced vocabulary and a confidence head) run as the reference reads
+    them."""
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "heads" / f"{kind}.gguf"
+    ref_target = ReferenceModel(target_path)
+    runner = HeadRunner(load_or_build_head(path, target_path, accuracy_level=1, kernels="ort"),
+                        n_ctx=512)
+    ref = ReferenceDFlash(path, ref_target, n_ctx=runner.n_ctx)
+    features = _features(ref, ref_target, PROMPT)
+    n = len(PROMPT)
+    runner.inject(0, features.astype(np.float32), 0)
+    ref.inject(features, np.arange(n))
+    mask = runner.built.head.mask_token_id
+    assert mask is not None
+    block = [PROMPT[-1], mask, mask, mask]
+    got = runner.block(0, block, n, [0, 1, 2, 3])
+    want, conf = (ref.markov_block(block, n, [0, 1, 2, 3]) if kind == "dspark"
+                  else (ref.block(block, n), None))
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got.logits), finite)
+    np.testing.assert_allclose(got.logits[finite], want[finite], **TOL)
+    if conf is not None:
+        assert got.confidence is not None
+        np.testing.assert_allclose(got.confidence, conf, **TOL)

@@ -338,7 +338,7 @@ def _gguf_matmul_q4(x: np.ndarray, blocks: Any) -> np.ndarray:
 
 
 class ReferenceDFlash:
-    """float64 oracle of a DFlash head drafting for `target`.
+    """float64 oracle of a DFlash or DSpark head drafting for `target`.
 
     inject(features, positions): g = RMSNorm(fc @ clamp(features), enc.output_norm); per
     layer K = RoPE(RMSNorm_head(W_k g, attn_k_norm)), V = W_v g, stored at the positions.
@@ -396,6 +396,40 @@ class ReferenceDFlash:
 
     def block(self, tokens: list[int], pos: int) -> np.ndarray:
         """Logits [B, target vocab] of the block `tokens` at positions pos.. ."""
+        return self._to_target(self._hidden(tokens, pos) @ self.output.T)
+
+    def _to_target(self, logits: np.ndarray) -> np.ndarray:
+        """Logits [n, Vd] in the head's vocabulary at their target ids [n, target vocab]."""
+        if self.d2t is None:
+            return logits
+        full = np.full((logits.shape[0], self.target.vocab_size), -np.inf)
+        full[:, self.d2t.reshape(-1)] = logits
+        return full
+
+    def markov_block(self, tokens: list[int], pos: int, rows: list[int]
+                     ) -> tuple[np.ndarray, np.ndarray | None]:
+        """DSpark: logits [R, target vocab] of the block's `rows`, each biased by
+        markov_w2 @ markov_w1[prev] with prev the block's first token, then the argmax of the
+        previous row's biased logits; and the rows' confidences [R] (None without a
+        confidence head): sigmoid(conf_proj @ [normed hidden ; markov_w1[prev]] + bias)."""
+        w = self.weights
+        hidden = self._hidden(tokens, pos)[rows]  # [R, E] after output_norm
+        base = hidden @ self.output.T  # [R, Vd]
+        w1, w2 = w["markov_w1.weight"], w["markov_w2.weight"]  # [V, rank], [Vd, rank]
+        prev, logits, conf = tokens[0], [], []
+        for r in range(len(rows)):
+            col = base[r] + w2 @ w1[prev]  # [Vd]
+            logits.append(col)
+            if "conf_proj.weight" in w:
+                z = w["conf_proj.weight"] @ np.concatenate([hidden[r], w1[prev]])
+                z = z + w.get("conf_proj.bias", np.zeros(1))
+                conf.append(1.0 / (1.0 + np.exp(-z[0])))
+            best = int(np.argmax(col))
+            prev = best if self.d2t is None else int(self.d2t.reshape(-1)[best])
+        return self._to_target(np.stack(logits)), np.array(conf) if conf else None
+
+    def _hidden(self, tokens: list[int], pos: int) -> np.ndarray:
+        """The block's rows [B, E] after the head's layers and output_norm."""
         w, n = self.weights, len(tokens)
         positions = np.arange(pos, pos + n)
         end = pos + n
@@ -421,9 +455,4 @@ class ReferenceDFlash:
             h = rms_norm(x, w[p + "ffn_norm.weight"], self.eps)
             x = x + (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)
                      ) @ w[p + "ffn_down.weight"].T
-        logits = rms_norm(x, w["output_norm.weight"], self.eps) @ self.output.T  # [B, Vd]
-        if self.d2t is None:
-            return logits
-        full = np.full((n, self.target.vocab_size), -np.inf)
-        full[:, self.d2t.reshape(-1)] = logits
-        return full
+        return rms_norm(x, w["output_norm.weight"], self.eps)
