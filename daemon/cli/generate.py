@@ -63,6 +63,7 @@ def _prompt_text(args: argparse.Namespace) -> tuple[str, bool]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specd.daemon.drafters.registry import SPEC_TYPE_REGISTRY
     from specd.daemon.models.store import ProgressBar
     from specd.daemon.serving.engine import Engine
     from specd.daemon.text.detokenize import IncrementalDetokenizer
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
               f"{s.mean_acceptance_length:.2f}; draft {s.draft_s:.2f}s, verify "
               f"{s.verify_s:.2f}s"
               + (f"; {s.lookup_rounds} rounds by prompt lookup ({s.lookup_accepted} accepted)"
-                 if engine.spec_type in ("draft+ngram", "draft-dflash") else ""),
+                 if SPEC_TYPE_REGISTRY[engine.spec_type].chains_lookup else ""),
               file=sys.stderr)
         print(f"specd: per-position acceptance [{acc}]; draft lengths {{{lengths}}}"
               + ("" if s.valid else "; SYNTHETIC: output not valid"), file=sys.stderr)

@@ -44,7 +44,7 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
 
     if args.no_fit:
         return None
-    from specd.daemon.drafters.registry import MODEL_SPEC_TYPES
+    from specd.daemon.drafters.registry import MODEL_SPEC_TYPES, SPEC_TYPE_REGISTRY
     from specd.memory_fit.plan import DEFAULT_MIN_CTX
     from specd.ort_models.graph_builder import ATTN_BUCKET
     from specd.ort_models.runner import round_up
@@ -66,10 +66,11 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
     args.n_ctx, args.slots = plan.n_ctx, plan.slots
     if plan.draft_dropped:
         args.draft = None
-        if args.spec_type == "draft":
-            args.spec_type = "none"
-        elif args.spec_type in ("draft+ngram", "auto"):
+        spec = SPEC_TYPE_REGISTRY.get(args.spec_type)
+        if args.spec_type == "auto" or (spec is not None and spec.chains_lookup):
             args.spec_type = "ngram"  # the lookup half needs no memory
+        else:
+            args.spec_type = "none"
     return plan.as_dict()
 
 

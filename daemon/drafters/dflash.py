@@ -1,13 +1,17 @@
-"""A DFlash head as the draft: a whole block proposed in one pass, fed by the target's own
-hidden states.
+"""A DFlash-family head (DFlash, DSpark) as the draft: a whole block proposed in one pass,
+fed by the target's own hidden states.
 
 Per sequence the head's KV cache holds, at each position the target has verified, K/V
 rows injected from that token's features (the target layers' hidden states the head
-reads, concatenated in its order). A round runs the block [last, MASK × n] at the next
-positions and proposes from its rows 1..n: each row's distribution is conditioned on the
-context and the block, not on the tokens drawn at the other rows, so sampling row by row
-and verifying by rejection sampling against those rows is exact. The block's own rows
-are overwritten by the next injection, so nothing needs rolling back.
+reads, concatenated in its order). A round runs one block at the next positions: DFlash's
+[last, MASK × n] proposing from rows 1..n; a DSpark head's anchor-first block [last,
+MASK × (n - 1)] proposing from rows 0..n-1 (or DFlash's layout where the head says
+`sample_from_anchor` false). Each row's distribution is a fixed function of the context
+and the block (DSpark's Markov chain conditions on the argmax, in the graph), not of the
+tokens drawn at the other rows, so sampling row by row and verifying by rejection
+sampling against those rows is exact. p_min stops at a row whose DSpark confidence, or
+without a confidence head its top probability, is below it. The block's own rows are
+overwritten by the next injection, so nothing needs rolling back.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ class _SeqState:
 
 
 class DFlashDrafter(Drafter):
-    name = "dflash"
     one_pass = True
     catch_up = 0  # tokens skipped while the target decoded alone were injected as they came
 
@@ -49,9 +52,12 @@ class DFlashDrafter(Drafter):
         if head.mask_token_id is None:
             raise ValueError(f"{runner.built.head_path.name} names no mask token")
         self.runner = runner
+        self.name = head.kind
         self.target_layers = head.hidden_layers
         self.mask_id = head.mask_token_id
-        self.block_size = head.block_size or DEFAULT_BLOCK_SIZE
+        # the block's first proposing row: 0 for an anchor-first DSpark block, else 1
+        self.first_row = 0 if head.sample_from_anchor else 1
+        self.max_drafts = (head.block_size or DEFAULT_BLOCK_SIZE) - self.first_row
         self._seqs: dict[int, _SeqState] = {}
 
     def _rows(self, features: Features | None, n: int) -> np.ndarray:
@@ -84,18 +90,24 @@ class DFlashDrafter(Drafter):
         st = self._seqs[seq]
         if st.injected != pos:
             raise RuntimeError(f"the head's context ends at {st.injected}, the target at {pos}")
-        n = min(n_max, self.block_size - 1, self.runner.n_ctx - pos - 1)
+        first = self.first_row
+        n = min(n_max, self.max_drafts, self.runner.n_ctx - pos - first)
         if n <= 0:
             return Proposal([])
         t0 = time.perf_counter()
-        logits = self.runner.block(seq, [last] + [self.mask_id] * n, pos,
-                                   list(range(1, n + 1)))  # [n, vocab]
+        out = self.runner.block(seq, [last] + [self.mask_id] * (n + first - 1), pos,
+                                list(range(first, first + n)))
         sampler = st.sampler if params.probabilistic else None  # None: the argmax
+        confident = out.confidence  # [n] where the head judges its rows itself
+        p_min = params.p_min if confident is None else 0.0
         tokens: list[int] = []
         q_rows: list[np.ndarray] = []
         unsure = False
-        for row in logits:
-            pick = pick_token(row, sampler, grammar, params.p_min)
+        for i, row in enumerate(out.logits):  # [vocab]
+            if confident is not None and confident[i] < params.p_min:
+                unsure = True
+                break
+            pick = pick_token(row, sampler, grammar, p_min)
             if pick.token is None:
                 unsure = pick.unsure
                 break

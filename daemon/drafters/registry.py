@@ -1,10 +1,10 @@
 """Speculation types: each name maps to the factory of its drafter.
 
 The engine, the CLI and the bench all build drafters here. `auto` and `none` are not
-drafters: `auto` resolves by the draft file (`-md`): a DFlash head (recognised from its
-metadata, `ort_models.heads.head_kind`) to `draft-dflash`, a draft model to
-`draft+ngram`, no draft to `none`. Prompt lookup offers its proposals in front of a
-model or a head.
+drafters: `auto` resolves by the draft file (`-md`): a head (its kind recognised from its
+metadata, `ort_models.heads.head_kind`) to its type (`draft-dflash`, `draft-dspark`), a
+draft model to `draft+ngram`, no draft to `none`. Prompt lookup offers its proposals in
+front of a model or a head.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class SpecType:
     loads_draft_model: bool  # the draft file (-md) is loaded: a model, or a head
     build: Callable[[DrafterInputs], Drafter]
     head_kind: str | None = None  # the kind of head the draft file must be (None: a model)
+    chains_lookup: bool = False  # prompt lookup offers its proposals in front of the draft
 
 
 def _model(inputs: DrafterInputs) -> DraftModelDrafter:
@@ -55,7 +56,8 @@ def _model(inputs: DrafterInputs) -> DraftModelDrafter:
     return DraftModelDrafter(inputs.draft_runner, vocab_limit=inputs.target_vocab)
 
 
-def _dflash(inputs: DrafterInputs) -> HybridDrafter:
+def _head(inputs: DrafterInputs) -> HybridDrafter:
+    """A DFlash-family head, with prompt lookup in front."""
     assert inputs.head_runner is not None
     return HybridDrafter(DFlashDrafter(inputs.head_runner), _ngram(inputs))
 
@@ -72,9 +74,11 @@ def _synthetic(inputs: DrafterInputs) -> SyntheticDrafter:
 SPEC_TYPE_REGISTRY: dict[str, SpecType] = {s.name: s for s in (
     SpecType("draft", True, _model),
     SpecType("ngram", False, _ngram),
-    SpecType("draft+ngram", True, lambda i: HybridDrafter(_model(i), _ngram(i))),
+    SpecType("draft+ngram", True, lambda i: HybridDrafter(_model(i), _ngram(i)),
+             chains_lookup=True),
     SpecType("synthetic", False, _synthetic),
-    SpecType("draft-dflash", True, _dflash, head_kind="dflash"),
+    SpecType("draft-dflash", True, _head, head_kind="dflash", chains_lookup=True),
+    SpecType("draft-dspark", True, _head, head_kind="dspark", chains_lookup=True),
 )}
 SPEC_TYPES = ("auto", "none", *SPEC_TYPE_REGISTRY)
 # the spec types that load a draft model
@@ -102,7 +106,9 @@ def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None 
                     None)
         if auto is None:
             raise SpecTypeError(f"{draft} is a {draft_kind} drafter head, which specd does not "
-                                "run yet (DFlash heads it does)")
+                                "run yet (it runs "
+                                + ", ".join(s.head_kind for s in SPEC_TYPE_REGISTRY.values()
+                                            if s.head_kind) + " heads)")
         return auto
     spec = SPEC_TYPE_REGISTRY.get(spec_type)
     if spec is not None and spec.loads_draft_model and spec.head_kind != draft_kind:

@@ -26,12 +26,21 @@ from tiny_heads import write_tiny_head
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
-         ) -> tuple[Any, Any, Path, Path]:
+HEADS = {
+    "dflash": {"kind": "dflash"},
+    "dspark": {"kind": "dspark"},  # anchor-first, with a confidence head
+    "dspark-bonus-anchor-d2t": {"kind": "dspark", "sample_from_anchor": False,
+                                "confidence_head": False, "draft_vocab": 100},
+}
+
+
+@pytest.fixture(scope="module", params=list(HEADS))
+def pair(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path],
+         tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path, Path]:
     target_path = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3,
                                      context_length=512)
-    head_path = write_tiny_head(tmp_path_factory.mktemp("head") / "head.gguf", seed=5)
+    head_path = write_tiny_head(tmp_path_factory.mktemp("head") / "head.gguf", seed=5,
+                                **HEADS[request.param])
     layers = read_head(GGUFFile(head_path)).hidden_layers
     plain = load_or_build(target_path)
     with_features = load_or_build(target_path, BuildOptions(hidden_layers=tuple(layers)))
@@ -86,22 +95,32 @@ def test_the_heads_cache_is_one_injection_of_the_sequence(pair: tuple[Any, Any, 
 
 
 def test_proposals_are_the_blocks_rows(pair: tuple[Any, Any, Path, Path]) -> None:
-    """Greedy: each row's argmax; sampled: q rows are the rows' distributions; p_min stops
-    where the top probability falls below it."""
+    """Greedy: each row's argmax (DFlash's [last, MASK x 3] rows 1..3, an anchor-first
+    DSpark block's [last, MASK x 2] rows 0..2); sampled: q rows are the rows'
+    distributions; p_min stops where the row's confidence (DSpark's confidence head),
+    else its top probability, falls below it."""
     _, with_features, _, _ = pair
     drafter = _drafter(pair)
     runner = ModelRunner(with_features, n_ctx=512)
     _, feats = runner.forward_with_features(0, PROMPT, 0)
     drafter.begin(0, PROMPT, None, feats)
-    mask = drafter.mask_id
-    logits = drafter.runner.block(0, [5, mask, mask, mask], len(PROMPT), [1, 2, 3])
+    mask, first = drafter.mask_id, drafter.first_row
+    block = drafter.runner.block(0, [5] + [mask] * (2 + first), len(PROMPT),
+                                 [first, first + 1, first + 2])
+    logits = block.logits  # [3, vocab]
     greedy = drafter.draft(0, 5, len(PROMPT), 3, DraftParams(n_max=3))
     assert greedy.tokens == [int(t) for t in logits.argmax(axis=-1)]
     assert greedy.q_rows is None and len(greedy.evidence.step_seconds) == 1  # one pass
     top = np.exp(logits.max(-1)) / np.exp(logits).sum(-1)  # [3]
-    cut = float(top.max()) + 1e-3  # above every row's top probability: stop at once
+    judged = top if block.confidence is None else block.confidence
+    cut = float(judged[0]) + 1e-6  # above the first row's: stop at once
     stopped = drafter.draft(0, 5, len(PROMPT), 3, DraftParams(n_max=3, p_min=min(cut, 1.0)))
     assert stopped.tokens == [] and stopped.evidence.stopped_unsure
+    if len(set(np.round(judged, 6))) > 1:  # a cut between two rows keeps those above it
+        cut = float(np.sort(judged)[1])
+        kept = drafter.draft(0, 5, len(PROMPT), 3, DraftParams(n_max=3, p_min=cut))
+        n_kept = int(np.argmax(judged < cut)) if (judged < cut).any() else 3
+        assert kept.tokens == greedy.tokens[:n_kept]
     from specd.daemon.spec.sampling import Sampler
 
     sp = SamplerParams(temperature=0.8, top_k=10, seed=1)

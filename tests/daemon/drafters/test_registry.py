@@ -22,8 +22,8 @@ from specd.ort_models.runner import ModelRunner
 
 def test_spec_types_name_the_registry() -> None:
     assert SPEC_TYPES == ("auto", "none", "draft", "ngram", "draft+ngram", "synthetic",
-                          "draft-dflash")
-    assert MODEL_SPEC_TYPES == ("draft", "draft+ngram", "draft-dflash")
+                          "draft-dflash", "draft-dspark")
+    assert MODEL_SPEC_TYPES == ("draft", "draft+ngram", "draft-dflash", "draft-dspark")
 
 
 def test_auto_resolves_by_whether_there_is_a_draft() -> None:
@@ -38,6 +38,9 @@ def test_auto_resolves_by_whether_there_is_a_draft() -> None:
 def test_auto_resolves_a_head_by_its_kind() -> None:
     assert resolve_spec_type("auto", "h.gguf", "dflash") == "draft-dflash"
     assert resolve_spec_type("draft-dflash", "h.gguf", "dflash") == "draft-dflash"
+    assert resolve_spec_type("auto", "h.gguf", "dspark") == "draft-dspark"
+    with pytest.raises(SpecTypeError, match="needs a dflash head, and h.gguf is a dspark head"):
+        resolve_spec_type("draft-dflash", "h.gguf", "dspark")
     with pytest.raises(SpecTypeError, match="eagle3 drafter head, which specd does not run"):
         resolve_spec_type("auto", "h.gguf", "eagle3")
     with pytest.raises(SpecTypeError, match="needs a draft model, and h.gguf is a dflash head"):

@@ -33,8 +33,8 @@ def _engine(target: Path, draft: Path | None, spec_type: str = "auto") -> Engine
 
 
 def _generate(engine: Engine, **params: object) -> list[int]:
-    gen = engine.start(0, PROMPT, GenerationParams(max_tokens=40, ignore_eos=True,
-                                                   draft=DraftParams(n_max=4), **params))
+    params = {"draft": DraftParams(n_max=4), **params}
+    gen = engine.start(0, PROMPT, GenerationParams(max_tokens=40, ignore_eos=True, **params))
     out = gen.prefill()
     while not gen.done:
         out += gen.step()
@@ -82,9 +82,21 @@ def test_heads_that_do_not_fit_or_run_are_refused(files: tuple[Path, Path],
     wide = write_tiny_head(tmp_path / "wide.gguf", n_embd=96, target_hidden_size=96)
     with pytest.raises(EngineError, match="cannot draft for"):
         _engine(target, wide)
-    dspark = write_tiny_head(tmp_path / "dspark.gguf", kind="dspark")
-    with pytest.raises(EngineError, match="dspark drafter head, which specd does not run yet"):
-        _engine(target, dspark)
+    eagle3 = write_tiny_head(tmp_path / "eagle3.gguf", kind="eagle3")
+    with pytest.raises(EngineError, match="eagle3 drafter head, which specd does not run yet"):
+        _engine(target, eagle3)
+
+
+def test_auto_picks_dspark_for_a_dspark_head(files: tuple[Path, Path], tmp_path: Path
+                                             ) -> None:
+    target, _ = files
+    head = write_tiny_head(tmp_path / "dspark.gguf", kind="dspark", seed=5)
+    engine = _engine(target, head)
+    assert engine.spec_type == "draft-dspark" and engine.draft_kind == "dspark"
+    assert "dspark.gguf is a dspark head" in engine.draft_choice
+    want = _generate(_engine(target, None, "none"))
+    assert _generate(engine) == want
+    assert _generate(engine, draft=DraftParams(n_max=4, p_min=0.5)) == want
 
 
 def test_generate_with_a_head_from_the_cli(files: tuple[Path, Path]) -> None:
