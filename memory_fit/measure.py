@@ -228,9 +228,7 @@ def head_cost(built: BuiltHead) -> ModelCost:
     """What a drafter head needs: its graphs' weights as written (the target's embeddings
     and LM head included where it shares them) and its KV cache (float32). Its workspace
     is not measured: a block pass holds a few rows of activations and their logits."""
-    from specd.ort_models.head_runner import GRAPHS
-
-    weights = sum((built.folder / f"{name}.bin").stat().st_size for name in GRAPHS)
+    weights = sum((built.folder / f"{name}.bin").stat().st_size for name in built.graphs)
     return ModelCost(weights_bytes=weights, kv_bytes_per_token=built.hparams.kv_bytes_per_token(4),
                      n_ctx_train=built.target.n_ctx_train, name=built.head_path.name)
 

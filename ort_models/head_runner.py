@@ -1,17 +1,22 @@
-"""A DFlash or DSpark head on ONNX Runtime: its two graphs (injection, block), built once per (head,
-target) pair into the graph cache, and two sessions over one draft KV cache.
+"""A drafter head on ONNX Runtime: its graphs, built once per (head, target) pair into the
+graph cache, and a session each over one draft KV cache.
 
-`inject` writes the K/V rows of verified target tokens from their features; `block` runs
-[last, MASK...] over them and returns the logits of the rows asked for (and a DSpark
-head's confidences). A block's own K/V
-rows land after the injected ones and are overwritten by the next injection or block, so
-rolling back is free, as in the target's cache.
+The DFlash family (DFlash, DSpark): `inject` writes the K/V rows of verified target tokens
+from their features; `block` runs [last, MASK...] over them and returns the logits of the
+rows asked for (and a DSpark head's confidences). A block's own K/V rows land after the
+injected ones and are overwritten by the next injection or block, so rolling back is
+free, as in the target's cache.
+
+EAGLE-3: `encode` turns target features into the head's g rows (no cache); `step` runs
+(token, g) pairs through its layer, writing their K/V rows at their positions, and returns
+the logits and pre-norm hidden states of the rows asked for. Rows past the verified
+context are overwritten by the next step likewise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +34,8 @@ from .graph_builder.dflash import (
     head_options,
     unsupported,
 )
-from .graph_builder.options import ACCURACY_LEVEL
+from .graph_builder.eagle3 import build_encode_graph, build_step_graph
+from .graph_builder.options import ACCURACY_LEVEL, BuildOptions
 from .heads import HeadParams, read_head
 from .kv_cache import KVCache
 from .model_cache import META_FILE, build_folder, is_complete
@@ -38,13 +44,34 @@ from .paths import cache_dir, exclusive_lock
 from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
 from .runner import bound_outputs, check_call, default_threads, session_options
 
-GRAPHS = ("inject", "block")
+# graph name -> its builder, per head kind: (head file, head, target file, target, writer,
+# options, progress) -> None
+_Builder = Callable[[GGUFFile, HeadParams, GGUFFile, HParams, GraphWriter, BuildOptions,
+                     Progress | None], None]
+_DFLASH_GRAPHS: dict[str, _Builder] = {
+    "inject": lambda hf, h, tf, t, g, o, p: build_injection_graph(hf, h, t, g, o, p),
+    "block": build_block_graph,
+}
+GRAPHS: dict[str, dict[str, _Builder]] = {
+    "dflash": _DFLASH_GRAPHS,
+    "dspark": _DFLASH_GRAPHS,
+    "eagle3": {
+        "encode": lambda hf, h, tf, t, g, o, p: build_encode_graph(hf, h, t, g, o, p),
+        "step": build_step_graph,
+    },
+}
 
 
 @dataclass(frozen=True)
 class BlockOutput:
     logits: np.ndarray  # [R, vocab] the rows asked for
     confidence: np.ndarray | None  # [R] DSpark's confidence head (None: the head has none)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: np.ndarray  # [R, vocab] the rows asked for
+    hidden: np.ndarray  # [R, E] their pre-norm hidden states (the next step's g)
 
 
 @dataclass(frozen=True)
@@ -55,6 +82,11 @@ class BuiltHead:
     target: HParams
     head_path: Path
     uses_native: bool = False  # specd's ops are in its graphs: sessions must register them
+
+    @property
+    def graphs(self) -> tuple[str, ...]:
+        """The names of its graphs."""
+        return tuple(GRAPHS[self.head.kind])
 
     def model_path(self, graph: str) -> Path:
         return self.folder / f"{graph}.onnx"
@@ -86,15 +118,10 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
             if not is_complete(folder):
                 def write(tmp: Path) -> list[str]:
                     files = []
-                    for name in GRAPHS:
+                    for name, build in GRAPHS[head.kind].items():
                         with open(tmp / f"{name}.bin", "wb") as wf:
                             g = GraphWriter(wf, f"{name}.bin")
-                            if name == "inject":
-                                build_injection_graph(head_file, head, target, g, options,
-                                                      progress)
-                            else:
-                                build_block_graph(head_file, head, target_file, target, g,
-                                                  options, progress)
+                            build(head_file, head, target_file, target, g, options, progress)
                         g.save(tmp / f"{name}.onnx")
                         files += [f"{name}.onnx", f"{name}.bin"]
                     return files
@@ -108,8 +135,8 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
 
 
 class HeadRunner:
-    """The injection and block sessions of a built head, bound to one KVCache; a binding
-    per sequence slot and session."""
+    """The sessions of a built head, those with a cache bound to one KVCache; a binding per
+    sequence slot and session."""
 
     def __init__(self, built: BuiltHead, *, n_ctx: int, n_seq: int = 1,
                  threads: int | None = None, runtime: RuntimeChoice | None = None):
@@ -122,7 +149,9 @@ class HeadRunner:
         so = session_options(threads or default_threads(), native=built.uses_native)
         self.sessions = {name: ort.InferenceSession(
             str(built.model_path(name)), so, providers=session_providers(self.runtime.device))
-            for name in GRAPHS}
+            for name in built.graphs}
+        self._cached = [name for name, sess in self.sessions.items()
+                        if any(i.name == "past_key_0" for i in sess.get_inputs())]
         self.kv = KVCache(self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, self.n_ctx,
                           np.float32, device, device_id)
         self._bindings: list[dict[str, Any]] = []
@@ -139,7 +168,7 @@ class HeadRunner:
 
     def add_sequence(self) -> int:
         seq = self.kv.add_sequence()
-        bindings = {name: s.io_binding() for name, s in self.sessions.items()}
+        bindings = {name: self.sessions[name].io_binding() for name in self._cached}
         for b in bindings.values():
             self.kv.bind(b, seq)
         self._bindings.append(bindings)
@@ -172,3 +201,27 @@ class HeadRunner:
         first = 2 * self.hp.n_layer  # after the caches, in the order bound
         conf = out[first + 1].numpy() if self.built.head.has_confidence_head else None
         return BlockOutput(out[first].numpy(), conf)
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        """EAGLE-3: the g rows [n, E] of target features [n, L*E_t]."""
+        (g,) = self.sessions["encode"].run(
+            ["g"], {"features": np.ascontiguousarray(features, dtype=np.float32)})
+        return g
+
+    def step(self, seq: int, tokens: Sequence[int], g: np.ndarray, pos: int,
+             rows: Sequence[int]) -> StepOutput:
+        """EAGLE-3: run the pairs (tokens[i], g[i]) [n], [n, E] at positions pos.., writing
+        their K/V rows; the logits and pre-norm hidden states of `rows` (may be empty)."""
+        check_call(pos, len(tokens), self.n_ctx)
+        b = self._bindings[seq]["step"]
+        b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
+        b.bind_cpu_input("g", np.ascontiguousarray(g, dtype=np.float32))
+        b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
+        b.bind_cpu_input("attn_len", np.array([pos + len(tokens)], dtype=np.int64))
+        b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
+        b.bind_output("logits", "cpu")
+        b.bind_output("hidden", "cpu")
+        self.sessions["step"].run_with_iobinding(b)
+        out = bound_outputs(b)
+        first = 2 * self.hp.n_layer  # after the caches, in the order bound
+        return StepOutput(out[first].numpy(), out[first + 1].numpy())

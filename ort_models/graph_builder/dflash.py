@@ -42,13 +42,13 @@ FEATURE_LIMIT = 65504.0  # non-finite or huge target features are clamped to flo
 
 
 def head_hparams(head: HeadParams, target: HParams) -> HParams:
-    """The head's decoder as HParams (Qwen3-style layers: per-head q/k norms), over the
-    target's vocabulary."""
+    """The head's decoder as HParams, over the target's vocabulary (the DFlash family's
+    Qwen3-style layers have per-head q/k norms; EAGLE-3's llama layer has none)."""
     return HParams(arch="dflash", n_layer=head.n_layer, n_embd=head.n_embd,
                    n_head=head.n_head, n_head_kv=head.n_head_kv, head_dim=head.head_dim,
                    n_ff=head.n_ff, n_vocab=target.n_vocab, n_ctx_train=head.n_ctx_train,
                    rms_eps=head.rms_eps, rope_base=head.rope_base, rope_dim=head.rope_dim,
-                   rope_interleaved=head.rope_interleaved, qk_norm=True)
+                   rope_interleaved=head.rope_interleaved, qk_norm=head.kind != "eagle3")
 
 
 def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
@@ -64,8 +64,12 @@ def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
 def unsupported(head: HeadParams) -> list[str]:
     """What a head uses that these graphs do not build yet (empty: buildable)."""
     out = []
-    if head.kind not in ("dflash", "dspark"):
+    if head.kind not in ("dflash", "dspark", "eagle3"):
         out.append(f"kind {head.kind}")
+    if head.rope_scaling not in (None, "none"):
+        out.append(f"rope scaling {head.rope_scaling}")
+    if head.rope_sections:
+        out.append("M-RoPE sections")
     if head.shared_kv:
         out.append("layers without attn_v (V shared with K)")
     if head.hidden_act != "silu":
@@ -137,7 +141,7 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     rows_d = g.op("Gather", [delta, "logits_rows"], axis=0)
     _, h = add_norm(c, rows_x, rows_d, "output_norm.weight", keep_sum=False)
     normed = materialize(c, h)  # with the head's eps, whoever owns the LM head
-    logits = _lm_head(c if head.has_output else tc, normed)  # [R, draft vocab]
+    logits = lm_head(c if head.has_output else tc, normed)  # [R, draft vocab]
     if head.kind == "dspark":
         anchor = g.op("Gather", [ids, g.const([0])], axis=0)  # [1]
         logits, confidence = markov_chain(c, head, logits, normed, anchor)
@@ -145,20 +149,20 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
             g.op("Identity", [confidence], out=["confidence"])
             g.output("confidence", F32, ["R"])
     if head.draft_vocab is not None and head_file.has_tensor("d2t"):
-        logits = _scatter_to_target(c, logits, head_file, target.n_vocab)
+        logits = scatter_to_target(c, logits, head_file, target.n_vocab)
     g.op("Identity", [logits], out=["logits"])
     g.output("logits", F32, ["R", target.n_vocab])
     c.tick("output")
 
 
-def _lm_head(c: BuildContext, h: str) -> str:
+def lm_head(c: BuildContext, h: str) -> str:
     """Logits of the normed rows h through `c`'s file's output matrix (tied: its token
     embeddings)."""
     name = "output.weight" if c.f.has_tensor("output.weight") else "token_embd.weight"
     return linear(c, h, name)
 
 
-def _scatter_to_target(c: BuildContext, logits: str, head_file: GGUFFile, n_vocab: int
+def scatter_to_target(c: BuildContext, logits: str, head_file: GGUFFile, n_vocab: int
                        ) -> str:
     """Draft-vocabulary logits [R, Vd] at their target ids (`d2t`, absolute) in [R, n_vocab],
     -inf at every other id."""

@@ -12,7 +12,7 @@ import pytest
 
 from specd.ort_models.head_runner import HeadRunner, load_or_build_head
 
-from numpy_reference import ReferenceDFlash, ReferenceModel
+from numpy_reference import ReferenceDFlash, ReferenceEagle3, ReferenceModel
 from tiny_heads import write_tiny_head
 
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
@@ -195,3 +195,53 @@ def test_heads_converted_by_llama_cpp_match_the_reference(target_path: Path, kin
     if conf is not None:
         assert got.confidence is not None
         np.testing.assert_allclose(got.confidence, conf, **TOL)
+
+
+@pytest.mark.parametrize("head", [
+    {}, {"norm_before_residual": True}, {"draft_vocab": 100},
+    {"own_embeddings": True, "own_output": True}],
+    ids=["default", "norm-before-residual", "d2t", "own-tensors"])
+def test_eagle3_encoder_and_steps_match_the_reference(target_path: Path, tmp_path: Path,
+                                                      head: dict[str, Any]) -> None:
+    """EAGLE-3: g from the three target layers' features; a run of (token, g) pairs
+    written at their positions, then single steps fed the previous step's pre-norm hidden
+    state, each against the reference."""
+    _check_eagle3(write_tiny_head(tmp_path / "eagle3.gguf", kind="eagle3", seed=5, **head),
+                  target_path)
+
+
+def test_the_eagle3_head_converted_by_llama_cpp_matches_the_reference(target_path: Path
+                                                                      ) -> None:
+    _check_eagle3(Path(__file__).resolve().parents[1] / "fixtures" / "heads" / "eagle3.gguf",
+                  target_path)
+
+
+def _check_eagle3(path: Path, target_path: Path) -> None:
+    ref_target = ReferenceModel(target_path)
+    runner = HeadRunner(load_or_build_head(path, target_path, accuracy_level=1, kernels="ort"),
+                        n_ctx=512)
+    ref = ReferenceEagle3(path, ref_target, n_ctx=runner.n_ctx)
+    inputs: dict[int, np.ndarray] = {}
+    ref_target.step(PROMPT, ref_target.new_cache(), inputs)
+    features = ref.features(inputs)  # [T, 3*E]
+    g = runner.encode(features.astype(np.float32))
+    np.testing.assert_allclose(g, ref.encode(features), **TOL)
+    n = len(PROMPT)
+    ids = PROMPT[1:] + [7]  # position P pairs the token at P + 1 with g[P]
+    got = runner.step(0, ids, g, 0, [n - 1])
+    want_logits, want_hidden = ref.step(ids, ref.encode(features), np.arange(n))
+    np.testing.assert_allclose(got.hidden, want_hidden[-1:], **TOL)
+    finite = np.isfinite(want_logits[-1:])
+    np.testing.assert_allclose(got.logits[finite], want_logits[-1:][finite], **TOL)
+    hidden, ref_hidden, tok = got.hidden, want_hidden[-1:], 9
+    for pos in range(n, n + 3):  # drafting: each step fed the last one's hidden state
+        got = runner.step(0, [tok], hidden, pos, [0])
+        want_logits, ref_hidden = ref.step([tok], ref_hidden, np.array([pos]))
+        np.testing.assert_allclose(got.hidden, ref_hidden, **TOL)
+        finite = np.isfinite(want_logits)
+        assert np.array_equal(np.isfinite(got.logits), finite)
+        np.testing.assert_allclose(got.logits[finite], want_logits[finite], **TOL)
+        hidden, tok = got.hidden, int(np.argmax(got.logits[0]))
+    k, v = runner.kv.layers(0)[0]
+    np.testing.assert_allclose(k.numpy()[0, :, :n + 3], ref.keys[:, :n + 3], **TOL)
+    np.testing.assert_allclose(v.numpy()[0, :, :n + 3], ref.values[:, :n + 3], **TOL)

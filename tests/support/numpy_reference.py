@@ -456,3 +456,84 @@ class ReferenceDFlash:
             x = x + (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)
                      ) @ w[p + "ffn_down.weight"].T
         return rms_norm(x, w["output_norm.weight"], self.eps)
+
+
+class ReferenceEagle3:
+    """float64 oracle of an EAGLE-3 head drafting for `target`.
+
+    encode(features): g = fc @ features (RMSNorm'd by enc.output_norm first where
+    `eagle3.norm_before_fc`). step(tokens, g, positions): the pair (tokens[i], g[i]) at
+    positions[i] through the one llama layer: x = [RMSNorm(embed(token), attn_norm) ;
+    RMSNorm(g, attn_norm_2)], q/k/v = W x, RoPE NORM (adjacent pairs), causal attention
+    over the cache (K/V of every row stored at its position), plus the residual g (its norm
+    where `eagle3.norm_before_residual`), then the FFN with its residual: the pre-norm
+    hidden state; logits through output_norm and the LM head (the head's output, else the
+    target's), scattered through d2t (-inf elsewhere). Token embeddings: the head's, else
+    the target's.
+    """
+
+    def __init__(self, path: str | Path, target: ReferenceModel, n_ctx: int = 512):
+        self.metadata, self.weights, _ = read_gguf(Path(path))
+        md, w = self.metadata, self.weights
+        self.n_embd = int(md["eagle3.embedding_length"])
+        self.n_head = int(md["eagle3.attention.head_count"])
+        self.n_head_kv = int(md.get("eagle3.attention.head_count_kv", self.n_head))
+        self.head_dim = int(md.get("eagle3.attention.key_length", self.n_embd // self.n_head))
+        self.n_rot = int(md.get("eagle3.rope.dimension_count", self.head_dim))
+        self.eps = float(md["eagle3.attention.layer_norm_rms_epsilon"])
+        self.rope_base = float(md.get("eagle3.rope.freq_base", 10000.0))
+        self.norm_before_residual = bool(md.get("eagle3.norm_before_residual", False))
+        self.norm_before_fc = bool(md.get("eagle3.norm_before_fc", False))
+        self.target_layers = [int(x) for x in md["eagle3.target_layers"]]
+        self.target = target
+        self.embed = w.get("token_embd.weight", target.weights["token_embd.weight"])
+        self.output = w.get("output.weight", target.output_weight)
+        self.d2t = w.get("d2t")
+        shape = (self.n_head_kv, n_ctx, self.head_dim)
+        self.keys, self.values = np.zeros(shape), np.zeros(shape)
+
+    def features(self, layer_inputs: dict[int, np.ndarray]) -> np.ndarray:
+        """The head's input rows [T, 3*E_t]: the target's streams entering its layers."""
+        return np.concatenate([layer_inputs[i] for i in self.target_layers], axis=-1)
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        x = np.asarray(features, np.float64)
+        if self.norm_before_fc:
+            x = rms_norm(x, self.weights["enc.output_norm.weight"], self.eps)
+        return x @ self.weights["fc.weight"].T  # [T, E]
+
+    def step(self, tokens: list[int], g: np.ndarray, positions: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Logits [T, target vocab] and pre-norm hidden states [T, E] of the pairs."""
+        w, p, n = self.weights, "blk.0.", len(tokens)
+        positions = np.asarray(positions)
+        group, hd = self.n_head // self.n_head_kv, self.head_dim
+        g = np.asarray(g, np.float64)
+        g_norm = rms_norm(g, w[p + "attn_norm_2.weight"], self.eps)
+        x = np.concatenate([rms_norm(self.embed[np.asarray(tokens)], w[p + "attn_norm.weight"],
+                                     self.eps), g_norm], axis=-1)  # [T, 2E]
+        q = (x @ w[p + "attn_q.weight"].T).reshape(n, self.n_head, hd).transpose(1, 0, 2)
+        k = (x @ w[p + "attn_k.weight"].T).reshape(n, self.n_head_kv, hd).transpose(1, 0, 2)
+        v = (x @ w[p + "attn_v.weight"].T).reshape(n, self.n_head_kv, hd).transpose(1, 0, 2)
+        q = rope(q, positions, self.n_rot, self.rope_base, neox=False)
+        self.keys[:, positions] = rope(k, positions, self.n_rot, self.rope_base, neox=False)
+        self.values[:, positions] = v
+        end = int(positions.max()) + 1
+        keys = np.repeat(self.keys[:, :end], group, axis=0)  # [H, end, hd]
+        vals = np.repeat(self.values[:, :end], group, axis=0)
+        scores = q @ keys.transpose(0, 2, 1) / np.sqrt(float(hd))  # [H, T, end]
+        scores = np.where(np.arange(end)[None, None, :] > positions[None, :, None], -np.inf,
+                          scores)
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attn = (probs @ vals).transpose(1, 0, 2).reshape(n, self.n_head * hd)
+        h = attn @ w[p + "attn_output.weight"].T + (g_norm if self.norm_before_residual else g)
+        f = rms_norm(h, w[p + "ffn_norm.weight"], self.eps)
+        hidden = h + (silu(f @ w[p + "ffn_gate.weight"].T) * (f @ w[p + "ffn_up.weight"].T)
+                      ) @ w[p + "ffn_down.weight"].T
+        logits = rms_norm(hidden, w["output_norm.weight"], self.eps) @ self.output.T
+        if self.d2t is not None:
+            full = np.full((n, self.target.vocab_size), -np.inf)
+            full[:, self.d2t.reshape(-1)] = logits
+            logits = full
+        return logits, hidden
