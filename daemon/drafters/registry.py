@@ -2,9 +2,9 @@
 
 The engine, the CLI and the bench all build drafters here. `auto` and `none` are not
 drafters: `auto` resolves by the draft file (`-md`): a head (its kind recognised from its
-metadata, `ort_models.heads.head_kind`) to its type (`draft-dflash`, `draft-dspark`), a
-draft model to `draft+ngram`, no draft to `none`. Prompt lookup offers its proposals in
-front of a model or a head.
+metadata, `ort_models.heads.head_kind`) to its type (`draft-dflash`, `draft-dspark`,
+`draft-eagle3`), a draft model to `draft+ngram`, no draft to `none`. Prompt lookup offers
+its proposals in front of a model or a head.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from specd.ort_models.runner import ModelRunner
 
 from .dflash import DFlashDrafter
 from .draft_model import DraftModelDrafter
+from .eagle3 import Eagle3Drafter
 from .hybrid import HybridDrafter
 from .ngram import NgramDrafter
 from .synthetic import SyntheticDrafter
@@ -56,10 +57,16 @@ def _model(inputs: DrafterInputs) -> DraftModelDrafter:
     return DraftModelDrafter(inputs.draft_runner, vocab_limit=inputs.target_vocab)
 
 
-def _head(inputs: DrafterInputs) -> HybridDrafter:
-    """A DFlash-family head, with prompt lookup in front."""
+def _dflash(inputs: DrafterInputs) -> HybridDrafter:
+    """A DFlash-family head (DFlash, DSpark), with prompt lookup in front."""
     assert inputs.head_runner is not None
     return HybridDrafter(DFlashDrafter(inputs.head_runner), _ngram(inputs))
+
+
+def _eagle3(inputs: DrafterInputs) -> HybridDrafter:
+    """An EAGLE-3 head, with prompt lookup in front."""
+    assert inputs.head_runner is not None
+    return HybridDrafter(Eagle3Drafter(inputs.head_runner), _ngram(inputs))
 
 
 def _ngram(inputs: DrafterInputs) -> NgramDrafter:
@@ -77,8 +84,9 @@ SPEC_TYPE_REGISTRY: dict[str, SpecType] = {s.name: s for s in (
     SpecType("draft+ngram", True, lambda i: HybridDrafter(_model(i), _ngram(i)),
              chains_lookup=True),
     SpecType("synthetic", False, _synthetic),
-    SpecType("draft-dflash", True, _head, head_kind="dflash", chains_lookup=True),
-    SpecType("draft-dspark", True, _head, head_kind="dspark", chains_lookup=True),
+    SpecType("draft-dflash", True, _dflash, head_kind="dflash", chains_lookup=True),
+    SpecType("draft-dspark", True, _dflash, head_kind="dspark", chains_lookup=True),
+    SpecType("draft-eagle3", True, _eagle3, head_kind="eagle3", chains_lookup=True),
 )}
 SPEC_TYPES = ("auto", "none", *SPEC_TYPE_REGISTRY)
 # the spec types that load a draft model

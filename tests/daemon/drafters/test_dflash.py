@@ -21,6 +21,7 @@ from specd.ort_models.heads import read_head
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
+from speculation_checks import second_token_check
 from tiny_heads import write_tiny_head
 
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
@@ -134,39 +135,13 @@ def test_proposals_are_the_blocks_rows(pair: tuple[Any, Any, Path, Path]) -> Non
 
 def test_sampled_output_with_a_head_follows_the_target(pair: tuple[Any, Any, Path, Path]
                                                        ) -> None:
-    """Sampled proposals verified by rejection sampling: the second token (the round's,
-    from an accepted draft or the residual) is distributed as the target's own, marginal
-    over the first (chi-square over fixed seeds; categories expected fewer than 5 times
-    are pooled). With a random head and flat distributions this checks the plumbing (q
-    rows with their tokens, both outcomes reached) more than the arithmetic, which
-    tests/daemon/spec/test_verify.py tests with sharper distributions."""
-    from specd.daemon.spec.sampling import Sampler
-
-    from chi_square import chi2_pvalue
-
+    """Sampled proposals verified by rejection sampling: the second token is distributed
+    as the target's own. With a random head and flat distributions this checks the
+    plumbing (q rows with their tokens, both outcomes reached) more than the arithmetic,
+    which tests/daemon/spec/test_verify.py tests with sharper distributions."""
     _, with_features, _, _ = pair
-    drafter = _drafter(pair)
-    runner = ModelRunner(with_features, n_ctx=512)
-    sp = SamplerParams(temperature=1.5, seed=0)
-    seconds: list[int] = []
-    accepted = 0
     n_runs = 3000
-    for seed in range(n_runs):
-        gen = Generation(runner, 0, PROMPT, GenerationParams(
-            max_tokens=3, ignore_eos=True, sampling=SamplerParams(temperature=1.5, seed=seed),
-            draft=DraftParams(n_max=1), draft_top_k=0), eog=set(), drafter=drafter)
-        out = gen.prefill()
-        out += gen.step()
-        gen.close()
-        accepted += gen.stats.accepted
-        seconds.append(out[1])
+    p, accepted = second_token_check(ModelRunner(with_features, n_ctx=512), _drafter(pair),
+                                     PROMPT, n_runs)
     assert 0.05 * n_runs < accepted < 0.95 * n_runs  # both outcomes, often
-    first = Sampler(sp).probs(runner.prefill(0, PROMPT))  # [vocab]
-    want = np.zeros_like(first)
-    for t1 in np.flatnonzero(first):
-        want += first[t1] * Sampler(sp).probs(runner.prefill(0, [*PROMPT, int(t1)]))
-    counts = np.bincount(seconds, minlength=want.shape[0])
-    rare = want * n_runs < 5
-    pooled_counts = np.append(counts[~rare], counts[rare].sum())
-    pooled_want = np.append(want[~rare], want[rare].sum())
-    assert chi2_pvalue(pooled_counts, pooled_want) > 1e-3
+    assert p > 1e-3

@@ -82,18 +82,19 @@ def test_heads_that_do_not_fit_or_run_are_refused(files: tuple[Path, Path],
     wide = write_tiny_head(tmp_path / "wide.gguf", n_embd=96, target_hidden_size=96)
     with pytest.raises(EngineError, match="cannot draft for"):
         _engine(target, wide)
-    eagle3 = write_tiny_head(tmp_path / "eagle3.gguf", kind="eagle3")
-    with pytest.raises(EngineError, match="eagle3 drafter head, which specd does not run yet"):
-        _engine(target, eagle3)
+    dflash2 = write_tiny_head(tmp_path / "dflash2.gguf", kind="dflash2")
+    with pytest.raises(EngineError, match="dflash2 drafter head, which specd does not run yet"):
+        _engine(target, dflash2)
 
 
-def test_auto_picks_dspark_for_a_dspark_head(files: tuple[Path, Path], tmp_path: Path
-                                             ) -> None:
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_auto_picks_the_spec_type_of_each_head_kind(files: tuple[Path, Path], tmp_path: Path,
+                                                    kind: str) -> None:
     target, _ = files
-    head = write_tiny_head(tmp_path / "dspark.gguf", kind="dspark", seed=5)
+    head = write_tiny_head(tmp_path / f"{kind}.gguf", kind=kind, seed=5)
     engine = _engine(target, head)
-    assert engine.spec_type == "draft-dspark" and engine.draft_kind == "dspark"
-    assert "dspark.gguf is a dspark head" in engine.draft_choice
+    assert engine.spec_type == f"draft-{kind}" and engine.draft_kind == kind
+    assert f"{kind}.gguf is a {kind} head" in engine.draft_choice
     want = _generate(_engine(target, None, "none"))
     assert _generate(engine) == want
     assert _generate(engine, draft=DraftParams(n_max=4, p_min=0.5)) == want

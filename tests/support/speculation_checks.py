@@ -1,0 +1,45 @@
+"""Checks of a drafter's rounds that hold for every kind of drafter."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specd.daemon.spec.drafter import Drafter, DraftParams
+from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.spec.sampling import Sampler, SamplerParams
+from specd.ort_models.runner import ModelRunner
+
+from chi_square import chi2_pvalue
+
+
+def second_token_check(runner: ModelRunner, drafter: Drafter, prompt: Sequence[int],
+                       n_runs: int = 3000, temperature: float = 1.5) -> tuple[float, int]:
+    """Sampled proposals of one token verified by rejection sampling, over seeds 0..n_runs-1:
+    the chi-square p-value of the second generated token (the round's: an accepted draft
+    or the residual's draw) against the target's own distribution of it, marginal over the
+    first (categories expected fewer than 5 times pooled), and how many drafts were
+    accepted."""
+    sp = SamplerParams(temperature=temperature, seed=0)
+    seconds: list[int] = []
+    accepted = 0
+    for seed in range(n_runs):
+        gen = Generation(runner, 0, list(prompt), GenerationParams(
+            max_tokens=3, ignore_eos=True,
+            sampling=SamplerParams(temperature=temperature, seed=seed),
+            draft=DraftParams(n_max=1), draft_top_k=0), eog=set(), drafter=drafter)
+        out = gen.prefill()
+        out += gen.step()
+        gen.close()
+        accepted += gen.stats.accepted
+        seconds.append(out[1])
+    first = Sampler(sp).probs(runner.prefill(0, list(prompt)))  # [vocab]
+    want = np.zeros_like(first)
+    for t1 in np.flatnonzero(first):
+        want += first[t1] * Sampler(sp).probs(runner.prefill(0, [*prompt, int(t1)]))
+    counts = np.bincount(seconds, minlength=want.shape[0])
+    rare = want * n_runs < 5
+    pooled_counts = np.append(counts[~rare], counts[rare].sum())
+    pooled_want = np.append(want[~rare], want[rare].sum())
+    return chi2_pvalue(pooled_counts, pooled_want), accepted
