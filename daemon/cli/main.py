@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from . import bench as cli_bench
+from . import convert as cli_convert
 from . import fit as cli_fit
 from . import generate as cli_generate
 from . import serve as cli_serve
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_bench.add_bench_parser(sub)
     cli_fit.add_fit_parser(sub)
+    cli_convert.add_convert_parser(sub)
 
     models = sub.add_parser("models", help="the model catalog and local store")
     models.set_defaults(func=lambda a: _usage(models))
