@@ -1,9 +1,10 @@
 """A drafter head on ONNX Runtime: its graphs, built once per (head, target) pair into the
 graph cache, and a session each over one draft KV cache.
 
-The DFlash family (DFlash, DSpark): `inject` writes the K/V rows of verified target tokens
-from their features; `block` runs [last, MASK...] over them and returns the logits of the
-rows asked for (and a DSpark head's confidences). A block's own K/V rows land after the
+The DFlash family (DFlash, DSpark, DFlash2): `inject` writes the K/V rows of verified
+target tokens from their features; `block` runs [last, MASK...] over them and returns the
+logits of the rows asked for (and a DSpark head's confidences; a DFlash2 head's candidate
+lattice instead of logits). A block's own K/V rows land after the
 injected ones and are overwritten by the next injection or block, so rolling back is
 free, as in the target's cache.
 
@@ -55,6 +56,7 @@ _DFLASH_GRAPHS: dict[str, _Builder] = {
 GRAPHS: dict[str, dict[str, _Builder]] = {
     "dflash": _DFLASH_GRAPHS,
     "dspark": _DFLASH_GRAPHS,
+    "dflash2": _DFLASH_GRAPHS,
     "eagle3": {
         "encode": lambda hf, h, tf, t, g, o, p: build_encode_graph(hf, h, t, g, o, p),
         "step": build_step_graph,
@@ -64,8 +66,10 @@ GRAPHS: dict[str, dict[str, _Builder]] = {
 
 @dataclass(frozen=True)
 class BlockOutput:
-    logits: np.ndarray  # [R, vocab] the rows asked for
-    confidence: np.ndarray | None  # [R] DSpark's confidence head (None: the head has none)
+    logits: np.ndarray  # [R, vocab] the rows asked for ([R, 0] for DFlash2: not output)
+    confidence: np.ndarray | None = None  # [R] DSpark's confidence head
+    candidates: np.ndarray | None = None  # [R, k] DFlash2's top-k token ids per row
+    scores: np.ndarray | None = None  # [R, k, k] DFlash2's (predecessor, successor) scores
 
 
 @dataclass(frozen=True)
@@ -193,14 +197,18 @@ class HeadRunner:
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
         b.bind_cpu_input("attn_len", np.array([pos + len(tokens)], dtype=np.int64))
         b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
-        b.bind_output("logits", "cpu")
-        if self.built.head.has_confidence_head:
-            b.bind_output("confidence", "cpu")
+        head = self.built.head
+        names = (["candidates", "scores"] if head.kind == "dflash2" else
+                 ["logits", "confidence"] if head.has_confidence_head else ["logits"])
+        for name in names:
+            b.bind_output(name, "cpu")
         self.sessions["block"].run_with_iobinding(b)
         out = bound_outputs(b)
         first = 2 * self.hp.n_layer  # after the caches, in the order bound
-        conf = out[first + 1].numpy() if self.built.head.has_confidence_head else None
-        return BlockOutput(out[first].numpy(), conf)
+        got = {name: out[first + i].numpy() for i, name in enumerate(names)}
+        if "logits" not in got:
+            got["logits"] = np.zeros((len(rows), 0), np.float32)
+        return BlockOutput(**got)
 
     def encode(self, features: np.ndarray) -> np.ndarray:
         """EAGLE-3: the g rows [n, E] of target features [n, L*E_t]."""

@@ -1,5 +1,5 @@
-"""The two graphs of a DFlash or DSpark head (`ort_models/heads.py` reads its GGUF), over
-one draft KV cache that both bind:
+"""The two graphs of a DFlash-family head (DFlash, DSpark, DFlash2; `ort_models/heads.py`
+reads its GGUF), over one draft KV cache that both bind:
 
 injection  features [S, L*E_t] of S verified target tokens at `position`:
            g = RMSNorm_enc(fc · features); for every head layer K = RoPE(k_norm(W_k g)),
@@ -11,7 +11,10 @@ block      input_ids [B] = [last, MASK × (B - 1)] at `position`: the head's Qwe
            target's unless the head has its own), scattered to target ids through `d2t`
            where the head drafts a reduced vocabulary (-inf elsewhere). A DSpark head's
            rows go through its Markov chain first (graph_builder/dspark.py), over the
-           rows in the order given, and its confidence head adds `confidence` [R].
+           rows in the order given, and its confidence head adds `confidence` [R]. A
+           DFlash2 head's layers add grouped convolutions, and its selector replaces the
+           logits by the rows' top-k `candidates` [R, k] and their pair `scores`
+           [R, k, k] (graph_builder/dflash2.py).
 
 Graph inputs and outputs follow the decoder graph's contract (package docstring):
 `position`, `attn_len`, `logits_rows`, past_/present_ key/value per layer.
@@ -28,9 +31,17 @@ from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.heads import HeadParams
 from specd.ort_models.onnx_writer import GraphWriter
 
-from .attention import attention_inputs, kv_cache_io, rotary_positions, rotate, write_kv
+from .attention import (
+    AttentionInputs,
+    attention_inputs,
+    kv_cache_io,
+    rotary_positions,
+    rotate,
+    write_kv,
+)
 from .context import BuildContext
 from .decoder import decoder_layer, embedding
+from .dflash2 import dflash2_layer, output_transforms, selector_lattice
 from .dspark import markov_chain
 from .linear import linear
 from .norms import add_norm, head_norm, rms_norm
@@ -64,8 +75,6 @@ def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
 def unsupported(head: HeadParams) -> list[str]:
     """What a head uses that these graphs do not build yet (empty: buildable)."""
     out = []
-    if head.kind not in ("dflash", "dspark", "eagle3"):
-        out.append(f"kind {head.kind}")
     if head.rope_scaling not in (None, "none"):
         out.append(f"rope scaling {head.rope_scaling}")
     if head.rope_sections:
@@ -131,6 +140,42 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     io = attention_inputs(c, ids, causal=head.causal)
     x = embedding(c if head.has_token_embd else tc, ids)  # [S, E]
     c.tick("embedding")
+    normed = _layers_and_norm(c, head, x, io)  # [R, E] the rows read, output-normed
+    logits = lm_head(c if head.has_output else tc, normed)  # [R, draft vocab]
+    anchor = g.op("Gather", [ids, g.const([0])], axis=0)  # [1] the block's first token
+    if head.kind == "dspark":
+        logits, confidence = markov_chain(c, head, logits, normed, anchor)
+        if confidence is not None:
+            g.op("Identity", [confidence], out=["confidence"])
+            g.output("confidence", F32, ["R"])
+    if head.kind == "dflash2":
+        logits = output_transforms(c, head, logits)
+    if head.draft_vocab is not None and head_file.has_tensor("d2t"):
+        logits = scatter_to_target(c, logits, head_file, target.n_vocab)
+    if head.kind == "dflash2":
+        cand, scores = selector_lattice(c, head, logits, normed, anchor)
+        k = head.selector_top_k
+        g.op("Identity", [cand], out=["candidates"])
+        g.output("candidates", I64, ["R", k])
+        g.op("Identity", [scores], out=["scores"])
+        g.output("scores", F32, ["R", k, k])
+    else:
+        g.op("Identity", [logits], out=["logits"])
+        g.output("logits", F32, ["R", target.n_vocab])
+    c.tick("output")
+
+
+def _layers_and_norm(c: BuildContext, head: HeadParams, x: str, io: AttentionInputs) -> str:
+    """The head's layers over the block x [S, E]; the rows `logits_rows` output-normed
+    [R, E] (with the head's eps, whoever owns the LM head)."""
+    g = c.g
+    if head.kind == "dflash2":
+        for i in range(head.n_layer):
+            x = dflash2_layer(c, head, i, x, io)
+            c.shared.clear()
+            c.tick(f"layer {i + 1}/{head.n_layer}")
+        rows = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]
+        return rms_norm(c, rows, c.vector("output_norm.weight"))
     delta: str | None = None
     for i in range(head.n_layer):
         x, delta = decoder_layer(c, i, x, delta, io)
@@ -140,19 +185,7 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     rows_x = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]
     rows_d = g.op("Gather", [delta, "logits_rows"], axis=0)
     _, h = add_norm(c, rows_x, rows_d, "output_norm.weight", keep_sum=False)
-    normed = materialize(c, h)  # with the head's eps, whoever owns the LM head
-    logits = lm_head(c if head.has_output else tc, normed)  # [R, draft vocab]
-    if head.kind == "dspark":
-        anchor = g.op("Gather", [ids, g.const([0])], axis=0)  # [1]
-        logits, confidence = markov_chain(c, head, logits, normed, anchor)
-        if confidence is not None:
-            g.op("Identity", [confidence], out=["confidence"])
-            g.output("confidence", F32, ["R"])
-    if head.draft_vocab is not None and head_file.has_tensor("d2t"):
-        logits = scatter_to_target(c, logits, head_file, target.n_vocab)
-    g.op("Identity", [logits], out=["logits"])
-    g.output("logits", F32, ["R", target.n_vocab])
-    c.tick("output")
+    return materialize(c, h)
 
 
 def lm_head(c: BuildContext, h: str) -> str:

@@ -168,12 +168,12 @@ def test_specd_kernels_run_the_heads_products(tiny_model_factory: Callable[..., 
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.999
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dspark-vanilla", "dflash2"])
 def test_heads_converted_by_llama_cpp_match_the_reference(target_path: Path, kind: str
                                                           ) -> None:
-    """The heads llama.cpp's own converter wrote (tests/fixtures/heads: z-lab DFlash, and
-    DSpark with a reduced vocabulary and a confidence head) run as the reference reads
-    them."""
+    """The heads llama.cpp's own converter wrote (tests/fixtures/heads: z-lab DFlash;
+    DSpark with a reduced vocabulary and a confidence head, and one with neither in the
+    bonus-anchor layout; DFlash2 in Q8_0) run as the reference reads them."""
     path = Path(__file__).resolve().parents[1] / "fixtures" / "heads" / f"{kind}.gguf"
     ref_target = ReferenceModel(target_path)
     runner = HeadRunner(load_or_build_head(path, target_path, accuracy_level=1, kernels="ort"),
@@ -186,8 +186,14 @@ def test_heads_converted_by_llama_cpp_match_the_reference(target_path: Path, kin
     mask = runner.built.head.mask_token_id
     assert mask is not None
     block = [PROMPT[-1], mask, mask, mask]
+    if kind == "dflash2":
+        got = runner.block(0, block, n, [1, 2, 3])
+        cand, scores = ref.lattice(block, n, [1, 2, 3])
+        np.testing.assert_array_equal(got.candidates, cand)
+        np.testing.assert_allclose(got.scores, scores, **TOL)
+        return
     got = runner.block(0, block, n, [0, 1, 2, 3])
-    want, conf = (ref.markov_block(block, n, [0, 1, 2, 3]) if kind == "dspark"
+    want, conf = (ref.markov_block(block, n, [0, 1, 2, 3]) if kind.startswith("dspark")
                   else (ref.block(block, n), None))
     finite = np.isfinite(want)
     assert np.array_equal(np.isfinite(got.logits), finite)
@@ -245,3 +251,27 @@ def _check_eagle3(path: Path, target_path: Path) -> None:
     k, v = runner.kv.layers(0)[0]
     np.testing.assert_allclose(k.numpy()[0, :, :n + 3], ref.keys[:, :n + 3], **TOL)
     np.testing.assert_allclose(v.numpy()[0, :, :n + 3], ref.values[:, :n + 3], **TOL)
+
+
+@pytest.mark.parametrize("head", [
+    {}, {"draft_vocab": 100}, {"conv_kernel_size": 3, "selector_top_k": 3},
+    {"meta": {"dflash.logit_scale": 0.5, "dflash.final_logit_softcapping": 3.0}}],
+    ids=["default", "d2t", "kernel3-top3", "logit-transforms"])
+def test_dflash2_convolutions_and_lattice_match_the_reference(
+        target_path: Path, tmp_path: Path, head: dict[str, Any]) -> None:
+    """DFlash2's block: grouped convolutions in its layers and the selector's candidates
+    and pair scores over the rows read, for runs of rows in the drafter's layout."""
+    runner, ref, ref_target = _pair(target_path, tmp_path, kind="dflash2", **head)
+    features = _features(ref, ref_target, PROMPT)
+    n = len(PROMPT)
+    runner.inject(0, features.astype(np.float32), 0)
+    ref.inject(features, np.arange(n))
+    mask = runner.built.head.mask_token_id
+    assert mask is not None
+    block = [PROMPT[-1], mask, mask, mask]
+    for rows in ([1, 2, 3], [1]):
+        got = runner.block(0, block, n, rows)
+        cand, scores = ref.lattice(block, n, rows)
+        assert got.candidates is not None and got.scores is not None
+        np.testing.assert_array_equal(got.candidates, cand)
+        np.testing.assert_allclose(got.scores, scores, **TOL)

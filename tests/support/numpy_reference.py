@@ -338,7 +338,7 @@ def _gguf_matmul_q4(x: np.ndarray, blocks: Any) -> np.ndarray:
 
 
 class ReferenceDFlash:
-    """float64 oracle of a DFlash or DSpark head drafting for `target`.
+    """float64 oracle of a DFlash, DSpark or DFlash2 head drafting for `target`.
 
     inject(features, positions): g = RMSNorm(fc @ clamp(features), enc.output_norm); per
     layer K = RoPE(RMSNorm_head(W_k g, attn_k_norm)), V = W_v g, stored at the positions.
@@ -437,9 +437,13 @@ class ReferenceDFlash:
         masked = (np.arange(end)[None, :] > positions[:, None]) if self.causal else (
             np.zeros((n, end), bool))
         x = self.embed[np.asarray(tokens)]
+        conv = self._conv if "blk.0.attn_conv_base" in w else None
         for layer in range(self.n_layer):
             p = f"blk.{layer}."
             h = rms_norm(x, w[p + "attn_norm.weight"], self.eps)
+            if conv is not None:
+                dyn = h @ w[p + "attn_conv_proj.weight"].T  # [B, 2*K*G]
+                h = conv(h, dyn, w[p + "attn_conv_base"], 0)
             q = (h @ w[p + "attn_q.weight"].T).reshape(n, self.n_head, hd)
             q = rms_norm(q, w[p + "attn_q_norm.weight"], self.eps).transpose(1, 0, 2)
             q = rope(q, positions, self.n_rot, self.rope_base, neox=True)  # [H, B, hd]
@@ -451,11 +455,56 @@ class ReferenceDFlash:
             probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)
             attn = (probs @ vals).transpose(1, 0, 2).reshape(n, self.n_head * hd)
-            x = x + attn @ w[p + "attn_output.weight"].T
+            a = attn @ w[p + "attn_output.weight"].T
+            x = x + (a if conv is None else conv(a, dyn, w[p + "attn_conv_base"], 1))
             h = rms_norm(x, w[p + "ffn_norm.weight"], self.eps)
-            x = x + (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)
-                     ) @ w[p + "ffn_down.weight"].T
+            if conv is not None:
+                dyn = h @ w[p + "ffn_conv_proj.weight"].T
+                h = conv(h, dyn, w[p + "ffn_conv_base"], 0)
+            f = (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)
+                 ) @ w[p + "ffn_down.weight"].T
+            x = x + (f if conv is None else conv(f, dyn, w[p + "ffn_conv_base"], 1))
         return rms_norm(x, w["output_norm.weight"], self.eps)
+
+    def _conv(self, h: np.ndarray, dyn: np.ndarray, base: np.ndarray, side: int
+              ) -> np.ndarray:
+        """DFlash2's grouped convolution within the block: out[t, c] = sum over taps k of
+        (base[side, k, c] + dyn[t, side, k, c // group]) * h[t - k, c] (zero before row 0)."""
+        n, e = h.shape
+        taps = base.shape[1]
+        group = int(self.metadata["dflash.conv_group_size"])
+        coeff = dyn.reshape(n, 2, taps, e // group)[:, side]  # [B, K, G]
+        out = np.zeros_like(h)
+        for t in range(n):
+            for k in range(min(taps, t + 1)):
+                weight = base[side, k] + np.repeat(coeff[t, k], group)  # [E]
+                out[t] += weight * h[t - k]
+        return out
+
+    def lattice(self, tokens: list[int], pos: int, rows: list[int]
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash2: the read rows' top-k candidates [R, k] (by logit, after logit_scale and
+        soft-capping, scattered through d2t) and scores [R, k (predecessor), k (successor)]:
+        logit of the successor + sum_j succ[s, j] * prev[p, j] * (selector_hidden @ h)[j],
+        the predecessors of row 0 the block's first token, of row r row r - 1's
+        candidates."""
+        w, md = self.weights, self.metadata
+        k = int(md["dflash.selector_top_k"])
+        hidden = self._hidden(tokens, pos)[rows]  # [R, E]
+        logits = hidden @ self.output.T
+        if (scale := md.get("dflash.logit_scale")) is not None:
+            logits = logits * scale
+        if (cap := md.get("dflash.final_logit_softcapping")) is not None:
+            logits = np.tanh(logits / cap) * cap
+        logits = self._to_target(logits)  # [R, V]
+        cand = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # [R, k]
+        gate = hidden @ w["selector_hidden.weight"].T  # [R, rank]
+        pred = np.concatenate([np.full((1, k), tokens[0]), cand[:-1]])  # [R, k]
+        prev = w["selector_predecessor.weight"][pred] * gate[:, None, :]  # [R, k, rank]
+        succ = w["selector_successor.weight"][cand]  # [R, k, rank]
+        scores = prev @ succ.transpose(0, 2, 1)  # [R, k, k]
+        scores += np.take_along_axis(logits, cand, axis=-1)[:, None, :]
+        return cand, scores
 
 
 class ReferenceEagle3:
