@@ -31,7 +31,7 @@ from specd.daemon.spec.drafter import (
 )
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
-from specd.ort_models.head_runner import HeadRunner
+from specd.ort_models.head_runner import BlockOutput, HeadRunner
 from specd.ort_models.heads import DEFAULT_BLOCK_SIZE
 
 from .picking import pick_token
@@ -98,30 +98,32 @@ class DFlashDrafter(Drafter):
         out = self.runner.block(seq, [last] + [self.mask_id] * (n + first - 1), pos,
                                 list(range(first, first + n)))
         sampler = st.sampler if params.probabilistic else None  # None: the argmax
-        confident = out.confidence  # [n] where the head judges its rows itself
-        p_min = params.p_min if confident is None else 0.0
-        tokens: list[int] = []
-        q_rows: list[np.ndarray] = []
-        unsure = False
-        for i, row in enumerate(out.logits):  # [vocab]
-            if confident is not None and confident[i] < params.p_min:
-                unsure = True
-                break
-            pick = pick_token(row, sampler, grammar, p_min)
-            if pick.token is None:
-                unsure = pick.unsure
-                break
-            tok = pick.token
-            tokens.append(tok)
-            if pick.q is not None:
-                q_rows.append(pick.q)
-            if grammar is not None:
-                grammar.consume(tok)
-                if grammar.is_stopped():
-                    break
+        tokens, q_rows, unsure = self._read(out, sampler, params.p_min, grammar)
         seconds = time.perf_counter() - t0  # one pass proposed them all
         return Proposal(tokens, np.stack(q_rows) if q_rows else None,
                         DraftEvidence(step_seconds=(seconds,), stopped_unsure=unsure))
+
+    def _read(self, out: BlockOutput, sampler: Sampler | None, p_min: float,
+              grammar: GrammarState | None) -> tuple[list[int], list[np.ndarray], bool]:
+        """The proposals of a block's rows in order: tokens, the q rows they were drawn
+        from (none for argmax picks), and whether p_min stopped them."""
+        confident = out.confidence  # [n] where the head judges its rows itself
+        tokens: list[int] = []
+        q_rows: list[np.ndarray] = []
+        for i, row in enumerate(out.logits):  # [vocab]
+            if confident is not None and confident[i] < p_min:
+                return tokens, q_rows, True
+            pick = pick_token(row, sampler, grammar, p_min if confident is None else 0.0)
+            if pick.token is None:
+                return tokens, q_rows, pick.unsure
+            tokens.append(pick.token)
+            if pick.q is not None:
+                q_rows.append(pick.q)
+            if grammar is not None:
+                grammar.consume(pick.token)
+                if grammar.is_stopped():
+                    break
+        return tokens, q_rows, False
 
     def process(self, seq: int, tokens: Sequence[int],
                 features: Features | None = None) -> None:
@@ -134,3 +136,31 @@ class DFlashDrafter(Drafter):
         st = self._seqs.get(seq)
         if st is not None:
             st.sampler = None
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """A DFlash2 head: its block's candidate lattice walked from the anchor, each row's
+    token the best successor of the previous row's pick, as llama.cpp walks it. The walk
+    is greedy whatever the request samples (no q rows: a sampled request keeps a draft
+    where the target's own draw equals it)."""
+
+    def _read(self, out: BlockOutput, sampler: Sampler | None, p_min: float,
+              grammar: GrammarState | None) -> tuple[list[int], list[np.ndarray], bool]:
+        assert out.candidates is not None and out.scores is not None
+        tokens: list[int] = []
+        prev = 0  # the anchor: every predecessor row of the first position is the same
+        for cand, scores in zip(out.candidates, out.scores, strict=True):  # [k], [k, k]
+            row = scores[prev].astype(np.float64)  # successors of the previous pick
+            prev = int(np.argmax(row))
+            if p_min > 0 and 1.0 / np.exp(row - row[prev]).sum() < p_min:
+                return tokens, [], True
+            token = int(cand[prev])
+            if grammar is not None and not grammar.allowed(self.runner.built.target.n_vocab
+                                                           )[token]:
+                break
+            tokens.append(token)
+            if grammar is not None:
+                grammar.consume(token)
+                if grammar.is_stopped():
+                    break
+        return tokens, [], False

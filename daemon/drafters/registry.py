@@ -3,8 +3,8 @@
 The engine, the CLI and the bench all build drafters here. `auto` and `none` are not
 drafters: `auto` resolves by the draft file (`-md`): a head (its kind recognised from its
 metadata, `ort_models.heads.head_kind`) to its type (`draft-dflash`, `draft-dspark`,
-`draft-eagle3`), a draft model to `draft+ngram`, no draft to `none`. Prompt lookup offers
-its proposals in front of a model or a head.
+`draft-dflash2`, `draft-eagle3`), a draft model to `draft+ngram`, no draft to `none`.
+Prompt lookup offers its proposals in front of a model or a head.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from specd.daemon.spec.drafter import Drafter
 from specd.ort_models.head_runner import HeadRunner
 from specd.ort_models.runner import ModelRunner
 
-from .dflash import DFlashDrafter
+from .dflash import DFlash2Drafter, DFlashDrafter
 from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter
 from .hybrid import HybridDrafter
@@ -63,6 +63,12 @@ def _dflash(inputs: DrafterInputs) -> HybridDrafter:
     return HybridDrafter(DFlashDrafter(inputs.head_runner), _ngram(inputs))
 
 
+def _dflash2(inputs: DrafterInputs) -> HybridDrafter:
+    """A DFlash2 head, with prompt lookup in front."""
+    assert inputs.head_runner is not None
+    return HybridDrafter(DFlash2Drafter(inputs.head_runner), _ngram(inputs))
+
+
 def _eagle3(inputs: DrafterInputs) -> HybridDrafter:
     """An EAGLE-3 head, with prompt lookup in front."""
     assert inputs.head_runner is not None
@@ -86,6 +92,7 @@ SPEC_TYPE_REGISTRY: dict[str, SpecType] = {s.name: s for s in (
     SpecType("synthetic", False, _synthetic),
     SpecType("draft-dflash", True, _dflash, head_kind="dflash", chains_lookup=True),
     SpecType("draft-dspark", True, _dflash, head_kind="dspark", chains_lookup=True),
+    SpecType("draft-dflash2", True, _dflash2, head_kind="dflash2", chains_lookup=True),
     SpecType("draft-eagle3", True, _eagle3, head_kind="eagle3", chains_lookup=True),
 )}
 SPEC_TYPES = ("auto", "none", *SPEC_TYPE_REGISTRY)

@@ -22,9 +22,9 @@ from specd.ort_models.runner import ModelRunner
 
 def test_spec_types_name_the_registry() -> None:
     assert SPEC_TYPES == ("auto", "none", "draft", "ngram", "draft+ngram", "synthetic",
-                          "draft-dflash", "draft-dspark", "draft-eagle3")
+                          "draft-dflash", "draft-dspark", "draft-dflash2", "draft-eagle3")
     assert MODEL_SPEC_TYPES == ("draft", "draft+ngram", "draft-dflash", "draft-dspark",
-                                "draft-eagle3")
+                                "draft-dflash2", "draft-eagle3")
 
 
 def test_auto_resolves_by_whether_there_is_a_draft() -> None:
@@ -43,8 +43,9 @@ def test_auto_resolves_a_head_by_its_kind() -> None:
     with pytest.raises(SpecTypeError, match="needs a dflash head, and h.gguf is a dspark head"):
         resolve_spec_type("draft-dflash", "h.gguf", "dspark")
     assert resolve_spec_type("auto", "h.gguf", "eagle3") == "draft-eagle3"
-    with pytest.raises(SpecTypeError, match="dflash2 drafter head, which specd does not run"):
-        resolve_spec_type("auto", "h.gguf", "dflash2")
+    assert resolve_spec_type("auto", "h.gguf", "dflash2") == "draft-dflash2"
+    with pytest.raises(SpecTypeError, match="mtp drafter head, which specd does not run"):
+        resolve_spec_type("auto", "h.gguf", "mtp")
     with pytest.raises(SpecTypeError, match="needs a draft model, and h.gguf is a dflash head"):
         resolve_spec_type("draft+ngram", "h.gguf", "dflash")
     with pytest.raises(SpecTypeError, match="needs a dflash head, and m.gguf is a draft model"):

@@ -82,12 +82,14 @@ def test_heads_that_do_not_fit_or_run_are_refused(files: tuple[Path, Path],
     wide = write_tiny_head(tmp_path / "wide.gguf", n_embd=96, target_hidden_size=96)
     with pytest.raises(EngineError, match="cannot draft for"):
         _engine(target, wide)
-    dflash2 = write_tiny_head(tmp_path / "dflash2.gguf", kind="dflash2")
-    with pytest.raises(EngineError, match="dflash2 drafter head, which specd does not run yet"):
-        _engine(target, dflash2)
+    swa = write_tiny_head(tmp_path / "swa.gguf", meta={
+        "dflash.attention.sliding_window": 8,
+        "dflash.attention.sliding_window_pattern": [True, False]})
+    with pytest.raises(EngineError, match="does not run this head yet: sliding-window"):
+        _engine(target, swa)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash2", "eagle3"])
 def test_auto_picks_the_spec_type_of_each_head_kind(files: tuple[Path, Path], tmp_path: Path,
                                                     kind: str) -> None:
     target, _ = files
