@@ -1,17 +1,21 @@
-"""What a DFlash head's calls cost beside the target's step, for random heads shaped like
+"""What a drafter head's calls cost beside the target's step, for random heads shaped like
 those Qwen2.5-Coder-1.5B would get (n_embd 1536, 12 heads, 2 KV heads of 128, FFN 8960,
 three target layers read), side by side in one process.
 
-    python bench/head_costs.py [--layers 1,2,5] [--blocks 4,8,16] [--weight-type Q8_0]
+    python bench/head_costs.py [--kinds dflash,dspark,eagle3] [--layers 1,2,5]
+                               [--blocks 4,8,16] [--weight-type Q8_0]
 
-Per head shape (depth; the target's full LM head shared, or a 32k draft vocabulary
-through d2t): one injection of one and of four committed tokens, and one block pass
-drafting n (n + 1 rows, logits for n), each as a share of one target step at position
-300 (specd's kernels); also the target's verify passes and a 0.5B draft model's step.
+Per DFlash head shape (depth; the target's full LM head shared, or a 32k draft vocabulary
+through d2t) and per one-layer DSpark head (Markov rank 256, confidence head, anchor-first
+block of n rows): one injection of one and of four committed tokens, and one block pass
+drafting n (n + 1 rows for DFlash, logits for n), each as a share of one target step at
+position 300 (specd's kernels). Per one-layer EAGLE-3 head: one drafting step, and the
+encoding and pairing of one and of four committed tokens. Also the target's verify
+passes and a 0.5B draft model's step.
 From those, the acceptance length at which a head round would draft as fast as the 0.5B
 draft model's round at its operating point (--draft-n, --draft-tau: drafts per round and
 tokens per round, from BENCHMARKS.md), counting a verify pass of n + 1 rows and the
-injection of the tokens a round commits.
+injection (pairing) of the tokens a round commits; EAGLE-3 drafting n costs n steps.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--layers", default="1,2,5")
+    ap.add_argument("--kinds", default="dflash,dspark,eagle3")
+    ap.add_argument("--layers", default="1,2,5", help="DFlash head depths")
     ap.add_argument("--blocks", default="4,8,16")
     ap.add_argument("--vocabs", default="0,32768", help="draft vocabularies (0: the target's)")
     ap.add_argument("--repeats", type=int, default=20)
@@ -90,44 +95,81 @@ def main() -> int:
           f"target steps, {model_rate:.2f} tokens per target step\n")
 
     blocks = [int(b) for b in args.blocks.split(",")]
-    print("| head | inject 1 token | inject 4 | " + " | ".join(
-        f"block n={n}" for n in blocks) + " | " + " | ".join(
-        f"tau to match 0.5B, n={n}" for n in blocks) + " |")
-    print("|---|---|---|" + "---|" * (2 * len(blocks)))
+    kinds = args.kinds.split(",")
+    vocabs = list(map(int, args.vocabs.split(",")))
+
+    def match(round_cost: float, per_token: float) -> float:
+        """tau at which tau / (round_cost + per_token * tau) == model_rate."""
+        denom = 1.0 - model_rate * per_token
+        return model_rate * round_cost / denom if denom > 0 else float("inf")
+
+    def shape(layers: int, vocab: int, kind: str) -> dict[str, object]:
+        return {"kind": kind, "n_layer": layers, "n_embd": 1536, "n_head": 12,
+                "n_head_kv": 2, "head_dim": 128, "n_ff": 8960, "target_layers": (2, 14, 27),
+                "target_hidden_size": 1536, "block_size": max(blocks) + 1,
+                "vocab_size": QWEN_VOCAB, "mask_token_id": QWEN_MASK,
+                "weight_type": args.weight_type, "draft_vocab": vocab or None,
+                "target_arch": "qwen2", "markov_rank": 256}
+
+    def name(kind: str, layers: int, vocab: int) -> str:
+        return (f"{kind}, {layers} layer{'s' if layers > 1 else ''}, "
+                + (f"{vocab // 1024}k vocab (d2t)" if vocab else "full vocab"))
+
+    rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory() as tmp:
-        for layers in map(int, args.layers.split(",")):
-            for vocab in map(int, args.vocabs.split(",")):
-                head_path = write_tiny_head(
-                    Path(tmp) / f"head-{layers}-{vocab}.gguf", n_layer=layers, n_embd=1536,
-                    n_head=12, n_head_kv=2, head_dim=128, n_ff=8960, target_layers=(2, 14, 27),
-                    target_hidden_size=1536, block_size=max(blocks) + 1,
-                    vocab_size=QWEN_VOCAB, mask_token_id=QWEN_MASK, weight_type=args.weight_type,
-                    draft_vocab=vocab or None, target_arch="qwen2")
-                head = HeadRunner(load_or_build_head(head_path, target_path), n_ctx=1024,
-                                  threads=args.threads)
-                width = head.feature_width
-                rng = np.random.default_rng(1)
-                head.inject(0, rng.standard_normal((POS, width), np.float32), 0)
-                one = rng.standard_normal((1, width), np.float32)
-                four = rng.standard_normal((4, width), np.float32)
-                inj1 = median_ms(lambda h=head, one=one: h.inject(0, one, POS), r) / step
-                inj4 = median_ms(lambda h=head, four=four: h.inject(0, four, POS), r) / step
-                cost, match = [], []
-                for n in blocks:
-                    toks = [11] + [QWEN_MASK] * n
-                    c = median_ms(lambda h=head, toks=toks, n=n: h.block(
-                        0, toks, POS, list(range(1, n + 1))), r) / step
-                    cost.append(c)
-                    # tau / (c + verify(n + 1) + inj1 * tau) == model_rate
-                    fixed = c + verify[n] / step
-                    denom = 1.0 - model_rate * inj1
-                    match.append(model_rate * fixed / denom if denom > 0 else float("inf"))
-                name = f"{layers} layer{'s' if layers > 1 else ''}, " + (
-                    f"{vocab // 1024}k vocab (d2t)" if vocab else "full vocab")
-                print(f"| {name} | {inj1:.3f} | {inj4:.3f} | " + " | ".join(
-                    f"{c:.3f}" for c in cost) + " | " + " | ".join(
-                    f"{m:.2f}" + ("" if m <= n + 1 else " (never)")
-                    for m, n in zip(match, blocks, strict=True)) + " |", flush=True)
+        block_heads = [("dflash", layers, vocab) for layers in map(int, args.layers.split(","))
+                       for vocab in vocabs if "dflash" in kinds]
+        block_heads += [("dspark", 1, vocab) for vocab in vocabs if "dspark" in kinds]
+        if block_heads:
+            print("| head | inject 1 token | inject 4 | " + " | ".join(
+                f"block n={n}" for n in blocks) + " | " + " | ".join(
+                f"tau to match 0.5B, n={n}" for n in blocks) + " |")
+            print("|---|---|---|" + "---|" * (2 * len(blocks)))
+        for kind, layers, vocab in block_heads:
+            head_path = write_tiny_head(Path(tmp) / f"{kind}-{layers}-{vocab}.gguf",
+                                        **shape(layers, vocab, kind))  # type: ignore[arg-type]
+            head = HeadRunner(load_or_build_head(head_path, target_path), n_ctx=1024,
+                              threads=args.threads)
+            width = head.feature_width
+            head.inject(0, rng.standard_normal((POS, width), np.float32), 0)
+            one = rng.standard_normal((1, width), np.float32)
+            four = rng.standard_normal((4, width), np.float32)
+            inj1 = median_ms(lambda h=head, one=one: h.inject(0, one, POS), r) / step
+            inj4 = median_ms(lambda h=head, four=four: h.inject(0, four, POS), r) / step
+            first = 0 if kind == "dspark" else 1  # the anchor-first block reads row 0
+            cost = [median_ms(lambda h=head, n=n, f=first: h.block(
+                0, [11] + [QWEN_MASK] * (n + f - 1), POS, list(range(f, f + n))),
+                r) / step for n in blocks]
+            taus = [match(c + verify[n] / step, inj1) for c, n in zip(cost, blocks, strict=True)]
+            print(f"| {name(kind, layers, vocab)} | {inj1:.3f} | {inj4:.3f} | " + " | ".join(
+                f"{c:.3f}" for c in cost) + " | " + " | ".join(
+                f"{m:.2f}" + ("" if m <= n + 1 else " (never)")
+                for m, n in zip(taus, blocks, strict=True)) + " |", flush=True)
+        if "eagle3" in kinds:
+            print("\n| head | step | encode + pair 1 token | 4 | " + " | ".join(
+                f"tau to match 0.5B, n={n}" for n in blocks) + " |")
+            print("|---|---|---|---|" + "---|" * len(blocks))
+        for vocab in vocabs if "eagle3" in kinds else []:
+            head_path = write_tiny_head(Path(tmp) / f"eagle3-{vocab}.gguf",
+                                        **shape(1, vocab, "eagle3"))  # type: ignore[arg-type]
+            head = HeadRunner(load_or_build_head(head_path, target_path), n_ctx=1024,
+                              threads=args.threads)
+            width = head.feature_width
+            g = head.encode(rng.standard_normal((POS, width), np.float32))
+            head.pair(0, [11] * POS, g, 0)
+            hidden = g[-1:]
+            s1 = median_ms(lambda h=head, x=hidden: h.step(0, [11], x, POS, [0]), r) / step
+
+            def pair(n: int, h: HeadRunner = head, width: int = width) -> None:
+                feats = rng.standard_normal((n, width), np.float32)
+                h.pair(0, [11] * n, h.encode(feats), POS)
+
+            p1 = median_ms(lambda: pair(1), r) / step
+            p4 = median_ms(lambda: pair(4), r) / step
+            taus = [match(n * s1 + verify[n] / step, p1) for n in blocks]
+            print(f"| {name('eagle3', 1, vocab)} | {s1:.3f} | {p1:.3f} | {p4:.3f} | "
+                  + " | ".join(f"{m:.2f}" + ("" if m <= n + 1 else " (never)")
+                               for m, n in zip(taus, blocks, strict=True)) + " |", flush=True)
     return 0
 
 

@@ -8,9 +8,10 @@ lattice instead of logits). A block's own K/V rows land after the
 injected ones and are overwritten by the next injection or block, so rolling back is
 free, as in the target's cache.
 
-EAGLE-3: `encode` turns target features into the head's g rows (no cache); `step` runs
-(token, g) pairs through its layer, writing their K/V rows at their positions, and returns
-the logits and pre-norm hidden states of the rows asked for. Rows past the verified
+EAGLE-3: `encode` turns target features into the head's g rows (no cache); `pair` writes
+the K/V rows of verified (token, g) pairs; `step` runs pairs through its layer, writing
+their K/V rows at their positions, and returns the logits and pre-norm hidden states of
+the rows asked for. Rows past the verified
 context are overwritten by the next step likewise.
 """
 
@@ -35,7 +36,7 @@ from .graph_builder.dflash import (
     head_options,
     unsupported,
 )
-from .graph_builder.eagle3 import build_encode_graph, build_step_graph
+from .graph_builder.eagle3 import build_encode_graph, build_pair_graph, build_step_graph
 from .graph_builder.options import ACCURACY_LEVEL, BuildOptions
 from .heads import HeadParams, read_head
 from .kv_cache import KVCache
@@ -44,6 +45,10 @@ from .onnx_writer import GraphWriter
 from .paths import cache_dir, exclusive_lock
 from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
 from .runner import bound_outputs, check_call, default_threads, session_options
+
+# bumped when a head's graphs change (what they compute, or which graphs a kind has), so
+# cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
+HEAD_GRAPHS_VERSION = 2
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None
@@ -59,6 +64,7 @@ GRAPHS: dict[str, dict[str, _Builder]] = {
     "dflash2": _DFLASH_GRAPHS,
     "eagle3": {
         "encode": lambda hf, h, tf, t, g, o, p: build_encode_graph(hf, h, t, g, o, p),
+        "pair": build_pair_graph,
         "step": build_step_graph,
     },
 }
@@ -116,7 +122,8 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
         requant = "q4k" if kernels == "gguf" else ""
     options = head_options(target, accuracy_level, kernels, requant)
     folder = (cache_dir() / "heads" / f"{head_file.content_hash()[:16]}-"
-              f"{target_file.content_hash()[:16]}-b{BUILDER_VERSION}-{options.key()}")
+              f"{target_file.content_hash()[:16]}-b{BUILDER_VERSION}.{HEAD_GRAPHS_VERSION}-"
+              f"{options.key()}")
     if not is_complete(folder):
         with exclusive_lock(folder.with_name(f"{folder.name}.lock")):
             if not is_complete(folder):
@@ -215,6 +222,16 @@ class HeadRunner:
         (g,) = self.sessions["encode"].run(
             ["g"], {"features": np.ascontiguousarray(features, dtype=np.float32)})
         return g
+
+    def pair(self, seq: int, tokens: Sequence[int], g: np.ndarray, pos: int) -> None:
+        """EAGLE-3: write the K/V rows of the pairs (tokens[i], g[i]) [n], [n, E] at
+        positions pos.. (what `step` writes for them, without computing anything else)."""
+        check_call(pos, len(tokens), self.n_ctx)
+        b = self._bindings[seq]["pair"]
+        b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
+        b.bind_cpu_input("g", np.ascontiguousarray(g, dtype=np.float32))
+        b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
+        self.sessions["pair"].run_with_iobinding(b)
 
     def step(self, seq: int, tokens: Sequence[int], g: np.ndarray, pos: int,
              rows: Sequence[int]) -> StepOutput:

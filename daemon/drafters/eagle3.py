@@ -74,7 +74,7 @@ class Eagle3Drafter(Drafter):
         if start + 1 < first:
             raise RuntimeError(f"the head's pairs end at {start}, the tokens start at {first}")
         ids = tokens[start + 1 - first:end + 1 - first]  # the tokens at start+1..end
-        self.runner.step(seq, ids, st.g[start:end], start, [])
+        self.runner.pair(seq, ids, st.g[start:end], start)
         st.written = end
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,

@@ -21,7 +21,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from specd.ort_models.heads import HeadParams
-from specd.ort_models.quant import dense_float32
+from specd.ort_models.quant import float_rows, load_matrix
 
 from .context import BuildContext
 from .linear import linear
@@ -79,7 +79,7 @@ def markov_chain(c: BuildContext, head: HeadParams, base: str, hidden: str, anch
 def _confidence(c: BuildContext, hidden: str, i: str, w1: str, out: str) -> None:
     """sigmoid(conf_proj · [hidden[i] ; w1] + bias) -> out [1]."""
     g = c.g
-    weight = dense_float32(c.f.tensor("conf_proj.weight")).reshape(1, -1)  # [1, E + rank]
+    weight = float_rows(load_matrix(c.f.tensor("conf_proj.weight")))  # [1, E + rank]
     if not g.has("conf_proj.W"):
         g.weight("conf_proj.W", np.ascontiguousarray(weight.T))  # [E + rank, 1]
     h = g.op("Gather", [hidden, g.op("Unsqueeze", [i, g.const([0])])], axis=0)  # [1, E]

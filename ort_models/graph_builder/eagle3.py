@@ -1,9 +1,12 @@
-"""The two graphs of an EAGLE-3 head (`ort_models/heads.py` reads its GGUF), over its own
+"""The three graphs of an EAGLE-3 head (`ort_models/heads.py` reads its GGUF), over its own
 one-layer KV cache:
 
 encode  features [S, 3*E_t] of S target tokens (the three target layers' hidden states,
         concatenated) -> g [S, E] = fc · features (RMSNorm'd first where the head says
         `norm_before_fc`).
+pair    input_ids [S] and g [S, E] at `position`: the K/V rows of those pairs (what the step
+        graph writes for them; a row's K/V depend on its own input only), written into the
+        cache, for the verified tokens: no attention, FFN or logits.
 step    input_ids [S] and g [S, E] at `position`: the row at position P pairs the token at
         P + 1 with g of position P. Its one decoder layer reads
         [RMSNorm(embed(token)) ; RMSNorm_2(g)] (q/k/v take 2E inputs), attends causally
@@ -26,7 +29,14 @@ from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.heads import HeadParams
 from specd.ort_models.onnx_writer import GraphWriter
 
-from .attention import attention, attention_inputs
+from .attention import (
+    attention,
+    attention_inputs,
+    kv_cache_io,
+    rotary_positions,
+    rotate,
+    write_kv,
+)
 from .context import BuildContext
 from .decoder import embedding
 from .dflash import head_hparams, lm_head, scatter_to_target
@@ -50,6 +60,34 @@ def build_encode_graph(head_file: GGUFFile, head: HeadParams, target: HParams,
     c.tick("encoder")
 
 
+def build_pair_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFile,
+                     target: HParams, g: GraphWriter, options: BuildOptions,
+                     progress: Progress | None = None) -> None:
+    """Write the pair graph (module docstring) into `g`."""
+    c = BuildContext(g, head_hparams(head, target), head_file, options, progress, total=1)
+    tc = BuildContext(g, target, target_file, dataclasses.replace(options, max_positions=0),
+                      None)
+    ids = g.input("input_ids", I64, ["S"])
+    g.input("position", I64, [1])
+    pos_ids = rotary_positions(c, g.op("Shape", [ids]))
+    x = _layer_input(c, tc, head, ids, g.input("g", F32, ["S", head.n_embd]))[0]
+    kv_cache_io(c, 0)
+    k = g.op("Unsqueeze", [linear(c, x, "blk.0.attn_k.weight"), g.const([0])])
+    write_kv(c, 0, rotate(c, k, pos_ids, head.n_head_kv), linear(c, x, "blk.0.attn_v.weight"))
+    c.tick("layer")
+
+
+def _layer_input(c: BuildContext, tc: BuildContext, head: HeadParams, ids: str, feats: str
+                 ) -> tuple[str, str]:
+    """The layer's input [RMSNorm(embed(ids)) ; RMSNorm_2(g)] [S, 2E] and its residual."""
+    g, p = c.g, "blk.0."
+    embd = rms_norm(c, embedding(c if head.has_token_embd else tc, ids),
+                    c.vector(p + "attn_norm.weight"))  # [S, E]
+    g_norm = rms_norm(c, feats, c.vector(p + "attn_norm_2.weight"))  # [S, E]
+    x = g.op("Concat", [embd, g_norm], axis=1)  # [S, 2E]
+    return x, g_norm if head.norm_before_residual else feats
+
+
 def build_step_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFile,
                      target: HParams, g: GraphWriter, options: BuildOptions,
                      progress: Progress | None = None) -> None:
@@ -65,11 +103,7 @@ def build_step_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFil
     g.input("logits_rows", I64, ["R"])
     io = attention_inputs(c, ids)
     p = "blk.0."
-    embd = rms_norm(c, embedding(c if head.has_token_embd else tc, ids),
-                    c.vector(p + "attn_norm.weight"))  # [S, E]
-    g_norm = rms_norm(c, feats, c.vector(p + "attn_norm_2.weight"))  # [S, E]
-    x = g.op("Concat", [embd, g_norm], axis=1)  # [S, 2E]
-    residual = g_norm if head.norm_before_residual else feats
+    x, residual = _layer_input(c, tc, head, ids, feats)
     ffn_in = g.op("Add", [attention(c, 0, x, io), residual])
     h = rms_norm(c, ffn_in, c.vector(p + "ffn_norm.weight"))
     hidden = g.op("Add", [feed_forward(c, h, p), ffn_in])  # [S, E] pre-norm

@@ -70,8 +70,9 @@ def test_injection_and_block_match_the_reference(target_path: Path, tmp_path: Pa
 
 @pytest.mark.parametrize("head", [
     {}, {"confidence_head": False}, {"sample_from_anchor": False}, {"draft_vocab": 100},
-    {"draft_vocab": 100, "markov_rank": 8, "confidence_head": False}],
-    ids=["default", "no-confidence", "bonus-anchor", "d2t", "d2t-rank8-no-confidence"])
+    {"draft_vocab": 100, "markov_rank": 8, "confidence_head": False},
+    {"weight_type": "Q8_0"}],
+    ids=["default", "no-confidence", "bonus-anchor", "d2t", "d2t-rank8-no-confidence", "q8_0"])
 def test_dspark_markov_chain_and_confidence_match_the_reference(
         target_path: Path, tmp_path: Path, head: dict[str, Any]) -> None:
     """DSpark's block: each read row biased by W2 · W1[prev], prev chained from the anchor
