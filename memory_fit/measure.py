@@ -226,10 +226,14 @@ def _measure_subprocess(folder: Path, device: str, threads: int, points: tuple[i
 
 def head_cost(built: BuiltHead) -> ModelCost:
     """What a drafter head needs: its graphs' weights as written (the target's embeddings
-    and LM head included where it shares them) and its KV cache (float32). Its workspace
-    is not measured: a block pass holds a few rows of activations and their logits."""
+    and LM head included where it shares them) and, per token, its KV cache (float32) and
+    for EAGLE-3 the g row the drafter keeps of every position. Its workspace is not
+    measured: a pass holds a few rows of activations and their logits."""
     weights = sum((built.folder / f"{name}.bin").stat().st_size for name in built.graphs)
-    return ModelCost(weights_bytes=weights, kv_bytes_per_token=built.hparams.kv_bytes_per_token(4),
+    per_token = built.hparams.kv_bytes_per_token(4)
+    if built.head.kind == "eagle3":
+        per_token += 4 * built.head.n_embd
+    return ModelCost(weights_bytes=weights, kv_bytes_per_token=per_token,
                      n_ctx_train=built.target.n_ctx_train, name=built.head_path.name)
 
 

@@ -113,18 +113,22 @@ def test_generate_with_a_head_from_the_cli(files: tuple[Path, Path]) -> None:
     assert "speculation draft-dflash:" in r.stderr
 
 
-def test_fit_counts_the_head_and_its_cache(files: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_fit_counts_the_head_and_its_cache(files: tuple[Path, Path], tmp_path: Path,
+                                           kind: str) -> None:
     import json
 
-    target, head = files
+    target, _ = files
+    head = write_tiny_head(tmp_path / f"{kind}.gguf", kind=kind, seed=5)
     r = subprocess.run([sys.executable, "-m", "specd.daemon.cli", "fit", "-m", str(target),
                         "-md", str(head), "--device", "cpu", "--no-fetch", "--json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     draft = json.loads(r.stdout)["models"][1]
-    assert draft["role"] == "draft" and draft["name"] == "dflash.gguf"
-    # 2 layers x 2 kv heads x 16 dims x K and V x float32
-    assert draft["kv_bytes_per_token"] == 2 * 2 * 16 * 2 * 4
+    assert draft["role"] == "draft" and draft["name"] == f"{kind}.gguf"
+    # layers x 2 kv heads x 16 dims x K and V x float32; EAGLE-3: 1 layer, and its g row
+    want = 2 * 2 * 16 * 2 * 4 if kind == "dflash" else 2 * 16 * 2 * 4 + 64 * 4
+    assert draft["kv_bytes_per_token"] == want
     assert draft["weights_bytes"] > 0
 
 
