@@ -34,6 +34,19 @@ def _pair(target_path: Path, tmp_path: Path, kind: str = "dflash", **head: Any
     return runner, ReferenceDFlash(path, ref_target, n_ctx=runner.n_ctx), ref_target
 
 
+def _injected(runner: HeadRunner, ref: ReferenceDFlash, ref_target: ReferenceModel
+              ) -> tuple[HeadRunner, ReferenceDFlash, list[int], int]:
+    """The prompt's features injected into both; the block [last, MASK x 3] to run at the
+    position after it."""
+    features = _features(ref, ref_target, PROMPT)
+    n = len(PROMPT)
+    runner.inject(0, features.astype(np.float32), 0)
+    ref.inject(features, np.arange(n))
+    mask = runner.built.head.mask_token_id
+    assert mask is not None
+    return runner, ref, [PROMPT[-1], mask, mask, mask], n
+
+
 def _features(ref_head: ReferenceDFlash, ref_target: ReferenceModel, tokens: list[int]
               ) -> np.ndarray:
     inputs: dict[int, np.ndarray] = {}
@@ -79,14 +92,7 @@ def test_dspark_markov_chain_and_confidence_match_the_reference(
     through each row's argmax (in the draft vocabulary, mapped through d2t), and the
     confidence head over [normed row ; W1[prev]]; for any run of rows, as the drafter reads
     them in either layout."""
-    runner, ref, ref_target = _pair(target_path, tmp_path, kind="dspark", **head)
-    features = _features(ref, ref_target, PROMPT)
-    n = len(PROMPT)
-    runner.inject(0, features.astype(np.float32), 0)
-    ref.inject(features, np.arange(n))
-    mask = runner.built.head.mask_token_id
-    assert mask is not None
-    block = [PROMPT[-1], mask, mask, mask]
+    runner, ref, block, n = _injected(*_pair(target_path, tmp_path, kind="dspark", **head))
     for rows in ([0, 1, 2, 3], [1, 2, 3], [0]):
         got = runner.block(0, block, n, rows)
         want, conf = ref.markov_block(block, n, rows)
@@ -179,14 +185,8 @@ def test_heads_converted_by_llama_cpp_match_the_reference(target_path: Path, kin
     ref_target = ReferenceModel(target_path)
     runner = HeadRunner(load_or_build_head(path, target_path, accuracy_level=1, kernels="ort"),
                         n_ctx=512)
-    ref = ReferenceDFlash(path, ref_target, n_ctx=runner.n_ctx)
-    features = _features(ref, ref_target, PROMPT)
-    n = len(PROMPT)
-    runner.inject(0, features.astype(np.float32), 0)
-    ref.inject(features, np.arange(n))
-    mask = runner.built.head.mask_token_id
-    assert mask is not None
-    block = [PROMPT[-1], mask, mask, mask]
+    runner, ref, block, n = _injected(runner, ReferenceDFlash(path, ref_target,
+                                                             n_ctx=runner.n_ctx), ref_target)
     if kind == "dflash2":
         got = runner.block(0, block, n, [1, 2, 3])
         cand, scores = ref.lattice(block, n, [1, 2, 3])
@@ -262,14 +262,7 @@ def test_dflash2_convolutions_and_lattice_match_the_reference(
         target_path: Path, tmp_path: Path, head: dict[str, Any]) -> None:
     """DFlash2's block: grouped convolutions in its layers and the selector's candidates
     and pair scores over the rows read, for runs of rows in the drafter's layout."""
-    runner, ref, ref_target = _pair(target_path, tmp_path, kind="dflash2", **head)
-    features = _features(ref, ref_target, PROMPT)
-    n = len(PROMPT)
-    runner.inject(0, features.astype(np.float32), 0)
-    ref.inject(features, np.arange(n))
-    mask = runner.built.head.mask_token_id
-    assert mask is not None
-    block = [PROMPT[-1], mask, mask, mask]
+    runner, ref, block, n = _injected(*_pair(target_path, tmp_path, kind="dflash2", **head))
     for rows in ([1, 2, 3], [1]):
         got = runner.block(0, block, n, rows)
         cand, scores = ref.lattice(block, n, rows)

@@ -291,3 +291,20 @@ def absolute_d2t(ck: Checkpoint, t: SafeTensor, n_vocab: int, rows: int | None) 
         ck.fail(f"tensor {t.name!r} maps two draft rows to one target id (as absolute ids: "
                 "the offsets + row index must be distinct)")
     return ids
+
+
+# a llama-style decoder layer's Hugging Face names (after `model.layers.N.`) -> llama.cpp's
+# (after `blk.N.`), the names every head kind shares
+LLAMA_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# tensors llama.cpp's converter drops unread
+SKIPPED_SUFFIXES = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")

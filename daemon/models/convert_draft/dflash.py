@@ -20,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from .common import Checkpoint, HeadWriter, absolute_d2t, rope_parameters
+from .common import (
+    LLAMA_LAYER,
+    SKIPPED_SUFFIXES,
+    Checkpoint,
+    HeadWriter,
+    absolute_d2t,
+    rope_parameters,
+)
 from .target import TargetInfo
 
 DFLASH_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel")
@@ -44,26 +51,16 @@ _GLOBAL = {
     "model.candidate_selector.hidden_projection": "selector_hidden",
 }
 _LAYER = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
+    **LLAMA_LAYER,
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "self_attn.sinks": "attn_sinks",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
     "attention_conv.base_kernel": "attn_conv_base",
     "attention_conv.kernel_projection": "attn_conv_proj",
     "mlp_conv.base_kernel": "ffn_conv_base",
     "mlp_conv.kernel_projection": "ffn_conv_proj",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# tensors the converter drops unread
-_SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
 # interleaved-rope checkpoints: these are permuted to llama.cpp's NeoX layout
 _ROPE_PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                   "self_attn.q_norm.weight", "self_attn.k_norm.weight")
@@ -160,7 +157,7 @@ def convert(ck: Checkpoint, target: TargetInfo, outtype: str) -> HeadWriter:
         full = name if name.startswith("model.") else "model." + name
         if "sink" in full and not full.endswith(".weight"):
             full += ".weight"
-        if full.endswith(_SKIPPED):
+        if full.endswith(SKIPPED_SUFFIXES):
             continue
         if dspark and full == "model.d2t":
             d2t = t

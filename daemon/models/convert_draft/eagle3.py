@@ -17,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from .common import Checkpoint, HeadWriter, absolute_d2t, block_id, rope_parameters
+from .common import (
+    LLAMA_LAYER,
+    SKIPPED_SUFFIXES,
+    Checkpoint,
+    HeadWriter,
+    absolute_d2t,
+    block_id,
+    rope_parameters,
+)
 from .target import TargetInfo
 
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator",
@@ -29,19 +37,7 @@ _GLOBAL = {
     "lm_head": "output", "model.lm_head": "output",
     "norm": "output_norm", "model.norm": "output_norm",
 }
-_LAYER = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 _LAYER_RE = re.compile(r"model\.layers\.0\.(.+)")
-_SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
 
 
 def _gguf_name(ck: Checkpoint, name: str) -> str:
@@ -50,8 +46,8 @@ def _gguf_name(ck: Checkpoint, name: str) -> str:
         if stem in _GLOBAL:
             return _GLOBAL[stem] + suffix
         m = _LAYER_RE.fullmatch(stem)
-        if m and m.group(1) in _LAYER:
-            return f"blk.0.{_LAYER[m.group(1)]}{suffix}"
+        if m and m.group(1) in LLAMA_LAYER:
+            return f"blk.0.{LLAMA_LAYER[m.group(1)]}{suffix}"
     ck.fail(f"tensor {name!r} has no place in an EAGLE-3 head GGUF (llama.cpp's converter "
             "cannot map it either)")
 
@@ -134,7 +130,7 @@ def convert(ck: Checkpoint, target: TargetInfo, outtype: str) -> HeadWriter:
     d2t = None
     for hf_name, t in ck.tensors.items():
         name = names[hf_name]
-        if name.endswith(_SKIPPED) or name == "t2d":  # t2d: the inverse map, unused
+        if name.endswith(SKIPPED_SUFFIXES) or name == "t2d":  # t2d: the inverse map, unused
             continue
         if name == "d2t":
             d2t = t
