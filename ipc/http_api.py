@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any
@@ -25,6 +24,7 @@ from specd.daemon.text.tool_calls import (
     tool_names,
 )
 
+from .jsonout import dumps, json_response
 from .metrics import render_metrics
 from .security import Handler, cors_on_prepare, error_response, make_middlewares
 from .validation import BadRequest, get, json_body, stop_list, token_list
@@ -187,7 +187,7 @@ async def _send_error(resp: web.StreamResponse, message: str) -> None:
 
 
 async def _send(resp: web.StreamResponse, payload: Any) -> None:
-    data = payload if isinstance(payload, str) else json.dumps(payload)
+    data = payload if isinstance(payload, str) else dumps(payload)
     await resp.write(f"data: {data}\n\n".encode())
 
 
@@ -302,7 +302,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = r.text
-        return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
+        return json_response({"id": rid, "object": obj, "created": created, "model": model,
                                   "choices": [choice], "usage": _usage(r)})
     # queued before the response starts: a full queue is still a 503 the client can retry
     options = body.get("stream_options")
@@ -437,7 +437,7 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
 
     stream = get(body, "stream", bool, False)
     if not stream:
-        return web.json_response(final(await _collect(svc, prompt, params, **kw)))
+        return json_response(final(await _collect(svc, prompt, params, **kw)))
     events = svc.submit(prompt, params, **kw)  # a full queue is a 503 before any byte
     try:
         resp = await _sse(request)
@@ -485,9 +485,9 @@ async def tokenize(request: web.Request) -> web.Response:
     ids = svc.tokenizer.encode(content, add_bos=add_special,
                                parse_special=get(body, "parse_special", bool, True))
     if get(body, "with_pieces", bool, False):
-        return web.json_response({"tokens": [
+        return json_response({"tokens": [
             {"id": i, "piece": _piece(svc.tokenizer.token_bytes(i))} for i in ids]})
-    return web.json_response({"tokens": ids})
+    return json_response({"tokens": ids})
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -503,12 +503,12 @@ async def detokenize(request: web.Request) -> web.Response:
     svc = _svc(request)
     body = await json_body(request)
     ids = token_list(body.get("tokens", []), "tokens", svc.tokenizer.vocab_size)
-    return web.json_response({"content": svc.tokenizer.decode(ids)})
+    return json_response({"content": svc.tokenizer.decode(ids)})
 
 
 # -- status -------------------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 def _model_card(svc: Service) -> dict[str, Any]:
@@ -517,14 +517,14 @@ def _model_card(svc: Service) -> dict[str, Any]:
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(_svc(request))]})
+    return json_response({"object": "list", "data": [_model_card(_svc(request))]})
 
 
 async def model(request: web.Request) -> web.Response:
     """GET /v1/models/{id}: the served model under any name it answers to, else a 404."""
     svc = _svc(request)
     _check_model(svc, {"model": request.match_info["model_id"]})
-    return web.json_response(_model_card(svc))
+    return json_response(_model_card(svc))
 
 
 async def props(request: web.Request) -> web.Response:
@@ -537,11 +537,11 @@ async def props(request: web.Request) -> web.Response:
                      "speculative.n_max": svc.engine.cfg.defaults.draft.n_max,
                      "speculative.n_min": svc.engine.cfg.defaults.draft.n_min,
                      "speculative.p_min": svc.engine.cfg.defaults.draft.p_min}})
-    return web.json_response(info)
+    return json_response(info)
 
 
 async def slots(request: web.Request) -> web.Response:
-    return web.json_response(_svc(request).scheduler.slot_info())
+    return json_response(_svc(request).scheduler.slot_info())
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .jsonout import json_response
 from .validation import BadRequest
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ def error_response(status: int, message: str, *, code: str = "invalid_request_er
     etype = {400: "invalid_request_error", 401: "authentication_error",
              403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
              413: "invalid_request_error", 503: "server_busy"}.get(status, "server_error")
-    return web.json_response(
+    return json_response(
         {"error": {"message": message, "type": etype,
                    "code": code if status in (400, 404) else etype,
                    "param": param}}, status=status)

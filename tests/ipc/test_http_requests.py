@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -320,3 +321,47 @@ def test_infill_n_indent_over_http(tmp_path, tiny_model_factory) -> None:
         assert status == 200, out
         assert out["content"] == text[: text.index("\n") + 1]  # cut before it
         assert out["stop_type"] == "limit" and out["tokens_predicted"] < 200
+
+
+def _compact(raw: bytes) -> bool:
+    """Whether a JSON body is written as llama-server writes it: no space after ',' or
+    ':', non-ASCII text as UTF-8."""
+    text = raw.decode("utf-8")
+    return text == json.dumps(json.loads(text), ensure_ascii=False, separators=(",", ":"))
+
+
+def test_json_is_compact_as_llama_vim_reads_it(tmp_path, tiny_model_factory) -> None:
+    """llama.vim keeps only /infill responses matching `"content"\\s*:"` (a space after
+    the colon made it drop every suggestion); every route and SSE payload is compact."""
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=6, fim=True)
+    cfg = EngineConfig(target=str(path), spec_type="ngram", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        # the request llama.vim's FIM sends (s:fim, llama.vim 2025)
+        status, _, raw = _raw(srv, "POST", "/infill", {
+            "id_slot": 0, "input_prefix": "def add(a, b):\n", "input_suffix": "\n",
+            "input_extra": [{"filename": "util.py", "text": "x = 1\n"}],
+            "prompt": "    ", "n_predict": 8, "n_indent": 4, "top_k": 40, "top_p": 0.90,
+            "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
+            "response_fields": ["content", "timings/prompt_n", "timings/prompt_ms",
+                                "timings/prompt_per_token_ms", "timings/prompt_per_second",
+                                "timings/predicted_n", "timings/predicted_ms",
+                                "timings/predicted_per_token_ms",
+                                "timings/predicted_per_second", "truncated",
+                                "tokens_cached"]})
+        assert status == 200
+        assert re.search(rb'"content"\s*:"', raw), raw
+        assert _compact(raw), raw
+        chat = {"messages": [{"role": "user", "content": "é"}], "max_tokens": 3}
+        for method, path_, body in (("GET", "/health", None), ("GET", "/props", None),
+                                    ("GET", "/slots", None), ("GET", "/v1/models", None),
+                                    ("POST", "/tokenize", {"content": "日本"}),
+                                    ("POST", "/v1/chat/completions", chat),
+                                    ("POST", "/completion", {"prompt": 5})):  # an error
+            status, _, raw = _raw(srv, method, path_, body)
+            assert _compact(raw), (path_, raw)
+        for path_, body in (("/v1/chat/completions", chat),
+                            ("/completion", {"prompt": "a", "n_predict": 3})):
+            status, _, raw = _raw(srv, "POST", path_, {**body, "stream": True})
+            events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+            assert len(events) > 1 and all(e == b"[DONE]" or _compact(e) for e in events), raw
