@@ -32,6 +32,7 @@ from .validation import BadRequest, get, json_body, stop_list, token_list
 SERVICE = web.AppKey("service", Service)
 MAX_BODY = web.AppKey("max_body", int)
 MEMORY_PLAN = web.AppKey("memory_plan", object)
+STRICT_MODEL_NAME = web.AppKey("strict_model_name", bool)
 
 
 def _svc(request: web.Request) -> Service:
@@ -75,12 +76,20 @@ def _params(svc: Service, body: dict[str, Any], *, max_key: str) -> GenerationPa
                             ignore_eos=get(body, "ignore_eos", bool, d.ignore_eos))
 
 
-def _check_model(svc: Service, body: dict[str, Any]) -> None:
+def _check_model(request: web.Request, body: dict[str, Any]) -> None:
+    """Any model name (or none, or "") is served by the loaded model, as llama-server
+    does: clients hard-code "gpt-3.5-turbo" or send "" (llama.vim), and responses name
+    the model that answered. `--strict-model-name` makes an unknown name a 404."""
     model = get(body, "model", str, None)
-    if model is None:
+    if not model or not request.app[STRICT_MODEL_NAME]:
         return
-    if model not in _model_names(svc):
-        raise BadRequest(f"unknown model {model!r}; this daemon serves "
+    _known_model(_svc(request), model)
+
+
+def _known_model(svc: Service, name: str) -> None:
+    """A 404 unless `name` is one the served model answers to."""
+    if name not in _model_names(svc):
+        raise BadRequest(f"unknown model {name!r}; this daemon serves "
                          f"{svc.engine.target.name!r}", status=404, code="model_not_found",
                          param="model")
 
@@ -240,7 +249,7 @@ def _tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool
 async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     svc = _svc(request)
     body = await json_body(request)
-    _check_model(svc, body)
+    _check_model(request, body)
     _n_is_one(body)
     _unsupported(body, ("logprobs", "top_logprobs") if chat
                  else ("logprobs", "echo", "suffix", "best_of"))
@@ -521,9 +530,10 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def model(request: web.Request) -> web.Response:
-    """GET /v1/models/{id}: the served model under any name it answers to, else a 404."""
+    """GET /v1/models/{id}: the served model under any name it answers to, else a 404
+    (a lookup says what is there, whatever a completion request would accept)."""
     svc = _svc(request)
-    _check_model(svc, {"model": request.match_info["model_id"]})
+    _known_model(svc, request.match_info["model_id"])
     return json_response(_model_card(svc))
 
 
@@ -564,13 +574,15 @@ def _busy(handler: Handler) -> Handler:
 
 def create_app(service: Service, *, allowed_origins: set[str] | None = None,
                token: str | None = None, max_body: int = 8 << 20,
-               memory_plan: dict[str, Any] | None = None) -> web.Application:
+               memory_plan: dict[str, Any] | None = None,
+               strict_model_name: bool = False) -> web.Application:
     app = web.Application(client_max_size=max_body, middlewares=make_middlewares(
         allowed_origins=allowed_origins or set(), token=token))
     app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
     app[SERVICE] = service
     app[MAX_BODY] = max_body
     app[MEMORY_PLAN] = memory_plan
+    app[STRICT_MODEL_NAME] = strict_model_name
     r = app.router
     r.add_get("/health", health)
     r.add_get("/v1/models", models)

@@ -32,6 +32,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="allow a non-loopback --host (a token is then always required)")
     p.add_argument("--allow-origin", action="append", default=[],
                    help="a browser Origin allowed to call the API (repeatable)")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 to a request naming another model (default: any name, "
+                   "or none, gets the loaded model, as llama-server does)")
     p.add_argument("--no-fit", action="store_true",
                    help="use -c and --slots as given instead of the measured memory plan")
 
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
           + (f", draft {d['draft']['name']}" if "draft" in d else "")
           + f", n_ctx {d['n_ctx']}, slots {d['slots']}", file=sys.stderr, flush=True)
     app = create_app(service, allowed_origins=scfg.allowed_origins, token=token,
-                     memory_plan=memory_plan)
+                     memory_plan=memory_plan, strict_model_name=args.strict_model_name)
     try:
         asyncio.run(serve_forever(app, scfg))
     except KeyboardInterrupt:

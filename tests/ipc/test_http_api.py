@@ -84,8 +84,10 @@ def test_openai_client_chat_and_completions(server) -> None:
         messages=[{"role": "user", "content": "hi"}]))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    with pytest.raises(openai.NotFoundError, match="unknown model"):  # as OpenAI answers
-        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    # any name, or "" (llama.vim), is the loaded model, as llama-server serves it
+    for name in ("gpt-3.5-turbo", ""):
+        other = client.completions.create(model=name, prompt="x", max_tokens=2)
+        assert other.model == server.service.engine.target.name
     # what the client asks for and specd does not do is a 400 naming it, not ignored
     with pytest.raises(openai.BadRequestError, match="'logprobs' is not supported"):
         client.chat.completions.create(model="specd", max_tokens=2, logprobs=True,
@@ -168,6 +170,18 @@ def test_openai_client_gets_tool_calls(server) -> None:
                                            **({"tools": tools} if tools else {}))
     with pytest.raises(openai.BadRequestError, match="combined"):
         client.chat.completions.create(**{**ask, "tool_choice": "required"})
+
+
+def test_strict_model_name_keeps_the_404(tiny_path, tmp_path, monkeypatch) -> None:
+    openai = pytest.importorskip("openai")
+    monkeypatch.setenv("SPECD_STATE_DIR", str(tmp_path / "state"))
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=256, slots=1)
+    with live_server(cfg, tmp_path, strict_model_name=True) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused")
+        with pytest.raises(openai.NotFoundError, match="unknown model"):  # as OpenAI answers
+            client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+        served = srv.service.engine.target.name
+        assert client.completions.create(model=served, prompt="x", max_tokens=2).model == served
 
 
 def test_unix_socket_sync_and_async_clients(server) -> None:

@@ -51,7 +51,8 @@ class LiveServer:
 @contextlib.contextmanager
 def live_server(cfg: EngineConfig, tmp: Path, *, require_token: bool = False,
                 allowed_origins: set[str] | None = None, max_queue: int = 64,
-                max_body: int = 8 << 20) -> Iterator[LiveServer]:
+                max_body: int = 8 << 20, **app_options: Any) -> Iterator[LiveServer]:
+    """`app_options`: more of create_app's keywords (strict_model_name, ...)."""
     engine = Engine(cfg)
     scheduler = Scheduler(engine, max_queue=max_queue)
     service = Service(engine, scheduler)
@@ -60,7 +61,7 @@ def live_server(cfg: EngineConfig, tmp: Path, *, require_token: bool = False,
                        allowed_origins=allowed_origins or set())
     token = resolve_token(scfg)
     app = create_app(service, allowed_origins=scfg.allowed_origins, token=token,
-                     max_body=max_body)
+                     max_body=max_body, **app_options)
     loop = asyncio.new_event_loop()
     started: dict[str, Any] = {}
     ready = threading.Event()
