@@ -214,10 +214,12 @@ def _usage(r: Result) -> dict[str, Any]:
             "speculative": _spec_block(r)}
 
 
-def _oai_finish(reason: str) -> str:
-    if reason == "grammar_dead_end":
-        return reason
-    return "length" if reason in ("length", "time_limit") else "stop"
+def _oai_finish(reason: str) -> dict[str, str]:
+    """A choice's finish fields: OpenAI's `finish_reason` (only its values: clients
+    switch on them) and specd's own reason as `finish_detail` (time_limit,
+    grammar_dead_end, cancelled, ...)."""
+    oai = "length" if reason in ("length", "time_limit") else "stop"
+    return {"finish_reason": oai, "finish_detail": reason}
 
 
 def _tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True
@@ -301,7 +303,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     _check_fits(svc, prompt, "messages" if chat else "prompt")
     if not get(body, "stream", bool, False):
         r = await _collect(svc, prompt, params, stop=stop, grammar=grammar)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _oai_finish(r.finish_reason),
+        choice: dict[str, Any] = {"index": 0, **_oai_finish(r.finish_reason),
                                   "logprobs": None}
         if chat:
             content, calls = (r.text, []) if names is None else parse_tool_calls(r.text, names)
@@ -328,15 +330,18 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
 async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, rid: str,
                          created: int, model: str, include_usage: bool = False,
                          tools: ToolCallStream | None = None) -> web.StreamResponse:
-    """Chunks as OpenAI streams them; the usage goes on the finishing chunk (as llama.cpp
-    and many clients read it) and, with stream_options.include_usage, also in OpenAI's
-    own last chunk, whose choices are empty. With `tools`, text that may be a tool call
-    is held back, and the calls come whole in one chunk before the finishing one."""
+    """Chunks as OpenAI streams them. The usage is sent once: with
+    stream_options.include_usage in OpenAI's own last chunk, whose choices are empty,
+    else on the finishing chunk (where older llama.cpp servers put it). With `tools`, text
+    that may be a tool call is held back, and the calls come whole in one chunk before the
+    finishing one."""
     resp = await _sse(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    def chunk(delta: str | None, finish: dict[str, str] | None = None,
+              first: bool = False) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0, "finish_reason": None, **(finish or {}),
+                             "logprobs": None}
         if chat:
             c["delta"] = ({"role": "assistant", "content": delta or ""} if first
                           else ({"content": delta} if delta else {}))
@@ -346,15 +351,15 @@ async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, ri
                 "choices": [c]}
 
     if chat:
-        await _send(resp, chunk("", None, first=True))
+        await _send(resp, chunk("", first=True))
     async for ev in stream:
         if isinstance(ev, Piece):
             text = ev.text if tools is None else tools.feed(ev.text)
             if text:
-                await _send(resp, chunk(text, None))
+                await _send(resp, chunk(text))
         elif ev.error:
             if tools is not None and tools.held():
-                await _send(resp, chunk(tools.held(), None))
+                await _send(resp, chunk(tools.held()))
             await _send_error(resp, ev.error)
             await resp.write_eof()
             return resp
@@ -363,18 +368,19 @@ async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, ri
             if tools is not None:
                 rest, calls = tools.finish()
                 if rest:
-                    await _send(resp, chunk(rest, None))
+                    await _send(resp, chunk(rest))
                 if calls:
-                    called = chunk(None, None)
+                    called = chunk(None)
                     called["choices"][0]["delta"] = {
                         "tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]}
                     await _send(resp, called)
-                    finish = "tool_calls"
+                    finish["finish_reason"] = "tool_calls"
             final = chunk(None, finish)
-            final["usage"] = _usage(ev)
-            await _send(resp, final)
             if include_usage:
-                await _send(resp, {**final, "choices": []})
+                await _send(resp, final)
+                await _send(resp, {**final, "choices": [], "usage": _usage(ev)})
+            else:
+                await _send(resp, {**final, "usage": _usage(ev)})
     await _send(resp, "[DONE]")
     await resp.write_eof()
     return resp

@@ -100,6 +100,21 @@ def test_openai_client_chat_and_completions(server) -> None:
         messages=[{"role": "user", "content": "hi"}]))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 4
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    # once only: LangChain adds up every usage it sees
+    assert [c.usage is not None for c in chunks].count(True) == 1
+    chunks = list(client.completions.create(model="specd", prompt="x", max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and [c.usage is not None for c in chunks].count(True) == 1
+    # OpenAI's finish reasons only; specd's own reason beside them
+    out = client.completions.create(model="specd", prompt="x", max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].model_extra["finish_detail"] == "length"
+    # llguidance's lexer gives up on this regex at the first token: a grammar dead end
+    out = client.completions.create(model="specd", prompt="x", max_tokens=4,
+                                    extra_body={"regex": "(a{1000}){1000}"})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["finish_detail"] == "grammar_dead_end"
     served = server.service.engine.target.name
     assert client.models.retrieve(served).id == served
     with pytest.raises(openai.NotFoundError):
