@@ -14,8 +14,12 @@ tokens it emits (``verify_greedy`` / ``verify_rejection`` with ``grammar=state``
 
 The llguidance tokenizer is built from :meth:`Tokenizer.token_bytes` (the bytes each id
 stands for, the same table specd decodes with), so the grammar sees exactly the text the
-client will get.  Control, unknown and unused tokens (and user-defined ones spelled
-``<...>``) are special to llguidance: they never match grammar text.  Every
+client will get.  Control, unknown and unused tokens are special to llguidance: they never
+match grammar text, and a grammar names them as ``<|im_start|>`` or ``<[id]>``.
+User-defined tokens (Qwen's ``<tool_call>``, Gemma's ``<table>``) are text: the tokenizer
+makes them of that text even without special parsing, so a grammar's literal
+``"<tool_call>"`` must be able to match them (as special tokens it was a dead end after
+their first token); ``<tool_call>`` in a grammar names them too.  Every
 end-of-generation id (``Tokenizer.eot_ids``) is an EOS for llguidance: those are allowed
 exactly when the text so far is a complete match.  Ids at or past the tokenizer's size
 (logits rows that pad the vocabulary, e.g. Qwen2.5's) are never allowed.
@@ -93,8 +97,12 @@ class _TokenizerView:
         n = tok.vocab_size
         self.tokens: list[bytes] = [tok.token_bytes(i) for i in range(n)]
         self.special_token_ids: list[int] = [
-            i for i in range(n) if _is_special(tok.token_type(i), self.tokens[i])
+            i for i in range(n) if tok.token_type(i) in (CONTROL, UNKNOWN, UNUSED)
         ]
+        # user-defined tokens spelled <...>, which a grammar may name as special ones
+        self.named_text_tokens: dict[str, int] = {
+            text: i for i in range(n) if tok.token_type(i) == USER_DEFINED
+            and _TOKEN_NAME.fullmatch(text := self.tokens[i].decode("utf-8", "replace"))}
         self._tok = tok
         self._plain: _Backend | None = None
         if tok.strips_leading_space:
@@ -111,10 +119,8 @@ class _TokenizerView:
         return self._tok.encode(text, add_bos=False, add_eos=False, parse_special=False)
 
 
-def _is_special(token_type: int, data: bytes) -> bool:
-    if token_type in (CONTROL, UNKNOWN, UNUSED):
-        return True
-    return token_type == USER_DEFINED and data.startswith(b"<") and data.endswith(b">")
+# what llguidance's Lark syntax takes as a token's name: <...> without space or quotes
+_TOKEN_NAME = re.compile(r'<[^\s<>"]+>')
 
 
 @dataclass
@@ -123,6 +129,7 @@ class _TokenizerEntry:
     n_tokens: int
     eog_ids: tuple[int, ...]
     compiled: OrderedDict[tuple[str, str], Grammar]
+    named_text_tokens: dict[str, int]  # <name> -> id of a user-defined (text) token
 
 
 _entries: weakref.WeakKeyDictionary[Tokenizer, _TokenizerEntry] = weakref.WeakKeyDictionary()
@@ -136,7 +143,8 @@ def _entry(tok: Tokenizer) -> _TokenizerEntry:
         if entry is None:
             view = _TokenizerView(tok)
             lltok = llg.LLTokenizer(llg.TokenizerWrapper(view), eos_token=view.eog_ids)
-            entry = _TokenizerEntry(lltok, len(view.tokens), tuple(view.eog_ids), OrderedDict())
+            entry = _TokenizerEntry(lltok, len(view.tokens), tuple(view.eog_ids), OrderedDict(),
+                                    view.named_text_tokens)
             _entries[tok] = entry
         return entry
 
@@ -165,8 +173,8 @@ def compile_constraint(kind: str, spec: Any, tokenizer: Tokenizer) -> Grammar:
     Compiled constraints are cached per tokenizer (the result is immutable: call
     :meth:`Grammar.start` for each request).
     """
-    key_text, source = _grammar_source(kind, spec)
     entry = _entry(tokenizer)
+    key_text, source = _grammar_source(kind, spec, entry.named_text_tokens)
     key = (kind, key_text)
     with _entries_lock:
         cached = entry.compiled.get(key)
@@ -184,8 +192,10 @@ def compile_constraint(kind: str, spec: Any, tokenizer: Tokenizer) -> Grammar:
     return grammar
 
 
-def _grammar_source(kind: str, spec: Any) -> tuple[str, str]:
-    """(cache key text, llguidance grammar definition) for one constraint."""
+def _grammar_source(kind: str, spec: Any, named_text_tokens: dict[str, int]
+                    ) -> tuple[str, str]:
+    """(cache key text, llguidance grammar definition) for one constraint;
+    `named_text_tokens`: the vocabulary's user-defined tokens a Lark grammar may name."""
     if kind == "json_object":
         return "", llg.LLMatcher.grammar_from_json_schema({"type": "object"}, _JSON_DEFAULTS)
     if kind == "json_schema":
@@ -214,7 +224,8 @@ def _grammar_source(kind: str, spec: Any) -> tuple[str, str]:
         except Exception as e:  # the converter raises assorted errors
             # (a rule named "start" too: the converter renames root to start)
             raise GrammarError(f"invalid {kind} grammar (GBNF): {e}") from None
-        return spec, llg.LLMatcher.grammar_from_lark(text)
+        return spec, llg.LLMatcher.grammar_from_lark(_name_text_tokens(text,
+                                                                        named_text_tokens))
     raise GrammarError(
         f"unknown constraint kind {kind!r}; supported: {', '.join(CONSTRAINT_KINDS)}"
     )
@@ -238,14 +249,46 @@ def _schema_dict(spec: Any) -> dict[str, Any]:
     return spec
 
 
+def _name_text_tokens(lark: str, named: dict[str, int]) -> str:
+    """Lark text with each `<name>` of a user-defined token (outside strings, regexes and
+    comments) as `<[id]>`: llguidance resolves names among special tokens only."""
+    if not named or "<" not in lark:
+        return lark
+    out: list[str] = []
+    i, n = 0, len(lark)
+    while i < n:
+        c = lark[i]
+        if c == '"' or (c == "/" and lark[i + 1:i + 2] != "/"):  # a string or a regex
+            j = i + 1
+            while j < n and lark[j] != c:
+                j += 2 if lark[j] == "\\" else 1
+            out.append(lark[i:j + 1])
+            i = j + 1
+        elif c == "/":  # a // comment, to the end of the line
+            j = lark.find("\n", i)
+            j = n if j < 0 else j
+            out.append(lark[i:j])
+            i = j
+        elif c == "<" and (m := _TOKEN_NAME.match(lark, i)) and m.group(0) in named:
+            out.append(f"<[{named[m.group(0)]}]>")
+            i = m.end()
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
 _STATE_DUMP = re.compile(r"\n<state>.*", re.DOTALL)
+# llguidance's list of every special token after an unknown one's name (thousands)
+_SPECIAL_LIST = re.compile(r"; following special tokens are available: ⟦.*?⟧", re.DOTALL)
 # a GBNF rule line (`name ::= ...`; llguidance's is_lark_syntax takes `start ::=` for Lark)
 _GBNF_RULE = re.compile(r"(?m)^\s*[\w-]+\s*::=")
 
 
 def _clean_error(message: str) -> str:
     """llguidance's message without the parser-state dump it may append."""
-    return _STATE_DUMP.sub("", message).strip() or "unknown grammar error"
+    message = _SPECIAL_LIST.sub("", _STATE_DUMP.sub("", message))
+    return message.strip() or "unknown grammar error"
 
 
 @dataclass(frozen=True, eq=False)

@@ -624,3 +624,46 @@ def test_unmasked_target_is_not_the_constrained_distribution(
     monkeypatch.setattr(grammar_mod.GrammarState, "consume", lambda self, token: None)
     counts = _first_token_counts(exactness, draft_uses_grammar=True, draft_masked=True)
     assert chi2_pvalue(counts, exactness.p0) < FAIL_P
+
+
+def _store_tokenizer(name: str) -> Tokenizer:
+    from conftest import fetched_model
+
+    return Tokenizer.from_metadata(GGUFFile(fetched_model(name)).metadata)
+
+
+@pytest.mark.real
+def test_user_defined_tokens_are_text_a_grammar_names() -> None:
+    """Qwen's <tool_call> (151657) is a user-defined token the tokenizer makes of that text
+    even without special parsing: a grammar's literal "<tool_call>" must match it and go
+    on after it (it was a dead end after one token), and `<tool_call>` names it. Gemma's
+    <table> is another."""
+    from specd.daemon.text.tool_calls import forced_call_grammar
+
+    tok = _store_tokenizer("qwen2.5-coder-0.5b-instruct")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = tok.encode(call, add_bos=False, parse_special=False)
+    assert ids[0] == 151657 and ids[-1] == 151658
+    for source in (forced_call_grammar(tools), forced_call_grammar(tools, "get_weather", False),
+                   'start: <tool_call> /(.|\\n)*/ </tool_call>'):
+        state = compile_constraint("lark", source, tok).start()
+        assert state.allowed(151936)[151657]
+        for t in ids:
+            state.consume(t)
+        assert state.is_accepting() and not state.dead_end, source
+    state = compile_constraint("lark", 'start: "say " <tool_call>', tok).start()
+    say = tok.encode("say <tool_call>", add_bos=False)
+    assert say[-1] == 151657 and state.valid_prefix(say) == len(say)
+    with pytest.raises(GrammarError, match='unknown special token: "<nope>"') as info:
+        compile_constraint("lark", 'start: <nope> "x"', tok)
+    assert "<|im_start|>" not in str(info.value)  # not the list of them all
+
+    gemma = _store_tokenizer("gemma-3-270m")
+    html = gemma.encode("<table><tr>", add_bos=False, parse_special=False)
+    assert gemma.token_bytes(html[0]) == b"<table>"
+    state = compile_constraint("regex", "<table><tr>", gemma).start()
+    for t in html:
+        state.consume(t)
+    assert state.is_accepting()

@@ -1,0 +1,66 @@
+"""Real clients' requests on a real vocabulary: Qwen2.5-Coder-0.5B-Instruct behind a live
+server, through the official OpenAI SDK (the behaviour bugs that only showed on it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specd.daemon.serving.engine import EngineConfig
+
+from live_server import LiveServer, live_server
+
+pytestmark = pytest.mark.slow
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
+    from conftest import fetched_model
+
+    tmp = tmp_path_factory.mktemp("qwen")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECD_STATE_DIR", str(tmp / "state"))
+    cfg = EngineConfig(target=str(fetched_model(QWEN)), spec_type="ngram", n_ctx=1024,
+                       slots=1)
+    with live_server(cfg, tmp) as srv:
+        yield srv
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def client(qwen: LiveServer):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=qwen.base_url + "/v1", api_key="unused")
+
+
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def test_forced_tool_call_on_qwen_whose_tag_is_a_special_token(client) -> None:
+    """Qwen's <tool_call> is one user-defined token (151657); the forced-call grammar
+    ended after it with grammar_dead_end and no call."""
+    ask = {"model": "", "max_tokens": 60, "temperature": 0,
+           "messages": [{"role": "user", "content": "What time is it in Tokyo?"}]}
+    for tools, choice in (([TIME_TOOL], "required"),
+                          ([WEATHER_TOOL, TIME_TOOL],
+                           {"type": "function", "function": {"name": "get_time"}})):
+        out = client.chat.completions.create(tools=tools, tool_choice=choice, **ask)
+        assert out.choices[0].finish_reason == "tool_calls", out
+        calls = out.choices[0].message.tool_calls
+        assert calls[0].function.name == "get_time"
+        assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
+        chunks = list(client.chat.completions.create(tools=tools, tool_choice=choice,
+                                                     stream=True, **ask))
+        streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+        assert [t.function.name for t in streamed] == ["get_time"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
