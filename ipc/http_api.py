@@ -27,7 +27,7 @@ from specd.daemon.text.tool_calls import (
 from .jsonout import dumps, json_response
 from .metrics import render_metrics
 from .security import Handler, cors_on_prepare, error_response, make_middlewares
-from .validation import BadRequest, get, json_body, stop_list, token_list
+from .validation import BadRequest, get, json_body, logit_bias, stop_list, token_list
 
 SERVICE = web.AppKey("service", Service)
 MAX_BODY = web.AppKey("max_body", int)
@@ -58,6 +58,15 @@ def _params(svc: Service, body: dict[str, Any], *, max_key: str) -> GenerationPa
             top_p=get(body, "top_p", float, d.sampling.top_p, lo=0, hi=1),
             min_p=get(body, "min_p", float, d.sampling.min_p, lo=0, hi=1),
             repeat_penalty=get(body, "repeat_penalty", float, d.sampling.repeat_penalty, lo=0),
+            repeat_last_n=get(body, "repeat_last_n", int, d.sampling.repeat_last_n, lo=-1),
+            presence_penalty=get(body, "presence_penalty", float,
+                                 d.sampling.presence_penalty),
+            frequency_penalty=get(body, "frequency_penalty", float,
+                                  d.sampling.frequency_penalty),
+            logit_bias=d.sampling.logit_bias if body.get("logit_bias") is None else logit_bias(
+                body["logit_bias"],
+                lambda text: svc.tokenizer.encode(text, add_bos=False, parse_special=False),
+                svc.tokenizer.vocab_size),
             seed=None if seed is None or seed < 0 else seed).validate()
         draft = DraftParams(
             n_max=get(spec, "n_max", int, get(body, "speculative.n_max", int, d.draft.n_max),

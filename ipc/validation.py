@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -80,3 +82,46 @@ def token_list(value: Any, name: str, vocab: int) -> list[int]:
         raise BadRequest(f"'{name}' has token ids outside the vocabulary (0..{vocab - 1}): "
                          f"{bad[:5]}", param=name)
     return list(value)
+
+
+def logit_bias(value: Any, encode: Callable[[str], list[int]], vocab: int) -> dict[int, float]:
+    """`logit_bias` as OpenAI sends it ({"token id": bias}) or llama.cpp ([[token, bias],
+    ...], a token given as text meaning each of its tokens; false meaning never): token
+    id -> the bias added to its logit (biases for one token add up). Anything else, an id
+    outside the vocabulary, or a bias that is not a finite number or false, is a 400."""
+    name = "logit_bias"
+    if isinstance(value, dict):
+        pairs: list[Any] = [[k, v] for k, v in value.items()]
+    elif isinstance(value, list):
+        pairs = value
+    else:
+        raise BadRequest(f"'{name}' must be an object {{token id: bias}} or an array of "
+                         f"[token, bias] pairs", param=name)
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise BadRequest(f"'{name}' array items must be [token, bias] pairs, got "
+                             f"{json.dumps(pair)[:60]}", param=name)
+        token, bias = pair
+        if bias is False:
+            bias = -math.inf
+        elif isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(
+                float(bias)):
+            raise BadRequest(f"'{name}' for token {token!r}: the bias must be a finite "
+                             f"number or false, got {json.dumps(bias)}", param=name)
+        if isinstance(token, str):
+            try:
+                ids = [int(token)]  # OpenAI's keys: token ids as text
+            except ValueError:
+                ids = encode(token)  # llama.cpp: the tokens of this text
+        elif isinstance(token, int) and not isinstance(token, bool):
+            ids = [token]
+        else:
+            raise BadRequest(f"'{name}' tokens must be ids or text, got {json.dumps(token)}",
+                             param=name)
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise BadRequest(f"'{name}' has a token id outside the vocabulary "
+                                 f"(0..{vocab - 1}): {t}", param=name)
+            out[t] = out.get(t, 0.0) + float(bias)
+    return out

@@ -98,10 +98,15 @@ class Generation:
         self.grammar = grammar  # the request's constraint state (advanced on emitted tokens)
         t_seed, d_seed = derive_seeds(params.sampling.seed)
         self.sampler = Sampler(params.sampling, seed=t_seed)
-        temperature = params.sampling.temperature
+        sp = params.sampling
+        # q: the draft's top-k at the request's temperature, after the request's logit bias
+        # and penalties (over the same emitted tokens as p's), so that q stays near p
         self.draft_sampler = Sampler(
-            SamplerParams(temperature=temperature, top_k=params.draft_top_k, seed=d_seed),
-            seed=d_seed) if not params.sampling.is_greedy else None
+            SamplerParams(temperature=sp.temperature, top_k=params.draft_top_k, seed=d_seed,
+                          repeat_penalty=sp.repeat_penalty, repeat_last_n=sp.repeat_last_n,
+                          presence_penalty=sp.presence_penalty,
+                          frequency_penalty=sp.frequency_penalty, logit_bias=sp.logit_bias),
+            seed=d_seed) if not sp.is_greedy else None
         self.policy = make_policy(params, drafter)
         # a fully cached prompt still evaluates its last token (its logits are needed)
         self.stats = SpecStats(prompt_tokens=len(prompt),
@@ -185,6 +190,8 @@ class Generation:
         mask = None if self.grammar is None else self.grammar.allowed(len(logits))
         tok = self.sampler.sample(logits, mask)
         self.sampler.accept(tok)
+        if self.draft_sampler is not None:
+            self.draft_sampler.accept(tok)
         if self.grammar is not None:
             self.grammar.consume(tok)
         out = self._emit([tok])
@@ -360,6 +367,9 @@ class Generation:
         emitted token is the next round's `last`)."""
         assert self._last is not None
         emitted = result.tokens
+        if self.draft_sampler is not None:  # q's penalties see the tokens p's saw
+            for t in emitted:
+                self.draft_sampler.accept(t)
         if self.drafter is not None:
             self.drafter.accept(self.seq, len(emitted) - 1)
             kept = None if features is None else {

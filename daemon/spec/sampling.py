@@ -2,7 +2,12 @@
 
 The pipeline follows llama.cpp's default sampler chain::
 
-    repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw
+    logit bias -> penalties -> top-k -> top-p -> min-p -> temperature -> draw
+
+The penalties (llama.cpp's, over the last ``repeat_last_n`` emitted tokens): each token
+seen there has its logit divided by ``repeat_penalty`` (multiplied where negative), then
+lowered by ``count * frequency_penalty + presence_penalty`` (OpenAI's two, as llama.cpp
+applies them).
 
 llama.cpp applies temperature *after* the truncation filters, so top-p and min-p
 see the untempered distribution.  ``SamplerParams.temperature_last=False`` moves
@@ -27,7 +32,7 @@ import copy
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,6 +59,8 @@ class SamplerParams:
     temperature: 0 = greedy.  top_k: 0 = off.  top_p: 1.0 = off.  min_p: 0 = off.
     repeat_penalty: 1.0 = off; applied over the distinct tokens among the last
     ``repeat_last_n`` accepted tokens (0 = off, -1 = the whole history).
+    presence_penalty, frequency_penalty: 0 = off; over the same tokens (module doc).
+    logit_bias: token id -> what is added to its logit (-inf: never drawn).
     seed: None = fresh OS entropy.  temperature_last: llama.cpp order (see module doc).
     """
 
@@ -65,6 +72,9 @@ class SamplerParams:
     repeat_last_n: int = 64
     seed: int | None = None
     temperature_last: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def is_greedy(self) -> bool:
@@ -93,6 +103,16 @@ class SamplerParams:
                 f"repeat_last_n must be >= -1 (0 = off, -1 = whole history), "
                 f"got {self.repeat_last_n}"
             )
+        _check_real("presence_penalty", self.presence_penalty)
+        _check_real("frequency_penalty", self.frequency_penalty)
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias token", token)
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not (isinstance(bias, int | float) and not isinstance(bias, bool)) or not (
+                    math.isfinite(bias) or bias == -math.inf):
+                raise ValueError(f"logit_bias for token {token} must be a finite number "
+                                 f"or -inf, got {bias!r}")
         if self.seed is not None:
             _check_int("seed", self.seed)
             if self.seed < 0:
@@ -224,6 +244,12 @@ class Sampler:
         self._rng = np.random.Generator(np.random.PCG64(rng_seed))
         maxlen = None if params.repeat_last_n < 0 else params.repeat_last_n
         self._history: deque[int] = deque((int(t) for t in history), maxlen=maxlen)
+        # logit_bias as arrays: ids [b] ascending, what is added to their logits [b]
+        self._bias_ids = np.array(sorted(params.logit_bias), dtype=np.int64)
+        self._bias = np.array([params.logit_bias[int(t)] for t in self._bias_ids],
+                              dtype=np.float64)
+        self._penalised = (params.repeat_penalty != 1.0 or params.presence_penalty != 0.0
+                           or params.frequency_penalty != 0.0)
 
     @property
     def is_greedy(self) -> bool:
@@ -264,17 +290,25 @@ class Sampler:
         return (np.arange(p.shape[0]) if ids is None else ids), p
 
     def penalised_logits(self, logits: np.ndarray) -> np.ndarray:
-        """float64 copy of ``logits`` [vocab] with the repetition penalty applied."""
+        """float64 copy of ``logits`` [vocab] with the logit bias, then the penalties
+        applied (ids past the row's width, a draft's narrower one, are left out)."""
         x = np.array(logits, dtype=np.float64)  # [vocab]
         if x.ndim != 1:
             raise ValueError(f"expected one row of logits [vocab], got shape {x.shape}")
-        penalty = self.params.repeat_penalty
-        if penalty == 1.0 or not self._history:
+        if self._bias_ids.shape[0]:
+            n = int(np.searchsorted(self._bias_ids, x.shape[0]))  # ids ascend
+            x[self._bias_ids[:n]] += self._bias[:n]
+        if not self._penalised or not self._history:
             return x
-        seen = np.unique(np.fromiter(self._history, dtype=np.int64))
-        seen = seen[(seen >= 0) & (seen < x.shape[0])]
+        seen, counts = np.unique(np.fromiter(self._history, dtype=np.int64),
+                                 return_counts=True)  # [s], [s]
+        inside = (seen >= 0) & (seen < x.shape[0])
+        seen, counts = seen[inside], counts[inside]
+        p = self.params
         vals = x[seen]
-        x[seen] = np.where(vals > 0.0, vals / penalty, vals * penalty)
+        if p.repeat_penalty != 1.0:
+            vals = np.where(vals > 0.0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        x[seen] = vals - (counts * p.frequency_penalty + p.presence_penalty)
         return x
 
     def _filtered(
@@ -296,13 +330,19 @@ class Sampler:
     def _filter_values(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """The filter chain over x [m] (our own copy, modified): (positions or None, p)."""
         if self.is_greedy:
-            return np.array([int(np.argmax(x))]), np.ones(1)
+            best = int(np.argmax(x))
+            if x[best] == -np.inf:
+                raise NoAllowedToken("logit_bias leaves no token that may be drawn")
+            return np.array([best]), np.ones(1)
         temperature = self.params.temperature
         ids = _top_k_ids(x, self.params.top_k)  # [m] or None
         vals = x if ids is None else x[ids]  # [m]
         # the best logit becomes 0 before any division, so that a temperature however
         # small cannot overflow every value to -inf (softmax is shift-invariant)
-        vals -= vals.max()  # vals is our own copy (penalised_logits copies)
+        top = vals.max()
+        if top == -np.inf:
+            raise NoAllowedToken("logit_bias leaves no token that may be drawn")
+        vals -= top  # vals is our own copy (penalised_logits copies)
         if not self.params.temperature_last:
             with np.errstate(over="ignore"):  # -> -inf: probability 0, as it must be
                 vals /= temperature

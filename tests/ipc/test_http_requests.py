@@ -365,3 +365,39 @@ def test_json_is_compact_as_llama_vim_reads_it(tmp_path, tiny_model_factory) -> 
             status, _, raw = _raw(srv, "POST", path_, {**body, "stream": True})
             events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
             assert len(events) > 1 and all(e == b"[DONE]" or _compact(e) for e in events), raw
+
+
+def test_logit_bias_and_penalties_are_applied_and_checked(tiny_path, tmp_path) -> None:
+    """logit_bias (OpenAI's map, llama.cpp's pairs, token text, false = never) changes
+    what is generated; presence / frequency penalties too; a bad map is a 400."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="ngram", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        def tokens(**extra: Any) -> list[int]:
+            status, body = srv.request("POST", "/completion", {
+                "prompt": "one two one two", "n_predict": 12, "ignore_eos": True,
+                "temperature": 0, "stream": True, **extra})
+            assert status == 200, body
+            return [t for ev in _events(body) if isinstance(ev, dict) and not ev["stop"]
+                    for t in ev["tokens"]]
+
+        plain = tokens()
+        banned = sorted(set(plain))[:2]
+        for bias in ({str(t): -100 for t in banned}, [[t, False] for t in banned]):
+            out = tokens(logit_bias=bias)
+            assert len(out) == 12 and not set(out) & set(banned), (bias, out)
+        tok = srv.service.tokenizer
+        word = next(t for t in plain  # one whose text is itself (not part of a character)
+                    if tok.encode(tok.decode([t]), add_bos=False, parse_special=False) == [t])
+        assert word not in tokens(logit_bias=[[tok.decode([word]), False]])  # given as text
+        assert tokens(presence_penalty=1.5, frequency_penalty=1.0) != plain
+        for bad, match in (({"1": "x"}, "finite number or false"), ({"999999": 1}, "outside"),
+                           ([[1, 2, 3]], "pairs"), ("nope", "must be an object"),
+                           ({"-3": 1}, "outside"), ([[None, 1]], "ids or text"),
+                           ({"1": True}, "finite number")):
+            status, out = srv.request("POST", "/v1/completions", {"prompt": "x",
+                                                                  "logit_bias": bad})
+            assert status == 400 and match in out["error"]["message"], (bad, out)
+            assert out["error"]["param"] == "logit_bias"
+        status, out = srv.request("POST", "/completion", {"prompt": "x",
+                                                          "presence_penalty": "high"})
+        assert status == 400 and "presence_penalty" in out["error"]["message"]

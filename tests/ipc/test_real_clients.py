@@ -64,3 +64,16 @@ def test_forced_tool_call_on_qwen_whose_tag_is_a_special_token(client) -> None:
         streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
         assert [t.function.name for t in streamed] == ["get_time"]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_logit_bias_bans_a_real_token(client, qwen: LiveServer) -> None:
+    ask = {"model": "gpt-3.5-turbo", "max_tokens": 12, "temperature": 0,
+           "messages": [{"role": "user", "content": "What is the capital of France? "
+                                                    "One word."}]}
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    assert "Paris" in plain
+    tok = qwen.service.tokenizer
+    banned = {t for text in ("Paris", " Paris") for t in tok.encode(text, add_bos=False)[:1]}
+    out = client.chat.completions.create(logit_bias={str(t): -100 for t in banned}, **ask)
+    assert not banned & set(tok.encode(out.choices[0].message.content, add_bos=False)), out
+    assert out.choices[0].message.content != plain

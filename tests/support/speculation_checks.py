@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -15,19 +16,20 @@ from chi_square import chi2_pvalue
 
 
 def second_token_check(runner: ModelRunner, drafter: Drafter, prompt: Sequence[int],
-                       n_runs: int = 3000, temperature: float = 1.5) -> tuple[float, int]:
+                       n_runs: int = 3000, temperature: float = 1.5,
+                       **sampling: Any) -> tuple[float, int]:
     """Sampled proposals of one token verified by rejection sampling, over seeds 0..n_runs-1:
     the chi-square p-value of the second generated token (the round's: an accepted draft
     or the residual's draw) against the target's own distribution of it, marginal over the
     first (categories expected fewer than 5 times pooled), and how many drafts were
-    accepted."""
-    sp = SamplerParams(temperature=temperature, seed=0)
+    accepted. `sampling`: more SamplerParams fields (logit_bias, penalties, ...)."""
+    sp = SamplerParams(temperature=temperature, seed=0, **sampling)
     seconds: list[int] = []
     accepted = 0
     for seed in range(n_runs):
         gen = Generation(runner, 0, list(prompt), GenerationParams(
             max_tokens=3, ignore_eos=True,
-            sampling=SamplerParams(temperature=temperature, seed=seed),
+            sampling=SamplerParams(temperature=temperature, seed=seed, **sampling),
             draft=DraftParams(n_max=1), draft_top_k=0), eog=set(), drafter=drafter)
         out = gen.prefill()
         out += gen.step()
@@ -37,7 +39,9 @@ def second_token_check(runner: ModelRunner, drafter: Drafter, prompt: Sequence[i
     first = Sampler(sp).probs(runner.prefill(0, list(prompt)))  # [vocab]
     want = np.zeros_like(first)
     for t1 in np.flatnonzero(first):
-        want += first[t1] * Sampler(sp).probs(runner.prefill(0, [*prompt, int(t1)]))
+        # the sampler's penalties see the first token
+        want += first[t1] * Sampler(sp, history=[int(t1)]).probs(
+            runner.prefill(0, [*prompt, int(t1)]))
     counts = np.bincount(seconds, minlength=want.shape[0])
     rare = want * n_runs < 5
     pooled_counts = np.append(counts[~rare], counts[rare].sum())

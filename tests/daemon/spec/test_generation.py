@@ -14,10 +14,12 @@ from specd.daemon.drafters.synthetic import SyntheticDrafter
 from specd.daemon.models.building import DRAFT_VOCAB_ROWS, build_options, target_kernels
 from specd.daemon.spec.drafter import DraftEvidence, DraftParams, Proposal
 from specd.daemon.spec.generation import Generation, GenerationParams, RequestError
-from specd.daemon.spec.sampling import Sampler, SamplerParams
+from specd.daemon.spec.sampling import Sampler, SamplerParams, softmax
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
+
+from speculation_checks import second_token_check
 
 EOG = {349}
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
@@ -276,6 +278,28 @@ def test_a_draft_cut_to_its_first_ids_keeps_the_output_the_targets(
     assert got == want and gen.stats.accepted > 0
     a, b, ga = sampled_twice(target, draft, temperature=1.5, seed=5)
     assert a == b and any(t >= 128 for t in a) and ga.stats.drafted > 0
+
+
+def test_logit_bias_and_penalties_keep_sampled_speculation_exact(models) -> None:
+    """The request's logit bias and penalties shape p, and q too (the draft samples under
+    them, its penalty history following the emitted tokens): the second token, drawn
+    through rejection sampling, is distributed as the biased, penalised target's."""
+    target, draft = models
+    runner = ModelRunner(target, n_ctx=512)
+    first = softmax(runner.prefill(0, PROMPT))  # [vocab]
+    top = [int(t) for t in np.argsort(first)[::-1][:3]]
+    sampling = {"logit_bias": {top[0]: -float("inf"), top[1]: 1.0, top[2]: -1.0},
+                "presence_penalty": 0.7, "frequency_penalty": 0.4}
+    p, accepted = second_token_check(runner, draft_drafter(draft), PROMPT, n_runs=2000,
+                                     temperature=1.0, **sampling)
+    assert p > 1e-3 and 100 < accepted < 1900
+    out, gen = run(target, draft_drafter(draft), max_tokens=24, ignore_eos=True,
+                   sampling=SamplerParams(temperature=1.0, seed=3, **sampling),
+                   draft=DraftParams(n_max=4))
+    assert top[0] not in out
+    assert gen.draft_sampler is not None
+    assert gen.draft_sampler.history == gen.sampler.history  # q's penalties see p's tokens
+    assert gen.draft_sampler.params.logit_bias == sampling["logit_bias"]
 
 
 def test_target_rng_unchanged_by_the_draft_when_nothing_is_drafted(models) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from specd.daemon.spec.sampling import (
+    NoAllowedToken,
     Sampler,
     SamplerParams,
     derive_seeds,
@@ -15,6 +16,8 @@ from specd.daemon.spec.sampling import (
     softmax,
     top_probability,
 )
+
+from chi_square import FAIL_P, PASS_P, chi2_pvalue
 
 
 def _logits_for(probs: list[float]) -> np.ndarray:
@@ -367,6 +370,12 @@ def test_derive_seeds_gives_reproducible_independent_streams() -> None:
         ("seed", 1.5),
         ("top_p", "0.9"),
         ("top_k", True),
+        ("presence_penalty", math.nan),
+        ("frequency_penalty", "1"),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: math.nan}),
+        ("logit_bias", {3: math.inf}),
+        ("logit_bias", {3: True}),
     ],
 )
 def test_validate_rejects_out_of_range_values(field: str, value: object) -> None:
@@ -422,3 +431,67 @@ def test_blockwise_inverse_cdf_equals_the_running_sum_over_the_vocabulary() -> N
             assert sample_from_probs(p, float(u)) == want
         assert p[sample_from_probs(p, np.nextafter(1.0, 0.0))] > 0.0
         assert p[sample_from_probs(p, 0.0)] > 0.0
+
+
+# -- logit bias, presence and frequency penalties -------------------------------------
+
+
+def _penalised_reference(logits: np.ndarray, params: SamplerParams, history: list[int]
+                         ) -> np.ndarray:
+    """llama.cpp's logit-bias then penalties samplers, written out token by token."""
+    x = np.array(logits, dtype=np.float64)
+    for t, b in params.logit_bias.items():
+        x[t] += b
+    n = params.repeat_last_n
+    recent = history if n < 0 else history[-n:] if n > 0 else []
+    for t in set(recent):
+        if x[t] > 0:
+            x[t] /= params.repeat_penalty
+        else:
+            x[t] *= params.repeat_penalty
+        x[t] -= recent.count(t) * params.frequency_penalty + params.presence_penalty
+    return x
+
+
+PENALISED = SamplerParams(temperature=1.0, repeat_penalty=1.3, presence_penalty=0.4,
+                          frequency_penalty=0.3, repeat_last_n=6,
+                          logit_bias={0: 1.5, 2: -0.7, 5: -math.inf})
+PENALISED_LOGITS = np.array([0.5, 1.2, -0.3, 0.9, 0.1, 2.0, -1.0, 0.4])
+PENALISED_HISTORY = [9, 9, 1, 3, 1, 1, 4, 3]  # the last 6 count: 1 x3, 3 x2, 4 x1
+
+
+def test_logit_bias_then_penalties_as_llama_cpp_applies_them() -> None:
+    s = Sampler(PENALISED, history=PENALISED_HISTORY)
+    want = _penalised_reference(PENALISED_LOGITS, PENALISED, PENALISED_HISTORY)
+    np.testing.assert_allclose(s.penalised_logits(PENALISED_LOGITS), want)
+    np.testing.assert_allclose(s.probs(PENALISED_LOGITS), softmax(want))
+    assert s.probs(PENALISED_LOGITS)[5] == 0.0  # -inf: banned, though the largest logit
+    # greedy: the argmax after the bias (token 5 banned, token 0 raised above 3 and 1)
+    greedy = Sampler(SamplerParams(temperature=0.0, logit_bias={5: -math.inf, 0: 1.5}))
+    assert greedy.sample(PENALISED_LOGITS) == 0
+    # a bias for ids past a row's width (a draft's narrower logits) is left out
+    narrow = Sampler(SamplerParams(temperature=1.0, logit_bias={1: 0.5, 20: 3.0}))
+    np.testing.assert_allclose(narrow.penalised_logits(PENALISED_LOGITS),
+                               PENALISED_LOGITS + np.eye(8)[1] * 0.5)
+
+
+def test_biased_and_penalised_draws_follow_their_distribution() -> None:
+    """Seeded draws (one sampler, fixed seed) against the reference distribution: the
+    new pieces change what is drawn, not only what probs() reports."""
+    s = Sampler(PENALISED, seed=11, history=PENALISED_HISTORY)
+    want = softmax(_penalised_reference(PENALISED_LOGITS, PENALISED, PENALISED_HISTORY))
+    counts = np.zeros(8, dtype=np.int64)
+    for _ in range(20_000):
+        counts[s.sample(PENALISED_LOGITS)] += 1
+    assert chi2_pvalue(counts, want) > PASS_P
+    # and the test would see the penalties missing
+    unpenalised = softmax(PENALISED_LOGITS + np.array([1.5, 0, -0.7, 0, 0, -np.inf, 0, 0]))
+    assert chi2_pvalue(counts, unpenalised) < FAIL_P
+
+
+def test_a_bias_that_leaves_no_token_is_no_allowed_token() -> None:
+    ban_all = {t: -math.inf for t in range(8)}
+    for temperature in (0.0, 1.0):
+        with pytest.raises(NoAllowedToken, match="logit_bias"):
+            Sampler(SamplerParams(temperature=temperature, logit_bias=ban_all)).sample(
+                PENALISED_LOGITS)

@@ -354,6 +354,27 @@ def test_joint_of_first_two_tokens_with_repetition_penalty() -> None:
     assert chi2_pvalue(counts, expected) > PASS_P
 
 
+def test_joint_of_first_two_tokens_with_logit_bias_and_openai_penalties() -> None:
+    # presence and frequency penalties make p(. | a) depend on a; the bias moves p itself
+    params = SamplerParams(temperature=1.0, presence_penalty=0.6, frequency_penalty=0.5,
+                           logit_bias={1: 0.6, 3: 0.8})
+    expected = _expected_joint(params)
+    counts = _first_two_tokens(params, n_trials=12_000, seed=9)
+    assert chi2_pvalue(counts, expected) > PASS_P
+    unbiased = SamplerParams(temperature=1.0, presence_penalty=0.6, frequency_penalty=0.5)
+    assert chi2_pvalue(counts, _expected_joint(unbiased)) < FAIL_P
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_joint_test_catches_a_penalty_history_that_does_not_advance(
+    monkeypatch: pytest.MonkeyPatch, penalty: str
+) -> None:
+    monkeypatch.setattr(Sampler, "accept", lambda self, token: None)
+    params = SamplerParams(temperature=1.0, **{penalty: 1.5})
+    counts = _first_two_tokens(params, n_trials=12_000, seed=9)
+    assert chi2_pvalue(counts, _expected_joint(params)) < FAIL_P
+
+
 def test_joint_test_catches_a_history_that_does_not_advance(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
