@@ -4,10 +4,11 @@ from collections.abc import Callable
 
 from specd.ort_models.gguf_file import GGUFError, GGUFFile
 
-from . import llama, qwen2, qwen3
+from . import gemma3, llama, qwen2, qwen3
 from .base import HParams
 
 READERS: dict[str, Callable[[GGUFFile], HParams]] = {
+    "gemma3": gemma3.read_hparams,
     "llama": llama.read_hparams,
     "qwen2": qwen2.read_hparams,
     "qwen3": qwen3.read_hparams,

@@ -6,6 +6,7 @@ graph builder understands; adding an architecture is one small module plus a reg
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from specd.ort_models.gguf_file import GGUFError, GGUFFile
@@ -29,10 +30,36 @@ class HParams:
     qkv_bias: bool = False  # qwen2
     qk_norm: bool = False  # qwen3: per-head RMSNorm of q and k before RoPE
     tied_embeddings: bool = False
+    # gemma3's mechanisms, each a shared building block the next architecture reuses
+    sliding_window: int = 0  # keys a sliding-window layer's query sees (itself included)
+    swa_layers: tuple[bool, ...] = ()  # per layer: attends over the sliding window
+    rope_base_swa: float | None = None  # the sliding-window layers' rope base
+    embedding_scale: float | None = None  # token embeddings scaled (gemma: sqrt(n_embd))
+    attention_scale: float | None = None  # replaces 1/sqrt(head_dim)
+    post_norms: bool = False  # RMSNorm of the attention and FFN outputs before each residual
+    ffn_act: str = "silu"  # gated FFN activation: "silu" or "gelu" (tanh approximation)
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def __post_init__(self) -> None:
+        # a tuple however it was given (a meta.json round trip gives a list)
+        object.__setattr__(self, "swa_layers", tuple(self.swa_layers))
 
     @property
     def group_size(self) -> int:
         return self.n_head // self.n_head_kv
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor of q . k."""
+        return self.attention_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def is_swa(self, layer: int) -> bool:
+        """Whether `layer` attends over the sliding window only."""
+        return bool(self.sliding_window) and self.swa_layers[layer]
+
+    def rope_base_of(self, layer: int) -> float:
+        """`layer`'s rope base."""
+        return self.rope_base_swa if self.is_swa(layer) and self.rope_base_swa else self.rope_base
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """K and V bytes per token per sequence, all layers."""
@@ -52,7 +79,7 @@ def _real(f: GGUFFile, key: str, value: object) -> float:
     return float(value)
 
 
-def read_common(f: GGUFFile, *, rope_interleaved: bool, **flags: bool) -> HParams:
+def read_common(f: GGUFFile, *, rope_interleaved: bool, **flags: object) -> HParams:
     n_embd = _count(f, "embedding_length", f.require("embedding_length"))
     n_head = _count(f, "attention.head_count", f.require("attention.head_count"))
     n_head_kv = _count(f, "attention.head_count_kv",
@@ -83,7 +110,7 @@ def read_common(f: GGUFFile, *, rope_interleaved: bool, **flags: bool) -> HParam
         rope_dim=_count(f, "rope.dimension_count", f.arch_key("rope.dimension_count", head_dim)),
         rope_interleaved=rope_interleaved,
         tied_embeddings=not f.has_tensor("output.weight"),
-        **flags,
+        **flags,  # type: ignore[arg-type]
     )
     check_shapes(f, hp)
     return hp

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +28,7 @@ class AttentionInputs:
     pos_ids: str  # [1, S] positions of the new tokens
     s_len: str  # [1] S
     mask: str = ""  # exact: [S, T] additive causal mask
+    mask_swa: str = ""  # exact, sliding-window layers: the causal mask within the window
     shape4: str = ""  # exact: [Hkv, G, -1, attn_len]
     shape3: str = ""  # exact: [Hkv, -1, attn_len]
     qpad: str = ""  # exact, group size 1: a zero query row [Hkv, 1, hd]
@@ -37,33 +37,46 @@ class AttentionInputs:
     total_len: str = ""  # fused: int32 scalar pos + S
 
 
-def rope_tables(hp: HParams, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [max_pos, rope_dim/2] float32 of the rotary angles."""
-    inv = hp.rope_base ** (-np.arange(0, hp.rope_dim, 2, dtype=np.float64) / hp.rope_dim)
+def rope_tables(hp: HParams, max_pos: int, base: float | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [max_pos, rope_dim/2] float32 of the rotary angles (base: the rope base,
+    default the model's)."""
+    base = hp.rope_base if base is None else base
+    inv = base ** (-np.arange(0, hp.rope_dim, 2, dtype=np.float64) / hp.rope_dim)
     ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # [P, rot/2]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 def rotary_positions(c: BuildContext, s_len: str) -> str:
     """The positions [1, S] of S new tokens from the graph input `position` (s_len: [1] S),
-    and the rotary tables rope.cos / rope.sin as initializers."""
+    and the rotary tables as initializers: rope.cos / rope.sin, and rope_swa.cos /
+    rope_swa.sin where sliding-window layers have a rope base of their own."""
     g, hp = c.g, c.hp
     pos_ids = g.op("Unsqueeze", [g.op("Add", [g.op("Range", [
         g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)]), "position"]),
         g.const([0])])  # [1, S]
-    cos, sin = rope_tables(hp, c.options.max_positions or hp.n_ctx_train)
-    g.weight("rope.cos", cos)
-    g.weight("rope.sin", sin)
+    max_pos = c.options.max_positions or hp.n_ctx_train
+    bases = {"rope": hp.rope_base} | {rope_table(hp, i): hp.rope_base_of(i)
+                                       for i in range(hp.n_layer)}
+    for name, base in bases.items():
+        cos, sin = rope_tables(hp, max_pos, base)
+        g.weight(f"{name}.cos", cos)
+        g.weight(f"{name}.sin", sin)
     return pos_ids
 
 
-def rotate(c: BuildContext, x3: str, pos_ids: str, n_heads: int) -> str:
+def rope_table(hp: HParams, layer: int) -> str:
+    """The name of the rotary tables `layer` reads (their .cos and .sin)."""
+    return "rope_swa" if hp.rope_base_of(layer) != hp.rope_base else "rope"
+
+
+def rotate(c: BuildContext, x3: str, pos_ids: str, n_heads: int, table: str = "rope") -> str:
     """RoPE of x3 [1, S, n_heads*hd] at `pos_ids` [1, S] with the tables rotary_positions
-    wrote."""
+    wrote (`table`: their name)."""
     hp = c.hp
-    return c.g.op("RotaryEmbedding", [x3, pos_ids, "rope.cos", "rope.sin"], domain=MS,
-                  interleaved=int(hp.rope_interleaved), rotary_embedding_dim=hp.rope_dim,
-                  num_heads=n_heads)
+    return c.g.op("RotaryEmbedding", [x3, pos_ids, f"{table}.cos", f"{table}.sin"],
+                  domain=MS, interleaved=int(hp.rope_interleaved),
+                  rotary_embedding_dim=hp.rope_dim, num_heads=n_heads)
 
 
 def kv_cache_io(c: BuildContext, i: int) -> None:
@@ -102,6 +115,8 @@ def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True) -> Atten
         t_len = g.op("Concat", [g.const([nkv, 1]), "attn_len"], axis=0)
         io.ppad = g.op("ConstantOfShape", [t_len], value=_f32_tensor(0.0))
     io.mask = _causal_mask(g, s_len) if causal else g.const(0.0, np.float32)
+    if hp.sliding_window and any(hp.is_swa(i) for i in range(hp.n_layer)):
+        io.mask_swa = _causal_mask(g, s_len, hp.sliding_window)
     return io
 
 
@@ -131,8 +146,9 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
     if fused and hp.rope_dim == hd:
         out = _fused_attention(c, i, q3, k3, v3, io, rotary=True)
     else:
-        q3 = rotate(c, q3, io.pos_ids, hp.n_head)  # [1, S, H*hd]
-        k3 = rotate(c, k3, io.pos_ids, nkv)
+        table = rope_table(hp, i)
+        q3 = rotate(c, q3, io.pos_ids, hp.n_head, table)  # [1, S, H*hd]
+        k3 = rotate(c, k3, io.pos_ids, nkv, table)
         if fused:
             out = _fused_attention(c, i, q3, k3, v3, io, rotary=False)
         else:
@@ -145,13 +161,17 @@ def _fused_attention(c: BuildContext, i: int, q3: str, k3: str, v3: str, io: Att
     """GroupQueryAttention on [1, S, *] projections (rotated inside if `rotary`), writing
     the cache buffers in place -> [S, H*hd]."""
     g, hp = c.g, c.hp
-    extra = ["rope.cos", "rope.sin"] if rotary else []
+    table = rope_table(hp, i)
+    extra = [f"{table}.cos", f"{table}.sin"] if rotary else []
+    # a sliding-window layer's query sees itself and the window - 1 keys before it: in
+    # GroupQueryAttention's terms, a local window of that many keys
+    window = {"local_window_size": hp.sliding_window} if hp.is_swa(i) else {}
     out, _, _ = g.op("GroupQueryAttention", [q3, k3, v3, f"past_key_{i}", f"past_value_{i}",
                                              io.seqlens_k, io.total_len, *extra], 3,
                      domain=MS, out=[g.fresh("gqa"), f"present_key_{i}", f"present_value_{i}"],
                      num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
-                     scale=1.0 / math.sqrt(hp.head_dim), do_rotary=int(rotary),
-                     rotary_interleaved=int(hp.rope_interleaved))  # [1, S, H*hd]
+                     scale=hp.attn_scale, do_rotary=int(rotary),
+                     rotary_interleaved=int(hp.rope_interleaved), **window)  # [1, S, H*hd]
     return g.op("Reshape", [out, g.const([-1, hp.n_head * hp.head_dim])])
 
 
@@ -188,13 +208,15 @@ def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[st
         q, k, v = [t for y, group in products for t in split(c, y, group)]
     g, hp = c.g, c.hp
     op = "CachedAttentionF16" if c.options.kv_dtype == "f16" else "CachedAttention"
-    out, _, _ = g.op(op, [q, k, v, f"past_key_{i}", f"past_value_{i}", "position", "rope.cos",
-                          "rope.sin"], 3, domain=NATIVE,
+    table = rope_table(hp, i)
+    optional = ({"packed": packed} if packed else {}) | (
+        {"window": hp.sliding_window} if hp.is_swa(i) else {})
+    out, _, _ = g.op(op, [q, k, v, f"past_key_{i}", f"past_value_{i}", "position",
+                          f"{table}.cos", f"{table}.sin"], 3, domain=NATIVE,
                      out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                      num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
-                     scale=1.0 / math.sqrt(hp.head_dim), rotary_dim=hp.rope_dim,
-                     interleaved=int(hp.rope_interleaved),
-                     **({"packed": packed} if packed else {}))
+                     scale=hp.attn_scale, rotary_dim=hp.rope_dim,
+                     interleaved=int(hp.rope_interleaved), **optional)
     return out
 
 
@@ -215,11 +237,12 @@ def _exact_attention(c: BuildContext, i: int, q3: str, k3: str, v: str,
     if grp == 1:  # keep M >= 2 so MLAS never takes its M == 1 GEMV path (not row-invariant)
         qm = g.op("Concat", [qm, io.qpad], axis=1)
     scores = g.op("MatMul", [qm, g.op("Transpose", [keys], perm=[0, 2, 1])])  # [Hkv, M, T]
-    scores = g.op("Mul", [scores, g.const(1.0 / math.sqrt(hd), np.float32)])
+    scores = g.op("Mul", [scores, g.const(hp.attn_scale, np.float32)])
     if grp == 1:
         scores = g.op("Slice", [scores, g.const([0]), io.s_len, g.const([1])])
     s4 = g.op("Reshape", [scores, io.shape4])  # [Hkv, G, S, T]
-    probs = g.op("Softmax", [g.op("Add", [s4, io.mask])], axis=-1)
+    mask = io.mask_swa if hp.is_swa(i) else io.mask
+    probs = g.op("Softmax", [g.op("Add", [s4, mask])], axis=-1)
     probs = g.op("Reshape", [probs, io.shape3])  # [Hkv, G*S, T]
     if grp == 1:
         probs = g.op("Concat", [probs, io.ppad], axis=1)
@@ -231,12 +254,16 @@ def _exact_attention(c: BuildContext, i: int, q3: str, k3: str, v: str,
     return g.op("Reshape", [out, g.const([-1, hp.n_head * hd])])
 
 
-def _causal_mask(g: GraphWriter, s_len: str) -> str:
-    """[S, T] additive mask: 0 where key t <= position of row s, -inf after."""
+def _causal_mask(g: GraphWriter, s_len: str, window: int = 0) -> str:
+    """[S, T] additive mask: 0 where key t <= position p of row s (and, with a window,
+    t > p - window: the query and the window - 1 keys before it), -inf elsewhere."""
     t = g.op("Range", [g.const(0), g.op("Squeeze", ["attn_len", g.const([0])]), g.const(1)])
     rows = g.op("Range", [g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)])
     row_pos = g.op("Unsqueeze", [g.op("Add", [rows, "position"]), g.const([1])])  # [S, 1]
     allowed = g.op("LessOrEqual", [t, row_pos])  # [S, T]
+    if window:
+        recent = g.op("Greater", [t, g.op("Sub", [row_pos, g.const(window)])])
+        allowed = g.op("And", [allowed, recent])
     return g.op("Where", [allowed, g.const(0.0, np.float32), g.const(-np.inf, np.float32)])
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from specd.ort_models.arch import HParams
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.onnx_writer import GraphWriter
@@ -11,7 +13,7 @@ from .attention import AttentionInputs, attention, attention_inputs
 from .context import BuildContext
 from .linear import linear
 from .mlp import feed_forward
-from .norms import add_norm
+from .norms import add_norm, rms_norm
 from .options import F32, I64, BuildOptions, Progress
 from .weights import matrix
 
@@ -27,6 +29,8 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
     io = attention_inputs(c, ids)
 
     x = embedding(c, ids)  # [S, E] residual stream
+    if hp.embedding_scale is not None:
+        x = g.op("Mul", [x, g.const(hp.embedding_scale, np.float32)])
     c.tick("embedding")
     delta: str | None = None  # the block output not yet added to x
     for i in range(hp.n_layer):
@@ -59,8 +63,14 @@ def decoder_layer(c: BuildContext, i: int, x: str, delta: str | None, io: Attent
     new (x, delta), the block's feed-forward output left to add (the next norm adds it)."""
     p = f"blk.{i}."
     x, h = add_norm(c, x, delta, p + "attn_norm.weight")
-    x, h = add_norm(c, x, attention(c, i, h, io), p + "ffn_norm.weight")
-    return x, feed_forward(c, h, p)
+    a = attention(c, i, h, io)
+    if c.hp.post_norms:  # gemma: the attention and FFN outputs normed before each residual
+        a = rms_norm(c, a, c.vector(p + "post_attention_norm.weight"))
+    x, h = add_norm(c, x, a, p + "ffn_norm.weight")
+    f = feed_forward(c, h, p)
+    if c.hp.post_norms:
+        f = rms_norm(c, f, c.vector(p + "post_ffw_norm.weight"))
+    return x, f
 
 
 def logits_head(c: BuildContext, x: str, delta: str) -> str:
@@ -76,4 +86,8 @@ def logits_head(c: BuildContext, x: str, delta: str) -> str:
         head = f"output.first{width}.weight"
         c.shared[head] = matrix(c, out_name).first_rows(width)
         out_name = head
-    return linear(c, h, out_name)  # [R, width]
+    logits = linear(c, h, out_name)  # [R, width]
+    if hp.final_softcap is not None:  # cap * tanh(logits / cap)
+        cap = g.const(hp.final_softcap, np.float32)
+        logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
+    return logits

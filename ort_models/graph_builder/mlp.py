@@ -1,4 +1,4 @@
-"""The gated feed-forward block: down(silu(gate(h)) * up(h))."""
+"""The gated feed-forward block: down(act(gate(h)) * up(h)), act silu or (gemma) GELU."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def gated_ffn(c: BuildContext, h: Activation, p: str) -> Activation:
     product over the stacked gate and up, then SwiGlu (pending: the down product's
     prologue, where that is a GgufMatMul), else Split, Sigmoid and Muls."""
     names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
+    if c.hp.ffn_act == "gelu":  # gemma: gelu(gate) * up, GELU's tanh approximation
+        gate, up = linears(c, h, names)
+        return c.g.op("Mul", [c.g.op("Gelu", [gate], approximate="tanh"), up])
     if c.options.uses_native and matrix(c, names[0]).fusable(matrix(c, names[1])):
         return PendingSwiGlu(stacked_linear(c, h, names))
     gate, up = linears(c, h, names)

@@ -5,11 +5,14 @@
  *   K, V      float32 [1, Hkv, n_ctx, hd]  the caches, rows 0 .. pos+S-1 already written
  *   position  int64   [1]                  pos
  *   Y         float32 [S, H*hd]
- *   attributes: num_heads (H), kv_num_heads (Hkv, dividing H), scale
+ *   attributes: num_heads (H), kv_num_heads (Hkv, dividing H), scale, window (optional,
+ *               0): > 0, a query sees its own key and the window - 1 before it (a
+ *               sliding-window layer), else every earlier one
  *
  * Every (row, head) is computed on its own numbers, in one fixed order (the heads that share
  * a KV head run in one task, which reads each key and value once for all of them): scores q.k_t * scale over keys
- * t = 0 .. p (p = pos + row; dot products in 8 lanes of fused multiply-adds, summed in a
+ * t = first .. p (p = pos + row, first = 0 or p + 1 - window; dot products in 8 lanes of
+ * fused multiply-adds, summed in a
  * fixed tree; 8 keys at a time where 8 remain, with the same tree), their max,
  * exp(score - max), the sum of those in 8 lanes, the values weighted in key order, and a
  * division by the sum. A row of a block therefore equals the same row computed alone, bit
@@ -43,6 +46,7 @@ enum { S_HEADS = 1, V_HEADS = 2 };
 typedef struct {
   int64_t heads, kv_heads;
   float scale;
+  int64_t window; /* > 0: a query sees itself and the window - 1 keys before it */
 } Attn;
 
 /* ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)): the tree every path sums 8 lanes in (the one
@@ -66,6 +70,7 @@ typedef struct {
   float *y;
   size_t heads, group, hd, n_ctx, pos;
   float scale;
+  size_t window; /* 0: every earlier key */
 } Job;
 
 /* w[0..padded) <- exp(w - max) over the first n_keys (0 past them); returns their sum */
@@ -151,7 +156,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx, void (*task)(void
   CHECK(g_api->KernelContext_GetOutput(ctx, 0, qd, 2, &y_val));
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
   Job job = {q, k, v, y, (size_t)at->heads, (size_t)(at->heads / at->kv_heads), (size_t)hd,
-             (size_t)kd[2], (size_t)pos[0], at->scale};
+             (size_t)kd[2], (size_t)pos[0], at->scale, (size_t)at->window};
   specd_parallel_for(task, &job, (size_t)qd[0] * (size_t)at->kv_heads);
   return NULL;
 }
@@ -169,6 +174,9 @@ static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **ke
   CHECK(api->KernelInfoGetAttribute_int64(info, "num_heads", &at.heads));
   CHECK(api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &at.kv_heads));
   CHECK(api->KernelInfoGetAttribute_float(info, "scale", &at.scale));
+  at.window = specd_int64_attribute_or(api, info, "window", 0);
+  if (at.window < 0)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "CausalAttention: window must be >= 0");
   if (at.heads <= 0 || at.kv_heads <= 0 || at.heads % at.kv_heads)
     return api->CreateStatus(ORT_INVALID_ARGUMENT,
                              "CausalAttention: kv_num_heads must divide num_heads");
@@ -204,7 +212,8 @@ const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F
  *               interleaved (1: pairs (2i, 2i+1) rotate; 0: (i, i + rd/2)),
  *               packed (optional, 0): 1 = q is [S, (H+Hkv)*hd], each row q then k, and
  *               k names the same tensor; 2 = q is [S, (H+2Hkv)*hd], q, k, v, and k and v
- *               name it too (the product over the stacked projections, without a Split)
+ *               name it too (the product over the stacked projections, without a Split),
+ *               window (optional, 0): as CausalAttention's
  *
  * The rotation of x at a row is, per pair (a, b) and angle i, a*cos - b*sin and
  * b*cos + a*sin in float32 without fused multiply-adds (dims past rd pass through); an
@@ -358,7 +367,7 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
     }
   }
   Job job = {qr_rows, pres_k, pres_v, y, heads, heads / kvh, d, (size_t)n_ctx, (size_t)pos[0],
-             at->scale};
+             at->scale, (size_t)at->window};
   specd_parallel_for(f16 ? run_task_f16 : run_task_f32, &job, (size_t)s_len * kvh);
   free(qr_rows);
   return NULL;
@@ -379,6 +388,9 @@ static OrtStatus *create_cached(const OrtApi *api, const OrtKernelInfo *info, vo
   CHECK(api->KernelInfoGetAttribute_int64(info, "rotary_dim", &cd.rotary_dim));
   CHECK(api->KernelInfoGetAttribute_int64(info, "interleaved", &cd.interleaved));
   cd.packed = specd_int64_attribute_or(api, info, "packed", 0); /* 0: q, k, v apart */
+  cd.at.window = specd_int64_attribute_or(api, info, "window", 0);
+  if (cd.at.window < 0)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: window must be >= 0");
   if (cd.packed < 0 || cd.packed > 2)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: packed must be 0, 1 or 2");
   if (cd.at.heads <= 0 || cd.at.kv_heads <= 0 || cd.at.heads % cd.at.kv_heads)

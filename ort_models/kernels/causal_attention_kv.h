@@ -95,10 +95,13 @@ static void CAT(run_task_, KV)(void *p, size_t task) {
   const Job *job = (const Job *)p;
   const size_t g_n = job->group, kv_heads = job->heads / g_n, hd = job->hd;
   const size_t row = task / kv_heads, kvh = task % kv_heads;
-  const size_t n_keys = job->pos + row + 1;
+  /* the keys this row sees: from `first` (past the window, where there is one) to itself */
+  const size_t upto = job->pos + row + 1;
+  const size_t first = job->window && upto > job->window ? upto - job->window : 0;
+  const size_t n_keys = upto - first;
   const float *q = job->q + (row * job->heads + kvh * g_n) * hd; /* heads kvh*G .. +G-1 */
-  const KV_T *kc = (const KV_T *)job->k + kvh * job->n_ctx * hd;
-  const KV_T *vc = (const KV_T *)job->v + kvh * job->n_ctx * hd;
+  const KV_T *kc = (const KV_T *)job->k + (kvh * job->n_ctx + first) * hd;
+  const KV_T *vc = (const KV_T *)job->v + (kvh * job->n_ctx + first) * hd;
   float *out = job->y + (row * job->heads + kvh * g_n) * hd;
   const size_t padded = (n_keys + LANES - 1) / LANES * LANES;
   float *w = (float *)malloc((g_n * padded + g_n) * sizeof(float)); /* scores, then sums */

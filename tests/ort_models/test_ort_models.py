@@ -17,6 +17,10 @@ from numpy_reference import ReferenceModel
 from tiny_gguf import write_corrupt_variants, write_tiny_gguf
 
 K_DIMS = {"n_embd": 256, "n_ff": 512}
+# gemma3 with sliding windows of 5 keys on every other layer (the tokens below cross the
+# window's edge), their own rope base, and soft-capped logits
+GEMMA3 = {"sliding_window": 5, "swa_pattern": 2, "rope_freq_base_swa": 10000.0,
+          "final_softcap": 30.0}
 CASES = [
     ("llama", "F32", {}), ("qwen2", "F32", {}), ("qwen3", "F32", {}),
     ("llama", "F16", {}), ("llama", "BF16", {}), ("llama", "Q8_0", {}),
@@ -24,6 +28,7 @@ CASES = [
     ("qwen2", "Q4_K", K_DIMS), ("qwen3", "Q5_K", K_DIMS), ("llama", "Q6_K", K_DIMS),
     ("llama", "F32", {"n_head_kv": 4}),  # plain multi-head attention (group size 1)
     ("llama", "F32", {"rope_dim": 8}),  # partial rotary: 8 of 16 dims per head
+    ("gemma3", "F32", GEMMA3), ("gemma3", "Q8_0", GEMMA3),
 ]
 IDS = [f"{a}-{w}{'-mha' if kw.get('n_head_kv') == 4 else ''}"
        f"{'-rope8' if kw.get('rope_dim') else ''}" for a, w, kw in CASES]
@@ -67,8 +72,8 @@ def test_logits_match_reference_at_accuracy_level_4(case) -> None:
 
 
 def test_greedy_32_steps_matches_reference(tiny_model_factory) -> None:
-    for arch in ("llama", "qwen2", "qwen3"):
-        path = tiny_model_factory(arch=arch, weight_type="F32")
+    for arch, kw in (("llama", {}), ("qwen2", {}), ("qwen3", {}), ("gemma3", GEMMA3)):
+        path = tiny_model_factory(arch=arch, weight_type="F32", **kw)
         r = ModelRunner(load_or_build(path), n_ctx=256)
         want = ReferenceModel(path).greedy([1, 2, 3, 4], 32)
         toks, pos = [1, 2, 3, 4], 0
@@ -125,7 +130,8 @@ def test_bucket_crossing_prefill_matches_reference(tiny_model_factory) -> None:
 
 
 @pytest.mark.parametrize("arch, kw", [("qwen2", {}), ("llama", {"n_head_kv": 4}),
-                                      ("qwen3", {}), ("llama", {"rope_dim": 8})])
+                                      ("qwen3", {}), ("llama", {"rope_dim": 8}),
+                                      ("gemma3", GEMMA3)])
 def test_fused_attention_matches_reference(tiny_model_factory, arch, kw) -> None:
     """attention="fused" (GroupQueryAttention, drafts): chunked prefill across a bucket
     boundary, a multi-token block and a rolled-back block, all as the reference says."""

@@ -66,3 +66,50 @@ def speculative_rounds(target: Path, draft: Path, prompt: str, *, spec_type: str
             rounds.append(Round(positions, int(m.group(1))))
             positions = []
     return rounds
+
+
+def greedy_completion(model: Path, prompt: list[int], n_predict: int, *, threads: int = 2,
+                      n_ctx: int = 512) -> list[int]:
+    """The token ids llama-server generates greedily after the token ids `prompt` (a server
+    started for the call, on a free loopback port, float32 KV cache)."""
+    import json
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(bin_dir() / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "-t", str(threads), "-c", str(n_ctx), "-np", "1",
+           "-ctk", "f32", "-ctv", "f32", "--no-warmup"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise RuntimeError(f"llama-server exited {proc.returncode}: {err[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("llama-server did not become ready") from None
+                time.sleep(0.2)
+        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0,
+                           "top_k": 1, "return_tokens": True, "cache_prompt": False,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{url}/completion", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return [int(t) for t in json.loads(r.read())["tokens"]]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,4 +1,4 @@
-"""An independent float64 numpy forward pass for llama / qwen2 / qwen3 GGUF files.
+"""An independent float64 numpy forward pass for llama / qwen2 / qwen3 / gemma3 GGUF files.
 
 Reads the file with `gguf.GGUFReader`, dequantizes every tensor with
 `gguf.quants.dequantize` and follows llama.cpp's semantics:
@@ -16,6 +16,13 @@ Reads the file with `gguf.GGUFReader`, dequantizes every tensor with
 * scores = q.k / sqrt(head_dim), causal softmax, then attn_output.
 * SwiGLU FFN: down(silu(gate(x)) * up(x)); pre-norm residual blocks.
 * final output_norm, logits = output.weight @ h (token_embd.weight when output is absent).
+* gemma3: NEOX rope and qwen3's q/k norms; token embeddings times sqrt(n_embd); the
+  attention and FFN outputs RMSNorm'd (post_attention_norm, post_ffw_norm) before their
+  residual adds; GELU (tanh approximation) instead of silu; sliding-window layers (from
+  {arch}.attention.sliding_window and the pattern: an array, or a period n, every n-th
+  layer global, default 6) see their own key and the window - 1 before it, and rotate with
+  {arch}.rope.freq_base_swa (default 10000); logits soft-capped where
+  {arch}.final_logit_softcapping is set.
 
 Nothing from specd is imported.
 """
@@ -30,7 +37,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-SUPPORTED_ARCHES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def _field_value(f: Any) -> Any:
@@ -90,6 +97,11 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (llama.cpp's ggml_gelu, ONNX Gelu approximate="tanh")."""
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
 @dataclass
 class KVCache:
     """Per layer: keys/values after RoPE, [n_head_kv, T, head_dim] float64."""
@@ -126,8 +138,21 @@ class ReferenceModel:
         self.n_rot = int(md.get(f"{arch}.rope.dimension_count", self.head_dim))
         self.eps = float(md[f"{arch}.attention.layer_norm_rms_epsilon"])
         self.rope_base = float(md.get(f"{arch}.rope.freq_base", 10000.0))
-        self.neox = arch in ("qwen2", "qwen3")
+        self.neox = arch in ("qwen2", "qwen3", "gemma3")
         self.vocab_size = int(self.weights["token_embd.weight"].shape[0])
+        # gemma3 (as llama.cpp runs it): embeddings times sqrt(n_embd), norms of the
+        # attention and FFN outputs, GELU (tanh), sliding-window layers with their own rope
+        # base (every 6th layer global unless the file says), final soft-capping
+        gemma = arch == "gemma3"
+        self.embed_scale = float(np.sqrt(self.n_embd)) if gemma else 1.0
+        self.window = int(md.get(f"{arch}.attention.sliding_window", 0)) if gemma else 0
+        pattern = md.get(f"{arch}.attention.sliding_window_pattern", 6)
+        self.swa = ([bool(x) for x in pattern] if isinstance(pattern, list) else
+                    [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1
+                     for i in range(self.n_layer)]) if self.window else [False] * self.n_layer
+        self.rope_base_swa = float(md.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        self.softcap = md.get(f"{arch}.final_logit_softcapping") if gemma else None
+        self.act = gelu_tanh if gemma else silu
         self.bos_id: int | None = md.get("tokenizer.ggml.bos_token_id")
         self.eos_id: int | None = md.get("tokenizer.ggml.eos_token_id")
         self.tied = "output.weight" not in self.weights
@@ -158,7 +183,7 @@ class ReferenceModel:
         key_pos = np.arange(start + n_new)
         mask = key_pos[None, :] > positions[:, None]  # True = masked
 
-        x = self.weights["token_embd.weight"][ids]  # [T, n_embd]
+        x = self.weights["token_embd.weight"][ids] * self.embed_scale  # [T, n_embd]
         first = not cache.keys
         for layer in range(self.n_layer):
             if layer_inputs is not None:
@@ -179,8 +204,9 @@ class ReferenceModel:
             if p + "attn_q_norm.weight" in w:
                 q = rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
                 k = rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
-            q = rope(q, positions, self.n_rot, self.rope_base, self.neox)
-            k = rope(k, positions, self.n_rot, self.rope_base, self.neox)
+            base = self.rope_base_swa if self.swa[layer] else self.rope_base
+            q = rope(q, positions, self.n_rot, base, self.neox)
+            k = rope(k, positions, self.n_rot, base, self.neox)
             if first:
                 cache.keys.append(k)
                 cache.values.append(v)
@@ -190,22 +216,34 @@ class ReferenceModel:
             keys = np.repeat(cache.keys[layer], group, axis=0)  # [nh, S, hd]
             vals = np.repeat(cache.values[layer], group, axis=0)
             scores = (q @ keys.transpose(0, 2, 1)) * scale  # [nh, T, S]
-            scores = np.where(mask[None], -np.inf, scores)
+            masked = mask
+            if self.swa[layer]:  # a query sees itself and the window - 1 keys before it
+                masked = mask | (positions[:, None] - key_pos[None, :] >= self.window)
+            scores = np.where(masked[None], -np.inf, scores)
             scores = scores - scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs = probs / probs.sum(axis=-1, keepdims=True)
             attn = (probs @ vals).transpose(1, 0, 2).reshape(n_new, nh * hd)
-            x = x + attn @ w[p + "attn_output.weight"].T
+            a = attn @ w[p + "attn_output.weight"].T
+            if p + "post_attention_norm.weight" in w:
+                a = rms_norm(a, w[p + "post_attention_norm.weight"], self.eps)
+            x = x + a
 
             h = rms_norm(x, w[p + "ffn_norm.weight"], self.eps)
             gate = h @ w[p + "ffn_gate.weight"].T
             up = h @ w[p + "ffn_up.weight"].T
-            x = x + (silu(gate) * up) @ w[p + "ffn_down.weight"].T
+            f = (self.act(gate) * up) @ w[p + "ffn_down.weight"].T
+            if p + "post_ffw_norm.weight" in w:
+                f = rms_norm(f, w[p + "post_ffw_norm.weight"], self.eps)
+            x = x + f
 
         if layer_inputs is not None:
             layer_inputs[self.n_layer] = x
         h = rms_norm(x, self.weights["output_norm.weight"], self.eps)
-        return h @ self.output_weight.T
+        logits = h @ self.output_weight.T
+        if self.softcap:
+            logits = self.softcap * np.tanh(logits / self.softcap)
+        return logits
 
     def forward(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """Full causal forward from position 0: logits [len(tokens), vocab] float64."""

@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
 from gguf.constants import GGML_QUANT_SIZES, QK_K
 from gguf.quants import quantize
 
-ARCHES = ("llama", "qwen2", "qwen3")
+ARCHES = ("llama", "qwen2", "qwen3", "gemma3")
 FLOAT_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0")
 KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 WEIGHT_TYPES = FLOAT_QUANT_TYPES + KQUANT_TYPES
@@ -379,7 +379,10 @@ def _tensor_specs(
 ) -> list[_TensorSpec]:
     """Every tensor of the model (attn_in: the width q/k/v read, where not n_embd)."""
     q_dim, kv_dim, n_in = n_head * head_dim, n_head_kv * head_dim, attn_in or n_embd
-    specs = [_TensorSpec("token_embd.weight", (vocab, n_embd), "embed", embed_type)]
+    # gemma scales its embeddings by sqrt(n_embd): its rows are that much smaller here, so
+    # the scaled ones are as large as the other architectures' and the layers still count
+    embed_kind = "embed_scaled" if arch == "gemma3" else "embed"
+    specs = [_TensorSpec("token_embd.weight", (vocab, n_embd), embed_kind, embed_type)]
     for i in range(n_layer):
         p = f"blk.{i}."
         specs.append(_TensorSpec(p + "attn_norm.weight", (n_embd,), "norm", norm_type))
@@ -393,16 +396,21 @@ def _tensor_specs(
                                  value_type or weight_type))
         if arch == "qwen2":
             specs.append(_TensorSpec(p + "attn_v.bias", (kv_dim,), "bias", "F32"))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             specs.append(_TensorSpec(p + "attn_q_norm.weight", (head_dim,), "norm", "F32"))
             specs.append(_TensorSpec(p + "attn_k_norm.weight", (head_dim,), "norm", "F32"))
         specs.append(
             _TensorSpec(p + "attn_output.weight", (n_embd, q_dim), "matmul", weight_type)
         )
+        if arch == "gemma3":
+            specs.append(_TensorSpec(p + "post_attention_norm.weight", (n_embd,), "norm",
+                                     norm_type))
         specs.append(_TensorSpec(p + "ffn_norm.weight", (n_embd,), "norm", norm_type))
         specs.append(_TensorSpec(p + "ffn_gate.weight", (n_ff, n_embd), "matmul", weight_type))
         specs.append(_TensorSpec(p + "ffn_up.weight", (n_ff, n_embd), "matmul", weight_type))
         specs.append(_TensorSpec(p + "ffn_down.weight", (n_embd, n_ff), "matmul", weight_type))
+        if arch == "gemma3":
+            specs.append(_TensorSpec(p + "post_ffw_norm.weight", (n_embd,), "norm", norm_type))
     specs.append(_TensorSpec("output_norm.weight", (n_embd,), "norm", norm_type))
     if not tied:
         specs.append(_TensorSpec("output.weight", (vocab, n_embd), "output", output_type))
@@ -412,6 +420,8 @@ def _tensor_specs(
 def _std_for(spec: _TensorSpec, n_embd: int) -> float:
     if spec.kind == "embed":
         return EMBED_GAIN / np.sqrt(n_embd)
+    if spec.kind == "embed_scaled":
+        return EMBED_GAIN / n_embd
     if spec.kind == "output":
         return OUTPUT_GAIN / np.sqrt(n_embd)
     gain = 1.0
@@ -486,6 +496,12 @@ class _Config:
     rope_freq_base: float
     rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
     value_type: str | None = None  # attn_v's type where it differs (Q4_K_M files: Q6_K)
+    # gemma3: the sliding window (0: none), its layer pattern (a period or one bool a
+    # layer; None: not written), the sliding layers' rope base, final soft-capping
+    sliding_window: int = 0
+    swa_pattern: int | list[bool] | None = None
+    rope_freq_base_swa: float | None = None
+    final_softcap: float | None = None
 
 
 def add_tokenizer(w: GGUFWriter, voc: TinyVocab) -> None:
@@ -525,9 +541,19 @@ def _write(
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_freq_base)
     w.add_rope_dimension_count(cfg.rope_dim or cfg.head_dim)
-    if cfg.arch == "qwen3" or cfg.head_dim * cfg.n_head != cfg.n_embd:
+    if cfg.arch in ("qwen3", "gemma3") or cfg.head_dim * cfg.n_head != cfg.n_embd:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    if isinstance(cfg.swa_pattern, list):
+        w.add_array(f"{arch}.attention.sliding_window_pattern", cfg.swa_pattern)
+    elif cfg.swa_pattern is not None:
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", cfg.swa_pattern)
+    if cfg.rope_freq_base_swa is not None:
+        w.add_float32(f"{arch}.rope.freq_base_swa", cfg.rope_freq_base_swa)
+    if cfg.final_softcap is not None:
+        w.add_final_logit_softcapping(cfg.final_softcap)
     if cfg.arch == "llama":
         w.add_vocab_size(len(cfg.vocab.tokens))
     w.add_file_type(int(_FILE_TYPES[cfg.weight_type]))
@@ -579,8 +605,8 @@ def _make_config(
         head_dim = n_embd // n_head
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
-    if tie_embeddings is None:
-        tie_embeddings = arch != "qwen2"
+    if tie_embeddings is None:  # gemma3's tiny embeddings are too small to be its output
+        tie_embeddings = arch not in ("qwen2", "gemma3")
     for qtype, in_dims in (
         (weight_type, {"n_embd": n_embd, "n_ff": n_ff, "n_head*head_dim": n_head * head_dim}),
         (embed_type, {"n_embd": n_embd}),
@@ -627,15 +653,24 @@ def write_tiny_gguf(
     fim: bool = False,
     rope_dim: int | None = None,
     value_type: str | None = None,
+    sliding_window: int = 0,
+    swa_pattern: int | list[bool] | None = None,
+    rope_freq_base_swa: float | None = None,
+    final_softcap: float | None = None,
 ) -> Path:
     """Write a tiny random model and return its path (fim: add Qwen's FIM specials;
     rope_dim: partial rotary, the first rope_dim dims of each head rotated; value_type:
     attn_v's type, where it differs from the other matrices', as in Q4_K_M files).
 
+    gemma3 (q/k norms, post-attention and post-FFN norms, tied): sliding_window (0: none),
+    swa_pattern (a period or one bool a layer, written as given; None: not written, so
+    Gemma 3's default applies), rope_freq_base_swa and final_softcap (None: not written).
+
     `weight_type` is used for every 2-D matmul weight and, unless `embed_type` /
     `output_type` say otherwise, for token_embd.weight / output.weight.  Norm weights use
     `norm_type`; qwen2 biases and qwen3 q/k norms are always F32.  `tie_embeddings`
-    defaults to True for llama and qwen3, False for qwen2 (then output.weight is written).
+    defaults to True for llama and qwen3, False for qwen2 and gemma3 (then output.weight is
+    written).
     `vocab_size` defaults to the tokenizer's size rounded up to a multiple of 32 (320).
     K-quant types need every matmul input dimension (n_embd, n_ff, n_head*head_dim) to be
     a multiple of 256, the other quant types a multiple of 32; otherwise ValueError.
@@ -650,6 +685,8 @@ def write_tiny_gguf(
     if value_type is not None:
         _check_type(value_type, "value_type", WEIGHT_TYPES)
         cfg = dataclasses.replace(cfg, value_type=value_type)
+    cfg = dataclasses.replace(cfg, sliding_window=sliding_window, swa_pattern=swa_pattern,
+                              rope_freq_base_swa=rope_freq_base_swa, final_softcap=final_softcap)
     return _write(Path(path), cfg, seed=seed, perturb=perturb)
 
 

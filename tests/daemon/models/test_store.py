@@ -277,8 +277,12 @@ def test_real_pull_smollm2(tmp_path, monkeypatch):
 
 
 def test_a_model_specd_cannot_run_is_refused_before_downloading(tmp_path, monkeypatch):
-    """gemma-3-270m is in the catalog for its tokenizer: running it must not first
-    download 253 MB (pulling it on purpose still works: the tokenizer tests use it)."""
+    """A catalog model of an architecture specd does not run (gemma3 here, its reader
+    taken away) must not first be downloaded to be refused (pulling it on purpose still
+    works: the tokenizer tests use catalog models' tokenizers)."""
+    from specd.ort_models.arch import READERS
+
+    monkeypatch.delitem(READERS, "gemma3")
     monkeypatch.setenv("SPECD_DATA_DIR", str(tmp_path / "data"))
     calls = []
     monkeypatch.setattr(model_store, "pull", lambda *a, **kw: calls.append(a))
