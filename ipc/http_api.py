@@ -13,7 +13,7 @@ from specd.daemon.serving.scheduler import QueueFull
 from specd.daemon.serving.service import Piece, Result, Service, Stream
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams, RequestError
-from specd.daemon.spec.sampling import SamplerParams
+from specd.daemon.spec.sampling import SamplerParams, TokenLogprob
 from specd.daemon.text.grammar import Grammar, GrammarError
 from specd.daemon.text.infill import DEFAULT_CHUNK_FILE, ExtraChunk, has_fim, infill_tokens
 from specd.daemon.text.tool_calls import (
@@ -169,6 +169,23 @@ def _n_is_one(body: dict[str, Any]) -> None:
         raise BadRequest("only n=1 is supported", param="n")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_N_PROBS = 1000  # llama.cpp's n_probs: any number; this keeps a response's size sane
+
+
+def _openai_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top tokens to report with each token's logprob (None: no logprobs):
+    chat's `logprobs: true` with `top_logprobs`, the completions API's `logprobs: k`."""
+    if not chat:
+        return get(body, "logprobs", int, None, lo=0, hi=MAX_TOP_LOGPROBS)
+    top = get(body, "top_logprobs", int, None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if not get(body, "logprobs", bool, False):
+        if top:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    return top or 0
+
+
 def _unsupported(body: dict[str, Any], fields: tuple[str, ...]) -> None:
     """A field asking for what specd does not do is a clear 400, not silently ignored
     (a client reading logprobs would otherwise fail on the missing data)."""
@@ -223,6 +240,54 @@ def _usage(r: Result) -> dict[str, Any]:
             "speculative": _spec_block(r)}
 
 
+def _token_text(svc: Service, token: int) -> tuple[str, list[int]]:
+    """A token's text (without the bytes of a character it only begins or ends, as
+    llama.cpp gives it) and its bytes."""
+    data = svc.tokenizer.token_bytes(token)
+    return data.decode("utf-8", "ignore"), list(data)
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: the lowest float stands for a probability of 0 (llama.cpp)."""
+    return max(logprob, -3.4028234663852886e38)
+
+
+def _chat_logprobs(svc: Service, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI chat's `logprobs` object for these tokens."""
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        text, data = _token_text(svc, token)
+        return {"token": text, "logprob": _finite(lp), "bytes": data}
+
+    return {"content": [{**entry(t.token, t.logprob),
+                         "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                        for t in logprobs]}
+
+
+def _completion_logprobs(svc: Service, logprobs: list[TokenLogprob], texts: list[str],
+                         offset: int) -> dict[str, Any]:
+    """The completions API's `logprobs` object (tokens, token_logprobs, top_logprobs,
+    text_offset: where each token's text starts, the first at `offset`)."""
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": [_token_text(svc, t.token)[0] for t in logprobs],
+            "token_logprobs": [_finite(t.logprob) for t in logprobs],
+            "top_logprobs": [{_token_text(svc, i)[0]: _finite(lp) for i, lp in t.top}
+                             for t in logprobs],
+            "text_offset": offsets[:len(logprobs)]}
+
+
+def _llama_probs(svc: Service, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """llama.cpp's `completion_probabilities` for these tokens."""
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        text, data = _token_text(svc, token)
+        return {"id": token, "token": text, "bytes": data, "logprob": _finite(lp)}
+
+    return [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+            for t in logprobs]
+
+
 def _oai_finish(reason: str) -> dict[str, str]:
     """A choice's finish fields: OpenAI's `finish_reason` (only its values: clients
     switch on them) and specd's own reason as `finish_detail` (time_limit,
@@ -262,8 +327,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await json_body(request)
     _check_model(request, body)
     _n_is_one(body)
-    _unsupported(body, ("logprobs", "top_logprobs") if chat
-                 else ("logprobs", "echo", "suffix", "best_of"))
+    _unsupported(body, () if chat else ("echo", "suffix", "best_of"))
     names: set[str] | None = None  # the request's tools, when calls are parsed
     forced: str | None = None  # a grammar making the reply calls (tool_choice)
     if chat:
@@ -293,6 +357,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
             raise BadRequest("'prompt' is required", param="prompt")
         prompt = _prompt_tokens(svc, body["prompt"])
     params = _params(svc, body, max_key="max_tokens")
+    params.logprobs = _openai_logprobs(body, chat)
     if chat and "max_completion_tokens" in body:
         params.max_tokens = get(body, "max_completion_tokens", int, params.max_tokens, lo=0)
     stop = stop_list(body)
@@ -314,6 +379,9 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         r = await _collect(svc, prompt, params, stop=stop, grammar=grammar)
         choice: dict[str, Any] = {"index": 0, **_oai_finish(r.finish_reason),
                                   "logprobs": None}
+        if params.logprobs is not None:
+            choice["logprobs"] = (_chat_logprobs(svc, r.logprobs) if chat else
+                                  _completion_logprobs(svc, r.logprobs, r.texts, 0))
         if chat:
             content, calls = (r.text, []) if names is None else parse_tool_calls(r.text, names)
             choice["message"] = {"role": "assistant", "content": content}
@@ -331,26 +399,40 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         return await _openai_stream(request, stream, chat=chat, rid=rid, created=created,
                                     model=model, include_usage=include_usage,
-                                    tools=None if names is None else ToolCallStream(names))
+                                    tools=None if names is None else ToolCallStream(names),
+                                    logprobs=params.logprobs is not None)
     finally:
         stream.cancel()  # the client went away (a no-op once finished)
 
 
 async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, rid: str,
                          created: int, model: str, include_usage: bool = False,
-                         tools: ToolCallStream | None = None) -> web.StreamResponse:
+                         tools: ToolCallStream | None = None,
+                         logprobs: bool = False) -> web.StreamResponse:
     """Chunks as OpenAI streams them. The usage is sent once: with
     stream_options.include_usage in OpenAI's own last chunk, whose choices are empty,
     else on the finishing chunk (where older llama.cpp servers put it). With `tools`, text
     that may be a tool call is held back, and the calls come whole in one chunk before the
-    finishing one."""
+    finishing one. With `logprobs`, each chunk carries those of the tokens that came
+    since the last chunk (text held back keeps its tokens' logprobs for a later one)."""
     resp = await _sse(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+    svc = _svc(request)
+    pending: list[TokenLogprob] = []  # the logprobs of tokens no chunk has carried yet
+    pending_texts: list[str] = []
+    offset = 0  # the text sent so far (completions' text_offset)
 
     def chunk(delta: str | None, finish: dict[str, str] | None = None,
               first: bool = False) -> dict[str, Any]:
+        nonlocal offset
         c: dict[str, Any] = {"index": 0, "finish_reason": None, **(finish or {}),
                              "logprobs": None}
+        if logprobs and pending and not first:
+            c["logprobs"] = (_chat_logprobs(svc, pending) if chat else
+                             _completion_logprobs(svc, pending, pending_texts, offset))
+            offset += sum(len(t) for t in pending_texts)
+            pending.clear()
+            pending_texts.clear()
         if chat:
             c["delta"] = ({"role": "assistant", "content": delta or ""} if first
                           else ({"content": delta} if delta else {}))
@@ -363,6 +445,8 @@ async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, ri
         await _send(resp, chunk("", first=True))
     async for ev in stream:
         if isinstance(ev, Piece):
+            pending.extend(ev.logprobs)
+            pending_texts.extend(ev.texts)
             text = ev.text if tools is None else tools.feed(ev.text)
             if text:
                 await _send(resp, chunk(text))
@@ -427,6 +511,11 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
     svc = _svc(request)
     body = await json_body(request)
     params = _params(svc, body, max_key="n_predict")
+    n_probs = get(body, "n_probs", int, 0, lo=0, hi=MAX_N_PROBS)
+    if get(body, "post_sampling_probs", bool, False):
+        raise BadRequest("'post_sampling_probs' is not supported by specd (n_probs gives "
+                         "the model's own probabilities)", param="post_sampling_probs")
+    params.logprobs = n_probs or None
     if infill:
         prompt = _infill_prompt(svc, body, params.max_tokens)
     else:
@@ -456,6 +545,8 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
                                   r.finish_reason, r.finish_reason),
                 "stopping_word": r.stopping_word, "truncated": False,
                 "timings": r.timings, "speculative": _spec_block(r)}
+        if n_probs and not stream:
+            full["completion_probabilities"] = _llama_probs(svc, r.logprobs)
         # llama.cpp's response_fields: just these, a nested one under its "a/b" path
         return full if fields is None else _pick_fields(full, fields)
 
@@ -465,7 +556,24 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
     events = svc.submit(prompt, params, **kw)  # a full queue is a 503 before any byte
     try:
         resp = await _sse(request)
+        held: dict[str, Any] | None = None  # with n_probs: the last token's event
         async for ev in events:
+            if isinstance(ev, Piece) and n_probs:
+                # one event per token, as llama.cpp streams them with their probabilities;
+                # the last one waits for text that may come after it (the flushed tail)
+                for token, text, lp in zip(ev.tokens, ev.texts, ev.logprobs, strict=True):
+                    if held is not None:
+                        await _send(resp, held)
+                    held = {"content": text, "tokens": [token], "stop": False,
+                            "completion_probabilities": _llama_probs(svc, [lp])}
+                if not ev.tokens and held is not None:
+                    held["content"] += ev.text
+                elif not ev.tokens:
+                    await _send(resp, {"content": ev.text, "tokens": [], "stop": False})
+                continue
+            if held is not None:
+                await _send(resp, held)
+                held = None
             if isinstance(ev, Piece):
                 await _send(resp, {"content": ev.text, "tokens": ev.tokens, "stop": False})
             elif ev.error:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specd.daemon.spec.generation import GenerationParams, check_prompt_fits
+from specd.daemon.spec.sampling import TokenLogprob
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.detokenize import IncrementalDetokenizer
 from specd.daemon.text.grammar import Grammar, compile_constraint
@@ -26,6 +27,10 @@ from .scheduler import Request, Scheduler
 class Piece:
     text: str
     tokens: list[int]
+    # per token: the text that became final with it (joined: `text`; the flushed tail has
+    # no token), and its logprobs where the request asked for them
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +44,10 @@ class Result:
     stopping_word: str = ""
     error: str | None = None
     timings: dict[str, Any] = field(default_factory=dict)
+    # per generated token (the counted ones), where the request asked for logprobs
+    tokens: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class StopMatcher:
@@ -208,9 +217,13 @@ class Stream:
                 break
         self._n_out += len(used)
         piece = "".join(out)
+        gen = self.req.gen
+        # the round's tokens are the generation's last ones; their logprobs likewise
+        logprobs = [] if gen is None or gen.params.logprobs is None else (
+            gen.token_logprobs[len(gen.token_logprobs) - len(tokens):][:len(used)])
         if piece or used:
             self._loop.call_soon_threadsafe(self._events.put_nowait,
-                                            ("piece", Piece(piece, used)))
+                                            ("piece", Piece(piece, used, out, logprobs)))
         now = time.monotonic()
         self._t_first = now if self._t_first is None else self._t_first
         if (self._t_max is not None and self._newline and self._matcher.hit is None
@@ -224,6 +237,9 @@ class Stream:
     async def _run(self) -> AsyncIterator[Piece | Result]:
         req, matcher = self.req, self._matcher
         text: list[str] = []
+        tokens: list[int] = []
+        texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         t0 = time.perf_counter()
         try:
             while True:
@@ -231,11 +247,16 @@ class Stream:
                 if kind == "done":
                     break
                 text.append(value.text)
+                tokens += value.tokens
+                texts += value.texts
+                logprobs += value.logprobs
                 yield value
             # (after an indentation cut, text the detokenizer holds lies past the cut)
             tail = matcher.feed("" if self._indented else self._detok.flush()) + matcher.flush()
             if tail:
                 text.append(tail)
+                if texts:  # the last token's text, held back until now
+                    texts[-1] += tail
                 yield Piece(tail, [])
         except BaseException:
             req.cancel()
@@ -253,7 +274,7 @@ class Stream:
             text="".join(text), finish_reason=reason, prompt_tokens=len(self.prompt),
             completion_tokens=n_out,
             cached_tokens=stats.cached_tokens, stats=stats, stopping_word=matcher.hit or "",
-            error=req.error,
+            error=req.error, tokens=tokens, texts=texts, logprobs=logprobs,
             timings={
                 "prompt_n": len(self.prompt) - stats.cached_tokens,
                 "prompt_ms": round(stats.prefill_s * 1000, 3),

@@ -29,7 +29,7 @@ from .policy import (
     RoundPlan,
     RoundRecord,
 )
-from .sampling import Sampler, SamplerParams, derive_seeds
+from .sampling import Sampler, SamplerParams, TokenLogprob, derive_seeds, token_logprob
 from .stats import SpecStats
 from .verify import VerifyResult, verify_greedy, verify_rejection
 
@@ -56,6 +56,9 @@ class GenerationParams:
     adaptive: bool = False
     draft_top_k: int = 10  # q is the draft's top-k, renormalised, at the request temperature
     ignore_eos: bool = False
+    # each emitted token's logprob under the target's logits and the `logprobs` most
+    # likely tokens' (None: not recorded)
+    logprobs: int | None = None
 
 
 def make_policy(params: GenerationParams, drafter: Drafter | None) -> DraftPolicy:
@@ -112,6 +115,7 @@ class Generation:
         self.stats = SpecStats(prompt_tokens=len(prompt),
                                cached_tokens=min(reuse, max(len(prompt) - 1, 0)))
         self.tokens: list[int] = []  # generated
+        self.token_logprobs: list[TokenLogprob] = []  # one per generated token, if asked for
         self.finish_reason: str | None = None
         self._reuse = reuse
         self._last: int | None = None
@@ -194,7 +198,7 @@ class Generation:
             self.draft_sampler.accept(tok)
         if self.grammar is not None:
             self.grammar.consume(tok)
-        out = self._emit([tok])
+        out = self._emit([tok], logits[None])
         self._grammar_finished()
         return out
 
@@ -259,7 +263,7 @@ class Generation:
         result = self._verify(rows, proposed.proposal)
         self._commit(result, features)
         self._observe(proposed, result, time.perf_counter() - t_round, verify_s)
-        out = self._emit(result.tokens)
+        out = self._emit(result.tokens, rows)
         self._grammar_finished(result.grammar_dead_end)
         return out
 
@@ -391,11 +395,16 @@ class Generation:
         self._bonus_p = result.bonus_probs  # the next draft's guess for the bonus meets it
 
     # -- output ---------------------------------------------------------------------------
-    def _emit(self, toks: list[int]) -> list[int]:
+    def _emit(self, toks: list[int], rows: np.ndarray) -> list[int]:
+        """Emit tokens (until an end of generation or max_tokens); rows [>= len(toks),
+        vocab] are the target's logits each was decided on."""
         out: list[int] = []
-        for t in toks:
+        k = self.params.logprobs
+        for t, row in zip(toks, rows, strict=False):
             self.tokens.append(t)
             out.append(t)
+            if k is not None:
+                self.token_logprobs.append(token_logprob(row, t, k))
             if t in self.eog:
                 self.finish_reason = "stop"
                 break

@@ -40,10 +40,12 @@ __all__ = [
     "NoAllowedToken",
     "Sampler",
     "SamplerParams",
+    "TokenLogprob",
     "derive_seeds",
     "mask_logits",
     "sample_from_probs",
     "softmax",
+    "token_logprob",
 ]
 
 # top-p without top-k: look at this many of the most likely tokens first and grow
@@ -157,6 +159,28 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     e = shifted.astype(np.float64)
     e /= np.sum(e, axis=-1, keepdims=True)
     return e
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the model's distribution (the softmax of
+    its logits row, before any sampler setting), and the `k` most likely tokens'."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (id, logprob), most likely first, ties by lower id
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """log softmax(logits [vocab]) at `token`, and its `k` largest entries."""
+    x = np.asarray(logits, dtype=np.float64)  # [vocab]
+    top = float(x.max())
+    log_total = top + math.log(float(np.exp(x - top).sum()))
+    k = min(k, x.shape[0])
+    ids = np.argpartition(-x, k - 1)[:k] if k > 0 else np.zeros(0, dtype=np.int64)  # [k]
+    ids = ids[np.lexsort((ids, -x[ids]))]  # descending logit, ties by lower id
+    return TokenLogprob(int(token), float(x[token]) - log_total,
+                        tuple((int(i), float(x[i]) - log_total) for i in ids))
 
 
 def top_probability(logits: np.ndarray) -> float:

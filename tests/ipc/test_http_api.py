@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import math
 import socket
 import threading
 import time
@@ -89,9 +90,6 @@ def test_openai_client_chat_and_completions(server) -> None:
         other = client.completions.create(model=name, prompt="x", max_tokens=2)
         assert other.model == server.service.engine.target.name
     # what the client asks for and specd does not do is a 400 naming it, not ignored
-    with pytest.raises(openai.BadRequestError, match="'logprobs' is not supported"):
-        client.chat.completions.create(model="specd", max_tokens=2, logprobs=True,
-                                       messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="'echo' is not supported"):
         client.completions.create(model="specd", prompt="x", max_tokens=2, echo=True)
     # OpenAI's usage chunk: last, with no choices, when asked for
@@ -119,6 +117,54 @@ def test_openai_client_chat_and_completions(server) -> None:
     assert client.models.retrieve(served).id == served
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")
+
+
+def test_logprobs_of_every_token_streamed_or_not(server) -> None:
+    """OpenAI's logprobs / top_logprobs (chat), logprobs: k (completions) and llama.cpp's
+    n_probs, for each generated token, from the target's logits: greedy picks the most
+    likely token, so its logprob is the first of the top ones; streamed as returned."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    ask = {"model": "specd", "max_tokens": 8, "temperature": 0, "logprobs": True,
+           "top_logprobs": 3, "messages": [{"role": "user", "content": "one two one two"}],
+           "extra_body": {"ignore_eos": True}}
+    out = client.chat.completions.create(**ask)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 8
+    for t in content:
+        assert [x.logprob for x in t.top_logprobs] == sorted(
+            (x.logprob for x in t.top_logprobs), reverse=True) and len(t.top_logprobs) == 3
+        assert t.logprob == t.top_logprobs[0].logprob <= 0
+        assert sum(math.exp(x.logprob) for x in t.top_logprobs) <= 1 + 1e-9
+        assert bytes(t.bytes).decode("utf-8", "ignore") == t.token
+    chunks = list(client.chat.completions.create(stream=True, **ask))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs'"):
+        client.chat.completions.create(**{**ask, "logprobs": False})
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(**{**ask, "top_logprobs": 21})
+    # the completions API's own shape
+    comp = client.completions.create(model="specd", prompt="one two", max_tokens=6, logprobs=2,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    # llama.cpp's n_probs: completion_probabilities, one token per streamed event
+    body = {"prompt": "one two", "n_predict": 6, "n_probs": 4, "ignore_eos": True,
+            "temperature": 0}
+    c = Client(port=server.port)
+    whole = c.post("/completion", body)["completion_probabilities"]
+    assert len(whole) == 6 and all(len(t["top_logprobs"]) == 4 for t in whole)
+    assert all(t["id"] == t["top_logprobs"][0]["id"] for t in whole)
+    events = list(c.stream("/completion", body))
+    assert all(len(e["completion_probabilities"]) == 1 for e in events if not e["stop"])
+    assert [e["completion_probabilities"][0] for e in events if not e["stop"]] == whole
+    assert "".join(e["content"] for e in events) == c.post("/completion", body)["content"]
+    status, out = server.request("POST", "/completion", {**body, "post_sampling_probs": True})
+    assert status == 400 and "post_sampling_probs" in out["error"]["message"]
 
 
 TOOLS = [{"type": "function", "function": {

@@ -4,6 +4,7 @@ server, through the official OpenAI SDK (the behaviour bugs that only showed on 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -77,3 +78,15 @@ def test_logit_bias_bans_a_real_token(client, qwen: LiveServer) -> None:
     out = client.chat.completions.create(logit_bias={str(t): -100 for t in banned}, **ask)
     assert not banned & set(tok.encode(out.choices[0].message.content, add_bos=False)), out
     assert out.choices[0].message.content != plain
+
+
+def test_logprobs_on_qwen_are_a_distribution(client) -> None:
+    out = client.chat.completions.create(
+        model="", max_tokens=8, temperature=0.7, seed=5, logprobs=True, top_logprobs=5,
+        messages=[{"role": "user", "content": "Name a colour."}])
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 5
+        assert sum(math.exp(x.logprob) for x in t.top_logprobs) <= 1 + 1e-6
+        assert t.logprob <= t.top_logprobs[0].logprob + 1e-12  # sampled: at most the top

@@ -302,6 +302,28 @@ def test_logit_bias_and_penalties_keep_sampled_speculation_exact(models) -> None
     assert gen.draft_sampler.params.logit_bias == sampling["logit_bias"]
 
 
+def test_logprobs_are_the_targets_with_or_without_a_draft(models) -> None:
+    """Each emitted token's logprob and top tokens come from the target's row it was
+    decided on: the same whether it came from a prefill, a plain step or a verified
+    block (rows equal single steps bit for bit)."""
+    target, draft = models
+    alone, ga = run(target, max_tokens=20, ignore_eos=True, logprobs=3)
+    drafted, gd = run(target, draft_drafter(draft), max_tokens=20, ignore_eos=True,
+                      logprobs=3, draft=DraftParams(n_max=4))
+    assert drafted == alone and gd.stats.accepted > 0
+    assert gd.token_logprobs == ga.token_logprobs
+    assert [t.token for t in ga.token_logprobs] == alone
+    runner = ModelRunner(target, n_ctx=512)
+    for i in (0, 7):  # the first token (prefill) and a later one, from a fresh prefill
+        row = runner.prefill(0, PROMPT + alone[:i]).astype(np.float64)  # [vocab]
+        log_total = np.log(np.exp(row - row.max()).sum()) + row.max()
+        got = ga.token_logprobs[i]
+        assert got.logprob == pytest.approx(row[alone[i]] - log_total, abs=1e-9)
+        assert [t for t, _ in got.top] == list(np.argsort(-row, kind="stable")[:3])
+        assert got.top[0][0] == alone[i]  # greedy: the most likely
+    assert run(target, max_tokens=4)[1].token_logprobs == []  # not asked for
+
+
 def test_target_rng_unchanged_by_the_draft_when_nothing_is_drafted(models) -> None:
     """Separate streams: a drafter that never proposes leaves the target's draws alone."""
     target, draft = models
