@@ -72,6 +72,15 @@ def greedy_completion(model: Path, prompt: list[int], n_predict: int, *, threads
                       n_ctx: int = 512) -> list[int]:
     """The token ids llama-server generates greedily after the token ids `prompt` (a server
     started for the call, on a free loopback port, float32 KV cache)."""
+    return [t for t, _ in greedy_with_logprobs(model, prompt, n_predict, threads=threads,
+                                               n_ctx=n_ctx, n_probs=0)]
+
+
+def greedy_with_logprobs(model: Path, prompt: list[int], n_predict: int, *, n_probs: int = 5,
+                         threads: int = 2, n_ctx: int = 512
+                         ) -> list[tuple[int, dict[int, float]]]:
+    """Greedy decoding by llama-server after `prompt`: each generated token with the log
+    probabilities of the n_probs most likely tokens at its position (before sampling)."""
     import json
     import socket
     import time
@@ -101,11 +110,22 @@ def greedy_completion(model: Path, prompt: list[int], n_predict: int, *, threads
                 time.sleep(0.2)
         body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0,
                            "top_k": 1, "return_tokens": True, "cache_prompt": False,
-                           "ignore_eos": True}).encode()
+                           "ignore_eos": True, "n_probs": n_probs,
+                           "post_sampling_probs": False}).encode()
         req = urllib.request.Request(f"{url}/completion", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
-            return [int(t) for t in json.loads(r.read())["tokens"]]
+            out = json.loads(r.read())
+        # llama-server leaves out the probabilities of a token that ends inside a UTF-8
+        # character; the others come in order, each naming its token
+        probs = list(out.get("completion_probabilities") or [])
+        result: list[tuple[int, dict[int, float]]] = []
+        for token in (int(t) for t in out["tokens"]):
+            top: dict[int, float] = {}
+            if probs and int(probs[0].get("id", -1)) == token:
+                top = {int(c["id"]): float(c["logprob"]) for c in probs.pop(0)["top_logprobs"]}
+            result.append((token, top))
+        return result
     finally:
         proc.terminate()
         try:
