@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -90,9 +91,9 @@ def logit_bias(value: Any, encode: Callable[[str], list[int]], vocab: int) -> di
     id -> the bias added to its logit (biases for one token add up). Anything else, an id
     outside the vocabulary, or a bias that is not a finite number or false, is a 400."""
     name = "logit_bias"
-    if isinstance(value, dict):
-        pairs: list[Any] = [[k, v] for k, v in value.items()]
-    elif isinstance(value, list):
+    if isinstance(value, dict):  # keys: token ids as text (OpenAI), else text (llama.cpp)
+        pairs: list[Any] = [[int(k) if _is_int(k) else k, v] for k, v in value.items()]
+    elif isinstance(value, list):  # tokens: ids, or text
         pairs = value
     else:
         raise BadRequest(f"'{name}' must be an object {{token id: bias}} or an array of "
@@ -110,10 +111,7 @@ def logit_bias(value: Any, encode: Callable[[str], list[int]], vocab: int) -> di
             raise BadRequest(f"'{name}' for token {token!r}: the bias must be a finite "
                              f"number or false, got {json.dumps(bias)}", param=name)
         if isinstance(token, str):
-            try:
-                ids = [int(token)]  # OpenAI's keys: token ids as text
-            except ValueError:
-                ids = encode(token)  # llama.cpp: the tokens of this text
+            ids = encode(token)  # llama.cpp: the tokens of this text
         elif isinstance(token, int) and not isinstance(token, bool):
             ids = [token]
         else:
@@ -125,3 +123,8 @@ def logit_bias(value: Any, encode: Callable[[str], list[int]], vocab: int) -> di
                                  f"(0..{vocab - 1}): {t}", param=name)
             out[t] = out.get(t, 0.0) + float(bias)
     return out
+
+
+def _is_int(text: str) -> bool:
+    """An integer written out ("15339", "-3"), as strtol reads a whole key."""
+    return re.fullmatch(r"-?[0-9]+", text) is not None
