@@ -367,7 +367,8 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
             raise BadRequest("tool_choice that forces a call cannot be combined with "
                              "another constraint", param="tool_choice")
         try:
-            grammar = await svc.compile_constraint("lark", forced)
+            # the calls' arguments are JSON: their numbers bounded as a schema's are
+            grammar = await svc.compile_constraint("lark", forced, bound_numbers=True)
         except GrammarError as exc:
             raise BadRequest(f"tools: {exc}", param="tools") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

@@ -8,6 +8,7 @@ Protocol layers (ipc/) only format these.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -129,10 +130,12 @@ class Service:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    async def compile_constraint(self, kind: str, spec: Any) -> Grammar:
+    async def compile_constraint(self, kind: str, spec: Any, *,
+                                 bound_numbers: bool | None = None) -> Grammar:
         """Compile off the event loop (the first use builds llguidance's tokenizer)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, compile_constraint, kind, spec, self.tokenizer)
+        return await loop.run_in_executor(None, functools.partial(
+            compile_constraint, kind, spec, self.tokenizer, bound_numbers=bound_numbers))
 
     def check_prompt(self, prompt: list[int]) -> None:
         """RequestError unless the prompt fits the context (before queueing it)."""

@@ -119,6 +119,51 @@ class _TokenizerView:
         return self._tok.encode(text, add_bos=False, add_eos=False, parse_special=False)
 
 
+NUMBER_DIGITS = 16  # llama.cpp's json-schema-to-grammar: [1-9][0-9]{0,15}, [0-9]{1,16}
+_DIGITS = frozenset(b"0123456789")
+
+
+class _TokenDigits:
+    """What bounding JSON numbers' digit runs needs of a vocabulary: each token's bytes
+    and how many ASCII digits it begins with."""
+
+    def __init__(self, tokens: list[bytes]) -> None:
+        self.tokens = tokens
+        lead = np.zeros(len(tokens), dtype=np.int32)  # [n_tokens]
+        for i, data in enumerate(tokens):
+            n = 0
+            while n < len(data) and data[n] in _DIGITS:
+                n += 1
+            lead[i] = n
+        self.lead = lead
+
+
+@dataclass(frozen=True)
+class _JsonScan:
+    """Where JSON text stands for digit runs: inside a string (after a backslash), and
+    the length of the run of digits outside strings that it ends with."""
+
+    in_string: bool = False
+    escaped: bool = False
+    run: int = 0
+
+    def after(self, data: bytes) -> _JsonScan:
+        in_string, escaped, run = self.in_string, self.escaped, self.run
+        for b in data:
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif b == 0x5C:  # backslash
+                    escaped = True
+                elif b == 0x22:  # quote
+                    in_string = False
+            elif b == 0x22:
+                in_string, run = True, 0
+            else:
+                run = run + 1 if b in _DIGITS else 0
+        return _JsonScan(in_string, escaped, run)
+
+
 # what llguidance's Lark syntax takes as a token's name: <...> without space or quotes
 _TOKEN_NAME = re.compile(r'<[^\s<>"]+>')
 
@@ -130,6 +175,7 @@ class _TokenizerEntry:
     eog_ids: tuple[int, ...]
     compiled: OrderedDict[tuple[str, str], Grammar]
     named_text_tokens: dict[str, int]  # <name> -> id of a user-defined (text) token
+    digits: _TokenDigits
 
 
 _entries: weakref.WeakKeyDictionary[Tokenizer, _TokenizerEntry] = weakref.WeakKeyDictionary()
@@ -144,7 +190,7 @@ def _entry(tok: Tokenizer) -> _TokenizerEntry:
             view = _TokenizerView(tok)
             lltok = llg.LLTokenizer(llg.TokenizerWrapper(view), eos_token=view.eog_ids)
             entry = _TokenizerEntry(lltok, len(view.tokens), tuple(view.eog_ids), OrderedDict(),
-                                    view.named_text_tokens)
+                                    view.named_text_tokens, _TokenDigits(view.tokens))
             _entries[tok] = entry
         return entry
 
@@ -157,7 +203,8 @@ def lltokenizer_for(tok: Tokenizer) -> llg.LLTokenizer:
 # --- compiling ------------------------------------------------------------------------------
 
 
-def compile_constraint(kind: str, spec: Any, tokenizer: Tokenizer) -> Grammar:
+def compile_constraint(kind: str, spec: Any, tokenizer: Tokenizer, *,
+                       bound_numbers: bool | None = None) -> Grammar:
     """Compile a constraint for ``tokenizer``'s vocabulary.
 
     kind:
@@ -169,13 +216,20 @@ def compile_constraint(kind: str, spec: Any, tokenizer: Tokenizer) -> Grammar:
         rule lines, is converted).
       * ``gbnf``: llama.cpp GBNF grammar text (Lark text is accepted as is).
 
+    bound_numbers: JSON numbers' digit runs (integral part, fraction, exponent) are at most
+    NUMBER_DIGITS long, as llama.cpp's JSON-schema converter bounds them (a small model
+    otherwise writes "1111..." to the token limit). Default: for the JSON kinds; a Lark
+    grammar whose digits outside strings are all JSON numbers' (tool calls) may ask too.
+
     Raises GrammarError with llguidance's message when the constraint does not compile.
     Compiled constraints are cached per tokenizer (the result is immutable: call
     :meth:`Grammar.start` for each request).
     """
     entry = _entry(tokenizer)
     key_text, source = _grammar_source(kind, spec, entry.named_text_tokens)
-    key = (kind, key_text)
+    if bound_numbers is None:
+        bound_numbers = kind in ("json_object", "json_schema")
+    key = (kind + ("+bounded" if bound_numbers else ""), key_text)
     with _entries_lock:
         cached = entry.compiled.get(key)
         if cached is not None:
@@ -184,7 +238,8 @@ def compile_constraint(kind: str, spec: Any, tokenizer: Tokenizer) -> Grammar:
     matcher = llg.LLMatcher(entry.lltok, source, log_level=0)
     if matcher.is_error():
         raise GrammarError(f"invalid {kind} constraint: {_clean_error(matcher.get_error())}")
-    grammar = Grammar(kind, source, matcher, entry.n_tokens, entry.eog_ids)
+    grammar = Grammar(kind, source, matcher, entry.n_tokens, entry.eog_ids,
+                      entry.digits if bound_numbers else None)
     with _entries_lock:
         entry.compiled[key] = grammar
         while len(entry.compiled) > _COMPILED_CACHE_SIZE:
@@ -300,12 +355,13 @@ class Grammar:
     _template: llg.LLMatcher
     n_tokens: int  # the tokenizer's vocabulary size: ids >= this are never allowed
     eog_ids: tuple[int, ...]  # the ids llguidance treats as EOS
+    digits: _TokenDigits | None = None  # JSON numbers' digit runs are bounded (if given)
 
     def start(self) -> GrammarState:
         """A fresh matcher at the start of the output."""
         with _copy_lock:
             matcher = self._template.deep_copy()
-        return GrammarState(matcher, self.n_tokens)
+        return GrammarState(matcher, self.n_tokens, digits=self.digits)
 
 
 # --- per-request state ------------------------------------------------------------------------
@@ -317,15 +373,24 @@ class GrammarState:
     ``allowed(n)`` is the mask of tokens that may come next (EOS ids included once the text
     is a complete match); ``consume`` advances by one token, ``rollback`` undoes tokens,
     ``fork`` gives an independent copy (for a draft to advance along its proposals).
+
+    With ``digits`` (a bounded-numbers grammar) the mask also leaves out tokens that would
+    make a run of digits outside JSON strings longer than NUMBER_DIGITS, unless nothing
+    else is allowed (a schema's own bound may need more digits).
     """
 
-    def __init__(self, matcher: llg.LLMatcher, n_tokens: int, counted: Sequence[bool] = ()) -> None:
+    def __init__(self, matcher: llg.LLMatcher, n_tokens: int, counted: Sequence[bool] = (),
+                 *, digits: _TokenDigits | None = None,
+                 scans: Sequence[_JsonScan] = ()) -> None:
         self._m = matcher
         self._n_tokens = n_tokens
         # one entry per consumed token: did llguidance record it?  (A token consumed once
         # the matcher is stopped, i.e. an EOS, is not in its history and must not be
         # rolled back there.)
         self._counted: list[bool] = list(counted)
+        self._digits = digits
+        # with digits: where the JSON text stands, at the start and after each consumed token
+        self._scans: list[_JsonScan] = list(scans) or [_JsonScan()]
         self._mask: np.ndarray | None = None  # [n_tokens] bool for the current state
         self._padded: dict[int, np.ndarray] = {}  # n_vocab -> [n_vocab] read-only
 
@@ -356,9 +421,19 @@ class GrammarState:
                 mask = np.unpackbits(bits, bitorder="little")[: self._n_tokens].astype(bool)
                 if self._m.is_error():  # the mask computation itself can hit a limit
                     mask[:] = False
+                mask = self._bound_digits(mask)
             mask.setflags(write=False)
             self._mask = mask
         return self._mask
+
+    def _bound_digits(self, mask: np.ndarray) -> np.ndarray:
+        """mask [n_tokens] without the tokens whose leading digits would run past
+        NUMBER_DIGITS outside a string (the mask as it was if that leaves nothing)."""
+        scan = self._scans[-1]
+        if self._digits is None or scan.in_string:
+            return mask
+        bounded = mask & (self._digits.lead[: mask.shape[0]] <= NUMBER_DIGITS - scan.run)
+        return bounded if bounded.any() else mask
 
     def is_allowed(self, token: int) -> bool:
         token = int(token)
@@ -378,6 +453,8 @@ class GrammarState:
         self._m.consume_token(token)
         self._changed()
         self._counted.append(counted)
+        if self._digits is not None:
+            self._scans.append(self._scans[-1].after(self._digits.tokens[token]))
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar would accept in turn (state unchanged)."""
@@ -385,7 +462,14 @@ class GrammarState:
         n_ok = next((i for i, t in enumerate(ids) if not 0 <= t < self._n_tokens), len(ids))
         if n_ok == 0 or self._m.is_error():
             return 0
-        return int(self._m.validate_tokens(ids[:n_ok]))
+        n_ok = int(self._m.validate_tokens(ids[:n_ok]))
+        if self._digits is not None:  # and within the digit bound, token by token
+            scan = self._scans[-1]
+            for i, t in enumerate(ids[:n_ok]):
+                if not scan.in_string and self._digits.lead[t] > NUMBER_DIGITS - scan.run:
+                    return i
+                scan = scan.after(self._digits.tokens[t])
+        return n_ok
 
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` consumed tokens."""
@@ -397,11 +481,14 @@ class GrammarState:
         if k and not self._m.rollback(k):
             raise GrammarViolation(f"rollback failed: {_clean_error(self._m.get_error())}")
         del self._counted[-n:]
+        if self._digits is not None:
+            del self._scans[-n:]
         self._changed()
 
     def fork(self) -> GrammarState:
         """An independent copy (same position); advancing it leaves this state alone."""
-        other = GrammarState(self._m.deep_copy(), self._n_tokens, self._counted)
+        other = GrammarState(self._m.deep_copy(), self._n_tokens, self._counted,
+                             digits=self._digits, scans=self._scans)
         other._mask, other._padded = self._mask, dict(self._padded)  # immutable arrays
         return other
 

@@ -401,3 +401,17 @@ def test_logit_bias_and_penalties_are_applied_and_checked(tiny_path, tmp_path) -
         status, out = srv.request("POST", "/completion", {"prompt": "x",
                                                           "presence_penalty": "high"})
         assert status == 400 and "presence_penalty" in out["error"]["message"]
+
+
+def test_json_schema_numbers_end(tiny_path, tmp_path) -> None:
+    """A model that would write digits forever (this random one does) ends each JSON
+    number within 16 digits per part, as llama.cpp's schema converter makes it."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="ngram", n_ctx=512, slots=1)
+    schema = {"type": "array", "items": {"type": "number"}}
+    with live_server(cfg, tmp_path) as srv:
+        status, out = srv.request("POST", "/completion", {
+            "prompt": "1111111111", "n_predict": 120, "json_schema": schema,
+            "logit_bias": [[str(d), 50] for d in range(1, 10)]})  # digits above all else
+        assert status == 200, out
+        runs = [len(r) for r in re.findall(r"[0-9]+", out["content"])]
+        assert runs and max(runs) == 16, out["content"]

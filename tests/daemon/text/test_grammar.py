@@ -667,3 +667,56 @@ def test_user_defined_tokens_are_text_a_grammar_names() -> None:
     for t in html:
         state.consume(t)
     assert state.is_accepting()
+
+
+# -- JSON numbers' digit runs ------------------------------------------------------------------
+
+
+def _walk(state: GrammarState, tok: Tokenizer, text: str) -> None:
+    for t in tok.encode(text, add_bos=False, parse_special=False):
+        state.consume(t)
+
+
+def _digits_allowed(state: GrammarState, tok: Tokenizer, n_vocab: int) -> set[str]:
+    mask = state.allowed(n_vocab)
+    return {d for d in "0123456789"
+            if all(mask[t] for t in tok.encode(d, add_bos=False, parse_special=False))}
+
+
+def test_json_numbers_digit_runs_are_bounded_as_llama_cpp_bounds_them(vocab) -> None:
+    """At most NUMBER_DIGITS (16) digits in a number's integral part, its fraction and its
+    exponent (llama.cpp's [1-9][0-9]{0,15} and [0-9]{1,16}); strings are free; a schema
+    whose own bound needs more digits keeps them; other kinds are not bounded."""
+    tok, n_vocab = vocab
+    numbers = compile_constraint("json_schema", {"type": "array", "items": {"type": "number"}},
+                                 tok)
+    state = numbers.start()
+    _walk(state, tok, "[" + "1" * 15)
+    assert _digits_allowed(state, tok, n_vocab) == set("0123456789")
+    _walk(state, tok, "2")
+    assert _digits_allowed(state, tok, n_vocab) == set()  # 16: the integral part is full
+    assert state.allowed(n_vocab)[tok.encode(".", add_bos=False)[0]]
+    fork = state.fork()
+    _walk(fork, tok, ".")
+    assert _digits_allowed(fork, tok, n_vocab) == set("0123456789")  # the fraction's own run
+    _walk(fork, tok, "5" * 16)
+    assert _digits_allowed(fork, tok, n_vocab) == set()
+    _walk(fork, tok, "e-")
+    assert _digits_allowed(fork, tok, n_vocab) == set("0123456789")  # the exponent's own run
+    fork.rollback(len(tok.encode("e-", add_bos=False)))
+    assert _digits_allowed(fork, tok, n_vocab) == set()  # back after 16 fraction digits
+    assert _digits_allowed(state, tok, n_vocab) == set()  # the fork left the state alone
+    assert state.valid_prefix(tok.encode("3", add_bos=False)) == 0
+
+    strings = compile_constraint("json_schema", {"type": "array", "items": {"type": "string"}},
+                                 tok).start()
+    _walk(strings, tok, '["' + "1" * 40)
+    assert _digits_allowed(strings, tok, n_vocab) == set("0123456789")
+
+    big = compile_constraint("json_schema", {"type": "integer", "minimum": 10**17}, tok).start()
+    _walk(big, tok, "1" * 16)
+    assert _digits_allowed(big, tok, n_vocab) == set("0123456789")  # only digits may follow
+
+    regex = compile_constraint("regex", "[0-9]+", tok).start()
+    _walk(regex, tok, "1" * 40)
+    assert _digits_allowed(regex, tok, n_vocab) == set("0123456789")
