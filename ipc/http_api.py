@@ -348,8 +348,14 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
                                      get(body, "parallel_tool_calls", bool, True))
         if names is None:  # tool_choice none: the model is not told of tools either
             tools = None
+        # a final assistant message is continued (prefill), as llama-server does, unless
+        # the request says otherwise
+        prefill = messages[-1]["role"] == "assistant"
+        cont = get(body, "continue_final_message", bool, prefill)
         try:
-            prompt = svc.engine.chat_tokens(messages, tools or None)
+            prompt = svc.engine.chat_tokens(
+                messages, tools or None, continue_final_message=cont,
+                add_generation_prompt=get(body, "add_generation_prompt", bool, not cont))
         except ValueError as exc:
             raise BadRequest(f"chat template: {exc}") from None
     else:

@@ -221,18 +221,27 @@ class Engine:
         return tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
 
     def render_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None, *,
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The chat as the model's template writes it: a new assistant turn opened (by
+        default), or the final message continued (assistant prefill)."""
         tok = self.tokenizer
-        return render_chat(self.chat_template or "", messages, add_generation_prompt=True,
+        return render_chat(self.chat_template or "", messages,
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message,
                            bos_token=self._bos_text(),
                            eos_token=tok.token_text(tok.eos_id)
                            if tok.eos_id is not None else "", tools=tools)
 
     def chat_tokens(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, *,
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         """The rendered chat as token ids, with one BOS: templates that write
         `{{ bos_token }}` themselves get no second one from the tokenizer."""
-        text = self.render_chat(messages, tools)
+        text = self.render_chat(messages, tools, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message)
         bos = self._bos_text()
         add_bos = None if not (bos and text.startswith(bos)) else False
         return self.tokenizer.encode(text, add_bos=add_bos, parse_special=True)

@@ -52,6 +52,7 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     bos_token: str = "",
     eos_token: str = "",
     **extra: Any,
@@ -61,7 +62,30 @@ def render_chat(
     `template` None or empty: the ChatML fallback (with a logged note). `extra` goes to the
     template as variables (`tools`, `documents`, `enable_thinking`, ...); `tools` and
     `documents` are None unless given, as transformers passes them.
+
+    `continue_final_message` (assistant prefill): the text ends with the last message's
+    content, not closed, so that the model continues it (transformers' rule: the rendered
+    chat is cut after the content's last occurrence; a final message with no content is a
+    new turn instead). It cannot be combined with `add_generation_prompt`.
     """
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt "
+                                    "cannot both be set")
+        if not messages:
+            raise ChatTemplateError("continue_final_message needs a final message")
+        final = _message(messages[-1]).get("content") or ""
+        if not isinstance(final, str) or not final.strip():
+            return render_chat(template, messages[:-1], bos_token=bos_token,
+                               eos_token=eos_token, **extra)
+        text = render_chat(template, messages, add_generation_prompt=False,
+                           bos_token=bos_token, eos_token=eos_token, **extra)
+        for part in (final, final.strip()):  # some templates (Llama 3) trim contents
+            end = text.rfind(part)
+            if end >= 0:
+                return text[: end + len(part)]
+        raise ChatTemplateError("continue_final_message: the chat template does not write "
+                                "the final message's content as given")
     if not template:
         log.warning(FALLBACK_NOTE)
         template = CHATML_FALLBACK

@@ -415,3 +415,35 @@ def test_json_schema_numbers_end(tiny_path, tmp_path) -> None:
         assert status == 200, out
         runs = [len(r) for r in re.findall(r"[0-9]+", out["content"])]
         assert runs and max(runs) == 16, out["content"]
+
+
+def test_a_final_assistant_message_is_continued(tiny_path, tmp_path) -> None:
+    """Assistant prefill: a trailing assistant message is continued, not closed with a
+    new turn after it; continue_final_message / add_generation_prompt say otherwise."""
+    openai = pytest.importorskip("openai")
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        tok = srv.service.tokenizer
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused")
+        chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, h"}]
+
+        def prompt_tokens(**extra: Any) -> int:
+            out = client.chat.completions.create(model="", messages=chat, max_tokens=1,
+                                                 extra_body=extra)
+            return out.usage.prompt_tokens
+
+        def n(text: str) -> int:
+            return len(tok.encode(text, parse_special=True))
+
+        turn = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nSure, h"
+        assert prompt_tokens() == n(turn)
+        assert prompt_tokens(continue_final_message=True) == n(turn)
+        closed = turn + "<|im_end|>\n"
+        assert prompt_tokens(continue_final_message=False) == n(closed + "<|im_start|>assistant\n")
+        assert prompt_tokens(continue_final_message=False, add_generation_prompt=False) == n(
+            closed)
+        with pytest.raises(openai.BadRequestError, match="cannot both be set"):
+            prompt_tokens(continue_final_message=True, add_generation_prompt=True)
+        chat[-1]["role"] = "user"  # nothing to continue: a new turn, as always
+        assert prompt_tokens() == n(closed.replace("assistant", "user")
+                                    + "<|im_start|>assistant\n")

@@ -146,3 +146,29 @@ def test_template_errors_are_value_errors() -> None:
     with pytest.raises(ValueError, match="dicts"):
         render_chat("{{ messages }}", ["not a dict"])  # type: ignore[list-item]
     assert issubclass(ChatTemplateError, ValueError)
+
+
+# trims each message's content, as Llama 3's template does
+TRIMMING = ("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>"
+            "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open() -> None:
+    chat = [{"role": "user", "content": "Write f"},
+            {"role": "assistant", "content": "def f(x):\n    "}]
+    out = render_chat(CHATML_FALLBACK, chat, add_generation_prompt=False,
+                      continue_final_message=True)
+    assert out == ("<|im_start|>user\nWrite f<|im_end|>\n"
+                   "<|im_start|>assistant\ndef f(x):\n    ")
+    # a template that trims the content: cut after what it wrote
+    assert render_chat(TRIMMING, chat, add_generation_prompt=False,
+                       continue_final_message=True) == "<user>Write f</user><assistant>def f(x):"
+    # no content to continue: a new turn, as without it
+    empty = [chat[0], {"role": "assistant", "content": ""}]
+    assert render_chat(CHATML_FALLBACK, empty, add_generation_prompt=False,
+                       continue_final_message=True) == render_chat(CHATML_FALLBACK, chat[:1])
+    with pytest.raises(ChatTemplateError, match="cannot both be set"):
+        render_chat(CHATML_FALLBACK, chat, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="does not write"):
+        render_chat("{% for m in messages %}{{ m.role }}{% endfor %}", chat,
+                    add_generation_prompt=False, continue_final_message=True)
