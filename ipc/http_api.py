@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import math
 import time
 import uuid
 from typing import Any
@@ -29,6 +31,17 @@ from .metrics import render_metrics
 from .security import Handler, cors_on_prepare, error_response, make_middlewares
 from .validation import BadRequest, get, json_body, logit_bias, stop_list, token_list
 
+
+def _fingerprint() -> str:
+    """What OpenAI's `system_fingerprint` and llama.cpp's `build_info` say: specd's
+    version."""
+    try:
+        return "specd-" + importlib.metadata.version("specd")
+    except importlib.metadata.PackageNotFoundError:
+        return "specd"
+
+
+SYSTEM_FINGERPRINT = _fingerprint()
 SERVICE = web.AppKey("service", Service)
 MAX_BODY = web.AppKey("max_body", int)
 MEMORY_PLAN = web.AppKey("memory_plan", object)
@@ -240,6 +253,28 @@ def _usage(r: Result) -> dict[str, Any]:
             "speculative": _spec_block(r)}
 
 
+def _generation_settings(svc: Service, params: GenerationParams, *,
+                         stop: list[str] | None = None, stream: bool = False,
+                         n_probs: int = 0) -> dict[str, Any]:
+    """A request's settings as llama.cpp reports them (`generation_settings`, /props'
+    `default_generation_settings.params`): logit_bias as [{token, bias}], null for never
+    (ignore_eos bans the end-of-generation tokens that way, as llama.cpp shows it)."""
+    sp, dp = params.sampling, params.draft
+    bias = [{"token": t, "bias": None if b == -math.inf else b}
+            for t, b in sorted(sp.logit_bias.items())]
+    if params.ignore_eos:
+        bias += [{"token": t, "bias": None} for t in sorted(svc.engine.eog_ids)]
+    return {"seed": -1 if sp.seed is None else sp.seed, "temperature": sp.temperature,
+            "top_k": sp.top_k, "top_p": sp.top_p, "min_p": sp.min_p,
+            "repeat_last_n": sp.repeat_last_n, "repeat_penalty": sp.repeat_penalty,
+            "presence_penalty": sp.presence_penalty,
+            "frequency_penalty": sp.frequency_penalty, "stop": list(stop or []),
+            "max_tokens": params.max_tokens, "n_predict": params.max_tokens,
+            "ignore_eos": params.ignore_eos, "stream": stream, "logit_bias": bias,
+            "n_probs": n_probs, "speculative.n_max": dp.n_max, "speculative.n_min": dp.n_min,
+            "speculative.p_min": dp.p_min, "speculative.adaptive": params.adaptive}
+
+
 def _token_text(svc: Service, token: int) -> tuple[str, list[int]]:
     """A token's text (without the bytes of a character it only begins or ends, as
     llama.cpp gives it) and its bytes."""
@@ -398,6 +433,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         else:
             choice["text"] = r.text
         return json_response({"id": rid, "object": obj, "created": created, "model": model,
+                              "system_fingerprint": SYSTEM_FINGERPRINT,
                                   "choices": [choice], "usage": _usage(r)})
     # queued before the response starts: a full queue is still a 503 the client can retry
     options = body.get("stream_options")
@@ -446,6 +482,7 @@ async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, ri
         else:
             c["text"] = delta or ""
         return {"id": rid, "object": chunk_obj, "created": created, "model": model,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
                 "choices": [c]}
 
     if chat:
@@ -502,11 +539,12 @@ def _infill_prompt(svc: Service, body: dict[str, Any], max_tokens: int) -> list[
     if not has_fim(tok):
         raise BadRequest("this model's vocabulary has no FIM tokens; /infill is unavailable")
     extra = body.get("input_extra") or []
+    # as llama.cpp checks them: a string text in each, a filename a string if given
     if not isinstance(extra, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("filename", ""), str)
-            and isinstance(e.get("text", ""), str) for e in extra):
-        raise BadRequest("'input_extra' must be an array of {filename, text} (strings)",
-                         param="input_extra")
+            isinstance(e, dict) and isinstance(e.get("text"), str)
+            and isinstance(e.get("filename", ""), str) for e in extra):
+        raise BadRequest("'input_extra' must be an array of {filename, text}: text a "
+                         "string, filename a string if given", param="input_extra")
     chunks = [ExtraChunk(e.get("filename", DEFAULT_CHUNK_FILE), e.get("text", ""))
               for e in extra]
     return infill_tokens(tok, get(body, "input_prefix", str, ""),
@@ -543,24 +581,43 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
         raise BadRequest("'response_fields' must be an array of strings",
                          param="response_fields")
 
+    return_tokens = get(body, "return_tokens", bool, False)
+
     def final(r: Result) -> dict[str, Any]:
-        full = {"content": r.text if not stream else "", "stop": True,
+        full = {"index": 0, "content": r.text if not stream else "",
+                "tokens": r.tokens if return_tokens and not stream else [],
+                "id_slot": -1 if r.slot is None else r.slot, "stop": True,
                 "model": svc.engine.target.name, "tokens_predicted": r.completion_tokens,
-                "tokens_evaluated": r.prompt_tokens, "tokens_cached": r.cached_tokens,
+                "tokens_evaluated": r.prompt_tokens,
+                "generation_settings": _generation_settings(svc, params, stop=stop,
+                                                            stream=stream, n_probs=n_probs),
+                "prompt": svc.tokenizer.decode(prompt),
+                "has_new_line": "\n" in r.text, "truncated": False,
                 "stop_type": {"stop": "eos" if not r.stopping_word else "word",
                               "length": "limit", "time_limit": "limit"}.get(
                                   r.finish_reason, r.finish_reason),
-                "stopping_word": r.stopping_word, "truncated": False,
+                "stopping_word": r.stopping_word, "tokens_cached": r.cached_tokens,
                 "timings": r.timings, "speculative": _spec_block(r)}
         if n_probs and not stream:
             full["completion_probabilities"] = _llama_probs(svc, r.logprobs)
-        # llama.cpp's response_fields: just these, a nested one under its "a/b" path
-        return full if fields is None else _pick_fields(full, fields)
+        # llama.cpp's response_fields: just these, a nested one under its "a/b" path (none
+        # or [] is every field)
+        return _pick_fields(full, fields) if fields else full
 
     stream = get(body, "stream", bool, False)
     if not stream:
         return json_response(final(await _collect(svc, prompt, params, **kw)))
     events = svc.submit(prompt, params, **kw)  # a full queue is a 503 before any byte
+    n_predicted = 0
+
+    def partial(text: str, tokens: list[int]) -> dict[str, Any]:
+        """A streamed event, as llama.cpp's (with the tokens, always)."""
+        nonlocal n_predicted
+        n_predicted += len(tokens)
+        return {"index": 0, "content": text, "tokens": tokens, "stop": False,
+                "id_slot": -1 if events.req.slot is None else events.req.slot,
+                "tokens_predicted": n_predicted, "tokens_evaluated": len(prompt)}
+
     try:
         resp = await _sse(request)
         held: dict[str, Any] | None = None  # with n_probs: the last token's event
@@ -571,18 +628,18 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
                 for token, text, lp in zip(ev.tokens, ev.texts, ev.logprobs, strict=True):
                     if held is not None:
                         await _send(resp, held)
-                    held = {"content": text, "tokens": [token], "stop": False,
+                    held = {**partial(text, [token]),
                             "completion_probabilities": _llama_probs(svc, [lp])}
                 if not ev.tokens and held is not None:
                     held["content"] += ev.text
                 elif not ev.tokens:
-                    await _send(resp, {"content": ev.text, "tokens": [], "stop": False})
+                    await _send(resp, partial(ev.text, []))
                 continue
             if held is not None:
                 await _send(resp, held)
                 held = None
             if isinstance(ev, Piece):
-                await _send(resp, {"content": ev.text, "tokens": ev.tokens, "stop": False})
+                await _send(resp, partial(ev.text, ev.tokens))
             elif ev.error:
                 await _send_error(resp, ev.error)
             else:
@@ -670,13 +727,22 @@ async def model(request: web.Request) -> web.Response:
 async def props(request: web.Request) -> web.Response:
     svc = _svc(request)
     info = svc.engine.describe()
+    d = svc.engine.cfg.defaults
+    tok = svc.tokenizer
     info.update({"total_slots": len(svc.scheduler.slots), "n_ctx": svc.engine.n_ctx,
                  "memory_plan": request.app.get(MEMORY_PLAN),
+                 # llama-server's: the model's path and name, its template and tokens
+                 "model_path": str(svc.engine.target.path),
+                 "model_alias": svc.engine.target.name,
+                 "chat_template": svc.engine.chat_template or "",
+                 "bos_token": "" if tok.bos_id is None else tok.token_text(tok.bos_id),
+                 "eos_token": "" if tok.eos_id is None else tok.token_text(tok.eos_id),
+                 "modalities": {"vision": False, "video": False, "audio": False},
+                 "build_info": SYSTEM_FINGERPRINT,
                  "default_generation_settings": {
-                     "n_predict": svc.engine.cfg.defaults.max_tokens,
-                     "speculative.n_max": svc.engine.cfg.defaults.draft.n_max,
-                     "speculative.n_min": svc.engine.cfg.defaults.draft.n_min,
-                     "speculative.p_min": svc.engine.cfg.defaults.draft.p_min}})
+                     "n_ctx": svc.engine.n_ctx, "params": _generation_settings(svc, d),
+                     "n_predict": d.max_tokens, "speculative.n_max": d.draft.n_max,
+                     "speculative.n_min": d.draft.n_min, "speculative.p_min": d.draft.p_min}})
     return json_response(info)
 
 
@@ -716,9 +782,11 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r = app.router
     r.add_get("/health", health)
     r.add_get("/v1/models", models)
+    r.add_get("/models", models)
     r.add_get("/v1/models/{model_id:.+}", model)
     r.add_post("/v1/completions", _busy(completions))
     r.add_post("/v1/chat/completions", _busy(chat_completions))
+    r.add_post("/chat/completions", _busy(chat_completions))
     r.add_post("/completion", _busy(completion))
     r.add_post("/completions", _busy(completion))
     r.add_post("/infill", _busy(infill))

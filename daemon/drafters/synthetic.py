@@ -9,6 +9,7 @@ never accepted. Rates all 0 reproduce target-only output exactly.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -49,7 +50,15 @@ class SyntheticDrafter(Drafter):
         if any(b > a for a, b in zip(rates, rates[1:], strict=False)):
             raise ValueError(f"per-position acceptance rates must not increase: {rates}")
         self.rates = rates
+        self.seed = seed
         self._rng = np.random.default_rng(seed)
+
+    def begin(self, seq: int, prompt: Sequence[int], sampler: object = None,
+              features: object = None) -> None:
+        """Acceptance draws start again from the seed and the prompt: the same request
+        drafts the same way, whatever ran before it (one sequence at a time)."""
+        digest = zlib.crc32(np.asarray(prompt, dtype=np.int64).tobytes())
+        self._rng = np.random.default_rng([self.seed, digest])
 
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
               grammar: object = None) -> Proposal:

@@ -124,6 +124,9 @@ class Scheduler:
                 "n_cached": len(s.cached),
                 "request_id": None if r is None else r.id,
                 "n_generated": 0 if r is None or r.gen is None else len(r.gen.tokens),
+                # llama-server's
+                "is_processing": r is not None, "n_ctx": self.engine.n_ctx,
+                "speculative": self.engine.drafter is not None,
             })
         return out
 

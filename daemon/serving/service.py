@@ -45,6 +45,7 @@ class Result:
     stopping_word: str = ""
     error: str | None = None
     timings: dict[str, Any] = field(default_factory=dict)
+    slot: int | None = None  # the slot that ran it
     # per generated token (the counted ones), where the request asked for logprobs
     tokens: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -277,14 +278,23 @@ class Stream:
             text="".join(text), finish_reason=reason, prompt_tokens=len(self.prompt),
             completion_tokens=n_out,
             cached_tokens=stats.cached_tokens, stats=stats, stopping_word=matcher.hit or "",
-            error=req.error, tokens=tokens, texts=texts, logprobs=logprobs,
+            error=req.error, slot=req.slot, tokens=tokens, texts=texts, logprobs=logprobs,
             timings={
+                "cache_n": stats.cached_tokens,
                 "prompt_n": len(self.prompt) - stats.cached_tokens,
                 "prompt_ms": round(stats.prefill_s * 1000, 3),
+                "prompt_per_token_ms": _per(stats.prefill_s * 1000,
+                                            len(self.prompt) - stats.cached_tokens),
                 "prompt_per_second": round(stats.prefill_tps, 3),
                 "predicted_n": n_out,
                 "predicted_ms": round(stats.decode_s * 1000, 3),
+                "predicted_per_token_ms": _per(stats.decode_s * 1000, n_out),
                 "predicted_per_second": round(stats.decode_tps, 3),
                 "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
                 "total_ms": round(elapsed * 1000, 3),
             })
+
+
+def _per(ms: float, n: int) -> float:
+    """Milliseconds per token (0 for none), as llama.cpp's timings give them."""
+    return round(ms / n, 3) if n > 0 else 0.0

@@ -365,6 +365,11 @@ def test_json_is_compact_as_llama_vim_reads_it(tmp_path, tiny_model_factory) -> 
             status, _, raw = _raw(srv, "POST", path_, {**body, "stream": True})
             events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
             assert len(events) > 1 and all(e == b"[DONE]" or _compact(e) for e in events), raw
+        for extra in ({}, {"filename": "ok"}, {"filename": 123}, {"filename": 123, "text": "a"},
+                      {"filename": 123, "text": 456}):  # llama.cpp's test_infill cases
+            status, out = srv.request("POST", "/infill", {"input_extra": [extra],
+                                                          "input_prefix": "x"})
+            assert status == 400 and "input_extra" in out["error"]["message"], (extra, out)
 
 
 def test_logit_bias_and_penalties_are_applied_and_checked(tiny_path, tmp_path) -> None:
@@ -447,3 +452,67 @@ def test_a_final_assistant_message_is_continued(tiny_path, tmp_path) -> None:
         chat[-1]["role"] = "user"  # nothing to continue: a new turn, as always
         assert prompt_tokens() == n(closed.replace("assistant", "user")
                                     + "<|im_start|>assistant\n")
+
+
+def test_llama_server_routes_and_fields(tiny_path, tmp_path) -> None:
+    """What llama-server's clients read: the routes without /v1, /completion's fields,
+    /props' and /slots' additions, system_fingerprint, response_fields: [] = all."""
+    openai = pytest.importorskip("openai")
+    cfg = EngineConfig(target=str(tiny_path), spec_type="ngram", n_ctx=512, slots=2)
+    with live_server(cfg, tmp_path) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused")  # no /v1
+        assert [m.id for m in client.models.list()] == [srv.service.engine.target.name]
+        chat = client.chat.completions.create(model="", max_tokens=3,
+                                              messages=[{"role": "user", "content": "hi"}])
+        assert chat.system_fingerprint and chat.system_fingerprint.startswith("specd")
+        chunks = list(client.chat.completions.create(
+            model="", max_tokens=3, stream=True, messages=[{"role": "user", "content": "hi"}]))
+        assert all(c.system_fingerprint == chat.system_fingerprint for c in chunks)
+
+        req = {"prompt": "one two", "n_predict": 6, "ignore_eos": True, "temperature": 0,
+               "logit_bias": [[7, -1.5]]}
+        status, out = srv.request("POST", "/completion", {**req, "return_tokens": True})
+        assert status == 200, out
+        streamed = _events(srv.request("POST", "/completion", {**req, "stream": True})[1])
+        assert out["tokens"] == [t for e in streamed if not e["stop"] for t in e["tokens"]]
+        assert len(out["tokens"]) == 6 and out["index"] == 0 and out["id_slot"] in (0, 1)
+        assert out["prompt"] == "one two" and out["has_new_line"] == ("\n" in out["content"])
+        settings = out["generation_settings"]
+        assert settings["temperature"] == 0 and settings["n_predict"] == 6
+        eog = sorted(srv.service.engine.eog_ids)  # ignore_eos bans them, as llama.cpp shows
+        assert settings["logit_bias"] == [{"token": 7, "bias": -1.5}] + [
+            {"token": t, "bias": None} for t in eog]
+        t = out["timings"]
+        assert t["cache_n"] == out["tokens_cached"]
+        assert t["predicted_per_token_ms"] == pytest.approx(
+            t["predicted_ms"] / t["predicted_n"], abs=1e-3)
+        assert t["prompt_per_token_ms"] == pytest.approx(t["prompt_ms"] / t["prompt_n"],
+                                                         abs=1e-3)
+        assert [e["tokens_predicted"] for e in streamed if not e["stop"]][-1] == 6
+        assert srv.request("POST", "/completion", req)[1]["tokens"] == []  # not asked for
+        everything = srv.request("POST", "/completion", {**req, "response_fields": []})[1]
+        assert set(everything) >= {"content", "timings", "generation_settings"}
+
+        status, props = srv.request("GET", "/props")
+        assert props["model_path"] == str(srv.service.engine.target.path)
+        assert props["default_generation_settings"]["n_ctx"] == 512
+        assert props["default_generation_settings"]["params"]["n_predict"] == (
+            srv.service.engine.cfg.defaults.max_tokens)
+        slots = srv.request("GET", "/slots")[1]
+        assert [s["is_processing"] for s in slots] == [False, False]
+
+
+def test_synthetic_speculation_drafts_a_request_the_same_way_each_time(tiny_path,
+                                                                       tmp_path) -> None:
+    cfg = EngineConfig(target=str(tiny_path), spec_type="synthetic", synthetic_mean=2.5,
+                       n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        def accepted(prompt: str) -> int:
+            status, out = srv.request("POST", "/completion", {
+                "prompt": prompt, "n_predict": 40, "ignore_eos": True})
+            assert status == 200, out
+            return out["timings"]["draft_n_accepted"]
+
+        first = accepted("one two")
+        accepted("something else first")
+        assert accepted("one two") == first
