@@ -126,6 +126,8 @@ def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None 
                                             if s.head_kind) + " heads)")
         return auto
     spec = SPEC_TYPE_REGISTRY.get(spec_type)
+    if spec_type == "draft-dflash" and draft_kind == "dflash2":
+        return "draft-dflash2"  # llama.cpp runs DFlash2 heads under draft-dflash: so does specd
     if spec is not None and spec.loads_draft_model and spec.head_kind != draft_kind:
         what = "a draft model" if draft_kind is None else f"a {draft_kind} head"
         want = "a draft model" if spec.head_kind is None else f"a {spec.head_kind} head"

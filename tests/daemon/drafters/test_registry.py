@@ -44,6 +44,7 @@ def test_auto_resolves_a_head_by_its_kind() -> None:
         resolve_spec_type("draft-dflash", "h.gguf", "dspark")
     assert resolve_spec_type("auto", "h.gguf", "eagle3") == "draft-eagle3"
     assert resolve_spec_type("auto", "h.gguf", "dflash2") == "draft-dflash2"
+    assert resolve_spec_type("draft-dflash", "h.gguf", "dflash2") == "draft-dflash2"
     with pytest.raises(SpecTypeError, match="mtp drafter head, which specd does not run"):
         resolve_spec_type("auto", "h.gguf", "mtp")
     with pytest.raises(SpecTypeError, match="needs a draft model, and h.gguf is a dflash head"):
