@@ -80,16 +80,19 @@ def test_logits_along_llama_cpps_greedy_path(tiny_model_factory: Callable[..., P
     assert clear >= 2
 
 
-@pytest.mark.parametrize("name, text", [
-    pytest.param("smollm2-135m-instruct", "1, 2, 3, 4, 5,", marks=pytest.mark.real),
-    pytest.param("qwen2.5-coder-0.5b-instruct", "def fibonacci(n):\n", marks=pytest.mark.slow),
+@pytest.mark.parametrize("name, text, min_clear", [
+    pytest.param("smollm2-135m-instruct", "1, 2, 3, 4, 5,", 64, marks=pytest.mark.real),
+    pytest.param("qwen2.5-coder-0.5b-instruct", "def fibonacci(n):\n", 8,
+                 marks=pytest.mark.slow),
 ])
-def test_real_models_continue_as_llama_cpp_does(name: str, text: str) -> None:
-    """64 greedy tokens past a fixed prompt on the target's CPU graph equal llama.cpp's.
-    Both round activations to 8 bits, differently, so a continuation through a near tie
-    may split (with SmolLM2, specd's 8-bit graph moves the first token's log probabilities
-    by up to 0.3 against its float32 graph, llama.cpp's by 0.05); these prompts' have
-    none. Gemma 3 270M: tests/ort_models/arch/test_gemma3.py."""
+def test_real_models_continue_as_llama_cpp_does(name: str, text: str, min_clear: int
+                                                ) -> None:
+    """Greedy continuations of a fixed prompt on the target's CPU graph equal llama.cpp's
+    up to specd's first near tie within 64 tokens (SmolLM2's has none: all 64 compared).
+    Both round activations to 8 bits, differently (with SmolLM2, specd's 8-bit graph moves
+    the first token's log probabilities by up to 0.3 against its float32 graph, llama.cpp's
+    by 0.05), so at a near tie they may split. Gemma 3 270M:
+    tests/ort_models/arch/test_gemma3.py."""
     from conftest import fetched_model
 
     if reason := llama_cpp_oracle.missing("llama-server"):
@@ -99,8 +102,5 @@ def test_real_models_continue_as_llama_cpp_does(name: str, text: str) -> None:
     prompt = tok.encode(text)
     theirs = llama_cpp_oracle.greedy_completion(path, prompt, 64)
     r = ModelRunner(load_or_build(path, build_options("target")), n_ctx=512)
-    ours, logits = [], r.prefill(0, prompt)
-    for i in range(64):
-        ours.append(int(np.argmax(logits)))
-        logits = r.forward(0, [ours[-1]], len(prompt) + i)[0]
-    assert tok.decode(ours) == tok.decode(theirs)
+    ours, margins = llama_cpp_oracle.greedy_with_margins(r, prompt, 64)
+    assert llama_cpp_oracle.agreed_until_near_tie(ours, margins, theirs) >= min_clear

@@ -133,3 +133,30 @@ def greedy_with_logprobs(model: Path, prompt: list[int], n_predict: int, *, n_pr
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def greedy_with_margins(runner: object, prompt: list[int], n: int
+                        ) -> tuple[list[int], list[float]]:
+    """specd's greedy continuation (a ModelRunner, one token a call) and each step's top-1
+    minus top-2 logit."""
+    import numpy as np
+
+    tokens: list[int] = []
+    margins: list[float] = []
+    logits = runner.prefill(0, prompt)  # type: ignore[attr-defined]
+    for i in range(n):
+        two = np.sort(logits)[-2:]
+        margins.append(float(two[1] - two[0]))
+        tokens.append(int(np.argmax(logits)))
+        logits = runner.forward(0, [tokens[-1]], len(prompt) + i)[0]  # type: ignore[attr-defined]
+    return tokens, margins
+
+
+def agreed_until_near_tie(ours: list[int], margins: list[float], theirs: list[int],
+                          near: float = 0.25) -> int:
+    """How many leading tokens were compared: up to specd's first near tie (top two within
+    `near`: two implementations that round activations differently may split there, and
+    the texts diverge after). Raises AssertionError where the two differ before it."""
+    clear = next((i for i, m in enumerate(margins) if m < near), len(margins))
+    assert ours[:clear] == theirs[:clear], (clear, ours[:clear], theirs[:clear])
+    return clear
