@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.metadata
 import math
 import time
 import uuid
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from specd.daemon.serving.scheduler import QueueFull
@@ -702,6 +704,96 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"content": svc.tokenizer.decode(ids)})
 
 
+# -- embeddings ---------------------------------------------------------------------------
+def _embedding_inputs(svc: Service, value: Any) -> list[list[int]]:
+    """The token ids of each input, as llama-server reads `input` / `content`: a text, an
+    array of ids (text among them is tokenized in place), {"prompt_string": text},
+    {"content": [text parts]}, or an array of those (several inputs)."""
+    tok = svc.tokenizer
+
+    def one(item: Any) -> list[int]:
+        if isinstance(item, dict):
+            if isinstance(item.get("prompt_string"), str):
+                item = item["prompt_string"]
+            elif isinstance(item.get("content"), list) and all(
+                    isinstance(p, dict) and p.get("type") == "text"
+                    and isinstance(p.get("text"), str) for p in item["content"]):
+                item = "".join(p["text"] for p in item["content"])
+            else:
+                raise BadRequest("an input object needs 'prompt_string' or 'content' as an "
+                                 "array of text parts (this model reads text only)",
+                                 param="input")
+        if isinstance(item, str):
+            ids = tok.encode(item, parse_special=True)
+            # an empty text: its start alone (llama.cpp embeds the BOS it adds)
+            return ids or [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
+        if isinstance(item, list) and item and all(
+                isinstance(x, int | str) and not isinstance(x, bool) for x in item):
+            ids = []
+            for x in item:
+                ids += [x] if isinstance(x, int) else tok.encode(x, add_bos=False)
+            return token_list(ids, "input", tok.vocab_size)
+        raise BadRequest("'input' must be a string, an array of token ids, an object with "
+                         "text, or an array of these", param="input")
+
+    if isinstance(value, list):
+        if not value:
+            raise BadRequest("'input' is empty", param="input")
+        if any(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return [one(value)]  # one input of ids (with text among them)
+        return [one(x) for x in value]
+    return [one(value)]
+
+
+async def _embed(request: web.Request, *, openai: bool) -> web.Response:
+    svc = _svc(request)
+    body = await json_body(request)
+    if svc.engine.pooling is None:
+        raise BadRequest("this daemon does not compute embeddings: start it with "
+                         "--embeddings", status=501, code="not_supported")
+    if openai:
+        _check_model(request, body)
+        if svc.engine.pooling == "none":
+            raise BadRequest("pooling 'none' gives a vector per token, which "
+                             "/v1/embeddings cannot return (use /embeddings)", param="input")
+    fmt = get(body, "encoding_format", str, "float")
+    if fmt not in ("float", "base64"):
+        raise BadRequest(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}",
+                         param="encoding_format")
+    field = "input" if "input" in body or openai else "content"
+    if field not in body:
+        raise BadRequest(f"'{field}' is required", param=field)
+    inputs = _embedding_inputs(svc, body[field])
+    for tokens in inputs:
+        if len(tokens) > svc.engine.n_ctx - 1:
+            raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "
+                             f"context holds {svc.engine.n_ctx - 1}", param=field)
+    vectors = await svc.embed(inputs, get(body, "embd_normalize", int, 2, lo=-1))
+
+    def encoded(v: np.ndarray) -> Any:
+        if fmt == "base64":  # as OpenAI sends it: float32, little-endian
+            return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+        return np.asarray(v, dtype=np.float32).tolist()
+
+    if not openai:  # llama.cpp's: each input's vectors (one, pooled; or one per token)
+        return json_response([{"index": i, "embedding": encoded(np.atleast_2d(v))}
+                              for i, v in enumerate(vectors)])
+    n = sum(len(t) for t in inputs)
+    return json_response({
+        "model": svc.engine.target.name, "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encoded(v)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+async def embeddings_oai(request: web.Request) -> web.StreamResponse:
+    return await _embed(request, openai=True)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _embed(request, openai=False)
+
+
 # -- status -------------------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
@@ -790,6 +882,9 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/completion", _busy(completion))
     r.add_post("/completions", _busy(completion))
     r.add_post("/infill", _busy(infill))
+    r.add_post("/v1/embeddings", _busy(embeddings_oai))
+    r.add_post("/embeddings", _busy(embeddings))
+    r.add_post("/embedding", _busy(embeddings))
     r.add_post("/tokenize", tokenize)
     r.add_post("/detokenize", detokenize)
     r.add_get("/props", props)

@@ -35,6 +35,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer 404 to a request naming another model (default: any name, "
                    "or none, gets the loaded model, as llama-server does)")
+    p.add_argument("--embeddings", action="store_true",
+                   help="serve /v1/embeddings and /embeddings from the target's last hidden "
+                   "state (its graph then outputs it: built once more)")
+    p.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
+                   help="how embeddings pool the tokens' states (default: the model's own, "
+                   "else mean; none: one vector per token, /embeddings only)")
     p.add_argument("--no-fit", action="store_true",
                    help="use -c and --slots as given instead of the measured memory plan")
 
@@ -84,6 +90,7 @@ def build_service(args: argparse.Namespace):
     from specd.daemon.serving.service import Service
 
     cfg = engine_config_from_args(args, slots=args.slots)
+    cfg.embeddings, cfg.pooling = args.embeddings, args.pooling
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     return Service(engine, Scheduler(engine, max_queue=args.queue))
 

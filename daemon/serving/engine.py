@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from specd.daemon.drafters.registry import (
     MODEL_SPEC_TYPES,
@@ -43,7 +45,10 @@ from specd.ort_models.head_runner import HeadRunner, load_or_build_head
 from specd.ort_models.heads import HeadFormatError, HeadParams, head_kind, read_head
 from specd.ort_models.model_cache import BuiltModel, load_or_build
 from specd.ort_models.providers import RuntimeChoice, choose_runtime
+from specd.ort_models.quant import dense_float32
 from specd.ort_models.runner import ModelRunner
+
+from .embeddings import GGUF_POOLING, POOLINGS, normalize, output_norm, pool
 
 log = logging.getLogger("specd.engine")
 
@@ -74,6 +79,9 @@ class EngineConfig:
     draft_quant: str = "auto"  # a key of DRAFT_QUANTS
     draft_vocab: int = DRAFT_VOCAB_ROWS  # a draft proposes only ids below this; 0: all
     spin: bool = False  # CPU pool threads spin during a run (faster only on an idle machine)
+    # embeddings: the target's graph also outputs its last layer's hidden state
+    embeddings: bool = False
+    pooling: str | None = None  # None: the GGUF's pooling type, else "mean"
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
 
@@ -141,6 +149,22 @@ class Engine:
                              if draft_path is not None and head is None else None)
         except BuildError as exc:
             raise EngineError(str(exc)) from None
+        self.pooling: str | None = None  # embeddings: how token states are pooled
+        if cfg.embeddings:
+            hp = read_hparams(tgt_file)
+            self._embedding_layer = hp.n_layer - 1
+            self._output_norm = dense_float32(tgt_file.tensor("output_norm.weight")
+                                              ).reshape(-1)  # [E]
+            self._rms_eps = hp.rms_eps
+            # --pooling, else the model's own (an embedding model's GGUF names one; a
+            # generative model's "none" would give no vector per input), else mean
+            own = GGUF_POOLING.get(int(tgt_file.arch_key("pooling_type", 0)), "none")
+            self.pooling = cfg.pooling or (own if own != "none" else "mean")
+            if self.pooling not in POOLINGS:
+                raise EngineError(f"unknown pooling {self.pooling!r} (one of "
+                                  f"{', '.join(POOLINGS)})")
+            target_options = replace(target_options, hidden_layers=tuple(sorted(
+                {*target_options.hidden_layers, self._embedding_layer})))
         self.target = self._load(target_path, tgt_file, bp("target"), target_options)
         self.target.resident_bytes += max(tokenizer_bytes, 0)
         self.n_ctx = self.target.runner.n_ctx
@@ -256,6 +280,17 @@ class Engine:
               reuse: int = 0, grammar: GrammarState | None = None) -> Generation:
         return Generation(self.target.runner, seq, prompt, params, eog=self.eog_ids,
                           drafter=self.drafter, reuse=reuse, grammar=grammar)
+
+    def embed(self, seq: int, tokens: Sequence[int], normalize_p: int = 2) -> np.ndarray:
+        """The embedding of `tokens`, evaluated from position 0 of sequence `seq` (its KV
+        then holds them): [E] pooled, or [n_tokens, E] with pooling "none"."""
+        if self.pooling is None:
+            raise EngineError("embeddings are off (serve with --embeddings)")
+        layer = self._embedding_layer
+        _, features = self.target.runner.prefill_with_features(seq, tokens, 0, [layer])
+        states = output_norm(features[layer], self._output_norm, self._rms_eps)  # [n, E]
+        return normalize(pool(states, self.pooling),
+                         normalize_p if self.pooling != "none" else -1)
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {

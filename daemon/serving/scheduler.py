@@ -46,6 +46,10 @@ class Request:
     on_done: Callable[[Request], object]  # its result is not used
     cache_prompt: bool = True
     grammar: Grammar | None = None  # compiled constraint; a fresh state per request
+    # instead of generating: run this with the slot's index on the worker thread, once;
+    # it returns (its result, the tokens the slot's KV then holds) (embeddings)
+    task: Callable[[int], tuple[object, list[int]]] | None = None
+    result: object = None
     id: int = 0
     gen: Generation | None = None
     slot: int | None = None
@@ -158,6 +162,9 @@ class Scheduler:
                     return
                 req = self.queue.popleft()
                 slot = self._choose_slot(free, req)
+                if req.task is not None:  # runs in _advance, outside the lock
+                    slot.request, req.slot = req, slot.index
+                    continue
                 reuse = common_prefix(slot.cached, req.prompt) if req.cache_prompt else 0
                 try:
                     req.gen = self.engine.start(
@@ -194,7 +201,11 @@ class Scheduler:
 
     def _advance(self, slot: Slot) -> None:
         req = slot.request
-        assert req is not None and req.gen is not None
+        assert req is not None
+        if req.task is not None:
+            self._run_task(slot, req, req.task)
+            return
+        assert req.gen is not None
         gen = req.gen
         try:
             if req.cancelled:
@@ -212,6 +223,21 @@ class Scheduler:
                 # the KV now holds the prompt and everything evaluated after it
                 slot.cached = gen.evaluated_tokens if gen.finish_reason != "error" else []
                 self._finish(req, slot)
+
+    def _run_task(self, slot: Slot, req: Request,
+                  task: Callable[[int], tuple[object, list[int]]]) -> None:
+        """A task request on its slot: its KV is the task's to overwrite."""
+        cached: list[int] = []
+        if not req.cancelled:
+            try:
+                req.result, cached = task(slot.index)
+            except Exception as exc:  # one bad request never stops the daemon
+                log.exception("request %d failed", req.id)
+                req.error = f"internal error: {exc}"
+                cached = []
+        with self._lock:
+            slot.cached = cached
+            self._finish(req, slot)
 
     def _finish(self, req: Request, slot: Slot | None) -> None:
         """A request leaves (its slot, if any, is free again); the caller holds the lock."""

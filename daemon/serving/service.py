@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from specd.daemon.spec.generation import GenerationParams, check_prompt_fits
 from specd.daemon.spec.sampling import TokenLogprob
 from specd.daemon.spec.stats import SpecStats
@@ -151,6 +153,41 @@ class Service:
         self.check_prompt(prompt)
         return Stream(self, prompt, params, stop=stop, cache_prompt=cache_prompt,
                       t_max_ms=t_max_ms, grammar=grammar, n_indent=n_indent)
+
+    async def embed(self, inputs: list[list[int]], normalize_p: int = 2) -> list[np.ndarray]:
+        """Each input's embedding (Engine.embed), computed on the scheduler's worker in a
+        slot it takes like a request (QueueFull when the queue is full)."""
+        if not inputs or not all(inputs):
+            raise ValueError("nothing to embed")
+        for tokens in inputs:
+            self.check_prompt(tokens)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Request] = loop.create_future()
+
+        def task(seq: int) -> tuple[object, list[int]]:
+            out = [self.engine.embed(seq, tokens, normalize_p) for tokens in inputs]
+            return out, list(inputs[-1])  # the slot's KV holds the last input
+
+        def settle(r: Request) -> None:
+            if not done.done():  # (cancelled when the client went away)
+                done.set_result(r)
+
+        def finished(r: Request) -> None:
+            loop.call_soon_threadsafe(settle, r)
+
+        req = Request(prompt=list(inputs[0]), params=GenerationParams(max_tokens=0),
+                      on_tokens=lambda tokens: None, on_done=finished, cache_prompt=False,
+                      task=task)
+        self.scheduler.submit(req)
+        try:
+            r = await done
+        except BaseException:
+            req.cancel()
+            raise
+        if r.error:
+            raise RuntimeError(r.error)
+        assert isinstance(r.result, list)
+        return r.result
 
     async def generate(self, prompt: list[int], params: GenerationParams,
                        **kw: Any) -> AsyncIterator[Piece | Result]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from specd.daemon.serving.engine import EngineConfig
@@ -25,7 +26,7 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     mp = pytest.MonkeyPatch()
     mp.setenv("SPECD_STATE_DIR", str(tmp / "state"))
     cfg = EngineConfig(target=str(fetched_model(QWEN)), spec_type="ngram", n_ctx=1024,
-                       slots=1)
+                       slots=1, embeddings=True)
     with live_server(cfg, tmp) as srv:
         yield srv
     mp.undo()
@@ -90,3 +91,11 @@ def test_logprobs_on_qwen_are_a_distribution(client) -> None:
         assert t.logprob <= 0 and len(t.top_logprobs) == 5
         assert sum(math.exp(x.logprob) for x in t.top_logprobs) <= 1 + 1e-6
         assert t.logprob <= t.top_logprobs[0].logprob + 1e-12  # sampled: at most the top
+
+
+def test_embeddings_on_qwen_put_a_paraphrase_nearer(client) -> None:
+    out = client.embeddings.create(model="", input=[
+        "The cat sat on the mat.", "A cat was sitting on the rug.",
+        "Quarterly revenue rose by four percent."])
+    a, b, c = (np.array(d.embedding) for d in out.data)  # unit vectors [E]
+    assert a @ b > a @ c and a @ b > b @ c, (a @ b, a @ c, b @ c)
