@@ -8,6 +8,8 @@ import importlib.metadata
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -179,11 +181,6 @@ def _check_fits(svc: Service, prompt: list[int], param: str) -> None:
         raise BadRequest(str(exc), code="context_length_exceeded", param=param) from None
 
 
-def _n_is_one(body: dict[str, Any]) -> None:
-    if get(body, "n", int, 1) != 1:
-        raise BadRequest("only n=1 is supported", param="n")
-
-
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_N_PROBS = 1000  # llama.cpp's n_probs: any number; this keeps a response's size sane
 
@@ -248,9 +245,12 @@ def _spec_block(r: Result) -> dict[str, Any]:
             "rounds": s.rounds, "valid": s.valid}
 
 
-def _usage(r: Result) -> dict[str, Any]:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens,
+def _usage(*results: Result) -> dict[str, Any]:
+    """OpenAI's usage of one request's choices: the prompt once, every choice's tokens."""
+    r = results[0]
+    completion = sum(x.completion_tokens for x in results)
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": r.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
             "speculative": _spec_block(r)}
 
@@ -363,7 +363,6 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     svc = _svc(request)
     body = await json_body(request)
     _check_model(request, body)
-    _n_is_one(body)
     _unsupported(body, () if chat else ("echo", "suffix", "best_of"))
     names: set[str] | None = None  # the request's tools, when calls are parsed
     forced: str | None = None  # a grammar making the reply calls (tool_choice)
@@ -419,110 +418,173 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     model = svc.engine.target.name
     obj = "chat.completion" if chat else "text_completion"
     _check_fits(svc, prompt, "messages" if chat else "prompt")
+    # n choices: n requests on the same prompt (each slot reuses what its cache holds),
+    # seeded seed, seed + 1, ... where a seed is given
+    n = get(body, "n", int, 1, lo=1, hi=MAX_CHOICES)
+    choice_params = [params if i == 0 else _nth_choice(params, i) for i in range(n)]
     if not get(body, "stream", bool, False):
-        r = await _collect(svc, prompt, params, stop=stop, grammar=grammar)
-        choice: dict[str, Any] = {"index": 0, **_oai_finish(r.finish_reason),
-                                  "logprobs": None}
-        if params.logprobs is not None:
-            choice["logprobs"] = (_chat_logprobs(svc, r.logprobs) if chat else
-                                  _completion_logprobs(svc, r.logprobs, r.texts, 0))
-        if chat:
-            content, calls = (r.text, []) if names is None else parse_tool_calls(r.text, names)
-            choice["message"] = {"role": "assistant", "content": content}
-            if calls:
-                choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
-                choice["finish_reason"] = "tool_calls"
-        else:
-            choice["text"] = r.text
+        results = await asyncio.gather(*(_collect(svc, prompt, p, stop=stop, grammar=grammar)
+                                         for p in choice_params))
+        choices = []
+        for i, r in enumerate(results):
+            choice: dict[str, Any] = {"index": i, **_oai_finish(r.finish_reason),
+                                      "logprobs": None}
+            if params.logprobs is not None:
+                choice["logprobs"] = (_chat_logprobs(svc, r.logprobs) if chat else
+                                      _completion_logprobs(svc, r.logprobs, r.texts, 0))
+            if chat:
+                content, calls = ((r.text, []) if names is None
+                                  else parse_tool_calls(r.text, names))
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
+                    choice["finish_reason"] = "tool_calls"
+            else:
+                choice["text"] = r.text
+            choices.append(choice)
         return json_response({"id": rid, "object": obj, "created": created, "model": model,
-                              "system_fingerprint": SYSTEM_FINGERPRINT,
-                                  "choices": [choice], "usage": _usage(r)})
+                              "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
+                              "usage": _usage(*results)})
     # queued before the response starts: a full queue is still a 503 the client can retry
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    stream = svc.submit(prompt, params, stop=stop, grammar=grammar)
+    streams: list[Stream] = []
     try:
-        return await _openai_stream(request, stream, chat=chat, rid=rid, created=created,
-                                    model=model, include_usage=include_usage,
-                                    tools=None if names is None else ToolCallStream(names),
+        for p in choice_params:
+            streams.append(svc.submit(prompt, p, stop=stop, grammar=grammar))
+        return await _openai_stream(request, streams, chat=chat, rid=rid, created=created,
+                                    model=model, include_usage=include_usage, names=names,
                                     logprobs=params.logprobs is not None)
     finally:
-        stream.cancel()  # the client went away (a no-op once finished)
+        for stream in streams:
+            stream.cancel()  # the client went away (a no-op once finished)
 
 
-async def _openai_stream(request: web.Request, stream: Stream, *, chat: bool, rid: str,
+MAX_CHOICES = 16  # n: choices of one request
+
+
+def _nth_choice(params: GenerationParams, i: int) -> GenerationParams:
+    """The settings of choice i of n: the request's, seeded seed + i where seeded."""
+    seed = params.sampling.seed
+    return replace(params, sampling=replace(
+        params.sampling, seed=None if seed is None else (seed + i) % (1 << 63)))
+
+
+class _ChoiceStream:
+    """One choice's streaming state: tool-call text held back, logprobs not yet sent."""
+
+    def __init__(self, index: int, names: set[str] | None):
+        self.index = index
+        self.tools = None if names is None else ToolCallStream(names)
+        self.logprobs: list[TokenLogprob] = []  # of tokens no chunk has carried yet
+        self.texts: list[str] = []
+        self.offset = 0  # the text sent so far (completions' text_offset)
+
+
+async def _openai_stream(request: web.Request, streams: list[Stream], *, chat: bool, rid: str,
                          created: int, model: str, include_usage: bool = False,
-                         tools: ToolCallStream | None = None,
+                         names: set[str] | None = None,
                          logprobs: bool = False) -> web.StreamResponse:
-    """Chunks as OpenAI streams them. The usage is sent once: with
-    stream_options.include_usage in OpenAI's own last chunk, whose choices are empty,
-    else on the finishing chunk (where older llama.cpp servers put it). With `tools`, text
-    that may be a tool call is held back, and the calls come whole in one chunk before the
-    finishing one. With `logprobs`, each chunk carries those of the tokens that came
-    since the last chunk (text held back keeps its tokens' logprobs for a later one)."""
+    """Chunks as OpenAI streams them, each choice's with its index (several choices
+    interleave). The usage is sent once: with stream_options.include_usage in OpenAI's
+    own last chunk, whose choices are empty, else on the last finishing chunk (where
+    older llama.cpp servers put it). With tool `names`, text that may be a tool call is
+    held back, and the calls come whole in one chunk before the finishing one. With
+    `logprobs`, each chunk carries those of the tokens that came since the choice's last
+    chunk (text held back keeps its tokens' logprobs for a later one)."""
     resp = await _sse(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     svc = _svc(request)
-    pending: list[TokenLogprob] = []  # the logprobs of tokens no chunk has carried yet
-    pending_texts: list[str] = []
-    offset = 0  # the text sent so far (completions' text_offset)
 
-    def chunk(delta: str | None, finish: dict[str, str] | None = None,
+    def chunk(st: _ChoiceStream, delta: str | None, finish: dict[str, str] | None = None,
               first: bool = False) -> dict[str, Any]:
-        nonlocal offset
-        c: dict[str, Any] = {"index": 0, "finish_reason": None, **(finish or {}),
+        c: dict[str, Any] = {"index": st.index, "finish_reason": None, **(finish or {}),
                              "logprobs": None}
-        if logprobs and pending and not first:
-            c["logprobs"] = (_chat_logprobs(svc, pending) if chat else
-                             _completion_logprobs(svc, pending, pending_texts, offset))
-            offset += sum(len(t) for t in pending_texts)
-            pending.clear()
-            pending_texts.clear()
+        if logprobs and st.logprobs and not first:
+            c["logprobs"] = (_chat_logprobs(svc, st.logprobs) if chat else
+                             _completion_logprobs(svc, st.logprobs, st.texts, st.offset))
+            st.offset += sum(len(t) for t in st.texts)
+            st.logprobs, st.texts = [], []
         if chat:
             c["delta"] = ({"role": "assistant", "content": delta or ""} if first
                           else ({"content": delta} if delta else {}))
         else:
             c["text"] = delta or ""
         return {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                "system_fingerprint": SYSTEM_FINGERPRINT,
-                "choices": [c]}
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [c]}
 
+    states = [_ChoiceStream(i, names) for i in range(len(streams))]
     if chat:
-        await _send(resp, chunk("", first=True))
-    async for ev in stream:
+        for st in states:
+            await _send(resp, chunk(st, "", first=True))
+    results: list[Result] = []
+    async for i, ev in _merged(streams):
+        st = states[i]
         if isinstance(ev, Piece):
-            pending.extend(ev.logprobs)
-            pending_texts.extend(ev.texts)
-            text = ev.text if tools is None else tools.feed(ev.text)
+            st.logprobs.extend(ev.logprobs)
+            st.texts.extend(ev.texts)
+            text = ev.text if st.tools is None else st.tools.feed(ev.text)
             if text:
-                await _send(resp, chunk(text))
+                await _send(resp, chunk(st, text))
         elif ev.error:
-            if tools is not None and tools.held():
-                await _send(resp, chunk(tools.held()))
+            if st.tools is not None and st.tools.held():
+                await _send(resp, chunk(st, st.tools.held()))
             await _send_error(resp, ev.error)
             await resp.write_eof()
             return resp
         else:
+            results.append(ev)
             finish = _oai_finish(ev.finish_reason)
-            if tools is not None:
-                rest, calls = tools.finish()
+            if st.tools is not None:
+                rest, calls = st.tools.finish()
                 if rest:
-                    await _send(resp, chunk(rest))
+                    await _send(resp, chunk(st, rest))
                 if calls:
-                    called = chunk(None)
+                    called = chunk(st, None)
                     called["choices"][0]["delta"] = {
-                        "tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]}
+                        "tool_calls": [c.as_openai(k) for k, c in enumerate(calls)]}
                     await _send(resp, called)
                     finish["finish_reason"] = "tool_calls"
-            final = chunk(None, finish)
-            if include_usage:
+            final = chunk(st, None, finish)
+            if len(results) < len(streams):
                 await _send(resp, final)
-                await _send(resp, {**final, "choices": [], "usage": _usage(ev)})
+            elif include_usage:
+                await _send(resp, final)
+                await _send(resp, {**final, "choices": [], "usage": _usage(*results)})
             else:
-                await _send(resp, {**final, "usage": _usage(ev)})
+                await _send(resp, {**final, "usage": _usage(*results)})
     await _send(resp, "[DONE]")
     await resp.write_eof()
     return resp
+
+
+async def _merged(streams: list[Stream]) -> AsyncIterator[tuple[int, Piece | Result]]:
+    """(index, event) of several streams as the events come."""
+    if len(streams) == 1:
+        async for ev in streams[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Piece | Result | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: Stream) -> None:
+        try:
+            async for ev in stream:
+                await queue.put((i, ev))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -167,6 +167,35 @@ def test_logprobs_of_every_token_streamed_or_not(server) -> None:
     assert status == 400 and "post_sampling_probs" in out["error"]["message"]
 
 
+def test_n_choices_each_as_its_own_seed_gives_it(server) -> None:
+    """n > 1: choice i is what one request seeded seed + i generates; streamed, the
+    choices interleave by index; the usage counts the prompt once."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    ask = {"model": "", "max_tokens": 10, "temperature": 1.0,
+           "messages": [{"role": "user", "content": "one two"}],
+           "extra_body": {"ignore_eos": True}}
+    out = client.chat.completions.create(n=3, seed=40, **ask)
+    texts = [c.message.content for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2] and len(set(texts)) > 1
+    alone = [client.chat.completions.create(seed=40 + i, **ask) for i in range(3)]
+    assert texts == [a.choices[0].message.content for a in alone]
+    assert out.usage.completion_tokens == 30
+    assert out.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    chunks = list(client.chat.completions.create(n=2, seed=40, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 **ask))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks
+                        if c.choices and c.choices[0].index == i) for i in range(2)]
+    assert streamed == texts[:2]
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 20
+    comp = client.completions.create(model="", prompt="one two", n=2, max_tokens=4, seed=1,
+                                     temperature=1.0)
+    assert [c.index for c in comp.choices] == [0, 1]
+
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -358,7 +387,8 @@ def test_bad_requests_get_4xx_and_server_survives(server, kind) -> None:
         "not_object": ("POST", "/completion", [1, 2], {}, None, 400, "must be an object"),
         "bad_tokens": ("POST", "/completion", {"prompt": [1, 999999]}, {}, None, 400,
                        "outside the vocabulary"),
-        "n_two": ("POST", "/v1/completions", {"prompt": "x", "n": 2}, {}, None, 400, "n=1"),
+        "n_two": ("POST", "/v1/completions", {"prompt": "x", "n": 0}, {}, None, 400,
+                  "'n' must be between 1"),
         "bad_adaptive": ("POST", "/completion",
                          {"prompt": "x", "speculative": {"adaptive": "yes"}}, {}, None, 400,
                          "'adaptive' must be a boolean"),
