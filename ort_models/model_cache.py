@@ -30,6 +30,7 @@ from .graph_builder import BUILDER_VERSION, BuildOptions, Progress, build_graph
 from .onnx_writer import GraphWriter
 from .paths import cache_dir, exclusive_lock
 from .quant import check_supported
+from .tensor_checks import check_model, check_values
 
 if TYPE_CHECKING:
     import onnx
@@ -87,10 +88,12 @@ def graph_read_bytes(model_path: Path) -> int:
 
 
 def validate_gguf(f: GGUFFile) -> HParams:
-    """Everything that can be checked before a build: architecture, tensor types."""
+    """Everything that can be checked without reading the weights: architecture, tensor
+    types, the tensors against the hyper-parameters (`tensor_checks.check_model`)."""
     hp = read_hparams(f)
     for t in f.tensors.values():
         check_supported(t, f.path)
+    check_model(f, hp)
     return hp
 
 
@@ -134,6 +137,7 @@ def load_or_build(path: str | os.PathLike[str], options: BuildOptions | None = N
     folder = graph_folder(sha, options)
     built_now = False
     if not is_complete(folder):
+        check_values(f)  # a pass over the weights: only where they are built
         with exclusive_lock(folder.with_name(f"{folder.name}.lock")):
             if not is_complete(folder):  # another process may have built it meanwhile
                 _build_into(f, hp, options, folder, progress)
