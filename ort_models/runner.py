@@ -33,6 +33,8 @@ log = logging.getLogger("specd.runner")
 # Rows per call on CUDA (see ModelRunner.row_block): single steps and verify blocks of up
 # to this many tokens all run as calls of exactly this many rows.
 CUDA_ROW_BLOCK = 8
+# most tokens of one call on a model with sliding-window rings: a prefill chunk
+RING_CALL_ROWS = ATTN_BUCKET
 
 
 class ContextFull(Exception):
@@ -154,10 +156,15 @@ class ModelRunner:
         self._hidden = [(o.name, int(o.name.removeprefix("hidden_")))
                         for o in self.session.get_outputs() if o.name.startswith("hidden_")]
         kv_dtype = np.float16 if built.options.kv_dtype == "f16" else np.float32
+        # sliding-window layers on specd's attention keep a ring of their window and one
+        # call's rows, where that is shorter than the context
+        self.ring = self._ring_len()
+        lens = [self.ring if self.ring and self.hp.is_swa(i) else self._kv_len
+                for i in range(self.hp.n_layer)]
         if kv is None:
             kv = KVCache(self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, self._kv_len,
-                         kv_dtype, self._device, self._dev_id)
-        elif kv.shape != (1, self.hp.n_head_kv, self._kv_len, self.hp.head_dim) or (
+                         kv_dtype, self._device, self._dev_id, layer_lens=lens)
+        elif kv.layer_shapes != [(1, self.hp.n_head_kv, n, self.hp.head_dim) for n in lens] or (
                 kv.n_layer != self.hp.n_layer or kv.dtype != kv_dtype):
             raise ValueError(f"a shared KV cache of {kv.n_layer} layers {kv.shape} {kv.dtype} "
                              f"does not fit {built.folder.name}")
@@ -168,6 +175,20 @@ class ModelRunner:
 
     def _max_positions(self) -> int:
         return self.built.options.max_positions or self.hp.n_ctx_train
+
+    def _ring_len(self) -> int | None:
+        """Rows of a sliding-window layer's ring (its window, and RING_CALL_ROWS - 1 more:
+        a call writes its rows over no key an earlier row of it reads), where the graph's
+        attention indexes one (specd's kernel) and it is shorter than the context."""
+        if self.built.options.attention != "native" or not self.hp.sliding_window:
+            return None
+        ring = round_up(self.hp.sliding_window + self.max_call_rows - 1, 8)
+        return ring if ring < self._kv_len else None
+
+    @property
+    def max_call_rows(self) -> int:
+        """Most rows (filler rows included) one call may run."""
+        return max(RING_CALL_ROWS, self._filler_rows)
 
     @property
     def n_seq(self) -> int:
@@ -181,8 +202,7 @@ class ModelRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv.n_seq * self._kv_len * self.hp.kv_bytes_per_token(
-            self.built.options.kv_bytes)
+        return self.kv.n_seq * self.kv.bytes_per_sequence
 
     @property
     def _filler_rows(self) -> int:
@@ -251,6 +271,9 @@ class ModelRunner:
         n_rows = len(rows)
         ids = list(tokens)
         m = self.call_rows(pos, n)
+        if self.ring and m > self.max_call_rows:
+            raise ValueError(f"a call of {m} rows exceeds the {self.max_call_rows} rows a "
+                             "sliding window's ring allows; run prompts through prefill")
         if m > n:  # fixed shape: filler rows
             ids += [ids[-1]] * (m - n)  # positions after the real ones, overwritten later
         # logits rows likewise: as many as the call's rows in a fixed shape, and at least

@@ -80,13 +80,15 @@ def rotate(c: BuildContext, x3: str, pos_ids: str, n_heads: int, table: str = "r
 
 
 def kv_cache_io(c: BuildContext, i: int) -> None:
-    """Layer i's cache buffers as graph inputs (past_*) and outputs (present_*)."""
+    """Layer i's cache buffers as graph inputs (past_*) and outputs (present_*); a
+    sliding-window layer's, on specd's attention, may be a shorter ring (`n_ring` rows)."""
     g, hp = c.g, c.hp
     kv_type = F16 if c.options.kv_dtype == "f16" else F32
+    rows = "n_ring" if hp.is_swa(i) and c.options.attention == "native" else "n_ctx"
     for name in (f"past_key_{i}", f"past_value_{i}"):
-        g.input(name, kv_type, [1, hp.n_head_kv, "n_ctx", hp.head_dim])
+        g.input(name, kv_type, [1, hp.n_head_kv, rows, hp.head_dim])
     for name in (f"present_key_{i}", f"present_value_{i}"):
-        g.output(name, kv_type, [1, hp.n_head_kv, "n_ctx", hp.head_dim])
+        g.output(name, kv_type, [1, hp.n_head_kv, rows, hp.head_dim])
 
 
 def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True) -> AttentionInputs:

@@ -7,7 +7,9 @@
  *   Y         float32 [S, H*hd]
  *   attributes: num_heads (H), kv_num_heads (Hkv, dividing H), scale, window (optional,
  *               0): > 0, a query sees its own key and the window - 1 before it (a
- *               sliding-window layer), else every earlier one
+ *               sliding-window layer), else every earlier one; with a window the cache
+ *               may be a ring shorter than the context, position p in row p % n_ctx,
+ *               as long as it holds the window and S - 1 more rows
  *
  * Every (row, head) is computed on its own numbers, in one fixed order (the heads that share
  * a KV head run in one task, which reads each key and value once for all of them): scores q.k_t * scale over keys
@@ -97,6 +99,13 @@ static float softmax_weights(float *w, size_t n_keys, size_t padded) {
   return lanes_sum(l);
 }
 
+/* Whether S rows from `pos` fit the cache of n_ctx rows: every position below it, or with a
+ * window, a ring (position p in row p % n_ctx) that holds a block's window and the block:
+ * a row of the block then never overwrites a key that an earlier row of it reads. */
+static int fits(int64_t pos, int64_t s_len, int64_t n_ctx, int64_t window) {
+  return pos + s_len <= n_ctx || (window && s_len + window - 1 <= n_ctx);
+}
+
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 
@@ -149,8 +158,10 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx, void (*task)(void
   CHECK(g_api->GetTensorMutableData((OrtValue *)k_val, &k));
   CHECK(g_api->GetTensorMutableData((OrtValue *)v_val, &v));
   CHECK(g_api->GetTensorMutableData((OrtValue *)pos_val, (void **)&pos));
-  if (pos[0] < 0 || pos[0] + qd[0] > kd[2])
-    return specd_fail("CausalAttention: position + S exceeds the cache");
+  if (pos[0] < 0 || !fits(pos[0], qd[0], kd[2], at->window))
+    return specd_fail(at->window ? "CausalAttention: position + S exceeds the cache, and "
+                                   "the window and S exceed it as a ring"
+                                 : "CausalAttention: position + S exceeds the cache");
   OrtValue *y_val;
   float *y;
   CHECK(g_api->KernelContext_GetOutput(ctx, 0, qd, 2, &y_val));
@@ -311,8 +322,10 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   const int64_t *pos;
   CHECK(g_api->GetTensorMutableData((OrtValue *)in[5], (void **)&pos));
   const int64_t n_ctx = ckd[2];
-  if (pos[0] < 0 || pos[0] + s_len > n_ctx)
-    return specd_fail("CachedAttention: position + S exceeds the cache");
+  if (pos[0] < 0 || !fits(pos[0], s_len, n_ctx, at->window))
+    return specd_fail(at->window ? "CachedAttention: position + S exceeds the cache, and "
+                                   "the window and S exceed it as a ring"
+                                 : "CachedAttention: position + S exceeds the cache");
   if (cosr != 2 || sinr != 2 || cosd[1] != cd->rotary_dim / 2 || sind[1] != cosd[1] ||
       sind[0] != cosd[0] || pos[0] + s_len > cosd[0])
     return specd_fail("CachedAttention: cos and sin are not [positions, rotary_dim/2] "
@@ -356,7 +369,7 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
            sn + p * half);
     const float *vrow = v0 + s * v_stride;
     for (size_t h = 0; h < kvh; h++) {
-      const size_t at_row = (h * (size_t)n_ctx + p) * d;
+      const size_t at_row = (h * (size_t)n_ctx + p % (size_t)n_ctx) * d;
       if (f16) {
         store_row_f16(krow + h * d, (uint16_t *)pres_k + at_row, d);
         store_row_f16(vrow + h * d, (uint16_t *)pres_v + at_row, d);

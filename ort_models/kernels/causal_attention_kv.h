@@ -65,14 +65,15 @@ ALWAYS_INLINE void CAT(dot8_heads_, KV)(const float *q, const KV_T *k, size_t hd
    accumulators stay in registers across the keys, each value vector is loaded once for
    all heads; per element the same fused multiply-adds in the same order as the plain
    loop (from 0: the first is exactly the product) */
-ALWAYS_INLINE void CAT(values_, KV)(const float *w, size_t padded, const KV_T *v, size_t n_keys,
-                                    size_t hd, size_t d0, const int gn, float *out) {
+ALWAYS_INLINE void CAT(values_, KV)(const float *w, size_t padded, const KV_T *v, size_t run,
+                                    const KV_T *v_wrap, size_t n_keys, size_t hd, size_t d0,
+                                    const int gn, float *out) {
   __m256 acc[V_HEADS][4];
 #pragma GCC unroll 8
   for (int g = 0; g < gn; g++)
     for (int c = 0; c < 4; c++) acc[g][c] = _mm256_setzero_ps();
   for (size_t t = 0; t < n_keys; t++) {
-    const KV_T *vt = v + t * hd + d0;
+    const KV_T *vt = (t < run ? v + t * hd : v_wrap + (t - run) * hd) + d0;
     const __m256 v0 = LOAD8(vt), v1 = LOAD8(vt + 8), v2 = LOAD8(vt + 16), v3 = LOAD8(vt + 24);
 #pragma GCC unroll 8
     for (int g = 0; g < gn; g++) {
@@ -95,13 +96,19 @@ static void CAT(run_task_, KV)(void *p, size_t task) {
   const Job *job = (const Job *)p;
   const size_t g_n = job->group, kv_heads = job->heads / g_n, hd = job->hd;
   const size_t row = task / kv_heads, kvh = task % kv_heads;
-  /* the keys this row sees: from `first` (past the window, where there is one) to itself */
+  /* the keys this row sees: from `first` (past the window, where there is one) to itself;
+     position p is in cache row p % n_ctx (a sliding window's cache is a ring that may be
+     shorter than the context), so they are one run of rows from `first`'s row, or two
+     where the run reaches the cache's end and goes on from row 0 */
   const size_t upto = job->pos + row + 1;
   const size_t first = job->window && upto > job->window ? upto - job->window : 0;
-  const size_t n_keys = upto - first;
+  const size_t n_keys = upto - first, start = first % job->n_ctx;
+  const size_t run = n_keys < job->n_ctx - start ? n_keys : job->n_ctx - start;
   const float *q = job->q + (row * job->heads + kvh * g_n) * hd; /* heads kvh*G .. +G-1 */
-  const KV_T *kc = (const KV_T *)job->k + (kvh * job->n_ctx + first) * hd;
-  const KV_T *vc = (const KV_T *)job->v + (kvh * job->n_ctx + first) * hd;
+  const KV_T *k0 = (const KV_T *)job->k + kvh * job->n_ctx * hd; /* row 0 of this head */
+  const KV_T *v0 = (const KV_T *)job->v + kvh * job->n_ctx * hd;
+  const KV_T *kc = k0 + start * hd, *vc = v0 + start * hd;
+  KV_T *straddle = NULL; /* 8 keys copied together where a group spans the ring's end */
   float *out = job->y + (row * job->heads + kvh * g_n) * hd;
   const size_t padded = (n_keys + LANES - 1) / LANES * LANES;
   float *w = (float *)malloc((g_n * padded + g_n) * sizeof(float)); /* scores, then sums */
@@ -111,25 +118,43 @@ static void CAT(run_task_, KV)(void *p, size_t task) {
   }
   float *sum = w + g_n * padded;
   size_t t = 0;
+  for (; t + LANES <= n_keys; t += LANES) {
+    const KV_T *kt = kc + t * hd;
+    if (t >= run) {
+      kt = k0 + (t - run) * hd;
+    } else if (t + LANES > run) { /* the group spans the ring's end: its 8 rows together */
+      if (!straddle) straddle = (KV_T *)malloc(LANES * hd * sizeof(KV_T));
+      if (!straddle) { /* cannot happen short of exhausting memory: NaNs make it visible */
+        for (size_t d = 0; d < g_n * hd; d++) out[d] = NAN;
+        free(w);
+        return;
+      }
+      for (size_t i = 0; i < LANES; i++)
+        memcpy(straddle + i * hd, t + i < run ? kc + (t + i) * hd : k0 + (t + i - run) * hd,
+               hd * sizeof(KV_T));
+      kt = straddle;
+    }
 #if SPECD_AVX2
-  for (; t + LANES <= n_keys; t += LANES)
     for (size_t g = 0; g < g_n; g += S_HEADS) {
       const float *qg = q + g * hd;
       float *wg = w + g * padded + t;
       switch (HEADS_LEFT(g_n - g, S_HEADS)) {
-        case 1: CAT(dot8_heads_, KV)(qg, kc + t * hd, hd, job->scale, wg, padded, 1); break;
-        case 2: CAT(dot8_heads_, KV)(qg, kc + t * hd, hd, job->scale, wg, padded, 2 % (S_HEADS + 1)); break;
-        default: CAT(dot8_heads_, KV)(qg, kc + t * hd, hd, job->scale, wg, padded, 3 % (S_HEADS + 1)); break;
+        case 1: CAT(dot8_heads_, KV)(qg, kt, hd, job->scale, wg, padded, 1); break;
+        case 2: CAT(dot8_heads_, KV)(qg, kt, hd, job->scale, wg, padded, 2 % (S_HEADS + 1)); break;
+        default: CAT(dot8_heads_, KV)(qg, kt, hd, job->scale, wg, padded, 3 % (S_HEADS + 1)); break;
       }
     }
 #else
-  for (; t + LANES <= n_keys; t += LANES)
     for (size_t g = 0; g < g_n; g++)
-      CAT(dot8_, KV)(q + g * hd, kc + t * hd, hd, job->scale, w + g * padded + t);
+      CAT(dot8_, KV)(q + g * hd, kt, hd, job->scale, w + g * padded + t);
 #endif
-  for (; t < n_keys; t++)
+  }
+  free(straddle);
+  for (; t < n_keys; t++) {
+    const KV_T *kt = t < run ? kc + t * hd : k0 + (t - run) * hd;
     for (size_t g = 0; g < g_n; g++)
-      w[g * padded + t] = CAT(dot_, KV)(q + g * hd, kc + t * hd, hd) * job->scale;
+      w[g * padded + t] = CAT(dot_, KV)(q + g * hd, kt, hd) * job->scale;
+  }
   for (size_t g = 0; g < g_n; g++) sum[g] = softmax_weights(w + g * padded, n_keys, padded);
   size_t d_done = 0; /* values past it go through the plain loop below */
 #if SPECD_AVX2
@@ -138,12 +163,12 @@ static void CAT(run_task_, KV)(void *p, size_t task) {
       const float *wg = w + g * padded;
       float *og = out + g * hd;
       switch (HEADS_LEFT(g_n - g, V_HEADS)) {
-        case 1: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 1, og); break;
-        case 2: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 2 % (V_HEADS + 1), og); break;
-        case 3: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 3 % (V_HEADS + 1), og); break;
-        case 4: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 4 % (V_HEADS + 1), og); break;
-        case 5: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 5 % (V_HEADS + 1), og); break;
-        default: CAT(values_, KV)(wg, padded, vc, n_keys, hd, d_done, 6 % (V_HEADS + 1), og); break;
+        case 1: CAT(values_, KV)(wg, padded, vc, run, v0, n_keys, hd, d_done, 1, og); break;
+        case 2: CAT(values_, KV)(wg, padded, vc, run, v0, n_keys, hd, d_done, 2 % (V_HEADS + 1), og); break;
+        case 3: CAT(values_, KV)(wg, padded, vc, run, v0, n_keys, hd, d_done, 3 % (V_HEADS + 1), og); break;
+        case 4: CAT(values_, KV)(wg, padded, vc, run, v0, n_keys, hd, d_done, 4 % (V_HEADS + 1), og); break;
+        case 5: CAT(values_, KV)(wg, padded, vc, run, v0, n_keys, hd, d_done, 5 % (V_HEADS + 1), og); break;
+        default: CAT(values_, KV)(wg, padded, vc, run, v0, n_keys, hd, d_done, 6 % (V_HEADS + 1), og); break;
       }
     }
 #endif
@@ -151,7 +176,7 @@ static void CAT(run_task_, KV)(void *p, size_t task) {
     for (size_t d = d_done; d < hd; d++) out[g * hd + d] = 0.0f;
   if (d_done < hd)
     for (t = 0; t < n_keys; t++) {
-      const KV_T *vt = vc + t * hd;
+      const KV_T *vt = t < run ? vc + t * hd : v0 + (t - run) * hd;
       for (size_t g = 0; g < g_n; g++) {
         const float wt = w[g * padded + t];
         float *o = out + g * hd;

@@ -179,3 +179,76 @@ def test_gemma_3_270m_continues_as_llama_cpp_does() -> None:
     ours, margins = llama_cpp_oracle.greedy_with_margins(r, prompt, 64)
     assert llama_cpp_oracle.agreed_until_near_tie(ours, margins, theirs) >= 10
     assert tok.decode(ours[:10]) == tok.decode(theirs[:10])
+
+
+LONG = list(np.random.default_rng(0).integers(3, 340, 700))  # past two turns of a ring
+
+
+@pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
+def test_a_sliding_windows_ring_holds_what_a_full_cache_would(
+        tiny_model_factory: Callable[..., Path]) -> None:
+    """On specd's attention a sliding-window layer keeps a ring of its window and one
+    call's rows (264 rows here, against 1024 for a global layer); after a prompt that goes
+    round it twice, a block's logits are the reference's (float32 products)."""
+    path = _model(tiny_model_factory, context_length=1024)
+    r = ModelRunner(load_or_build(path, BuildOptions(accuracy_level=1, kernels="gguf",
+                                                     attention="native")), n_ctx=1024)
+    lens = [shape[2] for shape in r.kv.layer_shapes]
+    assert lens == [264, 1024, 264, 1024] and r.ring == 264
+    want = ReferenceModel(path).forward(LONG)
+    r.prefill(0, LONG[:600])
+    got = r.forward(0, LONG[600:610], 600, list(range(10)))
+    assert np.abs(got - want[600:610]).max() / np.abs(want).max() < 2e-5
+
+
+@pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
+def test_rows_equal_single_steps_where_the_ring_wraps(tiny_model_factory: Callable[..., Path]
+                                                      ) -> None:
+    """Blocks whose keys span the ring's end (the 8-key groups that straddle it included)
+    equal single steps bit for bit."""
+    built = load_or_build(_model(tiny_model_factory, weight_type="Q8_0", context_length=1024),
+                          NATIVE)
+    singles_r, block_r = ModelRunner(built, n_ctx=1024), ModelRunner(built, n_ctx=1024)
+    for r in (singles_r, block_r):
+        r.prefill(0, LONG[:520])
+    singles = np.stack([singles_r.forward(0, [t], 520 + i)[0]
+                        for i, t in enumerate(LONG[520:560])])
+    block = np.concatenate([block_r.forward(0, LONG[520 + i:530 + i], 520 + i,
+                                            list(range(10))) for i in range(0, 40, 10)])
+    np.testing.assert_array_equal(block, singles)
+
+
+def test_a_call_longer_than_the_ring_allows_is_refused(tiny_model_factory: Callable[..., Path]
+                                                       ) -> None:
+    if native_ops.library() is None:
+        pytest.skip("specd's kernels are off")
+    r = ModelRunner(load_or_build(_model(tiny_model_factory, context_length=1024), NATIVE),
+                    n_ctx=1024)
+    with pytest.raises(ValueError, match="exceeds the 256 rows a sliding window's ring"):
+        r.forward(0, LONG[:300], 0)
+    r.prefill(0, LONG[:300])  # in chunks: fine
+
+
+@pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
+def test_speculation_around_the_ring_is_lossless(tiny_model_factory: Callable[..., Path]
+                                                 ) -> None:
+    """Drafts verified, and rejected ones rolled back, while the ring wraps: the output
+    is target-only decoding's."""
+    target = load_or_build(_model(tiny_model_factory, weight_type="Q8_0",
+                                  context_length=1024), NATIVE)
+    draft = load_or_build(_model(tiny_model_factory, weight_type="Q8_0", perturb=0.05,
+                                 context_length=1024))
+
+    def run(drafter: DraftModelDrafter | None) -> tuple[list[int], Generation]:
+        gen = Generation(ModelRunner(target, n_ctx=1024), 0, LONG[:500], GenerationParams(
+            max_tokens=60, ignore_eos=True, draft=DraftParams(n_max=4)), eog=set(),
+            drafter=drafter)
+        out = gen.prefill()
+        while not gen.done:
+            out += gen.step()
+        return out, gen
+
+    want, _ = run(None)
+    got, gen = run(DraftModelDrafter(ModelRunner(draft, n_ctx=1024, row_block=1, min_rows=1)))
+    assert 0 < gen.stats.accepted < gen.stats.drafted
+    assert got == want
