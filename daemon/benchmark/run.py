@@ -2,9 +2,9 @@
 
 One process loads the target (and draft) once; each (prompt, temperature, configuration)
 runs `repeats` times, interleaved round-robin so every configuration sees the same
-machine state; medians and spread are reported. The optional peer (llama-cpp-python,
-`bench_peer`) runs the same prompts on the same GGUF files in the same rounds;
-`bench_report` turns the runs into JSON, a markdown table and a plot.
+machine state; medians and spread are reported. The optional peer (llama-server,
+`peer.py`) runs the same prompts on the same GGUF files in the same rounds; `report.py`
+turns the runs into JSON, a markdown table and a plot.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from specd.daemon.spec.sampling import SamplerParams
 from specd.memory_fit.rss import PeakRss, lifetime_peak
 
 if TYPE_CHECKING:
-    from .peer import PeerRunner
+    from .peer import LlamaServerPeer
 
 PROMPTS: dict[str, str] = {
     "code": "Write a Python function `merge_intervals(intervals)` that merges overlapping "
@@ -225,7 +225,7 @@ class SpecdRunner:
 def run_bench(engine: Engine, *, prompts: dict[str, str] | None = None,
               temperatures: tuple[float, ...] = (0.0, 0.7), max_tokens: int = 256,
               repeats: int = 3, configs: list[BenchConfig] | None = None,
-              peer: PeerRunner | None = None, peer_modes: tuple[str, ...] = ("target-only",),
+              peer: LlamaServerPeer | None = None, peer_modes: tuple[str, ...] = ("target-only",),
               seed: int = 1234, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every (prompt, temperature, configuration) `repeats` times, round-robin, after one
     untimed warm-up run per configuration on the longest prompt (first-run allocations

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specd.daemon.benchmark.peer import PeerRunner
     from specd.daemon.benchmark.run import BenchConfig
 
 
@@ -34,13 +33,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated: target-only, draft n_max=K, draft adaptive, "
                         "ngram n_max=K, ngram adaptive, draft+ngram n_max=K, draft+ngram "
                         "adaptive (default: a set of each)")
-    b.add_argument("--peer", action="store_true", help="also run llama.cpp (llama-cpp-python)")
+    b.add_argument("--peer", action="store_true",
+                   help="also run llama.cpp: llama-server at the build specd follows, on the "
+                        "same files, target-only (built into the cache first if it is not: "
+                        "about 20 minutes)")
     b.add_argument("--peer-lookup", action="store_true",
-                   help="also run llama-cpp-python's prompt-lookup decoding (implies --peer)")
+                   help="also run llama-server's prompt lookup, --spec-type ngram-mod "
+                        "(implies --peer)")
     b.add_argument("--peer-draft", action="store_true",
-                   help="also run llama-cpp-python's speculative decoding with the same "
-                        "draft: its Python verify loop over llama.cpp, with specd's "
-                        "per-token draft wrapper, n = 4 (implies --peer)")
+                   help="also run llama-server's speculation with the same draft model, "
+                        "--spec-type draft-simple with its defaults and tuned (n_max 8, "
+                        "p_min 0.5) (implies --peer)")
     b.add_argument("--out", default="bench-results", help="output folder")
     b.set_defaults(func=run)
 
@@ -89,17 +92,15 @@ def run(args: argparse.Namespace) -> int:
         print("specd bench: --peer-draft needs a draft model (drop --no-draft)",
               file=sys.stderr)
         return 2
-    peer_cls: type[PeerRunner] | None = None
-    if args.peer or args.peer_lookup or args.peer_draft:  # either implies --peer
-        import importlib.util
+    with_peer = args.peer or args.peer_lookup or args.peer_draft  # either implies --peer
+    if with_peer:
+        from specd.daemon.benchmark import llama_cpp
 
-        if importlib.util.find_spec("llama_cpp") is None:
-            print("specd bench: --peer needs llama-cpp-python (pip install "
-                  "'specd[bench]')", file=sys.stderr)
-            return 2
-        from specd.daemon.benchmark.peer import PeerRunner
-
-        peer_cls = PeerRunner
+        try:
+            llama_cpp.build(log=lambda s: print(f"specd bench: {s}", file=sys.stderr))
+        except RuntimeError as exc:
+            print(f"specd bench: --peer needs llama-server: {exc}", file=sys.stderr)
+            return 1
     engine = Engine(EngineConfig(target=args.model, draft=draft,
                                  spec_type="draft" if draft else "none", n_ctx=args.n_ctx,
                                  threads=threads, draft_quant=args.draft_quant,
@@ -107,16 +108,21 @@ def run(args: argparse.Namespace) -> int:
                                  spin=args.spin),
                     progress=ProgressBar())
     print(f"specd: {engine.runtime.describe()}", file=sys.stderr)
-    peer = (peer_cls(engine.target.path, threads, args.n_ctx,
-                     draft_path=engine.draft.path if engine.draft else None)
-            if peer_cls is not None else None)
-    modes = ("target-only",) + (("lookup",) if args.peer_lookup else ()) + (
-        (peer_cls.MODES[2],) if peer_cls is not None and args.peer_draft and engine.draft
-        else ())
-    result = bench.run_bench(engine, prompts=prompts, temperatures=temps,
-                             max_tokens=args.max_tokens, repeats=args.repeats,
-                             configs=configs, peer=peer, peer_modes=modes,
-                             log=lambda s: print(s, file=sys.stderr, flush=True))
+    from specd.daemon.benchmark.peer import MODES, LlamaServerPeer
+
+    peer = (LlamaServerPeer(engine.target.path, threads, args.n_ctx,
+                            draft_path=engine.draft.path if engine.draft else None)
+            if with_peer else None)
+    modes = (MODES[0],) + ((MODES[1],) if args.peer_lookup else ()) + (
+        MODES[2:] if args.peer_draft and engine.draft else ())
+    try:
+        result = bench.run_bench(engine, prompts=prompts, temperatures=temps,
+                                 max_tokens=args.max_tokens, repeats=args.repeats,
+                                 configs=configs, peer=peer, peer_modes=modes,
+                                 log=lambda s: print(s, file=sys.stderr, flush=True))
+    finally:
+        if peer is not None:
+            peer.close()
     weights = {"target": engine.target.built.read_bytes_per_token}
     if engine.draft is not None:
         weights["draft"] = engine.draft.built.read_bytes_per_token

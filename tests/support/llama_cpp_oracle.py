@@ -1,34 +1,21 @@
 """llama.cpp itself as an oracle: its binaries at the build specd follows, where built
-(`bench/build_llama_cpp.sh`; the tests that need them skip with the reason otherwise)."""
+(specd.daemon.benchmark.llama_cpp; the tests that need them skip with the reason
+otherwise)."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-VERSION = 11434
+from specd.daemon.benchmark.llama_cpp import bin_dir, missing
+
+__all__ = ["bin_dir", "missing", "speculative_rounds", "greedy_completion",
+           "greedy_with_logprobs", "greedy_with_margins", "agreed_until_near_tie"]
+
 _CANDIDATE = re.compile(r"draft candidate\s+(\d+), pos\s+\d+:\s+(\d+) \(\s*([0-9.]+)\)")
 _ACCEPTED = re.compile(r"accepted (\d+)/(\d+) draft tokens")
-
-
-def bin_dir() -> Path:
-    """Where the binaries are: $SPECD_LLAMA_CPP_BIN, else specd's cache."""
-    if env := os.environ.get("SPECD_LLAMA_CPP_BIN"):
-        return Path(env)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "specd" / f"llama.cpp-{VERSION}" / "build" / "bin"
-
-
-def missing(binary: str) -> str | None:
-    """Why `binary` cannot run (None: it can)."""
-    path = bin_dir() / binary
-    if not os.access(path, os.X_OK):
-        return (f"llama.cpp's {binary} is not built at {path} (bench/build_llama_cpp.sh "
-                "builds it, or set SPECD_LLAMA_CPP_BIN)")
-    return None
 
 
 @dataclass
@@ -79,60 +66,27 @@ def greedy_completion(model: Path, prompt: list[int], n_predict: int, *, threads
 def greedy_with_logprobs(model: Path, prompt: list[int], n_predict: int, *, n_probs: int = 5,
                          threads: int = 2, n_ctx: int = 512
                          ) -> list[tuple[int, dict[int, float]]]:
-    """Greedy decoding by llama-server after `prompt`: each generated token with the log
-    probabilities of the n_probs most likely tokens at its position (before sampling)."""
-    import json
-    import socket
-    import time
-    import urllib.request
+    """Greedy decoding by llama-server (float32 KV cache) after `prompt`: each generated
+    token with the log probabilities of the n_probs most likely tokens at its position
+    (before sampling)."""
+    from specd.daemon.benchmark.llama_server import LlamaServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(bin_dir() / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "-t", str(threads), "-c", str(n_ctx), "-np", "1",
-           "-ctk", "f32", "-ctv", "f32", "--no-warmup"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-                raise RuntimeError(f"llama-server exited {proc.returncode}: {err[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("llama-server did not become ready") from None
-                time.sleep(0.2)
-        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0,
-                           "top_k": 1, "return_tokens": True, "cache_prompt": False,
-                           "ignore_eos": True, "n_probs": n_probs,
-                           "post_sampling_probs": False}).encode()
-        req = urllib.request.Request(f"{url}/completion", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            out = json.loads(r.read())
-        # llama-server leaves out the probabilities of a token that ends inside a UTF-8
-        # character; the others come in order, each naming its token
-        probs = list(out.get("completion_probabilities") or [])
-        result: list[tuple[int, dict[int, float]]] = []
-        for token in (int(t) for t in out["tokens"]):
-            top: dict[int, float] = {}
-            if probs and int(probs[0].get("id", -1)) == token:
-                top = {int(c["id"]): float(c["logprob"]) for c in probs.pop(0)["top_logprobs"]}
-            result.append((token, top))
-        return result
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with LlamaServer(model, threads=threads, n_ctx=n_ctx,
+                     args=["-np", "1", "-ctk", "f32", "-ctv", "f32", "--no-warmup"]) as server:
+        out = server.post("/completion", {
+            "prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1,
+            "return_tokens": True, "cache_prompt": False, "ignore_eos": True,
+            "n_probs": n_probs, "post_sampling_probs": False})
+    # llama-server leaves out the probabilities of a token that ends inside a UTF-8
+    # character; the others come in order, each naming its token
+    probs = list(out.get("completion_probabilities") or [])
+    result: list[tuple[int, dict[int, float]]] = []
+    for token in (int(t) for t in out["tokens"]):
+        top: dict[int, float] = {}
+        if probs and int(probs[0].get("id", -1)) == token:
+            top = {int(c["id"]): float(c["logprob"]) for c in probs.pop(0)["top_logprobs"]}
+        result.append((token, top))
+    return result
 
 
 def greedy_with_margins(runner: object, prompt: list[int], n: int

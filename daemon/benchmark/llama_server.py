@@ -1,0 +1,84 @@
+"""A llama-server process on a free loopback port, as users run it: started with the
+given model and flags, ready once /health answers, asked over HTTP, stopped on close."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .llama_cpp import bin_dir, missing
+
+
+class LlamaServerError(RuntimeError):
+    """llama-server is not built, did not start, or answered with an error."""
+
+
+class LlamaServer:
+    def __init__(self, model: Path, *, threads: int, n_ctx: int, args: Sequence[str] = (),
+                 ready_s: float = 300.0):
+        if reason := missing("llama-server"):
+            raise LlamaServerError(reason)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [str(bin_dir() / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+               "--port", str(port), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx),
+               *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + ready_s
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise LlamaServerError(f"llama-server exited {self.proc.returncode}: "
+                                       + " | ".join(err.strip().splitlines()[-5:]))
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise LlamaServerError("llama-server did not become ready") from None
+                time.sleep(0.2)
+
+    def post(self, route: str, body: dict[str, Any], timeout: float = 600.0) -> Any:
+        req = urllib.request.Request(f"{self.url}{route}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            raise LlamaServerError(f"llama-server {route}: {exc.code} "
+                                   f"{exc.read().decode(errors='replace')[:300]}") from None
+
+    def memory(self) -> tuple[int, int]:
+        """The server's resident bytes now and at their peak (Linux /proc; 0, 0 elsewhere)."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return 0, 0
+        kb = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
+              if line.startswith(("VmRSS:", "VmHWM:"))}
+        return 1024 * kb.get("VmRSS", 0), 1024 * kb.get("VmHWM", 0)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
