@@ -7,14 +7,19 @@ A build holds an exclusive lock on `<folder>.lock`: a second process that wants 
 graph waits for it and then uses it (it never rebuilds, nor removes, a complete folder
 another may be loading). Under the lock, scratch folders of builds that were killed are
 removed. A folder is complete when its meta.json is there and its files have the sizes
-meta.json records; an incomplete or damaged one is rebuilt.
+meta.json records, and where a file's modification time differs from the one recorded at
+the build (it was written to, or copied), its sha256 still is the one recorded: hashing
+only then keeps a load instant, and a process hashes a file once. An incomplete or
+damaged folder is rebuilt, with a warning saying why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -34,6 +39,8 @@ from .tensor_checks import check_model, check_values
 
 if TYPE_CHECKING:
     import onnx
+
+log = logging.getLogger("specd.cache")
 
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
@@ -118,13 +125,68 @@ def prune_stale_graphs(sha256: str) -> list[Path]:
 
 
 def is_complete(folder: Path) -> bool:
-    """meta.json is there, and the files it lists have the sizes it records."""
+    """meta.json is there, the files it lists have the sizes it records, and any whose
+    modification time is not the one recorded still has the recorded sha256."""
     try:
         meta = json.loads((folder / META_FILE).read_text())
         sizes = meta.get("file_sizes", {})
-        return all((folder / name).stat().st_size == size for name, size in sizes.items())
-    except (OSError, ValueError, AttributeError):
+        stats = {name: (folder / name).stat() for name in sizes}
+        if any(stats[name].st_size != size for name, size in sizes.items()):
+            return False
+        return _unchanged(folder, meta, stats)
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):  # a damaged meta.json
         return False
+
+
+# (folder, file) -> (size, mtime) this process found to hold the recorded sha256, or not
+_CHECKED: dict[tuple[str, str], tuple[int, int, bool]] = {}
+
+
+def _unchanged(folder: Path, meta: dict[str, Any], stats: dict[str, os.stat_result]) -> bool:
+    """Whether the files meta.json records a sha256 for still have it, hashing only those
+    modified since the build (or since their last check); folders built before sha256s
+    were recorded are checked by size alone."""
+    sums, mtimes = meta.get("file_sha256") or {}, meta.get("file_mtimes") or {}
+    refreshed = False
+    for name, digest in sums.items():
+        st = stats[name]
+        key, now = (str(folder), name), (st.st_size, st.st_mtime_ns)
+        if mtimes.get(name) == st.st_mtime_ns:
+            continue
+        seen = _CHECKED.get(key)
+        if seen is None or seen[:2] != now:
+            good = _sha256(folder / name) == digest
+            _CHECKED[key] = (*now, good)
+            if not good:
+                log.warning("graph cache: %s changed since it was built (its sha256 is not "
+                            "the one recorded); rebuilding %s", name, folder)
+            else:  # intact (copied, or touched): its new time is recorded below
+                refreshed = True
+        if not _CHECKED[key][2]:
+            return False
+        mtimes[name] = st.st_mtime_ns
+    if refreshed:
+        _write_meta(folder, {**meta, "file_mtimes": mtimes})
+    return True
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
+    """Replace meta.json at once (readers see the old or the new); best effort: a file that
+    cannot be written is only hashed again by the next process."""
+    tmp = folder / f"{META_FILE}.tmp{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, folder / META_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def load_or_build(path: str | os.PathLike[str], options: BuildOptions | None = None,
@@ -163,7 +225,8 @@ def _build_into(f: GGUFFile, hp: HParams, options: BuildOptions, folder: Path,
 def build_folder(folder: Path, write: Callable[[Path], list[str]], meta: dict[str, Any],
                  what: str) -> None:
     """Build into a scratch folder with `write(scratch) -> the files it wrote`, record
-    meta.json (with those files' sizes: `is_complete`), then rename it into place. The
+    meta.json (with those files' sizes, times and sha256s: `is_complete`), then rename it
+    into place. The
     caller holds the folder's lock, so no other process is building or loading an
     incomplete folder."""
     for scratch in folder.parent.glob(f"{folder.name}.tmp*"):  # builds that were killed
@@ -178,7 +241,10 @@ def build_folder(folder: Path, write: Callable[[Path], list[str]], meta: dict[st
         files = write(tmp)
         for name in files:
             _fsync(tmp / name)
-        meta = {**meta, "file_sizes": {n: (tmp / n).stat().st_size for n in files}}
+        stats = {n: (tmp / n).stat() for n in files}  # a rename keeps the times
+        meta = {**meta, "file_sizes": {n: st.st_size for n, st in stats.items()},
+                "file_mtimes": {n: st.st_mtime_ns for n, st in stats.items()},
+                "file_sha256": {n: _sha256(tmp / n) for n in files}}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         _fsync(tmp / META_FILE)
         shutil.rmtree(folder, ignore_errors=True)  # incomplete or damaged: see is_complete
