@@ -414,16 +414,9 @@ def bad_merge(tokens: list[str], merges: list[str]) -> str | None:
 
 def content_hash(path: str | os.PathLike[str]) -> str:
     """sha256 of a file, remembered per (path, size, mtime) so big files hash once."""
-    from .paths import cache_dir
-
     p = Path(path).resolve()
-    st = p.stat()
-    index_path = cache_dir() / "hashes.json"
-    key = f"{p}|{st.st_size}|{st.st_mtime_ns}"
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
+    key = _hash_key(p)
+    index = _read_hash_index()
     if key in index:
         return index[key]
     h = hashlib.sha256()
@@ -431,6 +424,38 @@ def content_hash(path: str | os.PathLike[str]) -> str:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     digest = h.hexdigest()
+    _remember(key, digest)
+    return digest
+
+
+def remember_hash(path: str | os.PathLike[str], digest: str) -> None:
+    """Record `digest` as the sha256 of `path` as it is now (a caller that hashed the file
+    while writing it, as a model pull does, saves the first load a pass over it)."""
+    _remember(_hash_key(Path(path).resolve()), digest)
+
+
+def _hash_key(p: Path) -> str:
+    st = p.stat()
+    return f"{p}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _hash_index_path() -> Path:
+    from .paths import cache_dir
+
+    return cache_dir() / "hashes.json"
+
+
+def _read_hash_index() -> dict[str, str]:
+    try:
+        index = json.loads(_hash_index_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def _remember(key: str, digest: str) -> None:
+    index_path = _hash_index_path()
+    index = _read_hash_index()
     index[key] = digest
     tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
     try:  # only a memo: a full or read-only disk costs hashing the file again next time
@@ -439,4 +464,3 @@ def content_hash(path: str | os.PathLike[str]) -> str:
         os.replace(tmp, index_path)
     except OSError:
         tmp.unlink(missing_ok=True)
-    return digest

