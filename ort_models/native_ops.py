@@ -7,7 +7,9 @@ and `specd.CachedAttention`, which also rotates the new rows and writes them int
 cache) attends over the KV cache in place, row-invariant by construction. They are built with
 the machine's C compiler (`$CC`, else cc / gcc / clang) and `-march=native` into the
 cache dir, once per source, compiler and CPU; ORT loads them with
-`SessionOptions.register_custom_ops_library`.
+`SessionOptions.register_custom_ops_library`. A build compiles into a scratch file named
+after its process and renames it into place; scratch files of builds that were killed are
+removed the next time the library is looked for.
 
 Where no compiler works the graphs use ONNX Runtime's MatMulNBits: `library()` returns None
 and `unavailable_reason()` says why. `SPECD_NATIVE=0` turns the kernels off.
@@ -98,6 +100,7 @@ def build(flags: tuple[str, ...] = ("-march=native",), out_dir: Path | None = No
         h.update(part.encode())
     folder = (out_dir or cache_dir() / "native") / h.hexdigest()[:24]
     lib = folder / "libspecd_kernels.so"
+    remove_dead_scratch(folder)
     if lib.is_file():
         return lib
     folder.mkdir(parents=True, exist_ok=True)
@@ -111,6 +114,21 @@ def build(flags: tuple[str, ...] = ("-march=native",), out_dir: Path | None = No
     os.replace(tmp, lib)
     log.info("built specd kernels: %s", lib)
     return lib
+
+
+def remove_dead_scratch(folder: Path) -> list[Path]:
+    """Remove the scratch libraries (`.build<pid>-<thread>.so`) of builds whose process is
+    gone (killed mid-compile: the rename that ends a build never came); a live build's
+    is left alone. Returns those removed."""
+    import psutil
+
+    gone = []
+    for scratch in folder.glob(".build*.so"):
+        pid = scratch.name[len(".build"):].split("-", 1)[0]
+        if not pid.isdigit() or not psutil.pid_exists(int(pid)):
+            scratch.unlink(missing_ok=True)
+            gone.append(scratch)
+    return gone
 
 
 def vectorized(lib: Path) -> bool:

@@ -736,3 +736,65 @@ def test_cc_may_carry_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     with pytest.raises(native_ops.NativeBuildError,
                        match="CC='no-such-compiler-here -m64' is not an executable on PATH"):
         native_ops.build(out_dir=tmp_path)
+
+
+_SLOW_CC = """#!/bin/sh
+# a compiler killed mid-build: it writes its output (-o FILE), then takes its time
+if [ "$1" = "--version" ]; then echo "slow-cc 1.0"; exit 0; fi
+while [ $# -gt 0 ]; do
+  if [ "$1" = "-o" ]; then echo partial > "$2"; fi
+  shift
+done
+exec sleep 60
+"""
+
+
+def test_scratch_of_a_killed_build_is_removed(tmp_path: Path) -> None:
+    """Before: a kernel build killed mid-compile left its .build<pid>-<thread>.so for good.
+    The next look for the library removes it; a live build's scratch is left alone."""
+    import os
+    import signal
+    import stat
+    import subprocess
+    import sys
+    import time
+
+    cc = tmp_path / "slow-cc"
+    cc.write_text(_SLOW_CC)
+    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "native"
+    code = ("import sys; from pathlib import Path; from specd.ort_models import native_ops; "
+            "native_ops.build(out_dir=Path(sys.argv[1]))")
+    build = subprocess.Popen([sys.executable, "-c", code, str(out)], start_new_session=True,
+                             env={**os.environ, "CC": str(cc)})
+    try:
+        for _ in range(300):  # the compiler has written the scratch file
+            scratch = list(out.glob("*/.build*.so"))
+            if scratch:
+                break
+            time.sleep(0.1)
+        assert len(scratch) == 1 and scratch[0].name.startswith(f".build{build.pid}-")
+    finally:
+        os.killpg(build.pid, signal.SIGKILL)  # the build and its compiler
+        build.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other = scratch[0].with_name(f".build{live.pid}-1.so")  # a build still running
+        other.write_bytes(b"")
+        assert native_ops.remove_dead_scratch(scratch[0].parent) == [scratch[0]]
+        assert not scratch[0].exists() and other.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_looking_for_the_library_removes_dead_scratch() -> None:
+    """`build` (which `library` calls) cleans its folder, also where the library is built
+    already (a killed build's scratch stays next to a library another process built)."""
+    if LIB is None:
+        pytest.skip(f"no specd kernels: {WHY}")
+    dead_pid = 4_194_305  # above the largest pid Linux gives (PID_MAX_LIMIT)
+    scratch = LIB.parent / f".build{dead_pid}-7.so"
+    scratch.write_bytes(b"half a library")
+    assert native_ops.build() == LIB
+    assert not scratch.exists()
