@@ -21,7 +21,8 @@
   and interpolated linearly: workspace(n_ctx) = base + per_ctx * n_ctx.
 
 The measurement runs in a fresh subprocess by default (`isolate=True`): a clean process
-has no freed heap to hide allocations in, and gives the memory back when it exits. The
+has no freed heap to hide allocations in, and gives the memory back when it exits; it
+ends with the process that started it (`die_with_parent`), killed or stopped. The
 result is stored in `<graph folder>/memory_cost.json` keyed by device, ORT version and
 thread count, so the second run reads it instantly.
 """
@@ -203,7 +204,7 @@ def _measure_subprocess(folder: Path, device: str, threads: int, points: tuple[i
                         gguf: Path) -> ModelCost:
     cmd = [sys.executable, "-m", "specd.memory_fit.measure", str(folder), "--device", device,
            "--threads", str(threads), "--points", ",".join(map(str, points)),
-           "--gguf", str(gguf)]
+           "--gguf", str(gguf), "--parent", str(os.getpid())]
     what = f"measuring {gguf.name} ({folder.name}) on {device}"
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
@@ -384,6 +385,33 @@ class _HostCost:
             pass
 
 
+def die_with_parent(parent: int) -> None:
+    """End this process when process `parent` (the one that started it) ends, however it
+    ends: a measuring child of a killed or stopped `specd serve` would otherwise hold the
+    model's memory (1.3 GB for the 1.5B target) until it finished. On Linux the kernel
+    sends SIGKILL (PR_SET_PDEATHSIG); elsewhere a thread watches the parent."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # it ended before the request was made
+        os._exit(1)
+    if not sys.platform.startswith("linux"):
+        import threading
+        import time
+
+        import psutil
+
+        def watch() -> None:
+            while psutil.pid_exists(parent):
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="measure one built graph's memory (JSON out)")
     ap.add_argument("folder")
@@ -391,7 +419,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--points", default="")
     ap.add_argument("--gguf", default="", help="the GGUF file (default: meta.json's)")
+    ap.add_argument("--parent", type=int, default=0,
+                    help="end when this process ends (the one measuring)")
     args = ap.parse_args(argv)
+    if args.parent:
+        die_with_parent(args.parent)
     built = built_from_folder(args.folder)
     if args.gguf:
         built = dataclasses.replace(built, gguf_path=Path(args.gguf))

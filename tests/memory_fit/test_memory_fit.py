@@ -434,3 +434,51 @@ def test_built_model_finds_a_whole_vocabulary_cut_under_no_cut(tiny_model_factor
     monkeypatch.setattr(model_cache, "load_or_build", real)
     cut = built_model(path, options=BuildOptions(vocab_rows=n_vocab // 2))
     assert cut.folder != whole.folder and cut.options.vocab_rows == n_vocab // 2
+
+
+_MEASURING_PARENT = """
+import sys
+from specd.memory_fit.measure import built_from_folder, measure
+measure(built_from_folder(sys.argv[1]), "cpu", threads=1, use_cache=False)
+"""
+
+
+def test_the_measuring_child_ends_with_a_killed_parent(tiny_cost: tuple[Any, ModelCost]
+                                                       ) -> None:
+    """Before: the measuring child outlived a killed `specd serve` (and held the model's
+    memory). Here its parent is killed while it is stopped mid-measurement (so it cannot
+    finish on its own): the kernel ends it too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    built, _ = tiny_cost
+    parent = subprocess.Popen([sys.executable, "-c", _MEASURING_PARENT, str(built.folder)],
+                              env={**os.environ})
+    child: psutil.Process | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while child is None and time.monotonic() < deadline:
+            kids = psutil.Process(parent.pid).children()
+            child = next((k for k in kids if "specd.memory_fit.measure" in " ".join(
+                k.cmdline())), None)
+            time.sleep(0.05)
+        assert child is not None, "no measuring child"
+        while time.monotonic() < deadline:  # measuring (ORT loaded): past its start
+            if any("onnxruntime" in m.path for m in child.memory_maps()):
+                break
+            time.sleep(0.05)
+        child.send_signal(signal.SIGSTOP)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        gone, _ = psutil.wait_procs([child], timeout=10)
+        assert gone, "the measuring child outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child is not None and child.is_running():
+            child.kill()
