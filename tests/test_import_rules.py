@@ -25,6 +25,7 @@ LAYERS = (
     "specd.daemon.control",
     "specd.ipc",
     "specd.daemon.serving",
+    "specd.daemon.training",  # train-draft: distils with the target, trains, writes GGUF
     "specd.daemon.drafters",
     "specd.daemon.models",
     "specd.memory_fit",

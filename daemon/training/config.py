@@ -1,0 +1,120 @@
+"""The shape of the head to train, chosen from the target: which target layers it reads
+(llama.cpp's ids), its width and attention (the target's: a DFlash head reads features of
+its own width and shares the target's embeddings), the mask token, the block."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from specd.ort_models.arch import HParams
+from specd.ort_models.gguf_file import GGUFFile
+
+from . import TrainError
+
+UNUSED_TOKEN_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED: padding rows of a vocabulary
+DEFAULT_FEATURE_LAYERS = 5  # target layers read, as z-lab's and SpecForge's heads read
+DEFAULT_HEAD_LAYERS = 2
+DEFAULT_BLOCK = 16
+DEFAULT_GAMMA = 7.0  # the loss weight of block slot k is exp(-(k - 1) / gamma)
+DEFAULT_DRAFT_VOCAB = 32768  # a reduced vocabulary (with d2t) where the target's is larger
+HEAD_RMS_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    n_layer: int
+    n_embd: int  # the target's n_embd
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    rms_eps: float
+    rope_base: float
+    n_ctx_train: int
+    block_size: int  # [anchor, MASK x (block_size - 1)]: block_size - 1 drafts a pass
+    gamma: float
+    target_layers: tuple[int, ...]  # llama.cpp's ids: L = the stream entering target layer L
+    mask_token_id: int
+    target_vocab: int  # the target's vocabulary (token_embd rows)
+    draft_vocab: int  # rows of the head's logits: < target_vocab means a d2t map
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """specd's target outputs for target_layers (hidden_{L-1}), in the head's order."""
+        return tuple(layer - 1 for layer in self.target_layers)
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.target_layers) * self.n_embd
+
+    @property
+    def reduced(self) -> bool:
+        return self.draft_vocab < self.target_vocab
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HeadConfig:
+        d = dict(d)
+        d["target_layers"] = tuple(d["target_layers"])
+        return cls(**d)
+
+
+def default_target_layers(n_target: int, count: int = DEFAULT_FEATURE_LAYERS
+                          ) -> tuple[int, ...]:
+    """llama.cpp ids (HF ids + 1) of `count` target layers to read: z-lab's rule
+    HF id round(1 + i (N - 4) / (count - 1)), i = 0..count - 1, where the target is deep
+    enough; else as evenly spread as its depth allows."""
+    count = max(1, min(count, n_target))
+    if count > 1 and n_target - 4 >= count - 1:
+        ids = [math.floor(1 + i * (n_target - 4) / (count - 1) + 0.5) for i in range(count)]
+    elif count > 1:
+        ids = sorted({math.floor(i * (n_target - 1) / (count - 1) + 0.5) for i in range(count)})
+    else:
+        ids = [n_target // 2]
+    return tuple(i + 1 for i in ids)
+
+
+def mask_token(f: GGUFFile, n_vocab: int) -> int:
+    """The token filling a block's draft slots: the target's mask token where it names one,
+    else its first unused (padding) token, whose embedding row no text ever reads."""
+    named = f.get("tokenizer.ggml.mask_token_id")
+    if isinstance(named, int) and 0 <= named < n_vocab:
+        return named
+    types = f.get("tokenizer.ggml.token_type") or []
+    for i, t in enumerate(types[:n_vocab]):
+        if t == UNUSED_TOKEN_TYPE:
+            return i
+    raise TrainError(f"{f.path}: the target's vocabulary has no mask token and no unused "
+                     "(padding) token to draft with; pass --mask-token-id")
+
+
+def head_config(f: GGUFFile, hp: HParams, *, n_layer: int = DEFAULT_HEAD_LAYERS,
+                n_ff: int | None = None, block_size: int = DEFAULT_BLOCK,
+                gamma: float = DEFAULT_GAMMA, feature_layers: int = DEFAULT_FEATURE_LAYERS,
+                target_layers: tuple[int, ...] | None = None, mask_token_id: int | None = None,
+                draft_vocab: int = DEFAULT_DRAFT_VOCAB) -> HeadConfig:
+    """The head for target `f` (hyper-parameters `hp`): its attention is the target's
+    (heads, KV heads, head size, rope base); n_ff defaults to the target's."""
+    if block_size < 2:
+        raise TrainError(f"--block {block_size}: a block is the anchor and at least one "
+                         "draft slot")
+    layers = target_layers or default_target_layers(hp.n_layer, feature_layers)
+    bad = [x for x in layers if not 1 <= x <= hp.n_layer]
+    if bad:
+        raise TrainError(f"target layers {bad} are outside 1..{hp.n_layer} (llama.cpp's ids: "
+                         "L reads the stream entering target layer L)")
+    mask = mask_token(f, hp.n_vocab) if mask_token_id is None else mask_token_id
+    if not 0 <= mask < hp.n_vocab:
+        raise TrainError(f"mask token id {mask} is outside the vocabulary of {hp.n_vocab}")
+    vocab = hp.n_vocab if not draft_vocab or draft_vocab >= hp.n_vocab else draft_vocab
+    return HeadConfig(n_layer=n_layer, n_embd=hp.n_embd, n_head=hp.n_head,
+                      n_head_kv=hp.n_head_kv, head_dim=hp.head_dim, n_ff=n_ff or hp.n_ff,
+                      rms_eps=HEAD_RMS_EPS, rope_base=hp.rope_base,
+                      n_ctx_train=hp.n_ctx_train, block_size=block_size, gamma=gamma,
+                      target_layers=tuple(layers), mask_token_id=mask,
+                      target_vocab=hp.n_vocab, draft_vocab=vocab)

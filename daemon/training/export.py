@@ -1,0 +1,137 @@
+"""The trained head as the GGUF llama.cpp's converter writes for a DFlash checkpoint
+(`DFlashModel` in conversion/qwen.py), through `convert_draft`'s writer: the same keys,
+tensor names and types as `specd convert-draft` gives a z-lab checkpoint, the target's
+tokenizer copied in. The export folder also holds the head's Hugging Face config.json and
+a model card (what the GGUF's general.* keys are read from, as the converter reads them):
+the target, the recipe and the training text with its licences.
+
+A reduced draft vocabulary is written as llama.cpp reads one: the head's own
+`output.weight` (the target's LM head rows of those ids) and `d2t`, absolute target ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specd.daemon.models.compat import head_incompatibilities
+from specd.daemon.models.convert_draft.common import Checkpoint, HeadWriter, rope_parameters
+from specd.daemon.models.convert_draft.target import read_target
+from specd.ort_models.arch import read_hparams
+from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.heads import MASK_TOKEN_KEY, HeadFormatError, HeadParams, read_head
+
+from . import TrainError
+from .config import HeadConfig
+
+HF_ARCH = "DFlashDraftModel"  # z-lab's class name: the config convert_draft reads too
+
+
+def hf_config(cfg: HeadConfig) -> dict[str, Any]:
+    """The head's config.json in z-lab's DFlash layout (HF layer ids: llama.cpp's - 1)."""
+    config: dict[str, Any] = {
+        "architectures": [HF_ARCH],
+        "model_type": "qwen3",
+        "hidden_size": cfg.n_embd,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_head_kv,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.n_ff,
+        "max_position_embeddings": cfg.n_ctx_train,
+        "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_base,
+        "hidden_act": "silu",
+        "vocab_size": cfg.target_vocab,
+        "tie_word_embeddings": False,
+        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": [x - 1 for x in cfg.target_layers]},
+    }
+    if cfg.reduced:
+        config["draft_vocab_size"] = cfg.draft_vocab
+    return config
+
+
+def model_card(cfg: HeadConfig, target: GGUFFile, sources: Sequence[dict[str, str]],
+               recipe: dict[str, Any]) -> str:
+    """README.md with the front matter llama.cpp's metadata reader takes general.* from."""
+    front = ["---", "tags:", "- dflash", "- speculative-decoding", "- specd"]
+    licence = target.get("general.license")
+    if isinstance(licence, str) and licence:
+        front.append(f"license: {licence}")
+    front.append("---")
+    lines = [*front, "", f"# DFlash head for {target.name or Path(target.path).name}", "",
+             f"Trained by `specd train-draft` by self-distillation: {cfg.n_layer} layer(s), "
+             f"width {cfg.n_embd}, block {cfg.block_size}, reading target layers "
+             f"{list(cfg.target_layers)} (llama.cpp's ids), "
+             + (f"draft vocabulary {cfg.draft_vocab} (d2t)." if cfg.reduced
+                else "the target's vocabulary."), "",
+             "## Training text", ""]
+    lines += [f"- {s['source']}: {s['description']} ({s['licence']})" for s in sources]
+    lines += ["", "The labels are the target's own greedy replies to instructions made of "
+              "this text.", "", "## Recipe", "", "```json", json.dumps(recipe, indent=1),
+              "```", ""]
+    return "\n".join(lines)
+
+
+def write_card_folder(folder: Path, cfg: HeadConfig, target: GGUFFile,
+                      sources: Sequence[dict[str, str]], recipe: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config(cfg), indent=1))
+    (folder / "README.md").write_text(model_card(cfg, target, sources, recipe))
+
+
+def write_head(out: Path, cfg: HeadConfig, tensors: dict[str, np.ndarray],
+               d2t: np.ndarray | None, lm_rows: np.ndarray | None, target_path: Path,
+               card_folder: Path, outtype: str = "f16") -> HeadParams:
+    """Write the head GGUF `out` (via `out`.partial, checked before it takes the name):
+    `tensors` the trained weights by llama.cpp name; a reduced head's d2t (target ids
+    ascending) and its LM head rows lm_rows [Vd, E]. Returns the head as specd reads it."""
+    config = json.loads((card_folder / "config.json").read_text())
+    ck = Checkpoint(card_folder, config, config, HF_ARCH, {})
+    target = read_target(target_path)
+    b = HeadWriter("dflash", outtype)
+    for name, data in tensors.items():
+        b.add_tensor(name, np.ascontiguousarray(data, np.float32))
+    if d2t is not None:
+        assert lm_rows is not None and len(lm_rows) == len(d2t)
+        b.add_tensor("output.weight", np.ascontiguousarray(lm_rows, np.float32))
+        b.add_ids("d2t", d2t)
+    b.add_general(card_folder)
+    b.add_text_params(ck, cfg.n_layer, rope_parameters(ck))
+    b.w.add_uint32(b.key("block_size"), cfg.block_size)
+    b.w.add_array(b.key("target_layers"), list(cfg.target_layers))
+    b.add_quantization_version()
+    b.add_tokenizer(target.tokenizer.items())
+    named = target.tokenizer.get(MASK_TOKEN_KEY)
+    if named is None:
+        b.w.add_mask_token_id(cfg.mask_token_id)
+    elif named.value != cfg.mask_token_id:
+        raise TrainError(f"the target names mask token {named.value}; the head was trained "
+                         f"with {cfg.mask_token_id}, which its GGUF cannot say")
+    partial = out.with_name(out.name + ".partial")
+    try:
+        b.write(partial)
+        head = _check(partial, target_path)
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return head
+
+
+def _check(path: Path, target_path: Path) -> HeadParams:
+    """The written head as specd's head reader reads it, checked against the target."""
+    f, t = GGUFFile(path), GGUFFile(target_path)
+    try:
+        head = read_head(f)
+    except HeadFormatError as exc:
+        raise TrainError(f"the written head is malformed: {exc}") from None
+    problems = head_incompatibilities(head, read_hparams(t), t.metadata, f.metadata)
+    if problems:
+        raise TrainError("the written head does not fit the target: " + "; ".join(problems))
+    return head

@@ -1,0 +1,207 @@
+"""`specd train-draft` on a tiny target: a tiny DFlash head trained for a few hundred steps
+lowers its loss and raises its acceptance, held out and through specd's own decode; the
+GGUF it writes loads, drafts, and leaves greedy output byte-identical to target-only; the
+torch head computes what specd's head graphs compute; an interrupted run resumes exactly.
+
+Skipped where torch (the `specd[train]` extra) is not installed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from specd.daemon.training import TrainError, require_torch
+
+try:
+    require_torch()
+except TrainError as exc:
+    pytest.skip(str(exc), allow_module_level=True)
+
+import torch
+
+from specd.daemon.drafters.dflash import DFlashDrafter
+from specd.daemon.models.building import build_options
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.training.config import head_config
+from specd.daemon.training.distill import ChatPrompts, load_split
+from specd.daemon.training.export import write_card_folder, write_head
+from specd.daemon.training.model import DFlashHead
+from specd.daemon.training.run import TrainRequest, train_draft
+from specd.daemon.training.trainer import TrainSettings, target_tables
+from specd.ort_models.arch import read_hparams
+from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.head_runner import HeadRunner, load_or_build_head
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+import tiny_gguf
+
+BLOCK = 4
+STEPS = 400
+SETTINGS = TrainSettings(steps=STEPS, lr=3e-3, batch_seqs=4, anchors=16, eval_every=100,
+                         eval_blocks=512)
+
+
+def _target(path: Path) -> Path:
+    """A tiny qwen3 target whose greedy text a tiny head can learn in a few hundred steps:
+    tiny_gguf's default gain on the layers' outputs makes greedy text wander (what the
+    model tests want); at 0.7 it is runs of one token, whose ends depend on the context."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny_gguf, "RESIDUAL_GAIN", 0.7)
+        return tiny_gguf.write_tiny_gguf(path, arch="qwen3", weight_type="Q8_0", seed=3)
+
+
+def _request(target: Path, out: Path, work: Path, **kw: Any) -> TrainRequest:
+    return TrainRequest(target=target, out=out, work=work, samples=128, eval_samples=16,
+                        max_prompt=384, max_reply=64, n_layer=2, block_size=BLOCK,
+                        threads=1, train_device="cpu", **kw)
+
+
+@dataclass
+class Trained:
+    target: Path
+    work: Path
+    untrained: Path  # the head as initialised (0 steps)
+    trained: Path
+    history: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    root = tmp_path_factory.mktemp("train")
+    target = _target(root / "target.gguf")
+    work = root / "work"
+    untrained = root / "untrained.gguf"
+    train_draft(_request(target, untrained, work, settings=replace(SETTINGS, steps=0)),
+                verbose=False)
+    out = root / "head.gguf"
+    result = train_draft(_request(target, out, work, settings=SETTINGS, resume=True),
+                         verbose=False)
+    assert result.head_path == out
+    return Trained(target, work, untrained, out, result.history)
+
+
+def test_loss_falls_and_held_out_acceptance_rises(trained: Trained) -> None:
+    h = trained.history
+    assert [x["step"] for x in h] == [0, 100, 200, 300, 400]
+    assert h[-1]["loss"] < 0.75 * h[1]["loss"], h
+    assert h[0]["tau"] < 1.05 and h[-1]["tau"] > 1.35, h
+    assert h[0]["first"] < 0.05 and h[-1]["first"] > 0.3, h
+
+
+def _decode(runner: ModelRunner, prompt: list[int], drafter: DFlashDrafter | None,
+            eog: set[int], n: int = 64) -> tuple[list[int], Any]:
+    params = GenerationParams(max_tokens=n, draft=DraftParams(n_max=BLOCK - 1),
+                              adaptive=False)
+    gen = Generation(runner, 0, prompt, params, eog=eog, drafter=drafter)
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    return out, gen.stats
+
+
+def test_the_written_head_drafts_better_and_output_stays_the_targets(trained: Trained
+                                                                     ) -> None:
+    """Held-out prompts decoded by specd with each head drafting every round: greedy
+    output equals target-only decoding (and the reply the target gave when distilled),
+    and the trained head's drafts are accepted far more often than the untrained one's."""
+    data = load_split(trained.work / "data", "eval")
+    layers = head_config(GGUFFile(trained.target), read_hparams(GGUFFile(trained.target)),
+                         block_size=BLOCK).hidden_layers
+    options = build_options("target")  # as the engine and distillation build it
+    plain = ModelRunner(load_or_build(trained.target, options), n_ctx=512)
+    with_features = ModelRunner(load_or_build(trained.target, replace(
+        options, hidden_layers=tuple(sorted(set(layers))))), n_ctx=512)
+    eog = ChatPrompts(GGUFFile(trained.target)).eog
+    rates = {}
+    for name, head in (("untrained", trained.untrained), ("trained", trained.trained)):
+        drafter = DFlashDrafter(HeadRunner(load_or_build_head(head, trained.target), n_ctx=512))
+        accepted = drafted = 0
+        for i in range(6):
+            tokens, reply, _ = data.get(i)
+            prompt = tokens[:reply].tolist()
+            want, _ = _decode(plain, prompt, None, eog)
+            got, stats = _decode(with_features, prompt, drafter, eog)
+            assert got == want
+            assert want == tokens[reply:].tolist()
+            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+        rates[name] = accepted / drafted
+    assert rates["untrained"] < 0.02 and rates["trained"] > 0.12, rates
+
+
+def test_the_torch_head_computes_what_specd_runs(trained: Trained, tmp_path: Path) -> None:
+    """A head's torch logits for a block equal specd's head graphs' (injection of the
+    context rows, then the block), with the whole vocabulary and with a reduced one."""
+    f = GGUFFile(trained.target)
+    data = load_split(trained.work / "data", "train")
+    tokens, reply, feats = data.get(0)
+    anchor = reply + 5
+    for draft_vocab in (0, 200):
+        cfg = head_config(f, read_hparams(f), n_layer=2, block_size=BLOCK,
+                          draft_vocab=draft_vocab)
+        d2t = np.sort(np.random.default_rng(1).choice(cfg.target_vocab, cfg.draft_vocab,
+                                                      replace=False)) if cfg.reduced else None
+        used = np.arange(cfg.target_vocab)
+        embed, index, lm_rows = target_tables(f, cfg, used, d2t)
+        torch.manual_seed(7)
+        model = DFlashHead(cfg, embed, index, lm_rows)
+        with torch.no_grad():  # norms away from 1, so that a misplaced one shows
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.uniform_(0.5, 1.5)
+        head_path = tmp_path / f"head-{draft_vocab}.gguf"
+        card = tmp_path / f"card-{draft_vocab}"
+        write_card_folder(card, cfg, f, [], {})
+        write_head(head_path, cfg, model.gguf_tensors(), d2t, lm_rows, trained.target, card,
+                   "f32")
+        with torch.no_grad():
+            rows = model(torch.from_numpy(np.asarray(feats[:anchor], np.float32))[None],
+                         torch.tensor([[anchor]]), torch.tensor([[int(tokens[anchor])]]))
+            want = model.logits(rows)[0, 0].numpy()  # [B - 1, Vd]
+        # the GGUF's own weights, float32 activations (MatMulNBits' int8 ones differ by ~1%)
+        runner = HeadRunner(load_or_build_head(head_path, trained.target, kernels="ort",
+                                               requant="", accuracy_level=1), n_ctx=512)
+        runner.inject(0, np.asarray(feats[:anchor], np.float32), 0)
+        got = runner.block(0, [int(tokens[anchor])] + [cfg.mask_token_id] * (BLOCK - 1),
+                           anchor, list(range(1, BLOCK))).logits  # [B - 1, vocab]
+        if d2t is not None:
+            assert np.all(np.isneginf(np.delete(got, d2t, axis=1)))
+            got = got[:, d2t]
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_an_interrupted_run_resumes_exactly(trained: Trained, tmp_path: Path) -> None:
+    """Training stopped at a step and resumed gives the held-out estimates and the head of
+    an uninterrupted run (the data is the module's: copied, already distilled)."""
+    import shutil
+
+    def run(work: Path, settings: TrainSettings, resume: bool) -> Any:
+        return train_draft(_request(trained.target, work / "head.gguf", work,
+                                    settings=settings, resume=resume), verbose=False)
+
+    settings = replace(SETTINGS, steps=60, eval_every=20)
+    straight, parts = tmp_path / "straight", tmp_path / "parts"
+    for work in (straight, parts):
+        shutil.copytree(trained.work / "data", work / "data")
+        shutil.copy(trained.work / "run.json", work / "run.json")
+    a = run(straight, settings, True)
+    stopped = run(parts, replace(settings, stop_at=30), True)
+    assert stopped.head_path is None and not (parts / "head.gguf").exists()
+    b = run(parts, settings, True)
+    assert [(x["step"], x["tau"]) for x in a.history] == [(x["step"], x["tau"])
+                                                          for x in b.history]
+    assert (straight / "head.gguf").read_bytes() == (parts / "head.gguf").read_bytes()
+
+
+def test_a_work_folder_is_not_reused_by_accident(trained: Trained, tmp_path: Path) -> None:
+    with pytest.raises(TrainError, match="--resume"):
+        train_draft(_request(trained.target, tmp_path / "h.gguf", trained.work,
+                             settings=SETTINGS), verbose=False)
+    with pytest.raises(TrainError, match="another head"):
+        train_draft(_request(trained.target, tmp_path / "h.gguf", trained.work,
+                             settings=SETTINGS, resume=True, gamma=3.0), verbose=False)
