@@ -13,6 +13,7 @@ from . import convert as cli_convert
 from . import fit as cli_fit
 from . import generate as cli_generate
 from . import serve as cli_serve
+from . import train as cli_train
 from .options import add_draft_build_args, add_spin_arg, int_at_least
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_bench.add_bench_parser(sub)
     cli_fit.add_fit_parser(sub)
     cli_convert.add_convert_parser(sub)
+    cli_train.add_train_parser(sub)
 
     models = sub.add_parser("models", help="the model catalog and local store")
     models.set_defaults(func=lambda a: _usage(models))
