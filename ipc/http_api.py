@@ -387,6 +387,9 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         # a final assistant message is continued (prefill), as llama-server does, unless
         # the request says otherwise
         prefill = messages[-1]["role"] == "assistant"
+        if prefill and len(messages) > 1 and messages[-2]["role"] == "assistant":
+            raise BadRequest("only the last message may be an assistant's to continue (two "
+                             "assistant messages end the chat)", param="messages")
         cont = get(body, "continue_final_message", bool, prefill)
         try:
             prompt = svc.engine.chat_tokens(
@@ -617,8 +620,14 @@ def _infill_prompt(svc: Service, body: dict[str, Any], max_tokens: int) -> list[
 
 
 async def _llama_completion(request: web.Request, *, infill: bool) -> web.StreamResponse:
+    out = await _llama_run(request, await json_body(request), infill=infill)
+    return json_response(out) if isinstance(out, dict | list) else out
+
+
+async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
+                     ) -> dict[str, Any] | list[dict[str, Any]] | web.StreamResponse:
+    """One /completion or /infill request: its response's JSON, or the stream it sent."""
     svc = _svc(request)
-    body = await json_body(request)
     params = _params(svc, body, max_key="n_predict")
     n_probs = get(body, "n_probs", int, 0, lo=0, hi=MAX_N_PROBS)
     if get(body, "post_sampling_probs", bool, False):
@@ -630,7 +639,18 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
-        prompt = _prompt_tokens(svc, body["prompt"])
+        prompts = _prompts(svc, body["prompt"], "prompt")
+        if len(prompts) > 1:  # several: one completion each, a list of results
+            if get(body, "stream", bool, False):
+                raise BadRequest("streaming several prompts is not supported; send them "
+                                 "one by one", param="prompt")
+            out = []
+            for i, p in enumerate(prompts):
+                one = await _llama_run(request, {**body, "prompt": p}, infill=False)
+                assert isinstance(one, dict)
+                out.append({**one, "index": i})
+            return out
+        prompt = prompts[0]
     stop = stop_list(body)
     cache_prompt = get(body, "cache_prompt", bool, True)
     t_max = get(body, "t_max_predict_ms", (int, float), None, lo=0)
@@ -670,7 +690,7 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
 
     stream = get(body, "stream", bool, False)
     if not stream:
-        return json_response(final(await _collect(svc, prompt, params, **kw)))
+        return final(await _collect(svc, prompt, params, **kw))
     events = svc.submit(prompt, params, **kw)  # a full queue is a 503 before any byte
     n_predicted = 0
 
@@ -767,14 +787,18 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 # -- embeddings ---------------------------------------------------------------------------
-def _embedding_inputs(svc: Service, value: Any) -> list[list[int]]:
-    """The token ids of each input, as llama-server reads `input` / `content`: a text, an
-    array of ids (text among them is tokenized in place), {"prompt_string": text},
-    {"content": [text parts]}, or an array of those (several inputs)."""
+def _prompts(svc: Service, value: Any, param: str = "input") -> list[list[int]]:
+    """The token ids of each prompt, as llama-server reads `prompt` / `input` / `content`:
+    a text, an array of ids (text among them is tokenized in place), {"prompt_string":
+    text}, {"content": [text parts]}, or an array of those (several prompts). A text
+    may give no tokens."""
     tok = svc.tokenizer
 
     def one(item: Any) -> list[int]:
         if isinstance(item, dict):
+            if "multimodal_data" in item:
+                raise BadRequest("this model reads text only ('multimodal_data')",
+                                 param=param)
             if isinstance(item.get("prompt_string"), str):
                 item = item["prompt_string"]
             elif isinstance(item.get("content"), list) and all(
@@ -782,25 +806,23 @@ def _embedding_inputs(svc: Service, value: Any) -> list[list[int]]:
                     and isinstance(p.get("text"), str) for p in item["content"]):
                 item = "".join(p["text"] for p in item["content"])
             else:
-                raise BadRequest("an input object needs 'prompt_string' or 'content' as an "
-                                 "array of text parts (this model reads text only)",
-                                 param="input")
+                raise BadRequest(f"a '{param}' object needs 'prompt_string' or 'content' as "
+                                 "an array of text parts (this model reads text only)",
+                                 param=param)
         if isinstance(item, str):
-            ids = tok.encode(item, parse_special=True)
-            # an empty text: its start alone (llama.cpp embeds the BOS it adds)
-            return ids or [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
+            return tok.encode(item, parse_special=True)
         if isinstance(item, list) and item and all(
                 isinstance(x, int | str) and not isinstance(x, bool) for x in item):
-            ids = []
+            ids: list[int] = []
             for x in item:
                 ids += [x] if isinstance(x, int) else tok.encode(x, add_bos=False)
-            return token_list(ids, "input", tok.vocab_size)
-        raise BadRequest("'input' must be a string, an array of token ids, an object with "
-                         "text, or an array of these", param="input")
+            return token_list(ids, param, tok.vocab_size)
+        raise BadRequest(f"'{param}' must be a string, an array of token ids, an object "
+                         "with text, or an array of these", param=param)
 
     if isinstance(value, list):
         if not value:
-            raise BadRequest("'input' is empty", param="input")
+            raise BadRequest(f"the {param} is empty", param=param)
         if any(isinstance(x, int) and not isinstance(x, bool) for x in value):
             return [one(value)]  # one input of ids (with text among them)
         return [one(x) for x in value]
@@ -825,7 +847,10 @@ async def _embed(request: web.Request, *, openai: bool) -> web.Response:
     field = "input" if "input" in body or openai else "content"
     if field not in body:
         raise BadRequest(f"'{field}' is required", param=field)
-    inputs = _embedding_inputs(svc, body[field])
+    tok = svc.tokenizer
+    # an empty text: its start alone (llama.cpp embeds the BOS it adds)
+    start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
+    inputs = [tokens or start for tokens in _prompts(svc, body[field], field)]
     for tokens in inputs:
         if len(tokens) > svc.engine.n_ctx - 1:
             raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "

@@ -516,3 +516,32 @@ def test_synthetic_speculation_drafts_a_request_the_same_way_each_time(tiny_path
         first = accepted("one two")
         accepted("something else first")
         assert accepted("one two") == first
+
+
+def test_completion_prompt_shapes_as_llama_server_reads_them(tiny_path, tmp_path) -> None:
+    """Several prompts give a list of results; ids, text among ids, {"prompt_string"}
+    are prompts; two trailing assistant messages are a 400."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
+    with live_server(cfg, tmp_path) as srv:
+        tok = srv.service.tokenizer
+        ids = tok.encode("one two")
+        base = {"n_predict": 4, "ignore_eos": True, "temperature": 0}
+        status, one = srv.request("POST", "/completion", {**base, "prompt": "one two"})
+        assert status == 200, one
+        for prompt in (ids, {"prompt_string": "one two"}, [ids[:1], "two"] if len(ids) == 2
+                       else ids):
+            status, out = srv.request("POST", "/completion", {**base, "prompt": prompt})
+            assert status == 200 and out["content"] == one["content"], (prompt, out)
+        status, many = srv.request("POST", "/completion", {**base, "prompt": [ids, "one two"]})
+        assert status == 200 and [m["index"] for m in many] == [0, 1]
+        assert [m["content"] for m in many] == [one["content"]] * 2
+        status, out = srv.request("POST", "/completion", {**base, "stream": True,
+                                                          "prompt": [ids, ids]})
+        assert status == 400 and "several prompts" in out["error"]["message"]
+        status, out = srv.request("POST", "/completion", {
+            **base, "prompt": {"prompt_string": "x", "multimodal_data": ["AAAA"]}})
+        assert status == 400 and "text only" in out["error"]["message"]
+        status, out = srv.request("POST", "/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "assistant", "content": "c"}]})
+        assert status == 400 and out["error"]["param"] == "messages"
