@@ -124,18 +124,26 @@ def test_speculation_across_the_window_is_lossless(tiny_model_factory: Callable[
                            if native_ops.library() is not None else BuildOptions())
     draft = load_or_build(_model(tiny_model_factory, weight_type="Q8_0", perturb=0.05))
 
+    _check_lossless(target, draft, PROMPT, 256, GenerationParams(
+        max_tokens=40, ignore_eos=True, draft=DraftParams(n_max=4, probabilistic=False),
+        sampling=SamplerParams(temperature=temperature, seed=7), draft_top_k=0))
+
+
+def _check_lossless(target: Any, draft: Any, prompt: list[int], n_ctx: int,
+                    params: GenerationParams) -> None:
+    """Decoding with the draft emits what target-only decoding does, some drafts accepted
+    and some rejected on the way."""
     def run(drafter: DraftModelDrafter | None) -> tuple[list[int], Generation]:
-        gen = Generation(ModelRunner(target, n_ctx=256), 0, PROMPT, GenerationParams(
-            max_tokens=40, ignore_eos=True, draft=DraftParams(n_max=4, probabilistic=False),
-            sampling=SamplerParams(temperature=temperature, seed=7),
-            draft_top_k=0), eog=set(), drafter=drafter)
+        gen = Generation(ModelRunner(target, n_ctx=n_ctx), 0, prompt, params, eog=set(),
+                         drafter=drafter)
         out = gen.prefill()
         while not gen.done:
             out += gen.step()
         return out, gen
 
     want, _ = run(None)
-    got, gen = run(DraftModelDrafter(ModelRunner(draft, n_ctx=256, row_block=1, min_rows=1)))
+    got, gen = run(DraftModelDrafter(ModelRunner(draft, n_ctx=n_ctx, row_block=1,
+                                                 min_rows=1)))
     assert 0 < gen.stats.accepted < gen.stats.drafted
     assert got == want
 
@@ -239,16 +247,5 @@ def test_speculation_around_the_ring_is_lossless(tiny_model_factory: Callable[..
     draft = load_or_build(_model(tiny_model_factory, weight_type="Q8_0", perturb=0.05,
                                  context_length=1024))
 
-    def run(drafter: DraftModelDrafter | None) -> tuple[list[int], Generation]:
-        gen = Generation(ModelRunner(target, n_ctx=1024), 0, LONG[:500], GenerationParams(
-            max_tokens=60, ignore_eos=True, draft=DraftParams(n_max=4)), eog=set(),
-            drafter=drafter)
-        out = gen.prefill()
-        while not gen.done:
-            out += gen.step()
-        return out, gen
-
-    want, _ = run(None)
-    got, gen = run(DraftModelDrafter(ModelRunner(draft, n_ctx=1024, row_block=1, min_rows=1)))
-    assert 0 < gen.stats.accepted < gen.stats.drafted
-    assert got == want
+    _check_lossless(target, draft, LONG[:500], 1024, GenerationParams(
+        max_tokens=60, ignore_eos=True, draft=DraftParams(n_max=4)))
