@@ -74,12 +74,17 @@ class ModelCost:
     tokenizer_bytes: int = 0  # host RAM of its tokenizer (built for the target only)
     name: str = ""
     points: tuple[tuple[int, int], ...] = ()  # measured (n_ctx, workspace bytes)
+    # sliding-window layers whose cache is a ring of this many rows (0: none), and their
+    # share of kv_bytes_per_token: they hold min(n_ctx, ring) rows, not n_ctx
+    kv_ring_rows: int = 0
+    kv_ring_bytes_per_row: int = 0
 
     def workspace_bytes_at(self, n_ctx: int) -> int:
         return max(0, round(self.workspace_base + self.workspace_per_ctx * n_ctx))
 
     def kv_bytes(self, n_ctx: int, slots: int) -> int:
-        return self.kv_bytes_per_token * n_ctx * slots
+        ring = self.kv_ring_bytes_per_row * min(n_ctx, self.kv_ring_rows)
+        return ((self.kv_bytes_per_token - self.kv_ring_bytes_per_row) * n_ctx + ring) * slots
 
     @classmethod
     def from_points(cls, weights_bytes: int, kv_bytes_per_token: int,
@@ -308,7 +313,7 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
     import numpy as np
 
     from specd.ort_models.providers import choose_runtime
-    from specd.ort_models.runner import ModelRunner
+    from specd.ort_models.runner import ModelRunner, ring_rows
 
     hp = built.hparams
     ctxs = sorted(points)
@@ -350,9 +355,13 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
         pts.append((ctx, max(0, peak - r2 - lazy)))
     # last, so the session and its runs see a heap without freed blocks to reuse
     host = _HostCost(Path(built.gguf_path)) if device == "cpu" else None  # RAM = the device
+    ring = ring_rows(hp, built.options, runner.max_call_rows)
+    ring_layers = sum(hp.is_swa(i) for i in range(hp.n_layer)) if ring else 0
+    per_token = hp.kv_bytes_per_token(built.options.kv_bytes)
     return ModelCost.from_points(
-        max(0, r1 - r0) + lazy, hp.kv_bytes_per_token(built.options.kv_bytes), pts,
-        n_ctx_train=hp.n_ctx_train,
+        max(0, r1 - r0) + lazy, per_token, pts,
+        n_ctx_train=hp.n_ctx_train, kv_ring_rows=ring,
+        kv_ring_bytes_per_row=per_token // hp.n_layer * ring_layers,
         runtime_bytes=max(0, r0 - before_env) if device != "cpu" else 0,
         load_extra_bytes=max(0, load_peak - r1) if device == "cpu" else 0,
         metadata_bytes=host.metadata_bytes if host else 0,

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from . import native_ops
-from .graph_builder import ATTN_BUCKET
+from .arch import HParams
+from .graph_builder import ATTN_BUCKET, BuildOptions
 from .kv_cache import KVCache
 from .model_cache import BuiltModel
 from .providers import (
@@ -61,6 +62,15 @@ def bucket_block_limit(pos: int, n_ctx: int) -> int:
     attn_len_for(q + 1). They agree while the block stays inside one bucket.
     """
     return min(round_up(pos + 1, ATTN_BUCKET), n_ctx) - pos
+
+
+def ring_rows(hp: HParams, options: BuildOptions, call_rows: int = RING_CALL_ROWS) -> int:
+    """Rows of a sliding-window layer's ring: its window and call_rows - 1 more (a call then
+    writes its rows over no key an earlier row of it reads), where the graph's attention
+    indexes one (specd's kernel); 0 where it keeps the whole context."""
+    if options.attention != "native" or not hp.sliding_window:
+        return 0
+    return round_up(hp.sliding_window + call_rows - 1, 8)
 
 
 def check_call(pos: int, n: int, n_ctx: int) -> None:
@@ -177,13 +187,9 @@ class ModelRunner:
         return self.built.options.max_positions or self.hp.n_ctx_train
 
     def _ring_len(self) -> int | None:
-        """Rows of a sliding-window layer's ring (its window, and RING_CALL_ROWS - 1 more:
-        a call writes its rows over no key an earlier row of it reads), where the graph's
-        attention indexes one (specd's kernel) and it is shorter than the context."""
-        if self.built.options.attention != "native" or not self.hp.sliding_window:
-            return None
-        ring = round_up(self.hp.sliding_window + self.max_call_rows - 1, 8)
-        return ring if ring < self._kv_len else None
+        """Rows of a sliding-window layer's ring where it is shorter than the context."""
+        ring = ring_rows(self.hp, self.built.options, self.max_call_rows)
+        return ring if 0 < ring < self._kv_len else None
 
     @property
     def max_call_rows(self) -> int:

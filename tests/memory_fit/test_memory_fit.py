@@ -25,7 +25,7 @@ from specd.memory_fit import (
     measure,
     probe_for,
 )
-from specd.memory_fit.measure import COST_FILE, default_points
+from specd.memory_fit.measure import COST_FILE, default_points, measure_in_process
 from specd.memory_fit.plan import _configs
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -81,6 +81,35 @@ def test_cost_from_points() -> None:
     flat = ModelCost.from_points(100, 8, [(512, 1500), (2048, 1400)])  # noise: never < points
     assert flat.workspace_per_ctx == 0 and flat.workspace_bytes_at(512) == 1500
     assert ModelCost.from_dict(json.loads(json.dumps(c.as_dict()))) == c
+
+
+def test_sliding_window_rings_hold_their_rows_not_the_context() -> None:
+    """kv_bytes: the ring layers' share of a token's bytes counts min(n_ctx, ring) rows."""
+    c = ModelCost(100, kv_bytes_per_token=18, kv_ring_rows=768, kv_ring_bytes_per_row=15)
+    assert c.kv_bytes(512, 1) == 18 * 512  # shorter than the ring: as full layers
+    assert c.kv_bytes(32768, 2) == (3 * 32768 + 15 * 768) * 2
+    assert ModelCost.from_dict(json.loads(json.dumps(c.as_dict()))) == c
+
+
+def test_a_measured_gemma3_counts_its_rings(tiny_model_factory: Any) -> None:
+    """A sliding-window model built for specd's kernel: the measured cost knows its rings,
+    and its KV bytes at a context are what a runner of that context allocates."""
+    from specd.ort_models import native_ops
+    from specd.ort_models.graph_builder import BuildOptions
+    from specd.ort_models.model_cache import load_or_build
+    from specd.ort_models.runner import ModelRunner
+
+    if native_ops.library() is None:
+        pytest.skip(f"specd's kernels are off: {native_ops.unavailable_reason()}")
+    path = tiny_model_factory(arch="gemma3", weight_type="Q8_0", n_layer=4, head_dim=32,
+                              sliding_window=5, swa_pattern=2, context_length=2048)
+    built = load_or_build(path, BuildOptions(kernels="gguf", attention="native",
+                                             kv_dtype="f16"))
+    cost = measure_in_process(built, "cpu", 1, (256, 512))
+    assert cost.kv_ring_rows == 264
+    runner = ModelRunner(built, n_ctx=2048)
+    assert runner.ring == 264
+    assert cost.kv_bytes(2048, 1) == pytest.approx(runner.kv_bytes, rel=0.01)
 
 
 # ----------------------------------------------------------------------------- planner
