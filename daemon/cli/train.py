@@ -99,6 +99,9 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="held-out blocks per acceptance estimate (default 256)")
     t.add_argument("--eval-every", type=int_at_least(0), default=0,
                    help="steps between estimates (default: a tenth of the run)")
+    t.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="auto (default): bfloat16 autocast where the device computes it "
+                   "natively (CUDA, CPUs with AVX-512 BF16), else float32")
     t.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
                    help="where specd runs the target while distilling: auto, cpu, cuda[:N]")
@@ -130,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         settings = TrainSettings(steps=args.steps, stop_at=args.stop_at, lr=args.lr,
                                  batch_seqs=args.batch_seqs, anchors=args.anchors,
                                  eval_blocks=args.eval_blocks, eval_every=args.eval_every,
-                                 seed=args.seed)
+                                 precision=args.precision, seed=args.seed)
         req = TrainRequest(
             target=Path(target), out=out,
             work=Path(args.work_dir) if args.work_dir else out.with_name(out.name + ".work"),

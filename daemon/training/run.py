@@ -138,6 +138,7 @@ def _train(req: TrainRequest, cfg: HeadConfig, f: GGUFFile, state: dict[str, Any
         target_tables,
         torch_device,
         train,
+        use_bf16,
     )
 
     settings = req.settings or TrainSettings()
@@ -161,6 +162,7 @@ def _train(req: TrainRequest, cfg: HeadConfig, f: GGUFFile, state: dict[str, Any
     device = torch_device(req.train_device)
     threads = set_threads(req.threads)
     say(f"training on {device}" + (f" with {threads} threads" if device.type == "cpu" else "")
+        + (", bfloat16 autocast" if use_bf16(settings.precision, device) else ", float32")
         + f": {len(train_set)} training replies, {len(eval_set)} held out")
     torch.manual_seed(settings.seed)
     model = DFlashHead(cfg, embed, index, lm_rows).to(device)
