@@ -761,8 +761,10 @@ async def tokenize(request: web.Request) -> web.Response:
     svc = _svc(request)
     body = await json_body(request)
     content = get(body, "content", str, "")
-    add_special = get(body, "add_special", bool, False)
-    ids = svc.tokenizer.encode(content, add_bos=add_special,
+    # add_special: the BOS / EOS the vocabulary adds (none where it adds none), as
+    # llama.cpp's tokenizer does: the prompt a completion would evaluate
+    special = None if get(body, "add_special", bool, False) else False
+    ids = svc.tokenizer.encode(content, add_bos=special, add_eos=special,
                                parse_special=get(body, "parse_special", bool, True))
     if get(body, "with_pieces", bool, False):
         return json_response({"tokens": [

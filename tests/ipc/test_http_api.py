@@ -308,6 +308,12 @@ def test_tokenize_pieces_and_special_parsing(server) -> None:
     assert special[0] not in plain
     assert c.post("/tokenize", {"content": "a\ud800"})["tokens"] == c.post(
         "/tokenize", {"content": "a\ufffd"})["tokens"]  # a lone surrogate: U+FFFD, no 500
+    # add_special: the start the vocabulary adds (this one adds no BOS), as llama.cpp's:
+    # the very prompt a completion of the text evaluates
+    tok = server.service.tokenizer
+    with_special = c.post("/tokenize", {"content": "hello", "add_special": True})["tokens"]
+    assert with_special == tok.encode("hello") == c.post("/tokenize", {"content": "hello"})[
+        "tokens"] and tok.bos_id not in with_special
 
 
 def test_control_tokens_add_no_text(server) -> None:
