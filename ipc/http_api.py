@@ -9,7 +9,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -359,6 +359,69 @@ def _tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool
     return names, forced_call_grammar(tools or [], name, parallel)
 
 
+@dataclass
+class _ChatInputs:
+    """What a chat request renders its prompt from, and how it reads the reply."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None  # told to the model (None: none, or tool_choice none)
+    names: set[str] | None  # the tools whose calls the reply is read for
+    forced: str | None  # a grammar making the reply calls (tool_choice)
+    render: dict[str, bool]  # continue_final_message / add_generation_prompt
+
+
+def _chat_inputs(body: dict[str, Any]) -> _ChatInputs:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise BadRequest("'messages' must be a non-empty array of {role, content}",
+                         param="messages")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise BadRequest("'tools' must be an array of objects", param="tools")
+    try:
+        check_tools(tools or [])
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="tools") from None
+    names, forced = _tool_choice(tools, body.get("tool_choice"),
+                                 get(body, "parallel_tool_calls", bool, True))
+    if names is None:  # tool_choice none: the model is not told of tools either
+        tools = None
+    # a final assistant message is continued (prefill), as llama-server does, unless
+    # the request says otherwise
+    prefill = messages[-1]["role"] == "assistant"
+    if prefill and len(messages) > 1 and messages[-2]["role"] == "assistant":
+        raise BadRequest("only the last message may be an assistant's to continue (two "
+                         "assistant messages end the chat)", param="messages")
+    cont = get(body, "continue_final_message", bool, prefill)
+    render = {"continue_final_message": cont,
+              "add_generation_prompt": get(body, "add_generation_prompt", bool, not cont)}
+    return _ChatInputs(messages, tools or None, names, forced, render)
+
+
+async def apply_template(request: web.Request) -> web.Response:
+    """llama-server's /apply-template: the prompt text a chat request renders."""
+    svc = _svc(request)
+    chat = _chat_inputs(await json_body(request))
+    try:
+        text = svc.engine.render_chat(chat.messages, chat.tools, **chat.render)
+    except ValueError as exc:
+        raise BadRequest(f"chat template: {exc}") from None
+    return json_response({"prompt": text})
+
+
+async def chat_input_tokens(request: web.Request) -> web.Response:
+    """llama-server's /chat/completions/input_tokens: how many tokens the prompt is."""
+    svc = _svc(request)
+    chat = _chat_inputs(await json_body(request))
+    try:
+        prompt = svc.engine.chat_tokens(chat.messages, chat.tools, **chat.render)
+    except ValueError as exc:
+        raise BadRequest(f"chat template: {exc}") from None
+    return json_response({"input_tokens": len(prompt)})
+
+
 async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     svc = _svc(request)
     body = await json_body(request)
@@ -367,34 +430,11 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     names: set[str] | None = None  # the request's tools, when calls are parsed
     forced: str | None = None  # a grammar making the reply calls (tool_choice)
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise BadRequest("'messages' must be a non-empty array of {role, content}",
-                             param="messages")
-        tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list)
-                                      and all(isinstance(t, dict) for t in tools)):
-            raise BadRequest("'tools' must be an array of objects", param="tools")
+        chat_in = _chat_inputs(body)
+        names, forced = chat_in.names, chat_in.forced
         try:
-            check_tools(tools or [])
-        except ValueError as exc:
-            raise BadRequest(str(exc), param="tools") from None
-        names, forced = _tool_choice(tools, body.get("tool_choice"),
-                                     get(body, "parallel_tool_calls", bool, True))
-        if names is None:  # tool_choice none: the model is not told of tools either
-            tools = None
-        # a final assistant message is continued (prefill), as llama-server does, unless
-        # the request says otherwise
-        prefill = messages[-1]["role"] == "assistant"
-        if prefill and len(messages) > 1 and messages[-2]["role"] == "assistant":
-            raise BadRequest("only the last message may be an assistant's to continue (two "
-                             "assistant messages end the chat)", param="messages")
-        cont = get(body, "continue_final_message", bool, prefill)
-        try:
-            prompt = svc.engine.chat_tokens(
-                messages, tools or None, continue_final_message=cont,
-                add_generation_prompt=get(body, "add_generation_prompt", bool, not cont))
+            prompt = svc.engine.chat_tokens(chat_in.messages, chat_in.tools,
+                                            **chat_in.render)
         except ValueError as exc:
             raise BadRequest(f"chat template: {exc}") from None
     else:
@@ -968,6 +1008,9 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/v1/completions", _busy(completions))
     r.add_post("/v1/chat/completions", _busy(chat_completions))
     r.add_post("/chat/completions", _busy(chat_completions))
+    r.add_post("/apply-template", apply_template)
+    r.add_post("/chat/completions/input_tokens", chat_input_tokens)
+    r.add_post("/v1/chat/completions/input_tokens", chat_input_tokens)
     r.add_post("/completion", _busy(completion))
     r.add_post("/completions", _busy(completion))
     r.add_post("/infill", _busy(infill))

@@ -500,6 +500,12 @@ def test_llama_server_routes_and_fields(tiny_path, tmp_path) -> None:
             srv.service.engine.cfg.defaults.max_tokens)
         slots = srv.request("GET", "/slots")[1]
         assert [s["is_processing"] for s in slots] == [False, False]
+        messages = [{"role": "user", "content": "hi"}]
+        status, applied = srv.request("POST", "/apply-template", {"messages": messages})
+        assert status == 200 and applied["prompt"] == srv.service.engine.render_chat(messages)
+        status, counted = srv.request("POST", "/chat/completions/input_tokens",
+                                      {"messages": messages})
+        assert status == 200 and counted["input_tokens"] == chat.usage.prompt_tokens
 
 
 def test_synthetic_speculation_drafts_a_request_the_same_way_each_time(tiny_path,
