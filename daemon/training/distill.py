@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import json
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,10 @@ from .progress import ProgressLine
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-SHARD_TOKENS = 1 << 16  # tokens per shard before it is written
+# a shard is written once its features reach SHARD_BYTES or SHARD_SECONDS have passed, so
+# that memory stays bounded and an interruption loses minutes of distillation at most
+SHARD_BYTES = 256 << 20
+SHARD_SECONDS = 600.0
 FEATURE_LIMIT = 65504.0  # float16's range; heads clamp their features to it too
 
 
@@ -113,15 +117,18 @@ class ChatPrompts:
 
 
 class _ShardWriter:
-    def __init__(self, folder: Path, split: str, index: int, width: int) -> None:
-        self.folder, self.split, self.index, self.width = folder, split, index, width
+    def __init__(self, folder: Path, split: str, index: int) -> None:
+        self.folder, self.split, self.index = folder, split, index
         self.tokens: list[np.ndarray] = []
         self.feats: list[np.ndarray] = []
         self.reply: list[int] = []
+        self.started = time.monotonic()
 
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
+    def full(self) -> bool:
+        """Time to write the shard (SHARD_BYTES of features, or SHARD_SECONDS)."""
+        return bool(self.tokens) and (
+            sum(f.nbytes for f in self.feats) >= SHARD_BYTES
+            or time.monotonic() - self.started >= SHARD_SECONDS)
 
     def add(self, tokens: Sequence[int], reply_start: int, feats: np.ndarray) -> None:
         self.tokens.append(np.asarray(tokens, np.int32))
@@ -143,6 +150,7 @@ class _ShardWriter:
         os.replace(tmp, self.folder / name)
         self.index += 1
         self.tokens, self.feats, self.reply = [], [], []
+        self.started = time.monotonic()
         return name
 
 
@@ -190,7 +198,7 @@ def _distill_split(runner: ModelRunner, chat: ChatPrompts, folder: Path,
                    exclude: Sequence[str], verbose: bool) -> None:
     state = manifest["splits"][split]
     width = len(spec.hidden_layers) * runner.hp.n_embd
-    writer = _ShardWriter(folder, split, len(state["shards"]), width)
+    writer = _ShardWriter(folder, split, len(state["shards"]))
     source: Iterator[Instruction] = itertools.islice(
         instructions(split, seed=spec.seed, exclude=exclude), state["consumed"], None)
     recorder = _FeatureRecorder(spec.hidden_layers)
@@ -226,7 +234,7 @@ def _distill_split(runner: ModelRunner, chat: ChatPrompts, folder: Path,
         if bar is not None:
             bar.update(done, f"{reply_tokens / max(done - bar.start_done, 1):.0f} reply tokens "
                        f"each, {gen.stats.mean_acceptance_length:.2f} tokens/pass")
-        if writer.n_tokens >= SHARD_TOKENS:
+        if writer.full():
             _commit(folder, manifest, state, writer, pending)
         if done >= want:
             break

@@ -9,9 +9,9 @@ import hashlib
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from .config import (
 )
 from .corpus import sources_record
 from .distill import DistillSpec, distill, load_split, target_sha
+
+if TYPE_CHECKING:  # trainer imports torch, which only training loads
+    from .trainer import TrainSettings
 
 RUN_FILE = "run.json"  # the head and data a work folder is for
 D2T_FILE = "d2t.npy"
@@ -60,8 +63,7 @@ class TrainRequest:
     seed: int = 0
     resume: bool = False
     exclude: Sequence[str] = ()  # prompts never to train on (specd bench's)
-    settings: Any = None  # trainer.TrainSettings (None: its defaults)
-    extra: dict[str, Any] = field(default_factory=dict)
+    settings: TrainSettings | None = None  # None: its defaults
 
 
 @dataclass(frozen=True)

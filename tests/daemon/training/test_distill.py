@@ -1,0 +1,52 @@
+"""Distillation: the target's own replies with the features of every token, in shards a
+resumed run extends (no torch needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specd.daemon.models.building import build_options
+from specd.daemon.training import TrainError, distill
+from specd.daemon.training.distill import DistillSpec, load_split, target_sha
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+LAYERS = (1, 0)  # the head's order need not be the target's
+
+
+def test_replies_and_features_in_shards_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                tiny_model_factory: Callable[..., Path]) -> None:
+    target = tiny_model_factory(arch="qwen3")
+    spec = DistillSpec(target_sha(target), LAYERS, max_prompt=384, max_reply=24, seed=0)
+    monkeypatch.setattr(distill, "SHARD_SECONDS", 0.0)  # a shard per reply
+    folder = tmp_path / "data"
+    m = distill.distill(target, folder, spec, {"train": 3, "eval": 1}, verbose=False)
+    assert m["splits"]["train"]["samples"] == 3 and len(m["splits"]["train"]["shards"]) == 3
+    m = distill.distill(target, folder, spec, {"train": 5, "eval": 1}, verbose=False)
+    assert m["splits"]["train"]["samples"] == 5
+    fresh = distill.distill(target, tmp_path / "fresh", spec, {"train": 5, "eval": 1},
+                            verbose=False)
+    assert fresh["splits"]["train"]["consumed"] == m["splits"]["train"]["consumed"]
+    resumed, straight = load_split(folder, "train"), load_split(tmp_path / "fresh", "train")
+    assert len(resumed) == 5
+    built = load_or_build(target, dataclasses.replace(build_options("target"),
+                                                      hidden_layers=(0, 1)))
+    runner = ModelRunner(built, n_ctx=512)
+    for i in range(5):
+        tokens, reply, feats = resumed.get(i)
+        assert np.array_equal(tokens, straight.get(i)[0])
+        assert 0 < reply < len(tokens) and feats.dtype == np.float16
+        assert feats.shape == (len(tokens), 2 * 64) and not feats[-1].any()
+        # the rows recorded during decoding are the target's states of those tokens
+        _, want = runner.prefill_with_features(0, tokens[:-1].tolist(), 0)
+        rows = np.concatenate([want[h] for h in LAYERS], axis=-1)  # [T - 1, F]
+        np.testing.assert_allclose(feats[:-1].astype(np.float32), rows, rtol=2e-3,
+                                   atol=2e-3)
+    other = dataclasses.replace(spec, max_reply=32)
+    with pytest.raises(TrainError, match="another --work-dir"):
+        distill.distill(target, folder, other, {"train": 6}, verbose=False)
