@@ -68,14 +68,16 @@ def default_target_layers(n_target: int, count: int = DEFAULT_FEATURE_LAYERS
                           ) -> tuple[int, ...]:
     """llama.cpp ids (HF ids + 1) of `count` target layers to read: z-lab's rule
     HF id round(1 + i (N - 4) / (count - 1)), i = 0..count - 1, where the target is deep
-    enough; else as evenly spread as its depth allows."""
-    count = max(1, min(count, n_target))
+    enough; else as evenly spread over HF ids 0..N - 2 as its depth allows (llama.cpp
+    reads no stream after the last layer: `head_config`)."""
+    last = max(n_target - 2, 0)  # the highest HF id llama.cpp can read
+    count = max(1, min(count, last + 1))
     if count > 1 and n_target - 4 >= count - 1:
         ids = [math.floor(1 + i * (n_target - 4) / (count - 1) + 0.5) for i in range(count)]
     elif count > 1:
-        ids = sorted({math.floor(i * (n_target - 1) / (count - 1) + 0.5) for i in range(count)})
+        ids = sorted({math.floor(i * last / (count - 1) + 0.5) for i in range(count)})
     else:
-        ids = [n_target // 2]
+        ids = [last // 2]
     return tuple(i + 1 for i in ids)
 
 
@@ -104,10 +106,13 @@ def head_config(f: GGUFFile, hp: HParams, *, n_layer: int = DEFAULT_HEAD_LAYERS,
         raise TrainError(f"--block {block_size}: a block is the anchor and at least one "
                          "draft slot")
     layers = target_layers or default_target_layers(hp.n_layer, feature_layers)
-    bad = [x for x in layers if not 1 <= x <= hp.n_layer]
+    bad = [x for x in layers if not 1 <= x < hp.n_layer]
     if bad:
-        raise TrainError(f"target layers {bad} are outside 1..{hp.n_layer} (llama.cpp's ids: "
-                         "L reads the stream entering target layer L)")
+        # specd reads id n_layer (the stream after the last layer), but llama.cpp b11434
+        # aborts on it ("layer input tensor is null"): the head would not be portable
+        raise TrainError(f"target layers {bad} are outside 1..{hp.n_layer - 1} (llama.cpp's "
+                         "ids: L reads the stream entering target layer L, and llama.cpp "
+                         "has no input to read after the last layer)")
     mask = mask_token(f, hp.n_vocab) if mask_token_id is None else mask_token_id
     if not 0 <= mask < hp.n_vocab:
         raise TrainError(f"mask token id {mask} is outside the vocabulary of {hp.n_vocab}")

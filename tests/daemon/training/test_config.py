@@ -21,8 +21,10 @@ def test_target_layers_follow_z_labs_rule_plus_one() -> None:
     assert default_target_layers(24) == (2, 7, 12, 17, 22)
     assert default_target_layers(28) == (2, 8, 14, 20, 26)
     assert default_target_layers(28, 3) == (2, 14, 26)
-    assert default_target_layers(2) == (1, 2)  # too shallow for the rule: spread
-    assert default_target_layers(1) == (1,)
+    # too shallow for the rule: spread over what llama.cpp reads (never id N)
+    assert default_target_layers(3) == (1, 2)
+    assert default_target_layers(2) == (1,)
+    assert default_target_layers(5) == (1, 2, 3, 4)
 
 
 def test_head_config_of_a_tiny_target(tiny_model_factory: Callable[..., Path]) -> None:
@@ -31,15 +33,17 @@ def test_head_config_of_a_tiny_target(tiny_model_factory: Callable[..., Path]) -
     cfg = head_config(f, hp, draft_vocab=100)
     assert (cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff) == (
         hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff)
-    assert cfg.target_layers == (1, 2) and cfg.hidden_layers == (0, 1)
-    assert cfg.feature_width == 2 * hp.n_embd
+    assert cfg.target_layers == (1,) and cfg.hidden_layers == (0,)
+    assert cfg.feature_width == hp.n_embd
     assert cfg.reduced and cfg.draft_vocab == 100
     tokens = f.get("tokenizer.ggml.tokens")
     assert cfg.mask_token_id == mask_token(f, hp.n_vocab) and tokens[cfg.mask_token_id] \
         .startswith("[PAD")
     assert not head_config(f, hp, draft_vocab=0).reduced
     assert not head_config(f, hp, draft_vocab=10 ** 6).reduced
-    with pytest.raises(TrainError, match="outside 1..2"):
-        head_config(f, hp, target_layers=(0, 2))
+    with pytest.raises(TrainError, match=r"\[0\] are outside 1..1"):
+        head_config(f, hp, target_layers=(0, 1))
+    with pytest.raises(TrainError, match="no input to read after the last layer"):
+        head_config(f, hp, target_layers=(1, 2))
     with pytest.raises(TrainError, match="block"):
         head_config(f, hp, block_size=1)
