@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""llama-server's command line, run as `specd serve`: for llama.cpp's own server tests
+(tools/server/tests, unmodified) against specd.
+
+    LLAMA_SERVER_BIN_PATH=bench/llama_server_shim.py pytest tools/server/tests/unit/...
+
+The tests' models are mapped to specd's: every tiny test model (stories260K and the
+like, an embedding model too) to SmolLM2-135M-Instruct, the infill model to
+Qwen2.5-Coder-0.5B-Instruct. Flags specd has no counterpart for are dropped (the ones
+that change behaviour are listed in the report of the run: bench/results/).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOL, QWEN_SMALL = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"
+# llama-server flag -> specd serve flag, for those taking one value
+VALUED = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": "--seed",
+          "--ctx-size": "-c", "-c": "-c", "--parallel": "--slots", "-np": "--slots",
+          "--n-predict": "-n", "-n": "-n", "--threads": "-t", "-t": "-t",
+          "--pooling": "--pooling", "--spec-draft-n-max": "--spec-draft-n-max",
+          "--spec-draft-n-min": "--spec-draft-n-min", "--cors-origins": "--allow-origin",
+          "--spec-synth-rates": "--spec-synthetic-rates",
+          "--spec-synth-len": "--spec-synthetic-mean"}
+FLAGS = {"--embedding": "--embeddings", "--embeddings": "--embeddings"}
+# llama-server flags that take a value and have no specd counterpart
+DROPPED_VALUED = {"--batch-size", "-b", "--ubatch-size", "-ub", "--n-gpu-layers", "-ngl",
+                  "--alias", "--tags", "-ctk", "-ctv", "-fa", "--grp-attn-n", "--grp-attn-w",
+                  "--slot-save-path", "--reasoning-format", "--reasoning", "--chat-template",
+                  "--chat-template-file", "--mmproj-url", "--media-path", "--cache-ram",
+                  "--sleep-idle-seconds", "--models-dir", "--models-max", "--models-preset",
+                  "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json",
+                  "--lora", "--api-key", "--model-url"}
+
+
+def model_for(repo: str | None, hf_file: str | None, model: str | None) -> str:
+    """The specd model standing in for the test's."""
+    name = f"{repo or ''}/{hf_file or ''}/{model or ''}".lower()
+    return QWEN_SMALL if "infill" in name or "qwen" in name else SMOL
+
+
+def translate(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    repo = hf_file = model = draft = None
+    spec_type = None
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        if a in ("--n-predict", "-n") and value is not None and int(value) < 0:
+            i += 2  # -1 (no limit): specd serve's own default -n stands for it
+            continue
+        if a in VALUED:
+            out += [VALUED[a], str(value)]
+            i += 2
+            continue
+        if a in ("--hf-repo", "-hf", "-hfr"):
+            repo = value
+        elif a == "--hf-file":
+            hf_file = value
+        elif a in ("--model", "-m"):
+            model = value
+        elif a in ("--model-draft", "-md"):
+            draft = value
+        elif a == "--spec-type":
+            spec_type = value
+        elif a in FLAGS:
+            out.append(FLAGS[a])
+            i += 1
+            continue
+        elif a not in DROPPED_VALUED:
+            i += 1  # a flag without a value (--jinja, --no-slots, --metrics, ...): dropped
+            continue
+        i += 2
+    # llama-server's --ctx-size is shared by its --parallel slots; specd's -c is each's
+    if "-c" in out and "--slots" in out:
+        at = out.index("-c") + 1
+        out[at] = str(max(int(out[at]) // int(out[out.index("--slots") + 1]), 1))
+    out += ["-m", model_for(repo, hf_file, model)]
+    if draft is not None:
+        out += ["-md", model_for(None, None, draft)]
+    if spec_type is not None:  # llama.cpp's names where specd has the same thing
+        out += ["--spec-type", {"draft-simple": "draft", "ngram-simple": "ngram"}.get(
+            spec_type, spec_type if spec_type in ("none", "draft", "ngram", "synthetic")
+            else "ngram")]
+    return ["serve", "--no-socket", "--no-fit", *out]
+
+
+def main() -> None:
+    args = translate(sys.argv[1:])
+    os.environ.setdefault("SPECD_STATE_DIR", tempfile.mkdtemp(prefix="specd-shim-"))
+    specd = ROOT / ".venv" / "bin" / "specd"
+    print("llama_server_shim: specd " + " ".join(args), file=sys.stderr, flush=True)
+    os.execv(str(specd), [str(specd), *args])
+
+
+if __name__ == "__main__":
+    main()
