@@ -18,6 +18,7 @@ from typing import Any
 
 from specd.daemon.control import config as config_mod
 from specd.daemon.control import service_control as sc
+from specd.daemon.training.progress import duration
 
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 AddArgs = Callable[[argparse.ArgumentParser], None]
@@ -244,20 +245,11 @@ def _stop(args: argparse.Namespace) -> int:
 
 
 # -- status -------------------------------------------------------------------------------
-def _duration(seconds: float) -> str:
-    s = int(max(seconds, 0))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
 def format_status(st: sc.Status) -> str:
     if not st.running:
         return "specd is not running"
     head = "specd is running" + (f" (pid {st.pid}" if st.pid else " (not started by "
-                                 "`specd start`") + (f", up {_duration(time.time() - st.started)}"
+                                 "`specd start`") + (f", up {duration(time.time() - st.started)}"
                                                      if st.started else "") + ")"
     rows: list[tuple[str, str]] = []
     if st.socket:
