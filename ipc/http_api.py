@@ -400,26 +400,25 @@ def _chat_inputs(body: dict[str, Any]) -> _ChatInputs:
     return _ChatInputs(messages, tools or None, names, forced, render)
 
 
-async def apply_template(request: web.Request) -> web.Response:
-    """llama-server's /apply-template: the prompt text a chat request renders."""
+async def _rendered(request: web.Request, how: str) -> Any:
+    """The chat request's prompt, rendered by the engine's `how` ("render_chat": the
+    text, "chat_tokens": its token ids); a template error is a 400."""
     svc = _svc(request)
     chat = _chat_inputs(await json_body(request))
     try:
-        text = svc.engine.render_chat(chat.messages, chat.tools, **chat.render)
+        return getattr(svc.engine, how)(chat.messages, chat.tools, **chat.render)
     except ValueError as exc:
         raise BadRequest(f"chat template: {exc}") from None
-    return json_response({"prompt": text})
+
+
+async def apply_template(request: web.Request) -> web.Response:
+    """llama-server's /apply-template: the prompt text a chat request renders."""
+    return json_response({"prompt": await _rendered(request, "render_chat")})
 
 
 async def chat_input_tokens(request: web.Request) -> web.Response:
     """llama-server's /chat/completions/input_tokens: how many tokens the prompt is."""
-    svc = _svc(request)
-    chat = _chat_inputs(await json_body(request))
-    try:
-        prompt = svc.engine.chat_tokens(chat.messages, chat.tools, **chat.render)
-    except ValueError as exc:
-        raise BadRequest(f"chat template: {exc}") from None
-    return json_response({"input_tokens": len(prompt)})
+    return json_response({"input_tokens": len(await _rendered(request, "chat_tokens"))})
 
 
 async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
