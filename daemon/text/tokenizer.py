@@ -227,7 +227,11 @@ class Tokenizer:
             raise ValueError("gpt2 (BPE) vocabulary without tokenizer.ggml.merges")
         vocab = _byte_level_vocab(tokens, types)
         pairs = [_split_merge(m) for m in merges]
-        backend = _Backend(BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges))
+        try:
+            model = BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges)
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"tokenizer.ggml.merges cannot be used: {exc}") from None
+        backend = _Backend(model)
         splits: list[Any] = [
             pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.regexes
         ]

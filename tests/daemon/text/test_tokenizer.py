@@ -413,3 +413,13 @@ def test_live_against_transformers(name: str) -> None:
     ]
     for text in texts:
         assert tok.encode(text, add_bos=False) == oracle.encode(text, add_special_tokens=False)
+
+
+def test_a_merge_of_an_unknown_token_is_a_clear_error(tiny_model_factory) -> None:
+    """Corrupt merges name the key instead of the tokenizers library's bare Exception."""
+    from specd.ort_models.gguf_file import GGUFFile
+
+    meta = dict(GGUFFile(tiny_model_factory(arch="qwen2")).metadata)
+    meta["tokenizer.ggml.merges"] = ["Ġ zzz_not_a_token"]
+    with pytest.raises(ValueError, match="tokenizer.ggml.merges cannot be used"):
+        Tokenizer.from_metadata(meta)
