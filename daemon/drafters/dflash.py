@@ -28,6 +28,7 @@ from specd.daemon.spec.drafter import (
     DraftParams,
     Features,
     Proposal,
+    head_input_rows,
 )
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
@@ -59,15 +60,6 @@ class DFlashDrafter(Drafter):
         self.first_row = 0 if head.sample_from_anchor else 1
         self.max_drafts = (head.block_size or DEFAULT_BLOCK_SIZE) - self.first_row
         self._seqs: dict[int, _SeqState] = {}
-
-    def _rows(self, features: Features | None, n: int) -> np.ndarray:
-        """The head's input rows [n, L*E] from the target's features."""
-        if features is None:
-            raise ValueError("a DFlash head needs the target's features of every token")
-        rows = np.concatenate([features[layer] for layer in self.target_layers], axis=-1)
-        if rows.shape[0] != n:
-            raise ValueError(f"{rows.shape[0]} feature rows for {n} tokens")
-        return rows
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
@@ -129,7 +121,8 @@ class DFlashDrafter(Drafter):
                 features: Features | None = None) -> None:
         """Inject the verified tokens' rows after the context (over the block's rows)."""
         st = self._seqs[seq]
-        self.runner.inject(seq, self._rows(features, len(tokens)), st.injected)
+        rows = head_input_rows(features, self.target_layers, len(tokens))  # [n, L*E]
+        self.runner.inject(seq, rows, st.injected)
         st.injected += len(tokens)
 
     def end(self, seq: int) -> None:

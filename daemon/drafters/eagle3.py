@@ -28,6 +28,7 @@ from specd.daemon.spec.drafter import (
     DraftParams,
     Features,
     Proposal,
+    head_input_rows,
 )
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
@@ -55,11 +56,7 @@ class Eagle3Drafter(Drafter):
 
     def _encode(self, st: _SeqState, features: Features | None, pos: int, n: int) -> None:
         """The g rows of n target tokens at positions pos.. from their features."""
-        if features is None:
-            raise ValueError("an EAGLE-3 head needs the target's features of every token")
-        rows = np.concatenate([features[layer] for layer in self.target_layers], axis=-1)
-        if rows.shape[0] != n:
-            raise ValueError(f"{rows.shape[0]} feature rows for {n} tokens")
+        rows = head_input_rows(features, self.target_layers, n)  # [n, 3*E_t]
         if n:
             st.g[pos:pos + n] = self.runner.encode(rows)
         st.known = pos + n

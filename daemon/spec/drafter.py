@@ -31,6 +31,17 @@ from .sampling import Sampler
 Features = Mapping[int, np.ndarray]
 
 
+def head_input_rows(features: Features | None, layers: Sequence[int], n: int) -> np.ndarray:
+    """A drafter head's input rows [n, L*E]: the features of `layers` concatenated in the
+    head's order, one row per token (ValueError where they are missing or miscounted)."""
+    if features is None:
+        raise ValueError("a drafter head needs the target's features of every token")
+    rows = np.concatenate([features[layer] for layer in layers], axis=-1)
+    if rows.shape[0] != n:
+        raise ValueError(f"{rows.shape[0]} feature rows for {n} tokens")
+    return rows
+
+
 @dataclass(frozen=True)
 class DraftParams:
     n_max: int = 8  # most tokens drafted per round

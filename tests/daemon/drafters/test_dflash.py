@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specd.daemon.drafters.dflash import DFlash2Drafter, DFlashDrafter
-from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.drafter import DraftParams, head_input_rows
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
 from specd.ort_models.gguf_file import GGUFFile
@@ -88,7 +88,8 @@ def test_the_heads_cache_is_one_injection_of_the_sequence(pair: tuple[Any, Any, 
     tokens = gen.evaluated_tokens
     _, feats = ModelRunner(with_features, n_ctx=512).forward_with_features(0, tokens, 0)
     fresh = HeadRunner(drafter.runner.built, n_ctx=512)
-    fresh.inject(0, drafter._rows(feats, len(tokens)), 0)  # the rows the drafter injects
+    # the rows the drafter injects
+    fresh.inject(0, head_input_rows(feats, drafter.target_layers, len(tokens)), 0)
     n = len(tokens)
     for (k, v), (k2, v2) in zip(drafter.runner.kv.layers(0), fresh.kv.layers(0), strict=True):
         np.testing.assert_allclose(k.numpy()[0, :, :n], k2.numpy()[0, :, :n], rtol=1e-5,
