@@ -159,11 +159,8 @@ def test_greedy_continuation_equals_llama_cpps(tiny_model_factory: Callable[...,
     clear = next((i for i, m in enumerate(margins) if m < 0.05), len(margins))
     assert clear >= 8
     theirs = llama_cpp_oracle.greedy_completion(path, PROMPT, 24)
-    r = ModelRunner(load_or_build(path), n_ctx=256)
-    ours, logits = [], r.prefill(0, PROMPT)
-    for i in range(24):
-        ours.append(int(np.argmax(logits)))
-        logits = r.forward(0, [ours[-1]], len(PROMPT) + i)[0]
+    ours, _ = llama_cpp_oracle.greedy_with_margins(
+        ModelRunner(load_or_build(path), n_ctx=256), PROMPT, 24)
     assert ours[:clear] == theirs[:clear] == want[:clear]
 
 
