@@ -50,6 +50,9 @@ class SpecType:
     build: Callable[[DrafterInputs], Drafter]
     head_kind: str | None = None  # the kind of head the draft file must be (None: a model)
     chains_lookup: bool = False  # prompt lookup offers its proposals in front of the draft
+    # other spec types' names that mean this one for a file of its head kind (llama.cpp
+    # names no DFlash2 type: its draft-dflash runs DFlash2 heads)
+    also_named: tuple[str, ...] = ()
 
 
 def _model(inputs: DrafterInputs) -> DraftModelDrafter:
@@ -92,7 +95,8 @@ SPEC_TYPE_REGISTRY: dict[str, SpecType] = {s.name: s for s in (
     SpecType("synthetic", False, _synthetic),
     SpecType("draft-dflash", True, _dflash, head_kind="dflash", chains_lookup=True),
     SpecType("draft-dspark", True, _dflash, head_kind="dspark", chains_lookup=True),
-    SpecType("draft-dflash2", True, _dflash2, head_kind="dflash2", chains_lookup=True),
+    SpecType("draft-dflash2", True, _dflash2, head_kind="dflash2", chains_lookup=True,
+             also_named=("draft-dflash",)),
     SpecType("draft-eagle3", True, _eagle3, head_kind="eagle3", chains_lookup=True),
 )}
 SPEC_TYPES = ("auto", "none", *SPEC_TYPE_REGISTRY)
@@ -125,9 +129,11 @@ def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None 
                                 + ", ".join(s.head_kind for s in SPEC_TYPE_REGISTRY.values()
                                             if s.head_kind) + " heads)")
         return auto
+    named = next((n for n, s in SPEC_TYPE_REGISTRY.items()
+                  if spec_type in s.also_named and s.head_kind == draft_kind), None)
+    if named is not None:
+        return named
     spec = SPEC_TYPE_REGISTRY.get(spec_type)
-    if spec_type == "draft-dflash" and draft_kind == "dflash2":
-        return "draft-dflash2"  # llama.cpp runs DFlash2 heads under draft-dflash: so does specd
     if spec is not None and spec.loads_draft_model and spec.head_kind != draft_kind:
         what = "a draft model" if draft_kind is None else f"a {draft_kind} head"
         want = "a draft model" if spec.head_kind is None else f"a {spec.head_kind} head"
