@@ -45,6 +45,9 @@ class Request:
     on_tokens: Callable[[list[int]], bool | None]
     on_done: Callable[[Request], object]  # its result is not used
     cache_prompt: bool = True
+    # whose request this is (an OS user, a token, a client's cache key): a slot's cached
+    # prefix is reused only by a request of the identity that filled it
+    identity: str = ""
     grammar: Grammar | None = None  # compiled constraint; a fresh state per request
     # instead of generating: run this with the slot's index on the worker thread, once;
     # it returns (its result, the tokens the slot's KV then holds) (embeddings)
@@ -66,6 +69,7 @@ class Slot:
     index: int
     cached: list[int] = field(default_factory=list)  # tokens whose KV the slot holds
     request: Request | None = None
+    identity: str = ""  # whose tokens `cached` are
     last_used: int = 0  # when its last request ended (a counter): evict the oldest first
 
 
@@ -148,10 +152,19 @@ class Scheduler:
         BOS alone is none), an empty slot, else the one used longest ago: another
         conversation's cache is only given up when nothing else is free."""
         def key(s: Slot) -> tuple[int, bool, int]:
-            shared = common_prefix(s.cached, req.prompt) if req.cache_prompt else 0
-            return (shared if shared > 1 else 0), not s.cached, -s.last_used
+            return self._reusable(s, req), not s.cached, -s.last_used
 
         return max(free, key=key)
+
+    @staticmethod
+    def _reusable(slot: Slot, req: Request) -> int:
+        """Prompt tokens whose KV the slot holds for this request: a shared prefix of the
+        same identity's tokens (another's would leak, by counts and timing, what it
+        asked), of more than a BOS."""
+        if not req.cache_prompt or slot.identity != req.identity:
+            return 0
+        shared = common_prefix(slot.cached, req.prompt)
+        return shared if shared > 1 else 0
 
     def _admit(self) -> None:
         with self._lock:
@@ -164,8 +177,9 @@ class Scheduler:
                 slot = self._choose_slot(free, req)
                 if req.task is not None:  # runs in _advance, outside the lock
                     slot.request, req.slot = req, slot.index
+                    slot.identity = req.identity
                     continue
-                reuse = common_prefix(slot.cached, req.prompt) if req.cache_prompt else 0
+                reuse = self._reusable(slot, req)
                 try:
                     req.gen = self.engine.start(
                         slot.index, req.prompt, req.params, reuse=reuse,
@@ -180,6 +194,7 @@ class Scheduler:
                     self._finish(req, None)
                     continue
                 slot.cached = list(req.prompt[:reuse])
+                slot.identity = req.identity
                 slot.request = req
                 req.slot = slot.index
 

@@ -98,6 +98,22 @@ def test_a_new_conversation_takes_an_empty_slot_not_anothers_cache(scheduler: Sc
     assert follow_up.gen.stats.cached_tokens == len(a)
 
 
+def test_a_cached_prefix_is_reused_only_by_its_own_identity(scheduler: Scheduler) -> None:
+    """Another identity's request with the same prompt reuses nothing (its cached count
+    would tell it how much of the other's prompt it guessed); the owner's reuses it."""
+    secret = [1, *range(200, 240)]
+    owner, done = _request(secret)
+    owner.identity = "uid:1000"
+    scheduler.submit(owner)
+    assert done.wait(60) and owner.error is None
+    for identity, cached in (("uid:1001", 0), ("uid:1000", len(secret))):
+        probe, done = _request(secret + [5])
+        probe.identity = identity
+        scheduler.submit(probe)
+        assert done.wait(60) and probe.error is None
+        assert probe.gen.stats.cached_tokens == cached, identity
+
+
 def test_a_consumer_that_has_enough_ends_the_request_in_that_round(scheduler: Scheduler
                                                                    ) -> None:
     """on_tokens returning True (a stop string met) ends the generation in the round
