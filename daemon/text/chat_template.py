@@ -47,6 +47,10 @@ class ChatTemplateError(ValueError):
     """A chat template that failed to compile or render; the message says why."""
 
 
+# how deep values inside messages and tools may nest (JSON schemas need a few dozen)
+MAX_NESTING = 100
+
+
 def render_chat(
     template: str | None,
     messages: Sequence[Mapping[str, Any]],
@@ -132,7 +136,7 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
     """
     if not isinstance(message, Mapping):
         raise ChatTemplateError(f"chat messages must be dicts, got {type(message).__name__}")
-    out = {str(k): _plain(v) for k, v in message.items()}
+    out = {str(k): _plain(v, 1) for k, v in message.items()}
     content = out.get("content")
     if isinstance(content, list):
         texts = []
@@ -147,14 +151,21 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
             try:
-                fn["arguments"] = json.loads(fn["arguments"])
+                fn["arguments"] = _plain(json.loads(fn["arguments"]), 4)
+            except RecursionError:
+                raise _too_deep() from None
             except ValueError:
                 pass  # left as the client sent it
     return out
 
 
-def _plain(value: Any) -> Any:
-    """Rebuild template data from plain JSON types, so no object's methods reach the template."""
+def _too_deep() -> ChatTemplateError:
+    return ChatTemplateError(f"values in the chat nest deeper than {MAX_NESTING} levels")
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """Rebuild template data from plain JSON types, so no object's methods reach the template
+    (nesting deeper than MAX_NESTING is refused)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, str):
@@ -163,10 +174,12 @@ def _plain(value: Any) -> Any:
         return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
+    if depth >= MAX_NESTING:
+        raise _too_deep()
     if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
+        return {_plain(k, depth + 1): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [_plain(v, depth + 1) for v in value]
     return f"<{type(value).__name__}>"
 
 

@@ -172,3 +172,21 @@ def test_continue_final_message_leaves_the_assistant_turn_open() -> None:
     with pytest.raises(ChatTemplateError, match="does not write"):
         render_chat("{% for m in messages %}{{ m.role }}{% endfor %}", chat,
                     add_generation_prompt=False, continue_final_message=True)
+
+
+def test_absurdly_nested_values_are_a_value_error_not_a_recursion_error() -> None:
+    from specd.daemon.text.chat_template import MAX_NESTING, ChatTemplateError, render_chat
+
+    deep: object = "x"
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ChatTemplateError, match=f"deeper than {MAX_NESTING}"):
+        render_chat(None, [{"role": "user", "content": "hi", "extra": deep}])
+    args = "[" * 100000 + "]" * 100000  # a tool call's arguments, as a JSON string
+    calls = [{"type": "function", "function": {"name": "f", "arguments": args}}]
+    with pytest.raises(ChatTemplateError, match="deeper than"):
+        render_chat(None, [{"role": "assistant", "content": None, "tool_calls": calls}])
+    shallow: object = "x"
+    for _ in range(MAX_NESTING - 5):
+        shallow = {"a": shallow}
+    assert "hi" in render_chat(None, [{"role": "user", "content": "hi", "extra": shallow}])
