@@ -151,6 +151,9 @@ def _outside_byte_alphabet() -> re.Pattern[str]:
     return re.compile("[^" + re.escape("".join(bytes_to_unicode().values())) + "]")
 
 
+# texts this long (characters) are encoded without holding the GIL
+_GIL_FREE_FROM = 16384
+
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -305,7 +308,11 @@ class Tokenizer:
         text such as `<|im_start|>` as plain text (use it for untrusted user text).
         """
         backend = self._backend if parse_special else self._plain()
-        ids = backend.encode(_valid_text(text), add_special_tokens=False).ids
+        text = _valid_text(text)
+        if len(text) < _GIL_FREE_FROM:
+            ids = backend.encode(text, add_special_tokens=False).ids
+        else:  # the batch call lets other threads (the server's event loop) run meanwhile
+            ids = backend.encode_batch([text], add_special_tokens=False)[0].ids
         if (self._add_bos if add_bos is None else add_bos) and self._bos_id is not None:
             ids.insert(0, self._bos_id)
         if (self._add_eos if add_eos is None else add_eos) and self._eos_id is not None:

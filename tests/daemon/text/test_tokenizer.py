@@ -423,3 +423,14 @@ def test_a_merge_of_an_unknown_token_is_a_clear_error(tiny_model_factory) -> Non
     meta["tokenizer.ggml.merges"] = ["Ġ zzz_not_a_token"]
     with pytest.raises(ValueError, match="tokenizer.ggml.merges cannot be used"):
         Tokenizer.from_metadata(meta)
+
+
+def test_long_texts_encode_as_short_ones_do(tiny: Tokenizer) -> None:
+    """Long texts take the tokenizers library's GIL-free path: the same ids."""
+    from specd.daemon.text.tokenizer import _GIL_FREE_FROM
+
+    text = "<|im_start|>user\nhello world 123, " * (_GIL_FREE_FROM // 10)
+    assert len(text) >= _GIL_FREE_FROM
+    assert tiny.encode(text) == tiny.backend.encode(text, add_special_tokens=False).ids
+    plain = tiny.encode(text, parse_special=False)
+    assert tiny.decode(plain) == text and len(plain) > len(tiny.encode(text))
