@@ -164,7 +164,7 @@ class HeadRunner:
         self._cached = [name for name, sess in self.sessions.items()
                         if any(i.name == "past_key_0" for i in sess.get_inputs())]
         self.kv = KVCache(self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, self.n_ctx,
-                          np.float32, device, device_id)
+                          np.float32, device, device_id, capacity=n_seq)
         self._bindings: list[dict[str, Any]] = []
         for _ in range(n_seq):
             self.add_sequence()
@@ -178,11 +178,13 @@ class HeadRunner:
         return len(self.built.head.target_layers) * self.built.head.target_hidden_size
 
     def add_sequence(self) -> int:
+        version = self.kv.version
         seq = self.kv.add_sequence()
-        bindings = {name: self.sessions[name].io_binding() for name in self._cached}
-        for b in bindings.values():
-            self.kv.bind(b, seq)
-        self._bindings.append(bindings)
+        self._bindings.append({name: self.sessions[name].io_binding() for name in self._cached})
+        # where the cache's buffers moved, every sequence's bindings follow them
+        for s in range(self.n_seq) if self.kv.version != version else [seq]:
+            for b in self._bindings[s].values():
+                self.kv.bind(b, s)
         return seq
 
     def inject(self, seq: int, features: np.ndarray, pos: int) -> None:

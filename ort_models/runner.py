@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,25 @@ log = logging.getLogger("specd.runner")
 CUDA_ROW_BLOCK = 8
 # most tokens of one call on a model with sliding-window rings: a prefill chunk
 RING_CALL_ROWS = ATTN_BUCKET
+
+
+@dataclass(frozen=True)
+class Call:
+    """One sequence's part of a pass: `tokens` at positions pos.. on slot `seq`; wanted
+    back, the logits of `rows` (default: the last token) and the hidden states of
+    `layers` (of the graph's feature layers)."""
+
+    seq: int
+    tokens: Sequence[int]
+    pos: int
+    rows: Sequence[int] | None = None
+    layers: tuple[int, ...] = ()
+
+
+@dataclass
+class CallOutput:
+    logits: np.ndarray  # [len(rows), vocab]
+    features: dict[int, np.ndarray]  # {layer: [len(tokens), n_embd]}
 
 
 class ContextFull(Exception):
@@ -173,14 +193,22 @@ class ModelRunner:
                 for i in range(self.hp.n_layer)]
         if kv is None:
             kv = KVCache(self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, self._kv_len,
-                         kv_dtype, self._device, self._dev_id, layer_lens=lens)
+                         kv_dtype, self._device, self._dev_id, layer_lens=lens,
+                         capacity=n_seq)
         elif kv.layer_shapes != [(1, self.hp.n_head_kv, n, self.hp.head_dim) for n in lens] or (
                 kv.n_layer != self.hp.n_layer or kv.dtype != kv_dtype):
             raise ValueError(f"a shared KV cache of {kv.n_layer} layers {kv.shape} {kv.dtype} "
                              f"does not fit {built.folder.name}")
         self.kv = kv
-        self._bindings: list[Any] = []  # an onnxruntime.IOBinding per sequence slot
-        while len(self._bindings) < max(n_seq, kv.n_seq):
+        # a graph whose attention takes segments runs the rows of several sequences in one
+        # call, over every slot's buffers bound at once (one binding); others get a
+        # binding per sequence slot, bound to its buffers
+        self.packs_sequences = any(i.name == "segments" for i in self.session.get_inputs())
+        self._all = self.session.io_binding() if self.packs_sequences else None
+        self._bindings: list[Any] = []  # an onnxruntime.IOBinding per slot (not packing)
+        self._n_seq = 0
+        self._kv_version = -1  # the cache's buffers as last bound
+        while self._n_seq < max(n_seq, kv.n_seq):
             self.add_sequence()
 
     def _max_positions(self) -> int:
@@ -198,7 +226,7 @@ class ModelRunner:
 
     @property
     def n_seq(self) -> int:
-        return len(self._bindings)
+        return self._n_seq
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -238,19 +266,31 @@ class ModelRunner:
     def add_sequence(self) -> int:
         """Bind one more sequence slot (allocating its KV buffers unless a runner sharing
         the cache did); returns its index."""
-        seq = len(self._bindings)
+        seq = self._n_seq
         if seq == self.kv.n_seq:
             self.kv.add_sequence()
-        binding = self.session.io_binding()
-        self.kv.bind(binding, seq)
-        self._bindings.append(binding)
+        if not self.packs_sequences:
+            self._bindings.append(self.session.io_binding())
+        self._n_seq += 1
+        self._kv_version = -1  # bound at the next call
         return seq
+
+    def _binding(self, seq: int) -> Any:  # an onnxruntime.IOBinding
+        """The binding a call on `seq` runs with, its cache buffers bound as they are now
+        (they move when a runner sharing the cache adds a slot past its capacity)."""
+        if self._kv_version != self.kv.version:
+            if self._all is not None:
+                self.kv.bind_all(self._all)
+            for s, b in enumerate(self._bindings):
+                self.kv.bind(b, s)
+            self._kv_version = self.kv.version
+        return self._all if self._all is not None else self._bindings[seq]
 
     def forward(self, seq: int, tokens: Sequence[int], pos: int,
                 rows: Sequence[int] | None = None) -> np.ndarray:
         """Run `tokens` at positions pos.. on sequence `seq`; the logits of `rows` (default:
         the last token) [len(rows), vocab]."""
-        return self._run(seq, tokens, pos, rows, ())[0]
+        return self._pass([Call(seq, tokens, pos, rows)])[0].logits
 
     def forward_with_features(self, seq: int, tokens: Sequence[int], pos: int,
                               rows: Sequence[int] | None = None,
@@ -258,7 +298,20 @@ class ModelRunner:
                               ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         """`forward`, and the hidden states of `layers` (default: all the graph outputs)
         for every token: {layer: [len(tokens), n_embd]}."""
-        return self._run(seq, tokens, pos, rows, self._check_layers(layers))
+        out = self._pass([Call(seq, tokens, pos, rows, self._check_layers(layers))])[0]
+        return out.logits, out.features
+
+    def forward_batch(self, calls: Sequence[Call]) -> list[CallOutput]:
+        """Run the calls of several sequences (one each): where the graph packs sequences,
+        as one pass that reads every weight once for all their rows, each row computed
+        exactly as in its call alone; else one call after another."""
+        if len({c.seq for c in calls}) < len(calls):
+            raise ValueError("a batch holds one call per sequence")
+        for c in calls:
+            self._check_layers(c.layers)
+        if self.packs_sequences and len(calls) > 1:
+            return self._pass(calls)
+        return [self._pass([c])[0] for c in calls]
 
     def _check_layers(self, layers: Sequence[int] | None) -> tuple[int, ...]:
         if layers is None:
@@ -269,29 +322,43 @@ class ModelRunner:
                              f"{list(self.feature_layers)}, not {missing}")
         return tuple(layers)
 
-    def _run(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int] | None,
-             layers: tuple[int, ...]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        n = len(tokens)
-        check_call(pos, n, self.n_ctx)
-        rows = [n - 1] if rows is None else list(rows)
-        n_rows = len(rows)
-        ids = list(tokens)
-        m = self.call_rows(pos, n)
-        if self.ring and m > self.max_call_rows:
-            raise ValueError(f"a call of {m} rows exceeds the {self.max_call_rows} rows a "
-                             "sliding window's ring allows; run prompts through prefill")
-        if m > n:  # fixed shape: filler rows
-            ids += [ids[-1]] * (m - n)  # positions after the real ones, overwritten later
-        # logits rows likewise: as many as the call's rows in a fixed shape, and at least
-        # min_rows (the output product of a prefill's last row too)
-        width = max(m if m > n else n_rows, self.min_rows)
-        rows += [rows[-1] if rows else n - 1] * (width - n_rows)
-        b = self._bindings[seq]
+    def _pass(self, calls: Sequence[Call]) -> list[CallOutput]:
+        """One session run over the calls' rows, one after another (several calls only
+        where the graph packs sequences). A call alone runs `call_rows` rows: filler rows
+        after its own where the shape asks for them."""
+        ids: list[int] = []
+        logits_rows: list[int] = []
+        segments: list[tuple[int, int, int]] = []  # (slot, pos, rows) per call
+        for call in calls:
+            n = len(call.tokens)
+            check_call(call.pos, n, self.n_ctx)
+            m = self.call_rows(call.pos, n) if len(calls) == 1 else n
+            if self.ring and m > self.max_call_rows:
+                raise ValueError(f"a call of {m} rows exceeds the {self.max_call_rows} rows a "
+                                 "sliding window's ring allows; run prompts through prefill")
+            start = len(ids)
+            # filler rows: positions after the real ones, overwritten later
+            ids += [*call.tokens, *[call.tokens[-1]] * (m - n)]
+            rows = [n - 1] if call.rows is None else list(call.rows)
+            logits_rows += [start + r for r in rows]
+            segments.append((call.seq, call.pos, m))
+        n_logits = len(logits_rows)
+        # logits rows likewise: as many as a fixed shape's rows, and at least min_rows (the
+        # output product of a prefill's last row too)
+        one = len(calls) == 1 and len(ids) > len(calls[0].tokens)
+        width = max(len(ids) if one else n_logits, self.min_rows)
+        logits_rows += [logits_rows[-1] if logits_rows else len(ids) - 1] * (width - n_logits)
+        b = self._binding(calls[0].seq)
         b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
-        b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
-        # keys attended: the real tokens' bucket (filler rows attend over it too: dropped)
-        b.bind_cpu_input("attn_len", np.array([attn_len_for(pos + n, self.n_ctx)], np.int64))
-        b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
+        if self.packs_sequences:
+            b.bind_cpu_input("segments", np.asarray(segments, dtype=np.int64))
+        else:
+            (_, pos, _), n = segments[0], len(calls[0].tokens)
+            b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
+            # keys attended: the real tokens' bucket (filler rows attend over it too: dropped)
+            b.bind_cpu_input("attn_len", np.array([attn_len_for(pos + n, self.n_ctx)],
+                                                  np.int64))
+        b.bind_cpu_input("logits_rows", np.asarray(logits_rows, dtype=np.int64))
         b.bind_output("logits", "cpu")
         for name, _ in self._hidden:
             b.bind_output(name, "cpu")
@@ -299,10 +366,17 @@ class ModelRunner:
         outs = bound_outputs(b)
         # outputs come in the order bound: KV first (2 per layer), then logits, hidden
         k0 = 2 * self.hp.n_layer
-        logits = outs[k0].numpy()[:n_rows]  # [R, vocab]
-        features = {layer: outs[k0 + 1 + j].numpy()[:n]  # [n, n_embd]
-                    for j, (_, layer) in enumerate(self._hidden) if layer in layers}
-        return logits, features
+        logits = outs[k0].numpy()  # [width, vocab]
+        hidden = {layer: outs[k0 + 1 + j].numpy()  # [rows, n_embd]
+                  for j, (_, layer) in enumerate(self._hidden)}
+        results, start, first = [], 0, 0
+        for call, (_, _, m) in zip(calls, segments, strict=True):
+            n, r = len(call.tokens), 1 if call.rows is None else len(call.rows)
+            results.append(CallOutput(
+                logits[first:first + r],  # [r, vocab]
+                {layer: hidden[layer][start:start + n] for layer in call.layers}))
+            start, first = start + m, first + r
+        return results
 
     def prefill(self, seq: int, tokens: Sequence[int], pos: int = 0,
                 chunk: int = ATTN_BUCKET) -> np.ndarray:
@@ -333,8 +407,9 @@ class ModelRunner:
         while i < len(tokens):
             p = pos + i
             n = min(len(tokens) - i, chunk - (p % chunk))
-            logits, features = self._run(seq, tokens[i:i + n], p, [n - 1], layers)
-            for layer, rows in features.items():
+            out = self._pass([Call(seq, tokens[i:i + n], p, [n - 1], layers)])[0]
+            logits = out.logits
+            for layer, rows in out.features.items():
                 parts[layer].append(rows)
             i += n
         assert logits is not None

@@ -1,6 +1,6 @@
 """Build one ONNX decoder graph from a GGUF file.
 
-Graph contract (one sequence per call, S >= 1 new tokens on top of the KV cache):
+Graph contract (S >= 1 new tokens on top of the KV cache):
 
 inputs
     input_ids    int64 [S]           tokens at positions pos .. pos+S-1
@@ -9,6 +9,10 @@ inputs
                                      a runner's filler rows (CUDA) may lie past it
     logits_rows  int64 [R]           rows of the S new tokens whose logits are wanted
     past_key_i / past_value_i float32 [1, n_kv, kv_len, head_dim]  per layer i (kv_len >= n_ctx)
+  attention="native" instead: the rows of several sequences in one call
+    segments     int64 [B, 3]        per sequence (slot, pos, rows): its next `rows` rows
+                                     of input_ids, at positions pos.., over its cache slot
+    past_key_i / past_value_i [n_seq, n_kv, kv_len, head_dim]  every slot's buffers
 outputs
     logits       float32 [R, vocab] (vocab: the first `vocab_rows` ids, where set)
     present_key_i / present_value_i  the same buffers, written in place at pos..pos+S-1

@@ -25,7 +25,7 @@ class AttentionInputs:
     """What every layer's attention shares, built once per graph; a kind's tensors are ""
     where the graph uses another kind."""
 
-    pos_ids: str  # [1, S] positions of the new tokens
+    pos_ids: str  # [1, S] positions of the new tokens ("" on native attention)
     s_len: str  # [1] S
     mask: str = ""  # exact: [S, T] additive causal mask
     mask_swa: str = ""  # exact, sliding-window layers: the causal mask within the window
@@ -49,12 +49,19 @@ def rope_tables(hp: HParams, max_pos: int, base: float | None = None
 
 def rotary_positions(c: BuildContext, s_len: str) -> str:
     """The positions [1, S] of S new tokens from the graph input `position` (s_len: [1] S),
-    and the rotary tables as initializers: rope.cos / rope.sin, and rope_swa.cos /
-    rope_swa.sin where sliding-window layers have a rope base of their own."""
-    g, hp = c.g, c.hp
+    and the rotary tables (`rotary_tables`)."""
+    g = c.g
     pos_ids = g.op("Unsqueeze", [g.op("Add", [g.op("Range", [
         g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)]), "position"]),
         g.const([0])])  # [1, S]
+    rotary_tables(c)
+    return pos_ids
+
+
+def rotary_tables(c: BuildContext) -> None:
+    """The rotary tables as initializers: rope.cos / rope.sin, and rope_swa.cos /
+    rope_swa.sin where sliding-window layers have a rope base of their own."""
+    g, hp = c.g, c.hp
     max_pos = c.options.max_positions or hp.n_ctx_train
     bases = {"rope": hp.rope_base} | {rope_table(hp, i): hp.rope_base_of(i)
                                        for i in range(hp.n_layer)}
@@ -62,7 +69,6 @@ def rotary_positions(c: BuildContext, s_len: str) -> str:
         cos, sin = rope_tables(hp, max_pos, base)
         g.weight(f"{name}.cos", cos)
         g.weight(f"{name}.sin", sin)
-    return pos_ids
 
 
 def rope_table(hp: HParams, layer: int) -> str:
@@ -80,15 +86,19 @@ def rotate(c: BuildContext, x3: str, pos_ids: str, n_heads: int, table: str = "r
 
 
 def kv_cache_io(c: BuildContext, i: int) -> None:
-    """Layer i's cache buffers as graph inputs (past_*) and outputs (present_*); a
-    sliding-window layer's, on specd's attention, may be a shorter ring (`n_ring` rows)."""
+    """Layer i's cache buffers as graph inputs (past_*) and outputs (present_*); on specd's
+    attention, those of every sequence slot (rows of several sequences run in one call,
+    each over its slot: the graph input `segments`), and a sliding-window layer's may be
+    a shorter ring (`n_ring` rows)."""
     g, hp = c.g, c.hp
     kv_type = F16 if c.options.kv_dtype == "f16" else F32
-    rows = "n_ring" if hp.is_swa(i) and c.options.attention == "native" else "n_ctx"
+    native = c.options.attention == "native"
+    rows = "n_ring" if hp.is_swa(i) and native else "n_ctx"
+    shape = ["n_seq" if native else 1, hp.n_head_kv, rows, hp.head_dim]
     for name in (f"past_key_{i}", f"past_value_{i}"):
-        g.input(name, kv_type, [1, hp.n_head_kv, rows, hp.head_dim])
+        g.input(name, kv_type, shape)
     for name in (f"present_key_{i}", f"present_value_{i}"):
-        g.output(name, kv_type, [1, hp.n_head_kv, rows, hp.head_dim])
+        g.output(name, kv_type, shape)
 
 
 def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True) -> AttentionInputs:
@@ -98,12 +108,13 @@ def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True) -> Atten
     only): every new row attends to all `attn_len` keys, later rows of its block included."""
     g, hp = c.g, c.hp
     s_len = g.op("Shape", [ids]) if causal else g.op("Shape", [ids], end=1)  # [1]
-    io = AttentionInputs(rotary_positions(c, s_len), s_len)
     if not causal and c.options.attention != "exact":
         raise ValueError("attention over a whole block (not causal) is written out: "
                          f"attention 'exact', not {c.options.attention!r}")
-    if c.options.attention == "native":  # CachedAttention takes `position` and masks by itself
-        return io
+    if c.options.attention == "native":  # CachedAttention takes `segments`, masks by itself
+        rotary_tables(c)
+        return AttentionInputs("", s_len)
+    io = AttentionInputs(rotary_positions(c, s_len), s_len)
     if c.options.attention == "fused":  # GroupQueryAttention's int32 lengths; it masks itself
         end = g.op("Cast", [g.op("Add", ["position", s_len])], to=TensorProto.INT32)
         io.seqlens_k = g.op("Sub", [end, g.const([1], np.int32)])  # [1]
@@ -196,8 +207,9 @@ def write_kv(c: BuildContext, i: int, k3: str, v: str) -> tuple[str, str]:
 def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[str]]]) -> str:
     """specd's CachedAttention on the unrotated projections: rotary, the write of the new
     keys and values into layer i's cache in place, and the exact attention over it in one
-    node: [S, H*hd]. `products`: the q, k and v products as `grouped_linears` gives them;
-    q + k + v or q + k stacked in one are read in place (`packed`), anything else split."""
+    node: [S, H*hd]; the rows are `segments` (slot, position, rows) of several sequences.
+    `products`: the q, k and v products as `grouped_linears` gives them; q + k + v or
+    q + k stacked in one are read in place (`packed`), anything else split."""
     shapes = [len(group) for _, group in products]
     if shapes == [3]:
         packed, (t,) = 2, [y for y, _ in products]
@@ -213,7 +225,7 @@ def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[st
     table = rope_table(hp, i)
     optional = ({"packed": packed} if packed else {}) | (
         {"window": hp.sliding_window} if hp.is_swa(i) else {})
-    out, _, _ = g.op(op, [q, k, v, f"past_key_{i}", f"past_value_{i}", "position",
+    out, _, _ = g.op(op, [q, k, v, f"past_key_{i}", f"past_value_{i}", "segments",
                           f"{table}.cos", f"{table}.sin"], 3, domain=NATIVE,
                      out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                      num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,

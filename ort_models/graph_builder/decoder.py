@@ -23,8 +23,11 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
     """Write the decoder graph of the GGUF model `f` into `g`."""
     c = BuildContext(g, hp, f, options, progress, total=hp.n_layer + 2)
     ids = g.input("input_ids", I64, ["S"])
-    g.input("position", I64, [1])
-    g.input("attn_len", I64, [1])
+    if options.attention == "native":  # the rows of B sequences: (slot, position, rows)
+        g.input("segments", I64, ["B", 3])
+    else:
+        g.input("position", I64, [1])
+        g.input("attn_len", I64, [1])
     g.input("logits_rows", I64, ["R"])
     io = attention_inputs(c, ids)
 

@@ -73,6 +73,9 @@ typedef struct {
   size_t heads, group, hd, n_ctx, pos;
   float scale;
   size_t window; /* 0: every earlier key */
+  /* packed sequences (CachedAttention with segments), else NULL: row r's position and
+     the cache slot its keys are in */
+  const size_t *row_pos, *row_slot;
 } Job;
 
 /* w[0..padded) <- exp(w - max) over the first n_keys (0 past them); returns their sum */
@@ -167,7 +170,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx, void (*task)(void
   CHECK(g_api->KernelContext_GetOutput(ctx, 0, qd, 2, &y_val));
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
   Job job = {q, k, v, y, (size_t)at->heads, (size_t)(at->heads / at->kv_heads), (size_t)hd,
-             (size_t)kd[2], (size_t)pos[0], at->scale, (size_t)at->window};
+             (size_t)kd[2], (size_t)pos[0], at->scale, (size_t)at->window, NULL, NULL};
   specd_parallel_for(task, &job, (size_t)qd[0] * (size_t)at->kv_heads);
   return NULL;
 }
@@ -212,8 +215,12 @@ const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F
  *
  *   q        float32 [S, H*hd]     projections of the S new tokens at positions
  *   k, v     float32 [S, Hkv*hd]   pos .. pos+S-1, not rotated
- *   past_key, past_value  KV_T [1, Hkv, n_ctx, hd]  the caches
- *   position int64   [1]           pos
+ *   past_key, past_value  KV_T [slots, Hkv, n_ctx, hd]  the caches of `slots` sequences
+ *   position int64   [1]           pos (one sequence, in cache slot 0), or
+ *            int64   [B, 3]        segments: rows of B sequences packed in one call, each
+ *                                  (slot, pos, rows): the next `rows` rows of q, k and v
+ *                                  are that sequence's tokens at pos .. pos+rows-1 and
+ *                                  attend over its own cache slot only
  *   cos, sin float32 [P, rd/2]     rotary tables (P > pos+S-1)
  *   Y        float32 [S, H*hd]
  *   present_key, present_value     the caches with rows pos .. pos+S-1 written; in place
@@ -229,7 +236,8 @@ const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F
  * The rotation of x at a row is, per pair (a, b) and angle i, a*cos - b*sin and
  * b*cos + a*sin in float32 without fused multiply-adds (dims past rd pass through); an
  * f16 cache takes the rotated keys and the values rounded to nearest even (as a Cast).
- * Then the attention is CausalAttention's, on the rotated queries. */
+ * Then the attention is CausalAttention's, on the rotated queries, each row over its own
+ * sequence's keys: a row computes the same bits whatever else is packed beside it. */
 
 typedef struct {
   Attn at;
@@ -287,19 +295,72 @@ static void store_row_f16(const float *x, uint16_t *dst, size_t n) {
   for (; d < n; d++) dst[d] = f32_to_f16(x[d]);
 }
 
+/* A run of consecutive rows of one sequence: its cache slot and first position. */
+typedef struct {
+  int64_t slot, pos, rows;
+} Segment;
+
+/* The call's segments from `position`: [1] (one sequence: slot 0, pos, all S rows) or
+ * [B, 3] (slot, pos, rows), rows >= 1 summing to S, slots below n_slots, each run fitting
+ * the cache and the rotary tables. NULL and *err set where they do not. */
+static Segment *read_segments(const OrtValue *pos_val, int64_t s_len, int64_t n_slots,
+                              int64_t n_ctx, int64_t window, int64_t positions, size_t *n_seg,
+                              const char **err) {
+  int64_t pd[8];
+  size_t pr;
+  if (specd_tensor_shape(pos_val, pd, &pr) != NULL || !((pr == 1 && pd[0] == 1) ||
+                                                        (pr == 2 && pd[1] == 3 && pd[0] >= 1))) {
+    *err = "CachedAttention: position is not [1] or segments [B, 3]";
+    return NULL;
+  }
+  const int64_t *pos;
+  if (g_api->GetTensorMutableData((OrtValue *)pos_val, (void **)&pos) != NULL) {
+    *err = "CachedAttention: position cannot be read";
+    return NULL;
+  }
+  const size_t n = pr == 1 ? 1 : (size_t)pd[0];
+  Segment *seg = (Segment *)malloc(n * sizeof(Segment));
+  if (!seg) {
+    *err = "CachedAttention: out of memory";
+    return NULL;
+  }
+  int64_t total = 0;
+  for (size_t i = 0; i < n; i++) {
+    seg[i] = pr == 1 ? (Segment){0, pos[0], s_len} : (Segment){pos[3 * i], pos[3 * i + 1], pos[3 * i + 2]};
+    total += seg[i].rows;
+    *err = seg[i].slot < 0 || seg[i].slot >= n_slots ? "CachedAttention: a segment's slot is not a cache slot"
+           : seg[i].rows < 1 ? "CachedAttention: a segment holds no rows"
+           : seg[i].pos < 0 || !fits(seg[i].pos, seg[i].rows, n_ctx, window)
+               ? (window ? "CachedAttention: position + S exceeds the cache, and the window "
+                           "and S exceed it as a ring"
+                         : "CachedAttention: position + S exceeds the cache")
+           : seg[i].pos + seg[i].rows > positions
+               ? "CachedAttention: cos and sin are not [positions, rotary_dim/2] covering "
+                 "position + S"
+               : NULL;
+    if (*err) break;
+  }
+  if (!*err && total != s_len) *err = "CachedAttention: the segments' rows do not sum to S";
+  if (*err) {
+    free(seg);
+    return NULL;
+  }
+  *n_seg = n;
+  return seg;
+}
+
 static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   const Cached *cd = (const Cached *)kernel;
   const Attn *at = &cd->at;
   const OrtValue *in[8];
   for (size_t i = 0; i < 8; i++) CHECK(g_api->KernelContext_GetInput(ctx, i, &in[i]));
-  int64_t qd[8], kd[8], vd[8], ckd[8], cvd[8], pd[8], cosd[8], sind[8];
-  size_t qr, kr, vr, ckr, cvr, pr, cosr, sinr;
+  int64_t qd[8], kd[8], vd[8], ckd[8], cvd[8], cosd[8], sind[8];
+  size_t qr, kr, vr, ckr, cvr, cosr, sinr;
   CHECK(specd_tensor_shape(in[0], qd, &qr));
   CHECK(specd_tensor_shape(in[1], kd, &kr));
   CHECK(specd_tensor_shape(in[2], vd, &vr));
   CHECK(specd_tensor_shape(in[3], ckd, &ckr));
   CHECK(specd_tensor_shape(in[4], cvd, &cvr));
-  CHECK(specd_tensor_shape(in[5], pd, &pr));
   CHECK(specd_tensor_shape(in[6], cosd, &cosr));
   CHECK(specd_tensor_shape(in[7], sind, &sinr));
   /* heads of hd values in a row of q: H, and Hkv more for each projection packed in */
@@ -313,23 +374,20 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   if (kr != 2 || vr != 2 || kd[0] != s_len || vd[0] != s_len || kd[1] != kw || vd[1] != vw)
     return specd_fail(cd->packed ? "CachedAttention: k and v are not the packed q or [S, Hkv*hd]"
                                  : "CachedAttention: k and v are not [S, Hkv*hd]");
-  if (ckr != 4 || ckd[0] != 1 || ckd[1] != at->kv_heads || ckd[3] != hd || cvr != 4 ||
+  if (ckr != 4 || ckd[0] < 1 || ckd[1] != at->kv_heads || ckd[3] != hd || cvr != 4 ||
       memcmp(ckd, cvd, sizeof(int64_t) * 4) != 0)
-    return specd_fail("CachedAttention: the caches are not both [1, Hkv, n_ctx, hd]");
+    return specd_fail("CachedAttention: the caches are not both [slots, Hkv, n_ctx, hd]");
   if (hd % LANES) return specd_fail("CachedAttention: head_dim must be a multiple of 8");
   if (cd->rotary_dim > hd) return specd_fail("CachedAttention: rotary_dim exceeds head_dim");
-  if (pr != 1 || pd[0] != 1) return specd_fail("CachedAttention: position is not [1]");
-  const int64_t *pos;
-  CHECK(g_api->GetTensorMutableData((OrtValue *)in[5], (void **)&pos));
-  const int64_t n_ctx = ckd[2];
-  if (pos[0] < 0 || !fits(pos[0], s_len, n_ctx, at->window))
-    return specd_fail(at->window ? "CachedAttention: position + S exceeds the cache, and "
-                                   "the window and S exceed it as a ring"
-                                 : "CachedAttention: position + S exceeds the cache");
   if (cosr != 2 || sinr != 2 || cosd[1] != cd->rotary_dim / 2 || sind[1] != cosd[1] ||
-      sind[0] != cosd[0] || pos[0] + s_len > cosd[0])
+      sind[0] != cosd[0])
     return specd_fail("CachedAttention: cos and sin are not [positions, rotary_dim/2] "
                       "covering position + S");
+  const int64_t n_ctx = ckd[2];
+  size_t n_seg = 0;
+  const char *err = NULL;
+  Segment *seg = read_segments(in[5], s_len, ckd[0], n_ctx, at->window, cosd[0], &n_seg, &err);
+  if (!seg) return specd_fail(err);
   const float *q, *k, *v, *cs, *sn;
   void *past_k, *past_v, *pres_k, *pres_v;
   CHECK(g_api->GetTensorMutableData((OrtValue *)in[0], (void **)&q));
@@ -348,41 +406,57 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
   CHECK(g_api->GetTensorMutableData(pk_val, &pres_k));
   CHECK(g_api->GetTensorMutableData(pv_val, &pres_v));
-  const size_t elem = f16 ? 2 : 4, cache_bytes = (size_t)(at->kv_heads * n_ctx * hd) * elem;
+  const size_t elem = f16 ? 2 : 4;
+  const size_t cache_bytes = (size_t)(ckd[0] * at->kv_heads * n_ctx * hd) * elem;
   if (pres_k != past_k) memcpy(pres_k, past_k, cache_bytes); /* not bound in place */
   if (pres_v != past_v) memcpy(pres_v, past_v, cache_bytes);
 
   const size_t heads = (size_t)at->heads, kvh = (size_t)at->kv_heads, d = (size_t)hd;
-  const size_t rd = (size_t)cd->rotary_dim, half = rd / 2;
-  float *qr_rows = (float *)malloc(((size_t)s_len * heads * d + kvh * d) * sizeof(float));
-  if (!qr_rows) return g_api->CreateStatus(ORT_FAIL, "CachedAttention: out of memory");
-  float *krow = qr_rows + (size_t)s_len * heads * d;
+  const size_t rd = (size_t)cd->rotary_dim, half = rd / 2, rows = (size_t)s_len;
+  /* rotated queries [S, H*hd], one rotated key row, and each row's position and slot */
+  float *qr_rows = (float *)malloc((rows * heads * d + kvh * d) * sizeof(float));
+  size_t *row_pos = (size_t *)malloc(2 * rows * sizeof(size_t));
+  if (!qr_rows || !row_pos) {
+    free(qr_rows);
+    free(row_pos);
+    free(seg);
+    return g_api->CreateStatus(ORT_FAIL, "CachedAttention: out of memory");
+  }
+  size_t *row_slot = row_pos + rows;
+  float *krow = qr_rows + rows * heads * d;
   /* where row s's q, k and v start, and the distance between rows, in floats */
   const size_t q_stride = (size_t)qd[1], k_stride = (size_t)kw, v_stride = (size_t)vw;
   const float *k0 = cd->packed >= 1 ? q + heads * d : k;
   const float *v0 = cd->packed == 2 ? q + (heads + kvh) * d : v;
-  for (int64_t s = 0; s < s_len; s++) {
-    const size_t p = (size_t)(pos[0] + s);
-    rotate(q + s * q_stride, qr_rows + s * heads * d, heads, d, rd, (int)cd->interleaved,
-           cs + p * half, sn + p * half);
-    rotate(k0 + s * k_stride, krow, kvh, d, rd, (int)cd->interleaved, cs + p * half,
-           sn + p * half);
-    const float *vrow = v0 + s * v_stride;
-    for (size_t h = 0; h < kvh; h++) {
-      const size_t at_row = (h * (size_t)n_ctx + p % (size_t)n_ctx) * d;
-      if (f16) {
-        store_row_f16(krow + h * d, (uint16_t *)pres_k + at_row, d);
-        store_row_f16(vrow + h * d, (uint16_t *)pres_v + at_row, d);
-      } else {
-        store_row(krow + h * d, (float *)pres_k + at_row, d);
-        store_row(vrow + h * d, (float *)pres_v + at_row, d);
+  const size_t slot_elems = kvh * (size_t)n_ctx * d;
+  size_t s = 0;
+  for (size_t i = 0; i < n_seg; i++)
+    for (int64_t j = 0; j < seg[i].rows; j++, s++) {
+      const size_t p = (size_t)(seg[i].pos + j), slot = (size_t)seg[i].slot;
+      row_pos[s] = p;
+      row_slot[s] = slot;
+      rotate(q + s * q_stride, qr_rows + s * heads * d, heads, d, rd, (int)cd->interleaved,
+             cs + p * half, sn + p * half);
+      rotate(k0 + s * k_stride, krow, kvh, d, rd, (int)cd->interleaved, cs + p * half,
+             sn + p * half);
+      const float *vrow = v0 + s * v_stride;
+      for (size_t h = 0; h < kvh; h++) {
+        const size_t at_row = slot * slot_elems + (h * (size_t)n_ctx + p % (size_t)n_ctx) * d;
+        if (f16) {
+          store_row_f16(krow + h * d, (uint16_t *)pres_k + at_row, d);
+          store_row_f16(vrow + h * d, (uint16_t *)pres_v + at_row, d);
+        } else {
+          store_row(krow + h * d, (float *)pres_k + at_row, d);
+          store_row(vrow + h * d, (float *)pres_v + at_row, d);
+        }
       }
     }
-  }
-  Job job = {qr_rows, pres_k, pres_v, y, heads, heads / kvh, d, (size_t)n_ctx, (size_t)pos[0],
-             at->scale, (size_t)at->window};
-  specd_parallel_for(f16 ? run_task_f16 : run_task_f32, &job, (size_t)s_len * kvh);
+  Job job = {qr_rows, pres_k, pres_v, y, heads, heads / kvh, d, (size_t)n_ctx, 0,
+             at->scale, (size_t)at->window, row_pos, row_slot};
+  specd_parallel_for(f16 ? run_task_f16 : run_task_f32, &job, rows * kvh);
   free(qr_rows);
+  free(row_pos);
+  free(seg);
   return NULL;
 }
 

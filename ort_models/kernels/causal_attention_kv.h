@@ -100,13 +100,15 @@ static void CAT(run_task_, KV)(void *p, size_t task) {
      position p is in cache row p % n_ctx (a sliding window's cache is a ring that may be
      shorter than the context), so they are one run of rows from `first`'s row, or two
      where the run reaches the cache's end and goes on from row 0 */
-  const size_t upto = job->pos + row + 1;
+  const size_t upto = (job->row_pos ? job->row_pos[row] : job->pos + row) + 1;
+  const size_t slot = job->row_slot ? job->row_slot[row] : 0;
   const size_t first = job->window && upto > job->window ? upto - job->window : 0;
   const size_t n_keys = upto - first, start = first % job->n_ctx;
   const size_t run = n_keys < job->n_ctx - start ? n_keys : job->n_ctx - start;
   const float *q = job->q + (row * job->heads + kvh * g_n) * hd; /* heads kvh*G .. +G-1 */
-  const KV_T *k0 = (const KV_T *)job->k + kvh * job->n_ctx * hd; /* row 0 of this head */
-  const KV_T *v0 = (const KV_T *)job->v + kvh * job->n_ctx * hd;
+  const size_t head_at = (slot * kv_heads + kvh) * job->n_ctx * hd; /* row 0 of this head */
+  const KV_T *k0 = (const KV_T *)job->k + head_at;
+  const KV_T *v0 = (const KV_T *)job->v + head_at;
   const KV_T *kc = k0 + start * hd, *vc = v0 + start * hd;
   KV_T *straddle = NULL; /* 8 keys copied together where a group spans the ring's end */
   float *out = job->y + (row * job->heads + kvh * g_n) * hd;

@@ -65,8 +65,8 @@ def test_injection_and_block_match_the_reference(target_path: Path, tmp_path: Pa
     runner.inject(0, features.astype(np.float32), 0)
     ref.inject(features, np.arange(n))
     for layer, (k, v) in enumerate(runner.kv.layers(0)):
-        np.testing.assert_allclose(k.numpy()[0, :, :n], ref.keys[layer][:, :n], **TOL)
-        np.testing.assert_allclose(v.numpy()[0, :, :n], ref.values[layer][:, :n], **TOL)
+        np.testing.assert_allclose(k[0, :, :n], ref.keys[layer][:, :n], **TOL)
+        np.testing.assert_allclose(v[0, :, :n], ref.values[layer][:, :n], **TOL)
     mask = runner.built.head.mask_token_id
     assert mask is not None
     block = [PROMPT[-1], mask, mask, mask]
@@ -127,8 +127,8 @@ def test_rounds_overwrite_rejected_rows(target_path: Path, tmp_path: Path) -> No
     np.testing.assert_array_equal(runner.block(0, block, n + 2, [0, 1, 2]).logits,
                                   fresh.block(0, block, n + 2, [0, 1, 2]).logits)
     for (k, v), (k2, v2) in zip(runner.kv.layers(0), fresh.kv.layers(0), strict=True):
-        np.testing.assert_array_equal(k.numpy()[0, :, :n + 5], k2.numpy()[0, :, :n + 5])
-        np.testing.assert_array_equal(v.numpy()[0, :, :n + 5], v2.numpy()[0, :, :n + 5])
+        np.testing.assert_array_equal(k[0, :, :n + 5], k2[0, :, :n + 5])
+        np.testing.assert_array_equal(v[0, :, :n + 5], v2[0, :, :n + 5])
 
 
 def test_non_finite_features_are_clamped(target_path: Path, tmp_path: Path) -> None:
@@ -137,7 +137,7 @@ def test_non_finite_features_are_clamped(target_path: Path, tmp_path: Path) -> N
     features[0, 0], features[1, 3], features[2, 5] = np.nan, np.inf, -1e9
     runner.inject(0, features.astype(np.float32), 0)
     ref.inject(features, np.arange(4))
-    k = runner.kv.layers(0)[0][0].numpy()[0, :, :4]
+    k = runner.kv.layers(0)[0][0][0, :, :4]
     assert np.isfinite(k).all()
     np.testing.assert_allclose(k, ref.keys[0][:, :4], **TOL)
 
@@ -250,8 +250,8 @@ def _check_eagle3(path: Path, target_path: Path) -> None:
         np.testing.assert_allclose(got.logits[finite], want_logits[finite], **TOL)
         hidden, tok = got.hidden, int(np.argmax(got.logits[0]))
     k, v = runner.kv.layers(0)[0]
-    np.testing.assert_allclose(k.numpy()[0, :, :n + 3], ref.keys[:, :n + 3], **TOL)
-    np.testing.assert_allclose(v.numpy()[0, :, :n + 3], ref.values[:, :n + 3], **TOL)
+    np.testing.assert_allclose(k[0, :, :n + 3], ref.keys[:, :n + 3], **TOL)
+    np.testing.assert_allclose(v[0, :, :n + 3], ref.values[:, :n + 3], **TOL)
 
 
 @pytest.mark.parametrize("head", [

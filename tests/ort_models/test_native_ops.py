@@ -586,8 +586,10 @@ def test_attention_refuses_a_block_past_the_cache() -> None:
 
 
 def _cached_session(heads: int, kv_heads: int, hd: int, rd: int, interleaved: int,
-                    f16: bool, lib: Path | None = None, packed: int = 0) -> ort.InferenceSession:
-    """packed 1: q holds q then k (k names q too); 2: q, k, v (k and v name q)."""
+                    f16: bool, lib: Path | None = None, packed: int = 0,
+                    segments: bool = False) -> ort.InferenceSession:
+    """packed 1: q holds q then k (k names q too); 2: q, k, v (k and v name q).
+    segments: `pos` is [B, 3] (slot, pos, rows) over caches of several slots."""
     kv_type = TensorProto.FLOAT16 if f16 else TensorProto.FLOAT
     qkv = ["q", "q", "v"] if packed == 1 else ["q", "q", "q"] if packed == 2 else ["q", "k", "v"]
     node = helper.make_node("CachedAttentionF16" if f16 else "CachedAttention",
@@ -595,7 +597,7 @@ def _cached_session(heads: int, kv_heads: int, hd: int, rd: int, interleaved: in
                             domain="specd", num_heads=heads, kv_num_heads=kv_heads,
                             scale=1.0 / np.sqrt(hd), rotary_dim=rd, interleaved=interleaved,
                             **({"packed": packed} if packed else {}))
-    cache = ["1", kv_heads, "n_ctx", hd]
+    cache = ["slots" if segments else "1", kv_heads, "n_ctx", hd]
     width = {"q": "Wq" if packed else heads * hd, "k": kv_heads * hd, "v": kv_heads * hd}
     graph = helper.make_graph(
         [node], "cached",
@@ -603,7 +605,7 @@ def _cached_session(heads: int, kv_heads: int, hd: int, rd: int, interleaved: in
          for n in dict.fromkeys(qkv)] + [
          helper.make_tensor_value_info("pk", kv_type, cache),
          helper.make_tensor_value_info("pv", kv_type, cache),
-         helper.make_tensor_value_info("pos", TensorProto.INT64, [1]),
+         helper.make_tensor_value_info("pos", TensorProto.INT64, ["B", 3] if segments else [1]),
          helper.make_tensor_value_info("cos", TensorProto.FLOAT, ["P", rd // 2]),
          helper.make_tensor_value_info("sin", TensorProto.FLOAT, ["P", rd // 2])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", heads * hd]),
@@ -683,6 +685,42 @@ def test_cached_attention_reads_packed_projections(packed: int) -> None:
             np.testing.assert_array_equal(got, want)
     with pytest.raises(Exception, match=f"packed {packed}"):
         together.run(None, {**stacked, "q": stacked["q"][:, :-1]})
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
+def test_cached_attention_packs_sequences_each_over_its_own_cache(f16: bool) -> None:
+    """Rows of three sequences in one call, each (slot, pos, rows) segment over its own
+    cache slot: every row, and every slot's cache, equals that sequence's call alone."""
+    rng = np.random.default_rng(11 + f16)
+    heads, kv, hd, n_ctx, rd = 6, 2, 32, 64, 32
+    ang = np.arange(n_ctx)[:, None] * 10000.0 ** (-np.arange(0, rd, 2) / rd)[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    dt = np.float16 if f16 else np.float32
+    caches = [rng.normal(0, 1, (3, kv, n_ctx, hd)).astype(dt) for _ in range(2)]
+    segs = [(2, 30, 1), (0, 5, 4), (1, 17, 2)]  # slot, pos, rows
+    s = sum(n for _, _, n in segs)
+    proj = {name: rng.normal(0, 1, (s, w * hd)).astype(np.float32)
+            for name, w in (("q", heads), ("k", kv), ("v", kv))}
+    packed = _cached_session(heads, kv, hd, rd, 0, f16, segments=True)
+    y, pk, pv = packed.run(None, {**proj, "pk": caches[0], "pv": caches[1],
+                                  "pos": np.array(segs), "cos": cos, "sin": sin})
+    alone = _cached_session(heads, kv, hd, rd, 0, f16)
+    start = 0
+    for slot, pos, n in segs:
+        rows = slice(start, start + n)
+        want = alone.run(None, {**{k: v[rows] for k, v in proj.items()},
+                                "pk": caches[0][slot:slot + 1], "pv": caches[1][slot:slot + 1],
+                                "pos": np.array([pos]), "cos": cos, "sin": sin})
+        np.testing.assert_array_equal(y[rows], want[0])
+        np.testing.assert_array_equal(pk[slot:slot + 1], want[1])
+        np.testing.assert_array_equal(pv[slot:slot + 1], want[2])
+        start += n
+    bad = {"slot": [(3, 0, 7)], "rows": [(0, 0, 6)], "cache": [(0, 60, 7)]}
+    for name, seg in bad.items():
+        with pytest.raises(Exception, match={"slot": "not a cache slot", "rows": "sum to S",
+                                             "cache": "exceeds the cache"}[name]):
+            packed.run(None, {**proj, "pk": caches[0], "pv": caches[1],
+                              "pos": np.array(seg), "cos": cos, "sin": sin})
 
 
 def test_cached_attention_names_a_short_rotary_table() -> None:

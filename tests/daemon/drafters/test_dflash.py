@@ -92,9 +92,9 @@ def test_the_heads_cache_is_one_injection_of_the_sequence(pair: tuple[Any, Any, 
     fresh.inject(0, head_input_rows(feats, drafter.target_layers, len(tokens)), 0)
     n = len(tokens)
     for (k, v), (k2, v2) in zip(drafter.runner.kv.layers(0), fresh.kv.layers(0), strict=True):
-        np.testing.assert_allclose(k.numpy()[0, :, :n], k2.numpy()[0, :, :n], rtol=1e-5,
+        np.testing.assert_allclose(k[0, :, :n], k2[0, :, :n], rtol=1e-5,
                                    atol=1e-5)
-        np.testing.assert_allclose(v.numpy()[0, :, :n], v2.numpy()[0, :, :n], rtol=1e-5,
+        np.testing.assert_allclose(v[0, :, :n], v2[0, :, :n], rtol=1e-5,
                                    atol=1e-5)
 
 

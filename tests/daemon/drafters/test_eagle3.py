@@ -69,7 +69,7 @@ def _fresh_cache(drafter: Eagle3Drafter, built: Any, tokens: list[int], upto: in
     g = fresh.encode(rows)
     fresh.step(0, tokens[1:upto + 1], g[:upto], 0, [])
     k, v = fresh.kv.layers(0)[0]
-    return k.numpy()[0, :, :upto], v.numpy()[0, :, :upto]
+    return k[0, :, :upto], v[0, :, :upto]
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -96,8 +96,8 @@ def test_the_heads_cache_is_a_fresh_run_of_the_sequence(pair: tuple[Any, Any, Pa
     assert written == len(tokens) - 1  # the newest pair waits for the token after it
     k2, v2 = _fresh_cache(drafter, with_features, tokens, written)
     k, v = drafter.runner.kv.layers(0)[0]
-    np.testing.assert_allclose(k.numpy()[0, :, :written], k2, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(v.numpy()[0, :, :written], v2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k[0, :, :written], k2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v[0, :, :written], v2, rtol=1e-5, atol=1e-5)
 
 
 def test_a_reused_prefix_pairs_its_next_token_exactly(pair: tuple[Any, Any, Path, Path]
@@ -117,8 +117,8 @@ def test_a_reused_prefix_pairs_its_next_token_exactly(pair: tuple[Any, Any, Path
     upto = len(longer) - 1
     k2, v2 = _fresh_cache(drafter, with_features, longer, upto)
     k, v = drafter.runner.kv.layers(0)[0]
-    np.testing.assert_allclose(k.numpy()[0, :, :upto], k2, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(v.numpy()[0, :, :upto], v2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k[0, :, :upto], k2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v[0, :, :upto], v2, rtol=1e-5, atol=1e-5)
 
 
 def test_proposals_are_the_steps_argmax_chain(pair: tuple[Any, Any, Path, Path]) -> None:
