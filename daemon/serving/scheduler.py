@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from specd.daemon.spec.generation import Generation, GenerationParams, RequestError
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
+from specd.ort_models.runner import Call, CallOutput
 
 from .engine import Engine
 
@@ -34,6 +35,14 @@ log = logging.getLogger("specd.scheduler")
 
 class QueueFull(Exception):
     pass
+
+
+@dataclass
+class TimedOutput(CallOutput):
+    """A call's output, and the seconds of the pass that computed it (shared by every
+    call in that pass)."""
+
+    seconds: float = 0.0
 
 
 @dataclass
@@ -175,7 +184,7 @@ class Scheduler:
                     return
                 req = self.queue.popleft()
                 slot = self._choose_slot(free, req)
-                if req.task is not None:  # runs in _advance, outside the lock
+                if req.task is not None:  # runs in _step, outside the lock
                     slot.request, req.slot = req, slot.index
                     slot.identity = req.identity
                     continue
@@ -208,36 +217,88 @@ class Scheduler:
                     return
             try:
                 self._admit()
-                for slot in self.slots:
-                    if slot.request is not None:
-                        self._advance(slot)
+                self._step()
             except Exception:  # the worker must outlive any bug
                 log.exception("scheduler round failed")
 
-    def _advance(self, slot: Slot) -> None:
-        req = slot.request
-        assert req is not None
-        if req.task is not None:
-            self._run_task(slot, req, req.task)
-            return
-        assert req.gen is not None
-        gen = req.gen
-        try:
+    def _step(self) -> None:
+        """One step of every active slot: each plans and drafts its round (or takes its
+        next prompt chunk, within the step's prefill budget), then one target pass runs
+        all their calls, then each verifies and emits."""
+        work: list[tuple[Slot, Call]] = []
+        prefill_left = self.prefill_chunk  # prompt tokens this step's pass may hold
+        for slot in self.slots:
+            req = slot.request
+            if req is None:
+                continue
+            if req.task is not None:
+                self._run_task(slot, req, req.task)
+                continue
+            gen = req.gen
+            assert gen is not None
             if req.cancelled:
                 gen.finish("cancelled")
+            elif not gen.prefilled and prefill_left <= 0:
+                continue  # its next chunk waits for the next step
             else:
-                out = gen.step() if gen.prefilled else gen.prefill(self.prefill_chunk)
-                if out and req.on_tokens(out):
+                try:
+                    call = gen.next_call(prefill_left)
+                except Exception as exc:  # one bad request never stops the daemon
+                    self._fail(req, exc)
+                    call = None
+                if call is not None:
+                    if not gen.prefilled:
+                        prefill_left -= len(call.tokens)
+                    work.append((slot, call))
+            self._settle(slot)
+        if not work:
+            return
+        outputs = self._target_pass([call for _, call in work])
+        for (slot, _), out in zip(work, outputs, strict=True):
+            req = slot.request
+            assert req is not None and req.gen is not None
+            gen = req.gen
+            try:
+                if isinstance(out, Exception):
+                    raise out
+                tokens = gen.complete(out, out.seconds)
+                if tokens and req.on_tokens(tokens):
                     gen.finish("stop")  # the request's consumer wants no more
-        except Exception as exc:  # one bad request never stops the daemon
-            log.exception("request %d failed", req.id)
-            req.error = f"internal error: {exc}"
-            gen.finish("error")
-        if gen.done:
-            with self._lock:  # _finish also runs from submit() (requests cancelled queued)
-                # the KV now holds the prompt and everything evaluated after it
-                slot.cached = gen.evaluated_tokens if gen.finish_reason != "error" else []
-                self._finish(req, slot)
+            except Exception as exc:
+                self._fail(req, exc)
+            self._settle(slot)
+
+    def _target_pass(self, calls: list[Call]) -> list[TimedOutput | Exception]:
+        """The calls through the target in one pass; where it fails, each call alone, so
+        that only the request whose call fails gets the error."""
+        runner = self.engine.target.runner
+        t0 = time.perf_counter()
+        try:
+            outs = runner.forward_batch(calls)
+        except Exception as exc:
+            if len(calls) == 1:
+                return [exc]
+            return [self._target_pass([c])[0] for c in calls]
+        seconds = time.perf_counter() - t0
+        return [TimedOutput(o.logits, o.features, seconds) for o in outs]
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        """The request ends with an error (one bad request never stops the daemon)."""
+        log.error("request %d failed", req.id, exc_info=exc)
+        req.error = f"internal error: {exc}"
+        assert req.gen is not None
+        req.gen.finish("error")
+
+    def _settle(self, slot: Slot) -> None:
+        """A slot whose generation is done gives its request back."""
+        req = slot.request
+        if req is None or req.gen is None or not req.gen.done:
+            return
+        gen = req.gen
+        with self._lock:  # _finish also runs from submit() (requests cancelled queued)
+            # the KV now holds the prompt and everything evaluated after it
+            slot.cached = gen.evaluated_tokens if gen.finish_reason != "error" else []
+            self._finish(req, slot)
 
     def _run_task(self, slot: Slot, req: Request,
                   task: Callable[[int], tuple[object, list[int]]]) -> None:

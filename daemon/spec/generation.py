@@ -18,7 +18,7 @@ import numpy as np
 
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.graph_builder import ATTN_BUCKET
-from specd.ort_models.runner import ModelRunner
+from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
 from .drafter import Drafter, DraftParams, Features, Proposal
 from .policy import (
@@ -80,6 +80,21 @@ class _Proposed:
     offer_next: int | None = None  # the offer's token after those kept (all of them kept)
 
 
+@dataclass
+class _PrefillChunk:
+    """A pending prompt chunk: the cursor once its KV is in."""
+
+    end: int
+
+
+@dataclass
+class _Round:
+    """A pending round: its proposal, and the seconds spent on it before the pass."""
+
+    proposed: _Proposed
+    seconds: float
+
+
 class Generation:
     """State of one sequence slot while it generates."""
 
@@ -126,6 +141,7 @@ class Generation:
         # round did not end on one, or greedy)
         self._bonus_p: np.ndarray | None = None
         self._t_decode = time.perf_counter()
+        self._pending: _PrefillChunk | _Round | None = None  # begun by next_call
 
     @property
     def done(self) -> bool:
@@ -160,13 +176,23 @@ class Generation:
 
         Returns [] while prompt remains, then the first generated token. A budgeted call
         stops at the last attention-bucket boundary within its budget (at the budget when
-        none is in reach), and the runner chunks on those boundaries too: with budgets of
-        a bucket or more the calls are those of one unbudgeted prefill, so the KV is the
+        none is in reach); every pass ends at a bucket boundary too: with budgets of a
+        bucket or more the passes are those of one unbudgeted prefill, so the KV is the
         same however the prompt is split.
         """
-        if self.prefilled:
-            return []
-        t0 = time.perf_counter()
+        out: list[int] = []
+        while not self.prefilled:
+            call = self.next_call(budget)
+            if call is None:
+                break
+            out = self._run(call)
+            if budget is not None:
+                break
+        return out
+
+    def _prefill_call(self, budget: int | None) -> Call:
+        """The target call of the next prompt chunk: from the cursor to the budget's last
+        bucket boundary (the budget where none is in reach), within one bucket."""
         if self._cursor is None:
             self._cursor = min(self._reuse, len(self.prompt) - 1)
         start = self._cursor
@@ -175,11 +201,22 @@ class Generation:
             cut = start + budget
             boundary = cut - cut % ATTN_BUCKET
             end = boundary if boundary > start else cut
-        logits = self._prefill_chunk(self.prompt[start:end], start)  # [vocab]
-        self._cursor = end
-        if end < len(self.prompt):
-            self.stats.prefill_s += time.perf_counter() - t0
+        end = min(end, start - start % ATTN_BUCKET + ATTN_BUCKET)
+        self._pending = _PrefillChunk(end)
+        return Call(self.seq, self.prompt[start:end], start, None, self._layers)
+
+    def _complete_prefill(self, chunk: _PrefillChunk, out: CallOutput, seconds: float
+                          ) -> list[int]:
+        """The chunk's KV is in: keep the drafter's features; after the last chunk, start
+        the drafter and sample the first token from the prompt's last logits."""
+        t0 = time.perf_counter()
+        self.stats.prefill_s += seconds
+        for layer, rows in out.features.items():
+            self._prompt_features.setdefault(layer, []).append(rows)
+        self._cursor = chunk.end
+        if chunk.end < len(self.prompt):
             return []
+        logits = out.logits[0]  # [vocab]
         self._begin_drafter()
         # the draft's pass over the prompt is prompt processing too (it precedes the first
         # token), not decoding
@@ -198,19 +235,9 @@ class Generation:
             self.draft_sampler.accept(tok)
         if self.grammar is not None:
             self.grammar.consume(tok)
-        out = self._emit([tok], logits[None])
+        emitted = self._emit([tok], logits[None])
         self._grammar_finished()
-        return out
-
-    def _prefill_chunk(self, tokens: Sequence[int], pos: int) -> np.ndarray:
-        """Evaluate prompt tokens; the drafter's layers' features are kept for `begin`."""
-        if not self._layers:
-            return self.target.prefill(self.seq, tokens, pos)
-        logits, features = self.target.prefill_with_features(self.seq, tokens, pos,
-                                                             self._layers)
-        for layer, rows in features.items():
-            self._prompt_features.setdefault(layer, []).append(rows)
-        return logits
+        return emitted
 
     def _begin_drafter(self) -> None:
         """Start the drafter on the evaluated prompt (a failing drafter is dropped: the
@@ -245,27 +272,61 @@ class Generation:
 
     # -- one round ------------------------------------------------------------------------
     def step(self) -> list[int]:
-        """One round: returns the tokens it emitted (empty once done)."""
-        if self.done:
-            return []
+        """One round (or, before the prompt is in, the whole prefill): returns the tokens
+        it emitted (empty once done)."""
         if not self.prefilled:
             return self.prefill()
+        call = self.next_call()
+        return [] if call is None else self._run(call)
+
+    def _run(self, call: Call) -> list[int]:
+        """The target's pass for `call` alone, and the step completed with it."""
+        t0 = time.perf_counter()
+        out = self.target.forward_batch([call])[0]
+        return self.complete(out, time.perf_counter() - t0)
+
+    def next_call(self, prefill_budget: int | None = None) -> Call | None:
+        """Everything of the next step up to the target's pass, and the call that pass
+        must run for this sequence (a scheduler runs several sequences' calls in one
+        pass): before the prompt is in, its next chunk (at most `prefill_budget` tokens);
+        then the round's plan and proposal, and the call over [last, *draft]. None where
+        the step needs no pass (done, or it ended here); else `complete` must follow."""
+        if self._pending is not None:
+            raise RuntimeError("the previous call was not completed")
+        if self.done:
+            return None
+        if not self.prefilled:
+            return self._prefill_call(prefill_budget)
         if self._grammar_finished():
-            return []
+            return None
         limit = self._draft_limit()
         if limit < 0:
             self.finish_reason = "length"
-            return []
+            return None
         t_round = time.perf_counter()
         plan, offer = self._plan(limit)
         proposed = self._propose(plan, offer)
-        rows, features, verify_s = self._forward(proposed.proposal)
-        result = self._verify(rows, proposed.proposal)
-        self._commit(result, features)
-        self._observe(proposed, result, time.perf_counter() - t_round, verify_s)
-        out = self._emit(result.tokens, rows)
+        self._pending = _Round(proposed, time.perf_counter() - t_round)
+        assert self._last is not None
+        tokens = [self._last, *proposed.proposal.tokens]
+        return Call(self.seq, tokens, self._pos, list(range(len(tokens))), self._layers)
+
+    def complete(self, out: CallOutput, seconds: float) -> list[int]:
+        """The step `next_call` began, finished with the target's output for its call (and
+        the seconds of the pass that computed it): the tokens it emitted."""
+        pending, self._pending = self._pending, None
+        if isinstance(pending, _PrefillChunk):
+            return self._complete_prefill(pending, out, seconds)
+        assert isinstance(pending, _Round), "complete() without next_call()"
+        self.stats.verify_s += seconds
+        rows = out.logits  # [n + 1, vocab]
+        proposal = pending.proposed.proposal
+        result = self._verify(rows, proposal)
+        self._commit(result, out.features if self._layers else None)
+        self._observe(pending.proposed, result, pending.seconds + seconds, seconds)
+        emitted = self._emit(result.tokens, rows)
         self._grammar_finished(result.grammar_dead_end)
-        return out
+        return emitted
 
     def _draft_limit(self) -> int:
         """Most tokens this round may draft: every verified row must equal a single step
@@ -320,23 +381,6 @@ class Generation:
         if len(proposal.tokens) < max(self.params.draft.n_min, 1):
             return Proposal([])
         return proposal
-
-    def _forward(self, proposal: Proposal) -> tuple[np.ndarray, Features | None, float]:
-        """The target's pass over [last, *draft]: logits of every row [n + 1, vocab], the
-        drafter's layers' features (if it reads any) and the pass's seconds."""
-        assert self._last is not None
-        tokens = [self._last, *proposal.tokens]
-        rows = list(range(len(tokens)))
-        t0 = time.perf_counter()
-        features: Features | None = None
-        if self._layers:
-            logits, features = self.target.forward_with_features(
-                self.seq, tokens, self._pos, rows, self._layers)
-        else:
-            logits = self.target.forward(self.seq, tokens, self._pos, rows)
-        seconds = time.perf_counter() - t0
-        self.stats.verify_s += seconds
-        return logits, features, seconds
 
     def _verify(self, rows: np.ndarray, proposal: Proposal) -> VerifyResult:
         if proposal.tokens and self.drafter is not None and self.drafter.decides_acceptance:

@@ -131,13 +131,13 @@ def test_full_queue_refuses_a_stream_before_it_starts(tiny_path, tmp_path,
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
     with live_server(cfg, tmp_path, max_queue=1) as srv:
         runner = srv.service.engine.target.runner
-        real, gate = runner.forward, threading.Event()
+        real, gate = runner.forward_batch, threading.Event()
 
         def held(*args: Any, **kw: Any) -> Any:  # the running request waits here
             gate.wait(60)
             return real(*args, **kw)
 
-        monkeypatch.setattr(runner, "forward", held)
+        monkeypatch.setattr(runner, "forward_batch", held)
         req = {"prompt": "a", "n_predict": 4, "ignore_eos": True}
         sched = srv.service.scheduler
         threads = [threading.Thread(target=srv.request, args=("POST", "/completion", req))
@@ -168,7 +168,7 @@ def test_failure_mid_stream_is_an_error_event(tiny_path, tmp_path, monkeypatch) 
     cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1)
     with live_server(cfg, tmp_path) as srv:
         runner = srv.service.engine.target.runner
-        real, calls = runner.forward, []
+        real, calls = runner.forward_batch, []
 
         def failing(*args: Any, **kw: Any) -> Any:
             calls.append(1)
@@ -176,7 +176,7 @@ def test_failure_mid_stream_is_an_error_event(tiny_path, tmp_path, monkeypatch) 
                 raise RuntimeError("device lost")
             return real(*args, **kw)
 
-        monkeypatch.setattr(runner, "forward", failing)
+        monkeypatch.setattr(runner, "forward_batch", failing)
         for path, body in (("/v1/chat/completions",
                             {"messages": [{"role": "user", "content": "hi"}]}),
                            ("/completion", {"prompt": "hi"})):
@@ -195,7 +195,7 @@ def test_failure_mid_stream_is_an_error_event(tiny_path, tmp_path, monkeypatch) 
             list(Client(srv.socket_path).stream("/completion", {
                 "prompt": "hi", "n_predict": 20, "ignore_eos": True}))
         assert info.value.status == 500
-        monkeypatch.setattr(runner, "forward", real)
+        monkeypatch.setattr(runner, "forward_batch", real)
         assert srv.request("POST", "/completion", {"prompt": "hi", "n_predict": 2})[0] == 200
 
 

@@ -50,13 +50,13 @@ def test_cancelled_requests_give_up_their_queue_places(scheduler: Scheduler,
     """Clients that left while their requests waited must not fill the queue: a live
     request still gets in (it got 'the queue is full' until a slot freed)."""
     runner = scheduler.engine.target.runner
-    real, gate = runner.forward, threading.Event()
+    real, gate = runner.forward_batch, threading.Event()
 
     def held(*args: Any, **kw: Any) -> Any:  # both slots' requests wait here
         gate.wait(60)
         return real(*args, **kw)
 
-    monkeypatch.setattr(runner, "forward", held)
+    monkeypatch.setattr(runner, "forward_batch", held)
     try:
         running = [_request([1, 2, 3 + i])[0] for i in range(2)]
         for r in running:

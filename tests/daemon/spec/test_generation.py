@@ -381,27 +381,31 @@ def test_a_draft_with_fewer_ids_keeps_drafting_past_them(tiny_model_factory,
 
 
 def test_budgeted_prefill_stops_on_bucket_boundaries(models) -> None:
-    """After a reused prefix of 100 tokens, 256-token budgets cut where the runner's own
-    chunks end (a fresh prefill of the same suffix makes the same calls)."""
+    """After a reused prefix of 100 tokens, 256-token budgets cut on bucket boundaries,
+    where an unbudgeted prefill of the same suffix cuts too; a smaller budget cuts at the
+    budget, and a pass never crosses a boundary."""
     target, _ = models
     runner = ModelRunner(target, n_ctx=1024)
-    real, calls = runner.prefill, []
+    real, calls = runner.forward_batch, []
 
-    def prefill(seq, tokens, pos=0, **kw):
-        calls.append((pos, len(tokens)))
-        return real(seq, tokens, pos, **kw)
+    def forward_batch(batch):
+        calls.extend((c.pos, len(c.tokens)) for c in batch)
+        return real(batch)
 
-    runner.prefill = prefill  # type: ignore[method-assign]
+    runner.forward_batch = forward_batch  # type: ignore[method-assign]
     prompt = [20 + i % 300 for i in range(700)]
-    gen = Generation(runner, 0, prompt, GenerationParams(max_tokens=1), eog=EOG, reuse=100)
-    while not gen.prefilled:
-        gen.prefill(256)
-    assert calls == [(100, 156), (256, 256), (512, 188)]
+    for budget in (256, None):
+        calls.clear()
+        gen = Generation(runner, 0, prompt, GenerationParams(max_tokens=1), eog=EOG,
+                         reuse=100)
+        while not gen.prefilled:
+            gen.prefill(budget)
+        assert calls == [(100, 156), (256, 256), (512, 188)]
     calls.clear()
     gen = Generation(runner, 0, prompt[:300], GenerationParams(max_tokens=1), eog=EOG)
     while not gen.prefilled:
-        gen.prefill(100)  # no boundary in reach: the budget (the runner splits the last)
-    assert calls == [(0, 100), (100, 100), (200, 100)]
+        gen.prefill(100)  # no boundary in reach: the budget
+    assert calls == [(0, 100), (100, 100), (200, 56), (256, 44)]
 
 
 def test_the_first_token_is_prompt_processing_in_the_stats(models) -> None:

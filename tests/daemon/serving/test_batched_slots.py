@@ -1,0 +1,142 @@
+"""Every active slot's rows in one target pass a step: each stream's output is its solo
+run's, whatever runs beside it, joins or leaves (tiny models, specd's kernels)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specd.daemon.serving.engine import Engine, EngineConfig
+from specd.daemon.serving.scheduler import Request, Scheduler
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.sampling import SamplerParams
+from specd.daemon.text.grammar import Grammar, compile_constraint
+from specd.ort_models import native_ops
+from specd.ort_models.runner import Call, CallOutput
+
+pytestmark = pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                 "maximum": 999}},
+          "required": ["n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module", params=["none", "draft"])
+def engine(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path]) -> Engine:
+    target = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=8, context_length=1024)
+    draft = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=8, perturb=0.01,
+                               context_length=1024)
+    spec = request.param
+    return Engine(EngineConfig(target=str(target), draft=None if spec == "none" else str(draft),
+                               spec_type=spec, n_ctx=1024, slots=4))
+
+
+@pytest.fixture
+def scheduler(engine: Engine) -> Iterator[Scheduler]:
+    sched = Scheduler(engine)
+    yield sched
+    sched.stop()
+
+
+class Stream:
+    """A request and what it emitted."""
+
+    def __init__(self, prompt: list[int], params: GenerationParams,
+                 grammar: Grammar | None = None):
+        self.tokens: list[int] = []
+        self.done = threading.Event()
+        self.on_tokens: Callable[[], None] = lambda: None  # after each round's tokens
+        self.req = Request(prompt=prompt, params=params, on_tokens=self._got,
+                           on_done=lambda r: self.done.set(), grammar=grammar)
+
+    def _got(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.on_tokens()
+
+    def result(self) -> list[int]:
+        assert self.done.wait(120) and self.req.error is None, self.req.error
+        return self.tokens
+
+
+def _streams(engine: Engine) -> list[Callable[[], Stream]]:
+    """Four kinds of request: greedy, greedy with a longer draft, seeded sampling, and
+    greedy under a JSON schema."""
+    tok = engine.tokenizer
+    grammar = compile_constraint("json_schema", SCHEMA, tok)
+
+    def params(**kw: Any) -> GenerationParams:
+        return GenerationParams(**{"max_tokens": 40, "ignore_eos": True,
+                                   "draft": DraftParams(n_max=3), **kw})
+
+    return [
+        lambda: Stream([1, *range(20, 50)], params()),
+        lambda: Stream([1, *range(60, 70)], params(draft=DraftParams(n_max=6), max_tokens=80)),
+        lambda: Stream([1, *range(80, 120)],
+                       params(sampling=SamplerParams(temperature=0.8, seed=7))),
+        lambda: Stream(tok.encode("give json:"), params(ignore_eos=False), grammar),
+    ]
+
+
+def _solo(scheduler: Scheduler, make: Callable[[], Stream]) -> list[int]:
+    s = make()
+    scheduler.submit(s.req)
+    return s.result()
+
+
+def _count_passes(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> list[int]:
+    """The number of calls in each target pass from now on."""
+    runner = engine.target.runner
+    real, sizes = runner.forward_batch, []
+
+    def spy(calls: list[Call]) -> list[CallOutput]:
+        sizes.append(len(calls))
+        return real(calls)
+
+    monkeypatch.setattr(runner, "forward_batch", spy)
+    return sizes
+
+
+def test_streams_in_one_pass_equal_their_solo_runs(scheduler: Scheduler, engine: Engine,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    makers = _streams(engine)
+    want = [_solo(scheduler, make) for make in makers]
+    sizes = _count_passes(monkeypatch, engine)
+    streams = [make() for make in makers]
+    for s in streams:
+        scheduler.submit(s.req)
+    assert [s.result() for s in streams] == want
+    assert max(sizes) == 4  # all four streams shared passes
+
+
+def test_joining_and_cancelled_streams_leave_the_others_unchanged(
+        scheduler: Scheduler, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream joins once two run (from the worker, after a running one's fifth token),
+    and one of the two is cancelled once the newcomer has emitted: the others' outputs
+    are their solo runs', the cancelled one's a prefix of its own."""
+    a, b, c, _ = _streams(engine)
+    want_a, want_b, want_c = (_solo(scheduler, make) for make in (a, b, c))
+    sizes = _count_passes(monkeypatch, engine)
+    first, leaving, joining = a(), b(), c()
+
+    def join() -> None:
+        if len(first.tokens) >= 5 and joining.req.id == 0:
+            scheduler.submit(joining.req)
+
+    def leave() -> None:
+        if joining.tokens:
+            leaving.req.cancel()
+
+    first.on_tokens, joining.on_tokens = join, leave
+    for s in (first, leaving):
+        scheduler.submit(s.req)
+    assert first.result() == want_a and joining.result() == want_c
+    assert leaving.done.wait(60) and leaving.req.gen is not None
+    assert leaving.req.gen.finish_reason == "cancelled"
+    assert 5 <= len(leaving.tokens) < len(want_b)
+    assert leaving.tokens == want_b[:len(leaving.tokens)]
+    assert max(sizes) == 3
