@@ -1,7 +1,9 @@
-"""Reading request JSON fields with clear 400 errors."""
+"""Reading request JSON fields with clear 400 errors, and the limits on what a request
+may ask for (each refusal names its limit)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -9,6 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+
+BODY_TIMEOUT = web.AppKey("body_timeout", float)
+DEFAULT_BODY_TIMEOUT = 60.0  # seconds for a request's body to arrive, once its headers have
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 512  # in one stop string
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 256 << 10  # the tools array, as JSON
+MAX_CONSTRAINT_BYTES = 256 << 10  # a grammar, regex or JSON schema (as JSON)
+MAX_CACHE_KEY_CHARS = 256
 
 
 class BadRequest(Exception):
@@ -19,8 +30,13 @@ class BadRequest(Exception):
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
+    timeout = request.app.get(BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT)
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {timeout:g} s",
+                         status=408, code="timeout") from None
     except web.HTTPRequestEntityTooLarge:
         raise BadRequest(f"request body too large (limit {request.client_max_size} bytes)",
                          status=413) from None
@@ -68,10 +84,90 @@ def stop_list(body: dict[str, Any]) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise BadRequest("'stop' must be a string or an array of strings", param="stop")
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("'stop' must be a string or an array of strings", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise BadRequest(f"'stop' has {len(stop)} strings; the limit is {MAX_STOP_STRINGS}",
+                         param="stop")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise BadRequest(f"a stop string has {longest} characters; the limit is "
+                         f"{MAX_STOP_CHARS}", param="stop")
+    return stop
+
+
+def check_tools_size(tools: list[Any]) -> None:
+    """A 400 for more tools, or a bigger tools array, than a request may declare."""
+    if len(tools) > MAX_TOOLS:
+        raise BadRequest(f"'tools' has {len(tools)} tools; the limit is {MAX_TOOLS}",
+                         param="tools")
+    size = json_size(tools, MAX_TOOLS_BYTES, "tools")
+    if size > MAX_TOOLS_BYTES:
+        raise BadRequest(f"'tools' is {size} bytes as JSON; the limit is {MAX_TOOLS_BYTES}",
+                         param="tools")
+
+
+def check_constraint_size(spec: Any, param: str) -> None:
+    """A 400 for a grammar, regex or schema larger than MAX_CONSTRAINT_BYTES."""
+    size = json_size(spec, MAX_CONSTRAINT_BYTES, param) if not isinstance(spec, str) else (
+        utf8_size(spec))
+    if size > MAX_CONSTRAINT_BYTES:
+        raise BadRequest(f"'{param}' is {size} bytes; the limit is {MAX_CONSTRAINT_BYTES}",
+                         param=param)
+
+
+def json_size(value: Any, limit: int, param: str) -> int:
+    """The bytes of `value` as compact JSON (one over `limit` where it nests too deeply
+    to write)."""
+    try:
+        return len(json.dumps(value, separators=(",", ":")).encode())
+    except RecursionError:
+        raise BadRequest(f"'{param}' nests too deeply", param=param) from None
+
+
+def utf8_size(text: str) -> int:
+    """The bytes of `text` in UTF-8 (a lone surrogate counts as 3)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_text_bytes(texts: list[str], limit: int, param: str) -> None:
+    """A 400 before any tokenizing when the texts together are longer than `limit`
+    bytes: more than the context can hold (see prompt_byte_limit)."""
+    total = 0
+    for text in texts:
+        total += len(text) if len(text) * 4 <= limit else utf8_size(text)
+        if total > limit:
+            raise BadRequest(f"'{param}' holds over {limit} bytes of text, more than the "
+                             "context can hold (the limit: the context's tokens times the "
+                             "longest token's bytes, at least 32)",
+                             code="context_length_exceeded", param=param)
+
+
+def texts_in(value: Any, depth: int = 0) -> list[str]:
+    """Every string inside a JSON value (keys included), nested at most 200 deep."""
+    if isinstance(value, str):
+        return [value]
+    if depth > 200:
+        raise BadRequest("the request nests too deeply")
+    if isinstance(value, dict):
+        out = [k for k in value if isinstance(k, str)]
+        for v in value.values():
+            out += texts_in(v, depth + 1)
+        return out
+    if isinstance(value, list):
+        return [t for v in value for t in texts_in(v, depth + 1)]
+    return []
+
+
+def cache_key(body: dict[str, Any]) -> str | None:
+    """The client's `cache_key`: its requests share a cached prompt only with requests of
+    the same key (within one user)."""
+    key = get(body, "cache_key", str, None)
+    if key is not None and len(key) > MAX_CACHE_KEY_CHARS:
+        raise BadRequest(f"'cache_key' has {len(key)} characters; the limit is "
+                         f"{MAX_CACHE_KEY_CHARS}", param="cache_key")
+    return key
 
 
 def token_list(value: Any, name: str, vocab: int) -> list[int]:
