@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(sv)
     _add_sampling_args(sv)
     cli_serve.add_serve_args(sv)
+    sv.add_argument("--log-file", default=None,
+                    help="the file stdout and stderr are appended to, rotated to <file>.1 "
+                    "past 10 MB (`specd start` passes its log)")
     sv.set_defaults(func=cli_serve.run)
 
     from specd.tray.app import add_tray_command

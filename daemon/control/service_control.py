@@ -27,7 +27,7 @@ import psutil
 from specd.ipc.client import Client, DaemonError, DaemonUnavailable
 from specd.ort_models.paths import state_dir
 
-LOG_MAX_BYTES = 10 << 20  # rotated to specd.log.1 at start beyond this
+LOG_MAX_BYTES = 10 << 20  # rotated to specd.log.1 beyond this (at start, and as it runs)
 _SERVING = re.compile(rb"specd: serving http://(\[[^\]\s]+\]|[^\s:/]+):(\d+)")
 
 
@@ -226,9 +226,11 @@ def _served_port(offset: int) -> int | None:
 
 
 # -- start / stop -------------------------------------------------------------------------
-def serve_command(serve_argv: list[str], verbose: bool = False) -> list[str]:
+def serve_command(serve_argv: list[str], verbose: bool = False,
+                  log: Path | None = None) -> list[str]:
+    """The daemon's command line; with `log`, it rotates that log by size as it runs."""
     return [sys.executable, "-m", "specd.daemon.cli", *(["-v"] if verbose else []),
-            "serve", *serve_argv]
+            "serve", *serve_argv, *(["--log-file", str(log)] if log is not None else [])]
 
 
 def start(serve_argv: list[str], *, verbose: bool = False, timeout: float = 600.0,
@@ -254,7 +256,7 @@ def start(serve_argv: list[str], *, verbose: bool = False, timeout: float = 600.
             f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} specd start: "
                     f"{' '.join(serve_argv)}\n".encode())
             offset = f.tell()
-            cmd = serve_command(serve_argv, verbose)
+            cmd = serve_command(serve_argv, verbose, log)
             kwargs: dict[str, Any] = {}
             if sys.platform == "win32":
                 kwargs["creationflags"] = (subprocess.DETACHED_PROCESS  # type: ignore[attr-defined]
