@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import importlib.metadata
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from aiohttp import web
@@ -22,6 +24,7 @@ from specd.daemon.spec.generation import GenerationParams, RequestError
 from specd.daemon.spec.sampling import SamplerParams, TokenLogprob
 from specd.daemon.text.grammar import Grammar, GrammarError
 from specd.daemon.text.infill import DEFAULT_CHUNK_FILE, ExtraChunk, has_fim, infill_tokens
+from specd.daemon.text.tokenizer import Tokenizer
 from specd.daemon.text.tool_calls import (
     ToolCallStream,
     check_tools,
@@ -32,8 +35,31 @@ from specd.daemon.text.tool_calls import (
 
 from .jsonout import dumps, json_response
 from .metrics import render_metrics
-from .security import Handler, cors_on_prepare, error_response, make_middlewares
-from .validation import BadRequest, get, json_body, logit_bias, stop_list, token_list
+from .security import (
+    IDENTITY,
+    Access,
+    Handler,
+    cache_identity,
+    cors_on_prepare,
+    error_response,
+    make_middlewares,
+)
+from .service_view import LiveRequests, service_for
+from .validation import (
+    BODY_TIMEOUT,
+    DEFAULT_BODY_TIMEOUT,
+    BadRequest,
+    cache_key,
+    check_constraint_size,
+    check_text_bytes,
+    check_tools_size,
+    get,
+    json_body,
+    logit_bias,
+    stop_list,
+    texts_in,
+    token_list,
+)
 
 
 def _fingerprint() -> str:
@@ -50,10 +76,55 @@ SERVICE = web.AppKey("service", Service)
 MAX_BODY = web.AppKey("max_body", int)
 MEMORY_PLAN = web.AppKey("memory_plan", object)
 STRICT_MODEL_NAME = web.AppKey("strict_model_name", bool)
+LIVE = web.AppKey("live_requests", LiveRequests)
+PREP = web.AppKey("prep_executor", ThreadPoolExecutor)
+PREP_THREADS = 4  # requests prepared (tokenized, rendered) at once, off the event loop
+MIN_BYTES_PER_TOKEN = 32
+T = TypeVar("T")
 
 
 def _svc(request: web.Request) -> Service:
     return request.app[SERVICE]
+
+
+def _served(request: web.Request, body: dict[str, Any]) -> Service:
+    """The service as this request's sender uses it: its prompt cache is the sender's own
+    (narrowed by the request's `cache_key`), and shutdown can cancel its generation."""
+    identity = cache_identity(request.get(IDENTITY, ""), cache_key(body))
+    return service_for(_svc(request), identity, request.app[LIVE])
+
+
+async def _off_loop(request: web.Request, fn: Callable[..., T], *args: Any,
+                    **kw: Any) -> T:
+    """`fn(*args, **kw)` on a preparing thread: tokenizing or rendering a big request
+    must not stall the event loop (every other client's stream, /health)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[PREP], functools.partial(fn, *args, **kw))
+
+
+def _prompt_byte_limit(svc: Service) -> int:
+    """The most bytes of text that can tokenize into the context: each token stands for
+    at most the vocabulary's longest token (and no tokenizer here drops characters), so
+    longer text cannot fit and is refused before tokenizing."""
+    return svc.engine.n_ctx * _bytes_per_token(svc.tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _bytes_per_token(tok: Tokenizer) -> int:
+    longest = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)), default=0)
+    return max(MIN_BYTES_PER_TOKEN, longest)
+
+
+def _check_prompt_bytes(svc: Service, value: Any, param: str) -> None:
+    check_text_bytes(texts_in(value), _prompt_byte_limit(svc), param)
+
+
+def _shutting_down(request: web.Request, result: Result) -> bool:
+    """Whether the daemon's shutdown cancelled this generation."""
+    return request.app[LIVE].draining and result.finish_reason == "cancelled"
+
+
+SHUTDOWN_MESSAGE = "specd is shutting down: the generation was cancelled"
 
 
 # -- request parsing ----------------------------------------------------------------------
@@ -127,6 +198,7 @@ def _model_names(svc: Service) -> set[str]:
 
 def _prompt_tokens(svc: Service, value: Any, name: str = "prompt") -> list[int]:
     tok = svc.tokenizer
+    _check_prompt_bytes(svc, value, name)
     if isinstance(value, str):
         return tok.encode(value, parse_special=True)
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
@@ -166,6 +238,8 @@ async def _constraint(svc: Service, body: dict[str, Any]) -> Grammar | None:
             kind, spec = k, value
     if kind is None:
         return None
+    check_constraint_size(spec, "response_format" if rf is not None else
+                          next(f for f in ("json_schema", "grammar", "regex") if f in body))
     try:
         return await svc.compile_constraint(kind, spec)
     except GrammarError as exc:
@@ -208,8 +282,8 @@ def _unsupported(body: dict[str, Any], fields: tuple[str, ...]) -> None:
 
 
 # -- running ------------------------------------------------------------------------------
-async def _collect(svc: Service, prompt: list[int], params: GenerationParams,
-                   **kw: Any) -> Result:
+async def _collect(request: web.Request, svc: Service, prompt: list[int],
+                   params: GenerationParams, **kw: Any) -> Result:
     result: Result | None = None
     async for ev in svc.generate(prompt, params, **kw):
         if isinstance(ev, Result):
@@ -217,6 +291,8 @@ async def _collect(svc: Service, prompt: list[int], params: GenerationParams,
     assert result is not None
     if result.error:
         raise RuntimeError(result.error)
+    if _shutting_down(request, result):
+        raise BadRequest(SHUTDOWN_MESSAGE, status=503, code="unavailable")
     return result
 
 
@@ -227,10 +303,11 @@ async def _sse(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _send_error(resp: web.StreamResponse, message: str) -> None:
+async def _send_error(resp: web.StreamResponse, message: str, code: int = 500) -> None:
     """A failure after the stream began: an error event (what llama.cpp's server and
     OpenAI's send), never a normal finish."""
-    await _send(resp, {"error": {"code": 500, "message": message, "type": "server_error"}})
+    etype = "unavailable_error" if code == 503 else "server_error"
+    await _send(resp, {"error": {"code": code, "message": message, "type": etype}})
 
 
 async def _send(resp: web.StreamResponse, payload: Any) -> None:
@@ -380,6 +457,7 @@ def _chat_inputs(body: dict[str, Any]) -> _ChatInputs:
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
         raise BadRequest("'tools' must be an array of objects", param="tools")
+    check_tools_size(tools or [])
     try:
         check_tools(tools or [])
     except ValueError as exc:
@@ -400,15 +478,22 @@ def _chat_inputs(body: dict[str, Any]) -> _ChatInputs:
     return _ChatInputs(messages, tools or None, names, forced, render)
 
 
-async def _rendered(request: web.Request, how: str) -> Any:
-    """The chat request's prompt, rendered by the engine's `how` ("render_chat": the
-    text, "chat_tokens": its token ids); a template error is a 400."""
-    svc = _svc(request)
-    chat = _chat_inputs(await json_body(request))
+def _render(svc: Service, chat: _ChatInputs, how: str) -> Any:
+    """The chat's prompt, rendered by the engine's `how` ("render_chat": the text,
+    "chat_tokens": its token ids); a template error, or more text than the context can
+    hold, is a 400."""
+    check_text_bytes(texts_in(chat.messages) + texts_in(chat.tools or []),
+                     _prompt_byte_limit(svc), "messages")
     try:
         return getattr(svc.engine, how)(chat.messages, chat.tools, **chat.render)
     except ValueError as exc:
         raise BadRequest(f"chat template: {exc}") from None
+
+
+async def _rendered(request: web.Request, how: str) -> Any:
+    """The chat request's prompt (see _render), prepared off the event loop."""
+    chat = _chat_inputs(await json_body(request))
+    return await _off_loop(request, _render, _svc(request), chat, how)
 
 
 async def apply_template(request: web.Request) -> web.Response:
@@ -422,8 +507,8 @@ async def chat_input_tokens(request: web.Request) -> web.Response:
 
 
 async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
-    svc = _svc(request)
     body = await json_body(request)
+    svc = _served(request, body)
     _check_model(request, body)
     _unsupported(body, () if chat else ("echo", "suffix", "best_of"))
     names: set[str] | None = None  # the request's tools, when calls are parsed
@@ -431,16 +516,12 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     if chat:
         chat_in = _chat_inputs(body)
         names, forced = chat_in.names, chat_in.forced
-        try:
-            prompt = svc.engine.chat_tokens(chat_in.messages, chat_in.tools,
-                                            **chat_in.render)
-        except ValueError as exc:
-            raise BadRequest(f"chat template: {exc}") from None
+        prompt = await _off_loop(request, _render, svc, chat_in, "chat_tokens")
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
-        prompt = _prompt_tokens(svc, body["prompt"])
-    params = _params(svc, body, max_key="max_tokens")
+        prompt = await _off_loop(request, _prompt_tokens, svc, body["prompt"])
+    params = await _off_loop(request, _params, svc, body, max_key="max_tokens")
     params.logprobs = _openai_logprobs(body, chat)
     if chat and "max_completion_tokens" in body:
         params.max_tokens = get(body, "max_completion_tokens", int, params.max_tokens, lo=0)
@@ -465,7 +546,8 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     n = get(body, "n", int, 1, lo=1, hi=MAX_CHOICES)
     choice_params = [params if i == 0 else _nth_choice(params, i) for i in range(n)]
     if not get(body, "stream", bool, False):
-        results = await asyncio.gather(*(_collect(svc, prompt, p, stop=stop, grammar=grammar)
+        results = await asyncio.gather(*(_collect(request, svc, prompt, p, stop=stop,
+                                                  grammar=grammar)
                                          for p in choice_params))
         choices = []
         for i, r in enumerate(results):
@@ -568,10 +650,10 @@ async def _openai_stream(request: web.Request, streams: list[Stream], *, chat: b
             text = ev.text if st.tools is None else st.tools.feed(ev.text)
             if text:
                 await _send(resp, chunk(st, text))
-        elif ev.error:
+        elif ev.error or _shutting_down(request, ev):
             if st.tools is not None and st.tools.held():
                 await _send(resp, chunk(st, st.tools.held()))
-            await _send_error(resp, ev.error)
+            await _send_error(resp, *((ev.error,) if ev.error else (SHUTDOWN_MESSAGE, 503)))
             await resp.write_eof()
             return resp
         else:
@@ -666,19 +748,19 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
 async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
                      ) -> dict[str, Any] | list[dict[str, Any]] | web.StreamResponse:
     """One /completion or /infill request: its response's JSON, or the stream it sent."""
-    svc = _svc(request)
-    params = _params(svc, body, max_key="n_predict")
+    svc = _served(request, body)
+    params = await _off_loop(request, _params, svc, body, max_key="n_predict")
     n_probs = get(body, "n_probs", int, 0, lo=0, hi=MAX_N_PROBS)
     if get(body, "post_sampling_probs", bool, False):
         raise BadRequest("'post_sampling_probs' is not supported by specd (n_probs gives "
                          "the model's own probabilities)", param="post_sampling_probs")
     params.logprobs = n_probs or None
     if infill:
-        prompt = _infill_prompt(svc, body, params.max_tokens)
+        prompt = await _off_loop(request, _infill_prompt, svc, body, params.max_tokens)
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
-        prompts = _prompts(svc, body["prompt"], "prompt")
+        prompts = await _off_loop(request, _prompts, svc, body["prompt"], "prompt")
         if len(prompts) > 1:  # several: one completion each, a list of results
             if get(body, "stream", bool, False):
                 raise BadRequest("streaming several prompts is not supported; send them "
@@ -729,7 +811,7 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
 
     stream = get(body, "stream", bool, False)
     if not stream:
-        return final(await _collect(svc, prompt, params, **kw))
+        return final(await _collect(request, svc, prompt, params, **kw))
     events = svc.submit(prompt, params, **kw)  # a full queue is a 503 before any byte
     n_predicted = 0
 
@@ -765,6 +847,8 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
                 await _send(resp, partial(ev.text, ev.tokens))
             elif ev.error:
                 await _send_error(resp, ev.error)
+            elif _shutting_down(request, ev):
+                await _send_error(resp, SHUTDOWN_MESSAGE, 503)
             else:
                 await _send(resp, final(ev))
         await resp.write_eof()
@@ -803,12 +887,15 @@ async def tokenize(request: web.Request) -> web.Response:
     # add_special: the BOS / EOS the vocabulary adds (none where it adds none), as
     # llama.cpp's tokenizer does: the prompt a completion would evaluate
     special = None if get(body, "add_special", bool, False) else False
-    ids = svc.tokenizer.encode(content, add_bos=special, add_eos=special,
-                               parse_special=get(body, "parse_special", bool, True))
+    ids = await _off_loop(request, svc.tokenizer.encode, content, add_bos=special,
+                          add_eos=special, parse_special=get(body, "parse_special", bool, True))
     if get(body, "with_pieces", bool, False):
-        return json_response({"tokens": [
-            {"id": i, "piece": _piece(svc.tokenizer.token_bytes(i))} for i in ids]})
+        return json_response(await _off_loop(request, _with_pieces, svc.tokenizer, ids))
     return json_response({"tokens": ids})
+
+
+def _with_pieces(tok: Tokenizer, ids: list[int]) -> dict[str, Any]:
+    return {"tokens": [{"id": i, "piece": _piece(tok.token_bytes(i))} for i in ids]}
 
 
 def _piece(data: bytes) -> str | list[int]:
@@ -823,8 +910,9 @@ def _piece(data: bytes) -> str | list[int]:
 async def detokenize(request: web.Request) -> web.Response:
     svc = _svc(request)
     body = await json_body(request)
-    ids = token_list(body.get("tokens", []), "tokens", svc.tokenizer.vocab_size)
-    return json_response({"content": svc.tokenizer.decode(ids)})
+    ids = await _off_loop(request, token_list, body.get("tokens", []), "tokens",
+                          svc.tokenizer.vocab_size)
+    return json_response({"content": await _off_loop(request, svc.tokenizer.decode, ids)})
 
 
 # -- embeddings ---------------------------------------------------------------------------
@@ -850,6 +938,7 @@ def _prompts(svc: Service, value: Any, param: str = "input") -> list[list[int]]:
                 raise BadRequest(f"a '{param}' object needs 'prompt_string' or 'content' as "
                                  "an array of text parts (this model reads text only)",
                                  param=param)
+        _check_prompt_bytes(svc, item, param)
         if isinstance(item, str):
             return tok.encode(item, parse_special=True)
         if isinstance(item, list) and item and all(
@@ -871,8 +960,8 @@ def _prompts(svc: Service, value: Any, param: str = "input") -> list[list[int]]:
 
 
 async def _embed(request: web.Request, *, openai: bool) -> web.Response:
-    svc = _svc(request)
     body = await json_body(request)
+    svc = _served(request, body)
     if svc.engine.pooling is None:
         raise BadRequest("this daemon does not compute embeddings: start it with "
                          "--embeddings", status=501, code="not_supported")
@@ -891,7 +980,8 @@ async def _embed(request: web.Request, *, openai: bool) -> web.Response:
     tok = svc.tokenizer
     # an empty text: its start alone (llama.cpp embeds the BOS it adds)
     start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
-    inputs = [tokens or start for tokens in _prompts(svc, body[field], field)]
+    inputs = [tokens or start
+              for tokens in await _off_loop(request, _prompts, svc, body[field], field)]
     for tokens in inputs:
         if len(tokens) > svc.engine.n_ctx - 1:
             raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "
@@ -977,6 +1067,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 def _busy(handler: Handler) -> Handler:
     async def wrapped(request: web.Request) -> web.StreamResponse:
+        if request.app[LIVE].draining:
+            return error_response(503, "specd is shutting down")
         try:
             return await handler(request)
         except QueueFull as exc:
@@ -989,16 +1081,27 @@ def _busy(handler: Handler) -> Handler:
 
 
 def create_app(service: Service, *, allowed_origins: set[str] | None = None,
-               token: str | None = None, max_body: int = 8 << 20,
+               token: str | None = None, access: Access | None = None,
+               max_body: int = 8 << 20, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                memory_plan: dict[str, Any] | None = None,
                strict_model_name: bool = False) -> web.Application:
+    """The API over `service`. `access` says who may use TCP (`token` alone: a token
+    every TCP client must send). Closing the app (its runner's cleanup) cancels the
+    generations in flight and stops the service's scheduler."""
+    if access is None:
+        access = Access(token=token, require_token=token is not None)
     app = web.Application(client_max_size=max_body, middlewares=make_middlewares(
-        allowed_origins=allowed_origins or set(), token=token))
+        allowed_origins=allowed_origins or set(), access=access))
     app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
     app[SERVICE] = service
     app[MAX_BODY] = max_body
+    app[BODY_TIMEOUT] = body_timeout
     app[MEMORY_PLAN] = memory_plan
     app[STRICT_MODEL_NAME] = strict_model_name
+    app[LIVE] = LiveRequests()
+    app[PREP] = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="specd-prep")
+    app.on_shutdown.append(_cancel_generations)
+    app.on_cleanup.append(_stop_service)
     r = app.router
     r.add_get("/health", health)
     r.add_get("/v1/models", models)
@@ -1022,3 +1125,16 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_get("/slots", slots)
     r.add_get("/metrics", metrics)
     return app
+
+
+async def _cancel_generations(app: web.Application) -> None:
+    """Shutdown: every generation in flight ends now; its client gets an error event
+    (or a 503), and requests still arriving are refused."""
+    app[LIVE].cancel_all()
+
+
+async def _stop_service(app: web.Application) -> None:
+    """After the last response: the scheduler's worker stops while the event loop still
+    runs, so no callback reaches a closed loop."""
+    app[PREP].shutdown(wait=False, cancel_futures=True)
+    await asyncio.get_running_loop().run_in_executor(None, app[SERVICE].scheduler.stop)

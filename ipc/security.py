@@ -1,19 +1,24 @@
-"""Middlewares: loopback Host check (DNS rebinding), Origin check, bearer token, errors."""
+"""Middlewares: Host check (DNS rebinding), Origin check, who may talk (the daemon's own
+OS user, or the bearer token), whose prompt cache a request uses, errors."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import os
 import secrets
 import socket
+import stat
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from .jsonout import json_response
+from .peer import tcp_peer_uid, unix_peer_uid
 from .validation import BadRequest
 
 if TYPE_CHECKING:
@@ -22,6 +27,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("specd.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]", "localhost.localdomain"}
+IDENTITY = web.RequestKey("identity", str)  # whose request: see request_identity()
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may use the TCP port (the Unix socket is its owner's, by its mode)."""
+
+    token: str | None = None  # the bearer token: admits whoever presents it
+    require_token: bool = False  # every TCP client needs it (non-loopback, --require-token)
+    # loopback TCP admits every local OS user without the token (--allow-other-users);
+    # else only the daemon's own user, as the kernel names the peer (Linux)
+    other_users: bool = False
+    # Host header values accepted beyond loopback names (the bound and machine addresses)
+    hosts: frozenset[str] = field(default_factory=frozenset)
 
 
 def error_response(status: int, message: str, *, code: str = "invalid_request_error",
@@ -35,14 +54,20 @@ def error_response(status: int, message: str, *, code: str = "invalid_request_er
                    "param": param}}, status=status)
 
 
+def host_name(host: str) -> str:
+    """A Host header's name or address, without its port or IPv6 brackets."""
+    name = host.strip().lower()
+    if name.startswith("["):  # [::1]:port
+        return name[1:].split("]", 1)[0]
+    if name.count(":") == 1:
+        return name.rsplit(":", 1)[0]
+    return name
+
+
 def is_loopback_host(host: str | None) -> bool:
     if not host:
         return False
-    name = host.strip().lower()
-    if name.startswith("["):  # [::1]:port
-        name = name[1:].split("]", 1)[0]
-    elif name.count(":") == 1:
-        name = name.rsplit(":", 1)[0]
+    name = host_name(host)
     if name in LOOPBACK_NAMES:
         return True
     try:
@@ -56,10 +81,15 @@ def _via_unix_socket(request: web.Request) -> bool:
     return sock is not None and getattr(sock, "family", None) == socket.AF_UNIX
 
 
+class TokenFileError(ValueError):
+    pass
+
+
 def load_or_create_token(path: Path) -> str:
-    """The bearer token, generated once into a 0600 file."""
+    """The bearer token, generated once into a 0600 file. An existing file must be this
+    user's, private and not empty: anything else is refused, not used as it is."""
     if path.is_file():
-        return path.read_text().strip()
+        return _read_private_token(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -68,7 +98,75 @@ def load_or_create_token(path: Path) -> str:
     return token
 
 
-def make_middlewares(*, allowed_origins: set[str], token: str | None,
+def _read_private_token(path: Path) -> str:
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise TokenFileError(f"the token file {path} belongs to uid {st.st_uid}, not to "
+                             "this user: delete it (a new token is then generated)")
+    mode = stat.S_IMODE(st.st_mode)
+    if os.name == "posix" and mode & 0o077:
+        raise TokenFileError(f"the token file {path} may be read by other users (mode "
+                             f"{mode:04o}): `chmod 600 {path}` if nobody else has read it, "
+                             "else delete it (a new token is then generated)")
+    token = path.read_text().strip()
+    if not token:
+        raise TokenFileError(f"the token file {path} is empty: write a token in it or "
+                             "delete it (a new token is then generated)")
+    return token
+
+
+def cache_identity(base: str, cache_key: str | None) -> str:
+    """A request's prompt-cache identity: who sent it, narrowed by the client's own
+    `cache_key` (a key never widens it to another user's cache)."""
+    if not cache_key:
+        return base
+    return f"{base}|key:{hashlib.sha256(cache_key.encode()).hexdigest()[:32]}"
+
+
+def _peer_uid(request: web.Request, unix: bool) -> int | None:
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return None
+    if unix:
+        return unix_peer_uid(sock)
+    try:
+        local, remote = sock.getsockname(), sock.getpeername()
+    except OSError:
+        return None
+    if not ipaddress.ip_address(str(remote[0]).split("%", 1)[0]).is_loopback:
+        return None
+    return tcp_peer_uid(local, remote)
+
+
+def _own_uid() -> int | None:
+    return os.getuid() if hasattr(os, "getuid") else None
+
+
+def _admit(request: web.Request, access: Access, unix: bool) -> str | web.Response:
+    """The identity of the request's sender, or the response refusing it."""
+    uid = _peer_uid(request, unix)
+    if unix:
+        return f"uid:{_own_uid() if uid is None else uid}"
+    got = request.headers.get("Authorization", "")
+    with_token = access.token is not None and secrets.compare_digest(
+        got.encode(), f"Bearer {access.token}".encode())
+    if with_token:
+        return "token" if uid is None else f"uid:{uid}"
+    if access.require_token:
+        return error_response(401, "missing or wrong bearer token "
+                                   "(Authorization: Bearer <token>)")
+    if uid is not None and (access.other_users or uid == _own_uid()):
+        return f"uid:{uid}"
+    if access.other_users:
+        return "anyone"  # the kernel does not say who (not Linux)
+    return error_response(401, "this daemon serves only its own OS user on TCP without "
+                               "the bearer token: send Authorization: Bearer <token> (the "
+                               "token file in the daemon user's state dir), or start it "
+                               "with --allow-other-users")
+
+
+def make_middlewares(*, allowed_origins: set[str], access: Access,
                      check_host: bool = True) -> list[Middleware]:
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -96,9 +194,13 @@ def make_middlewares(*, allowed_origins: set[str], token: str | None,
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         unix = _via_unix_socket(request)
         origin = request.headers.get("Origin")
-        if not unix and check_host and not is_loopback_host(request.headers.get("Host")):
+        host = request.headers.get("Host")
+        if not unix and check_host and not is_loopback_host(host) and (
+                host is None or host_name(host) not in access.hosts):
             return error_response(403, "Host header must name a loopback address "
-                                       "(DNS-rebinding protection)")
+                                       "(DNS-rebinding protection)" if not access.hosts else
+                                       "Host header must name this machine (DNS-rebinding "
+                                       "protection)")
         if (request.method == "OPTIONS" and origin in allowed_origins
                 and "Access-Control-Request-Method" in request.headers):
             # a browser's CORS preflight (it never carries the token)
@@ -107,12 +209,11 @@ def make_middlewares(*, allowed_origins: set[str], token: str | None,
                 "Access-Control-Allow-Headers": request.headers.get(
                     "Access-Control-Request-Headers", "Authorization, Content-Type"),
                 "Access-Control-Max-Age": "600"})
-        if not unix:
-            if token is not None and request.path != "/health":
-                got = request.headers.get("Authorization", "")
-                if not secrets.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                    return error_response(401, "missing or wrong bearer token "
-                                               "(Authorization: Bearer <token>)")
+        if request.path != "/health":
+            admitted = _admit(request, access, unix)
+            if isinstance(admitted, web.Response):
+                return admitted
+            request[IDENTITY] = admitted
         if origin is not None and origin not in allowed_origins:
             return error_response(403, f"cross-origin requests from {origin} are not "
                                        "allowed (see --allow-origin)")

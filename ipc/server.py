@@ -11,15 +11,17 @@ import signal
 import socket
 import stat
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any
 
+import psutil
 from aiohttp import web
 
 from specd.ort_models.paths import runtime_dir, state_dir
 
-from .security import is_loopback_host, load_or_create_token
+from .security import Access, is_loopback_host, load_or_create_token
 
 log = logging.getLogger("specd.server")
 # 8 + 0x5EED: unassigned by IANA, away from 8080/8000/11434 (Ollama)/1234 (LM Studio)
@@ -42,6 +44,10 @@ class ServeConfig:
     require_token: bool = False
     allow_non_loopback: bool = False
     allowed_origins: set[str] = field(default_factory=set)
+    # loopback TCP serves every local OS user without the token (else only the daemon's)
+    allow_other_users: bool = False
+    max_connections: int = 512  # open at once (fewer where the fd limit is low)
+    header_timeout: float = 15.0  # s for a request's headers to arrive (and idle keep-alive)
 
 
 def resolve_token(cfg: ServeConfig) -> str | None:
@@ -52,6 +58,28 @@ def resolve_token(cfg: ServeConfig) -> str | None:
                              "(pass --allow-non-loopback; a bearer token is then required)")
         return load_or_create_token(token_path())
     return load_or_create_token(token_path()) if cfg.require_token else None
+
+
+def serve_access(cfg: ServeConfig) -> Access:
+    """Who may use the TCP port: by default the daemon's own OS user, and anyone with the
+    token (created on first use); every client needs the token off loopback or with
+    --require-token. Off loopback, Host may name the bound address or this machine."""
+    required = resolve_token(cfg)
+    token = required if required is not None else load_or_create_token(token_path())
+    hosts = frozenset() if is_loopback_host(cfg.host) else machine_names(cfg.host)
+    return Access(token=token, require_token=required is not None,
+                  other_users=cfg.allow_other_users, hosts=hosts)
+
+
+def machine_names(bound: str) -> frozenset[str]:
+    """The names a LAN client may put in Host for this machine: the bound address, the
+    host's names and every interface's addresses."""
+    names = {bound.strip("[]").lower(), socket.gethostname().lower(), socket.getfqdn().lower()}
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                names.add(a.address.split("%", 1)[0].lower())
+    return frozenset(n for n in names if n)
 
 
 def check_free(cfg: ServeConfig) -> None:
@@ -114,10 +142,15 @@ def _prepare_socket(path: Path) -> socket.socket:
 
 
 class RunningServer:
-    def __init__(self, runner: web.AppRunner, port: int, socket_path: Path | None):
-        self.runner, self.port, self.socket_path = runner, port, socket_path
+    def __init__(self, runner: web.AppRunner, listeners: list[asyncio.Server], port: int,
+                 socket_path: Path | None):
+        self.runner, self.listeners = runner, listeners
+        self.port, self.socket_path = port, socket_path
 
     async def close(self) -> None:
+        """Stop listening, then end the requests in flight (SHUTDOWN_GRACE at most)."""
+        for listener in self.listeners:
+            listener.close()
         await self.runner.cleanup()
         if self.socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -125,29 +158,158 @@ class RunningServer:
 
 
 SHUTDOWN_GRACE = 5.0  # seconds
+FD_RESERVE = 128  # descriptors kept for model files, pipes and threads, not connections
+LOG_EVERY = 10.0  # s between two log lines of one recurring network error
+LINGER = 2.0  # s to read a refused request's body before closing (aiohttp's default: 10)
+
+
+class RateLimitedLog:
+    """One line per `every` seconds for each recurring message, counting the rest."""
+
+    def __init__(self, every: float = LOG_EVERY):
+        self.every = every
+        self._last: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+
+    def warning(self, key: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -self.every) < self.every:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            return
+        dropped = self._dropped.pop(key, 0)
+        self._last[key] = now
+        log.warning("%s%s", message, f" ({dropped} more like it since)" if dropped else "")
+
+
+def raise_fd_limit() -> int | None:
+    """Raise the soft limit on open files to the hard one; the soft limit then (None
+    where there are no such limits)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # an unlimited hard limit: as many as the system grants (macOS refuses more than 10240)
+    wanted = (hard,) if hard != resource.RLIM_INFINITY else (1 << 20, 10240)
+    for want in wanted:
+        if want <= soft:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            break
+        except (ValueError, OSError):
+            continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def connection_limit(wanted: int) -> int:
+    """`wanted`, or fewer where the fd limit leaves less room after FD_RESERVE."""
+    try:
+        import resource
+    except ImportError:
+        return wanted
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft - FD_RESERVE))
+
+
+_BUSY_BODY = (b'{"error":{"message":"too many open connections; retry later","type":'
+              b'"server_busy","code":"server_busy","param":null}}')
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+         b"Connection: close\r\nRetry-After: 1\r\nContent-Length: "
+         + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection over the cap: a 503 and closed at once."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_BUSY)
+        transport.close()
+
+
+class _CappedFactory:
+    """aiohttp's protocol factory, refusing connections beyond `limit` open ones."""
+
+    def __init__(self, server: web.Server, limit: int, warn: RateLimitedLog):
+        self._server, self._limit, self._warn = server, limit, warn
+        self.open = 0
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if self.open >= self._limit:
+            self._warn.warning("cap", f"refusing connections: {self._limit} are open "
+                                      "(--max-connections)")
+            return _Refusal()
+        self.open += 1
+        return _Counted(self._server(), self)
+
+
+class _Counted(asyncio.Protocol):
+    """A connection's protocol, counted open until its connection is lost."""
+
+    def __init__(self, inner: asyncio.Protocol, factory: _CappedFactory):
+        self._inner, self._factory = inner, factory
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._factory.open -= 1
+        self._inner.connection_lost(exc)
+
+
+def _quiet_network_errors(warn: RateLimitedLog) -> Any:
+    """An event-loop exception handler: accept() failures (out of descriptors or memory)
+    are one rate-limited line each, not a traceback per try; the rest as usual."""
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE,
+                                                      errno.ENOBUFS, errno.ENOMEM):
+            warn.warning(f"accept:{exc.errno}", f"{context.get('message', 'socket error')}: "
+                                                f"{exc.strerror}")
+            return
+        loop.default_exception_handler(context)
+    return handle
 
 
 async def start_server(app: web.Application, cfg: ServeConfig) -> RunningServer:
-    # on stop, requests in flight get SHUTDOWN_GRACE s to finish; idle keep-alive
-    # connections must not hold the exit for aiohttp's default 60 s
+    # on stop, requests in flight get SHUTDOWN_GRACE s to finish; a connection that sends
+    # no request (a first one, or another on a kept-alive one) is closed after
+    # header_timeout; a body left unread (refused) is drained for LINGER s at most
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_GRACE)
+                           shutdown_timeout=SHUTDOWN_GRACE,
+                           keepalive_timeout=cfg.header_timeout, lingering_time=LINGER)
     await runner.setup()
-    tcp = web.TCPSite(runner, cfg.host, cfg.port)
-    await tcp.start()
-    port = cfg.port
-    if port == 0:
-        # the bound port of an ephemeral site (aiohttp types the loop's Server as its base)
-        server = cast("asyncio.Server | None", tcp._server)
-        port = server.sockets[0].getsockname()[1] if server and server.sockets else 0
+    assert runner.server is not None
+    loop = asyncio.get_running_loop()
+    warn = RateLimitedLog()
+    loop.set_exception_handler(_quiet_network_errors(warn))
+    factory = _CappedFactory(runner.server, connection_limit(cfg.max_connections), warn)
+    tcp = await loop.create_server(factory, cfg.host, cfg.port)
+    listeners = [tcp]
+    port = cfg.port or (tcp.sockets[0].getsockname()[1] if tcp.sockets else 0)
     sock_path = None
     if cfg.socket_path is not None and sys.platform != "win32":
         sock = _prepare_socket(cfg.socket_path)
-        await web.SockSite(runner, sock).start()
+        listeners.append(await loop.create_unix_server(factory, sock=sock))
         sock_path = cfg.socket_path
     log.info("listening on http://%s:%d%s", cfg.host, port,
              f" and unix:{sock_path}" if sock_path else "")
-    return RunningServer(runner, port, sock_path)
+    return RunningServer(runner, listeners, port, sock_path)
 
 
 async def serve_forever(app: web.Application, cfg: ServeConfig,
@@ -155,6 +317,7 @@ async def serve_forever(app: web.Application, cfg: ServeConfig,
     """Serve until cancelled or SIGTERM (`specd stop`, systemd, launchd), then close the
     server and remove the socket. SIGTERM sets an event inside the loop: raising from a
     plain signal handler could land anywhere, a cleanup half done included."""
+    raise_fd_limit()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     handles_term = False

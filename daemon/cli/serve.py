@@ -7,9 +7,13 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .generate import engine_config_from_args
 from .options import build_progress, int_at_least
+
+if TYPE_CHECKING:
+    from specd.daemon.control.log_file import LogRotation
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -30,6 +34,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require the bearer token (state dir file) on TCP")
     p.add_argument("--allow-non-loopback", action="store_true",
                    help="allow a non-loopback --host (a token is then always required)")
+    p.add_argument("--allow-other-users", action="store_true",
+                   help="serve every local OS user on loopback TCP without the token "
+                   "(default: the daemon's own user; others need the token)")
+    p.add_argument("--max-connections", type=int_at_least(1), default=512,
+                   help="most connections open at once; more are answered 503 "
+                   "(default 512, fewer where the open-file limit is low)")
     p.add_argument("--allow-origin", action="append", default=[],
                    help="a browser Origin allowed to call the API (repeatable)")
     p.add_argument("--strict-model-name", action="store_true",
@@ -101,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         ServeConfig,
         check_free,
         default_socket_path,
-        resolve_token,
+        serve_access,
         serve_forever,
     )
 
@@ -111,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
                        if args.socket else default_socket_path(),
                        require_token=args.require_token,
                        allow_non_loopback=args.allow_non_loopback,
-                       allowed_origins=set(args.allow_origin))
-    token = resolve_token(scfg)
+                       allowed_origins=set(args.allow_origin),
+                       allow_other_users=args.allow_other_users,
+                       max_connections=args.max_connections)
+    access = serve_access(scfg)
     check_free(scfg)  # before minutes of loading
     memory_plan = plan_memory(args)
     service = build_service(args)
@@ -123,12 +135,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"specd: target {d['target']['name']}, spec {d['spec_type']}"
           + (f", draft {d['draft']['name']}" if "draft" in d else "")
           + f", n_ctx {d['n_ctx']}, slots {d['slots']}", file=sys.stderr, flush=True)
-    app = create_app(service, allowed_origins=scfg.allowed_origins, token=token,
+    app = create_app(service, allowed_origins=scfg.allowed_origins, access=access,
                      memory_plan=memory_plan, strict_model_name=args.strict_model_name)
+    rotation = _log_rotation(args)
     try:
         asyncio.run(serve_forever(app, scfg))
     except KeyboardInterrupt:
         pass
     finally:
         service.scheduler.stop()
+        if rotation is not None:
+            rotation.stop()
     return 0
+
+
+def _log_rotation(args: argparse.Namespace) -> LogRotation | None:
+    """`--log-file` (what `specd start` passes): the log rotated by size while serving."""
+    from specd.daemon.control.log_file import LogRotation
+    from specd.daemon.control.service_control import LOG_MAX_BYTES
+
+    if not getattr(args, "log_file", None):
+        return None
+    rotation = LogRotation(Path(args.log_file), LOG_MAX_BYTES)
+    return rotation if rotation.start() else None
