@@ -360,3 +360,45 @@ def test_status_learns_the_port_a_start_stopped_waiting_for(env: dict[str, str],
     finally:
         assert cli(env, "stop").returncode == 0
 
+
+
+def test_sigterm_during_a_stream_ends_it_with_an_error_event(env: dict[str, str],
+                                                              tiny: Path) -> None:
+    """`specd stop` while a client streams: the generation is cancelled, the stream ends
+    with an error event (or [DONE] where it had finished), the daemon exits well within
+    its grace, and the log has no tracebacks."""
+    import socket
+
+    sock = Path(env["SPECD_RUNTIME_DIR"]) / "specd.sock"
+    proc = subprocess.Popen([*CLI, "serve", "-m", str(tiny), "--port", "0", "-c", "1024"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_socket(proc, sock)
+        body = json.dumps({"prompt": "hi", "n_predict": 1000, "ignore_eos": True,
+                           "stream": True}).encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(60)
+            conn.connect(str(sock))
+            conn.sendall(b"POST /completion HTTP/1.1\r\nHost: specd\r\nConnection: close\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            data = conn.recv(65536)
+            while b"data: " not in data:
+                data += conn.recv(65536)
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while chunk := conn.recv(65536):
+                data += chunk
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 10
+        events = [line[6:] for line in data.decode().splitlines()
+                  if line.startswith("data: ")]
+        last = events[-1]
+        assert last == "[DONE]" or json.loads(last).get("stop") is True or (
+            "shutting down" in json.loads(last)["error"]["message"]), last
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    assert "Traceback" not in err and "Event loop is closed" not in err, err[-3000:]
