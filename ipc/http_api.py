@@ -889,13 +889,24 @@ async def tokenize(request: web.Request) -> web.Response:
     special = None if get(body, "add_special", bool, False) else False
     ids = await _off_loop(request, svc.tokenizer.encode, content, add_bos=special,
                           add_eos=special, parse_special=get(body, "parse_special", bool, True))
-    if get(body, "with_pieces", bool, False):
-        return json_response(await _off_loop(request, _with_pieces, svc.tokenizer, ids))
-    return json_response({"tokens": ids})
+    pieces = get(body, "with_pieces", bool, False)
+    data = await _off_loop(request, _tokens_json, svc.tokenizer, ids, pieces)
+    return web.Response(body=data, content_type="application/json")
 
 
-def _with_pieces(tok: Tokenizer, ids: list[int]) -> dict[str, Any]:
-    return {"tokens": [{"id": i, "piece": _piece(tok.token_bytes(i))} for i in ids]}
+def _tokens_json(tok: Tokenizer, ids: list[int], pieces: bool) -> bytes:
+    """/tokenize's response, written a slice of tokens at a time: a few milliseconds
+    each, so the event loop's thread gets the GIL in between, even for millions."""
+    parts = []
+    for start in range(0, len(ids), _JSON_SLICE):
+        part = ids[start:start + _JSON_SLICE]
+        items: list[Any] = ([{"id": i, "piece": _piece(tok.token_bytes(i))} for i in part]
+                            if pieces else part)
+        parts.append(dumps(items)[1:-1])
+    return ('{"tokens":[' + ",".join(parts) + "]}").encode()
+
+
+_JSON_SLICE = 16384
 
 
 def _piece(data: bytes) -> str | list[int]:
