@@ -16,7 +16,7 @@ From the gap on, the draft's cache position of a token is its sequence position 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,12 +25,14 @@ from specd.daemon.spec.drafter import (
     Drafter,
     DraftEvidence,
     DraftParams,
+    DraftSteps,
     Features,
     Proposal,
+    run_steps,
 )
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
-from specd.ort_models.runner import ModelRunner
+from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
 from .picking import pick_token
 
@@ -57,7 +59,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, runner: ModelRunner, *, vocab_limit: int | None = None,
                  catch_up: int | None = CATCH_UP):
-        self.runner = runner
+        self.runner = self.step_runner = runner
         self.catch_up = catch_up  # None: evaluate every skipped token
         self.vocab_limit = vocab_limit  # the target's vocab size, if smaller
         self._n_vocab = runner.hp.n_vocab  # the draft's own rows
@@ -96,6 +98,10 @@ class DraftModelDrafter(Drafter):
 
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
               grammar: GrammarState | None = None) -> Proposal:
+        return run_steps(self.draft_steps(seq, last, pos, n_max, params, grammar), self.runner)
+
+    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+                    grammar: GrammarState | None = None) -> DraftSteps:
         st = self._seqs[seq]
         if len(st.history) != pos:
             raise RuntimeError(f"draft history has {len(st.history)} tokens, target at {pos}")
@@ -124,16 +130,16 @@ class DraftModelDrafter(Drafter):
         for _ in range(n_max):
             t0 = time.perf_counter()
             if len(pending) > 1 and sampler is None:
-                row, forced = self._check_guesses(seq, pending, p, full_run)
+                row, forced = yield from self._check_guesses(seq, pending, p, full_run)
             elif len(pending) == 2 and full_run and grammar is None:
                 # pending = [last draft, bonus]: the first row is where the bonus was drawn
-                out = self.runner.forward(seq, self._ids(pending), p, [0, 1])  # [2, vocab]
+                out = (yield Call(seq, self._ids(pending), p, [0, 1])).logits  # [2, vocab]
                 assert st.sampler is not None
                 bonus_q = (full_run, st.sampler.probs(self._logits(out[0])))  # [vocab]
                 row = self._logits(out[1])
             else:
                 row = self._logits(  # [vocab]
-                    self.runner.forward(seq, self._ids(pending), p)[0])
+                    (yield Call(seq, self._ids(pending), p)).logits[0])
             p += len(pending)
             st.n_cached = p
             pick = pick_token(row, sampler, grammar, params.p_min)
@@ -156,15 +162,16 @@ class DraftModelDrafter(Drafter):
             bonus_q=bonus_q, stopped_unsure=unsure))
 
     def _check_guesses(self, seq: int, pending: list[int], pos: int, full_run: int
-                       ) -> tuple[np.ndarray, tuple[tuple[int, bool], ...]]:
+                       ) -> Generator[Call, CallOutput,
+                                      tuple[np.ndarray, tuple[tuple[int, bool], ...]]]:
         """Evaluate tokens the draft has not seen; the greedy guesses of the last rows are
         checked against the tokens that really followed them. Row 0 follows the last
         round's final draft: after `full_run` accepted drafts it guessed the target's
         bonus token (position full_run); any other row is a teacher-forced position 0."""
         k = min(len(pending) - 1, FORCED_ROWS)
         first = len(pending) - 1 - k
-        out = self.runner.forward(seq, self._ids(pending), pos,
-                                  list(range(first, len(pending))))
+        out = (yield Call(seq, self._ids(pending), pos,
+                          list(range(first, len(pending))))).logits  # [k + 1, vocab]
         guesses = self._logits(out[:-1]).argmax(axis=-1)  # [k]
         hits = guesses == np.asarray(pending[first + 1:])  # [k]
         return self._logits(out[-1]), tuple(

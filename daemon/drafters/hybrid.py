@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specd.daemon.spec.drafter import Drafter, DraftParams, Features, Proposal
+from specd.daemon.spec.drafter import Drafter, DraftParams, DraftSteps, Features, Proposal
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 
@@ -28,6 +28,7 @@ class HybridDrafter(Drafter):
         self.catch_up = model.catch_up
         self.target_layers = model.target_layers
         self.one_pass = model.one_pass
+        self.step_runner = model.step_runner
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
@@ -41,6 +42,10 @@ class HybridDrafter(Drafter):
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
               grammar: GrammarState | None = None) -> Proposal:
         return self.model.draft(seq, last, pos, n_max, params, grammar)
+
+    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+                    grammar: GrammarState | None = None) -> DraftSteps:
+        return self.model.draft_steps(seq, last, pos, n_max, params, grammar)
 
     def accept(self, seq: int, n_accepted: int) -> None:
         self.model.accept(seq, n_accepted)  # a no-op after a lookup round: nothing drafted

@@ -20,13 +20,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 from specd.daemon.spec.generation import Generation, GenerationParams, RequestError
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
-from specd.ort_models.runner import Call, CallOutput
+from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
 from .engine import Engine
 
@@ -35,6 +35,16 @@ log = logging.getLogger("specd.scheduler")
 
 class QueueFull(Exception):
     pass
+
+
+@dataclass
+class _Drafting:
+    """A slot's step waiting for the output of its drafter's model call."""
+
+    slot: Slot
+    steps: Generator[Call, CallOutput, Call | None]
+    runner: ModelRunner
+    call: Call
 
 
 @dataclass
@@ -222,10 +232,12 @@ class Scheduler:
                 log.exception("scheduler round failed")
 
     def _step(self) -> None:
-        """One step of every active slot: each plans and drafts its round (or takes its
-        next prompt chunk, within the step's prefill budget), then one target pass runs
-        all their calls, then each verifies and emits."""
-        work: list[tuple[Slot, Call]] = []
+        """One step of every active slot: each plans its round (or takes its next prompt
+        chunk, within the step's prefill budget); their drafters' model calls run a pass
+        at a time for all of them; then one target pass runs every slot's call, and each
+        verifies and emits."""
+        work: list[tuple[Slot, Call]] = []  # target calls
+        drafting: list[_Drafting] = []  # draft-model calls waiting for their pass
         prefill_left = self.prefill_chunk  # prompt tokens this step's pass may hold
         for slot in self.slots:
             req = slot.request
@@ -238,22 +250,28 @@ class Scheduler:
             assert gen is not None
             if req.cancelled:
                 gen.finish("cancelled")
-            elif not gen.prefilled and prefill_left <= 0:
-                continue  # its next chunk waits for the next step
-            else:
-                try:
-                    call = gen.next_call(prefill_left)
-                except Exception as exc:  # one bad request never stops the daemon
-                    self._fail(req, exc)
-                    call = None
+            elif gen.prefilled or prefill_left > 0:  # else its chunk waits a step
+                prefilling = not gen.prefilled
+                steps = gen.step_calls(prefill_left)
+                call = self._resume(slot, steps, None, drafting)
                 if call is not None:
-                    if not gen.prefilled:
+                    if prefilling:
                         prefill_left -= len(call.tokens)
                     work.append((slot, call))
             self._settle(slot)
+        while drafting:
+            runner = drafting[0].runner
+            group = [d for d in drafting if d.runner is runner]
+            drafting = [d for d in drafting if d.runner is not runner]
+            outs = self._pass(runner, [d.call for d in group])
+            for d, out in zip(group, outs, strict=True):
+                call = self._resume(d.slot, d.steps, out, drafting)
+                if call is not None:
+                    work.append((d.slot, call))
+                self._settle(d.slot)
         if not work:
             return
-        outputs = self._target_pass([call for _, call in work])
+        outputs = self._pass(self.engine.target.runner, [call for _, call in work])
         for (slot, _), out in zip(work, outputs, strict=True):
             req = slot.request
             assert req is not None and req.gen is not None
@@ -268,17 +286,42 @@ class Scheduler:
                 self._fail(req, exc)
             self._settle(slot)
 
-    def _target_pass(self, calls: list[Call]) -> list[TimedOutput | Exception]:
-        """The calls through the target in one pass; where it fails, each call alone, so
+    def _resume(self, slot: Slot, steps: Generator[Call, CallOutput, Call | None],
+                out: TimedOutput | Exception | None, drafting: list[_Drafting]
+                ) -> Call | None:
+        """Run a slot's step up to its next model call (sent `out`, the last one's output
+        or failure): a draft-model call joins `drafting`; the target call it ends with is
+        returned (None: no target call, or the request failed)."""
+        req = slot.request
+        assert req is not None and req.gen is not None
+        try:
+            if out is None:
+                call = next(steps)
+            elif isinstance(out, Exception):
+                call = steps.throw(out)
+            else:
+                call = steps.send(out)
+        except StopIteration as stop:
+            target_call: Call | None = stop.value
+            return target_call
+        except Exception as exc:  # one bad request never stops the daemon
+            self._fail(req, exc)
+            return None
+        runner = req.gen.step_runner
+        assert runner is not None, "a draft yielded a call with no runner to run it"
+        drafting.append(_Drafting(slot, steps, runner, call))
+        return None
+
+    def _pass(self, runner: ModelRunner, calls: list[Call]) -> list[TimedOutput | Exception]:
+        """The calls through `runner` in one pass; where it fails, each call alone, so
         that only the request whose call fails gets the error."""
-        runner = self.engine.target.runner
         t0 = time.perf_counter()
         try:
             outs = runner.forward_batch(calls)
         except Exception as exc:
             if len(calls) == 1:
                 return [exc]
-            return [self._target_pass([c])[0] for c in calls]
+            return [self._pass(runner, [c])[0] for c in calls]
         seconds = time.perf_counter() - t0
         return [TimedOutput(o.logits, o.features, seconds) for o in outs]
 

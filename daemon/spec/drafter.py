@@ -5,6 +5,8 @@ evaluated by the target):
 
     offer = drafter.offer(seq, last, pos, n_max)          # a free proposal, if it has one
     proposal = drafter.draft(seq, last, pos, n, params)   # or a model's proposal
+      (or, stepwise, `draft_steps`: its model calls yielded one at a time, so that the
+      calls of several sequences run in one pass of `step_runner`)
     ... the target verifies [last, *proposal.tokens] in one pass ...
     drafter.accept(seq, n_accepted)                       # roll back rejected drafts
     drafter.process(seq, emitted, features)               # tokens the sequence grew by
@@ -17,12 +19,14 @@ q rows) apart from what the draft-length policy learns from it (`DraftEvidence`)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 
 from specd.daemon.text.grammar import GrammarState
+from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
 from .sampling import Sampler
 
@@ -105,6 +109,26 @@ class Proposal:
                        q_rows=None if self.q_rows is None else self.q_rows[:n])
 
 
+_R = TypeVar("_R")
+
+# a draft as a generator: it yields calls of the drafter's model, is sent each call's
+# output, and returns the proposal
+DraftSteps = Generator[Call, CallOutput, "Proposal"]
+
+
+def run_steps(steps: Generator[Call, CallOutput, _R], runner: ModelRunner | None) -> _R:
+    """Drive a stepwise draft (or anything yielding model calls) alone: each call it
+    yields through `runner`; what it returns."""
+    try:
+        call = next(steps)
+        while True:
+            assert runner is not None, "a draft yielded a call with no runner to run it"
+            call = steps.send(runner.forward_batch([call])[0])
+    except StopIteration as stop:
+        result: _R = stop.value
+        return result
+
+
 class Drafter(ABC):
     """One kind of draft. What it is, it declares in its class attributes; the round
     reads them instead of asking which class it is."""
@@ -125,6 +149,8 @@ class Drafter(ABC):
     #: `draft()` proposes all its tokens in one pass (a head's block), whose cost grows
     #: with the block's length far less than a step per token
     one_pass: bool = False
+    #: the runner whose calls `draft_steps` yields (None: it yields none)
+    step_runner: ModelRunner | None = None
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
@@ -143,6 +169,15 @@ class Drafter(ABC):
 
         `grammar` is a fork of the request's constraint state, the drafter's to advance
         along its proposals (model drafters sample under its masks)."""
+
+    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+                    grammar: GrammarState | None = None) -> DraftSteps:
+        """`draft` as a generator of its model's calls on `step_runner` (each sent back its
+        output), returning the proposal: a scheduler runs the calls of several sequences
+        in one pass. By default the whole draft happens at the first step, yielding no
+        call."""
+        return self.draft(seq, last, pos, n_max, params, grammar)
+        yield  # unreachable: makes this a generator
 
     def accepts_position(self, i: int, target_choice: int, eog: set[int]) -> bool:
         """Whether draft position i (reached) is accepted, for a drafter that decides

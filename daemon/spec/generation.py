@@ -11,7 +11,7 @@ learns from the round's record). docs/architecture.md states the round's invaria
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +20,7 @@ from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
-from .drafter import Drafter, DraftParams, Features, Proposal
+from .drafter import Drafter, DraftParams, Features, Proposal, run_steps
 from .policy import (
     AdaptiveDraftLength,
     DraftPolicy,
@@ -291,6 +291,18 @@ class Generation:
         pass): before the prompt is in, its next chunk (at most `prefill_budget` tokens);
         then the round's plan and proposal, and the call over [last, *draft]. None where
         the step needs no pass (done, or it ended here); else `complete` must follow."""
+        return run_steps(self.step_calls(prefill_budget), self.step_runner)
+
+    @property
+    def step_runner(self) -> ModelRunner | None:
+        """The runner of the drafter's model calls that `step_calls` yields."""
+        return None if self.drafter is None else self.drafter.step_runner
+
+    def step_calls(self, prefill_budget: int | None = None
+                   ) -> Generator[Call, CallOutput, Call | None]:
+        """`next_call` as a generator: it yields the drafter's model calls (on
+        `step_runner`; each is sent back its output), so that a scheduler runs those of
+        several sequences in one pass too, and returns the target's call."""
         if self._pending is not None:
             raise RuntimeError("the previous call was not completed")
         if self.done:
@@ -305,7 +317,7 @@ class Generation:
             return None
         t_round = time.perf_counter()
         plan, offer = self._plan(limit)
-        proposed = self._propose(plan, offer)
+        proposed = yield from self._propose(plan, offer)
         self._pending = _Round(proposed, time.perf_counter() - t_round)
         assert self._last is not None
         tokens = [self._last, *proposed.proposal.tokens]
@@ -345,9 +357,11 @@ class Generation:
         offer = self.drafter.offer(self.seq, self._last, self._pos, min(dp.n_max, limit))
         return self.policy.plan(limit, offer, self.drafter.runs_model), offer
 
-    def _propose(self, plan: RoundPlan, offer: Proposal | None) -> _Proposed:
-        """The proposal to verify: the offer's first n tokens or the model's draft of n,
-        trimmed to what may be emitted (empty: a plain target step)."""
+    def _propose(self, plan: RoundPlan, offer: Proposal | None
+                 ) -> Generator[Call, CallOutput, _Proposed]:
+        """The proposal to verify: the offer's first n tokens or the model's draft of n
+        (its model calls yielded), trimmed to what may be emitted (empty: a plain target
+        step)."""
         if offer is not None and plan.take_offer:
             proposal = self._usable(offer.truncate(plan.n))
             whole = len(proposal.tokens) == plan.n < len(offer.tokens)
@@ -359,7 +373,8 @@ class Generation:
         fork = None if self.grammar is None else self.grammar.fork()
         t0 = time.perf_counter()
         try:
-            drafted = self.drafter.draft(self.seq, self._last, self._pos, plan.n, dp, fork)
+            drafted = yield from self.drafter.draft_steps(self.seq, self._last, self._pos,
+                                                          plan.n, dp, fork)
         except Exception:  # a failing draft never fails the request: go on target-only
             self.drafter = None
             return _Proposed(Proposal([]))

@@ -17,7 +17,7 @@ from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
 from specd.daemon.text.grammar import Grammar, compile_constraint
 from specd.ort_models import native_ops
-from specd.ort_models.runner import Call, CallOutput
+from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
 
@@ -88,9 +88,8 @@ def _solo(scheduler: Scheduler, make: Callable[[], Stream]) -> list[int]:
     return s.result()
 
 
-def _count_passes(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> list[int]:
-    """The number of calls in each target pass from now on."""
-    runner = engine.target.runner
+def _count_passes(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> list[int]:
+    """The number of calls in each of the runner's passes from now on."""
     real, sizes = runner.forward_batch, []
 
     def spy(calls: list[Call]) -> list[CallOutput]:
@@ -105,12 +104,15 @@ def test_streams_in_one_pass_equal_their_solo_runs(scheduler: Scheduler, engine:
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     makers = _streams(engine)
     want = [_solo(scheduler, make) for make in makers]
-    sizes = _count_passes(monkeypatch, engine)
+    sizes = _count_passes(monkeypatch, engine.target.runner)
+    draft = engine.drafter.step_runner if engine.drafter is not None else None
+    draft_sizes = _count_passes(monkeypatch, draft) if draft is not None else [2]
     streams = [make() for make in makers]
     for s in streams:
         scheduler.submit(s.req)
     assert [s.result() for s in streams] == want
     assert max(sizes) == 4  # all four streams shared passes
+    assert max(draft_sizes) >= 2  # and so did their drafts
 
 
 def test_joining_and_cancelled_streams_leave_the_others_unchanged(
@@ -120,7 +122,7 @@ def test_joining_and_cancelled_streams_leave_the_others_unchanged(
     are their solo runs', the cancelled one's a prefix of its own."""
     a, b, c, _ = _streams(engine)
     want_a, want_b, want_c = (_solo(scheduler, make) for make in (a, b, c))
-    sizes = _count_passes(monkeypatch, engine)
+    sizes = _count_passes(monkeypatch, engine.target.runner)
     first, leaving, joining = a(), b(), c()
 
     def join() -> None:

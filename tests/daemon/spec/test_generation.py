@@ -586,17 +586,17 @@ def test_adaptive_never_re_evaluates_the_prompt_on_the_draft(models) -> None:
     target, draft = models
     drafter = draft_drafter(draft)
     starts: list[int] = []
-    forward = drafter.runner.forward
+    forward = drafter.runner.forward_batch
 
-    def spy(seq, tokens, pos, *args, **kw):
-        starts.append(pos)
-        return forward(seq, tokens, pos, *args, **kw)
+    def spy(calls):
+        starts.extend(c.pos for c in calls)
+        return forward(calls)
 
     begin = drafter.begin
 
     def begin_then_spy(*args, **kw):
         begin(*args, **kw)  # evaluates the prompt once
-        drafter.runner.forward = spy
+        drafter.runner.forward_batch = spy
 
     drafter.begin = begin_then_spy
     run(target, drafter, max_tokens=48, ignore_eos=True, draft=DraftParams(n_max=4),
@@ -626,9 +626,9 @@ class _CountingDrafter(DraftModelDrafter):
         super().__init__(runner)
         self.asked: list[int] = []
 
-    def draft(self, seq, last, pos, n_max, params, grammar=None):
+    def draft_steps(self, seq, last, pos, n_max, params, grammar=None):
         self.asked.append(n_max)
-        return super().draft(seq, last, pos, n_max, params, grammar)
+        return (yield from super().draft_steps(seq, last, pos, n_max, params, grammar))
 
 
 def test_drafts_end_at_an_end_of_generation(models) -> None:
@@ -704,11 +704,11 @@ def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> Non
     want, _ = run(target, max_tokens=40, ignore_eos=True)
     drafter = DraftModelDrafter(ModelRunner(target, n_ctx=512), catch_up=4)
     calls: list[tuple[int, int]] = []
-    forward, prefill = drafter.runner.forward, drafter.runner.prefill
+    forward, prefill = drafter.runner.forward_batch, drafter.runner.prefill
 
-    def spy(seq, tokens, pos, *args, **kw):
-        calls.append((len(tokens), pos))
-        return forward(seq, tokens, pos, *args, **kw)
+    def spy(batch):
+        calls.extend((len(c.tokens), c.pos) for c in batch)
+        return forward(batch)
 
     def spy_prefill(seq, tokens, pos=0, chunk=256):
         calls.append((len(tokens), pos))
@@ -716,7 +716,7 @@ def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> Non
 
     n = len(PROMPT)
     drafter.begin(0, PROMPT)
-    drafter.runner.forward = spy  # type: ignore[method-assign]
+    drafter.runner.forward_batch = spy  # type: ignore[method-assign]
     drafter.runner.prefill = spy_prefill  # type: ignore[method-assign]
     drafter.process(0, want[:10])  # ten target-only rounds
     d = drafter.draft(0, want[10], n + 10, 2, DraftParams(n_max=2))
