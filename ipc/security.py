@@ -34,7 +34,10 @@ IDENTITY = web.RequestKey("identity", str)  # whose request: see request_identit
 class Access:
     """Who may use the TCP port (the Unix socket is its owner's, by its mode)."""
 
-    token: str | None = None  # the bearer token: admits whoever presents it
+    # the bearer token: admits whoever presents it (None, an app built without one as
+    # tests build it: a peer the kernel does not name is admitted, there being nothing
+    # to ask it for; `specd serve` always has one)
+    token: str | None = None
     require_token: bool = False  # every TCP client needs it (non-loopback, --require-token)
     # loopback TCP admits every local OS user without the token (--allow-other-users);
     # else only the daemon's own user, as the kernel names the peer (Linux)
@@ -158,8 +161,8 @@ def _admit(request: web.Request, access: Access, unix: bool) -> str | web.Respon
                                    "(Authorization: Bearer <token>)")
     if uid is not None and (access.other_users or uid == _own_uid()):
         return f"uid:{uid}"
-    if access.other_users:
-        return "anyone"  # the kernel does not say who (not Linux)
+    if access.other_users or uid is None and access.token is None:
+        return "anyone"  # the kernel does not say who (not Linux), and no token to ask for
     return error_response(401, "this daemon serves only its own OS user on TCP without "
                                "the bearer token: send Authorization: Bearer <token> (the "
                                "token file in the daemon user's state dir), or start it "

@@ -450,3 +450,17 @@ def test_closing_the_server_cancels_streams_with_an_error_event(
         assert "shutting down" in last["error"]["message"] and "[DONE]" not in events
     assert not service.scheduler._thread.is_alive()  # stopped with the app
     assert "Event loop is closed" not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_where_the_kernel_does_not_name_the_peer_the_token_is_required(
+        server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on macOS or Windows: no socket table to read, so the owner needs the token
+    too (the CLI and the tray read it from the token file)."""
+    import specd.ipc.security as security
+
+    monkeypatch.setattr(security, "tcp_peer_uid", lambda local, remote: None)
+    status, out = call(server.port, "POST", "/tokenize", {"content": "hi"})
+    assert status == 401 and "its own OS user" in out["error"]["message"]
+    status, _ = call(server.port, "POST", "/tokenize", {"content": "hi"},
+                     headers={"Authorization": f"Bearer {TOKEN}"})
+    assert status == 200
