@@ -158,7 +158,9 @@ class RunningServer:
 
 
 SHUTDOWN_GRACE = 5.0  # seconds
-FD_RESERVE = 128  # descriptors kept for model files, pipes and threads, not connections
+# descriptors kept from connections: one accept() batch (asyncio takes up to 100 before
+# any is answered), model files, pipes and threads
+FD_RESERVE = 256
 LOG_EVERY = 10.0  # s between two log lines of one recurring network error
 LINGER = 2.0  # s to read a refused request's body before closing (aiohttp's default: 10)
 
