@@ -21,6 +21,7 @@ from specd.daemon.spec.sampling import TokenLogprob
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.detokenize import IncrementalDetokenizer
 from specd.daemon.text.grammar import Grammar, compile_constraint
+from specd.daemon.text.stop_strings import StopMatcher
 
 from .engine import Engine
 from .scheduler import Request, Scheduler
@@ -52,42 +53,6 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-class StopMatcher:
-    """Finds stop strings in streamed text, holding back a tail that may start one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self._held = ""
-        self.hit: str | None = None
-
-    def feed(self, text: str) -> str:
-        """New text -> the part safe to emit now (everything before any stop string)."""
-        if self.hit is not None:
-            return ""
-        buf = self._held + text
-        best = None
-        for s in self.stops:
-            i = buf.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
-            self.hit = best[1]
-            self._held = ""
-            return buf[: best[0]]
-        keep = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:n]):
-                    keep = max(keep, n)
-                    break
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[: len(buf) - keep]
-
-    def flush(self) -> str:
-        out, self._held = ("" if self.hit else self._held), ""
-        return out
 
 
 class IndentLimit:
