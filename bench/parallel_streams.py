@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -136,14 +137,15 @@ def specd_server(spec: str, slots: int, threads: int) -> Iterator[str]:
            str(port), "--no-socket", "--slots", str(slots), "-c", str(N_CTX), "-t",
            str(threads), "--no-fit"]
     cmd += ["--spec-type", "none"] if spec == "none" else ["-md", DRAFT, "--spec-type", "draft"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = Path(tempfile.mkstemp(prefix="specd-serve-", suffix=".log")[1])
+    with log.open("wb") as out:  # a pipe nobody reads would fill and block the daemon
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 900
         while True:
             if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"specd serve exited: {err[-800:]}")
+                raise RuntimeError(f"specd serve exited: {log.read_text()[-800:]}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                     if r.status == 200:

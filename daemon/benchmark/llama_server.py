@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -31,11 +32,15 @@ class LlamaServer:
         cmd = [str(bin_dir() / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
                "--port", str(port), "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx),
                *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # its log goes to a file: a pipe nobody reads fills after some requests, and the
+        # server then blocks writing to it
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log)
         deadline = time.monotonic() + ready_s
         while True:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                self._log.seek(0)
+                err = self._log.read().decode(errors="replace")
                 raise LlamaServerError(f"llama-server exited {self.proc.returncode}: "
                                        + " | ".join(err.strip().splitlines()[-5:]))
             try:
@@ -69,6 +74,7 @@ class LlamaServer:
         return 1024 * kb.get("VmRSS", 0), 1024 * kb.get("VmHWM", 0)
 
     def close(self) -> None:
+        self._log.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
