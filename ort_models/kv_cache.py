@@ -118,6 +118,19 @@ class KVCache:
             raise ValueError(f"a KV cache on {self.device} keeps its slots apart")
         _bind_layers(binding, self._whole)
 
+    def copy_prefix(self, src: int, dst: int, n: int, src_len: int) -> bool:
+        """Copy the K/V rows of positions 0..n-1 from slot `src` (holding `src_len`
+        positions) to slot `dst`; False, copying nothing, where it cannot: slots kept
+        apart (another device), or a ring that may have wrapped past those positions."""
+        if not self.packed or src == dst or n > src_len:
+            return False
+        if any(shape[2] < src_len for shape in self.layer_shapes):
+            return False  # a sliding window's ring: row p % len may hold a later position
+        for k, v in self._arrays:
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+        return True
+
     @property
     def bytes_per_sequence(self) -> int:
         """K and V bytes of one sequence slot, all layers."""

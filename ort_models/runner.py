@@ -275,6 +275,12 @@ class ModelRunner:
         self._kv_version = -1  # bound at the next call
         return seq
 
+    def copy_prefix(self, src: int, dst: int, n: int, src_len: int) -> bool:
+        """Give sequence `dst` the KV of positions 0..n-1 of sequence `src` (which holds
+        `src_len` positions) by copying its rows: a prompt's shared prefix evaluated once
+        for several slots. False where the cache cannot (KVCache.copy_prefix)."""
+        return self.kv.copy_prefix(src, dst, n, src_len)
+
     def _binding(self, seq: int) -> Any:  # an onnxruntime.IOBinding
         """The binding a call on `seq` runs with, its cache buffers bound as they are now
         (they move when a runner sharing the cache adds a slot past its capacity)."""

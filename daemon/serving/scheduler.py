@@ -33,6 +33,11 @@ from .engine import Engine
 log = logging.getLogger("specd.scheduler")
 
 
+# a request waits for a slot still evaluating a prompt that shares this many more tokens
+# with its own, to copy that KV rather than evaluate the same prefix twice
+SHARED_PREFIX_WAIT = 32
+
+
 class QueueFull(Exception):
     pass
 
@@ -114,6 +119,7 @@ class Scheduler:
         self._next_id = 1
         self._used = 0  # slots' last_used clock
         self._stop = False
+        self._last_prompts_only = False  # the last step ran prompt chunks alone
         self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
         self._thread.start()
 
@@ -176,14 +182,52 @@ class Scheduler:
         return max(free, key=key)
 
     @staticmethod
-    def _reusable(slot: Slot, req: Request) -> int:
+    def _held(slot: Slot) -> list[int]:
+        """The tokens whose KV the slot holds now (a generating slot's grow each step)."""
+        r = slot.request
+        if r is None:
+            return slot.cached
+        return [] if r.gen is None else r.gen.evaluated_tokens
+
+    def _reusable(self, slot: Slot, req: Request) -> int:
         """Prompt tokens whose KV the slot holds for this request: a shared prefix of the
         same identity's tokens (another's would leak, by counts and timing, what it
         asked), of more than a BOS."""
         if not req.cache_prompt or slot.identity != req.identity:
             return 0
-        shared = common_prefix(slot.cached, req.prompt)
+        shared = common_prefix(self._held(slot), req.prompt)
         return shared if shared > 1 else 0
+
+    def _donor(self, req: Request, slot: Slot) -> tuple[Slot | None, int]:
+        """The other slot (idle or generating) holding the longest prefix of the prompt
+        for this request, and that prefix's length."""
+        best: tuple[Slot | None, int] = (None, 0)
+        for other in self.slots:
+            if other is not slot:
+                shared = min(self._reusable(other, req), len(req.prompt) - 1)
+                if shared > best[1]:
+                    best = (other, shared)
+        return best
+
+    def _waits_for_prefix(self, req: Request) -> bool:
+        """Whether the request is better off waiting a step: another slot of its identity
+        is still evaluating a prompt sharing SHARED_PREFIX_WAIT more tokens with it than
+        any slot holds now (n choices of one prompt: one prefill, then copies)."""
+        if not req.cache_prompt or req.task is not None:
+            return False
+        have = max((self._reusable(s, req) for s in self.slots), default=0)
+        return any(s.request is not None and s.request.gen is not None
+                   and not s.request.gen.prefilled and s.identity == req.identity
+                   and common_prefix(s.request.prompt, req.prompt) >= have + SHARED_PREFIX_WAIT
+                   for s in self.slots)
+
+    def _next_admissible(self) -> Request | None:
+        """The first queued request not waiting for another's prefix, off the queue."""
+        for req in self.queue:
+            if not self._waits_for_prefix(req):
+                self.queue.remove(req)
+                return req
+        return None
 
     def _admit(self) -> None:
         with self._lock:
@@ -192,13 +236,19 @@ class Scheduler:
                 free = [s for s in self.slots if s.request is None]
                 if not free:
                     return
-                req = self.queue.popleft()
+                req = self._next_admissible()
+                if req is None:
+                    return
                 slot = self._choose_slot(free, req)
                 if req.task is not None:  # runs in _step, outside the lock
                     slot.request, req.slot = req, slot.index
                     slot.identity = req.identity
                     continue
                 reuse = self._reusable(slot, req)
+                donor, shared = self._donor(req, slot)
+                if donor is not None and shared > reuse and self.engine.target.runner.copy_prefix(
+                        donor.index, slot.index, shared, len(self._held(donor))):
+                    reuse = shared  # the prefix's KV copied from the other slot
                 try:
                     req.gen = self.engine.start(
                         slot.index, req.prompt, req.params, reuse=reuse,
@@ -235,10 +285,20 @@ class Scheduler:
         """One step of every active slot: each plans its round (or takes its next prompt
         chunk, within the step's prefill budget); their drafters' model calls run a pass
         at a time for all of them; then one target pass runs every slot's call, and each
-        verifies and emits."""
+        verifies and emits.
+
+        While prompts are evaluated, steps alternate: one runs the prompt chunks alone,
+        the next every slot. A pass of a chunk's rows is compute-bound, so rows riding
+        along would lengthen it as much as a pass of their own: a new request's first
+        token comes a decode pass sooner, and running streams still advance every other
+        chunk."""
         work: list[tuple[Slot, Call]] = []  # target calls
         drafting: list[_Drafting] = []  # draft-model calls waiting for their pass
         prefill_left = self.prefill_chunk  # prompt tokens this step's pass may hold
+        prompts_only = not self._last_prompts_only and any(
+            s.request is not None and s.request.gen is not None and not s.request.cancelled
+            and not s.request.gen.prefilled for s in self.slots)
+        self._last_prompts_only = prompts_only
         for slot in self.slots:
             req = slot.request
             if req is None:
@@ -250,6 +310,8 @@ class Scheduler:
             assert gen is not None
             if req.cancelled:
                 gen.finish("cancelled")
+            elif gen.prefilled and prompts_only:
+                continue  # decodes in the next step
             elif gen.prefilled or prefill_left > 0:  # else its chunk waits a step
                 prefilling = not gen.prefilled
                 steps = gen.step_calls(prefill_left)

@@ -118,7 +118,7 @@ def test_streams_in_one_pass_equal_their_solo_runs(scheduler: Scheduler, engine:
 def test_joining_and_cancelled_streams_leave_the_others_unchanged(
         scheduler: Scheduler, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream joins once two run (from the worker, after a running one's fifth token),
-    and one of the two is cancelled once the newcomer has emitted: the others' outputs
+    and one of the two is cancelled once all three shared a pass: the others' outputs
     are their solo runs', the cancelled one's a prefix of its own."""
     a, b, c, _ = _streams(engine)
     want_a, want_b, want_c = (_solo(scheduler, make) for make in (a, b, c))
@@ -130,7 +130,7 @@ def test_joining_and_cancelled_streams_leave_the_others_unchanged(
             scheduler.submit(joining.req)
 
     def leave() -> None:
-        if joining.tokens:
+        if len(joining.tokens) >= 2:  # after a pass of all three
             leaving.req.cancel()
 
     first.on_tokens, joining.on_tokens = join, leave
@@ -142,3 +142,51 @@ def test_joining_and_cancelled_streams_leave_the_others_unchanged(
     assert 5 <= len(leaving.tokens) < len(want_b)
     assert leaving.tokens == want_b[:len(leaving.tokens)]
     assert max(sizes) == 3
+
+
+def _as(identity: str, stream: Stream) -> Stream:
+    stream.req.identity = identity
+    return stream
+
+
+def test_a_prompt_asked_twice_at_once_is_evaluated_once(scheduler: Scheduler) -> None:
+    """Two requests with one long prompt (n choices): the second waits for the first's
+    prefill and copies its KV (cached_tokens), and both give the solo output (measured
+    under another identity, whose cache they cannot reuse)."""
+    prompt = [1, *range(150, 250)]
+
+    def make(identity: str) -> Stream:
+        return _as(identity, Stream(prompt, GenerationParams(max_tokens=12, ignore_eos=True)))
+
+    want = _solo(scheduler, lambda: make("solo"))
+    pair = [make("choices"), make("choices")]
+    for s in pair:
+        scheduler.submit(s.req)
+    assert [s.result() for s in pair] == [want, want]
+    cached = sorted(s.req.gen.stats.cached_tokens for s in pair if s.req.gen is not None)
+    assert cached == [0, len(prompt) - 1]
+
+
+def test_a_request_reuses_the_prefix_another_slot_is_generating(scheduler: Scheduler) -> None:
+    """A request continuing a conversation that still generates in another slot copies
+    the prompt and the tokens generated so far from it."""
+    prompt = [1, *range(250, 310)]
+    running = _as("me", Stream(prompt, GenerationParams(max_tokens=40, ignore_eos=True)))
+    follow: list[Stream] = []
+
+    def submit_follow_up() -> None:
+        if len(running.tokens) >= 4 and not follow:
+            follow.append(_as("me", Stream(prompt + running.tokens[:3] + [7],
+                                           GenerationParams(max_tokens=8, ignore_eos=True))))
+            scheduler.submit(follow[0].req)
+
+    running.on_tokens = submit_follow_up
+    scheduler.submit(running.req)
+    running.result()
+    got = follow[0].result()
+    solo = _as("other", Stream(follow[0].req.prompt,
+                               GenerationParams(max_tokens=8, ignore_eos=True)))
+    scheduler.submit(solo.req)
+    assert got == solo.result()
+    assert follow[0].req.gen is not None
+    assert follow[0].req.gen.stats.cached_tokens == len(prompt) + 3
