@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,9 @@ class Call:
 class CallOutput:
     logits: np.ndarray  # [len(rows), vocab]
     features: dict[int, np.ndarray]  # {layer: [len(tokens), n_embd]}
+    # the call's share of its pass's seconds, in proportion to its rows (all of them for
+    # a call alone): what the call cost, not what waiting for the others' rows did
+    seconds: float = 0.0
 
 
 class ContextFull(Exception):
@@ -368,7 +372,9 @@ class ModelRunner:
         b.bind_output("logits", "cpu")
         for name, _ in self._hidden:
             b.bind_output(name, "cpu")
+        t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
+        per_row = (time.perf_counter() - t0) / len(ids)
         outs = bound_outputs(b)
         # outputs come in the order bound: KV first (2 per layer), then logits, hidden
         k0 = 2 * self.hp.n_layer
@@ -380,7 +386,8 @@ class ModelRunner:
             n, r = len(call.tokens), 1 if call.rows is None else len(call.rows)
             results.append(CallOutput(
                 logits[first:first + r],  # [r, vocab]
-                {layer: hidden[layer][start:start + n] for layer in call.layers}))
+                {layer: hidden[layer][start:start + n] for layer in call.layers},
+                per_row * m))
             start, first = start + m, first + r
         return results
 

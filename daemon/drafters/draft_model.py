@@ -127,19 +127,22 @@ class DraftModelDrafter(Drafter):
         unsure = False
         sampler = st.sampler if params.probabilistic else None  # None: the argmax
         bonus_q: tuple[int, np.ndarray] | None = None
+        waits: list[float] = []  # seconds a step waited on passes shared with others
         for _ in range(n_max):
             t0 = time.perf_counter()
+            waits.clear()
             if len(pending) > 1 and sampler is None:
-                row, forced = yield from self._check_guesses(seq, pending, p, full_run)
+                row, forced = yield from self._check_guesses(seq, pending, p, full_run, waits)
             elif len(pending) == 2 and full_run and grammar is None:
                 # pending = [last draft, bonus]: the first row is where the bonus was drawn
-                out = (yield Call(seq, self._ids(pending), p, [0, 1])).logits  # [2, vocab]
+                out = (yield from _call(Call(seq, self._ids(pending), p, [0, 1]), waits)
+                       ).logits  # [2, vocab]
                 assert st.sampler is not None
                 bonus_q = (full_run, st.sampler.probs(self._logits(out[0])))  # [vocab]
                 row = self._logits(out[1])
             else:
                 row = self._logits(  # [vocab]
-                    (yield Call(seq, self._ids(pending), p)).logits[0])
+                    (yield from _call(Call(seq, self._ids(pending), p), waits)).logits[0])
             p += len(pending)
             st.n_cached = p
             pick = pick_token(row, sampler, grammar, params.p_min)
@@ -151,7 +154,7 @@ class DraftModelDrafter(Drafter):
                 q_rows.append(pick.q)
             st.drafted.append(tok)
             pending = [tok]
-            step_s.append(time.perf_counter() - t0)
+            step_s.append(time.perf_counter() - t0 - sum(waits))
             if grammar is not None:
                 grammar.consume(tok)
                 if grammar.is_stopped():
@@ -161,8 +164,8 @@ class DraftModelDrafter(Drafter):
             step_seconds=tuple(step_s), includes_catch_up=caught_up, guess_checks=forced,
             bonus_q=bonus_q, stopped_unsure=unsure))
 
-    def _check_guesses(self, seq: int, pending: list[int], pos: int, full_run: int
-                       ) -> Generator[Call, CallOutput,
+    def _check_guesses(self, seq: int, pending: list[int], pos: int, full_run: int,
+                       waits: list[float]) -> Generator[Call, CallOutput,
                                       tuple[np.ndarray, tuple[tuple[int, bool], ...]]]:
         """Evaluate tokens the draft has not seen; the greedy guesses of the last rows are
         checked against the tokens that really followed them. Row 0 follows the last
@@ -170,8 +173,9 @@ class DraftModelDrafter(Drafter):
         bonus token (position full_run); any other row is a teacher-forced position 0."""
         k = min(len(pending) - 1, FORCED_ROWS)
         first = len(pending) - 1 - k
-        out = (yield Call(seq, self._ids(pending), pos,
-                          list(range(first, len(pending))))).logits  # [k + 1, vocab]
+        out = (yield from _call(Call(seq, self._ids(pending), pos,
+                                     list(range(first, len(pending)))), waits)
+               ).logits  # [k + 1, vocab]
         guesses = self._logits(out[:-1]).argmax(axis=-1)  # [k]
         hits = guesses == np.asarray(pending[first + 1:])  # [k]
         return self._logits(out[-1]), tuple(
@@ -195,3 +199,12 @@ class DraftModelDrafter(Drafter):
         st = self._seqs.get(seq)
         if st is not None:
             st.drafted, st.sampler = [], None
+
+
+def _call(call: Call, waits: list[float]) -> Generator[Call, CallOutput, CallOutput]:
+    """Yield one call; its output. `waits` gets the seconds spent beyond the call's own
+    share of its pass (waiting while a pass shared with other sequences ran)."""
+    t = time.perf_counter()
+    out = yield call
+    waits.append(max(time.perf_counter() - t - out.seconds, 0.0))
+    return out

@@ -52,12 +52,6 @@ class _Drafting:
     call: Call
 
 
-@dataclass
-class TimedOutput(CallOutput):
-    """A call's output, and the seconds of the pass that computed it (shared by every
-    call in that pass)."""
-
-    seconds: float = 0.0
 
 
 @dataclass
@@ -341,7 +335,7 @@ class Scheduler:
             try:
                 if isinstance(out, Exception):
                     raise out
-                tokens = gen.complete(out, out.seconds)
+                tokens = gen.complete(out)
                 if tokens and req.on_tokens(tokens):
                     gen.finish("stop")  # the request's consumer wants no more
             except Exception as exc:
@@ -349,7 +343,7 @@ class Scheduler:
             self._settle(slot)
 
     def _resume(self, slot: Slot, steps: Generator[Call, CallOutput, Call | None],
-                out: TimedOutput | Exception | None, drafting: list[_Drafting]
+                out: CallOutput | Exception | None, drafting: list[_Drafting]
                 ) -> Call | None:
         """Run a slot's step up to its next model call (sent `out`, the last one's output
         or failure): a draft-model call joins `drafting`; the target call it ends with is
@@ -374,18 +368,15 @@ class Scheduler:
         drafting.append(_Drafting(slot, steps, runner, call))
         return None
 
-    def _pass(self, runner: ModelRunner, calls: list[Call]) -> list[TimedOutput | Exception]:
+    def _pass(self, runner: ModelRunner, calls: list[Call]) -> list[CallOutput | Exception]:
         """The calls through `runner` in one pass; where it fails, each call alone, so
         that only the request whose call fails gets the error."""
-        t0 = time.perf_counter()
         try:
-            outs = runner.forward_batch(calls)
+            return list(runner.forward_batch(calls))
         except Exception as exc:
             if len(calls) == 1:
                 return [exc]
             return [self._pass(runner, [c])[0] for c in calls]
-        seconds = time.perf_counter() - t0
-        return [TimedOutput(o.logits, o.features, seconds) for o in outs]
 
     def _fail(self, req: Request, exc: Exception) -> None:
         """The request ends with an error (one bad request never stops the daemon)."""

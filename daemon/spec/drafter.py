@@ -18,6 +18,7 @@ q rows) apart from what the draft-length policy learns from it (`DraftEvidence`)
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -127,6 +128,38 @@ def run_steps(steps: Generator[Call, CallOutput, _R], runner: ModelRunner | None
     except StopIteration as stop:
         result: _R = stop.value
         return result
+
+
+def timed_steps(steps: Generator[Call, CallOutput, _R]
+                ) -> Generator[Call, CallOutput, tuple[_R, float]]:
+    """`steps`, passing their calls on, and what they cost this sequence: their own time
+    between calls and each call's share of its pass (`CallOutput.seconds`), not the time
+    spent waiting while passes shared with other sequences ran."""
+    own = 0.0
+    t = time.perf_counter()
+    to_send: CallOutput | None = None
+    thrown: BaseException | None = None
+    while True:
+        try:
+            if thrown is not None:
+                call = steps.throw(thrown)
+            elif to_send is None:
+                call = next(steps)
+            else:
+                call = steps.send(to_send)
+        except StopIteration as stop:
+            return stop.value, own + time.perf_counter() - t
+        own += time.perf_counter() - t
+        thrown = None
+        try:
+            to_send = yield call
+            own += to_send.seconds
+        except GeneratorExit:
+            steps.close()
+            raise
+        except BaseException as exc:  # a failed pass: the draft's own handling decides
+            thrown = exc
+        t = time.perf_counter()
 
 
 class Drafter(ABC):

@@ -20,7 +20,7 @@ from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
-from .drafter import Drafter, DraftParams, Features, Proposal, run_steps
+from .drafter import Drafter, DraftParams, Features, Proposal, run_steps, timed_steps
 from .policy import (
     AdaptiveDraftLength,
     DraftPolicy,
@@ -78,6 +78,7 @@ class _Proposed:
     proposal: Proposal
     model_call: ModelCall | None = None
     offer_next: int | None = None  # the offer's token after those kept (all of them kept)
+    seconds: float = 0.0  # what proposing cost this sequence (its share of shared passes)
 
 
 @dataclass
@@ -89,7 +90,7 @@ class _PrefillChunk:
 
 @dataclass
 class _Round:
-    """A pending round: its proposal, and the seconds spent on it before the pass."""
+    """A pending round: its proposal, and what planning and proposing cost."""
 
     proposed: _Proposed
     seconds: float
@@ -281,9 +282,7 @@ class Generation:
 
     def _run(self, call: Call) -> list[int]:
         """The target's pass for `call` alone, and the step completed with it."""
-        t0 = time.perf_counter()
-        out = self.target.forward_batch([call])[0]
-        return self.complete(out, time.perf_counter() - t0)
+        return self.complete(self.target.forward_batch([call])[0])
 
     def next_call(self, prefill_budget: int | None = None) -> Call | None:
         """Everything of the next step up to the target's pass, and the call that pass
@@ -315,18 +314,21 @@ class Generation:
         if limit < 0:
             self.finish_reason = "length"
             return None
-        t_round = time.perf_counter()
+        t0 = time.perf_counter()
         plan, offer = self._plan(limit)
+        plan_s = time.perf_counter() - t0
         proposed = yield from self._propose(plan, offer)
-        self._pending = _Round(proposed, time.perf_counter() - t_round)
+        self._pending = _Round(proposed, plan_s + proposed.seconds)
         assert self._last is not None
         tokens = [self._last, *proposed.proposal.tokens]
         return Call(self.seq, tokens, self._pos, list(range(len(tokens))), self._layers)
 
-    def complete(self, out: CallOutput, seconds: float) -> list[int]:
-        """The step `next_call` began, finished with the target's output for its call (and
-        the seconds of the pass that computed it): the tokens it emitted."""
+    def complete(self, out: CallOutput) -> list[int]:
+        """The step `next_call` began, finished with the target's output for its call:
+        the tokens it emitted. The call's share of its pass (`out.seconds`) is what the
+        statistics and the policy count as the step's target time."""
         pending, self._pending = self._pending, None
+        seconds = out.seconds
         if isinstance(pending, _PrefillChunk):
             return self._complete_prefill(pending, out, seconds)
         assert isinstance(pending, _Round), "complete() without next_call()"
@@ -363,25 +365,26 @@ class Generation:
         (its model calls yielded), trimmed to what may be emitted (empty: a plain target
         step)."""
         if offer is not None and plan.take_offer:
+            t0 = time.perf_counter()
             proposal = self._usable(offer.truncate(plan.n))
             whole = len(proposal.tokens) == plan.n < len(offer.tokens)
-            return _Proposed(proposal, offer_next=offer.tokens[plan.n] if whole else None)
+            return _Proposed(proposal, offer_next=offer.tokens[plan.n] if whole else None,
+                             seconds=time.perf_counter() - t0)
         dp = self.params.draft
         if self.drafter is None or not self.drafter.runs_model or plan.n < max(dp.n_min, 1):
             return _Proposed(Proposal([]))
         assert self._last is not None
         fork = None if self.grammar is None else self.grammar.fork()
-        t0 = time.perf_counter()
         try:
-            drafted = yield from self.drafter.draft_steps(self.seq, self._last, self._pos,
-                                                          plan.n, dp, fork)
+            drafted, seconds = yield from timed_steps(self.drafter.draft_steps(
+                self.seq, self._last, self._pos, plan.n, dp, fork))
         except Exception:  # a failing draft never fails the request: go on target-only
             self.drafter = None
             return _Proposed(Proposal([]))
-        seconds = time.perf_counter() - t0
         self.stats.draft_s += seconds
         call = ModelCall(plan.n, len(drafted.tokens), seconds, drafted.evidence)
-        return _Proposed(self._usable(drafted.truncate(plan.n)), model_call=call)
+        return _Proposed(self._usable(drafted.truncate(plan.n)), model_call=call,
+                         seconds=seconds)
 
     def _usable(self, proposal: Proposal) -> Proposal:
         """The part of a proposal worth verifying: up to its first end of generation, what

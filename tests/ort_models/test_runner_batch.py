@@ -85,3 +85,12 @@ def test_a_batch_names_its_problems(model: Path) -> None:
         r.forward_batch([Call(0, [1], 0), Call(0, [2], 1)])
     with pytest.raises(ValueError, match="hidden states of layers"):
         r.forward_batch([Call(0, [1], 0, layers=(0,)), Call(1, [2], 0)])
+
+
+def test_a_pass_is_shared_out_by_rows(model: Path) -> None:
+    """Each call's seconds are its rows' share of the pass: what it cost, whatever else
+    ran in it (the draft-length policy prices rounds by them)."""
+    r = _runner(model, 2)
+    long_call, short_call = r.forward_batch([Call(0, PROMPTS[0], 0), Call(1, [5], 0)])
+    assert short_call.seconds > 0
+    assert long_call.seconds / short_call.seconds == pytest.approx(len(PROMPTS[0]))
