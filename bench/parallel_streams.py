@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specd.daemon.benchmark.llama_server import LlamaServer
+from specd.daemon.benchmark.llama_server import LlamaServer, wait_healthy
 from specd.daemon.benchmark.peer import TUNED_N_MAX, TUNED_P_MIN
 from specd.daemon.benchmark.run import PROMPTS
 from specd.daemon.models.store import resolve_model
@@ -142,18 +142,10 @@ def specd_server(spec: str, slots: int, threads: int) -> Iterator[str]:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"specd serve exited: {log.read_text()[-800:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("specd serve did not become ready") from None
-                time.sleep(0.5)
+        if not wait_healthy(url, proc, 900):
+            raise RuntimeError("specd serve did not become ready")
+        if proc.poll() is not None:
+            raise RuntimeError(f"specd serve exited: {log.read_text()[-800:]}")
         yield url
     finally:
         proc.terminate()

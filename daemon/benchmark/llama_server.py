@@ -20,6 +20,22 @@ class LlamaServerError(RuntimeError):
     """llama-server is not built, did not start, or answered with an error."""
 
 
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], ready_s: float) -> bool:
+    """Wait until the server at `url` answers /health with 200 (True) or its process
+    exits (True: the caller sees the exit); False after `ready_s` seconds."""
+    deadline = time.monotonic() + ready_s
+    while proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+    return True
+
+
 class LlamaServer:
     def __init__(self, model: Path, *, threads: int, n_ctx: int, args: Sequence[str] = (),
                  ready_s: float = 300.0):
@@ -36,22 +52,14 @@ class LlamaServer:
         # server then blocks writing to it
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log)
-        deadline = time.monotonic() + ready_s
-        while True:
-            if self.proc.poll() is not None:
-                self._log.seek(0)
-                err = self._log.read().decode(errors="replace")
-                raise LlamaServerError(f"llama-server exited {self.proc.returncode}: "
-                                       + " | ".join(err.strip().splitlines()[-5:]))
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise LlamaServerError("llama-server did not become ready") from None
-                time.sleep(0.2)
+        if not wait_healthy(self.url, self.proc, ready_s):
+            self.close()
+            raise LlamaServerError("llama-server did not become ready")
+        if self.proc.poll() is not None:
+            self._log.seek(0)
+            err = self._log.read().decode(errors="replace")
+            raise LlamaServerError(f"llama-server exited {self.proc.returncode}: "
+                                   + " | ".join(err.strip().splitlines()[-5:]))
 
     def post(self, route: str, body: dict[str, Any], timeout: float = 600.0) -> Any:
         req = urllib.request.Request(f"{self.url}{route}", data=json.dumps(body).encode(),

@@ -4,8 +4,6 @@ as another OS user), shutdown during a stream, nesting, LAN Host names, token fi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import http.client
 import json
 import os
@@ -21,7 +19,7 @@ from specd.daemon.serving.scheduler import Request, Scheduler
 from specd.daemon.serving.service import Service
 from specd.ipc.http_api import create_app
 from specd.ipc.security import Access, TokenFileError, load_or_create_token
-from specd.ipc.server import RunningServer, ServeConfig, serve_access, start_server
+from specd.ipc.server import ServeConfig, serve_access
 from specd.ipc.validation import (
     MAX_CONSTRAINT_BYTES,
     MAX_STOP_CHARS,
@@ -29,7 +27,7 @@ from specd.ipc.validation import (
     MAX_TOOLS,
 )
 
-from live_server import live_server
+from live_server import live_server, serving
 
 NOBODY = 65534
 TOKEN = "s3cret-token-for-tests"
@@ -307,38 +305,6 @@ def _lan_address() -> str | None:
             if a.family == socket.AF_INET and not a.address.startswith("127."):
                 return str(a.address)
     return None
-
-
-@contextlib.contextmanager
-def serving(app: Any, cfg: ServeConfig) -> Iterator[tuple[RunningServer, Callable[[], None]]]:
-    """start_server() on a loop in a thread: (the server, a function closing it)."""
-    loop = asyncio.new_event_loop()
-    started: dict[str, RunningServer] = {}
-    ready = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        started["srv"] = loop.run_until_complete(start_server(app, cfg))
-        ready.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(30), "the server did not start"
-    closed: list[bool] = []
-
-    def close() -> None:
-        if not closed:
-            closed.append(True)
-            asyncio.run_coroutine_threadsafe(started["srv"].close(), loop).result(60)
-
-    try:
-        yield started["srv"], close
-    finally:
-        close()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 def _service(tiny_path: Path, slots: int = 1) -> Service:

@@ -9,7 +9,7 @@ import http.client
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,26 +62,44 @@ def live_server(cfg: EngineConfig, tmp: Path, *, require_token: bool = False,
     token = resolve_token(scfg)
     app = create_app(service, allowed_origins=scfg.allowed_origins, token=token,
                      max_body=max_body, **app_options)
+    try:
+        with serving(app, scfg) as (srv, _):
+            yield LiveServer(service, srv.port, sock, token)
+    finally:
+        scheduler.stop()
+
+
+@contextlib.contextmanager
+def serving(app: Any, cfg: ServeConfig) -> Iterator[tuple[Any, Callable[[], None]]]:
+    """start_server() on a loop in a thread: (the running server, a function closing it,
+    which the end of the block calls too)."""
     loop = asyncio.new_event_loop()
     started: dict[str, Any] = {}
     ready = threading.Event()
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        started["srv"] = loop.run_until_complete(start_server(app, scfg))
+        started["srv"] = loop.run_until_complete(start_server(app, cfg))
         ready.set()
         loop.run_forever()
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert ready.wait(30), "server did not start"
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(30), "the server did not start"
+    closed: list[bool] = []
+
+    def close() -> None:
+        if not closed:
+            closed.append(True)
+            asyncio.run_coroutine_threadsafe(started["srv"].close(), loop).result(60)
+
     try:
-        yield LiveServer(service, started["srv"].port, sock, token)
+        yield started["srv"], close
     finally:
-        asyncio.run_coroutine_threadsafe(started["srv"].close(), loop).result(10)
+        close()
         loop.call_soon_threadsafe(loop.stop)
-        t.join(10)
-        scheduler.stop()
+        thread.join(10)
+        loop.close()
 
 
 def free_port() -> int:
