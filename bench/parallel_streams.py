@@ -136,7 +136,8 @@ def specd_server(spec: str, slots: int, threads: int) -> Iterator[str]:
     cmd = [sys.executable, "-m", "specd.daemon.cli", "serve", "-m", TARGET, "--port",
            str(port), "--no-socket", "--slots", str(slots), "-c", str(N_CTX), "-t",
            str(threads), "--no-fit"]
-    cmd += ["--spec-type", "none"] if spec == "none" else ["-md", DRAFT, "--spec-type", "draft"]
+    # with -md, the speculation `specd serve -md` runs by default (draft+ngram, adaptive)
+    cmd += ["--spec-type", "none"] if spec == "none" else ["-md", DRAFT]
     log = Path(tempfile.mkstemp(prefix="specd-serve-", suffix=".log")[1])
     with log.open("wb") as out:  # a pipe nobody reads would fill and block the daemon
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
