@@ -17,11 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -30,9 +26,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specd.daemon.benchmark.llama_server import LlamaServer, wait_healthy
+from specd.daemon.benchmark.llama_server import LlamaServer
 from specd.daemon.benchmark.peer import TUNED_N_MAX, TUNED_P_MIN
 from specd.daemon.benchmark.run import PROMPTS
+from specd.daemon.benchmark.serve_process import specd_serve
 from specd.daemon.models.store import resolve_model
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -124,36 +121,14 @@ def joining_ttft(url: str, max_tokens: int) -> dict[str, float]:
     return {"ttft_alone_s": alone, "ttft_joining_3_s": joined, "ratio": joined / alone}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def specd_server(spec: str, slots: int, threads: int) -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "specd.daemon.cli", "serve", "-m", TARGET, "--port",
-           str(port), "--no-socket", "--slots", str(slots), "-c", str(N_CTX), "-t",
-           str(threads), "--no-fit"]
+    args = ["-m", TARGET, "--slots", str(slots), "-c", str(N_CTX), "-t", str(threads),
+            "--no-fit"]
     # with -md, the speculation `specd serve -md` runs by default (draft+ngram, adaptive)
-    cmd += ["--spec-type", "none"] if spec == "none" else ["-md", DRAFT]
-    log = Path(tempfile.mkstemp(prefix="specd-serve-", suffix=".log")[1])
-    with log.open("wb") as out:  # a pipe nobody reads would fill and block the daemon
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        if not wait_healthy(url, proc, 900):
-            raise RuntimeError("specd serve did not become ready")
-        if proc.poll() is not None:
-            raise RuntimeError(f"specd serve exited: {log.read_text()[-800:]}")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    args += ["--spec-type", "none"] if spec == "none" else ["-md", DRAFT]
+    with specd_serve(args) as server:
+        yield server.url
 
 
 @contextmanager

@@ -36,6 +36,17 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], ready_s: float) -> boo
     return True
 
 
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """Terminate a server process; killed if it is still there after `grace_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class LlamaServer:
     def __init__(self, model: Path, *, threads: int, n_ctx: int, args: Sequence[str] = (),
                  ready_s: float = 300.0):
@@ -83,13 +94,7 @@ class LlamaServer:
 
     def close(self) -> None:
         self._log.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def __enter__(self) -> LlamaServer:
         return self
