@@ -203,11 +203,19 @@ class Scheduler:
                     best = (other, shared)
         return best
 
+    @property
+    def _copies_prefixes(self) -> bool:
+        """Whether a prompt's prefix may be copied from another slot: not where the
+        drafter keeps a context of the target's features per slot (a head's cache), which
+        the copy would leave behind."""
+        drafter = self.engine.drafter
+        return drafter is None or not drafter.target_layers
+
     def _waits_for_prefix(self, req: Request) -> bool:
         """Whether the request is better off waiting a step: another slot of its identity
         is still evaluating a prompt sharing SHARED_PREFIX_WAIT more tokens with it than
         any slot holds now (n choices of one prompt: one prefill, then copies)."""
-        if not req.cache_prompt or req.task is not None:
+        if not req.cache_prompt or req.task is not None or not self._copies_prefixes:
             return False
         have = max((self._reusable(s, req) for s in self.slots), default=0)
         return any(s.request is not None and s.request.gen is not None
@@ -239,7 +247,7 @@ class Scheduler:
                     slot.identity = req.identity
                     continue
                 reuse = self._reusable(slot, req)
-                donor, shared = self._donor(req, slot)
+                donor, shared = self._donor(req, slot) if self._copies_prefixes else (None, 0)
                 if donor is not None and shared > reuse and self.engine.target.runner.copy_prefix(
                         donor.index, slot.index, shared, len(self._held(donor))):
                     reuse = shared  # the prefix's KV copied from the other slot

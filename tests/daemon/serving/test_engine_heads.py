@@ -142,3 +142,31 @@ def test_heads_draft_for_every_target_architecture(arch: str,
     engine = _engine(target, head)
     assert engine.spec_type == "draft-dflash"
     assert _generate(engine) == _generate(_engine(target, None, "none"))
+
+
+def test_slots_do_not_copy_prefixes_beside_a_head(files: tuple[Path, Path]) -> None:
+    """A head keeps the target's features of each slot's context in its own cache: a
+    prefix copied from another slot would leave that context behind (and the head
+    dropped for the request), so with a head two requests on one prompt each evaluate
+    it, and both draft."""
+    import threading
+
+    from specd.daemon.serving.scheduler import Request, Scheduler
+
+    target, head = files
+    engine = Engine(EngineConfig(target=str(target), draft=str(head), n_ctx=512, slots=2,
+                                 fetch=False, device="cpu"))
+    scheduler = Scheduler(engine)
+    try:
+        done = [threading.Event(), threading.Event()]
+        reqs = [Request(prompt=PROMPT * 4, params=GenerationParams(
+                    max_tokens=12, ignore_eos=True, draft=DraftParams(n_max=4)),
+                    on_tokens=lambda t: None, on_done=lambda r, e=e: e.set()) for e in done]
+        for r in reqs:
+            scheduler.submit(r)
+        assert all(e.wait(60) for e in done)
+        for r in reqs:
+            assert r.error is None and r.gen is not None
+            assert r.gen.stats.cached_tokens == 0 and r.gen.stats.drafted > 0
+    finally:
+        scheduler.stop()
