@@ -11,12 +11,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 import numpy as np
 from aiohttp import web
 
+from specd.daemon.serving.engine import ServingParams
 from specd.daemon.serving.scheduler import QueueFull
 from specd.daemon.serving.service import Piece, Result, Service, Stream
 from specd.daemon.spec.drafter import DraftParams
@@ -334,7 +335,8 @@ def _usage(*results: Result) -> dict[str, Any]:
 
 def _generation_settings(svc: Service, params: GenerationParams, *,
                          stop: list[str] | None = None, stream: bool = False,
-                         n_probs: int = 0) -> dict[str, Any]:
+                         n_probs: int = 0, post_sampling_probs: bool = False
+                         ) -> dict[str, Any]:
     """A request's settings as llama.cpp reports them (`generation_settings`, /props'
     `default_generation_settings.params`): logit_bias as [{token, bias}], null for never
     (ignore_eos bans the end-of-generation tokens that way, as llama.cpp shows it)."""
@@ -350,7 +352,8 @@ def _generation_settings(svc: Service, params: GenerationParams, *,
             "frequency_penalty": sp.frequency_penalty, "stop": list(stop or []),
             "max_tokens": params.max_tokens, "n_predict": params.max_tokens,
             "ignore_eos": params.ignore_eos, "stream": stream, "logit_bias": bias,
-            "n_probs": n_probs, "speculative.n_max": dp.n_max, "speculative.n_min": dp.n_min,
+            "n_probs": n_probs, "post_sampling_probs": post_sampling_probs,
+            "speculative.n_max": dp.n_max, "speculative.n_min": dp.n_min,
             "speculative.p_min": dp.p_min, "speculative.adaptive": params.adaptive}
 
 
@@ -392,14 +395,25 @@ def _completion_logprobs(svc: Service, logprobs: list[TokenLogprob], texts: list
             "text_offset": offsets[:len(logprobs)]}
 
 
-def _llama_probs(svc: Service, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
-    """llama.cpp's `completion_probabilities` for these tokens."""
+def _llama_probs(svc: Service, logprobs: list[TokenLogprob], post: bool = False
+                 ) -> list[dict[str, Any]]:
+    """llama.cpp's `completion_probabilities` for these tokens: logprobs, or with `post`
+    (post_sampling_probs) the sampled distribution's probabilities as `prob` and
+    `top_probs`."""
     def entry(token: int, lp: float) -> dict[str, Any]:
         text, data = _token_text(svc, token)
-        return {"id": token, "token": text, "bytes": data, "logprob": _finite(lp)}
+        return {"id": token, "token": text, "bytes": data,
+                **({"prob": math.exp(lp)} if post else {"logprob": _finite(lp)})}
 
-    return [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+    top = "top_probs" if post else "top_logprobs"
+    return [{**entry(t.token, t.logprob), top: [entry(i, lp) for i, lp in t.top]}
             for t in logprobs]
+
+
+def _with_post_sampling(params: GenerationParams) -> ServingParams:
+    """`params`, its logprobs recorded from the sampled distribution."""
+    return ServingParams(**{f.name: getattr(params, f.name) for f in fields(params)},
+                         post_sampling_probs=True)
 
 
 def _oai_finish(reason: str) -> dict[str, str]:
@@ -751,9 +765,9 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
     svc = _served(request, body)
     params = await _off_loop(request, _params, svc, body, max_key="n_predict")
     n_probs = get(body, "n_probs", int, 0, lo=0, hi=MAX_N_PROBS)
-    if get(body, "post_sampling_probs", bool, False):
-        raise BadRequest("'post_sampling_probs' is not supported by specd (n_probs gives "
-                         "the model's own probabilities)", param="post_sampling_probs")
+    post = get(body, "post_sampling_probs", bool, False) and n_probs > 0
+    if post:
+        params = _with_post_sampling(params)
     params.logprobs = n_probs or None
     if infill:
         prompt = await _off_loop(request, _infill_prompt, svc, body, params.max_tokens)
@@ -795,7 +809,8 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
                 "model": svc.engine.target.name, "tokens_predicted": r.completion_tokens,
                 "tokens_evaluated": r.prompt_tokens,
                 "generation_settings": _generation_settings(svc, params, stop=stop,
-                                                            stream=stream, n_probs=n_probs),
+                                                            stream=stream, n_probs=n_probs,
+                                                            post_sampling_probs=post),
                 "prompt": svc.tokenizer.decode(prompt),
                 "has_new_line": "\n" in r.text, "truncated": False,
                 "stop_type": {"stop": "eos" if not r.stopping_word else "word",
@@ -804,7 +819,7 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
                 "stopping_word": r.stopping_word, "tokens_cached": r.cached_tokens,
                 "timings": r.timings, "speculative": _spec_block(r)}
         if n_probs and not stream:
-            full["completion_probabilities"] = _llama_probs(svc, r.logprobs)
+            full["completion_probabilities"] = _llama_probs(svc, r.logprobs, post)
         # llama.cpp's response_fields: just these, a nested one under its "a/b" path (none
         # or [] is every field)
         return _pick_fields(full, fields) if fields else full
@@ -834,7 +849,7 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
                     if held is not None:
                         await _send(resp, held)
                     held = {**partial(text, [token]),
-                            "completion_probabilities": _llama_probs(svc, [lp])}
+                            "completion_probabilities": _llama_probs(svc, [lp], post)}
                 if not ev.tokens and held is not None:
                     held["content"] += ev.text
                 elif not ev.tokens:

@@ -33,8 +33,9 @@ from specd.daemon.models.compat import draft_incompatibilities, head_incompatibi
 from specd.daemon.models.store import resolve_model
 from specd.daemon.spec.drafter import Drafter
 from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.spec.sampling import post_sampling_logprob
 from specd.daemon.text.chat_template import render_chat
-from specd.daemon.text.grammar import GrammarState
+from specd.daemon.text.grammar import GrammarState, GrammarViolation
 from specd.daemon.text.tokenizer import Tokenizer
 from specd.memory_fit.rss import rss_bytes
 from specd.ort_models import native_ops
@@ -99,6 +100,53 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return self.gguf.name
+
+
+@dataclass
+class ServingParams(GenerationParams):
+    """A served request's settings: the generation's, and how its output is reported.
+
+    post_sampling_probs: the recorded logprobs (`logprobs` of them) are those of the
+    distribution each token was drawn from (after the sampler's bias, penalties, filters,
+    temperature and the grammar's mask), as llama.cpp's `post_sampling_probs` gives them.
+    """
+
+    post_sampling_probs: bool = False
+
+
+class _PostSamplingGeneration(Generation):
+    """A Generation whose token_logprobs are post-sampling: each emitted token's is
+    recomputed from the row it was decided on, with the penalty history and grammar
+    mask that decision saw (a grammar fork advanced in step with the emitted tokens)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._mask_state = None if self.grammar is None else self.grammar.fork()
+
+    def _emit(self, toks: list[int], rows: np.ndarray) -> list[int]:
+        before = len(self.tokens)
+        out = super()._emit(toks, rows)
+        k = self.params.logprobs
+        if k is None:
+            return out
+        n = self.params.sampling.repeat_last_n
+        recorded = []
+        for i, (t, row) in enumerate(zip(toks, rows, strict=False)):
+            mask = None
+            if self._mask_state is not None:
+                mask = self._mask_state.allowed(len(row))
+                try:
+                    self._mask_state.consume(t)
+                except GrammarViolation:  # a dead end: no mask after it
+                    self._mask_state = None
+            if i >= len(out):
+                continue  # consumed by the grammar, not emitted
+            end = before + i  # the tokens the penalties saw for this one
+            history = self.tokens[:end] if n < 0 else self.tokens[max(end - n, 0):end]
+            recorded.append(post_sampling_logprob(self.sampler, row, t, k,
+                                                  history=history, mask=mask))
+        self.token_logprobs[len(self.token_logprobs) - len(out):] = recorded
+        return out
 
 
 class Engine:
@@ -278,8 +326,10 @@ class Engine:
 
     def start(self, seq: int, prompt: Sequence[int], params: GenerationParams,
               reuse: int = 0, grammar: GrammarState | None = None) -> Generation:
-        return Generation(self.target.runner, seq, prompt, params, eog=self.eog_ids,
-                          drafter=self.drafter, reuse=reuse, grammar=grammar)
+        post = isinstance(params, ServingParams) and params.post_sampling_probs
+        kind = _PostSamplingGeneration if post else Generation
+        return kind(self.target.runner, seq, prompt, params, eog=self.eog_ids,
+                    drafter=self.drafter, reuse=reuse, grammar=grammar)
 
     def embed(self, seq: int, tokens: Sequence[int], normalize_p: int = 2) -> np.ndarray:
         """The embedding of `tokens`, evaluated from position 0 of sequence `seq` (its KV

@@ -43,6 +43,7 @@ __all__ = [
     "TokenLogprob",
     "derive_seeds",
     "mask_logits",
+    "post_sampling_logprob",
     "sample_from_probs",
     "softmax",
     "token_logprob",
@@ -188,6 +189,31 @@ def top_probability(logits: np.ndarray) -> float:
     float32 (a draft's confidence, compared against a threshold only)."""
     x = np.asarray(logits, dtype=np.float32)
     return float(1.0 / np.exp(x - x.max()).sum(dtype=np.float64))
+
+
+def post_sampling_logprob(sampler: Sampler, logits: np.ndarray, token: int, k: int, *,
+                          history: Iterable[int], mask: np.ndarray | None = None
+                          ) -> TokenLogprob:
+    """`token`'s log-probability in the distribution `sampler` draws from for these
+    logits [vocab] (after its bias, penalties, filters and temperature: llama.cpp's
+    post-sampling probabilities), with the penalties over `history` instead of the
+    sampler's own, and its `k` most probable tokens (never one of probability 0; ties by
+    lower id). The sampler is left unchanged."""
+    view = copy.copy(sampler)  # shares params and rng (not drawn from), its own history
+    view._history = deque((int(t) for t in history), maxlen=sampler._history.maxlen)
+    ids, p = view._filtered(logits, mask)  # [m], [m]
+    ids = np.arange(p.shape[0]) if ids is None else ids
+    at = int(np.searchsorted(ids, token))  # ids ascend
+    p_token = float(p[at]) if at < ids.shape[0] and ids[at] == token else 0.0
+    k = max(k, 0)
+    cand = np.flatnonzero(p > 0.0)  # [z]
+    if k < cand.shape[0]:  # those at or above the k-th largest only, ties kept
+        kth = np.partition(p[cand], cand.shape[0] - k)[cand.shape[0] - k] if k else np.inf
+        cand = cand[p[cand] >= kth]
+    order = cand[np.lexsort((ids[cand], -p[cand]))][:k]  # [<= k]
+    with np.errstate(divide="ignore"):
+        return TokenLogprob(int(token), float(np.log(p_token)),
+                            tuple((int(ids[i]), float(np.log(p[i]))) for i in order))
 
 
 class NoAllowedToken(ValueError):

@@ -163,8 +163,43 @@ def test_logprobs_of_every_token_streamed_or_not(server) -> None:
     assert all(len(e["completion_probabilities"]) == 1 for e in events if not e["stop"])
     assert [e["completion_probabilities"][0] for e in events if not e["stop"]] == whole
     assert "".join(e["content"] for e in events) == c.post("/completion", body)["content"]
-    status, out = server.request("POST", "/completion", {**body, "post_sampling_probs": True})
-    assert status == 400 and "post_sampling_probs" in out["error"]["message"]
+
+
+def test_post_sampling_probs_are_the_sampled_distribution(server) -> None:
+    """post_sampling_probs: each token's `prob` and `top_probs` are the distribution it
+    was drawn from: with top_k 3, the model's three most likely renormalised (seeded, the
+    same tokens as without post_sampling_probs); greedy, the one token with 1.0; under a
+    grammar, allowed tokens only."""
+    c = Client(port=server.port)
+    body = {"prompt": "one two", "n_predict": 8, "n_probs": 5, "ignore_eos": True,
+            "temperature": 1.0, "top_k": 3, "seed": 11}
+    pre = c.post("/completion", body)
+    post = c.post("/completion", {**body, "post_sampling_probs": True})
+    assert post["content"] == pre["content"]
+    assert post["generation_settings"]["post_sampling_probs"] is True
+    for a, b in zip(pre["completion_probabilities"], post["completion_probabilities"],
+                    strict=True):
+        assert "logprob" not in b and "top_logprobs" not in b and b["id"] == a["id"]
+        top3 = a["top_logprobs"][:3]
+        total = sum(math.exp(x["logprob"]) for x in top3)
+        assert [x["id"] for x in b["top_probs"]] == [x["id"] for x in top3]
+        for x, y in zip(top3, b["top_probs"], strict=True):
+            assert y["prob"] == pytest.approx(math.exp(x["logprob"]) / total, rel=1e-6)
+            assert set(y) == {"id", "token", "bytes", "prob"}
+        assert b["prob"] == next(y["prob"] for y in b["top_probs"] if y["id"] == b["id"])
+        assert sum(y["prob"] for y in b["top_probs"]) == pytest.approx(1.0)
+    events = list(c.stream("/completion", {**body, "post_sampling_probs": True,
+                                           "stream": True}))
+    assert [e["completion_probabilities"][0] for e in events if not e["stop"]] == \
+        post["completion_probabilities"]
+    greedy = c.post("/completion", {**body, "temperature": 0, "post_sampling_probs": True})
+    assert all(t["prob"] == 1.0 and [x["id"] for x in t["top_probs"]] == [t["id"]]
+               for t in greedy["completion_probabilities"])
+    ab = c.post("/completion", {**body, "top_k": 0, "regex": "[ab ]{8}",
+                                "post_sampling_probs": True})
+    for t in ab["completion_probabilities"]:
+        assert 0 < t["prob"] <= 1 and all(set(x["token"]) <= set("ab ")
+                                          for x in t["top_probs"])
 
 
 def test_n_choices_each_as_its_own_seed_gives_it(server) -> None:
