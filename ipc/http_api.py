@@ -19,7 +19,7 @@ from aiohttp import web
 
 from specd.daemon.serving.engine import ServingParams
 from specd.daemon.serving.scheduler import QueueFull
-from specd.daemon.serving.service import Piece, Result, Service, Stream
+from specd.daemon.serving.service import Piece, ProgressEvent, Result, Service, Stream
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams, RequestError
 from specd.daemon.spec.sampling import SamplerParams, TokenLogprob
@@ -584,12 +584,14 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
                               "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
                               "usage": _usage(*results)})
     # queued before the response starts: a full queue is still a 503 the client can retry
+    progress = get(body, "return_progress", bool, False)
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     streams: list[Stream] = []
     try:
         for p in choice_params:
-            streams.append(svc.submit(prompt, p, stop=stop, grammar=grammar))
+            streams.append(svc.submit(prompt, p, stop=stop, grammar=grammar,
+                                      progress=progress))
         return await _openai_stream(request, streams, chat=chat, rid=rid, created=created,
                                     model=model, include_usage=include_usage, names=names,
                                     logprobs=params.logprobs is not None)
@@ -658,7 +660,9 @@ async def _openai_stream(request: web.Request, streams: list[Stream], *, chat: b
     results: list[Result] = []
     async for i, ev in _merged(streams):
         st = states[i]
-        if isinstance(ev, Piece):
+        if isinstance(ev, ProgressEvent):  # return_progress
+            await _send(resp, {**chunk(st, None), "prompt_progress": ev.as_json()})
+        elif isinstance(ev, Piece):
             st.logprobs.extend(ev.logprobs)
             st.texts.extend(ev.texts)
             text = ev.text if st.tools is None else st.tools.feed(ev.text)
@@ -696,13 +700,14 @@ async def _openai_stream(request: web.Request, streams: list[Stream], *, chat: b
     return resp
 
 
-async def _merged(streams: list[Stream]) -> AsyncIterator[tuple[int, Piece | Result]]:
+async def _merged(streams: list[Stream]
+                  ) -> AsyncIterator[tuple[int, Piece | ProgressEvent | Result]]:
     """(index, event) of several streams as the events come."""
     if len(streams) == 1:
         async for ev in streams[0]:
             yield 0, ev
         return
-    queue: asyncio.Queue[tuple[int, Piece | Result | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Piece | ProgressEvent | Result | None]] = asyncio.Queue()
 
     async def pump(i: int, stream: Stream) -> None:
         try:
@@ -792,7 +797,9 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
     _check_fits(svc, prompt, "prompt")
     kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max,
               grammar=await _constraint(svc, body),
-              n_indent=get(body, "n_indent", int, 0, lo=0))  # editor plugins (llama.vim)
+              n_indent=get(body, "n_indent", int, 0, lo=0),  # editor plugins (llama.vim)
+              progress=get(body, "stream", bool, False) and get(body, "return_progress",
+                                                                 bool, False))
 
     fields = body.get("response_fields")
     if fields is not None and not (isinstance(fields, list)
@@ -858,7 +865,9 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
             if held is not None:
                 await _send(resp, held)
                 held = None
-            if isinstance(ev, Piece):
+            if isinstance(ev, ProgressEvent):  # return_progress
+                await _send(resp, {**partial("", []), "prompt_progress": ev.as_json()})
+            elif isinstance(ev, Piece):
                 await _send(resp, partial(ev.text, ev.tokens))
             elif ev.error:
                 await _send_error(resp, ev.error)

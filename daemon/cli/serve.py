@@ -28,6 +28,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-socket", action="store_true", help="TCP only")
     p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=2,
                    help="parallel sequences (default 2)")
+    p.add_argument("-b", "--batch-size", type=int_at_least(1), default=256,
+                   help="most prompt tokens one pass evaluates (prompt chunks; default 256)")
     p.add_argument("--queue", type=int_at_least(1), default=64,
                    help="most queued requests (then 503)")
     p.add_argument("--require-token", action="store_true",
@@ -102,7 +104,8 @@ def build_service(args: argparse.Namespace):
     cfg = engine_config_from_args(args, slots=args.slots)
     cfg.embeddings, cfg.pooling = args.embeddings, args.pooling
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
-    return Service(engine, Scheduler(engine, max_queue=args.queue))
+    return Service(engine, Scheduler(engine, max_queue=args.queue,
+                                     prefill_chunk=args.batch_size))
 
 
 def run(args: argparse.Namespace) -> int:

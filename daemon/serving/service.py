@@ -23,7 +23,7 @@ from specd.daemon.text.detokenize import IncrementalDetokenizer
 from specd.daemon.text.grammar import Grammar, compile_constraint
 from specd.daemon.text.stop_strings import StopMatcher
 
-from .engine import Engine
+from .engine import Engine, ServingParams
 from .scheduler import Request, Scheduler
 
 
@@ -35,6 +35,21 @@ class Piece:
     # no token), and its logprobs where the request asked for them
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class ProgressEvent:
+    """Prompt processing so far (llama.cpp's `prompt_progress`): tokens in the prompt,
+    taken from the cache, and evaluated or cached by now; ms since the request came."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+    def as_json(self) -> dict[str, int]:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed,
+                "time_ms": self.time_ms}
 
 
 @dataclass
@@ -112,12 +127,14 @@ class Service:
     def submit(self, prompt: list[int], params: GenerationParams, *,
                stop: list[str] | None = None, cache_prompt: bool = True,
                t_max_ms: float | None = None, grammar: Grammar | None = None,
-               n_indent: int = 0) -> Stream:
+               n_indent: int = 0, progress: bool = False) -> Stream:
         """Queue a request (RequestError if the prompt does not fit, QueueFull if the queue
-        is), before anything is sent to the client; iterate the Stream for its output."""
+        is), before anything is sent to the client; iterate the Stream for its output
+        (with `progress`, ProgressEvents as the prompt is evaluated)."""
         self.check_prompt(prompt)
         return Stream(self, prompt, params, stop=stop, cache_prompt=cache_prompt,
-                      t_max_ms=t_max_ms, grammar=grammar, n_indent=n_indent)
+                      t_max_ms=t_max_ms, grammar=grammar, n_indent=n_indent,
+                      progress=progress)
 
     async def embed(self, inputs: list[list[int]], normalize_p: int = 2) -> list[np.ndarray]:
         """Each input's embedding (Engine.embed), computed on the scheduler's worker in a
@@ -155,8 +172,8 @@ class Service:
         return r.result
 
     async def generate(self, prompt: list[int], params: GenerationParams,
-                       **kw: Any) -> AsyncIterator[Piece | Result]:
-        """submit(), then its Pieces and Result. Cancel by closing."""
+                       **kw: Any) -> AsyncIterator[Piece | ProgressEvent | Result]:
+        """submit(), then its events. Cancel by closing."""
         async for ev in self.submit(prompt, params, **kw):
             yield ev
 
@@ -175,10 +192,14 @@ class Stream:
 
     def __init__(self, svc: Service, prompt: list[int], params: GenerationParams, *,
                  stop: list[str] | None, cache_prompt: bool, t_max_ms: float | None,
-                 grammar: Grammar | None, n_indent: int = 0):
+                 grammar: Grammar | None, n_indent: int = 0, progress: bool = False):
         self.svc, self.prompt = svc, prompt
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._t_submit = time.perf_counter()
+        if progress:
+            base = {f: getattr(params, f) for f in params.__dataclass_fields__}
+            params = ServingParams(**{**base, "on_prompt_progress": self._on_progress})
         self._t_max = t_max_ms / 1000.0 if t_max_ms else None
         # the worker thread's, until the "done" event (after which only the loop reads)
         # control tokens (<|im_start|>, <|fim_middle|>, ...) add no text, as in llama.cpp's
@@ -200,6 +221,12 @@ class Stream:
 
     def cancel(self) -> None:
         self.req.cancel()
+
+    def _on_progress(self, cache: int, processed: int, total: int) -> None:
+        """(worker thread) Prompt processing reached `processed` of `total` tokens."""
+        ms = int((time.perf_counter() - self._t_submit) * 1000)
+        self._loop.call_soon_threadsafe(self._events.put_nowait, (
+            "progress", ProgressEvent(total, cache, processed, ms)))
 
     @property
     def _ended(self) -> bool:
@@ -237,10 +264,10 @@ class Stream:
             self._timed_out = True
         return self._ended
 
-    def __aiter__(self) -> AsyncIterator[Piece | Result]:
+    def __aiter__(self) -> AsyncIterator[Piece | ProgressEvent | Result]:
         return self._run()
 
-    async def _run(self) -> AsyncIterator[Piece | Result]:
+    async def _run(self) -> AsyncIterator[Piece | ProgressEvent | Result]:
         req, matcher = self.req, self._matcher
         text: list[str] = []
         tokens: list[int] = []
@@ -252,6 +279,9 @@ class Stream:
                 kind, value = await self._events.get()
                 if kind == "done":
                     break
+                if kind == "progress":
+                    yield value
+                    continue
                 text.append(value.text)
                 tokens += value.tokens
                 texts += value.texts

@@ -527,3 +527,40 @@ def test_http_conn_keepalive_survives(server) -> None:
         conn.request("GET", "/health", headers={"Host": "localhost:1"})
         assert conn.getresponse().read()
     conn.close()
+
+
+def test_return_progress_reports_each_prompt_chunk(server) -> None:
+    """return_progress: before the first chunk (cached = processed) and after each one,
+    the prompt's progress, then the tokens; a repeated prompt starts from its cache."""
+    c = Client(port=server.port)
+    scheduler = server.service.scheduler
+    chunk, scheduler.prefill_chunk = scheduler.prefill_chunk, 64
+    try:
+        prompt = " ".join(f"w{i}" for i in range(90))
+        body = {"prompt": prompt, "n_predict": 3, "ignore_eos": True, "return_progress": True,
+                "cache_key": "progress"}
+        for run in range(2):
+            events = list(c.stream("/completion", body))
+            progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
+            total = events[-1]["tokens_evaluated"]
+            assert total > 3 * 64
+            first = progress[0]
+            assert first["cache"] == first["processed"] and (first["cache"] > 0) == (run == 1)
+            assert all(p["total"] == total and p["cache"] == first["cache"] for p in progress)
+            done = [p["processed"] for p in progress]
+            assert done == sorted(set(done)) and done[-1] == total
+            assert len(progress) == (2 if run else 1 + -(-total // 64))
+            assert all(e["content"] == "" and not e["tokens"] for e in events
+                       if "prompt_progress" in e)
+            assert events.index(next(e for e in events if e["tokens"])) == len(progress)
+        chat = list(c.stream("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+            "return_progress": True}))
+        progress = [e["prompt_progress"] for e in chat if "prompt_progress" in e]
+        assert len(progress) >= 2 and progress[-1]["processed"] == progress[-1]["total"]
+        assert all(e["choices"][0]["finish_reason"] is None for e in chat
+                   if "prompt_progress" in e)
+        plain = list(c.stream("/completion", {**body, "return_progress": False}))
+        assert not any("prompt_progress" in e for e in plain)
+    finally:
+        scheduler.prefill_chunk = chunk
