@@ -26,11 +26,12 @@ VALUED = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": 
           "--pooling": "--pooling", "--spec-draft-n-max": "--spec-draft-n-max",
           "--spec-draft-n-min": "--spec-draft-n-min", "--cors-origins": "--allow-origin",
           "--spec-synth-rates": "--spec-synthetic-rates",
-          "--spec-synth-len": "--spec-synthetic-mean"}
+          "--spec-synth-len": "--spec-synthetic-mean", "--alias": "--alias", "-a": "--alias",
+          "--tags": "--tags", "--batch-size": "-b", "-b": "-b"}
 FLAGS = {"--embedding": "--embeddings", "--embeddings": "--embeddings"}
 # llama-server flags that take a value and have no specd counterpart
-DROPPED_VALUED = {"--batch-size", "-b", "--ubatch-size", "-ub", "--n-gpu-layers", "-ngl",
-                  "--alias", "--tags", "-ctk", "-ctv", "-fa", "--grp-attn-n", "--grp-attn-w",
+DROPPED_VALUED = {"--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ctv", "-fa",
+                  "--grp-attn-n", "--grp-attn-w",
                   "--slot-save-path", "--reasoning-format", "--reasoning", "--chat-template",
                   "--chat-template-file", "--mmproj-url", "--media-path", "--cache-ram",
                   "--sleep-idle-seconds", "--models-dir", "--models-max", "--models-preset",

@@ -188,13 +188,14 @@ def _known_model(svc: Service, name: str) -> None:
     """A 404 unless `name` is one the served model answers to."""
     if name not in _model_names(svc):
         raise BadRequest(f"unknown model {name!r}; this daemon serves "
-                         f"{svc.engine.target.name!r}", status=404, code="model_not_found",
+                         f"{svc.engine.model_name!r}", status=404, code="model_not_found",
                          param="model")
 
 
 def _model_names(svc: Service) -> set[str]:
     t = svc.engine.target
-    return {t.name, t.path.name, t.path.stem, svc.engine.cfg.target, "specd", "default"}
+    return {t.name, t.path.name, t.path.stem, svc.engine.cfg.target, "specd", "default",
+            *svc.engine.cfg.aliases}
 
 
 def _prompt_tokens(svc: Service, value: Any, name: str = "prompt") -> list[int]:
@@ -552,7 +553,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
             raise BadRequest(f"tools: {exc}", param="tools") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
-    model = svc.engine.target.name
+    model = svc.engine.model_name
     obj = "chat.completion" if chat else "text_completion"
     _check_fits(svc, prompt, "messages" if chat else "prompt")
     # n choices: n requests on the same prompt (each slot reuses what its cache holds),
@@ -813,7 +814,7 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
         full = {"index": 0, "content": r.text if not stream else "",
                 "tokens": r.tokens if return_tokens and not stream else [],
                 "id_slot": -1 if r.slot is None else r.slot, "stop": True,
-                "model": svc.engine.target.name, "tokens_predicted": r.completion_tokens,
+                "model": svc.engine.model_name, "tokens_predicted": r.completion_tokens,
                 "tokens_evaluated": r.prompt_tokens,
                 "generation_settings": _generation_settings(svc, params, stop=stop,
                                                             stream=stream, n_probs=n_probs,
@@ -1033,7 +1034,7 @@ async def _embed(request: web.Request, *, openai: bool) -> web.Response:
                               for i, v in enumerate(vectors)])
     n = sum(len(t) for t in inputs)
     return json_response({
-        "model": svc.engine.target.name, "object": "list",
+        "model": svc.engine.model_name, "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": encoded(v)}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": n, "total_tokens": n}})
@@ -1053,7 +1054,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _model_card(svc: Service) -> dict[str, Any]:
-    return {"id": svc.engine.target.name, "object": "model", "created": int(svc.started),
+    cfg = svc.engine.cfg
+    return {"id": svc.engine.model_name, "aliases": sorted(set(cfg.aliases)),
+            "tags": sorted(set(cfg.tags)), "object": "model", "created": int(svc.started),
             "owned_by": "specd"}
 
 
@@ -1078,7 +1081,7 @@ async def props(request: web.Request) -> web.Response:
                  "memory_plan": request.app.get(MEMORY_PLAN),
                  # llama-server's: the model's path and name, its template and tokens
                  "model_path": str(svc.engine.target.path),
-                 "model_alias": svc.engine.target.name,
+                 "model_alias": svc.engine.model_name,
                  "chat_template": svc.engine.chat_template or "",
                  "bos_token": "" if tok.bos_id is None else tok.token_text(tok.bos_id),
                  "eos_token": "" if tok.eos_id is None else tok.token_text(tok.eos_id),

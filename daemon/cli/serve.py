@@ -47,6 +47,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict-model-name", action="store_true",
                    help="answer 404 to a request naming another model (default: any name, "
                    "or none, gets the loaded model, as llama-server does)")
+    p.add_argument("-a", "--alias", default=None,
+                   help="the served model's names, comma-separated (the first in sorted "
+                   "order is what /v1/models and responses call it; default: the GGUF's)")
+    p.add_argument("--tags", default=None,
+                   help="tags /v1/models lists for the model, comma-separated")
     p.add_argument("--embeddings", action="store_true",
                    help="serve /v1/embeddings and /embeddings from the target's last hidden "
                    "state (its graph then outputs it: built once more)")
@@ -95,6 +100,11 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
     return plan.as_dict()
 
 
+def _names(value: str | None) -> list[str]:
+    """A comma-separated list's distinct, non-empty names."""
+    return sorted({n.strip() for n in (value or "").split(",") if n.strip()})
+
+
 def build_service(args: argparse.Namespace):
     from specd.daemon.models.store import ProgressBar
     from specd.daemon.serving.engine import Engine
@@ -103,6 +113,7 @@ def build_service(args: argparse.Namespace):
 
     cfg = engine_config_from_args(args, slots=args.slots)
     cfg.embeddings, cfg.pooling = args.embeddings, args.pooling
+    cfg.aliases, cfg.tags = _names(args.alias), _names(args.tags)
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     return Service(engine, Scheduler(engine, max_queue=args.queue,
                                      prefill_chunk=args.batch_size))

@@ -86,6 +86,10 @@ class EngineConfig:
     pooling: str | None = None  # None: the GGUF's pooling type, else "mean"
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
+    # the names the served model answers to and is listed as (llama-server's --alias:
+    # the first in sorted order is its id), and its --tags; none: the GGUF's name
+    aliases: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -312,6 +316,11 @@ class Engine:
         return LoadedModel(path, f, built, runner, max(rss_bytes() - before, 0))
 
     # -- requests -------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        """What responses call the served model: its first alias, else the GGUF's name."""
+        return min(self.cfg.aliases) if self.cfg.aliases else self.target.name
+
     @property
     def eog_ids(self) -> set[int]:
         return set(self.tokenizer.eot_ids)

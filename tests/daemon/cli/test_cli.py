@@ -214,3 +214,48 @@ def test_sampled_requests_draft_probabilistically_unless_told_not_to() -> None:
     assert params_from_args(parser.parse_args(["generate", "hi"])).draft.probabilistic
     off = parser.parse_args(["generate", "--no-spec-draft-probabilistic", "hi"])
     assert not params_from_args(off).draft.probabilistic
+
+
+def test_serve_names_the_model_by_its_aliases_and_tags(tiny_model_factory, tmp_path) -> None:
+    """--alias / --tags: /v1/models lists them, the first alias in sorted order is the
+    model's id and what responses call it, and a request may name any alias."""
+    import os
+    import socket
+    import time
+    import urllib.request
+
+    path = str(tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=12))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "SPECD_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specd.daemon.cli", "serve", "-m", path, "--no-socket",
+         "--no-fit", "--port", str(port), "-c", "512", "-b", "64", "--strict-model-name",
+         "--alias", "tiny-2,fim,code", "--tags", "chat, fim,small"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def call(route: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + route, data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+
+    try:
+        for _ in range(600):
+            try:
+                call("/health")
+                break
+            except OSError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.2)
+        card = call("/v1/models")["data"][0]
+        assert card["id"] == "code" and card["aliases"] == ["code", "fim", "tiny-2"]
+        assert card["tags"] == ["chat", "fim", "small"]
+        assert call("/props")["model_alias"] == "code"
+        out = call("/v1/completions", {"model": "tiny-2", "prompt": "a b", "max_tokens": 2})
+        assert out["model"] == "code"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
