@@ -1,6 +1,6 @@
 """Soak: a real `specd serve` under mixed, hostile load for some minutes.
 
-    python bench/soak.py [--minutes 10] [-m MODEL] [--clients 6] [--out FILE.json]
+    python bench/soak.py [--minutes 10] [-m MODEL] [--clients 4] [--out FILE.json]
 
 Client threads send, at random, good requests (streamed or not, chat or completion,
 greedy or sampled), streams they drop part-way, and bad ones (broken JSON, unknown
@@ -10,8 +10,8 @@ greedy canary is asked and compared with its answer on the idle daemon at the st
 
 Recorded: requests by kind and status, canary mismatches (must be 0), 5xx answers (must
 be 0), whether the daemon stayed up and answered /health throughout, how long a slot
-stayed busy after its client dropped a stream, and the daemon's RSS sampled every 10 s
-(growth after the first minute).
+stayed busy after its client dropped a stream, /health's answer times (every 0.5 s), and
+the daemon's RSS sampled every 10 s (growth after the first minute).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Soak:
         self.canary_want = ""
         self.slot_free_s: list[float] = []
         self.health_failures = 0
+        self.health_s: list[float] = []  # /health answer times
         self._lock = threading.Lock()
 
     def _count(self, key: str) -> None:
@@ -148,17 +149,22 @@ class Soak:
 
     def watch(self, pid: int, rss: list[tuple[float, int]]) -> None:
         t0 = time.monotonic()
+        last_rss = 0.0
         while time.monotonic() < self.deadline:
             try:
+                t = time.perf_counter()
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 conn.request("GET", "/health")
                 if conn.getresponse().status != 200:
                     self.health_failures += 1
+                self.health_s.append(time.perf_counter() - t)
                 conn.close()
             except OSError:
                 self.health_failures += 1
-            rss.append((time.monotonic() - t0, rss_of(pid)))
-            time.sleep(10)
+            if time.monotonic() - last_rss >= 10:
+                last_rss = time.monotonic()
+                rss.append((last_rss - t0, rss_of(pid)))
+            time.sleep(0.5)
 
     def slot_release(self) -> float:
         """Seconds from dropping a stream to no slot processing (measured alone)."""
@@ -196,7 +202,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("bench/results/soak.json"))
@@ -224,6 +230,10 @@ def main() -> None:
         "server_errors": soak.server_errors, "canary_mismatches": soak.canary_mismatches,
         "final_canary_equal": final_canary, "daemon_alive": alive,
         "health_failures": soak.health_failures,
+        "health_ms": {"max": 1000 * max(soak.health_s, default=0.0),
+                      "p99": 1000 * sorted(soak.health_s)[int(0.99 * len(soak.health_s))]
+                      if soak.health_s else 0.0, "checks": len(soak.health_s)},
+        "rss_series_mb": [(round(t), round(b / 2**20)) for t, b in rss],
         "slot_release_s": {"max": max(release), "median": statistics.median(release)},
         "rss_mb": {"first_minute_end": after_warmup[0] / 2**20 if after_warmup else 0,
                    "last": after_warmup[-1] / 2**20 if after_warmup else 0,
