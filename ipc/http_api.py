@@ -11,13 +11,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
 from aiohttp import web
 
-from specd.daemon.serving.engine import ServingParams
 from specd.daemon.serving.scheduler import QueueFull
 from specd.daemon.serving.service import Piece, ProgressEvent, Result, Service, Stream
 from specd.daemon.spec.drafter import DraftParams
@@ -411,12 +410,6 @@ def _llama_probs(svc: Service, logprobs: list[TokenLogprob], post: bool = False
             for t in logprobs]
 
 
-def _with_post_sampling(params: GenerationParams) -> ServingParams:
-    """`params`, its logprobs recorded from the sampled distribution."""
-    return ServingParams(**{f.name: getattr(params, f.name) for f in fields(params)},
-                         post_sampling_probs=True)
-
-
 def _oai_finish(reason: str) -> dict[str, str]:
     """A choice's finish fields: OpenAI's `finish_reason` (only its values: clients
     switch on them) and specd's own reason as `finish_detail` (time_limit,
@@ -772,8 +765,7 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
     params = await _off_loop(request, _params, svc, body, max_key="n_predict")
     n_probs = get(body, "n_probs", int, 0, lo=0, hi=MAX_N_PROBS)
     post = get(body, "post_sampling_probs", bool, False) and n_probs > 0
-    if post:
-        params = _with_post_sampling(params)
+    params.post_sampling_probs = post
     params.logprobs = n_probs or None
     if infill:
         prompt = await _off_loop(request, _infill_prompt, svc, body, params.max_tokens)

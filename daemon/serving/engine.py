@@ -32,10 +32,9 @@ from specd.daemon.models.building import (
 from specd.daemon.models.compat import draft_incompatibilities, head_incompatibilities
 from specd.daemon.models.store import resolve_model
 from specd.daemon.spec.drafter import Drafter
-from specd.daemon.spec.generation import Generation, GenerationParams
-from specd.daemon.spec.sampling import post_sampling_logprob
+from specd.daemon.spec.generation import Generation, GenerationParams, PromptProgress
 from specd.daemon.text.chat_template import render_chat
-from specd.daemon.text.grammar import GrammarState, GrammarViolation
+from specd.daemon.text.grammar import GrammarState
 from specd.daemon.text.tokenizer import Tokenizer
 from specd.memory_fit.rss import rss_bytes
 from specd.ort_models import native_ops
@@ -47,14 +46,13 @@ from specd.ort_models.heads import HeadFormatError, HeadParams, head_kind, read_
 from specd.ort_models.model_cache import BuiltModel, load_or_build
 from specd.ort_models.providers import RuntimeChoice, choose_runtime
 from specd.ort_models.quant import dense_float32
-from specd.ort_models.runner import Call, CallOutput, ModelRunner
+from specd.ort_models.runner import ModelRunner
 
 from .embeddings import GGUF_POOLING, POOLINGS, normalize, output_norm, pool
 
 log = logging.getLogger("specd.engine")
 
 Progress = Callable[[int, int, str], None]
-PromptProgress = Callable[[int, int, int], None]  # cached, processed, total
 
 
 class EngineError(Exception):
@@ -105,80 +103,6 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return self.gguf.name
-
-
-@dataclass
-class ServingParams(GenerationParams):
-    """A served request's settings: the generation's, and how its output is reported.
-
-    post_sampling_probs: the recorded logprobs (`logprobs` of them) are those of the
-    distribution each token was drawn from (after the sampler's bias, penalties, filters,
-    temperature and the grammar's mask), as llama.cpp's `post_sampling_probs` gives them.
-    on_prompt_progress: called (on the scheduler's thread) with (cached, processed, total)
-    prompt tokens before the first prompt chunk and after each (llama.cpp's
-    `return_progress`).
-    """
-
-    post_sampling_probs: bool = False
-    on_prompt_progress: PromptProgress | None = field(default=None, compare=False,
-                                                      repr=False)
-
-    @property
-    def served(self) -> bool:
-        """Whether a plain Generation would leave something of these out."""
-        return self.post_sampling_probs or self.on_prompt_progress is not None
-
-
-class _ServedGeneration(Generation):
-    """A Generation for ServingParams: with post_sampling_probs its token_logprobs are
-    recomputed from the row each token was decided on, with the penalty history and
-    grammar mask that decision saw (a grammar fork advanced in step with the emitted
-    tokens); with on_prompt_progress it reports the prompt's chunks."""
-
-    params: ServingParams
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._mask_state = None if self.grammar is None else self.grammar.fork()
-
-    def _prefill_call(self, budget: int | None) -> Call:
-        first = self._cursor is None
-        call = super()._prefill_call(budget)
-        report = self.params.on_prompt_progress
-        if first and report is not None and self._cursor is not None:
-            report(self._cursor, self._cursor, len(self.prompt))
-        return call
-
-    def _complete_prefill(self, chunk: Any, out: CallOutput, seconds: float) -> list[int]:
-        report = self.params.on_prompt_progress
-        if report is not None:
-            report(self.stats.cached_tokens, chunk.end, len(self.prompt))
-        return super()._complete_prefill(chunk, out, seconds)
-
-    def _emit(self, toks: list[int], rows: np.ndarray) -> list[int]:
-        before = len(self.tokens)
-        out = super()._emit(toks, rows)
-        k = self.params.logprobs
-        if k is None or not self.params.post_sampling_probs:
-            return out
-        n = self.params.sampling.repeat_last_n
-        recorded = []
-        for i, (t, row) in enumerate(zip(toks, rows, strict=False)):
-            mask = None
-            if self._mask_state is not None:
-                mask = self._mask_state.allowed(len(row))
-                try:
-                    self._mask_state.consume(t)
-                except GrammarViolation:  # a dead end: no mask after it
-                    self._mask_state = None
-            if i >= len(out):
-                continue  # consumed by the grammar, not emitted
-            end = before + i  # the tokens the penalties saw for this one
-            history = self.tokens[:end] if n < 0 else self.tokens[max(end - n, 0):end]
-            recorded.append(post_sampling_logprob(self.sampler, row, t, k,
-                                                  history=history, mask=mask))
-        self.token_logprobs[len(self.token_logprobs) - len(out):] = recorded
-        return out
 
 
 class Engine:
@@ -362,11 +286,11 @@ class Engine:
         return self.tokenizer.encode(text, parse_special=True)
 
     def start(self, seq: int, prompt: Sequence[int], params: GenerationParams,
-              reuse: int = 0, grammar: GrammarState | None = None) -> Generation:
-        served = isinstance(params, ServingParams) and params.served
-        kind = _ServedGeneration if served else Generation
-        return kind(self.target.runner, seq, prompt, params, eog=self.eog_ids,
-                    drafter=self.drafter, reuse=reuse, grammar=grammar)
+              reuse: int = 0, grammar: GrammarState | None = None,
+              on_prompt_progress: PromptProgress | None = None) -> Generation:
+        return Generation(self.target.runner, seq, prompt, params, eog=self.eog_ids,
+                          drafter=self.drafter, reuse=reuse, grammar=grammar,
+                          on_prompt_progress=on_prompt_progress)
 
     def embed(self, seq: int, tokens: Sequence[int], normalize_p: int = 2) -> np.ndarray:
         """The embedding of `tokens`, evaluated from position 0 of sequence `seq` (its KV

@@ -23,7 +23,12 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
-from specd.daemon.spec.generation import Generation, GenerationParams, RequestError
+from specd.daemon.spec.generation import (
+    Generation,
+    GenerationParams,
+    PromptProgress,
+    RequestError,
+)
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
@@ -67,6 +72,8 @@ class Request:
     # prefix is reused only by a request of the identity that filled it
     identity: str = ""
     grammar: Grammar | None = None  # compiled constraint; a fresh state per request
+    # told the prompt's progress (cached, processed, total tokens) on the worker thread
+    on_prompt_progress: PromptProgress | None = None
     # instead of generating: run this with the slot's index on the worker thread, once;
     # it returns (its result, the tokens the slot's KV then holds) (embeddings)
     task: Callable[[int], tuple[object, list[int]]] | None = None
@@ -254,7 +261,8 @@ class Scheduler:
                 try:
                     req.gen = self.engine.start(
                         slot.index, req.prompt, req.params, reuse=reuse,
-                        grammar=None if req.grammar is None else req.grammar.start())
+                        grammar=None if req.grammar is None else req.grammar.start(),
+                        on_prompt_progress=req.on_prompt_progress)
                 except (RequestError, ValueError) as exc:
                     req.error = str(exc)
                     self._finish(req, None)

@@ -23,7 +23,7 @@ from specd.daemon.text.detokenize import IncrementalDetokenizer
 from specd.daemon.text.grammar import Grammar, compile_constraint
 from specd.daemon.text.stop_strings import StopMatcher
 
-from .engine import Engine, ServingParams
+from .engine import Engine
 from .scheduler import Request, Scheduler
 
 
@@ -197,9 +197,6 @@ class Stream:
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._t_submit = time.perf_counter()
-        if progress:
-            base = {f: getattr(params, f) for f in params.__dataclass_fields__}
-            params = ServingParams(**{**base, "on_prompt_progress": self._on_progress})
         self._t_max = t_max_ms / 1000.0 if t_max_ms else None
         # the worker thread's, until the "done" event (after which only the loop reads)
         # control tokens (<|im_start|>, <|fim_middle|>, ...) add no text, as in llama.cpp's
@@ -214,6 +211,7 @@ class Stream:
         self.req = Request(
             prompt=prompt, params=params, cache_prompt=cache_prompt, grammar=grammar,
             on_tokens=self._on_tokens,
+            on_prompt_progress=self._on_progress if progress else None,
             on_done=lambda r: self._loop.call_soon_threadsafe(
                 self._events.put_nowait, ("done", r)),
         )

@@ -11,12 +11,12 @@ learns from the round's record). docs/architecture.md states the round's invaria
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from specd.daemon.text.grammar import GrammarState
+from specd.daemon.text.grammar import GrammarState, GrammarViolation
 from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
@@ -29,9 +29,19 @@ from .policy import (
     RoundPlan,
     RoundRecord,
 )
-from .sampling import Sampler, SamplerParams, TokenLogprob, derive_seeds, token_logprob
+from .sampling import (
+    Sampler,
+    SamplerParams,
+    TokenLogprob,
+    derive_seeds,
+    post_sampling_logprob,
+    token_logprob,
+)
 from .stats import SpecStats
 from .verify import VerifyResult, verify_greedy, verify_rejection
+
+# prompt tokens (cached, processed so far, in all) before the first chunk and after each
+PromptProgress = Callable[[int, int, int], None]
 
 
 class RequestError(ValueError):
@@ -59,6 +69,10 @@ class GenerationParams:
     # each emitted token's logprob under the target's logits and the `logprobs` most
     # likely tokens' (None: not recorded)
     logprobs: int | None = None
+    # those logprobs from the distribution each token was drawn from instead (after the
+    # sampler's bias, penalties, filters, temperature and the grammar's mask: llama.cpp's
+    # post_sampling_probs)
+    post_sampling_probs: bool = False
 
 
 def make_policy(params: GenerationParams, drafter: Drafter | None) -> DraftPolicy:
@@ -101,7 +115,9 @@ class Generation:
 
     def __init__(self, target: ModelRunner, seq: int, prompt: Sequence[int],
                  params: GenerationParams, *, eog: set[int], drafter: Drafter | None = None,
-                 reuse: int = 0, grammar: GrammarState | None = None):
+                 reuse: int = 0, grammar: GrammarState | None = None,
+                 on_prompt_progress: PromptProgress | None = None):
+        """on_prompt_progress: told the prompt's progress (called on the caller's thread)."""
         check_prompt_fits(prompt, target.n_ctx)
         params.sampling.validate()
         params.draft.validate()
@@ -143,6 +159,11 @@ class Generation:
         self._bonus_p: np.ndarray | None = None
         self._t_decode = time.perf_counter()
         self._pending: _PrefillChunk | _Round | None = None  # begun by next_call
+        self._on_progress = on_prompt_progress
+        # post-sampling logprobs under a grammar: its state advanced in step with the
+        # tokens recorded, for the mask each one was decided under
+        self._logprob_grammar = (grammar.fork() if grammar is not None
+                                 and params.post_sampling_probs else None)
 
     @property
     def done(self) -> bool:
@@ -196,6 +217,8 @@ class Generation:
         bucket boundary (the budget where none is in reach), within one bucket."""
         if self._cursor is None:
             self._cursor = min(self._reuse, len(self.prompt) - 1)
+            if self._on_progress is not None:
+                self._on_progress(self._cursor, self._cursor, len(self.prompt))
         start = self._cursor
         end = len(self.prompt)
         if budget is not None and start + budget < end:
@@ -215,6 +238,8 @@ class Generation:
         for layer, rows in out.features.items():
             self._prompt_features.setdefault(layer, []).append(rows)
         self._cursor = chunk.end
+        if self._on_progress is not None:
+            self._on_progress(self.stats.cached_tokens, chunk.end, len(self.prompt))
         if chunk.end < len(self.prompt):
             return []
         logits = out.logits[0]  # [vocab]
@@ -462,11 +487,12 @@ class Generation:
         vocab] are the target's logits each was decided on."""
         out: list[int] = []
         k = self.params.logprobs
-        for t, row in zip(toks, rows, strict=False):
+        masks = self._logprob_masks(toks, rows) if k is not None else []
+        for i, (t, row) in enumerate(zip(toks, rows, strict=False)):
+            if k is not None:
+                self.token_logprobs.append(self._token_logprob(row, t, k, masks[i]))
             self.tokens.append(t)
             out.append(t)
-            if k is not None:
-                self.token_logprobs.append(token_logprob(row, t, k))
             if t in self.eog:
                 self.finish_reason = "stop"
                 break
@@ -478,6 +504,34 @@ class Generation:
         self.stats.decoded_tokens = max(len(self.tokens) - 1, 0)
         self.stats.decode_s = time.perf_counter() - self._t_decode
         return out
+
+    def _logprob_masks(self, toks: list[int], rows: np.ndarray) -> list[np.ndarray | None]:
+        """The grammar's mask each of the round's tokens was decided under, for
+        post-sampling logprobs (None where there is none); the state they are read from
+        follows every token the round's grammar consumed, emitted or not."""
+        g = self._logprob_grammar
+        masks: list[np.ndarray | None] = []
+        for t, row in zip(toks, rows, strict=False):
+            masks.append(None if g is None else g.allowed(len(row)))
+            if g is not None:
+                try:
+                    g.consume(t)
+                except GrammarViolation:  # a dead end: no mask after it
+                    g = self._logprob_grammar = None
+        return masks
+
+    def _token_logprob(self, row: np.ndarray, token: int, k: int,
+                       mask: np.ndarray | None) -> TokenLogprob:
+        """An emitted token's logprob and the k most likely's: under the target's logits,
+        or (post_sampling_probs) under the distribution it was drawn from, with the
+        penalties over the tokens emitted before it and the grammar's mask."""
+        if not self.params.post_sampling_probs:
+            return token_logprob(row, token, k)
+        n = self.params.sampling.repeat_last_n
+        end = len(self.tokens)
+        history = self.tokens if n < 0 else self.tokens[max(end - n, 0):]
+        return post_sampling_logprob(self.sampler, row, token, k, history=history,
+                                     mask=mask)
 
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:
