@@ -27,7 +27,7 @@ from specd.ipc.validation import (
     MAX_TOOLS,
 )
 
-from live_server import live_server, serving
+from live_server import call, live_server, serving
 
 NOBODY = 65534
 TOKEN = "s3cret-token-for-tests"
@@ -50,21 +50,6 @@ def server(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     access = Access(token=TOKEN)  # the owner without it; anyone else with it
     with live_server(_cfg(tiny_path), tmp, access=access) as srv:
         yield srv
-
-
-def call(port: int, method: str, path: str, body: Any = None, *,
-         headers: dict[str, str] | None = None, host: str = "127.0.0.1",
-         timeout: float = 60) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    data = None if body is None else json.dumps(body).encode()
-    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    raw = resp.read()
-    conn.close()
-    try:
-        return resp.status, json.loads(raw)
-    except ValueError:
-        return resp.status, raw.decode("utf-8", "replace")
 
 
 def as_user(uid: int, fn: Callable[[], Any]) -> Any:

@@ -32,20 +32,25 @@ class LiveServer:
     def request(self, method: str, path: str, body: Any = None, *,
                 headers: dict[str, str] | None = None, raw: bytes | None = None,
                 timeout: float = 120) -> tuple[int, Any]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        h = {"Content-Type": "application/json"}
-        if self.token:
-            h["Authorization"] = f"Bearer {self.token}"
-        h.update(headers or {})
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        conn.request(method, path, data, h)
-        resp = conn.getresponse()
-        payload = resp.read()
-        conn.close()
-        try:
-            return resp.status, json.loads(payload)
-        except ValueError:
-            return resp.status, payload.decode("utf-8", "replace")
+        auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return call(self.port, method, path, body, headers={**auth, **(headers or {})},
+                    raw=raw, timeout=timeout)
+
+
+def call(port: int, method: str, path: str, body: Any = None, *,
+         headers: dict[str, str] | None = None, raw: bytes | None = None,
+         host: str = "127.0.0.1", timeout: float = 120) -> tuple[int, Any]:
+    """One request to the server at `port`: (status, the JSON answer, else its text)."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    try:
+        return resp.status, json.loads(payload)
+    except ValueError:
+        return resp.status, payload.decode("utf-8", "replace")
 
 
 @contextlib.contextmanager
