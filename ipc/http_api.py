@@ -944,12 +944,13 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 # -- embeddings ---------------------------------------------------------------------------
-def _prompts(svc: Service, value: Any, param: str = "input") -> list[list[int]]:
+def _prompts(svc: Service, value: Any, param: str = "input",
+             tok: Tokenizer | None = None) -> list[list[int]]:
     """The token ids of each prompt, as llama-server reads `prompt` / `input` / `content`:
     a text, an array of ids (text among them is tokenized in place), {"prompt_string":
     text}, {"content": [text parts]}, or an array of those (several prompts). A text
-    may give no tokens."""
-    tok = svc.tokenizer
+    may give no tokens. `tok`: the tokenizer (default: the target's)."""
+    tok = tok or svc.tokenizer
 
     def one(item: Any) -> list[int]:
         if isinstance(item, dict):
@@ -1005,15 +1006,17 @@ async def _embed(request: web.Request, *, openai: bool) -> web.Response:
     field = "input" if "input" in body or openai else "content"
     if field not in body:
         raise BadRequest(f"'{field}' is required", param=field)
-    tok = svc.tokenizer
+    embedder = svc.engine.embedder
+    assert embedder is not None
+    tok = embedder.tokenizer
     # an empty text: its start alone (llama.cpp embeds the BOS it adds)
     start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
     inputs = [tokens or start
-              for tokens in await _off_loop(request, _prompts, svc, body[field], field)]
+              for tokens in await _off_loop(request, _prompts, svc, body[field], field, tok)]
     for tokens in inputs:
-        if len(tokens) > svc.engine.n_ctx - 1:
+        if len(tokens) > embedder.n_ctx - 1:
             raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "
-                             f"context holds {svc.engine.n_ctx - 1}", param=field)
+                             f"context holds {embedder.n_ctx - 1}", param=field)
     vectors = await svc.embed(inputs, get(body, "embd_normalize", int, 2, lo=-1))
 
     def encoded(v: np.ndarray) -> Any:

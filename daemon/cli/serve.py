@@ -55,6 +55,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embeddings", action="store_true",
                    help="serve /v1/embeddings and /embeddings from the target's last hidden "
                    "state (its graph then outputs it: built once more)")
+    p.add_argument("--embedding-model", default=None, metavar="MODEL",
+                   help="serve the embeddings routes from this model (a GGUF path or "
+                   "catalog name, with its own tokenizer) instead of the target; implies "
+                   "--embeddings")
     p.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
                    help="how embeddings pool the tokens' states (default: the model's own, "
                    "else mean; none: one vector per token, /embeddings only)")
@@ -112,7 +116,8 @@ def build_service(args: argparse.Namespace):
     from specd.daemon.serving.service import Service
 
     cfg = engine_config_from_args(args, slots=args.slots)
-    cfg.embeddings, cfg.pooling = args.embeddings, args.pooling
+    cfg.embeddings = args.embeddings or args.embedding_model is not None
+    cfg.pooling, cfg.embedding_model = args.pooling, args.embedding_model
     cfg.aliases, cfg.tags = _names(args.alias), _names(args.tags)
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     return Service(engine, Scheduler(engine, max_queue=args.queue,

@@ -1,8 +1,9 @@
-"""Embeddings from the target's last hidden state, as llama-server makes them.
+"""Embeddings from a model's last hidden state, as llama-server makes them.
 
-The target graph outputs the residual stream after its last layer (a `hidden_layers`
-output, the one drafter heads read); the output norm the logits head applies is applied
-here, then the tokens' states are pooled (mean, the first token's: `cls`, the last
+The embedding model is the target, or a model of its own (`--embedding-model`). Its graph
+outputs the residual stream after its last layer (a `hidden_layers` output, the one
+drafter heads read); the output norm the logits head applies is applied here, then the
+tokens' states are pooled (mean, the first token's: `cls`, the last
 token's; or `none`: one vector per token) and the pooled vector normalised (llama.cpp's
 embd_normalize: -1 none, 0 max-abs to int16's range, 1 taxicab, 2 euclidean, p > 2 the
 p-norm).
@@ -10,7 +11,15 @@ p-norm).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from specd.daemon.text.tokenizer import Tokenizer
+from specd.ort_models.arch import read_hparams
+from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.quant import dense_float32
+from specd.ort_models.runner import ModelRunner
 
 POOLINGS = ("mean", "cls", "last", "none")
 # llama.cpp's `{arch}.pooling_type` values
@@ -49,3 +58,54 @@ def normalize(v: np.ndarray, p: int = 2) -> np.ndarray:
     else:
         norm = (np.abs(v) ** p).sum(axis=-1, keepdims=True) ** (1.0 / p)
     return np.divide(v, norm, out=np.zeros_like(v), where=norm > 0)
+
+
+@dataclass(frozen=True)
+class EmbeddingHead:
+    """How a model's hidden states become embeddings: the layer read, its output norm."""
+
+    layer: int
+    norm: np.ndarray  # [E] the output norm's weight
+    eps: float
+    pooling: str
+
+    @classmethod
+    def of(cls, f: GGUFFile, pooling: str | None) -> EmbeddingHead:
+        """The model's last layer and output norm; `pooling`, else the model's own (an
+        embedding model's GGUF names one; a generative model's "none" would give no
+        vector per input), else mean."""
+        hp = read_hparams(f)
+        own = GGUF_POOLING.get(int(f.arch_key("pooling_type", 0)), "none")
+        chosen = pooling or (own if own != "none" else "mean")
+        if chosen not in POOLINGS:
+            raise ValueError(f"unknown pooling {chosen!r} (one of {', '.join(POOLINGS)})")
+        norm = dense_float32(f.tensor("output_norm.weight")).reshape(-1)  # [E]
+        return cls(hp.n_layer - 1, norm, hp.rms_eps, chosen)
+
+
+@dataclass
+class Embedder:
+    """A runner whose graph outputs the head's layer, and the tokenizer of its model.
+    `own`: a model of its own (its sequence 0, beside the target's slots); else the
+    target's runner, evaluating in the slot a request is given."""
+
+    runner: ModelRunner
+    tokenizer: Tokenizer
+    head: EmbeddingHead
+    own: bool
+
+    @property
+    def pooling(self) -> str:
+        return self.head.pooling
+
+    @property
+    def n_ctx(self) -> int:
+        return self.runner.n_ctx
+
+    def embed(self, seq: int, tokens: list[int], normalize_p: int = 2) -> np.ndarray:
+        """The embedding of `tokens`, evaluated from position 0 of sequence `seq` (its KV
+        then holds them): [E] pooled, or [n_tokens, E] with pooling "none"."""
+        h = self.head
+        _, features = self.runner.prefill_with_features(seq, tokens, 0, [h.layer])
+        states = output_norm(features[h.layer], h.norm, h.eps)  # [n, E]
+        return normalize(pool(states, h.pooling), normalize_p if h.pooling != "none" else -1)

@@ -45,10 +45,9 @@ from specd.ort_models.head_runner import HeadRunner, load_or_build_head
 from specd.ort_models.heads import HeadFormatError, HeadParams, head_kind, read_head
 from specd.ort_models.model_cache import BuiltModel, load_or_build
 from specd.ort_models.providers import RuntimeChoice, choose_runtime
-from specd.ort_models.quant import dense_float32
 from specd.ort_models.runner import ModelRunner
 
-from .embeddings import GGUF_POOLING, POOLINGS, normalize, output_norm, pool
+from .embeddings import Embedder, EmbeddingHead
 
 log = logging.getLogger("specd.engine")
 
@@ -82,6 +81,8 @@ class EngineConfig:
     # embeddings: the target's graph also outputs its last layer's hidden state
     embeddings: bool = False
     pooling: str | None = None  # None: the GGUF's pooling type, else "mean"
+    # embeddings from this model instead of the target (a GGUF path or catalog name)
+    embedding_model: str | None = None
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
     # the names the served model answers to and is listed as (llama-server's --alias:
@@ -153,22 +154,12 @@ class Engine:
                              if draft_path is not None and head is None else None)
         except BuildError as exc:
             raise EngineError(str(exc)) from None
-        self.pooling: str | None = None  # embeddings: how token states are pooled
-        if cfg.embeddings:
-            hp = read_hparams(tgt_file)
-            self._embedding_layer = hp.n_layer - 1
-            self._output_norm = dense_float32(tgt_file.tensor("output_norm.weight")
-                                              ).reshape(-1)  # [E]
-            self._rms_eps = hp.rms_eps
-            # --pooling, else the model's own (an embedding model's GGUF names one; a
-            # generative model's "none" would give no vector per input), else mean
-            own = GGUF_POOLING.get(int(tgt_file.arch_key("pooling_type", 0)), "none")
-            self.pooling = cfg.pooling or (own if own != "none" else "mean")
-            if self.pooling not in POOLINGS:
-                raise EngineError(f"unknown pooling {self.pooling!r} (one of "
-                                  f"{', '.join(POOLINGS)})")
+        # embeddings from the target: its graph also outputs the layer they read
+        target_head = None
+        if cfg.embeddings and cfg.embedding_model is None:
+            target_head = self._embedding_head(tgt_file)
             target_options = replace(target_options, hidden_layers=tuple(sorted(
-                {*target_options.hidden_layers, self._embedding_layer})))
+                {*target_options.hidden_layers, target_head.layer})))
         self.target = self._load(target_path, tgt_file, bp("target"), target_options)
         self.target.resident_bytes += max(tokenizer_bytes, 0)
         self.n_ctx = self.target.runner.n_ctx
@@ -190,6 +181,12 @@ class Engine:
             self.head = HeadRunner(built, n_ctx=self.n_ctx, n_seq=cfg.slots,
                                    threads=cfg.threads, runtime=self.runtime)
         self.drafter: Drafter | None = make_drafter(self.spec_type, self.drafter_inputs())
+        self.embedding: LoadedModel | None = None  # a model of its own for embeddings
+        self.embedder: Embedder | None = None
+        if target_head is not None:
+            self.embedder = Embedder(self.target.runner, self.tokenizer, target_head, False)
+        elif cfg.embedding_model is not None:
+            self.embedder = self._load_embedder(cfg.embedding_model, progress, bp)
 
     def _check_draft(self, tgt_file: GGUFFile, d_file: GGUFFile) -> HeadParams | None:
         """Refuse a draft file that cannot draft for the target, before anything is built;
@@ -227,13 +224,40 @@ class Engine:
         except Exception as exc:  # store errors are user-facing already
             raise EngineError(str(exc)) from None
 
+    def _embedding_head(self, f: GGUFFile) -> EmbeddingHead:
+        try:
+            return EmbeddingHead.of(f, self.cfg.pooling)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+
+    def _load_embedder(self, name: str, progress: Progress | None,
+                       bp: Callable[[str], Progress | None]) -> Embedder:
+        """The embedding model of its own: its graph with its last hidden state out, one
+        sequence, and its tokenizer."""
+        path = self._resolve(name, progress)
+        f = GGUFFile(path)
+        head = self._embedding_head(f)
+        try:
+            options = replace(build_options("target", device=self.runtime.device),
+                              hidden_layers=(head.layer,))
+        except BuildError as exc:
+            raise EngineError(str(exc)) from None
+        self.embedding = self._load(path, f, bp("embedding model"), options, n_seq=1)
+        return Embedder(self.embedding.runner, Tokenizer.from_metadata(f.metadata), head, True)
+
+    @property
+    def pooling(self) -> str | None:
+        """How embeddings pool the tokens' states (None: embeddings are off)."""
+        return None if self.embedder is None else self.embedder.pooling
+
     def _load(self, path: Path, f: GGUFFile, progress: Progress | None,
-              options: BuildOptions, exact: bool = True) -> LoadedModel:
+              options: BuildOptions, exact: bool = True, n_seq: int | None = None
+              ) -> LoadedModel:
         """exact: a verified row must equal a single step bit for bit (the target's runner
         makes its calls' shapes so); a draft's rows need not, and run their own shapes."""
         built = load_or_build(path, options, progress)
         before = rss_bytes()  # after any build: its freed scratch is not the model's
-        runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=self.cfg.slots,
+        runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=n_seq or self.cfg.slots,
                              threads=self.cfg.threads, runtime=self.runtime,
                              spinning=self.cfg.spin, row_block=None if exact else 1,
                              min_rows=None if exact else 1)
@@ -293,15 +317,12 @@ class Engine:
                           on_prompt_progress=on_prompt_progress)
 
     def embed(self, seq: int, tokens: Sequence[int], normalize_p: int = 2) -> np.ndarray:
-        """The embedding of `tokens`, evaluated from position 0 of sequence `seq` (its KV
-        then holds them): [E] pooled, or [n_tokens, E] with pooling "none"."""
-        if self.pooling is None:
+        """The embedding of `tokens` (Embedder.embed; `seq`: the target's slot, where the
+        target embeds, else the embedding model's sequence 0)."""
+        if self.embedder is None:
             raise EngineError("embeddings are off (serve with --embeddings)")
-        layer = self._embedding_layer
-        _, features = self.target.runner.prefill_with_features(seq, tokens, 0, [layer])
-        states = output_norm(features[layer], self._output_norm, self._rms_eps)  # [n, E]
-        return normalize(pool(states, self.pooling),
-                         normalize_p if self.pooling != "none" else -1)
+        return self.embedder.embed(seq if not self.embedder.own else 0, list(tokens),
+                                   normalize_p)
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {

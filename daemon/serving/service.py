@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class Service:
         self.engine = engine
         self.scheduler = scheduler
         self.started = time.time()
+        self._embedding = threading.Lock()  # an embedding model of its own: one at a time
 
     @property
     def tokenizer(self):
@@ -137,10 +139,21 @@ class Service:
                       progress=progress)
 
     async def embed(self, inputs: list[list[int]], normalize_p: int = 2) -> list[np.ndarray]:
-        """Each input's embedding (Engine.embed), computed on the scheduler's worker in a
-        slot it takes like a request (QueueFull when the queue is full)."""
+        """Each input's embedding (Engine.embed): from the target, computed on the
+        scheduler's worker in a slot it takes like a request (QueueFull when the queue is
+        full); from an embedding model of its own, on a thread, one request at a time."""
         if not inputs or not all(inputs):
             raise ValueError("nothing to embed")
+        embedder = self.engine.embedder
+        if embedder is not None and embedder.own:  # a model of its own: no slot to take
+            for tokens in inputs:
+                check_prompt_fits(tokens, embedder.n_ctx)
+
+            def run() -> list[np.ndarray]:
+                with self._embedding:
+                    return [self.engine.embed(0, tokens, normalize_p) for tokens in inputs]
+
+            return await asyncio.to_thread(run)
         for tokens in inputs:
             self.check_prompt(tokens)
         loop = asyncio.get_running_loop()

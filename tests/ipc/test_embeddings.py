@@ -4,11 +4,14 @@ input shapes and formats; the vector is the output-normed last hidden state."""
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from specd.daemon.models.building import build_options
 from specd.daemon.serving.engine import EngineConfig
+from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
 from live_server import LiveServer, live_server
@@ -128,3 +131,40 @@ def test_embeddings_off_is_501(tiny_path, tmp_path, monkeypatch) -> None:
     with live_server(cfg, tmp_path) as srv:
         status, out = srv.request("POST", "/v1/embeddings", {"input": "x"})
         assert status == 501 and "--embeddings" in out["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def apart(tiny_path, tiny_model_factory, tmp_path_factory):
+    """The tiny qwen2 target, embeddings from another model (llama, its own vocabulary)."""
+    other = tiny_model_factory(arch="llama", weight_type="Q8_0", seed=9, context_length=1024)
+    yield from _server(tiny_path, tmp_path_factory, embedding_model=str(other),
+                       pooling="mean")
+
+
+def test_a_separate_embedding_model_embeds_with_its_own_tokenizer(apart, tiny_model_factory
+                                                                   ) -> None:
+    """--embedding-model: the vectors are that model's (its width, its tokenizer), each
+    the mean of its output-normed last hidden states as the model alone computes them;
+    generation still answers from the target."""
+    other = tiny_model_factory(arch="llama", weight_type="Q8_0", seed=9, context_length=1024)
+    engine = apart.service.engine
+    assert engine.embedder is not None and engine.embedder.own
+    tok = engine.embedder.tokenizer
+    out = _post(apart, "/v1/embeddings", {"input": ["one two three", "four"],
+                                          "encoding_format": "float"})
+    vectors = [np.asarray(d["embedding"]) for d in out["data"]]
+    _, weights, _ = read_gguf(other)
+    width = weights["token_embd.weight"].shape[1]
+    assert [v.shape for v in vectors] == [(width,), (width,)]
+    layer = engine.embedder.head.layer
+    runner = ModelRunner(load_or_build(other, replace(build_options("target"),
+                                                      hidden_layers=(layer,))), n_ctx=512)
+    for text, got in zip(["one two three", "four"], vectors, strict=True):
+        _, feats = runner.prefill_with_features(0, tok.encode(text, parse_special=True), 0,
+                                                [layer])
+        h = feats[layer].astype(np.float64)
+        h = h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + engine.embedder.head.eps)
+        want = (h * engine.embedder.head.norm).mean(axis=0)
+        np.testing.assert_allclose(got, want / np.linalg.norm(want), rtol=1e-5, atol=1e-6)
+    status, gen = apart.request("POST", "/completion", {"prompt": "one", "n_predict": 2})
+    assert status == 200 and gen["tokens_predicted"] == 2
