@@ -419,13 +419,18 @@ def content_hash(path: str | os.PathLike[str]) -> str:
     index = _read_hash_index()
     if key in index:
         return index[key]
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = file_sha256(p)
     _remember(key, digest)
     return digest
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file's bytes, read in 16 MiB chunks (no index: see content_hash)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def remember_hash(path: str | os.PathLike[str], digest: str) -> None:

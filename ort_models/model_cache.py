@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from .arch import HParams, read_hparams
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, file_sha256
 from .graph_builder import BUILDER_VERSION, BuildOptions, Progress, build_graph
 from .onnx_writer import GraphWriter
 from .paths import cache_dir, exclusive_lock
@@ -155,7 +154,7 @@ def _unchanged(folder: Path, meta: dict[str, Any], stats: dict[str, os.stat_resu
             continue
         seen = _CHECKED.get(key)
         if seen is None or seen[:2] != now:
-            good = _sha256(folder / name) == digest
+            good = file_sha256(folder / name) == digest
             _CHECKED[key] = (*now, good)
             if not good:
                 log.warning("graph cache: %s changed since it was built (its sha256 is not "
@@ -168,14 +167,6 @@ def _unchanged(folder: Path, meta: dict[str, Any], stats: dict[str, os.stat_resu
     if refreshed:
         _write_meta(folder, {**meta, "file_mtimes": mtimes})
     return True
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_meta(folder: Path, meta: dict[str, Any]) -> None:
@@ -244,7 +235,7 @@ def build_folder(folder: Path, write: Callable[[Path], list[str]], meta: dict[st
         stats = {n: (tmp / n).stat() for n in files}  # a rename keeps the times
         meta = {**meta, "file_sizes": {n: st.st_size for n, st in stats.items()},
                 "file_mtimes": {n: st.st_mtime_ns for n, st in stats.items()},
-                "file_sha256": {n: _sha256(tmp / n) for n in files}}
+                "file_sha256": {n: file_sha256(tmp / n) for n in files}}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
         _fsync(tmp / META_FILE)
         shutil.rmtree(folder, ignore_errors=True)  # incomplete or damaged: see is_complete

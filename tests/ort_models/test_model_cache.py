@@ -4,6 +4,7 @@ with a warning, while an intact folder loads without hashing anything."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -30,13 +31,13 @@ def _logits(built: model_cache.BuiltModel) -> np.ndarray:
 def _hashes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Record the files model_cache hashes from now on."""
     seen: list[Path] = []
-    real = model_cache._sha256
+    real = model_cache.file_sha256
 
     def counting(path: Path) -> str:
         seen.append(path)
         return real(path)
 
-    monkeypatch.setattr(model_cache, "_sha256", counting)
+    monkeypatch.setattr(model_cache, "file_sha256", counting)
     return seen
 
 
@@ -47,7 +48,8 @@ def test_a_build_records_sizes_times_and_sha256s(tiny_model_factory, cache) -> N
         st = (built.folder / name).stat()
         assert meta["file_sizes"][name] == st.st_size
         assert meta["file_mtimes"][name] == st.st_mtime_ns
-        assert meta["file_sha256"][name] == model_cache._sha256(built.folder / name)
+        data = (built.folder / name).read_bytes()
+        assert meta["file_sha256"][name] == hashlib.sha256(data).hexdigest()
 
 
 def test_weights_damaged_without_a_size_change_are_rebuilt(tiny_model_factory, cache,
