@@ -353,10 +353,10 @@ class ModelRunner:
             logits_rows += [start + r for r in rows]
             segments.append((call.seq, call.pos, m))
         n_logits = len(logits_rows)
-        # logits rows likewise: as many as a fixed shape's rows, and at least min_rows (the
-        # output product of a prefill's last row too)
-        one = len(calls) == 1 and len(ids) > len(calls[0].tokens)
-        width = max(len(ids) if one else n_logits, self.min_rows)
+        # logits rows likewise: as many as a fixed shape's rows (a call alone with filler
+        # rows), and at least min_rows (the output product of a prefill's last row too)
+        filled = len(calls) == 1 and len(ids) > len(calls[0].tokens)
+        width = max(len(ids) if filled else n_logits, self.min_rows)
         logits_rows += [logits_rows[-1] if logits_rows else len(ids) - 1] * (width - n_logits)
         b = self._binding(calls[0].seq)
         b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))

@@ -57,8 +57,6 @@ class _Drafting:
     call: Call
 
 
-
-
 @dataclass
 class Request:
     prompt: list[int]

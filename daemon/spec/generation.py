@@ -229,12 +229,11 @@ class Generation:
         self._pending = _PrefillChunk(end)
         return Call(self.seq, self.prompt[start:end], start, None, self._layers)
 
-    def _complete_prefill(self, chunk: _PrefillChunk, out: CallOutput, seconds: float
-                          ) -> list[int]:
+    def _complete_prefill(self, chunk: _PrefillChunk, out: CallOutput) -> list[int]:
         """The chunk's KV is in: keep the drafter's features; after the last chunk, start
         the drafter and sample the first token from the prompt's last logits."""
         t0 = time.perf_counter()
-        self.stats.prefill_s += seconds
+        self.stats.prefill_s += out.seconds
         for layer, rows in out.features.items():
             self._prompt_features.setdefault(layer, []).append(rows)
         self._cursor = chunk.end
@@ -353,10 +352,10 @@ class Generation:
         the tokens it emitted. The call's share of its pass (`out.seconds`) is what the
         statistics and the policy count as the step's target time."""
         pending, self._pending = self._pending, None
-        seconds = out.seconds
         if isinstance(pending, _PrefillChunk):
-            return self._complete_prefill(pending, out, seconds)
+            return self._complete_prefill(pending, out)
         assert isinstance(pending, _Round), "complete() without next_call()"
+        seconds = out.seconds
         self.stats.verify_s += seconds
         rows = out.logits  # [n + 1, vocab]
         proposal = pending.proposed.proposal
