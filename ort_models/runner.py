@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,8 @@ from .providers import (
     session_providers,
 )
 from .row_invariance import min_call_rows
+from .sampling_op import OUTPUTS as SAMPLE_OUTPUTS
+from .sampling_op import SampledBlock, SampleSpec, pack_inputs, unpack_outputs
 
 log = logging.getLogger("specd.runner")
 
@@ -44,22 +47,28 @@ RING_CALL_ROWS = ATTN_BUCKET
 class Call:
     """One sequence's part of a pass: `tokens` at positions pos.. on slot `seq`; wanted
     back, the logits of `rows` (default: the last token) and the hidden states of
-    `layers` (of the graph's feature layers)."""
+    `layers` (of the graph's feature layers). With `sample` (a graph with a sampler) the
+    rows' tokens are decided in the graph, and their logits leave it only where the spec
+    asks for them."""
 
     seq: int
     tokens: Sequence[int]
     pos: int
     rows: Sequence[int] | None = None
     layers: tuple[int, ...] = ()
+    sample: SampleSpec | None = None
 
 
 @dataclass
 class CallOutput:
-    logits: np.ndarray  # [len(rows), vocab]
+    # [len(rows), vocab]; [len(rows), 0] where the graph decided the rows and the logits
+    # were not asked for
+    logits: np.ndarray
     features: dict[int, np.ndarray]  # {layer: [len(tokens), n_embd]}
     # the call's share of its pass's seconds, in proportion to its rows (all of them for
     # a call alone): what the call cost, not what waiting for the others' rows did
     seconds: float = 0.0
+    sampled: SampledBlock | None = None  # what the graph decided (calls with a spec)
 
 
 class ContextFull(Exception):
@@ -207,7 +216,10 @@ class ModelRunner:
         # a graph whose attention takes segments runs the rows of several sequences in one
         # call, over every slot's buffers bound at once (one binding); others get a
         # binding per sequence slot, bound to its buffers
-        self.packs_sequences = any(i.name == "segments" for i in self.session.get_inputs())
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.packs_sequences = "segments" in inputs
+        # the graph decides tokens itself for calls that carry a SampleSpec
+        self.samples = "sample_plan" in inputs
         self._all = self.session.io_binding() if self.packs_sequences else None
         self._bindings: list[Any] = []  # an onnxruntime.IOBinding per slot (not packing)
         self._n_seq = 0
@@ -231,6 +243,11 @@ class ModelRunner:
     @property
     def n_seq(self) -> int:
         return self._n_seq
+
+    @property
+    def logits_width(self) -> int:
+        """Ids a logits row covers."""
+        return self.built.options.logits_width(self.hp.n_vocab)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -319,9 +336,21 @@ class ModelRunner:
             raise ValueError("a batch holds one call per sequence")
         for c in calls:
             self._check_layers(c.layers)
+            if c.sample is not None:
+                self._check_sample(c)
         if self.packs_sequences and len(calls) > 1:
             return self._pass(calls)
         return [self._pass([c])[0] for c in calls]
+
+    def _check_sample(self, call: Call) -> None:
+        assert call.sample is not None
+        if not self.samples:
+            raise ValueError(f"{self.built.folder.name} has no sampler: its calls' tokens "
+                             "are decided on the host")
+        rows = 1 if call.rows is None else len(call.rows)
+        if rows != call.sample.rows:
+            raise ValueError(f"a sample spec of {len(call.sample.drafts)} drafts decides "
+                             f"{call.sample.rows} rows, the call returns {rows}")
 
     def _check_layers(self, layers: Sequence[int] | None) -> tuple[int, ...]:
         if layers is None:
@@ -372,23 +401,38 @@ class ModelRunner:
         b.bind_output("logits", "cpu")
         for name, _ in self._hidden:
             b.bind_output(name, "cpu")
+        specs = [c.sample for c in calls]
+        first_rows = [0, *accumulate(1 if c.rows is None else len(c.rows) for c in calls)]
+        if self.samples:
+            for name, array in pack_inputs(specs, first_rows[:-1], self.logits_width).items():
+                b.bind_cpu_input(name, array)
+            for name in SAMPLE_OUTPUTS:
+                b.bind_output(name, "cpu")
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
         per_row = (time.perf_counter() - t0) / len(ids)
         outs = bound_outputs(b)
         # outputs come in the order bound: KV first (2 per layer), then logits, hidden
         k0 = 2 * self.hp.n_layer
-        logits = outs[k0].numpy()  # [width, vocab]
+        # the logits leave the session only where a call's rows were not decided in it
+        wanted = [s is None or s.want_logits for s in specs]
+        logits = outs[k0].numpy() if any(wanted) else None  # [width, vocab]
         hidden = {layer: outs[k0 + 1 + j].numpy()  # [rows, n_embd]
                   for j, (_, layer) in enumerate(self._hidden)}
-        results, start, first = [], 0, 0
-        for call, (_, _, m) in zip(calls, segments, strict=True):
-            n, r = len(call.tokens), 1 if call.rows is None else len(call.rows)
+        k1 = k0 + 1 + len(self._hidden)
+        sampled = (unpack_outputs([outs[k1 + j].numpy() for j in range(len(SAMPLE_OUTPUTS))],
+                                  specs, first_rows[:-1])
+                   if any(s is not None for s in specs) else [None] * len(calls))
+        results, start = [], 0
+        for call, (_, _, m), first, end, block, want in zip(
+                calls, segments, first_rows, first_rows[1:], sampled, wanted, strict=False):
+            n = len(call.tokens)
             results.append(CallOutput(
-                logits[first:first + r],  # [r, vocab]
+                logits[first:end] if want and logits is not None  # [r, vocab]
+                else np.empty((end - first, 0), dtype=np.float32),
                 {layer: hidden[layer][start:start + n] for layer in call.layers},
-                per_row * m))
-            start, first = start + m, first + r
+                per_row * m, block))
+            start += m
         return results
 
     def prefill(self, seq: int, tokens: Sequence[int], pos: int = 0,

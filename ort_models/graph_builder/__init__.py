@@ -17,6 +17,8 @@ outputs
     logits       float32 [R, vocab] (vocab: the first `vocab_rows` ids, where set)
     present_key_i / present_value_i  the same buffers, written in place at pos..pos+S-1
     hidden_l     float32 [S, n_embd] residual stream after layer l (optional)
+  sampler=True adds the SampleTokens node after the logits, with its inputs sample_* and
+  outputs sampled_* (their contract: ort_models/sampling_op.py)
 
 Batch invariance: every op computes a row the same way whatever S is, so a verified row
 equals a single-token step bit for bit. MatMulNBits (accuracy_level 4) and prepacked
@@ -46,6 +48,7 @@ Modules
     mlp        the gated feed-forward block
     attention  the three kinds of attention and the inputs they share
     decoder    the whole graph: inputs, embedding, layers, logits head (build_graph)
+    sampling   the token decision after the logits (the SampleTokens node)
 """
 
 from .decoder import build_graph

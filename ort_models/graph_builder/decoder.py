@@ -15,6 +15,7 @@ from .linear import linear
 from .mlp import feed_forward
 from .norms import add_norm, rms_norm
 from .options import F32, I64, BuildOptions, Progress
+from .sampling import sample_tokens
 from .weights import matrix
 
 
@@ -47,6 +48,8 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
     assert delta is not None
     g.op("Identity", [logits_head(c, x, delta)], out=["logits"])
     g.output("logits", F32, ["R", options.logits_width(hp.n_vocab)])
+    if options.sampler:
+        sample_tokens(g, "logits")
     c.tick("output")
 
 

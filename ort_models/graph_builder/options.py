@@ -52,6 +52,9 @@ class BuildOptions:
     # logits for the ids below this only, 0 = all (drafts: a draft then proposes only
     # those ids, and its output matrix, a quarter of a small draft's bytes, is cut)
     vocab_rows: int = 0
+    # a SampleTokens node after the logits (specd's kernels): the calls of a pass may have
+    # their tokens decided in the graph (sampling_op)
+    sampler: bool = False
 
     def __post_init__(self) -> None:
         if self.vocab_rows < 0:
@@ -69,6 +72,9 @@ class BuildOptions:
             raise ValueError(f"unknown kv_dtype {self.kv_dtype!r} (f32 or f16)")
         if self.kv_dtype == "f16" and self.attention != "native":
             raise ValueError("kv_dtype 'f16' needs attention='native'")
+        if self.sampler and not self.uses_native:
+            raise ValueError("sampler needs specd's kernels (kernels='gguf' or "
+                             "attention='native')")
         if self.requant == "q4k" and self.kernels != "gguf":
             raise ValueError("requant 'q4k' makes Q4_K blocks for GgufMatMul: it needs "
                              "kernels='gguf'")
@@ -81,7 +87,9 @@ class BuildOptions:
         kn = "_kgguf" if self.kernels == "gguf" else ""
         kv = "_kv16" if self.kv_dtype == "f16" else ""
         vr = f"_v{self.vocab_rows}" if self.vocab_rows else ""
-        return f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}{kv}{vr}"
+        sm = "_smp" if self.sampler else ""
+        return (f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}{kv}{vr}"
+                f"{sm}")
 
     def logits_width(self, n_vocab: int) -> int:
         """Ids the graph's logits cover."""

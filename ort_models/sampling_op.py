@@ -1,0 +1,166 @@
+"""The graph's token decision (specd.SampleTokens, kernels/sample_tokens.c): what a call
+asks of it and what it answers.
+
+A graph built with `BuildOptions.sampler` ends in one SampleTokens node after its logits.
+Each call of a pass may carry a `SampleSpec`: its rows are then decided in the graph (a
+draw or the argmax, or the verification of a drafted block by rejection sampling), and
+only the emitted tokens, the acceptance probabilities and a few candidates leave the
+session (`SampledBlock`). Calls without one are skipped by the node and decided on the host
+from their logits. Uniforms come from Philox4x32-10 keyed by `key` and counted by token
+position, `stream` and draw, so a seeded sequence draws the same numbers however its
+tokens fall into calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# graph inputs and outputs of the node, in the op's order
+INPUTS = ("sample_plan", "sample_params", "sample_keys", "sample_drafts", "sample_q_ids",
+          "sample_q_probs", "sample_history", "sample_bias_ids", "sample_bias_values",
+          "sample_masks")
+OUTPUTS = ("sampled_tokens", "sampled_counts", "sampled_accept_probs", "sampled_cand_ids",
+           "sampled_cand_probs")
+PLAN_COLUMNS = 10
+PARAM_COLUMNS = 8
+# plan flags
+TEMPERATURE_LAST = 1
+REJECTION = 2
+MASKED = 4
+# status of a decided call
+OK, DEAD_END, NO_TOKEN = 0, 1, 2
+TARGET_STREAM, DRAFT_STREAM = 0, 1
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How the graph decides one call's rows: row i < len(drafts) verifies draft i, the
+    next row draws the bonus (a call without drafts: one draw from its first row).
+
+    The sampler settings are llama.cpp's (temperature 0: the argmax). `history`: the
+    tokens emitted before the call, oldest first, of which the last `window` (-1: all, 0:
+    none) are penalised, the drafts accepted inside the block joining them. `q_ids` /
+    `q_probs` [n, k]: each draft's distribution, sparse, for rejection sampling (None:
+    a draft is accepted where the target's own choice equals it). `masks` [n + 1, vocab]
+    bool: what the grammar allows at each row along the drafts (None: everything).
+    `stop_after`: accepting draft j ends the block (the grammar completes on it).
+    `candidates`: how many of each decided row's most probable tokens to return."""
+
+    key: int  # 64-bit Philox key
+    position: int  # sequence position of the token decided at the first row
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    temperature_last: bool = True
+    window: int = 0
+    history: Sequence[int] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    drafts: Sequence[int] = ()
+    q_ids: np.ndarray | None = None  # [n, k] int
+    q_probs: np.ndarray | None = None  # [n, k] float
+    masks: np.ndarray | None = None  # [n + 1, vocab] bool
+    stop_after: int = -1
+    candidates: int = 0
+    stream: int = TARGET_STREAM
+    want_logits: bool = False  # the call's logits leave the session too
+
+    @property
+    def rows(self) -> int:
+        return len(self.drafts) + 1
+
+
+@dataclass(frozen=True)
+class SampledBlock:
+    """What the graph decided for one call."""
+
+    tokens: list[int]  # accepted drafts, then the target's token (unless the block ended)
+    n_accepted: int
+    status: int  # OK, DEAD_END (a later row's mask allowed nothing), NO_TOKEN
+    accept_probs: tuple[float, ...]  # per draft position decided
+    cand_ids: np.ndarray  # [rows, k] per row, most probable first; -1 past the end
+    cand_probs: np.ndarray  # [rows, k]
+
+
+def pack_masks(masks: np.ndarray) -> np.ndarray:
+    """bool [n, vocab] -> int32 [n, ceil(vocab / 32)]: token t is bit t % 32 of word t // 32."""
+    n, vocab = masks.shape
+    words = -(-vocab // 32)
+    padded = np.zeros((n, words * 32), dtype=np.bool_)
+    padded[:, :vocab] = masks
+    return np.packbits(padded, axis=1, bitorder="little").view("<u4").astype(np.uint32).view(
+        np.int32)
+
+
+def pack_inputs(specs: Sequence[SampleSpec | None], first_rows: Sequence[int],
+                vocab: int) -> dict[str, np.ndarray]:
+    """The node's inputs for a pass whose calls have these specs (None: skipped) and
+    whose logits rows begin at `first_rows`."""
+    c = len(specs)
+    live = [s for s in specs if s is not None]
+    d = max([len(s.drafts) for s in live] + [1])
+    k = max([0 if s.q_ids is None else s.q_ids.shape[1] for s in live] + [1])
+    h = max([len(s.history) for s in live] + [1])
+    nb = max([len(s.logit_bias) for s in live] + [1])
+    plan = np.zeros((c, PLAN_COLUMNS), dtype=np.int64)
+    params = np.zeros((c, PARAM_COLUMNS), dtype=np.float64)
+    keys = np.zeros(c, dtype=np.int64)
+    drafts = np.full((c, d), -1, dtype=np.int64)
+    q_ids = np.full((c, d, k), -1, dtype=np.int64)
+    q_probs = np.zeros((c, d, k), dtype=np.float32)
+    history = np.full((c, h), -1, dtype=np.int64)
+    bias_ids = np.full((c, nb), -1, dtype=np.int64)
+    bias_values = np.zeros((c, nb), dtype=np.float64)
+    mask_rows: list[np.ndarray] = []
+    for i, (s, first) in enumerate(zip(specs, first_rows, strict=True)):
+        if s is None:
+            continue
+        n = len(s.drafts)
+        flags = TEMPERATURE_LAST if s.temperature_last else 0
+        if s.q_ids is not None and s.temperature > 0.0:
+            flags |= REJECTION
+            q_ids[i, :n, :s.q_ids.shape[1]] = s.q_ids
+            q_probs[i, :n, :s.q_ids.shape[1]] = s.q_probs
+        mask_row = 0
+        if s.masks is not None:
+            flags |= MASKED
+            mask_row = sum(m.shape[0] for m in mask_rows)
+            mask_rows.append(pack_masks(s.masks))
+        plan[i] = (1, first, n, s.position, flags, mask_row, s.window, s.stop_after,
+                   s.candidates, s.stream)
+        params[i] = (s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty,
+                     s.presence_penalty, s.frequency_penalty, 0.0)
+        keys[i] = np.uint64(s.key & (2**64 - 1)).view(np.int64)
+        drafts[i, :n] = s.drafts
+        if s.history:
+            history[i, h - len(s.history):] = s.history
+        for j, (token, bias) in enumerate(s.logit_bias):
+            bias_ids[i, j], bias_values[i, j] = token, bias
+    masks = (np.concatenate(mask_rows) if mask_rows
+             else np.zeros((1, -(-vocab // 32)), dtype=np.int32))
+    arrays = (plan, params, keys, drafts, q_ids, q_probs, history, bias_ids, bias_values,
+              masks)
+    return dict(zip(INPUTS, arrays, strict=True))
+
+
+def unpack_outputs(outputs: Sequence[np.ndarray], specs: Sequence[SampleSpec | None],
+                   first_rows: Sequence[int]) -> list[SampledBlock | None]:
+    """Each call's SampledBlock from the node's outputs (in OUTPUTS' order)."""
+    tokens, counts, accept, cand_ids, cand_probs = outputs
+    out: list[SampledBlock | None] = []
+    for i, (s, first) in enumerate(zip(specs, first_rows, strict=True)):
+        if s is None:
+            out.append(None)
+            continue
+        n_emitted, n_accepted, status = (int(v) for v in counts[i])
+        out.append(SampledBlock(
+            [int(t) for t in tokens[i, :n_emitted]], n_accepted, status,
+            tuple(float(a) for a in accept[i, :len(s.drafts)] if a >= 0.0),  # -1: undecided
+            cand_ids[first:first + s.rows], cand_probs[first:first + s.rows]))
+    return out
