@@ -35,7 +35,7 @@ from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.head_runner import BlockOutput, HeadRunner
 from specd.ort_models.heads import DEFAULT_BLOCK_SIZE
 
-from .picking import pick_token
+from .picking import QRow, pick_token, stack_q
 
 
 @dataclass
@@ -92,16 +92,16 @@ class DFlashDrafter(Drafter):
         sampler = st.sampler if params.probabilistic else None  # None: the argmax
         tokens, q_rows, unsure = self._read(out, sampler, params.p_min, grammar)
         seconds = time.perf_counter() - t0  # one pass proposed them all
-        return Proposal(tokens, np.stack(q_rows) if q_rows else None,
+        return Proposal(tokens, stack_q(q_rows),
                         DraftEvidence(step_seconds=(seconds,), stopped_unsure=unsure))
 
     def _read(self, out: BlockOutput, sampler: Sampler | None, p_min: float,
-              grammar: GrammarState | None) -> tuple[list[int], list[np.ndarray], bool]:
+              grammar: GrammarState | None) -> tuple[list[int], list[QRow], bool]:
         """The proposals of a block's rows in order: tokens, the q rows they were drawn
         from (none for argmax picks), and whether p_min stopped them."""
         confident = out.confidence  # [n] where the head judges its rows itself
         tokens: list[int] = []
-        q_rows: list[np.ndarray] = []
+        q_rows: list[QRow] = []
         for i, row in enumerate(out.logits):  # [vocab]
             if confident is not None and confident[i] < p_min:
                 return tokens, q_rows, True
@@ -138,7 +138,7 @@ class DFlash2Drafter(DFlashDrafter):
     where the target's own draw equals it)."""
 
     def _read(self, out: BlockOutput, sampler: Sampler | None, p_min: float,
-              grammar: GrammarState | None) -> tuple[list[int], list[np.ndarray], bool]:
+              grammar: GrammarState | None) -> tuple[list[int], list[QRow], bool]:
         assert out.candidates is not None and out.scores is not None
         tokens: list[int] = []
         prev = 0  # the anchor: every predecessor row of the first position is the same

@@ -34,7 +34,7 @@ from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
-from .picking import pick_token
+from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
 
 
 @dataclass
@@ -119,33 +119,41 @@ class DraftModelDrafter(Drafter):
         st.drafted = []
         if n_max <= 0:
             return Proposal([])
-        q_rows: list[np.ndarray] = []
+        q_rows: list[QRow] = []
         pending = [*st.history[p + st.offset:], last]
         forced: tuple[tuple[int, bool], ...] = ()
         caught_up = len(pending) > 2  # after target-only rounds: a small prefill first
         step_s: list[float] = []
         unsure = False
         sampler = st.sampler if params.probabilistic else None  # None: the argmax
+        # the draft's choice made in its graph, where it has a sampler
+        in_graph = (params.backend_sampling and self.runner.samples
+                    and (self.vocab_limit is None or self.vocab_limit >= self.runner.logits_width))
         bonus_q: tuple[int, np.ndarray] | None = None
         waits: list[float] = []  # seconds a step waited on passes shared with others
         for _ in range(n_max):
             t0 = time.perf_counter()
             waits.clear()
+            spec = (pick_spec(sampler, grammar, pos + 1 + len(st.drafted), params.p_min,
+                              self.runner.logits_width) if in_graph else None)
             if len(pending) > 1 and sampler is None:
                 row, forced = yield from self._check_guesses(seq, pending, p, full_run, waits)
+                pick = pick_token(row, sampler, grammar, params.p_min)
             elif len(pending) == 2 and full_run and grammar is None:
                 # pending = [last draft, bonus]: the first row is where the bonus was drawn
                 out = (yield from _call(Call(seq, self._ids(pending), p, [0, 1]), waits)
                        ).logits  # [2, vocab]
                 assert st.sampler is not None
                 bonus_q = (full_run, st.sampler.probs(self._logits(out[0])))  # [vocab]
-                row = self._logits(out[1])
+                pick = pick_token(self._logits(out[1]), sampler, grammar, params.p_min)
             else:
-                row = self._logits(  # [vocab]
-                    (yield from _call(Call(seq, self._ids(pending), p), waits)).logits[0])
+                out1 = yield from _call(Call(seq, self._ids(pending), p, sample=spec), waits)
+                pick = (pick_from_block(out1.sampled, sampler is not None, params.p_min)
+                        if out1.sampled is not None
+                        else pick_token(self._logits(out1.logits[0]), sampler, grammar,
+                                        params.p_min))
             p += len(pending)
             st.n_cached = p
-            pick = pick_token(row, sampler, grammar, params.p_min)
             if pick.token is None:
                 unsure = pick.unsure
                 break
@@ -159,8 +167,7 @@ class DraftModelDrafter(Drafter):
                 grammar.consume(tok)
                 if grammar.is_stopped():
                     break
-        probs = np.stack(q_rows) if q_rows else None  # [n, vocab]
-        return Proposal(list(st.drafted), probs, DraftEvidence(
+        return Proposal(list(st.drafted), stack_q(q_rows), DraftEvidence(
             step_seconds=tuple(step_s), includes_catch_up=caught_up, guess_checks=forced,
             bonus_q=bonus_q, stopped_unsure=unsure))
 

@@ -34,7 +34,7 @@ from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.head_runner import HeadRunner
 
-from .picking import pick_token
+from .picking import QRow, pick_token, stack_q
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Eagle3Drafter(Drafter):
         n = min(n_max, self.runner.n_ctx - pos + 1)
         sampler = st.sampler if params.probabilistic else None  # None: the argmax
         tokens: list[int] = []
-        q_rows: list[np.ndarray] = []
+        q_rows: list[QRow] = []
         seconds: list[float] = []
         unsure = False
         token, hidden = last, st.g[pos - 1:pos]  # the pending pair first
@@ -126,7 +126,7 @@ class Eagle3Drafter(Drafter):
                 grammar.consume(token)
                 if grammar.is_stopped():
                     break
-        return Proposal(tokens, np.stack(q_rows) if q_rows else None,
+        return Proposal(tokens, stack_q(q_rows),
                         DraftEvidence(step_seconds=tuple(seconds), stopped_unsure=unsure))
 
     def process(self, seq: int, tokens: Sequence[int],

@@ -82,7 +82,7 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
     if role != "draft":
         layers = () if head is None else tuple(sorted(set(head.hidden_layers)))
         return (BuildOptions(kernels="gguf", attention="native", kv_dtype="f16",
-                             hidden_layers=layers) if native
+                             hidden_layers=layers, sampler=True) if native
                 else BuildOptions(hidden_layers=layers))
     requant = DRAFT_QUANTS[resolve_draft_quant(draft_quant, device)]
     if requant == "q4k" and not native:
@@ -91,7 +91,7 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
     attention = "native" if native else "fused" if device == "cpu" else "exact"
     return BuildOptions(requant=requant, kernels="gguf" if requant == "q4k" else "ort",
                         attention=attention, kv_dtype="f16" if native else "f32",
-                        vocab_rows=draft_vocab)
+                        vocab_rows=draft_vocab, sampler=native)
 
 
 def resolve_device(device: str) -> str:

@@ -30,6 +30,7 @@ from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
 from .sampling import Sampler
+from .verify import DraftProbs
 
 # the target's hidden states of chosen layers: layer -> [n_tokens, n_embd], one row per
 # token the call evaluated, in order
@@ -57,6 +58,8 @@ class DraftParams:
     # the very tokens target-only decoding draws from the same seed, but accepted less
     # often). Greedy requests draft greedily.
     probabilistic: bool = True
+    # a model's draft tokens chosen in its graph where it has a sampler (graph_sampling)
+    backend_sampling: bool = True
 
     def validate(self) -> DraftParams:
         if not 0 <= self.n_min <= max(self.n_max, 0) or self.n_max < 0:
@@ -96,7 +99,8 @@ class Proposal:
     """Draft tokens for the target to verify."""
 
     tokens: list[int]
-    q_rows: np.ndarray | None = None  # [n, vocab] the distributions drafts were sampled from
+    # the distributions drafts were sampled from: dense [n, vocab], or sparse pairs
+    q_rows: DraftProbs | None = None
     evidence: DraftEvidence = field(default_factory=DraftEvidence)
 
     @property

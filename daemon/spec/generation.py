@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from specd.daemon.text.grammar import GrammarState, GrammarViolation
 from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
+from specd.ort_models.sampling_op import SampleSpec
 
 from .drafter import Drafter, DraftParams, Features, Proposal, run_steps, timed_steps
+from .graph_sampling import BONUS_CANDIDATES, block_result, sample_spec, sparse_q
 from .policy import (
     AdaptiveDraftLength,
     DraftPolicy,
@@ -73,6 +75,9 @@ class GenerationParams:
     # sampler's bias, penalties, filters, temperature and the grammar's mask: llama.cpp's
     # post_sampling_probs)
     post_sampling_probs: bool = False
+    # decide tokens in the target's (and the draft's) graph where it has a sampler
+    # (graph_sampling): only token ids and a few probabilities leave the session
+    backend_sampling: bool = True
 
 
 def make_policy(params: GenerationParams, drafter: Drafter | None) -> DraftPolicy:
@@ -164,6 +169,9 @@ class Generation:
         # tokens recorded, for the mask each one was decided under
         self._logprob_grammar = (grammar.fork() if grammar is not None
                                  and params.post_sampling_probs else None)
+        # tokens decided in the target's graph (logprobs need the logits on the host)
+        self.in_graph = (params.backend_sampling and target.samples
+                         and params.logprobs is None)
 
     @property
     def done(self) -> bool:
@@ -227,7 +235,9 @@ class Generation:
             end = boundary if boundary > start else cut
         end = min(end, start - start % ATTN_BUCKET + ATTN_BUCKET)
         self._pending = _PrefillChunk(end)
-        return Call(self.seq, self.prompt[start:end], start, None, self._layers)
+        last = end == len(self.prompt) and self.params.max_tokens > 0
+        return Call(self.seq, self.prompt[start:end], start, None, self._layers,
+                    self._spec(len(self.prompt)) if last else None)
 
     def _complete_prefill(self, chunk: _PrefillChunk, out: CallOutput) -> list[int]:
         """The chunk's KV is in: keep the drafter's features; after the last chunk, start
@@ -253,14 +263,18 @@ class Generation:
             return []
         if self._grammar_finished():
             return []
-        mask = None if self.grammar is None else self.grammar.allowed(len(logits))
-        tok = self.sampler.sample(logits, mask)
-        self.sampler.accept(tok)
+        if out.sampled is not None:
+            tok = block_result(out.sampled, 0, self.sampler, None, self.target.logits_width
+                               ).tokens[0]
+        else:
+            mask = None if self.grammar is None else self.grammar.allowed(len(logits))
+            tok = self.sampler.sample(logits, mask)
+            self.sampler.accept(tok)
         if self.draft_sampler is not None:
             self.draft_sampler.accept(tok)
         if self.grammar is not None:
             self.grammar.consume(tok)
-        emitted = self._emit([tok], logits[None])
+        emitted = self._emit([tok], out.logits)
         self._grammar_finished()
         return emitted
 
@@ -345,7 +359,8 @@ class Generation:
         self._pending = _Round(proposed, plan_s + proposed.seconds)
         assert self._last is not None
         tokens = [self._last, *proposed.proposal.tokens]
-        return Call(self.seq, tokens, self._pos, list(range(len(tokens))), self._layers)
+        return Call(self.seq, tokens, self._pos, list(range(len(tokens))), self._layers,
+                    self._round_spec(proposed.proposal))
 
     def complete(self, out: CallOutput) -> list[int]:
         """The step `next_call` began, finished with the target's output for its call:
@@ -357,9 +372,11 @@ class Generation:
         assert isinstance(pending, _Round), "complete() without next_call()"
         seconds = out.seconds
         self.stats.verify_s += seconds
-        rows = out.logits  # [n + 1, vocab]
+        rows = out.logits  # [n + 1, vocab] ([n + 1, 0]: decided in the graph)
         proposal = pending.proposed.proposal
-        result = self._verify(rows, proposal)
+        result = (self._verify(rows, proposal) if out.sampled is None
+                  else block_result(out.sampled, len(proposal.tokens), self.sampler,
+                                    self.grammar, self.target.logits_width))
         self._commit(result, out.features if self._layers else None)
         self._observe(pending.proposed, result, pending.seconds + seconds, seconds)
         emitted = self._emit(result.tokens, rows)
@@ -401,7 +418,8 @@ class Generation:
         fork = None if self.grammar is None else self.grammar.fork()
         try:
             drafted, seconds = yield from timed_steps(self.drafter.draft_steps(
-                self.seq, self._last, self._pos, plan.n, dp, fork))
+                self.seq, self._last, self._pos, plan.n,
+                replace(dp, backend_sampling=self.params.backend_sampling), fork))
         except Exception:  # a failing draft never fails the request: go on target-only
             self.drafter = None
             return _Proposed(Proposal([]))
@@ -423,6 +441,32 @@ class Generation:
         if len(proposal.tokens) < max(self.params.draft.n_min, 1):
             return Proposal([])
         return proposal
+
+    def _spec(self, position: int, proposal: Proposal | None = None) -> SampleSpec | None:
+        """How the target's graph decides the call's rows (None: on the host): the token at
+        `position`, or the verification of `proposal`."""
+        if not self.in_graph or (self.grammar is not None and self.grammar.is_stopped()):
+            return None
+        if proposal is None or not proposal.tokens:
+            drafts: list[int] = []
+            q = None
+        else:
+            drafts = list(proposal.tokens)
+            q = None
+            if proposal.q_rows is not None and self.params.draft.probabilistic:
+                q = sparse_q(proposal.q_rows)
+                if q is None:
+                    return None
+        return sample_spec(self.sampler, position, self.target.logits_width, drafts=drafts,
+                           q=q, grammar=self.grammar,
+                           candidates=0 if self.sampler.is_greedy else BONUS_CANDIDATES)
+
+    def _round_spec(self, proposal: Proposal) -> SampleSpec | None:
+        """The graph's decision of a round's block, where the round is verified as the host
+        verifiers do (not by a drafter that decides acceptance itself)."""
+        if proposal.tokens and self.drafter is not None and self.drafter.decides_acceptance:
+            return None
+        return self._spec(self._pos + 1, proposal)
 
     def _verify(self, rows: np.ndarray, proposal: Proposal) -> VerifyResult:
         if proposal.tokens and self.drafter is not None and self.drafter.decides_acceptance:
@@ -487,9 +531,9 @@ class Generation:
         out: list[int] = []
         k = self.params.logprobs
         masks = self._logprob_masks(toks, rows) if k is not None else []
-        for i, (t, row) in enumerate(zip(toks, rows, strict=False)):
+        for i, t in enumerate(toks):
             if k is not None:
-                self.token_logprobs.append(self._token_logprob(row, t, k, masks[i]))
+                self.token_logprobs.append(self._token_logprob(rows[i], t, k, masks[i]))
             self.tokens.append(t)
             out.append(t)
             if t in self.eog:

@@ -292,6 +292,9 @@ class Sampler:
         self.params = params.validate()
         rng_seed = params.seed if seed is None else seed
         self._rng = np.random.Generator(np.random.PCG64(rng_seed))
+        # the key of the counter-based draws made for this sampler in a graph (graph_sampling)
+        self.key = (int(rng_seed) if rng_seed is not None
+                    else int(np.random.SeedSequence().generate_state(1, np.uint64)[0]))
         maxlen = None if params.repeat_last_n < 0 else params.repeat_last_n
         self._history: deque[int] = deque((int(t) for t in history), maxlen=maxlen)
         # logit_bias as arrays: ids [b] ascending, what is added to their logits [b]

@@ -102,6 +102,10 @@ class SparseDraftProbs:
     def __len__(self) -> int:
         return self.token_ids.shape[0]
 
+    def __getitem__(self, rows: slice) -> SparseDraftProbs:
+        """Some of the rows (as a dense q's rows are sliced)."""
+        return SparseDraftProbs(self.token_ids[rows], self.probs[rows])
+
     def dense_row(self, i: int, vocab: int) -> np.ndarray:
         """Row i as a dense float64 [vocab] array (ids >= vocab dropped)."""
         row = np.zeros(vocab, dtype=np.float64)  # [vocab]

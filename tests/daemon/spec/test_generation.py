@@ -104,10 +104,12 @@ def test_requantized_draft_is_byte_identical(tiny_model_factory, models) -> None
     native = target_kernels() == "gguf"
     assert (draft.options.requant, draft.options.attention) == (
         ("q4k", "native") if native else ("q4", "fused"))
-    # exact weights (GGUF blocks in specd's kernel where it compiled), exact attention
+    # exact weights (GGUF blocks in specd's kernel where it compiled), exact attention, and
+    # there tokens decided in the graph
     assert build_options("target") == (
-        BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")
+        BuildOptions(kernels="gguf", attention="native", kv_dtype="f16", sampler=True)
         if target_kernels() == "gguf" else BuildOptions())
+    assert build_options("draft").sampler == native
     assert build_options("target", device="cuda:0") == BuildOptions()
     assert build_options("draft", device="cuda:0").attention == "exact"  # fp32 GQA: CPU only
     assert build_options("draft").vocab_rows == DRAFT_VOCAB_ROWS  # the default cut

@@ -1,0 +1,135 @@
+"""Tokens decided in the model's graph: a request's sampler and grammar as a call's
+`SampleSpec`, and what the graph decided as the round's `VerifyResult`.
+
+The graph (ort_models.sampling_op) runs the host's filter chain and verifiers
+(sampling.py, verify.py) on the logits where they are, so only token ids and a few
+probabilities leave the session. The distributions are the host's; the uniforms come from
+a counter-based generator keyed by the sampler's key, the token's position and the stream
+(target or draft), so a seeded request draws the same numbers however its tokens are split
+into rounds. The host path stays the reference and the fallback (logprobs, drafters that
+decide acceptance themselves, graphs without a sampler).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specd.daemon.text.grammar import GrammarState, GrammarViolation
+from specd.ort_models.sampling_op import (
+    DEAD_END,
+    NO_TOKEN,
+    TARGET_STREAM,
+    SampledBlock,
+    SampleSpec,
+)
+
+from .sampling import NoAllowedToken, Sampler
+from .verify import DraftProbs, SparseDraftProbs, VerifyResult
+
+# sparse q rows wider than this are verified on the host (a draft without top-k)
+MAX_Q_WIDTH = 64
+# most probable tokens returned of a sampled bonus row: the target's distribution there,
+# which the draft-length policy weighs the draft's guess against
+BONUS_CANDIDATES = 32
+
+
+def sample_spec(sampler: Sampler, position: int, vocab: int, *, drafts: Sequence[int] = (),
+                q: SparseDraftProbs | None = None, grammar: GrammarState | None = None,
+                stream: int = TARGET_STREAM, candidates: int = 0) -> SampleSpec:
+    """The spec that decides a call's rows as `sampler` would on the host: one token at
+    `position`, or the verification of `drafts` (by rejection sampling against `q` where
+    given, else by the target's own choice) under `grammar`'s masks along the drafts."""
+    p = sampler.params
+    penalised = (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0
+                 or p.frequency_penalty != 0.0)
+    masks, stop_after = (None, -1) if grammar is None else grammar_masks(grammar, drafts,
+                                                                           vocab)
+    return SampleSpec(
+        key=sampler.key, position=position, temperature=p.temperature, top_k=p.top_k,
+        top_p=p.top_p, min_p=p.min_p, repeat_penalty=p.repeat_penalty,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        temperature_last=p.temperature_last,
+        window=p.repeat_last_n if penalised else 0,
+        history=sampler.history if penalised else (),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
+        drafts=list(drafts), q_ids=None if q is None else q.token_ids,
+        q_probs=None if q is None else q.probs, masks=masks, stop_after=stop_after,
+        candidates=candidates, stream=stream)
+
+
+def grammar_masks(grammar: GrammarState, drafts: Sequence[int], vocab: int
+                  ) -> tuple[np.ndarray, int]:
+    """What the grammar allows at each row of a block along its drafts [n + 1, vocab]
+    (rows after a draft it refuses allow nothing: they cannot be reached), and the draft
+    whose acceptance completes it (-1: none)."""
+    if not drafts:
+        return grammar.allowed(vocab)[None], -1
+    fork = grammar.fork()
+    masks = np.zeros((len(drafts) + 1, vocab), dtype=np.bool_)
+    masks[0] = fork.allowed(vocab)
+    for i, d in enumerate(drafts):
+        try:
+            fork.consume(int(d))
+        except GrammarViolation:
+            return masks, -1
+        if fork.is_stopped() and not fork.dead_end:
+            return masks, i
+        masks[i + 1] = fork.allowed(vocab)
+    return masks, -1
+
+
+def sparse_q(q: DraftProbs | None) -> SparseDraftProbs | None:
+    """A draft's q rows as sparse pairs; None where they are too wide to send
+    (MAX_Q_WIDTH) or absent."""
+    if q is not None and not isinstance(q, SparseDraftProbs):
+        q = to_sparse(list(q))
+    return q if q is None or q.token_ids.shape[1] <= MAX_Q_WIDTH else None
+
+
+def to_sparse(rows: Sequence[np.ndarray | tuple[np.ndarray, np.ndarray]]) -> SparseDraftProbs:
+    """Distributions, each dense [vocab] (by its nonzero entries) or (ids [k], probs [k]),
+    as one SparseDraftProbs [n, max k]."""
+    pairs = [(np.flatnonzero(r), r[np.flatnonzero(r)]) if isinstance(r, np.ndarray) else r
+             for r in rows]
+    width = max([ids.shape[0] for ids, _ in pairs] + [1])
+    ids = np.full((len(pairs), width), -1, dtype=np.int64)  # [n, k]
+    probs = np.zeros((len(pairs), width), dtype=np.float64)  # [n, k]
+    for i, (row_ids, row_probs) in enumerate(pairs):
+        ids[i, :row_ids.shape[0]] = row_ids
+        probs[i, :row_ids.shape[0]] = row_probs
+    return SparseDraftProbs(ids, probs)
+
+
+def candidates_row(block: SampledBlock, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """A decided row's candidates: (ids [k], probabilities [k]), most probable first."""
+    ids = block.cand_ids[row]
+    keep = ids >= 0
+    return ids[keep], block.cand_probs[row][keep].astype(np.float64)
+
+
+def dense_row(ids: np.ndarray, probs: np.ndarray, vocab: int) -> np.ndarray:
+    """Candidates as a distribution [vocab] (zero off them)."""
+    out = np.zeros(vocab, dtype=np.float64)  # [vocab]
+    out[ids] = probs
+    return out
+
+
+def block_result(block: SampledBlock, n_drafted: int, sampler: Sampler,
+                 grammar: GrammarState | None, vocab: int) -> VerifyResult:
+    """The round's VerifyResult from what the graph decided; the sampler's history and the
+    grammar advance over the emitted tokens, as the host verifiers advance them."""
+    if block.status == NO_TOKEN:
+        raise NoAllowedToken("no token may be drawn (the grammar or logit_bias allow none)")
+    for t in block.tokens:
+        sampler.accept(t)
+        if grammar is not None:
+            grammar.consume(t)
+    bonus = None
+    if (not sampler.is_greedy and block.n_accepted == n_drafted
+            and len(block.tokens) == n_drafted + 1):
+        bonus = dense_row(*candidates_row(block, n_drafted), vocab)
+    return VerifyResult(block.n_accepted, list(block.tokens), n_drafted,
+                        grammar_dead_end=block.status == DEAD_END,
+                        accept_probs=block.accept_probs, bonus_probs=bonus)
