@@ -170,7 +170,9 @@ def _params(svc: Service, body: dict[str, Any], *, max_key: str) -> GenerationPa
     adaptive = get(spec, "adaptive", bool, get(body, "speculative.adaptive", bool, d.adaptive))
     return GenerationParams(max_tokens=max_tokens, sampling=sampling, draft=draft,
                             adaptive=adaptive,
-                            ignore_eos=get(body, "ignore_eos", bool, d.ignore_eos))
+                            ignore_eos=get(body, "ignore_eos", bool, d.ignore_eos),
+                            backend_sampling=get(body, "backend_sampling", bool,
+                                                 d.backend_sampling))
 
 
 def _check_model(request: web.Request, body: dict[str, Any]) -> None:

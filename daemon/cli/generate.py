@@ -25,6 +25,7 @@ def params_from_args(args: argparse.Namespace) -> GenerationParams:
                           probabilistic=args.spec_draft_probabilistic).validate(),
         adaptive=args.spec_adaptive,
         ignore_eos=args.ignore_eos,
+        backend_sampling=args.backend_sampling,
     )
 
 

@@ -83,6 +83,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--backend-sampling", action=argparse.BooleanOptionalAction, default=True,
+                   help="decide tokens in the models' graphs where specd's kernels run "
+                        "(default: on; the same distributions, greedy the same tokens; only "
+                        "token ids leave the session). --no-backend-sampling: on the host "
+                        "from the logits. A request's \"backend_sampling\" overrides it")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -551,3 +551,37 @@ def test_completion_prompt_shapes_as_llama_server_reads_them(tiny_path, tmp_path
             {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
             {"role": "assistant", "content": "c"}]})
         assert status == 400 and out["error"]["param"] == "messages"
+
+
+def test_backend_sampling_per_request_and_by_default(tiny_path, tmp_path, monkeypatch) -> None:
+    """Tokens are decided in the graph unless a request (or `--no-backend-sampling`) says
+    otherwise; greedy text is the same either way, and a bad value is named."""
+    from specd.ort_models import native_ops
+
+    if native_ops.library() is None:
+        pytest.skip("specd's kernels are off: no graph sampler")
+    for default in (True, False):
+        cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1,
+                           defaults=GenerationParams(backend_sampling=default))
+        with live_server(cfg, tmp_path) as srv:
+            runner = srv.service.engine.target.runner
+            real, in_graph = runner.forward_batch, []
+
+            def spy(calls, real=real, in_graph=in_graph):
+                in_graph.extend(c.sample is not None for c in calls)
+                return real(calls)
+
+            monkeypatch.setattr(runner, "forward_batch", spy)
+            req = {"prompt": "tell me", "n_predict": 8, "ignore_eos": True, "temperature": 0}
+            texts = {}
+            for choice in (None, True, False):
+                in_graph.clear()
+                body = req if choice is None else {**req, "backend_sampling": choice}
+                status, out = srv.request("POST", "/completion", body)
+                assert status == 200, out
+                texts[choice] = out["content"]
+                want = default if choice is None else choice
+                assert any(in_graph) == want and all(in_graph) == want
+            assert len(set(texts.values())) == 1
+            status, out = srv.request("POST", "/completion", {**req, "backend_sampling": "yes"})
+            assert status == 400 and "backend_sampling" in json.dumps(out)
