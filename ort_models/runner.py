@@ -220,6 +220,8 @@ class ModelRunner:
         self.packs_sequences = "segments" in inputs
         # the graph decides tokens itself for calls that carry a SampleSpec
         self.samples = "sample_plan" in inputs
+        # per binding, the arrays last bound as the sampler's inputs (kept alive with it)
+        self._sampler_inputs: dict[int, dict[str, np.ndarray]] = {}
         self._all = self.session.io_binding() if self.packs_sequences else None
         self._bindings: list[Any] = []  # an onnxruntime.IOBinding per slot (not packing)
         self._n_seq = 0
@@ -404,9 +406,12 @@ class ModelRunner:
         specs = [c.sample for c in calls]
         first_rows = [0, *accumulate(1 if c.rows is None else len(c.rows) for c in calls)]
         if self.samples:
+            bound = self._sampler_inputs.setdefault(id(b), {})
             for name, array in pack_inputs(specs, first_rows[:-1], self.logits_width).items():
-                b.bind_cpu_input(name, array)
-            for name in SAMPLE_OUTPUTS:
+                if bound.get(name) is not array:  # a shared constant stays bound
+                    b.bind_cpu_input(name, array)
+                    bound[name] = array
+            for name in SAMPLE_OUTPUTS:  # shapes vary by pass: ORT allocates them per run
                 b.bind_output(name, "cpu")
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
@@ -420,7 +425,7 @@ class ModelRunner:
         hidden = {layer: outs[k0 + 1 + j].numpy()  # [rows, n_embd]
                   for j, (_, layer) in enumerate(self._hidden)}
         k1 = k0 + 1 + len(self._hidden)
-        sampled = (unpack_outputs([outs[k1 + j].numpy() for j in range(len(SAMPLE_OUTPUTS))],
+        sampled = (unpack_outputs([outs[k1 + j] for j in range(len(SAMPLE_OUTPUTS))],
                                   specs, first_rows[:-1])
                    if any(s is not None for s in specs) else [None] * len(calls))
         results, start = [], 0

@@ -13,8 +13,10 @@ tokens fall into calls.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -101,66 +103,96 @@ def pack_masks(masks: np.ndarray) -> np.ndarray:
 def pack_inputs(specs: Sequence[SampleSpec | None], first_rows: Sequence[int],
                 vocab: int) -> dict[str, np.ndarray]:
     """The node's inputs for a pass whose calls have these specs (None: skipped) and
-    whose logits rows begin at `first_rows`."""
+    whose logits rows begin at `first_rows`. Inputs no call uses are shared constants."""
     c = len(specs)
-    live = [s for s in specs if s is not None]
-    d = max([len(s.drafts) for s in live] + [1])
-    k = max([0 if s.q_ids is None else s.q_ids.shape[1] for s in live] + [1])
-    h = max([len(s.history) for s in live] + [1])
-    nb = max([len(s.logit_bias) for s in live] + [1])
+    live = [(i, s) for i, s in enumerate(specs) if s is not None]
     plan = np.zeros((c, PLAN_COLUMNS), dtype=np.int64)
     params = np.zeros((c, PARAM_COLUMNS), dtype=np.float64)
-    keys = np.zeros(c, dtype=np.int64)
-    drafts = np.full((c, d), -1, dtype=np.int64)
-    q_ids = np.full((c, d, k), -1, dtype=np.int64)
-    q_probs = np.zeros((c, d, k), dtype=np.float32)
-    history = np.full((c, h), -1, dtype=np.int64)
-    bias_ids = np.full((c, nb), -1, dtype=np.int64)
-    bias_values = np.zeros((c, nb), dtype=np.float64)
+    keys = np.zeros(c, dtype=np.uint64)
+    d = max((len(s.drafts) for _, s in live), default=0)
+    k = max((s.q_ids.shape[1] for _, s in live if s.q_ids is not None), default=0)
+    h = max((len(s.history) for _, s in live), default=0)
+    nb = max((len(s.logit_bias) for _, s in live), default=0)
+    drafts = np.full((c, d), -1, dtype=np.int64) if d else _unused((c, 1), np.int64, -1)
+    if k:
+        q_ids = np.full((c, d, k), -1, dtype=np.int64)
+        q_probs = np.zeros((c, d, k), dtype=np.float32)
+    else:
+        q_ids = _unused((c, max(d, 1), 1), np.int64, -1)
+        q_probs = _unused((c, max(d, 1), 1), np.float32, 0)
+    history = np.full((c, h), -1, dtype=np.int64) if h else _unused((c, 1), np.int64, -1)
+    if nb:
+        bias_ids = np.full((c, nb), -1, dtype=np.int64)
+        bias_values = np.zeros((c, nb), dtype=np.float64)
+    else:
+        bias_ids = _unused((c, 1), np.int64, -1)
+        bias_values = _unused((c, 1), np.float64, 0)
     mask_rows: list[np.ndarray] = []
-    for i, (s, first) in enumerate(zip(specs, first_rows, strict=True)):
-        if s is None:
-            continue
+    n_masks = 0
+    for i, s in live:
         n = len(s.drafts)
         flags = TEMPERATURE_LAST if s.temperature_last else 0
-        if s.q_ids is not None and s.temperature > 0.0:
+        if s.q_ids is not None and s.q_probs is not None and s.temperature > 0.0:
             flags |= REJECTION
             q_ids[i, :n, :s.q_ids.shape[1]] = s.q_ids
             q_probs[i, :n, :s.q_ids.shape[1]] = s.q_probs
         mask_row = 0
         if s.masks is not None:
             flags |= MASKED
-            mask_row = sum(m.shape[0] for m in mask_rows)
+            mask_row = n_masks
             mask_rows.append(pack_masks(s.masks))
-        plan[i] = (1, first, n, s.position, flags, mask_row, s.window, s.stop_after,
+            n_masks += s.masks.shape[0]
+        plan[i] = (1, first_rows[i], n, s.position, flags, mask_row, s.window, s.stop_after,
                    s.candidates, s.stream)
         params[i] = (s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty,
                      s.presence_penalty, s.frequency_penalty, 0.0)
-        keys[i] = np.uint64(s.key & (2**64 - 1)).view(np.int64)
-        drafts[i, :n] = s.drafts
+        keys[i] = s.key & _KEY_BITS
+        if n:
+            drafts[i, :n] = s.drafts
         if s.history:
             history[i, h - len(s.history):] = s.history
         for j, (token, bias) in enumerate(s.logit_bias):
             bias_ids[i, j], bias_values[i, j] = token, bias
     masks = (np.concatenate(mask_rows) if mask_rows
-             else np.zeros((1, -(-vocab // 32)), dtype=np.int32))
-    arrays = (plan, params, keys, drafts, q_ids, q_probs, history, bias_ids, bias_values,
-              masks)
+             else _unused((1, -(-vocab // 32)), np.int32, 0))
+    arrays = (plan, params, keys.view(np.int64), drafts, q_ids, q_probs, history, bias_ids,
+              bias_values, masks)
     return dict(zip(INPUTS, arrays, strict=True))
 
 
-def unpack_outputs(outputs: Sequence[np.ndarray], specs: Sequence[SampleSpec | None],
+_KEY_BITS = 2**64 - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _unused(shape: tuple[int, ...], dtype: type, fill: float) -> np.ndarray:
+    """A read-only filler for an input no call of a pass uses (made once per shape)."""
+    out = np.full(shape, fill, dtype=dtype)
+    out.flags.writeable = False
+    return out
+
+
+def unpack_outputs(outputs: Sequence[Any], specs: Sequence[SampleSpec | None],
                    first_rows: Sequence[int]) -> list[SampledBlock | None]:
-    """Each call's SampledBlock from the node's outputs (in OUTPUTS' order)."""
-    tokens, counts, accept, cand_ids, cand_probs = outputs
+    """Each call's SampledBlock from the node's outputs (in OUTPUTS' order; anything with
+    `.numpy()`, read only where a call needs it)."""
+    tokens, counts = outputs[0].numpy(), outputs[1].numpy()
+    drafted = any(s is not None and s.drafts for s in specs)
+    accept = outputs[2].numpy() if drafted else None
+    wanted = any(s is not None and s.candidates for s in specs)
+    cand_ids = outputs[3].numpy() if wanted else None
+    cand_probs = outputs[4].numpy() if wanted else None
     out: list[SampledBlock | None] = []
-    for i, (s, first) in enumerate(zip(specs, first_rows, strict=True)):
+    for i, s in enumerate(specs):
         if s is None:
             out.append(None)
             continue
-        n_emitted, n_accepted, status = (int(v) for v in counts[i])
+        n_emitted, n_accepted, status = counts[i].tolist()
+        first = first_rows[i]
         out.append(SampledBlock(
-            [int(t) for t in tokens[i, :n_emitted]], n_accepted, status,
-            tuple(float(a) for a in accept[i, :len(s.drafts)] if a >= 0.0),  # -1: undecided
-            cand_ids[first:first + s.rows], cand_probs[first:first + s.rows]))
+            tokens[i, :n_emitted].tolist(), n_accepted, status,
+            () if accept is None or not s.drafts else  # -1: undecided
+            tuple(a for a in accept[i, :len(s.drafts)].tolist() if a >= 0.0),
+            *((cand_ids[first:first + s.rows], cand_probs[first:first + s.rows])
+              if cand_ids is not None and cand_probs is not None
+              else (_unused((s.rows, 0), np.int64, -1), _unused((s.rows, 0), np.float32, 0)))))
     return out
