@@ -169,9 +169,9 @@ class Generation:
         # tokens recorded, for the mask each one was decided under
         self._logprob_grammar = (grammar.fork() if grammar is not None
                                  and params.post_sampling_probs else None)
-        # tokens decided in the target's graph (logprobs need the logits on the host)
-        self.in_graph = (params.backend_sampling and target.samples
-                         and params.logprobs is None)
+        # tokens decided in the target's graph (logprobs are computed on the host from
+        # the logits, which then leave the session too)
+        self.in_graph = params.backend_sampling and target.samples
 
     @property
     def done(self) -> bool:
@@ -459,7 +459,8 @@ class Generation:
                     return None
         return sample_spec(self.sampler, position, self.target.logits_width, drafts=drafts,
                            q=q, grammar=self.grammar,
-                           candidates=0 if self.sampler.is_greedy else BONUS_CANDIDATES)
+                           candidates=0 if self.sampler.is_greedy else BONUS_CANDIDATES,
+                           want_logits=self.params.logprobs is not None)
 
     def _round_spec(self, proposal: Proposal) -> SampleSpec | None:
         """The graph's decision of a round's block, where the round is verified as the host

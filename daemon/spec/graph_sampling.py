@@ -6,8 +6,9 @@ The graph (ort_models.sampling_op) runs the host's filter chain and verifiers
 probabilities leave the session. The distributions are the host's; the uniforms come from
 a counter-based generator keyed by the sampler's key, the token's position and the stream
 (target or draft), so a seeded request draws the same numbers however its tokens are split
-into rounds. The host path stays the reference and the fallback (logprobs, drafters that
-decide acceptance themselves, graphs without a sampler).
+into rounds. The host path stays the reference and the fallback (drafters that decide
+acceptance themselves, graphs without a sampler); logprobs are computed on the host from
+the logits of the rows decided here.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ BONUS_CANDIDATES = 32
 
 def sample_spec(sampler: Sampler, position: int, vocab: int, *, drafts: Sequence[int] = (),
                 q: SparseDraftProbs | None = None, grammar: GrammarState | None = None,
-                stream: int = TARGET_STREAM, candidates: int = 0) -> SampleSpec:
+                stream: int = TARGET_STREAM, candidates: int = 0,
+                want_logits: bool = False) -> SampleSpec:
     """The spec that decides a call's rows as `sampler` would on the host: one token at
     `position`, or the verification of `drafts` (by rejection sampling against `q` where
-    given, else by the target's own choice) under `grammar`'s masks along the drafts."""
+    given, else by the target's own choice) under `grammar`'s masks along the drafts;
+    `want_logits`: the rows' logits leave the session too (for logprobs)."""
     p = sampler.params
     penalised = (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0
                  or p.frequency_penalty != 0.0)
@@ -56,7 +59,7 @@ def sample_spec(sampler: Sampler, position: int, vocab: int, *, drafts: Sequence
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
         drafts=list(drafts), q_ids=None if q is None else q.token_ids,
         q_probs=None if q is None else q.probs, masks=masks, stop_after=stop_after,
-        candidates=candidates, stream=stream)
+        candidates=candidates, stream=stream, want_logits=want_logits)
 
 
 def grammar_masks(grammar: GrammarState, drafts: Sequence[int], vocab: int

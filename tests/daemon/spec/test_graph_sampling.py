@@ -254,3 +254,17 @@ def test_rejection_sampling_in_the_graph_follows_the_target_distribution(models:
     t1 = int(np.argmax(p1))
     alone = Sampler(params, seed=0).probs(host.forward(0, [t1], len(prompt))[0])
     assert chi2_pvalue(pooled_counts, np.append(alone[big], alone[~big].sum())) < FAIL_P
+
+
+@pytest.mark.parametrize("post", [False, True], ids=["logprobs", "post-sampling"])
+def test_logprobs_of_tokens_decided_in_the_graph_are_the_host_paths(
+        models: Any, post: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request asking for logprobs still has its tokens decided in the graph; the logits
+    of those rows leave the session for the logprobs, which equal the host path's."""
+    kw = {"logprobs": 3, "post_sampling_probs": post,
+          "sampling": SamplerParams(temperature=0.0, repeat_penalty=1.2)}
+    host, host_gen, _ = _generate(models, with_draft=True, backend_sampling=False, **kw)
+    graph, gen, spy = _generate(models, with_draft=True, monkeypatch=monkeypatch, **kw)
+    assert graph == host
+    assert gen.token_logprobs == host_gen.token_logprobs
+    assert spy is not None and spy.in_graph > 0 and spy.logits_rows > 0
