@@ -69,8 +69,10 @@
  * down, gathering each band while the mass above it falls short, and finds the cut in the
  * band that reaches top_p by a quickselect that sums as it partitions: no full sort. A
  * short kept set becomes a list of ids handled in plain C, a long one stays dense, masked
- * by a bitmap of it. Calls are independent and run in parallel; a call in mode 0 only has
- * its outputs cleared.
+ * by a bitmap of it. Calls are independent and run in parallel; a pass that decides one
+ * call alone splits its rows' passes over the vocabulary across the threads instead, in
+ * tasks of whole blocks whose results are combined in block order (the same bits on any
+ * number of threads). A call in mode 0 only has its outputs cleared.
  */
 #include <float.h>
 #include <math.h>
@@ -121,6 +123,8 @@ typedef struct {
   float *accept, *cand_probs;
   size_t KC;
   const size_t *calls; /* the decided calls, one task each */
+  int split;           /* one decided call: its passes over a row split into tasks */
+  size_t ntask;        /* a split pass's tasks: ceil(nblk / SPLIT) */
   _Atomic int failed;  /* a task could not allocate its scratch */
 } Job;
 
@@ -160,12 +164,17 @@ typedef struct {
   int64_t *seq;         /* [H + D] history tokens, then the accepted drafts */
   Qe *q;                /* [K] */
   double *q_r;          /* [K] */
+  float *tbuf;          /* [ntask][2 * BLOCK] a split pass's block buffers, per task */
+  float *bmax;          /* [nblk] the blocks' maxima */
+  double *bpart;        /* [nblk] the blocks' sums of exp(x - m) (exp_sum_f32) */
+  size_t *cnt;          /* [ntask] the tokens each task of a gather found */
+  Cand *stage;          /* [V] where a split gather_band's tasks put them */
   void *mem;
 } Scratch;
 
 static int scratch_init(Scratch *s, const Job *job) {
   const size_t V = job->V, hd = job->H + job->D, K = job->K;
-  size_t off = 0, at[24];
+  size_t off = 0, at[28];
   int n = 0;
 #define CARVE(bytes) (at[n++] = off, off += ((bytes) + 63) & ~(size_t)63)
   CARVE(BLOCK * sizeof(float));
@@ -188,10 +197,19 @@ static int scratch_init(Scratch *s, const Job *job) {
   CARVE(hd * sizeof(int64_t));
   CARVE(K * sizeof(Qe));
   CARVE(K * sizeof(double));
+  CARVE(job->split ? job->ntask * 2 * BLOCK * sizeof(float) : 0);
+  CARVE(job->nblk * sizeof(float));
+  CARVE(job->nblk * sizeof(double));
+  CARVE(job->ntask * sizeof(size_t));
+  CARVE(job->split ? V * sizeof(Cand) : 0);
 #undef CARVE
-  char *m = (char *)malloc(off);
+  /* the arrays at 64-byte boundaries of the allocation, itself aligned: malloc's 16 bytes
+     would leave a block's 32-byte loads and stores across cache lines in some processes
+     and not others */
+  char *m = (char *)malloc(off + 63);
   if (!m) return 0;
   s->mem = m;
+  m += (64 - (uintptr_t)m % 64) % 64;
   n = 0;
   s->buf = (float *)(m + at[n++]);
   s->eb = (float *)(m + at[n++]);
@@ -213,6 +231,11 @@ static int scratch_init(Scratch *s, const Job *job) {
   s->seq = (int64_t *)(m + at[n++]);
   s->q = (Qe *)(m + at[n++]);
   s->q_r = (double *)(m + at[n++]);
+  s->tbuf = (float *)(m + at[n++]);
+  s->bmax = (float *)(m + at[n++]);
+  s->bpart = (double *)(m + at[n++]);
+  s->cnt = (size_t *)(m + at[n++]);
+  s->stage = (Cand *)(m + at[n++]);
   return 1;
 }
 
@@ -360,14 +383,93 @@ static const float *block_x(const Row *r, size_t b0, size_t b1, size_t *o, float
   return buf;
 }
 
-/* the largest float logit (overrides aside; -inf if none), and the first block holding it */
-static float row_max(const Row *r, float *buf, size_t *at) {
-  float best = -INFINITY;
-  size_t o = 0;
-  *at = 0;
-  for (size_t b0 = 0; b0 < r->V; b0 += BLOCK) {
-    const size_t b1 = b0 + BLOCK < r->V ? b0 + BLOCK : r->V, n = b1 - b0;
-    const float *x = block_x(r, b0, b1, &o, buf);
+/* e = exp(float(a)), a = (x - top) * scale, or 0 unless (pre ? a : x - top) >= lo (min_p):
+ * the softmax numerators of a row (top: the maximum, so e <= 1) */
+typedef struct {
+  double top, scale, lo;
+  int pre;
+} Temp;
+
+/* ---- a row's passes over the vocabulary, split across the kernels' threads ----
+ *
+ * A pass that decides one call alone (one stream decoding: its rows one after another)
+ * would leave the other threads idle, so there (given more than one thread) the passes
+ * over the whole vocabulary (maximum, e and block sums, gathers) run as tasks of SPLIT
+ * whole blocks on the kernels' threads, each task with its own block buffers. Every
+ * block's result (its maximum, its sums, the tokens it gathered) is kept apart and
+ * combined afterwards in block order by the one-thread pass's own operations in its
+ * order: the same bits for any thread count. With several calls the calls run in parallel
+ * instead, each row on one thread (a parallel-for inside another's task would run inline;
+ * a single call's own parallel-for runs inline, leaving the workers to its passes). */
+enum { SPLIT = 4 }; /* blocks per task: 38 tasks at V = 151936, for balance */
+
+typedef struct Pass Pass;
+struct Pass {
+  /* the pass over blocks [k0, k1) of the row, as task `task` (task 0 has all the blocks
+     when the pass is not split); buf and eb: the task's block buffers */
+  void (*blocks)(Pass *p, size_t task, size_t k0, size_t k1, float *buf, float *eb);
+  const Job *job;
+  Scratch *s;
+  const Row *r;
+  const Temp *tp;   /* exp passes */
+  double *bsum;     /* exp_pass: the block sums */
+  float *keep;      /* exp_pass: the row's e, or NULL */
+  float m;          /* exp_sum_f32: the shift */
+  float lo, hi;     /* gathers: the bounds */
+  const float *e;   /* gather_band: the row's e */
+  Cand *out;        /* gathers: where the tokens go */
+  int staged;       /* a split gather's tasks write to s->stage, not to out */
+  int split;        /* run_pass: the pass runs as tasks */
+};
+
+static void pass_task(void *data, size_t t) {
+  Pass *p = (Pass *)data;
+  const size_t k0 = t * SPLIT, k1 = k0 + SPLIT < p->job->nblk ? k0 + SPLIT : p->job->nblk;
+  float *buf = p->s->tbuf + t * 2 * BLOCK;
+  p->blocks(p, t, k0, k1, buf, buf + BLOCK);
+}
+
+/* p->blocks over the whole row: as tasks where the row is decided alone (job->split), else
+   in one go on this thread with the scratch's buffers; returns how many tasks */
+static size_t run_pass(Pass *p) {
+  const size_t tasks = p->job->split ? p->job->ntask : 1;
+  p->split = tasks > 1;
+  if (p->split) specd_parallel_for(pass_task, p, tasks);
+  else p->blocks(p, 0, 0, p->job->nblk, p->s->buf, p->s->eb);
+  return tasks;
+}
+
+/* where a gather's task puts the tokens of the blocks from k0 on: a place of its own, as
+   many entries as its blocks have tokens (out itself when the pass is not split) */
+static Cand *gather_dst(const Pass *p, size_t k0) {
+  return (p->split && p->staged ? p->s->stage : p->out) + k0 * BLOCK;
+}
+
+/* after a gather: the tasks' tokens moved to out one task after another (so in the order
+   of the one-thread pass); returns how many */
+static size_t gather_join(const Pass *p, size_t tasks) {
+  if (tasks == 1) return p->s->cnt[0];
+  size_t m = 0;
+  for (size_t t = 0; t < tasks; t++) {
+    memmove(p->out + m, gather_dst(p, t * SPLIT), p->s->cnt[t] * sizeof *p->out);
+    m += p->s->cnt[t];
+  }
+  return m;
+}
+
+/* the end of block k: the next one's start, or V */
+static inline size_t block_end(const Row *r, size_t k) {
+  return (k + 1) * BLOCK < r->V ? (k + 1) * BLOCK : r->V;
+}
+
+/* s->bmax[k]: the largest float logit of block k (NaN skipped; -inf if none) */
+static void max_blocks(Pass *p, size_t task, size_t k0, size_t k1, float *buf, float *eb) {
+  (void)task, (void)eb;
+  const Row *r = p->r;
+  size_t o = ov_from(r, k0 * BLOCK);
+  for (size_t k = k0; k < k1; k++) {
+    const size_t b0 = k * BLOCK, n = block_end(r, k) - b0;
+    const float *x = block_x(r, b0, b0 + n, &o, buf);
     float bm = -INFINITY;
     size_t t = 0;
 #if SPECD_AVX2
@@ -379,11 +481,21 @@ static float row_max(const Row *r, float *buf, size_t *at) {
     bm = hmax8(_mm256_max_ps(_mm256_max_ps(mx[0], mx[1]), _mm256_max_ps(mx[2], mx[3])));
 #endif
     for (; t < n; t++) bm = x[t] > bm ? x[t] : bm;
-    if (bm > best) {
-      best = bm;
-      *at = b0;
-    }
+    p->s->bmax[k] = bm;
   }
+}
+
+/* the largest float logit (overrides aside; -inf if none), and the first block holding it */
+static float row_max(const Job *job, Scratch *s, const Row *r, size_t *at) {
+  Pass p = {.blocks = max_blocks, .job = job, .s = s, .r = r};
+  run_pass(&p);
+  float best = -INFINITY;
+  *at = 0;
+  for (size_t k = 0; k < job->nblk; k++)
+    if (s->bmax[k] > best) {
+      best = s->bmax[k];
+      *at = k * BLOCK;
+    }
   return best;
 }
 
@@ -395,13 +507,6 @@ static size_t first_equal(const Row *r, size_t b0, float v, float *buf) {
   while (t < b1 - b0 && x[t] != v) t++;
   return b0 + t;
 }
-
-/* e = exp(float(a)), a = (x - top) * scale, or 0 unless (pre ? a : x - top) >= lo (min_p):
- * the softmax numerators of a row (top: the maximum, so e <= 1) */
-typedef struct {
-  double top, scale, lo;
-  int pre;
-} Temp;
 
 static inline float e_of(double x, const Temp *tp) {
   const double d = x - tp->top, a = d * tp->scale;
@@ -511,27 +616,39 @@ static double block_e(const Row *r, size_t b0, size_t b1, size_t *o, const Temp 
   return sum;
 }
 
-/* The row's e block by block: bsum[b] = block b's sum; returns the total. Nothing of the
- * vocabulary's size is written (a draw takes its block's e again) unless `keep` asks for
- * the row's e. */
-static double exp_pass(const Row *r, const Temp *tp, double *bsum, float *keep, float *buf,
-                       float *block) {
-  double total = 0.0;
-  size_t o = 0;
-  for (size_t b0 = 0, blk = 0; b0 < r->V; b0 += BLOCK, blk++) {
-    const size_t b1 = b0 + BLOCK < r->V ? b0 + BLOCK : r->V;
-    bsum[blk] = block_e(r, b0, b1, &o, tp, buf, keep ? keep + b0 : block);
-    total += bsum[blk];
+/* bsum[k] = block k's sum of e (its e written to keep, or to the task's eb) */
+static void exp_blocks(Pass *p, size_t task, size_t k0, size_t k1, float *buf, float *eb) {
+  (void)task;
+  const Row *r = p->r;
+  size_t o = ov_from(r, k0 * BLOCK);
+  for (size_t k = k0; k < k1; k++) {
+    const size_t b0 = k * BLOCK;
+    p->bsum[k] = block_e(r, b0, block_end(r, k), &o, p->tp, buf, p->keep ? p->keep + b0 : eb);
   }
+}
+
+/* The row's e block by block: bsum[b] = block b's sum; returns the total (the blocks'
+ * sums added in order). Nothing of the vocabulary's size is written (a draw takes its
+ * block's e again) unless `keep` asks for the row's e. */
+static double exp_pass(const Job *job, Scratch *s, const Row *r, const Temp *tp, double *bsum,
+                       float *keep) {
+  Pass p = {.blocks = exp_blocks, .job = job, .s = s, .r = r, .tp = tp, .bsum = bsum,
+            .keep = keep};
+  run_pass(&p);
+  double total = 0.0;
+  for (size_t k = 0; k < job->nblk; k++) total += bsum[k];
   return total;
 }
 
-/* out <- (e, id) of the tokens with tau <= e[t] < below; returns how many */
-static size_t gather_band(const float *e, size_t V, float tau, float below, Cand *out) {
-  size_t g = 0, t = 0;
+/* out <- (e, id) of the tokens t in [t0, t1) with tau <= e[t] < below; returns how many */
+static size_t band_range(const float *e, size_t t0, size_t t1, float tau, float below,
+                         Cand *out) {
+  size_t g = 0, t = t0;
 #if SPECD_AVX2
   const __m256 vt = _mm256_set1_ps(tau), vb = _mm256_set1_ps(below);
-  for (; t + 8 <= V; t += 8) {
+  /* up to the last whole group, a bound computed once: a loop gcc shapes with one branch
+     per group (with t + 8 <= t1, two: 1.07x the time of a top_p row) */
+  for (const size_t t8 = t0 + (t1 - t0) / 8 * 8; t < t8; t += 8) {
     const __m256 v = _mm256_loadu_ps(e + t);
     unsigned bits = (unsigned)_mm256_movemask_ps(
         _mm256_and_ps(_mm256_cmp_ps(v, vt, _CMP_GE_OQ), _mm256_cmp_ps(v, vb, _CMP_LT_OQ)));
@@ -542,7 +659,7 @@ static size_t gather_band(const float *e, size_t V, float tau, float below, Cand
     }
   }
 #endif
-  for (; t < V; t++)
+  for (; t < t1; t++)
     if (e[t] >= tau && e[t] < below) {
       out[g].v = e[t];
       out[g++].id = (int32_t)t;
@@ -550,37 +667,81 @@ static size_t gather_band(const float *e, size_t V, float tau, float below, Cand
   return g;
 }
 
-/* sum of exp(x - m) in float32 arithmetic, summed in double (top_probability's) */
-static double exp_sum_f32(const Row *r, float m, float *buf) {
-  double sum = 0.0;
-  size_t o = 0;
-  for (size_t b0 = 0; b0 < r->V; b0 += BLOCK) {
-    const size_t b1 = b0 + BLOCK < r->V ? b0 + BLOCK : r->V, n = b1 - b0;
-    const float *x = block_x(r, b0, b1, &o, buf);
-    size_t t = 0;
+/* the tokens of blocks [k0, k1) with lo <= e[t] < hi */
+static void band_blocks(Pass *p, size_t task, size_t k0, size_t k1, float *buf, float *eb) {
+  (void)buf, (void)eb;
+  p->s->cnt[task] = band_range(p->e, k0 * BLOCK, block_end(p->r, k1 - 1), p->lo, p->hi,
+                               gather_dst(p, k0));
+}
+
+/* out <- (e, id) of the tokens with tau <= e[t] < below, in id order; returns how many */
+static size_t gather_band(const Job *job, Scratch *s, const Row *r, const float *e, float tau,
+                          float below, Cand *out) {
+  Pass p = {.blocks = band_blocks, .job = job, .s = s, .r = r, .lo = tau, .hi = below, .e = e,
+            .out = out, .staged = 1}; /* out: a list after others, not the row's room */
+  return gather_join(&p, run_pass(&p));
+}
+
 #if SPECD_AVX2
-    const __m256 vm = _mm256_set1_ps(m);
+/* s->bpart[k]: the sum of block k's exp(x - m) over its whole groups of 64 (a tail of the
+   last block is left to exp_sum_f32) */
+static void exp_f32_blocks(Pass *p, size_t task, size_t k0, size_t k1, float *buf, float *eb) {
+  (void)task, (void)eb;
+  const Row *r = p->r;
+  const __m256 vm = _mm256_set1_ps(p->m);
+  size_t o = ov_from(r, k0 * BLOCK);
+  for (size_t k = k0; k < k1; k++) {
+    const size_t b0 = k * BLOCK, n = block_end(r, k) - b0;
+    const float *x = block_x(r, b0, b0 + n, &o, buf);
     __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
                       _mm256_setzero_pd()};
-    for (; t + 8 * G <= n; t += 8 * G) {
+    for (size_t t = 0; t + 8 * G <= n; t += 8 * G) {
       __m256 a[G];
       for (int j = 0; j < G; j++) a[j] = _mm256_sub_ps(load8(x + t + 8 * j), vm);
       exp8_lockstep(a);
       widen_add(a, acc);
     }
-    sum += hsum16d(acc);
-#endif
-    for (; t < n; t++) sum += exp_scalar(finite_or_low(x[t]) - m);
+    p->s->bpart[k] = hsum16d(acc);
   }
+}
+#endif
+
+/* sum of exp(x - m) in float32 arithmetic, summed in double (top_probability's): per block
+ * the vector sum, then the block's tail one by one (only the last block has one), then the
+ * overrides */
+static double exp_sum_f32(const Job *job, Scratch *s, const Row *r, float m) {
+  double sum = 0.0;
+  size_t o = 0;
+#if SPECD_AVX2
+  Pass p = {.blocks = exp_f32_blocks, .job = job, .s = s, .r = r, .m = m};
+  run_pass(&p);
+  for (size_t k = 0; k < job->nblk; k++) sum += s->bpart[k];
+  const size_t b0 = (job->nblk - 1) * BLOCK, n = r->V - b0, t0 = n / (8 * G) * (8 * G);
+  if (t0 < n) { /* the last block's tail */
+    o = ov_from(r, b0);
+    const float *x = block_x(r, b0, r->V, &o, s->buf);
+    for (size_t t = t0; t < n; t++) sum += exp_scalar(finite_or_low(x[t]) - m);
+  }
+#else
+  (void)job;
+  for (size_t b0 = 0; b0 < r->V; b0 += BLOCK) { /* one running sum: not split */
+    const size_t b1 = b0 + BLOCK < r->V ? b0 + BLOCK : r->V;
+    const float *x = block_x(r, b0, b1, &o, s->buf);
+    for (size_t t = 0; t < b1 - b0; t++) sum += exp_scalar(finite_or_low(x[t]) - m);
+  }
+#endif
   for (size_t k = 0; k < r->n_ov; k++) sum += exp_scalar((float)r->ov[k].x - m);
   return sum;
 }
 
-/* the maximum logit of each 64-token block (overrides aside) */
-static void sub_maxima(const Row *r, Cand *out, float *buf) {
-  size_t o = 0, j = 0;
-  for (size_t b0 = 0; b0 < r->V; b0 += BLOCK) {
-    const size_t b1 = b0 + BLOCK < r->V ? b0 + BLOCK : r->V;
+/* s->sub: the maximum logit of each 64-token block of blocks [k0, k1) (overrides aside) */
+static void sub_blocks(Pass *p, size_t task, size_t k0, size_t k1, float *buf, float *eb) {
+  (void)task, (void)eb;
+  const Row *r = p->r;
+  Cand *out = p->s->sub;
+  size_t o = ov_from(r, k0 * BLOCK), j = k0 * (BLOCK / SUB);
+  for (size_t k = k0; k < k1; k++) {
+    const size_t b0 = k * BLOCK, b1 = block_end(r, k);
     const float *x = block_x(r, b0, b1, &o, buf);
     for (size_t s0 = b0; s0 < b1; s0 += SUB, j++) {
       const size_t s1 = s0 + SUB < b1 ? s0 + SUB : b1;
@@ -600,26 +761,47 @@ static void sub_maxima(const Row *r, Cand *out, float *buf) {
   }
 }
 
-/* out <- (logit, id) of the finite tokens with logit >= bound (> -inf: all of them), the
- * overrides' in double; returns how many */
-static size_t gather_x(const Row *r, float bound, Cand *out, float *buf) {
-  const float tau = bound > -FLT_MAX ? bound : -FLT_MAX;
-  size_t o = 0, m = 0;
-  for (size_t b0 = 0; b0 < r->V; b0 += BLOCK) {
-    const size_t b1 = b0 + BLOCK < r->V ? b0 + BLOCK : r->V, n = b1 - b0;
-    const float *x = block_x(r, b0, b1, &o, buf);
+/* s->sub <- the maximum logit of each 64-token block (overrides aside) */
+static void sub_maxima(const Job *job, Scratch *s, const Row *r) {
+  Pass p = {.blocks = sub_blocks, .job = job, .s = s, .r = r};
+  run_pass(&p);
+}
+
+/* the finite tokens of blocks [k0, k1) with logit >= p->lo */
+static void x_blocks(Pass *p, size_t task, size_t k0, size_t k1, float *buf, float *eb) {
+  (void)eb;
+  const Row *r = p->r;
+  const float tau = p->lo;
+  Cand *out = gather_dst(p, k0);
+  size_t o = ov_from(r, k0 * BLOCK), m = 0;
+  for (size_t k = k0; k < k1; k++) {
+    const size_t b0 = k * BLOCK, n = block_end(r, k) - b0;
+    const float *x = block_x(r, b0, b0 + n, &o, buf);
     size_t t = 0;
 #if SPECD_AVX2
     const __m256 vt = _mm256_set1_ps(tau);
-    for (; t + 8 <= n; t += 8) {
-      unsigned bits =
-          (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + t), vt, _CMP_GE_OQ));
-      for (; bits; bits &= bits - 1) {
-        const size_t j = t + (size_t)__builtin_ctz(bits);
-        out[m].v = x[j];
-        out[m++].id = (int32_t)(b0 + j);
-      }
+    for (; t + 32 <= n; t += 32) { /* 32 at a time: most groups have none */
+      __m256 hit[4];
+      for (int j = 0; j < 4; j++)
+        hit[j] = _mm256_cmp_ps(_mm256_loadu_ps(x + t + 8 * j), vt, _CMP_GE_OQ);
+      if (!_mm256_movemask_ps(_mm256_or_ps(_mm256_or_ps(hit[0], hit[1]),
+                                           _mm256_or_ps(hit[2], hit[3]))))
+        continue;
+      for (int j = 0; j < 4; j++)
+        for (unsigned bits = (unsigned)_mm256_movemask_ps(hit[j]); bits; bits &= bits - 1) {
+          const size_t i = t + 8 * (size_t)j + (size_t)__builtin_ctz(bits);
+          out[m].v = x[i];
+          out[m++].id = (int32_t)(b0 + i);
+        }
     }
+    for (; t + 8 <= n; t += 8)
+      for (unsigned bits = (unsigned)_mm256_movemask_ps(
+               _mm256_cmp_ps(_mm256_loadu_ps(x + t), vt, _CMP_GE_OQ));
+           bits; bits &= bits - 1) {
+        const size_t i = t + (size_t)__builtin_ctz(bits);
+        out[m].v = x[i];
+        out[m++].id = (int32_t)(b0 + i);
+      }
 #endif
     for (; t < n; t++)
       if (x[t] >= tau) {
@@ -627,6 +809,16 @@ static size_t gather_x(const Row *r, float bound, Cand *out, float *buf) {
         out[m++].id = (int32_t)(b0 + t);
       }
   }
+  p->s->cnt[task] = m;
+}
+
+/* out <- (logit, id) of the finite tokens with logit >= bound (> -inf: all of them), the
+ * overrides' in double, after the others; returns how many. out has room for the row
+ * (overridden tokens are -inf in the blocks): a split pass's tasks gather in place. */
+static size_t gather_x(const Job *job, Scratch *s, const Row *r, float bound, Cand *out) {
+  const float tau = bound > -FLT_MAX ? bound : -FLT_MAX;
+  Pass p = {.blocks = x_blocks, .job = job, .s = s, .r = r, .lo = tau, .out = out};
+  size_t m = gather_join(&p, run_pass(&p));
   for (size_t k = 0; k < r->n_ov; k++)
     if (r->ov[k].x >= (double)tau && r->ov[k].x > -INFINITY) {
       out[m].v = r->ov[k].x;
@@ -638,14 +830,14 @@ static size_t gather_x(const Row *r, float bound, Cand *out, float *buf) {
 /* cand <- the finite tokens with (x - top) * scale >= a_min (all for -inf), valued by their
  * e; returns how many. *edge: an e that no token left out exceeds (e grows with x; the
  * factor covers a last-bit wobble of the exp polynomial), 0 when none is left out. */
-static size_t gather_e(const Row *r, const Temp *tp, double a_min, Cand *cand, float *buf,
-                       double *edge) {
+static size_t gather_e(const Job *job, Scratch *s, const Row *r, const Temp *tp, double a_min,
+                       Cand *cand, double *edge) {
   float bound = -INFINITY;
   if (a_min > -INFINITY) {
     const double x = tp->top + a_min / tp->scale;
     bound = x > -FLT_MAX ? (float)x : -INFINITY;
   }
-  const size_t g = gather_x(r, bound, cand, buf);
+  const size_t g = gather_x(job, s, r, bound, cand);
   for (size_t j = 0; j < g; j++) cand[j].v = e_of(cand[j].v, tp);
   *edge = bound > -INFINITY ? e_of(bound, tp) * (1.0 + 0x1p-20) : 0.0;
   return g;
@@ -796,13 +988,13 @@ static int sampled_dist(Scratch *s, const Job *job, Row *r, float top_w, const P
     const size_t k = p->top_k;
     float bound = -INFINITY;
     if (k <= job->nsub) {
-      sub_maxima(r, s->sub, s->buf);
+      sub_maxima(job, s, r);
       if (k < job->nsub) select_best(s->sub, job->nsub, k);
       bound = INFINITY;
       for (size_t j = 0; j < k; j++)
         bound = (float)s->sub[j].v < bound ? (float)s->sub[j].v : bound;
     }
-    m = gather_x(r, bound, s->cand, s->buf);
+    m = gather_x(job, s, r, bound, s->cand);
     if (m > k) {
       select_best(s->cand, m, k);
       m = k;
@@ -815,12 +1007,13 @@ static int sampled_dist(Scratch *s, const Job *job, Row *r, float top_w, const P
      reaches it. Most rows stop at the first bands. */
   if (!listed && p->top_p < 1.0) {
     const Temp t1 = {top, p->temp_last ? 1.0 : inv_t, -INFINITY, 1};
-    const double sum = exp_pass(r, &t1, s->bsum, s->e, s->buf, s->eb);
+    const double sum = exp_pass(job, s, r, &t1, s->bsum, s->e);
     size_t above = 0, keep = 0;
     double mass = 0.0; /* of cand[0 .. above), in e */
     for (float hi = INFINITY, lo = 0x1p-8f;; hi = lo, lo *= 0x1p-2f) {
       const int last = lo < 0x1p-60f; /* then all the rest: e > 0 */
-      const size_t g = gather_band(s->e, job->V, last ? FLT_TRUE_MIN : lo, hi, s->cand + above);
+      const size_t g =
+          gather_band(job, s, r, s->e, last ? FLT_TRUE_MIN : lo, hi, s->cand + above);
       double band = 0.0;
       for (size_t j = above; j < above + g; j++) band += s->cand[j].v;
       const size_t cut = last || (mass + band) / sum >= p->top_p - 1e-9
@@ -846,7 +1039,7 @@ static int sampled_dist(Scratch *s, const Job *job, Row *r, float top_w, const P
   const Temp tp = {top, inv_t, p->min_p > 0.0 ? log(p->min_p) : -INFINITY, !p->temp_last};
   dist->dense = 1;
   dist->tp = tp;
-  dist->total = exp_pass(r, &tp, s->bsum, NULL, s->buf, s->eb);
+  dist->total = exp_pass(job, s, r, &tp, s->bsum, NULL);
   return ST_OK;
 }
 
@@ -916,12 +1109,12 @@ static int64_t draw(Scratch *s, const Job *job, const Row *r, const Dist *d, dou
 /* the n most probable tokens of a sampled row (descending, ties lower id first, none of
  * probability 0) into ids / probs: a dense row's from the tokens above a bound, lowered
  * until n of them are (and the n-th lies above it) */
-static void write_cands(Scratch *s, const Row *r, const Dist *d, size_t n, int64_t *ids,
-                        float *probs) {
+static void write_cands(const Job *job, Scratch *s, const Row *r, const Dist *d, size_t n,
+                        int64_t *ids, float *probs) {
   size_t g = 0;
   for (size_t level = 0; d->dense && level < N_LEVELS; level++) {
     double edge;
-    const size_t all = gather_e(r, &d->tp, A_LEVELS[level], s->cand, s->buf, &edge);
+    const size_t all = gather_e(job, s, r, &d->tp, A_LEVELS[level], s->cand, &edge);
     g = 0;
     for (size_t j = 0; j < all; j++)
       if (s->cand[j].v > 0.0) s->cand[g++] = s->cand[j];
@@ -1159,7 +1352,7 @@ static void decide_call(const Job *job, size_t c, Scratch *s) {
     const float *lg = job->logits + row * V;
     Row r = {lg, mask, s->ov, overrides(lg, V, mask, s->bias, nb, s->seen, n_seen, &p, s->ov), V};
     size_t top_block;
-    const float top_w = row_max(&r, s->buf, &top_block);
+    const float top_w = row_max(job, s, &r, &top_block);
     Dist dist = {0, 0, 0.0, {0.0, 0.0, 0.0, 0}, -1};
     if (greedy) { /* argmax, ties to the lowest id: the floats' first maximum or an override */
       double best = top_w;
@@ -1176,7 +1369,7 @@ static void decide_call(const Job *job, size_t c, Scratch *s) {
       dist.argmax = (int32_t)at;
       if (n_cand) { /* top_probability of the masked, penalised row, in float32 */
         job->cand_ids[row * job->KC] = at;
-        job->cand_probs[row * job->KC] = (float)(1.0 / exp_sum_f32(&r, (float)best, s->buf));
+        job->cand_probs[row * job->KC] = (float)(1.0 / exp_sum_f32(job, s, &r, (float)best));
       }
     } else {
       if (sampled_dist(s, job, &r, top_w, &p, &dist) != ST_OK) {
@@ -1184,7 +1377,7 @@ static void decide_call(const Job *job, size_t c, Scratch *s) {
         break;
       }
       if (n_cand)
-        write_cands(s, &r, &dist, n_cand, job->cand_ids + row * job->KC,
+        write_cands(job, s, &r, &dist, n_cand, job->cand_ids + row * job->KC,
                     job->cand_probs + row * job->KC);
     }
 
@@ -1363,6 +1556,9 @@ static OrtStatus *run(OrtKernelContext *ctx, Job *job, size_t C, size_t M, size_
     for (size_t j = 0; j < R * (size_t)kc; j++) job->cand_ids[j] = -1;
     memset(job->cand_probs, 0, R * (size_t)kc * sizeof(float));
     job->calls = calls;
+    /* one call alone: its rows' passes split into tasks (where there are threads to run
+       them); else the calls in parallel */
+    job->split = n_decided == 1 && specd_pool_threads() > 1;
     specd_parallel_for(run_task, job, n_decided);
     if (atomic_load(&job->failed))
       st = g_api->CreateStatus(ORT_FAIL, "SampleTokens: out of memory");
@@ -1415,6 +1611,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   job.V = (size_t)V;
   job.nblk = (job.V + BLOCK - 1) / BLOCK;
   job.nsub = (job.V + SUB - 1) / SUB;
+  job.ntask = (job.nblk + SPLIT - 1) / SPLIT;
   job.D = (size_t)D;
   job.K = (size_t)d[IN_QIDS][2];
   job.H = (size_t)d[IN_HISTORY][1];

@@ -28,6 +28,8 @@ OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *dims, size_t *rank);
 /* fn(data, t) for t in [0, n), on the calling thread and the kernels' workers
  * (thread_pool.c); returns when every task is done. */
 void specd_parallel_for(void (*fn)(void *, size_t), void *data, size_t n);
+/* The threads specd_parallel_for may run on, the caller included (thread_pool.c). */
+int specd_pool_threads(void);
 
 /* y[i] = silu(g[i]) * u[i] for i < n: SwiGlu's arithmetic (swiglu.c), the same bits
  * on every path and at every offset. */

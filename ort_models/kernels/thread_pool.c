@@ -202,5 +202,9 @@ void specd_parallel_for(void (*fn)(void *, size_t), void *data, size_t n) {
   atomic_store(&g_pool.busy, 0);
 }
 
+/* Threads a parallel-for may run on, the caller included: what specd_set_threads asked
+ * (SampleTokens splits a row's passes only where there is more than one). */
+int specd_pool_threads(void) { return atomic_load(&g_pool.wanted) + 1; }
+
 /* Workers running (for tests and benchmarks). */
 int specd_pool_workers(void) { return atomic_load(&g_pool.started); }

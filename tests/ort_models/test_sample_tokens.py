@@ -9,10 +9,12 @@ see the usual mistakes.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -605,6 +607,71 @@ def test_mode_0_calls_are_left_alone(sess: ort.InferenceSession) -> None:
     for i in (0, 2, 4):
         assert res.counts[i, 0] == 1
     assert res.cand_ids.shape == (5, 2)
+
+
+# -- threads: a row decided alone is split across them, the same bits ---------------------
+
+
+def _thread_cases(rng: np.random.Generator) -> list[list[OpCall]]:
+    """Passes of one call (whose rows the op splits across threads) at vocabularies of one
+    block to the real model's, with random settings, greedy rows with candidates (their
+    sum of exp) and ties across blocks, flat rows (top_p's long bands, kept sets too long
+    for a list), draft blocks; and passes of several calls (run in parallel, each row on
+    one thread)."""
+    passes = []
+    for vocab, n in [(37, 25), (1000, 25), (3001, 30), (5003, 30), (20000, 40), (151936, 30)]:
+        for _ in range(n):
+            c = random_call(rng, vocab)
+            c.n_cand = int(rng.choice([0, 1, 5, 8]))
+            kind = rng.random()
+            if kind < 0.2:  # greedy, the maximum often tied in another block
+                c.temperature = 0.0
+                if rng.random() < 0.5:
+                    c.rows[0, rng.integers(vocab, size=2)] = c.rows[0].max()
+            elif kind < 0.4:
+                c.rows = (rng.standard_normal(c.rows.shape) * 0.3).astype(np.float32)
+                c.top_k = int(rng.choice([0, 0, 5000, vocab // 2]))
+                c.top_p = float(rng.choice([0.5, 0.95, 0.99]))
+            passes.append([c])
+    for vocab in (5003, 151936):
+        passes += [[_block(rng, vocab, int(rng.integers(0, 4)), bool(rng.random() < 0.6),
+                           masked=bool(rng.random() < 0.3))] for _ in range(12)]
+    passes += [[random_call(rng, 3001) for _ in range(int(rng.integers(2, 5)))]
+               for _ in range(10)]
+    return passes
+
+
+def test_outputs_are_the_same_bytes_on_1_2_and_4_threads(tmp_path: Path) -> None:
+    """Every output (tokens, counts, accept_probs, candidates) byte for byte the same
+    whatever the threads: a pass of one call splits its rows' vocabulary passes into tasks
+    of whole blocks and combines the blocks' results in block order. The workers are the
+    library's, as many as any session asked for, so each thread count gets a copy of the
+    library (its own workers) under another name."""
+    assert LIB is not None
+    node = helper.make_node("SampleTokens", [n for n, _ in INPUTS], [n for n, _ in OUTPUTS],
+                            domain=native_ops.DOMAIN)
+    graph = helper.make_graph(
+        [node], "t", [helper.make_tensor_value_info(n, t, None) for n, t in INPUTS],
+        [helper.make_tensor_value_info(n, t, None) for n, t in OUTPUTS])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(native_ops.DOMAIN, 1)])
+    model.ir_version = 10
+    feeds = [op_inputs(calls) for calls in _thread_cases(np.random.default_rng(11))]
+    outputs = {}
+    for threads in (1, 2, 4):
+        lib = tmp_path / f"kernels_{threads}_threads{LIB.suffix}"
+        lib.write_bytes(LIB.read_bytes())
+        so = session_options(threads)
+        native_ops.register(so, lib)
+        one = ort.InferenceSession(model.SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+        outputs[threads] = [one.run(None, f) for f in feeds]
+        assert ctypes.CDLL(str(lib)).specd_pool_workers() == threads - 1
+    for threads in (2, 4):
+        for i, (want, got) in enumerate(zip(outputs[1], outputs[threads], strict=True)):
+            for (name, _), w, g in zip(OUTPUTS, want, got, strict=True):
+                assert w.dtype == g.dtype and w.shape == g.shape and w.tobytes() == g.tobytes(), \
+                    f"pass {i}: {name} differs on {threads} threads"
 
 
 # -- distributions: chi-square over many keys ------------------------------------------------
