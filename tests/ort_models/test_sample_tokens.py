@@ -10,8 +10,6 @@ see the usual mistakes.
 from __future__ import annotations
 
 import ctypes
-import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -825,43 +823,3 @@ def test_bad_inputs_are_errors_that_name_them(sess: ort.InferenceSession) -> Non
 
 
 # -- timing ------------------------------------------------------------------------------------
-
-
-def test_time_of_one_row_of_the_real_vocabulary() -> None:
-    """Not a check: what one row at V = 151936 costs on one thread beyond a call in mode 0
-    (the session's own cost), on a model-like row (a dozen tokens well above the bulk)."""
-    assert LIB is not None
-    node = helper.make_node("SampleTokens", [n for n, _ in INPUTS], [n for n, _ in OUTPUTS],
-                            domain=native_ops.DOMAIN)
-    graph = helper.make_graph(
-        [node], "t", [helper.make_tensor_value_info(n, t, None) for n, t in INPUTS],
-        [helper.make_tensor_value_info(n, t, None) for n, t in OUTPUTS])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(native_ops.DOMAIN, 1)])
-    model.ir_version = 10
-    one = ort.InferenceSession(model.SerializeToString(), session_options(1, native=True),
-                               providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(10)
-    vocab = 151936
-    row = rng.normal(0.0, 2.0, (1, vocab)).astype(np.float32)
-    row[0, rng.choice(vocab, 12, replace=False)] += rng.uniform(8.0, 16.0, 12).astype(np.float32)
-    seconds = {}
-    for name, call in [("mode 0", OpCall(row, mode=0)),
-                       ("greedy", OpCall(row, temperature=0.0)),
-                       ("T 0.7", OpCall(row, temperature=0.7)),
-                       ("T 0.7 with 8 candidates", OpCall(row, temperature=0.7, n_cand=8)),
-                       ("T 0.7 top_k 40", OpCall(row, temperature=0.7, top_k=40)),
-                       ("T 0.7 top_p 0.95", OpCall(row, temperature=0.7, top_p=0.95))]:
-        feeds = op_inputs([call])
-        for _ in range(5):
-            one.run(None, feeds)
-        best = math.inf
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                one.run(None, feeds)
-            best = min(best, (time.perf_counter() - t0) / 20)
-        seconds[name] = best
-    base = seconds.pop("mode 0")
-    print(f"\nSampleTokens, V = 151936, one thread: the session {base * 1e6:.0f} us; beyond it "
-          + ", ".join(f"{k} {(v - base) * 1e6:.0f} us" for k, v in seconds.items()))
