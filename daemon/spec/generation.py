@@ -376,7 +376,8 @@ class Generation:
         proposal = pending.proposed.proposal
         result = (self._verify(rows, proposal) if out.sampled is None
                   else block_result(out.sampled, len(proposal.tokens), self.sampler,
-                                    self.grammar, self.target.logits_width))
+                                    self.grammar, self.target.logits_width,
+                                    bonus=self.drafter is not None))
         self._commit(result, out.features if self._layers else None)
         self._observe(pending.proposed, result, pending.seconds + seconds, seconds)
         emitted = self._emit(result.tokens, rows)
@@ -459,7 +460,8 @@ class Generation:
                     return None
         return sample_spec(self.sampler, position, self.target.logits_width, drafts=drafts,
                            q=q, grammar=self.grammar,
-                           candidates=0 if self.sampler.is_greedy else BONUS_CANDIDATES,
+                           candidates=(BONUS_CANDIDATES if self.drafter is not None
+                                       and not self.sampler.is_greedy else 0),
                            want_logits=self.params.logprobs is not None)
 
     def _round_spec(self, proposal: Proposal) -> SampleSpec | None:

@@ -120,9 +120,12 @@ def dense_row(ids: np.ndarray, probs: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def block_result(block: SampledBlock, n_drafted: int, sampler: Sampler,
-                 grammar: GrammarState | None, vocab: int) -> VerifyResult:
+                 grammar: GrammarState | None, vocab: int, *, bonus: bool = False
+                 ) -> VerifyResult:
     """The round's VerifyResult from what the graph decided; the sampler's history and the
-    grammar advance over the emitted tokens, as the host verifiers advance them."""
+    grammar advance over the emitted tokens, as the host verifiers advance them. `bonus`:
+    after full acceptance at T > 0, the bonus row's candidates as its distribution [vocab]
+    (for the draft-length policy)."""
     if block.status == NO_TOKEN:
         raise NoAllowedToken("no token may be drawn (the grammar or logit_bias allow none)")
     for t in block.tokens:
@@ -130,7 +133,7 @@ def block_result(block: SampledBlock, n_drafted: int, sampler: Sampler,
         if grammar is not None:
             grammar.consume(t)
     bonus = None
-    if (not sampler.is_greedy and block.n_accepted == n_drafted
+    if (bonus and not sampler.is_greedy and block.n_accepted == n_drafted
             and len(block.tokens) == n_drafted + 1):
         bonus = dense_row(*candidates_row(block, n_drafted), vocab)
     return VerifyResult(block.n_accepted, list(block.tokens), n_drafted,
