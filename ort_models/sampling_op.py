@@ -166,7 +166,7 @@ _KEY_BITS = 2**64 - 1
 @functools.lru_cache(maxsize=64)
 def _unused(shape: tuple[int, ...], dtype: type, fill: float) -> np.ndarray:
     """A read-only filler for an input no call of a pass uses (made once per shape)."""
-    out = np.full(shape, fill, dtype=dtype)
+    out: np.ndarray = np.full(shape, fill, dtype=dtype)
     out.flags.writeable = False
     return out
 

@@ -132,10 +132,10 @@ def block_result(block: SampledBlock, n_drafted: int, sampler: Sampler,
         sampler.accept(t)
         if grammar is not None:
             grammar.consume(t)
-    bonus = None
+    bonus_p = None  # [vocab]
     if (bonus and not sampler.is_greedy and block.n_accepted == n_drafted
             and len(block.tokens) == n_drafted + 1):
-        bonus = dense_row(*candidates_row(block, n_drafted), vocab)
+        bonus_p = dense_row(*candidates_row(block, n_drafted), vocab)
     return VerifyResult(block.n_accepted, list(block.tokens), n_drafted,
                         grammar_dead_end=block.status == DEAD_END,
-                        accept_probs=block.accept_probs, bonus_probs=bonus)
+                        accept_probs=block.accept_probs, bonus_probs=bonus_p)

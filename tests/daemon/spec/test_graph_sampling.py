@@ -15,7 +15,7 @@ import pytest
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
-from specd.daemon.spec.graph_sampling import grammar_masks, sparse_q, to_sparse
+from specd.daemon.spec.graph_sampling import block_result, grammar_masks, sparse_q, to_sparse
 from specd.daemon.spec.sampling import Sampler, SamplerParams
 from specd.daemon.spec.verify import SparseDraftProbs
 from specd.daemon.text.grammar import compile_constraint
@@ -25,7 +25,7 @@ from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import BuiltModel, load_or_build
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
-from specd.ort_models.sampling_op import SampleSpec
+from specd.ort_models.sampling_op import OK, SampledBlock, SampleSpec
 
 from chi_square import FAIL_P, PASS_P, chi2_pvalue
 
@@ -268,3 +268,20 @@ def test_logprobs_of_tokens_decided_in_the_graph_are_the_host_paths(
     assert graph == host
     assert gen.token_logprobs == host_gen.token_logprobs
     assert spy is not None and spy.in_graph > 0 and spy.logits_rows > 0
+
+
+def test_a_fully_accepted_block_gives_the_policy_its_bonus_distribution() -> None:
+    """After full acceptance at T > 0 the bonus row's candidates become the distribution the
+    draft-length policy weighs the draft's guess against (where asked for)."""
+    block = SampledBlock([4, 9], 1, OK, (0.8,),
+                         np.array([[4, 2, -1], [9, 3, -1]]),
+                         np.array([[0.9, 0.1, 0.0], [0.75, 0.25, 0.0]], dtype=np.float32))
+    sampler = Sampler(SamplerParams(temperature=0.7, seed=1))
+    result = block_result(block, 1, sampler, None, 12, bonus=True)
+    assert result.tokens == [4, 9] and result.n_accepted == 1 and sampler.history == [4, 9]
+    assert result.bonus_probs is not None
+    np.testing.assert_allclose(result.bonus_probs[[9, 3]], [0.75, 0.25])
+    assert result.bonus_probs.sum() == pytest.approx(1.0)
+    assert block_result(block, 1, sampler, None, 12).bonus_probs is None
+    greedy = Sampler(SamplerParams(temperature=0.0))
+    assert block_result(block, 1, greedy, None, 12, bonus=True).bonus_probs is None
