@@ -101,10 +101,9 @@ def test_numpy_philox_gives_random123s_known_answers() -> None:
 # -- the op in a one-node graph ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sess() -> ort.InferenceSession:
-    assert LIB is not None, f"specd's kernels did not build: {WHY}"
-    # inputs of unknown rank, so that the op's own checks see whatever is fed
+def one_node_model() -> bytes:
+    """The op alone, its inputs of unknown rank, so that its own checks see whatever is
+    fed."""
     node = helper.make_node("SampleTokens", [n for n, _ in INPUTS], [n for n, _ in OUTPUTS],
                             domain=native_ops.DOMAIN)
     graph = helper.make_graph(
@@ -113,7 +112,13 @@ def sess() -> ort.InferenceSession:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid(native_ops.DOMAIN, 1)])
     model.ir_version = 10
-    return ort.InferenceSession(model.SerializeToString(), session_options(2, native=True),
+    return model.SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def sess() -> ort.InferenceSession:
+    assert LIB is not None, f"specd's kernels did not build: {WHY}"
+    return ort.InferenceSession(one_node_model(), session_options(2, native=True),
                                 providers=["CPUExecutionProvider"])
 
 
@@ -646,14 +651,7 @@ def test_outputs_are_the_same_bytes_on_1_2_and_4_threads(tmp_path: Path) -> None
     library's, as many as any session asked for, so each thread count gets a copy of the
     library (its own workers) under another name."""
     assert LIB is not None
-    node = helper.make_node("SampleTokens", [n for n, _ in INPUTS], [n for n, _ in OUTPUTS],
-                            domain=native_ops.DOMAIN)
-    graph = helper.make_graph(
-        [node], "t", [helper.make_tensor_value_info(n, t, None) for n, t in INPUTS],
-        [helper.make_tensor_value_info(n, t, None) for n, t in OUTPUTS])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(native_ops.DOMAIN, 1)])
-    model.ir_version = 10
+    model = one_node_model()
     feeds = [op_inputs(calls) for calls in _thread_cases(np.random.default_rng(11))]
     outputs = {}
     for threads in (1, 2, 4):
@@ -661,8 +659,7 @@ def test_outputs_are_the_same_bytes_on_1_2_and_4_threads(tmp_path: Path) -> None
         lib.write_bytes(LIB.read_bytes())
         so = session_options(threads)
         native_ops.register(so, lib)
-        one = ort.InferenceSession(model.SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
+        one = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
         outputs[threads] = [one.run(None, f) for f in feeds]
         assert ctypes.CDLL(str(lib)).specd_pool_workers() == threads - 1
     for threads in (2, 4):
