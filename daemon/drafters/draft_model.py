@@ -134,8 +134,6 @@ class DraftModelDrafter(Drafter):
         for _ in range(n_max):
             t0 = time.perf_counter()
             waits.clear()
-            spec = (pick_spec(sampler, grammar, pos + 1 + len(st.drafted), params.p_min,
-                              self.runner.logits_width) if in_graph else None)
             if len(pending) > 1 and sampler is None:
                 row, forced = yield from self._check_guesses(seq, pending, p, full_run, waits)
                 pick = pick_token(row, sampler, grammar, params.p_min)
@@ -147,6 +145,8 @@ class DraftModelDrafter(Drafter):
                 bonus_q = (full_run, st.sampler.probs(self._logits(out[0])))  # [vocab]
                 pick = pick_token(self._logits(out[1]), sampler, grammar, params.p_min)
             else:
+                spec = (pick_spec(sampler, grammar, pos + 1 + len(st.drafted), params.p_min,
+                                  self.runner.logits_width) if in_graph else None)
                 out1 = yield from _call(Call(seq, self._ids(pending), p, sample=spec), waits)
                 pick = (pick_from_block(out1.sampled, sampler is not None, params.p_min)
                         if out1.sampled is not None

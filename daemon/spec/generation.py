@@ -448,16 +448,13 @@ class Generation:
         `position`, or the verification of `proposal`."""
         if not self.in_graph or (self.grammar is not None and self.grammar.is_stopped()):
             return None
-        if proposal is None or not proposal.tokens:
-            drafts: list[int] = []
-            q = None
-        else:
-            drafts = list(proposal.tokens)
-            q = None
-            if proposal.q_rows is not None and self.params.draft.probabilistic:
-                q = sparse_q(proposal.q_rows)
-                if q is None:
-                    return None
+        drafts = [] if proposal is None else list(proposal.tokens)
+        q = None
+        if drafts and proposal is not None and proposal.q_rows is not None and (
+                self.params.draft.probabilistic):
+            q = sparse_q(proposal.q_rows)
+            if q is None:  # too wide to send: verified on the host
+                return None
         return sample_spec(self.sampler, position, self.target.logits_width, drafts=drafts,
                            q=q, grammar=self.grammar,
                            candidates=(BONUS_CANDIDATES if self.drafter is not None
