@@ -412,6 +412,17 @@ def _llama_probs(svc: Service, logprobs: list[TokenLogprob], post: bool = False
             for t in logprobs]
 
 
+def _oai_logprobs(svc: Service, logprobs: list[TokenLogprob], texts: list[str], offset: int,
+                  *, chat: bool, post: bool) -> dict[str, Any]:
+    """A choice's `logprobs` on the OpenAI routes: OpenAI's objects, or with
+    `post_sampling_probs` llama-server's entries (`prob`, `top_probs`) under `content`, as it
+    answers those routes."""
+    if post:
+        return {"content": _llama_probs(svc, logprobs, post=True)}
+    return (_chat_logprobs(svc, logprobs) if chat
+            else _completion_logprobs(svc, logprobs, texts, offset))
+
+
 def _oai_finish(reason: str) -> dict[str, str]:
     """A choice's finish fields: OpenAI's `finish_reason` (only its values: clients
     switch on them) and specd's own reason as `finish_detail` (time_limit,
@@ -533,6 +544,8 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         prompt = await _off_loop(request, _prompt_tokens, svc, body["prompt"])
     params = await _off_loop(request, _params, svc, body, max_key="max_tokens")
     params.logprobs = _openai_logprobs(body, chat)
+    params.post_sampling_probs = (get(body, "post_sampling_probs", bool, False)
+                                  and params.logprobs is not None)
     if chat and "max_completion_tokens" in body:
         params.max_tokens = get(body, "max_completion_tokens", int, params.max_tokens, lo=0)
     stop = stop_list(body)
@@ -564,8 +577,8 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
             choice: dict[str, Any] = {"index": i, **_oai_finish(r.finish_reason),
                                       "logprobs": None}
             if params.logprobs is not None:
-                choice["logprobs"] = (_chat_logprobs(svc, r.logprobs) if chat else
-                                      _completion_logprobs(svc, r.logprobs, r.texts, 0))
+                choice["logprobs"] = _oai_logprobs(svc, r.logprobs, r.texts, 0, chat=chat,
+                                                   post=params.post_sampling_probs)
             if chat:
                 content, calls = ((r.text, []) if names is None
                                   else parse_tool_calls(r.text, names))
@@ -590,7 +603,8 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
                                       progress=progress))
         return await _openai_stream(request, streams, chat=chat, rid=rid, created=created,
                                     model=model, include_usage=include_usage, names=names,
-                                    logprobs=params.logprobs is not None)
+                                    logprobs=params.logprobs is not None,
+                                    post=params.post_sampling_probs)
     finally:
         for stream in streams:
             stream.cancel()  # the client went away (a no-op once finished)
@@ -620,14 +634,15 @@ class _ChoiceStream:
 async def _openai_stream(request: web.Request, streams: list[Stream], *, chat: bool, rid: str,
                          created: int, model: str, include_usage: bool = False,
                          names: set[str] | None = None,
-                         logprobs: bool = False) -> web.StreamResponse:
+                         logprobs: bool = False, post: bool = False) -> web.StreamResponse:
     """Chunks as OpenAI streams them, each choice's with its index (several choices
     interleave). The usage is sent once: with stream_options.include_usage in OpenAI's
     own last chunk, whose choices are empty, else on the last finishing chunk (where
     older llama.cpp servers put it). With tool `names`, text that may be a tool call is
     held back, and the calls come whole in one chunk before the finishing one. With
     `logprobs`, each chunk carries those of the tokens that came since the choice's last
-    chunk (text held back keeps its tokens' logprobs for a later one)."""
+    chunk (text held back keeps its tokens' logprobs for a later one); `post`: as
+    post-sampling probabilities (`_oai_logprobs`)."""
     resp = await _sse(request)
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     svc = _svc(request)
@@ -637,8 +652,8 @@ async def _openai_stream(request: web.Request, streams: list[Stream], *, chat: b
         c: dict[str, Any] = {"index": st.index, "finish_reason": None, **(finish or {}),
                              "logprobs": None}
         if logprobs and st.logprobs and not first:
-            c["logprobs"] = (_chat_logprobs(svc, st.logprobs) if chat else
-                             _completion_logprobs(svc, st.logprobs, st.texts, st.offset))
+            c["logprobs"] = _oai_logprobs(svc, st.logprobs, st.texts, st.offset, chat=chat,
+                                          post=post)
             st.offset += sum(len(t) for t in st.texts)
             st.logprobs, st.texts = [], []
         if chat:

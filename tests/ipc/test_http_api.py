@@ -202,6 +202,32 @@ def test_post_sampling_probs_are_the_sampled_distribution(server) -> None:
                                           for x in t["top_probs"])
 
 
+def test_post_sampling_probs_on_the_openai_routes(server) -> None:
+    """With post_sampling_probs the OpenAI routes answer as llama-server does: each choice's
+    `logprobs.content` holds llama.cpp's entries with `prob` and `top_probs`, the same as
+    /completion's for the same prompt and seed; streamed chunks carry them too."""
+    c = Client(port=server.port)
+    settings = {"temperature": 1.0, "top_k": 3, "seed": 11, "ignore_eos": True,
+                "post_sampling_probs": True}
+    want = c.post("/completion", {"prompt": "one two", "n_predict": 6, "n_probs": 3,
+                                  **settings})["completion_probabilities"]
+    comp = c.post("/v1/completions", {"prompt": "one two", "max_tokens": 6, "logprobs": 3,
+                                      **settings})
+    assert comp["choices"][0]["logprobs"] == {"content": want}
+    chat = {"messages": [{"role": "user", "content": "one two"}], "max_tokens": 6,
+            "logprobs": True, "top_logprobs": 3, **settings}
+    out = c.post("/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    assert len(out) == 6 and all(set(t) == {"id", "token", "bytes", "prob", "top_probs"}
+                                 for t in out)
+    assert all(sum(x["prob"] for x in t["top_probs"]) == pytest.approx(1.0) for t in out)
+    events = list(c.stream("/v1/chat/completions", {**chat, "stream": True}))
+    streamed = [t for e in events if e.get("choices") and e["choices"][0].get("logprobs")
+                for t in e["choices"][0]["logprobs"]["content"]]
+    assert streamed == out
+    plain = c.post("/v1/chat/completions", {**chat, "post_sampling_probs": False})
+    assert "logprob" in plain["choices"][0]["logprobs"]["content"][0]
+
+
 def test_n_choices_each_as_its_own_seed_gives_it(server) -> None:
     """n > 1: choice i is what one request seeded seed + i generates; streamed, the
     choices interleave by index; the usage counts the prompt once."""
