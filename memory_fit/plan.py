@@ -37,7 +37,7 @@ class FitError(Exception):
 
 @dataclass(frozen=True)
 class ModelRow:
-    role: str  # "target" / "draft"
+    role: str  # "target" / "draft" / "embedding"
     name: str
     weights_bytes: int  # counted: 0 when shared with the target
     kv_bytes_per_token: int  # per sequence
@@ -162,7 +162,7 @@ def _configs(slots: int, has_draft: bool, on_fail: Sequence[str]) -> list[tuple[
 
 
 def _rows(target: ModelCost, second: ModelCost | None, n_ctx: int, slots: int,
-          shares: bool) -> list[ModelRow]:
+          shares: bool, beside: ModelCost | None = None) -> list[ModelRow]:
     rows = [ModelRow("target", target.name, target.weights_bytes, target.kv_bytes_per_token,
                      target.kv_bytes(n_ctx, slots), target.workspace_bytes_at(n_ctx),
                      host_bytes=target.metadata_bytes + target.tokenizer_bytes)]
@@ -171,6 +171,12 @@ def _rows(target: ModelCost, second: ModelCost | None, n_ctx: int, slots: int,
                              second.kv_bytes_per_token, second.kv_bytes(n_ctx, slots),
                              second.workspace_bytes_at(n_ctx), weights_shared=shares,
                              host_bytes=second.metadata_bytes))
+    if beside is not None:  # one sequence, at the context as far as its training goes
+        own = min(n_ctx, beside.n_ctx_train or n_ctx)
+        rows.append(ModelRow("embedding", beside.name, beside.weights_bytes,
+                             beside.kv_bytes_per_token, beside.kv_bytes(own, 1),
+                             beside.workspace_bytes_at(own),
+                             host_bytes=beside.metadata_bytes + beside.tokenizer_bytes))
     return rows
 
 
@@ -186,10 +192,10 @@ def _load_peak(costs: Sequence[ModelCost], rows: Sequence[ModelRow], runtime: in
 
 
 def _need(target: ModelCost, other: ModelCost | None, n_ctx: int, slots: int,
-          shares: bool) -> tuple[int, list[ModelRow], int]:
-    """(peak bytes, rows, load peak) of one candidate; every call recomputes both models."""
-    rows = _rows(target, other, n_ctx, slots, shares)
-    costs = [c for c in (target, other) if c is not None]
+          shares: bool, beside: ModelCost | None = None) -> tuple[int, list[ModelRow], int]:
+    """(peak bytes, rows, load peak) of one candidate; every call recomputes each model."""
+    rows = _rows(target, other, n_ctx, slots, shares, beside)
+    costs = [c for c in (target, other, beside) if c is not None]
     runtime = max(c.runtime_bytes for c in costs)
     load = _load_peak(costs, rows, runtime)
     return max(runtime + sum(r.total_bytes for r in rows), load), rows, load
@@ -212,9 +218,11 @@ def fit(target: ModelCost, second: ModelCost | None = None, *, probe: MemoryProb
         slots: int = 1, margin_bytes: int = DEFAULT_MARGIN_BYTES,
         min_ctx: int = DEFAULT_MIN_CTX, max_ctx: int | None = None,
         shares_target_weights: bool = False,
-        on_fail: Sequence[str] = ON_FAIL_STEPS) -> Plan:
+        on_fail: Sequence[str] = ON_FAIL_STEPS, beside: ModelCost | None = None) -> Plan:
     """The largest context (then the most slots, then the draft) that fits `probe`'s free
-    memory minus `margin_bytes`. max_ctx defaults to the models' trained context."""
+    memory minus `margin_bytes`. max_ctx defaults to the models' trained context. `beside`:
+    a model always loaded with them, one sequence at the same context (the embedding
+    model), whose bytes every configuration counts."""
     if slots < 1:
         raise ValueError(f"slots must be >= 1, not {slots}")
     for step in on_fail:
@@ -232,20 +240,21 @@ def fit(target: ModelCost, second: ModelCost | None = None, *, probe: MemoryProb
         lo = min(lo_asked, hi)
         chosen = None
         for n in range(hi, lo - 1, -ATTN_BUCKET):  # largest first; the need grows with n
-            total, rows, load = _need(target, other, n, n_slots, shares_target_weights)
+            total, rows, load = _need(target, other, n, n_slots, shares_target_weights,
+                                      beside)
             if total <= budget:
                 chosen = (n, rows, load)
                 break
         what = f"{n_slots} slot{'s' if n_slots > 1 else ''}" + (" + draft" if other else "")
         if chosen is None:
-            total = _need(target, other, lo, n_slots, shares_target_weights)[0]
+            total = _need(target, other, lo, n_slots, shares_target_weights, beside)[0]
             if other is not None:
                 failures.append(f"{what} needs {fmt_bytes(total)} at n_ctx {lo}")
             if smallest_need is None or total < smallest_need[0]:
                 smallest_need = (total, f"{what} at n_ctx {lo}")
             continue
         n, rows, load = chosen
-        runtime = max(c.runtime_bytes for c in (target, other) if c is not None)
+        runtime = max(c.runtime_bytes for c in (target, other, beside) if c is not None)
         if lo_asked > hi:
             warnings.append(f"context capped at {hi}, below the {min_ctx} asked for at least: "
                             "the models' trained context or the largest context asked is "

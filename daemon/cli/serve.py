@@ -88,7 +88,7 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
                          threads=args.threads, fetch=not args.no_fetch,
                          draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                          build_progress=build_progress,
-                         progress=ProgressBar())
+                         progress=ProgressBar(), embedding_model=args.embedding_model)
     for w in plan.warnings:
         print(f"specd: warning: {w}", file=sys.stderr)
     print(f"specd: memory plan: n_ctx {plan.n_ctx}, slots {plan.slots}"

@@ -18,6 +18,7 @@ from specd.memory_fit.measure import ModelCost, head_cost, measure
 from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError, Plan, fit
 from specd.memory_fit.probes import FakeProbe, MemoryProbe, probe_for
 from specd.ort_models import native_ops
+from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.graph_builder import ATTN_BUCKET, BuildOptions
 from specd.ort_models.head_runner import load_or_build_head
@@ -94,6 +95,13 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
                         vocab_rows=draft_vocab, sampler=native)
 
 
+def embedding_options(device: str, layer: int) -> BuildOptions:
+    """Graph options of an embedding model of its own: a target's, outputting the hidden
+    state of `layer`, with no token decision after its logits (it never generates)."""
+    return dataclasses.replace(build_options("target", device=device),
+                               hidden_layers=(layer,), sampler=False)
+
+
 def resolve_device(device: str) -> str:
     """"auto" -> what the engine would use ("cpu" / "cuda:N"); "cuda" -> "cuda:0"."""
     from specd.ort_models.providers import choose_runtime
@@ -111,9 +119,11 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                max_ctx: int | None = None, threads: int | None = None, fetch: bool = True,
                use_cache: bool = True, probe: MemoryProbe | None = None,
                build_progress: BuildProgress | None = None, draft_quant: str = "auto",
-               draft_vocab: int = DRAFT_VOCAB_ROWS, progress: Any = None
+               draft_vocab: int = DRAFT_VOCAB_ROWS, progress: Any = None,
+               embedding_model: str | os.PathLike[str] | None = None
                ) -> tuple[Plan, list[ModelCost]]:
-    """Resolve, build, measure and fit target (+ draft); returns the plan and the costs."""
+    """Resolve, build, measure and fit target (+ draft, + an embedding model of its own,
+    counted beside them); returns the plan and the costs (the embedding model's last)."""
     from specd.daemon.models.store import resolve_model
 
     dev = resolve_device(device)
@@ -137,9 +147,15 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
     if head is not None and draft_path is not None:
         costs.append(head_cost(load_or_build_head(draft_path, target_path, bp("draft head"),
                                                   device=dev)))
+    beside = None
+    if embedding_model is not None:
+        path = resolve_model(embedding_model, fetch=fetch, progress=progress, to_run=True)
+        layer = read_hparams(GGUFFile(path)).n_layer - 1  # its last layer (EmbeddingHead)
+        built = built_model(path, bp("embedding model"), embedding_options(dev, layer))
+        beside = measure(built, dev, threads=threads, use_cache=use_cache)
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
-               margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx)
-    return plan, costs
+               margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx, beside=beside)
+    return plan, costs + ([beside] if beside is not None else [])
 
 
 def draft_head(path: str | os.PathLike[str]) -> HeadParams | None:

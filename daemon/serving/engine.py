@@ -27,6 +27,7 @@ from specd.daemon.models.building import (
     DRAFT_VOCAB_ROWS,
     BuildError,
     build_options,
+    embedding_options,
     resolve_draft_quant,
 )
 from specd.daemon.models.compat import draft_incompatibilities, head_incompatibilities
@@ -238,8 +239,7 @@ class Engine:
         f = GGUFFile(path)
         head = self._embedding_head(f)
         try:
-            options = replace(build_options("target", device=self.runtime.device),
-                              hidden_layers=(head.layer,))
+            options = embedding_options(self.runtime.device, head.layer)
         except BuildError as exc:
             raise EngineError(str(exc)) from None
         self.embedding = self._load(path, f, bp("embedding model"), options, n_seq=1)

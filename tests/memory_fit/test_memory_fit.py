@@ -157,6 +157,31 @@ def test_draft_dropped_with_reason() -> None:
     assert "needs" in warning and "free" in warning
 
 
+EMBEDDER = ModelCost(weights_bytes=300 * MiB, kv_bytes_per_token=12 * KiB,
+                     workspace_base=50 * MiB, workspace_per_ctx=10_000.0, n_ctx_train=8192,
+                     metadata_bytes=10 * MiB, tokenizer_bytes=30 * MiB, name="embedder")
+
+
+def test_an_embedding_model_is_counted_beside_the_others() -> None:
+    """`--embedding-model`: its weights, one sequence's KV at the context (as far as its
+    training goes), its workspace and its own tokenizer count in every configuration, so a
+    plan that fits the pair alone gives up context for it (or the draft, before slots)."""
+    plan = fit(TARGET, DRAFT, probe=probe(60 * GiB), slots=2, margin_bytes=MARGIN,
+               beside=EMBEDDER)
+    t, d, e = plan.rows
+    assert (e.role, e.name, plan.n_ctx) == ("embedding", "embedder", 32768)
+    assert e.kv_bytes == EMBEDDER.kv_bytes_per_token * 8192  # one sequence, its 8k
+    assert e.workspace_bytes == EMBEDDER.workspace_bytes_at(8192)
+    assert e.host_bytes == 40 * MiB
+    assert plan.total_bytes == steady(32768, 2, TARGET, DRAFT) + e.total_bytes
+    need_8k = steady(8192, 1, TARGET, DRAFT)
+    alone = fit(TARGET, DRAFT, probe=probe(need_8k + MARGIN + 1000), margin_bytes=MARGIN)
+    beside = fit(TARGET, DRAFT, probe=probe(need_8k + MARGIN + 1000), margin_bytes=MARGIN,
+                 beside=EMBEDDER)
+    assert alone.n_ctx == 8192 and beside.n_ctx < 8192
+    assert beside.total_bytes <= need_8k + 1000 and "embedding" in beside.table()
+
+
 def test_on_fail_order() -> None:
     free = steady(512, 2, TARGET) + MARGIN + 10 * MiB  # target x 2 slots fits, pair x 1 not
     keep_draft_first = fit(TARGET, DRAFT, probe=probe(free), slots=2, margin_bytes=MARGIN)
@@ -421,6 +446,23 @@ def test_serve_plan_keeps_lookup_and_takes_c_as_the_runner_does(
     args = planned("-md", gguf, "-c", "1024")
     assert args.draft is None and args.spec_type == "ngram"
     assert "draft model dropped" in capsys.readouterr().err
+
+
+def test_fit_models_measures_the_embedding_model(tiny_cost: tuple[Any, ModelCost]) -> None:
+    """fit_models builds the embedding model as the engine loads it (its last hidden state
+    out, no sampler), measures it and fits it beside the target."""
+    from specd.daemon.models import building
+
+    built, _ = tiny_cost
+    gguf = str(built.gguf_path)
+    alone, _ = building.fit_models(gguf, device="cpu", threads=1, max_ctx=512,
+                                   margin_bytes=0, probe=probe(64 * GiB))
+    plan, costs = building.fit_models(gguf, device="cpu", threads=1, max_ctx=512,
+                                      margin_bytes=0, probe=probe(64 * GiB),
+                                      embedding_model=gguf)
+    assert [r.role for r in plan.rows] == ["target", "embedding"] and len(costs) == 2
+    assert plan.rows[1].weights_bytes > 0
+    assert plan.total_bytes > alone.total_bytes
 
 
 def test_weights_mapped_in_place_count_as_weights(tiny_model_factory: Any, tmp_path: Path,
