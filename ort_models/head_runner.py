@@ -45,6 +45,8 @@ from .onnx_writer import GraphWriter
 from .paths import cache_dir, exclusive_lock
 from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
 from .runner import bound_outputs, check_call, default_threads, session_options
+from .sampling_op import OUTPUTS as SAMPLE_OUTPUTS
+from .sampling_op import SampledBlock, SampleSpec, pack_inputs, unpack_outputs
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
@@ -76,6 +78,7 @@ class BlockOutput:
     confidence: np.ndarray | None = None  # [R] DSpark's confidence head
     candidates: np.ndarray | None = None  # [R, k] DFlash2's top-k token ids per row
     scores: np.ndarray | None = None  # [R, k, k] DFlash2's (predecessor, successor) scores
+    sampled: list[SampledBlock | None] | None = None  # per row, where the graph chose them
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
         kernels = native_ops.kernels_for(device)
     if requant is None:
         requant = "q4k" if kernels == "gguf" else ""
-    options = head_options(target, accuracy_level, kernels, requant)
+    options = head_options(target, accuracy_level, kernels, requant, sampler=kernels == "gguf")
     folder = (cache_dir() / "heads" / f"{head_file.content_hash()[:16]}-"
               f"{target_file.content_hash()[:16]}-b{BUILDER_VERSION}.{HEAD_GRAPHS_VERSION}-"
               f"{options.key()}")
@@ -163,6 +166,9 @@ class HeadRunner:
             for name in built.graphs}
         self._cached = [name for name, sess in self.sessions.items()
                         if any(i.name == "past_key_0" for i in sess.get_inputs())]
+        # the block graph chooses its rows' proposals itself where asked (SampleSpec per row)
+        self.block_samples = "block" in self.sessions and any(
+            i.name == "sample_plan" for i in self.sessions["block"].get_inputs())
         self.kv = KVCache(self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, self.n_ctx,
                           np.float32, device, device_id, capacity=n_seq)
         self._bindings: list[dict[str, Any]] = []
@@ -196,10 +202,14 @@ class HeadRunner:
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
         self.sessions["inject"].run_with_iobinding(b)
 
-    def block(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int]
-              ) -> BlockOutput:
+    def block(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int],
+              specs: Sequence[SampleSpec] | None = None) -> BlockOutput:
         """Run the block `tokens` at positions pos.. over the injected context; the logits
-        of `rows` (a DSpark head's Markov chain runs over them in the order given)."""
+        of `rows` (a DSpark head's Markov chain runs over them in the order given), or with
+        `specs` (one per row, a graph with a sampler) the proposal chosen at each row."""
+        if specs is not None and (not self.block_samples or len(specs) != len(rows)):
+            raise ValueError(f"{len(specs)} sample specs for {len(rows)} rows of a block "
+                             + ("" if self.block_samples else "whose graph has no sampler"))
         check_call(pos, len(tokens), self.n_ctx)
         b = self._bindings[seq]["block"]
         b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
@@ -211,12 +221,25 @@ class HeadRunner:
                  ["logits", "confidence"] if head.has_confidence_head else ["logits"])
         for name in names:
             b.bind_output(name, "cpu")
+        if self.block_samples:
+            calls = specs if specs is not None else [None]
+            for name, array in pack_inputs(calls, range(len(calls)),
+                                           self.hp.n_vocab).items():
+                b.bind_cpu_input(name, array)
+            for name in SAMPLE_OUTPUTS:
+                b.bind_output(name, "cpu")
         self.sessions["block"].run_with_iobinding(b)
         out = bound_outputs(b)
         first = 2 * self.hp.n_layer  # after the caches, in the order bound
-        got = {name: out[first + i].numpy() for i, name in enumerate(names)}
+        # the logits leave the session only where the graph did not choose the rows
+        got: dict[str, Any] = {name: out[first + i].numpy() for i, name in enumerate(names)
+                               if name != "logits" or specs is None}
         if "logits" not in got:
             got["logits"] = np.zeros((len(rows), 0), np.float32)
+        if specs is not None:
+            k = first + len(names)
+            got["sampled"] = unpack_outputs([out[k + j] for j in range(len(SAMPLE_OUTPUTS))],
+                                            specs, range(len(specs)))
         return BlockOutput(**got)
 
     def encode(self, features: np.ndarray) -> np.ndarray:

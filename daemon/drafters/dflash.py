@@ -34,8 +34,9 @@ from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.head_runner import BlockOutput, HeadRunner
 from specd.ort_models.heads import DEFAULT_BLOCK_SIZE
+from specd.ort_models.sampling_op import SampleSpec
 
-from .picking import QRow, pick_token, stack_q
+from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
 
 
 @dataclass
@@ -87,13 +88,25 @@ class DFlashDrafter(Drafter):
         if n <= 0:
             return Proposal([])
         t0 = time.perf_counter()
-        out = self.runner.block(seq, [last] + [self.mask_id] * (n + first - 1), pos,
-                                list(range(first, first + n)))
         sampler = st.sampler if params.probabilistic else None  # None: the argmax
+        out = self.runner.block(seq, [last] + [self.mask_id] * (n + first - 1), pos,
+                                list(range(first, first + n)),
+                                self._specs(sampler, grammar, pos, n, params))
         tokens, q_rows, unsure = self._read(out, sampler, params.p_min, grammar)
         seconds = time.perf_counter() - t0  # one pass proposed them all
         return Proposal(tokens, stack_q(q_rows),
                         DraftEvidence(step_seconds=(seconds,), stopped_unsure=unsure))
+
+    def _specs(self, sampler: Sampler | None, grammar: GrammarState | None, pos: int, n: int,
+               params: DraftParams) -> list[SampleSpec] | None:
+        """The block's rows chosen in its graph, one spec per row (None: on the host, as
+        under a grammar, whose masks follow the picks before them)."""
+        if not (params.backend_sampling and self.runner.block_samples) or grammar is not None:
+            return None
+        p_min = 0.0 if self.runner.built.head.has_confidence_head else params.p_min
+        specs = [pick_spec(sampler, None, pos + 1 + i, p_min, self.runner.hp.n_vocab)
+                 for i in range(n)]
+        return None if any(s is None for s in specs) else specs  # type: ignore[return-value]
 
     def _read(self, out: BlockOutput, sampler: Sampler | None, p_min: float,
               grammar: GrammarState | None) -> tuple[list[int], list[QRow], bool]:
@@ -102,10 +115,13 @@ class DFlashDrafter(Drafter):
         confident = out.confidence  # [n] where the head judges its rows itself
         tokens: list[int] = []
         q_rows: list[QRow] = []
-        for i, row in enumerate(out.logits):  # [vocab]
+        for i, row in enumerate(out.logits):  # [vocab] ([0] where the graph chose)
             if confident is not None and confident[i] < p_min:
                 return tokens, q_rows, True
-            pick = pick_token(row, sampler, grammar, p_min if confident is None else 0.0)
+            row_p_min = p_min if confident is None else 0.0
+            chosen = None if out.sampled is None else out.sampled[i]
+            pick = (pick_token(row, sampler, grammar, row_p_min) if chosen is None
+                    else pick_from_block(chosen, sampler is not None, row_p_min))
             if pick.token is None:
                 return tokens, q_rows, pick.unsure
             tokens.append(pick.token)

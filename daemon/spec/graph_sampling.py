@@ -8,7 +8,8 @@ a counter-based generator keyed by the sampler's key, the token's position and t
 (target or draft), so a seeded request draws the same numbers however its tokens are split
 into rounds. The host path stays the reference and the fallback (drafters that decide
 acceptance themselves, graphs without a sampler); logprobs are computed on the host from
-the logits of the rows decided here.
+the logits of the rows decided here. Drafters choose their proposals in their graphs
+through the same specs (drafters/picking.py).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from .linear import linear
 from .norms import add_norm, head_norm, rms_norm
 from .options import ACCURACY_LEVEL, F32, I64, BuildOptions, Progress
 from .pending import materialize
+from .sampling import sample_tokens
 
 BUILT_EXTRAS = ("conf_proj.bias",)  # optional tensors these graphs build
 FEATURE_LIMIT = 65504.0  # non-finite or huge target features are clamped to float16's range
@@ -63,13 +64,16 @@ def head_hparams(head: HeadParams, target: HParams) -> HParams:
 
 
 def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
-                 kernels: str = "ort", requant: str = "") -> BuildOptions:
+                 kernels: str = "ort", requant: str = "", sampler: bool = False
+                 ) -> BuildOptions:
     """Head graphs: attention written out (the block is not causal), float32 cache, rotary
     tables as long as the target's context; kernels "gguf": specd's GgufMatMul for the
     matrix types it reads (the others as ONNX Runtime's); requant "q4k": every matrix
-    re-quantized to Q4_K for it, as drafts' are (the shared LM head included)."""
+    re-quantized to Q4_K for it, as drafts' are (the shared LM head included); sampler: a
+    block's proposals chosen in the graph (SampleTokens after its logits)."""
     return BuildOptions(attention="exact", kv_dtype="f32", max_positions=target.n_ctx_train,
-                        accuracy_level=accuracy_level, kernels=kernels, requant=requant)
+                        accuracy_level=accuracy_level, kernels=kernels, requant=requant,
+                        sampler=sampler)
 
 
 def unsupported(head: HeadParams) -> list[str]:
@@ -162,6 +166,8 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     else:
         g.op("Identity", [logits], out=["logits"])
         g.output("logits", F32, ["R", target.n_vocab])
+        if options.sampler:
+            sample_tokens(g, "logits")
     c.tick("output")
 
 

@@ -14,6 +14,8 @@ from specd.daemon.drafters.dflash import DFlash2Drafter, DFlashDrafter
 from specd.daemon.spec.drafter import DraftParams, head_input_rows
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
+from specd.daemon.spec.verify import SparseDraftProbs
+from specd.ort_models import native_ops
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.head_runner import HeadRunner, load_or_build_head
@@ -117,6 +119,10 @@ def test_proposals_are_the_blocks_rows(pair: tuple[Any, Any, Path, Path]) -> Non
     logits = block.logits  # [3, vocab]
     greedy = drafter.draft(0, 5, len(PROMPT), 3, DraftParams(n_max=3))
     assert greedy.tokens == [int(t) for t in logits.argmax(axis=-1)]
+    # chosen in the block's graph, where specd's kernels run
+    assert drafter.runner.block_samples == (native_ops.library() is not None)
+    host = drafter.draft(0, 5, len(PROMPT), 3, DraftParams(n_max=3, backend_sampling=False))
+    assert host.tokens == greedy.tokens
     assert greedy.q_rows is None and len(greedy.evidence.step_seconds) == 1  # one pass
     top = np.exp(logits.max(-1)) / np.exp(logits).sum(-1)  # [3]
     judged = top if block.confidence is None else block.confidence
@@ -132,11 +138,18 @@ def test_proposals_are_the_blocks_rows(pair: tuple[Any, Any, Path, Path]) -> Non
 
     sp = SamplerParams(temperature=0.8, top_k=10, seed=1)
     drafter.begin(1, PROMPT, Sampler(sp, seed=1), feats)
-    sampled = drafter.draft(1, 5, len(PROMPT), 3, DraftParams(n_max=3))
-    assert sampled.q_rows is not None and sampled.q_rows.shape[0] == len(sampled.tokens) == 3
-    for row, q, tok in zip(logits, sampled.q_rows, sampled.tokens, strict=True):
-        np.testing.assert_allclose(q, Sampler(sp).probs(row), atol=1e-6)
-        assert q[tok] > 0
+    # chosen in the block's graph (q as pairs), and on the host (q dense rows)
+    for in_graph in (True, False):
+        sampled = drafter.draft(1, 5, len(PROMPT), 3,
+                                DraftParams(n_max=3, backend_sampling=in_graph))
+        q_rows = sampled.q_rows
+        assert isinstance(q_rows, SparseDraftProbs) == in_graph
+        assert q_rows is not None and len(q_rows) == len(sampled.tokens) == 3
+        for i, (row, tok) in enumerate(zip(logits, sampled.tokens, strict=True)):
+            q = (q_rows.dense_row(i, row.shape[0]) if isinstance(q_rows, SparseDraftProbs)
+                 else q_rows[i])
+            np.testing.assert_allclose(q, Sampler(sp).probs(row), atol=1e-6)
+            assert q[tok] > 0
 
 
 def _check_lattice_walk(drafter: DFlash2Drafter, block: Any) -> None:
