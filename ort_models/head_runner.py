@@ -50,7 +50,7 @@ from .sampling_op import SampledBlock, SampleSpec, pack_inputs, unpack_outputs
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
-HEAD_GRAPHS_VERSION = 2
+HEAD_GRAPHS_VERSION = 3
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None
@@ -83,8 +83,9 @@ class BlockOutput:
 
 @dataclass(frozen=True)
 class StepOutput:
-    logits: np.ndarray  # [R, vocab] the rows asked for
+    logits: np.ndarray  # [R, vocab] the rows asked for ([1, 0] where the graph chose)
     hidden: np.ndarray  # [R, E] their pre-norm hidden states (the next step's g)
+    sampled: SampledBlock | None = None  # what the graph chose (a step with a spec)
 
 
 @dataclass(frozen=True)
@@ -166,9 +167,12 @@ class HeadRunner:
             for name in built.graphs}
         self._cached = [name for name, sess in self.sessions.items()
                         if any(i.name == "past_key_0" for i in sess.get_inputs())]
-        # the block graph chooses its rows' proposals itself where asked (SampleSpec per row)
-        self.block_samples = "block" in self.sessions and any(
-            i.name == "sample_plan" for i in self.sessions["block"].get_inputs())
+        # the block and step graphs choose their rows' proposals where asked (a SampleSpec
+        # per row)
+        self.block_samples, self.step_samples = (
+            name in self.sessions and any(i.name == "sample_plan"
+                                          for i in self.sessions[name].get_inputs())
+            for name in ("block", "step"))
         self.kv = KVCache(self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, self.n_ctx,
                           np.float32, device, device_id, capacity=n_seq)
         self._bindings: list[dict[str, Any]] = []
@@ -222,12 +226,7 @@ class HeadRunner:
         for name in names:
             b.bind_output(name, "cpu")
         if self.block_samples:
-            calls = specs if specs is not None else [None]
-            for name, array in pack_inputs(calls, range(len(calls)),
-                                           self.hp.n_vocab).items():
-                b.bind_cpu_input(name, array)
-            for name in SAMPLE_OUTPUTS:
-                b.bind_output(name, "cpu")
+            self._bind_sampler(b, specs)
         self.sessions["block"].run_with_iobinding(b)
         out = bound_outputs(b)
         first = 2 * self.hp.n_layer  # after the caches, in the order bound
@@ -237,10 +236,17 @@ class HeadRunner:
         if "logits" not in got:
             got["logits"] = np.zeros((len(rows), 0), np.float32)
         if specs is not None:
-            k = first + len(names)
-            got["sampled"] = unpack_outputs([out[k + j] for j in range(len(SAMPLE_OUTPUTS))],
-                                            specs, range(len(specs)))
+            got["sampled"] = _sampled(out, first + len(names), specs)
         return BlockOutput(**got)
+
+    def _bind_sampler(self, b: Any, specs: Sequence[SampleSpec] | None) -> None:
+        """The sampler's inputs for one spec per row (None: the rows are skipped) and its
+        outputs, on a graph that has it."""
+        calls = specs if specs is not None else [None]
+        for name, array in pack_inputs(calls, range(len(calls)), self.hp.n_vocab).items():
+            b.bind_cpu_input(name, array)
+        for name in SAMPLE_OUTPUTS:
+            b.bind_output(name, "cpu")
 
     def encode(self, features: np.ndarray) -> np.ndarray:
         """EAGLE-3: the g rows [n, E] of target features [n, L*E_t]."""
@@ -259,9 +265,13 @@ class HeadRunner:
         self.sessions["pair"].run_with_iobinding(b)
 
     def step(self, seq: int, tokens: Sequence[int], g: np.ndarray, pos: int,
-             rows: Sequence[int]) -> StepOutput:
+             rows: Sequence[int], spec: SampleSpec | None = None) -> StepOutput:
         """EAGLE-3: run the pairs (tokens[i], g[i]) [n], [n, E] at positions pos.., writing
-        their K/V rows; the logits and pre-norm hidden states of `rows` (may be empty)."""
+        their K/V rows; the logits and pre-norm hidden states of `rows` (may be empty), or
+        with `spec` (one row, a graph with a sampler) the proposal chosen there instead of
+        its logits."""
+        if spec is not None and (not self.step_samples or len(rows) != 1):
+            raise ValueError("a sample spec needs one row of a step graph with a sampler")
         check_call(pos, len(tokens), self.n_ctx)
         b = self._bindings[seq]["step"]
         b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
@@ -271,7 +281,18 @@ class HeadRunner:
         b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
         b.bind_output("logits", "cpu")
         b.bind_output("hidden", "cpu")
+        if self.step_samples:
+            self._bind_sampler(b, None if spec is None else [spec])
         self.sessions["step"].run_with_iobinding(b)
         out = bound_outputs(b)
         first = 2 * self.hp.n_layer  # after the caches, in the order bound
-        return StepOutput(out[first].numpy(), out[first + 1].numpy())
+        if spec is None:
+            return StepOutput(out[first].numpy(), out[first + 1].numpy())
+        return StepOutput(np.zeros((1, 0), np.float32), out[first + 1].numpy(),
+                          _sampled(out, first + 2, [spec])[0])
+
+
+def _sampled(out: Any, first: int, specs: Sequence[SampleSpec]) -> list[SampledBlock | None]:
+    """What the sampler chose, from a run's outputs (its own from index `first` on)."""
+    return unpack_outputs([out[first + j] for j in range(len(SAMPLE_OUTPUTS))], specs,
+                          range(len(specs)))

@@ -34,7 +34,7 @@ from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.head_runner import HeadRunner
 
-from .picking import QRow, pick_token, stack_q
+from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
 
 
 @dataclass
@@ -108,13 +108,18 @@ class Eagle3Drafter(Drafter):
         unsure = False
         token, hidden = last, st.g[pos - 1:pos]  # the pending pair first
         st.written = min(st.written, pos - 1)
+        in_graph = params.backend_sampling and self.runner.step_samples  # chosen there
         for i in range(n):
             t0 = time.perf_counter()
-            out = self.runner.step(seq, [token], hidden, pos - 1 + i, [0])
+            spec = (pick_spec(sampler, grammar, pos + 1 + i, params.p_min,
+                              self.runner.hp.n_vocab) if in_graph else None)
+            out = self.runner.step(seq, [token], hidden, pos - 1 + i, [0], spec)
             seconds.append(time.perf_counter() - t0)
             if i == 0:
                 st.written = pos  # the pending pair, with the token that follows it
-            pick = pick_token(out.logits[0], sampler, grammar, params.p_min)
+            pick = (pick_token(out.logits[0], sampler, grammar, params.p_min)
+                    if out.sampled is None
+                    else pick_from_block(out.sampled, sampler is not None, params.p_min))
             if pick.token is None:
                 unsure = pick.unsure
                 break

@@ -44,6 +44,7 @@ from .linear import linear
 from .mlp import feed_forward
 from .norms import rms_norm
 from .options import F32, I64, BuildOptions, Progress
+from .sampling import sample_tokens
 
 
 def build_encode_graph(head_file: GGUFFile, head: HeadParams, target: HParams,
@@ -118,4 +119,6 @@ def build_step_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFil
         logits = scatter_to_target(c, logits, head_file, target.n_vocab)
     g.op("Identity", [logits], out=["logits"])
     g.output("logits", F32, ["R", target.n_vocab])
+    if options.sampler:
+        sample_tokens(g, "logits")
     c.tick("output")

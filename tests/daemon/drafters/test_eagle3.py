@@ -15,6 +15,8 @@ from specd.daemon.drafters.eagle3 import Eagle3Drafter
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.sampling import Sampler, SamplerParams
+from specd.daemon.spec.verify import SparseDraftProbs
+from specd.ort_models import native_ops
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.head_runner import HeadRunner, load_or_build_head
@@ -146,12 +148,21 @@ def test_proposals_are_the_steps_argmax_chain(pair: tuple[Any, Any, Path, Path])
     assert greedy.tokens == want
     stopped = drafter.draft(0, 5, n, 3, DraftParams(n_max=3, p_min=min(tops[0] + 1e-6, 1.0)))
     assert stopped.tokens == [] and stopped.evidence.stopped_unsure
+    # chosen in the step graph where specd's kernels run, the same as on the host
+    assert drafter.runner.step_samples == (native_ops.library() is not None)
+    host = drafter.draft(0, 5, n, 3, DraftParams(n_max=3, backend_sampling=False))
+    assert host.tokens == greedy.tokens
     sp = SamplerParams(temperature=0.8, top_k=10, seed=1)
     drafter.begin(1, PROMPT, Sampler(sp, seed=1), feats)
-    sampled = drafter.draft(1, 5, n, 3, DraftParams(n_max=3))
-    assert sampled.q_rows is not None and sampled.q_rows.shape[0] == len(sampled.tokens) == 3
-    assert sampled.q_rows[0] == pytest.approx(Sampler(sp).probs(
-        check.step(0, PROMPT[1:] + [5], g, 0, [n - 1]).logits[0]), abs=1e-6)
+    first = Sampler(sp).probs(check.step(0, PROMPT[1:] + [5], g, 0, [n - 1]).logits[0])
+    for in_graph in (True, False):
+        sampled = drafter.draft(1, 5, n, 3, DraftParams(n_max=3, backend_sampling=in_graph))
+        q_rows = sampled.q_rows
+        assert q_rows is not None and len(q_rows) == len(sampled.tokens) == 3
+        q = (q_rows.dense_row(0, first.shape[0]) if isinstance(q_rows, SparseDraftProbs)
+             else q_rows[0])
+        assert isinstance(q_rows, SparseDraftProbs) == (in_graph and drafter.runner.step_samples)
+        assert q == pytest.approx(first, abs=1e-6)
 
 
 def test_sampled_output_with_a_head_follows_the_target(pair: tuple[Any, Any, Path, Path]
