@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import native_ops
+from . import native_ops, sampling_op
 from .arch import HParams, read_hparams
 from .gguf_file import GGUFFile
 from .graph_builder import BUILDER_VERSION, Progress
@@ -45,8 +45,7 @@ from .onnx_writer import GraphWriter
 from .paths import cache_dir, exclusive_lock
 from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
 from .runner import bound_outputs, check_call, default_threads, session_options
-from .sampling_op import OUTPUTS as SAMPLE_OUTPUTS
-from .sampling_op import SampledBlock, SampleSpec, pack_inputs, unpack_outputs
+from .sampling_op import SampledBlock, SampleSpec
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
@@ -173,6 +172,8 @@ class HeadRunner:
             name in self.sessions and any(i.name == "sample_plan"
                                           for i in self.sessions[name].get_inputs())
             for name in ("block", "step"))
+        # per binding, the arrays last bound as the sampler's inputs
+        self._sampler_inputs: dict[int, dict[str, np.ndarray]] = {}
         self.kv = KVCache(self.hp.n_layer, self.hp.n_head_kv, self.hp.head_dim, self.n_ctx,
                           np.float32, device, device_id, capacity=n_seq)
         self._bindings: list[dict[str, Any]] = []
@@ -236,17 +237,16 @@ class HeadRunner:
         if "logits" not in got:
             got["logits"] = np.zeros((len(rows), 0), np.float32)
         if specs is not None:
-            got["sampled"] = _sampled(out, first + len(names), specs)
+            got["sampled"] = sampling_op.read(out, first + len(names), specs,
+                                              range(len(specs)))
         return BlockOutput(**got)
 
     def _bind_sampler(self, b: Any, specs: Sequence[SampleSpec] | None) -> None:
         """The sampler's inputs for one spec per row (None: the rows are skipped) and its
         outputs, on a graph that has it."""
         calls = specs if specs is not None else [None]
-        for name, array in pack_inputs(calls, range(len(calls)), self.hp.n_vocab).items():
-            b.bind_cpu_input(name, array)
-        for name in SAMPLE_OUTPUTS:
-            b.bind_output(name, "cpu")
+        sampling_op.bind(b, calls, range(len(calls)), self.hp.n_vocab,
+                         self._sampler_inputs.setdefault(id(b), {}))
 
     def encode(self, features: np.ndarray) -> np.ndarray:
         """EAGLE-3: the g rows [n, E] of target features [n, L*E_t]."""
@@ -289,10 +289,4 @@ class HeadRunner:
         if spec is None:
             return StepOutput(out[first].numpy(), out[first + 1].numpy())
         return StepOutput(np.zeros((1, 0), np.float32), out[first + 1].numpy(),
-                          _sampled(out, first + 2, [spec])[0])
-
-
-def _sampled(out: Any, first: int, specs: Sequence[SampleSpec]) -> list[SampledBlock | None]:
-    """What the sampler chose, from a run's outputs (its own from index `first` on)."""
-    return unpack_outputs([out[first + j] for j in range(len(SAMPLE_OUTPUTS))], specs,
-                          range(len(specs)))
+                          sampling_op.read(out, first + 2, [spec], [0])[0])

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import native_ops
+from . import native_ops, sampling_op
 from .arch import HParams
 from .graph_builder import ATTN_BUCKET, BuildOptions
 from .kv_cache import KVCache
@@ -30,8 +30,7 @@ from .providers import (
     session_providers,
 )
 from .row_invariance import min_call_rows
-from .sampling_op import OUTPUTS as SAMPLE_OUTPUTS
-from .sampling_op import SampledBlock, SampleSpec, pack_inputs, unpack_outputs
+from .sampling_op import SampledBlock, SampleSpec
 
 log = logging.getLogger("specd.runner")
 
@@ -406,13 +405,8 @@ class ModelRunner:
         specs = [c.sample for c in calls]
         first_rows = [0, *accumulate(1 if c.rows is None else len(c.rows) for c in calls)]
         if self.samples:
-            bound = self._sampler_inputs.setdefault(id(b), {})
-            for name, array in pack_inputs(specs, first_rows[:-1], self.logits_width).items():
-                if bound.get(name) is not array:  # a shared constant stays bound
-                    b.bind_cpu_input(name, array)
-                    bound[name] = array
-            for name in SAMPLE_OUTPUTS:  # shapes vary by pass: ORT allocates them per run
-                b.bind_output(name, "cpu")
+            sampling_op.bind(b, specs, first_rows[:-1], self.logits_width,
+                             self._sampler_inputs.setdefault(id(b), {}))
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
         per_row = (time.perf_counter() - t0) / len(ids)
@@ -425,8 +419,7 @@ class ModelRunner:
         hidden = {layer: outs[k0 + 1 + j].numpy()  # [rows, n_embd]
                   for j, (_, layer) in enumerate(self._hidden)}
         k1 = k0 + 1 + len(self._hidden)
-        sampled = (unpack_outputs([outs[k1 + j] for j in range(len(SAMPLE_OUTPUTS))],
-                                  specs, first_rows[:-1])
+        sampled = (sampling_op.read(outs, k1, specs, first_rows[:-1])
                    if any(s is not None for s in specs) else [None] * len(calls))
         results, start = [], 0
         for call, (_, _, m), first, end, block, want in zip(

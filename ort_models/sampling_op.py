@@ -171,6 +171,26 @@ def _unused(shape: tuple[int, ...], dtype: type, fill: float) -> np.ndarray:
     return out
 
 
+def bind(binding: Any, specs: Sequence[SampleSpec | None], first_rows: Sequence[int],
+         vocab: int, bound: dict[str, np.ndarray]) -> None:
+    """Bind the node's inputs for these calls to an onnxruntime.IOBinding (those still
+    bound from its last pass, `bound`, kept: the shared constants), and its outputs, whose
+    shapes vary by pass (ORT allocates them per run)."""
+    for name, array in pack_inputs(specs, first_rows, vocab).items():
+        if bound.get(name) is not array:
+            binding.bind_cpu_input(name, array)
+            bound[name] = array
+    for name in OUTPUTS:
+        binding.bind_output(name, "cpu")
+
+
+def read(outputs: Any, first: int, specs: Sequence[SampleSpec | None],
+         first_rows: Sequence[int]) -> list[SampledBlock | None]:
+    """Each call's SampledBlock from a run's outputs, the node's from index `first` on."""
+    return unpack_outputs([outputs[first + j] for j in range(len(OUTPUTS))], specs,
+                          first_rows)
+
+
 def unpack_outputs(outputs: Sequence[Any], specs: Sequence[SampleSpec | None],
                    first_rows: Sequence[int]) -> list[SampledBlock | None]:
     """Each call's SampledBlock from the node's outputs (in OUTPUTS' order; anything with
