@@ -113,13 +113,6 @@ def candidates_row(block: SampledBlock, row: int) -> tuple[np.ndarray, np.ndarra
     return ids[keep], block.cand_probs[row][keep].astype(np.float64)
 
 
-def dense_row(ids: np.ndarray, probs: np.ndarray, vocab: int) -> np.ndarray:
-    """Candidates as a distribution [vocab] (zero off them)."""
-    out = np.zeros(vocab, dtype=np.float64)  # [vocab]
-    out[ids] = probs
-    return out
-
-
 def block_result(block: SampledBlock, n_drafted: int, sampler: Sampler,
                  grammar: GrammarState | None, vocab: int, *, bonus: bool = False
                  ) -> VerifyResult:
@@ -136,7 +129,8 @@ def block_result(block: SampledBlock, n_drafted: int, sampler: Sampler,
     bonus_p = None  # [vocab]
     if (bonus and not sampler.is_greedy and block.n_accepted == n_drafted
             and len(block.tokens) == n_drafted + 1):
-        bonus_p = dense_row(*candidates_row(block, n_drafted), vocab)
+        ids, probs = candidates_row(block, n_drafted)
+        bonus_p = SparseDraftProbs(ids[None], probs[None]).dense_row(0, vocab)
     return VerifyResult(block.n_accepted, list(block.tokens), n_drafted,
                         grammar_dead_end=block.status == DEAD_END,
                         accept_probs=block.accept_probs, bonus_probs=bonus_p)
