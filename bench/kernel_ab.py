@@ -109,6 +109,13 @@ OrtStatus *specd_tensor_shape(const OrtValue *v, int64_t *d, size_t *r) {
 }
 OrtStatus *specd_fail(const char *m) { (void)m; return 0; }
 float specd_f16_to_f32(const void *p) { unsigned short h; memcpy(&h, p, 2); return (float)h; }
+int64_t specd_int64_attribute_or(const OrtApi *api, const OrtKernelInfo *info, const char *name,
+                                 int64_t fallback) {
+  (void)api; (void)info; (void)name; return fallback;
+}
+void specd_swiglu_row(const float *g, const float *u, float *y, size_t n) {
+  (void)g; (void)u; (void)y; (void)n;
+}
 /* the harness runs its own threads over group_*; compute() is never called */
 void specd_parallel_for(void (*fn)(void *, size_t), void *data, size_t n) {
   for (size_t t = 0; t < n; t++) fn(data, t);
