@@ -178,8 +178,11 @@ def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
     top = float(x.max())
     log_total = top + math.log(float(np.exp(x - top).sum()))
     k = min(k, x.shape[0])
-    ids = np.argpartition(-x, k - 1)[:k] if k > 0 else np.zeros(0, dtype=np.int64)  # [k]
-    ids = ids[np.lexsort((ids, -x[ids]))]  # descending logit, ties by lower id
+    if k > 0:  # those at or above the k-th largest (ties at the cut kept), then the order
+        ids = np.flatnonzero(x >= np.partition(x, x.shape[0] - k)[x.shape[0] - k])
+        ids = ids[np.lexsort((ids, -x[ids]))][:k]  # [k] descending logit, ties by lower id
+    else:
+        ids = np.zeros(0, dtype=np.int64)
     return TokenLogprob(int(token), float(x[token]) - log_total,
                         tuple((int(i), float(x[i]) - log_total) for i in ids))
 

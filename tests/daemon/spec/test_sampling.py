@@ -11,9 +11,11 @@ from specd.daemon.spec.sampling import (
     NoAllowedToken,
     Sampler,
     SamplerParams,
+    TokenLogprob,
     derive_seeds,
     sample_from_probs,
     softmax,
+    token_logprob,
     top_probability,
 )
 
@@ -495,3 +497,16 @@ def test_a_bias_that_leaves_no_token_is_no_allowed_token() -> None:
         with pytest.raises(NoAllowedToken, match="logit_bias"):
             Sampler(SamplerParams(temperature=temperature, logit_bias=ban_all)).sample(
                 PENALISED_LOGITS)
+
+
+def test_token_logprob_is_log_softmax_and_keeps_the_lower_ids_of_ties_at_the_cut() -> None:
+    logits = np.array([0.0, 2.0, 1.0, 2.0, 1.0, 1.0, -np.inf], dtype=np.float32)
+    got = token_logprob(logits, 4, 3)
+    log_total = math.log(float(np.exp(logits.astype(np.float64)).sum()))
+    assert got.token == 4
+    assert got.logprob == pytest.approx(1.0 - log_total)
+    # 1 and 3 tie at the top, then 2, 4 and 5 tie at the cut: the lowest id is kept
+    assert [i for i, _ in got.top] == [1, 3, 2]
+    assert [v for _, v in got.top] == pytest.approx([2.0 - log_total, 2.0 - log_total,
+                                                     1.0 - log_total])
+    assert token_logprob(logits, 6, 0) == TokenLogprob(6, -math.inf, ())
