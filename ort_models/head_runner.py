@@ -49,7 +49,7 @@ from .sampling_op import SampledBlock, SampleSpec
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
-HEAD_GRAPHS_VERSION = 3
+HEAD_GRAPHS_VERSION = 4
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None

@@ -6,7 +6,8 @@ wider lossless MatMulNBits layout; `kernels/causal_attention.c` (`specd.CausalAt
 and `specd.CachedAttention`, which also rotates the new rows and writes them into the
 cache) attends over the KV cache in place, row-invariant by construction;
 `kernels/sample_tokens.c` (`specd.SampleTokens`) decides a pass's tokens after the logits
-(sampling and speculative verification, as daemon/spec's sampler and verifiers do). They are
+(sampling and speculative verification, as daemon/spec's sampler and verifiers do), and
+`kernels/token_logprobs.c` (`specd.TokenLogprobs`) the logprobs of the tokens it emitted. They are
 built with the machine's C compiler (`$CC`, else cc / gcc / clang) and `-march=native` into the
 cache dir, once per source, compiler and CPU; ORT loads them with
 `SessionOptions.register_custom_ops_library`. A build compiles into a scratch file named
@@ -36,7 +37,7 @@ log = logging.getLogger("specd.native")
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 SOURCES = ("specd_ops.c", "thread_pool.c", "gguf_matmul.c", "causal_attention.c",
-           "swiglu.c", "sample_tokens.c")
+           "swiglu.c", "sample_tokens.c", "token_logprobs.c")
 HEADERS = tuple(sorted(p.name for p in KERNEL_DIR.glob("*.h")))  # all in the build hash
 DOMAIN = "specd"
 # GGUF tensor types GgufMatMul reads (name -> ggml type id)

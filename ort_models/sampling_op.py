@@ -1,14 +1,15 @@
-"""The graph's token decision (specd.SampleTokens, kernels/sample_tokens.c): what a call
-asks of it and what it answers.
+"""The graph's token decision (specd.SampleTokens, kernels/sample_tokens.c, and
+specd.TokenLogprobs, kernels/token_logprobs.c): what a call asks of it and what it answers.
 
-A graph built with `BuildOptions.sampler` ends in one SampleTokens node after its logits.
+A graph built with `BuildOptions.sampler` ends in one SampleTokens node after its logits,
+and a TokenLogprobs node after that (the emitted tokens' logprobs, where a call asks).
 Each call of a pass may carry a `SampleSpec`: its rows are then decided in the graph (a
 draw or the argmax, or the verification of a drafted block by rejection sampling), and
-only the emitted tokens, the acceptance probabilities and a few candidates leave the
-session (`SampledBlock`). Calls without one are skipped by the node and decided on the host
-from their logits. Uniforms come from Philox4x32-10 keyed by `key` and counted by token
-position, `stream` and draw, so a seeded sequence draws the same numbers however its
-tokens fall into calls.
+only the emitted tokens, the acceptance probabilities, a few candidates and any logprobs
+asked for leave the session (`SampledBlock`). Calls without one are skipped by the nodes
+and decided on the host from their logits. Uniforms come from Philox4x32-10 keyed by `key`
+and counted by token position, `stream` and draw, so a seeded sequence draws the same
+numbers however its tokens fall into calls.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ INPUTS = ("sample_plan", "sample_params", "sample_keys", "sample_drafts", "sampl
           "sample_masks")
 OUTPUTS = ("sampled_tokens", "sampled_counts", "sampled_accept_probs", "sampled_cand_ids",
            "sampled_cand_probs")
+# the TokenLogprobs node's own input, and its outputs
+LOGPROB_INPUTS = ("sample_logprobs",)
+LOGPROB_OUTPUTS = ("sampled_logprobs", "sampled_top_ids", "sampled_top_logprobs")
+# the graph's, in the order they are bound and read
+GRAPH_INPUTS = INPUTS + LOGPROB_INPUTS
+GRAPH_OUTPUTS = OUTPUTS + LOGPROB_OUTPUTS
+MAX_LOGPROBS = 1024  # top tokens TokenLogprobs returns at most
 PLAN_COLUMNS = 10
 PARAM_COLUMNS = 8
 # plan flags
@@ -49,7 +57,9 @@ class SampleSpec:
     a draft is accepted where the target's own choice equals it). `masks` [n + 1, vocab]
     bool: what the grammar allows at each row along the drafts (None: everything).
     `stop_after`: accepting draft j ends the block (the grammar completes on it).
-    `candidates`: how many of each decided row's most probable tokens to return."""
+    `candidates`: how many of each decided row's most probable tokens to return.
+    `logprobs`: each emitted token's logprob under its row's logits (before any sampler
+    setting) and the `logprobs` most likely tokens' (-1: none)."""
 
     key: int  # 64-bit Philox key
     position: int  # sequence position of the token decided at the first row
@@ -71,11 +81,22 @@ class SampleSpec:
     stop_after: int = -1
     candidates: int = 0
     stream: int = TARGET_STREAM
+    logprobs: int = -1
     want_logits: bool = False  # the call's logits leave the session too
 
     @property
     def rows(self) -> int:
         return len(self.drafts) + 1
+
+
+@dataclass(frozen=True)
+class EmittedLogprobs:
+    """The emitted tokens' logprobs under their rows' logits, and the most likely tokens'
+    (log softmax of the raw logits; ties by lower id)."""
+
+    logprobs: np.ndarray  # [n_emitted] float64
+    top_ids: np.ndarray  # [n_emitted, k] int64, most likely first
+    top_logprobs: np.ndarray  # [n_emitted, k] float64
 
 
 @dataclass(frozen=True)
@@ -88,6 +109,7 @@ class SampledBlock:
     accept_probs: tuple[float, ...]  # per draft position decided
     cand_ids: np.ndarray  # [rows, k] per row, most probable first; -1 past the end
     cand_probs: np.ndarray  # [rows, k]
+    logprobs: EmittedLogprobs | None = None  # where the spec asked for them
 
 
 def pack_masks(masks: np.ndarray) -> np.ndarray:
@@ -155,9 +177,17 @@ def pack_inputs(specs: Sequence[SampleSpec | None], first_rows: Sequence[int],
             bias_ids[i, j], bias_values[i, j] = token, bias
     masks = (np.concatenate(mask_rows) if mask_rows
              else _unused((1, -(-vocab // 32)), np.int32, 0))
+    if any(s.logprobs >= 0 for _, s in live):
+        n_top = np.full(c, -1, dtype=np.int64)
+        for i, s in live:
+            if s.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs {s.logprobs} is above {MAX_LOGPROBS}")
+            n_top[i] = s.logprobs
+    else:
+        n_top = _unused((c,), np.int64, -1)
     arrays = (plan, params, keys.view(np.int64), drafts, q_ids, q_probs, history, bias_ids,
-              bias_values, masks)
-    return dict(zip(INPUTS, arrays, strict=True))
+              bias_values, masks, n_top)
+    return dict(zip(GRAPH_INPUTS, arrays, strict=True))
 
 
 _KEY_BITS = 2**64 - 1
@@ -173,34 +203,36 @@ def _unused(shape: tuple[int, ...], dtype: type, fill: float) -> np.ndarray:
 
 def bind(binding: Any, specs: Sequence[SampleSpec | None], first_rows: Sequence[int],
          vocab: int, bound: dict[str, np.ndarray]) -> None:
-    """Bind the node's inputs for these calls to an onnxruntime.IOBinding (those still
-    bound from its last pass, `bound`, kept: the shared constants), and its outputs, whose
-    shapes vary by pass (ORT allocates them per run)."""
+    """Bind the nodes' inputs for these calls to an onnxruntime.IOBinding (those still
+    bound from its last pass, `bound`, kept: the shared constants), and their outputs,
+    whose shapes vary by pass (ORT allocates them per run)."""
     for name, array in pack_inputs(specs, first_rows, vocab).items():
         if bound.get(name) is not array:
             binding.bind_cpu_input(name, array)
             bound[name] = array
-    for name in OUTPUTS:
+    for name in GRAPH_OUTPUTS:
         binding.bind_output(name, "cpu")
 
 
 def read(outputs: Any, first: int, specs: Sequence[SampleSpec | None],
          first_rows: Sequence[int]) -> list[SampledBlock | None]:
-    """Each call's SampledBlock from a run's outputs, the node's from index `first` on."""
-    return unpack_outputs([outputs[first + j] for j in range(len(OUTPUTS))], specs,
+    """Each call's SampledBlock from a run's outputs, the nodes' from index `first` on."""
+    return unpack_outputs([outputs[first + j] for j in range(len(GRAPH_OUTPUTS))], specs,
                           first_rows)
 
 
 def unpack_outputs(outputs: Sequence[Any], specs: Sequence[SampleSpec | None],
                    first_rows: Sequence[int]) -> list[SampledBlock | None]:
-    """Each call's SampledBlock from the node's outputs (in OUTPUTS' order; anything with
-    `.numpy()`, read only where a call needs it)."""
+    """Each call's SampledBlock from the nodes' outputs (in GRAPH_OUTPUTS' order; anything
+    with `.numpy()`, read only where a call needs it)."""
     tokens, counts = outputs[0].numpy(), outputs[1].numpy()
     drafted = any(s is not None and s.drafts for s in specs)
     accept = outputs[2].numpy() if drafted else None
     wanted = any(s is not None and s.candidates for s in specs)
     cand_ids = outputs[3].numpy() if wanted else None
     cand_probs = outputs[4].numpy() if wanted else None
+    lp = ([o.numpy() for o in outputs[5:8]]
+          if any(s is not None and s.logprobs >= 0 for s in specs) else None)
     out: list[SampledBlock | None] = []
     for i, s in enumerate(specs):
         if s is None:
@@ -208,11 +240,16 @@ def unpack_outputs(outputs: Sequence[Any], specs: Sequence[SampleSpec | None],
             continue
         n_emitted, n_accepted, status = counts[i].tolist()
         first = first_rows[i]
+        if cand_ids is not None and cand_probs is not None:
+            ids, probs = cand_ids[first:first + s.rows], cand_probs[first:first + s.rows]
+        else:
+            ids, probs = _unused((s.rows, 0), np.int64, -1), _unused((s.rows, 0), np.float32, 0)
         out.append(SampledBlock(
             tokens[i, :n_emitted].tolist(), n_accepted, status,
             () if accept is None or not s.drafts else  # -1: undecided
             tuple(a for a in accept[i, :len(s.drafts)].tolist() if a >= 0.0),
-            *((cand_ids[first:first + s.rows], cand_probs[first:first + s.rows])
-              if cand_ids is not None and cand_probs is not None
-              else (_unused((s.rows, 0), np.int64, -1), _unused((s.rows, 0), np.float32, 0)))))
+            ids, probs,
+            None if lp is None or s.logprobs < 0 else EmittedLogprobs(
+                lp[0][i, :n_emitted], lp[1][i, :n_emitted, :s.logprobs],
+                lp[2][i, :n_emitted, :s.logprobs])))
     return out

@@ -52,8 +52,8 @@ class BuildOptions:
     # logits for the ids below this only, 0 = all (drafts: a draft then proposes only
     # those ids, and its output matrix, a quarter of a small draft's bytes, is cut)
     vocab_rows: int = 0
-    # a SampleTokens node after the logits (specd's kernels): the calls of a pass may have
-    # their tokens decided in the graph (sampling_op)
+    # SampleTokens and TokenLogprobs nodes after the logits (specd's kernels): the calls of
+    # a pass may have their tokens and logprobs decided in the graph (sampling_op)
     sampler: bool = False
 
     def __post_init__(self) -> None:
@@ -87,7 +87,7 @@ class BuildOptions:
         kn = "_kgguf" if self.kernels == "gguf" else ""
         kv = "_kv16" if self.kv_dtype == "f16" else ""
         vr = f"_v{self.vocab_rows}" if self.vocab_rows else ""
-        sm = "_smp" if self.sampler else ""
+        sm = "_smp2" if self.sampler else ""
         return (f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}{kv}{vr}"
                 f"{sm}")
 

@@ -61,5 +61,6 @@ extern const SpecdOpDef specd_cached_attention;
 extern const SpecdOpDef specd_cached_attention_f16;
 extern const SpecdOpDef specd_swiglu;
 extern const SpecdOpDef specd_sample_tokens;
+extern const SpecdOpDef specd_token_logprobs;
 
 #endif
