@@ -19,10 +19,16 @@ import numpy as np
 from specd.daemon.text.grammar import GrammarState, GrammarViolation
 from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
-from specd.ort_models.sampling_op import SampleSpec
+from specd.ort_models.sampling_op import MAX_LOGPROBS, EmittedLogprobs, SampleSpec
 
 from .drafter import Drafter, DraftParams, Features, Proposal, run_steps, timed_steps
-from .graph_sampling import BONUS_CANDIDATES, block_result, sample_spec, sparse_q
+from .graph_sampling import (
+    BONUS_CANDIDATES,
+    block_result,
+    emitted_logprob,
+    sample_spec,
+    sparse_q,
+)
 from .policy import (
     AdaptiveDraftLength,
     DraftPolicy,
@@ -274,7 +280,8 @@ class Generation:
             self.draft_sampler.accept(tok)
         if self.grammar is not None:
             self.grammar.consume(tok)
-        emitted = self._emit([tok], out.logits)
+        emitted = self._emit([tok], out.logits,
+                             None if out.sampled is None else out.sampled.logprobs)
         self._grammar_finished()
         return emitted
 
@@ -380,7 +387,8 @@ class Generation:
                                     bonus=self.drafter is not None))
         self._commit(result, out.features if self._layers else None)
         self._observe(pending.proposed, result, pending.seconds + seconds, seconds)
-        emitted = self._emit(result.tokens, rows)
+        emitted = self._emit(result.tokens, rows,
+                             None if out.sampled is None else out.sampled.logprobs)
         self._grammar_finished(result.grammar_dead_end)
         return emitted
 
@@ -455,11 +463,15 @@ class Generation:
             q = sparse_q(proposal.q_rows)
             if q is None:  # too wide to send: verified on the host
                 return None
+        # logprobs under the raw logits come out of the graph; post-sampling ones (and very
+        # long top lists) are computed on the host from the rows' logits
+        k = self.params.logprobs
+        on_host = k is not None and (self.params.post_sampling_probs or k > MAX_LOGPROBS)
         return sample_spec(self.sampler, position, self.target.logits_width, drafts=drafts,
                            q=q, grammar=self.grammar,
                            candidates=(BONUS_CANDIDATES if self.drafter is not None
                                        and not self.sampler.is_greedy else 0),
-                           want_logits=self.params.logprobs is not None)
+                           logprobs=-1 if k is None or on_host else k, want_logits=on_host)
 
     def _round_spec(self, proposal: Proposal) -> SampleSpec | None:
         """The graph's decision of a round's block, where the round is verified as the host
@@ -525,15 +537,20 @@ class Generation:
         self._bonus_p = result.bonus_probs  # the next draft's guess for the bonus meets it
 
     # -- output ---------------------------------------------------------------------------
-    def _emit(self, toks: list[int], rows: np.ndarray) -> list[int]:
+    def _emit(self, toks: list[int], rows: np.ndarray,
+              graph_logprobs: EmittedLogprobs | None = None) -> list[int]:
         """Emit tokens (until an end of generation or max_tokens); rows [>= len(toks),
-        vocab] are the target's logits each was decided on."""
+        vocab] are the target's logits each was decided on, or `graph_logprobs` the
+        logprobs the graph computed for them."""
         out: list[int] = []
         k = self.params.logprobs
-        masks = self._logprob_masks(toks, rows) if k is not None else []
+        masks = (self._logprob_masks(toks, rows) if k is not None and graph_logprobs is None
+                 else [])
         for i, t in enumerate(toks):
             if k is not None:
-                self.token_logprobs.append(self._token_logprob(rows[i], t, k, masks[i]))
+                self.token_logprobs.append(
+                    self._token_logprob(rows[i], t, k, masks[i]) if graph_logprobs is None
+                    else emitted_logprob(graph_logprobs, i, t))
             self.tokens.append(t)
             out.append(t)
             if t in self.eog:

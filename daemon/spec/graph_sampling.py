@@ -7,9 +7,9 @@ probabilities leave the session. The distributions are the host's; the uniforms 
 a counter-based generator keyed by the sampler's key, the token's position and the stream
 (target or draft), so a seeded request draws the same numbers however its tokens are split
 into rounds. The host path stays the reference and the fallback (drafters that decide
-acceptance themselves, graphs without a sampler); logprobs are computed on the host from
-the logits of the rows decided here. Drafters choose their proposals in their graphs
-through the same specs (drafters/picking.py).
+acceptance themselves, graphs without a sampler). Logprobs under the raw logits come out of
+the graph too; post-sampling ones are computed on the host from the rows' logits. Drafters
+choose their proposals in their graphs through the same specs (drafters/picking.py).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from specd.ort_models.sampling_op import (
     DEAD_END,
     NO_TOKEN,
     TARGET_STREAM,
+    EmittedLogprobs,
     SampledBlock,
     SampleSpec,
 )
 
-from .sampling import NoAllowedToken, Sampler
+from .sampling import NoAllowedToken, Sampler, TokenLogprob
 from .verify import DraftProbs, SparseDraftProbs, VerifyResult
 
 # sparse q rows wider than this are verified on the host (a draft without top-k)
@@ -39,12 +40,13 @@ BONUS_CANDIDATES = 32
 
 def sample_spec(sampler: Sampler, position: int, vocab: int, *, drafts: Sequence[int] = (),
                 q: SparseDraftProbs | None = None, grammar: GrammarState | None = None,
-                stream: int = TARGET_STREAM, candidates: int = 0,
+                stream: int = TARGET_STREAM, candidates: int = 0, logprobs: int = -1,
                 want_logits: bool = False) -> SampleSpec:
     """The spec that decides a call's rows as `sampler` would on the host: one token at
     `position`, or the verification of `drafts` (by rejection sampling against `q` where
     given, else by the target's own choice) under `grammar`'s masks along the drafts;
-    `want_logits`: the rows' logits leave the session too (for logprobs)."""
+    `logprobs`: each emitted token's logprob and the `logprobs` most likely tokens' (-1:
+    none); `want_logits`: the rows' logits leave the session too (logprobs on the host)."""
     p = sampler.params
     penalised = (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0
                  or p.frequency_penalty != 0.0)
@@ -60,7 +62,7 @@ def sample_spec(sampler: Sampler, position: int, vocab: int, *, drafts: Sequence
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
         drafts=list(drafts), q_ids=None if q is None else q.token_ids,
         q_probs=None if q is None else q.probs, masks=masks, stop_after=stop_after,
-        candidates=candidates, stream=stream, want_logits=want_logits)
+        candidates=candidates, stream=stream, logprobs=logprobs, want_logits=want_logits)
 
 
 def grammar_masks(grammar: GrammarState, drafts: Sequence[int], vocab: int
@@ -104,6 +106,13 @@ def to_sparse(rows: Sequence[np.ndarray | tuple[np.ndarray, np.ndarray]]) -> Spa
         ids[i, :row_ids.shape[0]] = row_ids
         probs[i, :row_ids.shape[0]] = row_probs
     return SparseDraftProbs(ids, probs)
+
+
+def emitted_logprob(lp: EmittedLogprobs, i: int, token: int) -> TokenLogprob:
+    """The graph's logprobs of the block's emitted token i (`token`) as the host's
+    token_logprob gives them."""
+    return TokenLogprob(token, float(lp.logprobs[i]), tuple(
+        zip(lp.top_ids[i].tolist(), lp.top_logprobs[i].tolist(), strict=True)))
 
 
 def candidates_row(block: SampledBlock, row: int) -> tuple[np.ndarray, np.ndarray]:

@@ -259,15 +259,28 @@ def test_rejection_sampling_in_the_graph_follows_the_target_distribution(models:
 @pytest.mark.parametrize("post", [False, True], ids=["logprobs", "post-sampling"])
 def test_logprobs_of_tokens_decided_in_the_graph_are_the_host_paths(
         models: Any, post: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request asking for logprobs still has its tokens decided in the graph; the logits
-    of those rows leave the session for the logprobs, which equal the host path's."""
+    """A request asking for logprobs has its tokens decided in the graph, and its logprobs
+    under the raw logits too (no logits row leaves the session), equal to the host path's
+    but for the float32 exps of the graph's sum; post-sampling ones are computed on the
+    host from the rows' logits, exactly as the host path computes them."""
     kw = {"logprobs": 3, "post_sampling_probs": post,
           "sampling": SamplerParams(temperature=0.0, repeat_penalty=1.2)}
     host, host_gen, _ = _generate(models, with_draft=True, backend_sampling=False, **kw)
     graph, gen, spy = _generate(models, with_draft=True, monkeypatch=monkeypatch, **kw)
     assert graph == host
-    assert gen.token_logprobs == host_gen.token_logprobs
-    assert spy is not None and spy.in_graph > 0 and spy.logits_rows > 0
+    assert spy is not None and spy.in_graph > 0
+    if post:
+        assert gen.token_logprobs == host_gen.token_logprobs
+        assert spy.logits_rows > 0
+        return
+    assert spy.logits_rows == 0
+    assert len(gen.token_logprobs) == len(host_gen.token_logprobs) == len(graph)
+    for got, want in zip(gen.token_logprobs, host_gen.token_logprobs, strict=True):
+        assert got.token == want.token
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-6)
+        assert [i for i, _ in got.top] == [i for i, _ in want.top]
+        np.testing.assert_allclose([v for _, v in got.top], [v for _, v in want.top],
+                                   atol=1e-6)
 
 
 def test_a_fully_accepted_block_gives_the_policy_its_bonus_distribution() -> None:
