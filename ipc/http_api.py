@@ -1111,8 +1111,10 @@ async def slots(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=render_metrics(_svc(request)),
-                        content_type="text/plain", charset="utf-8")
+    svc = _svc(request)
+    # llama-server's header: scrapers tell a restart from a counter reset by it
+    return web.Response(text=render_metrics(svc), content_type="text/plain", charset="utf-8",
+                        headers={"Process-Start-Time-Unix": str(int(svc.started))})
 
 
 def _busy(handler: Handler) -> Handler:

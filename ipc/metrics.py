@@ -1,4 +1,5 @@
-"""/metrics in Prometheus text format."""
+"""/metrics in Prometheus text format: specd's own series, then llama-server's
+(`llamacpp:*`, same names and meanings) for the dashboards and autoscalers built on it."""
 
 from __future__ import annotations
 
@@ -44,4 +45,56 @@ def render_metrics(svc: Service) -> str:
         "# TYPE specd_slots_total gauge",
         f"specd_slots_total {len(sch.slots)}",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _llamacpp(svc)) + "\n"
+
+
+def _llamacpp(svc: Service) -> list[str]:
+    """llama-server's series: counters since start; the rates are averages since start."""
+    sch = svc.scheduler
+    t, c = sch.totals, sch.counts
+    counters = [
+        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
+         t.prompt_tokens - t.cached_tokens),
+        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
+         t.cached_tokens),
+        ("prompt_seconds_total", "Total time spent processing prompts", t.prefill_s),
+        ("tokens_predicted_total", "Number of generation tokens processed",
+         t.generated_tokens),
+        ("tokens_predicted_seconds_total", "Total time spent generating tokens", t.decode_s),
+        ("n_decode_total", "Total number of target model passes (prompt chunks and "
+         "speculative rounds, every slot's in one)", c.passes),
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)",
+         c.n_tokens_max),
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated",
+         t.drafted),
+        ("spec_decode_num_accepted_tokens_total",
+         "Speculative: Total draft tokens accepted by the target model", t.accepted),
+        ("spec_decode_num_drafts_total",
+         "Speculative: Total speculative decoding verification steps", t.rounds),
+    ]
+    gauges = [
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", t.prefill_tps),
+        ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
+         t.decode_tps),
+        ("requests_processing", "Number of requests processing",
+         sum(1 for s in sch.slots if s.request is not None)),
+        ("requests_deferred", "Number of requests deferred", sch.queue_length),
+        ("n_busy_slots_per_decode", "Average number of busy slots per target pass",
+         c.rows / max(c.passes, 1)),
+    ]
+    out: list[str] = []
+    for kind, items in (("counter", counters), ("gauge", gauges)):
+        for name, help_text, value in items:
+            out += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
+                    f"llamacpp:{name} {_number(value)}"]
+    if t.accepted_at:
+        name = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
+        out += [f"# HELP {name} Accepted tokens per draft position",
+                f"# TYPE {name} counter"]
+        out += [f'{name}{{position="{i}"}} {n}' for i, n in enumerate(t.accepted_at)]
+    return out
+
+
+def _number(value: float) -> str:
+    """An integer as one, else a float rounded to microseconds' precision."""
+    return str(value) if isinstance(value, int) else f"{value:.6f}"

@@ -48,6 +48,15 @@ class QueueFull(Exception):
 
 
 @dataclass
+class PassCounts:
+    """The target's passes, as llama-server's /metrics counts its decode calls."""
+
+    passes: int = 0  # target passes: prompt chunks and rounds, every slot's call in one
+    rows: int = 0  # slots' calls those passes carried (busy slots per pass: rows / passes)
+    n_tokens_max: int = 0  # the longest sequence a slot has held (prompt + generated)
+
+
+@dataclass
 class _Drafting:
     """A slot's step waiting for the output of its drafter's model call."""
 
@@ -112,6 +121,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.queue: deque[Request] = deque()
         self.totals = SpecStats()
+        self.counts = PassCounts()
         self.requests_total = 0
         self.requests_failed = 0
         self._lock = threading.Condition()
@@ -139,6 +149,15 @@ class Scheduler:
             self._stop = True
             self._lock.notify()
         self._thread.join(timeout=10)
+
+    def count_prompts(self, lengths: list[int], seconds: float) -> None:
+        """Prompts evaluated outside a Generation (embedding inputs, a pass each) join
+        the totals."""
+        with self._lock:
+            self.totals.merge(SpecStats(prompt_tokens=sum(lengths), prefill_s=seconds))
+            self.counts.passes += len(lengths)
+            self.counts.rows += len(lengths)
+            self.counts.n_tokens_max = max([self.counts.n_tokens_max, *lengths])
 
     @property
     def queue_length(self) -> int:
@@ -342,6 +361,8 @@ class Scheduler:
         if not work:
             return
         outputs = self._pass(self.engine.target.runner, [call for _, call in work])
+        self.counts.passes += 1
+        self.counts.rows += len(work)
         for (slot, _), out in zip(work, outputs, strict=True):
             req = slot.request
             assert req is not None and req.gen is not None
@@ -408,6 +429,7 @@ class Scheduler:
         with self._lock:  # _finish also runs from submit() (requests cancelled queued)
             # the KV now holds the prompt and everything evaluated after it
             slot.cached = gen.evaluated_tokens if gen.finish_reason != "error" else []
+            self.counts.n_tokens_max = max(self.counts.n_tokens_max, len(slot.cached))
             self._finish(req, slot)
 
     def _run_task(self, slot: Slot, req: Request,

@@ -151,7 +151,11 @@ class Service:
 
             def run() -> list[np.ndarray]:
                 with self._embedding:
-                    return [self.engine.embed(0, tokens, normalize_p) for tokens in inputs]
+                    t0 = time.perf_counter()
+                    out = [self.engine.embed(0, tokens, normalize_p) for tokens in inputs]
+                    self.scheduler.count_prompts([len(t) for t in inputs],
+                                                 time.perf_counter() - t0)
+                    return out
 
             return await asyncio.to_thread(run)
         for tokens in inputs:
@@ -160,7 +164,9 @@ class Service:
         done: asyncio.Future[Request] = loop.create_future()
 
         def task(seq: int) -> tuple[object, list[int]]:
+            t0 = time.perf_counter()
             out = [self.engine.embed(seq, tokens, normalize_p) for tokens in inputs]
+            self.scheduler.count_prompts([len(t) for t in inputs], time.perf_counter() - t0)
             return out, list(inputs[-1])  # the slot's KV holds the last input
 
         def settle(r: Request) -> None:
