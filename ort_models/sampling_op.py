@@ -124,31 +124,31 @@ def pack_masks(masks: np.ndarray) -> np.ndarray:
 
 def pack_inputs(specs: Sequence[SampleSpec | None], first_rows: Sequence[int],
                 vocab: int) -> dict[str, np.ndarray]:
-    """The node's inputs for a pass whose calls have these specs (None: skipped) and
+    """The nodes' inputs for a pass whose calls have these specs (None: skipped) and
     whose logits rows begin at `first_rows`. Inputs no call uses are shared constants."""
     c = len(specs)
     live = [(i, s) for i, s in enumerate(specs) if s is not None]
-    plan = np.zeros((c, PLAN_COLUMNS), dtype=np.int64)
-    params = np.zeros((c, PARAM_COLUMNS), dtype=np.float64)
-    keys = np.zeros(c, dtype=np.uint64)
     d = max((len(s.drafts) for _, s in live), default=0)
     k = max((s.q_ids.shape[1] for _, s in live if s.q_ids is not None), default=0)
     h = max((len(s.history) for _, s in live), default=0)
     nb = max((len(s.logit_bias) for _, s in live), default=0)
-    drafts = np.full((c, d), -1, dtype=np.int64) if d else _unused((c, 1), np.int64, -1)
+    fill = _fillers(c, max(d, 1), -(-vocab // 32))
+    drafts = np.full((c, d), -1, dtype=np.int64) if d else fill["sample_drafts"]
     if k:
         q_ids = np.full((c, d, k), -1, dtype=np.int64)
         q_probs = np.zeros((c, d, k), dtype=np.float32)
     else:
-        q_ids = _unused((c, max(d, 1), 1), np.int64, -1)
-        q_probs = _unused((c, max(d, 1), 1), np.float32, 0)
-    history = np.full((c, h), -1, dtype=np.int64) if h else _unused((c, 1), np.int64, -1)
+        q_ids, q_probs = fill["sample_q_ids"], fill["sample_q_probs"]
+    history = np.full((c, h), -1, dtype=np.int64) if h else fill["sample_history"]
     if nb:
         bias_ids = np.full((c, nb), -1, dtype=np.int64)
         bias_values = np.zeros((c, nb), dtype=np.float64)
     else:
-        bias_ids = _unused((c, 1), np.int64, -1)
-        bias_values = _unused((c, 1), np.float64, 0)
+        bias_ids, bias_values = fill["sample_bias_ids"], fill["sample_bias_values"]
+    plan = [_SKIPPED_PLAN] * c
+    params = [_SKIPPED_PARAMS] * c
+    keys = [0] * c
+    n_top = [-1] * c
     mask_rows: list[np.ndarray] = []
     n_masks = 0
     for i, s in live:
@@ -169,25 +169,42 @@ def pack_inputs(specs: Sequence[SampleSpec | None], first_rows: Sequence[int],
         params[i] = (s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty,
                      s.presence_penalty, s.frequency_penalty, 0.0)
         keys[i] = s.key & _KEY_BITS
+        if s.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs {s.logprobs} is above {MAX_LOGPROBS}")
+        n_top[i] = s.logprobs
         if n:
             drafts[i, :n] = s.drafts
         if s.history:
             history[i, h - len(s.history):] = s.history
         for j, (token, bias) in enumerate(s.logit_bias):
             bias_ids[i, j], bias_values[i, j] = token, bias
-    masks = (np.concatenate(mask_rows) if mask_rows
-             else _unused((1, -(-vocab // 32)), np.int32, 0))
-    if any(s.logprobs >= 0 for _, s in live):
-        n_top = np.full(c, -1, dtype=np.int64)
-        for i, s in live:
-            if s.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs {s.logprobs} is above {MAX_LOGPROBS}")
-            n_top[i] = s.logprobs
-    else:
-        n_top = _unused((c,), np.int64, -1)
-    arrays = (plan, params, keys.view(np.int64), drafts, q_ids, q_probs, history, bias_ids,
-              bias_values, masks, n_top)
-    return dict(zip(GRAPH_INPUTS, arrays, strict=True))
+    return {"sample_plan": np.array(plan, dtype=np.int64),
+            "sample_params": np.array(params, dtype=np.float64),
+            "sample_keys": np.array(keys, dtype=np.uint64).view(np.int64),
+            "sample_drafts": drafts, "sample_q_ids": q_ids, "sample_q_probs": q_probs,
+            "sample_history": history, "sample_bias_ids": bias_ids,
+            "sample_bias_values": bias_values,
+            "sample_masks": np.concatenate(mask_rows) if mask_rows else fill["sample_masks"],
+            "sample_logprobs": (np.array(n_top, dtype=np.int64) if max(n_top, default=-1) >= 0
+                                else fill["sample_logprobs"])}
+
+
+_SKIPPED_PLAN = (0,) * PLAN_COLUMNS
+_SKIPPED_PARAMS = (0.0,) * PARAM_COLUMNS
+
+
+@functools.lru_cache(maxsize=64)
+def _fillers(c: int, d: int, words: int) -> dict[str, np.ndarray]:
+    """Read-only fillers for the inputs no call of a pass of c calls (d rows of drafts)
+    uses, made once per shape."""
+    return {"sample_drafts": _unused((c, 1), np.int64, -1),
+            "sample_q_ids": _unused((c, d, 1), np.int64, -1),
+            "sample_q_probs": _unused((c, d, 1), np.float32, 0),
+            "sample_history": _unused((c, 1), np.int64, -1),
+            "sample_bias_ids": _unused((c, 1), np.int64, -1),
+            "sample_bias_values": _unused((c, 1), np.float64, 0),
+            "sample_masks": _unused((1, words), np.int32, 0),
+            "sample_logprobs": _unused((c,), np.int64, -1)}
 
 
 _KEY_BITS = 2**64 - 1
@@ -207,9 +224,17 @@ def bind(binding: Any, specs: Sequence[SampleSpec | None], first_rows: Sequence[
     bound from its last pass, `bound`, kept: the shared constants), and their outputs,
     whose shapes vary by pass (ORT allocates them per run)."""
     for name, array in pack_inputs(specs, first_rows, vocab).items():
-        if bound.get(name) is not array:
-            binding.bind_cpu_input(name, array)
-            bound[name] = array
+        held = bound.get(name)
+        if held is array:
+            continue
+        # ORT reads a bound input where it lies: a pass's own array of the same shape is
+        # overwritten in place instead of bound anew (shared fillers are read-only)
+        if (held is not None and held.flags.writeable and array.flags.writeable
+                and held.shape == array.shape):
+            held[...] = array
+            continue
+        binding.bind_cpu_input(name, array)
+        bound[name] = array
     for name in GRAPH_OUTPUTS:
         binding.bind_output(name, "cpu")
 
