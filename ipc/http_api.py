@@ -591,16 +591,17 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
             choices.append(choice)
         return json_response({"id": rid, "object": obj, "created": created, "model": model,
                               "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices,
-                              "usage": _usage(*results)})
+                              "usage": _usage(*results), "timings": results[0].timings})
     # queued before the response starts: a full queue is still a 503 the client can retry
     progress = get(body, "return_progress", bool, False)
+    per_token = get(body, "timings_per_token", bool, False)
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     streams: list[Stream] = []
     try:
         for p in choice_params:
             streams.append(svc.submit(prompt, p, stop=stop, grammar=grammar,
-                                      progress=progress))
+                                      progress=progress, timings=per_token))
         return await _openai_stream(request, streams, chat=chat, rid=rid, created=created,
                                     model=model, include_usage=include_usage, names=names,
                                     logprobs=params.logprobs is not None,
@@ -672,13 +673,14 @@ async def _openai_stream(request: web.Request, streams: list[Stream], *, chat: b
     async for i, ev in _merged(streams):
         st = states[i]
         if isinstance(ev, ProgressEvent):  # return_progress
-            await _send(resp, {**chunk(st, None), "prompt_progress": ev.as_json()})
+            await _send(resp, {**chunk(st, None), "prompt_progress": ev.as_json(),
+                               **_timed(ev.timings)})
         elif isinstance(ev, Piece):
             st.logprobs.extend(ev.logprobs)
             st.texts.extend(ev.texts)
             text = ev.text if st.tools is None else st.tools.feed(ev.text)
             if text:
-                await _send(resp, chunk(st, text))
+                await _send(resp, {**chunk(st, text), **_timed(ev.timings)})
         elif ev.error or _shutting_down(request, ev):
             if st.tools is not None and st.tools.held():
                 await _send(resp, chunk(st, st.tools.held()))
@@ -701,14 +703,21 @@ async def _openai_stream(request: web.Request, streams: list[Stream], *, chat: b
             final = chunk(st, None, finish)
             if len(results) < len(streams):
                 await _send(resp, final)
-            elif include_usage:
+            elif include_usage:  # the timings ride on the last chunk, as llama-server's
                 await _send(resp, final)
-                await _send(resp, {**final, "choices": [], "usage": _usage(*results)})
+                await _send(resp, {**final, "choices": [], "usage": _usage(*results),
+                                   "timings": results[0].timings})
             else:
-                await _send(resp, {**final, "usage": _usage(*results)})
+                await _send(resp, {**final, "usage": _usage(*results),
+                                   "timings": results[0].timings})
     await _send(resp, "[DONE]")
     await resp.write_eof()
     return resp
+
+
+def _timed(timings: dict[str, Any] | None) -> dict[str, Any]:
+    """An event's "timings" field, where the request asked for them per token."""
+    return {} if timings is None else {"timings": timings}
 
 
 async def _merged(streams: list[Stream]
@@ -809,7 +818,9 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
               grammar=await _constraint(svc, body),
               n_indent=get(body, "n_indent", int, 0, lo=0),  # editor plugins (llama.vim)
               progress=get(body, "stream", bool, False) and get(body, "return_progress",
-                                                                 bool, False))
+                                                                 bool, False),
+              timings=get(body, "stream", bool, False) and get(body, "timings_per_token",
+                                                                bool, False))
 
     fields = body.get("response_fields")
     if fields is not None and not (isinstance(fields, list)
@@ -866,7 +877,8 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
                     if held is not None:
                         await _send(resp, held)
                     held = {**partial(text, [token]),
-                            "completion_probabilities": _llama_probs(svc, [lp], post)}
+                            "completion_probabilities": _llama_probs(svc, [lp], post),
+                            **_timed(ev.timings)}
                 if not ev.tokens and held is not None:
                     held["content"] += ev.text
                 elif not ev.tokens:
@@ -876,9 +888,10 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
                 await _send(resp, held)
                 held = None
             if isinstance(ev, ProgressEvent):  # return_progress
-                await _send(resp, {**partial("", []), "prompt_progress": ev.as_json()})
+                await _send(resp, {**partial("", []), "prompt_progress": ev.as_json(),
+                                   **_timed(ev.timings)})
             elif isinstance(ev, Piece):
-                await _send(resp, partial(ev.text, ev.tokens))
+                await _send(resp, {**partial(ev.text, ev.tokens), **_timed(ev.timings)})
             elif ev.error:
                 await _send_error(resp, ev.error)
             elif _shutting_down(request, ev):

@@ -36,6 +36,7 @@ class Piece:
     # no token), and its logprobs where the request asked for them
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    timings: dict[str, Any] | None = None  # the request's so far (timings_per_token)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ProgressEvent:
     cache: int
     processed: int
     time_ms: int
+    timings: dict[str, Any] | None = None  # the request's so far (timings_per_token)
 
     def as_json(self) -> dict[str, int]:
         return {"total": self.total, "cache": self.cache, "processed": self.processed,
@@ -129,14 +131,15 @@ class Service:
     def submit(self, prompt: list[int], params: GenerationParams, *,
                stop: list[str] | None = None, cache_prompt: bool = True,
                t_max_ms: float | None = None, grammar: Grammar | None = None,
-               n_indent: int = 0, progress: bool = False) -> Stream:
+               n_indent: int = 0, progress: bool = False, timings: bool = False) -> Stream:
         """Queue a request (RequestError if the prompt does not fit, QueueFull if the queue
         is), before anything is sent to the client; iterate the Stream for its output
-        (with `progress`, ProgressEvents as the prompt is evaluated)."""
+        (with `progress`, ProgressEvents as the prompt is evaluated; with `timings`, each
+        event carries the request's timings so far)."""
         self.check_prompt(prompt)
         return Stream(self, prompt, params, stop=stop, cache_prompt=cache_prompt,
                       t_max_ms=t_max_ms, grammar=grammar, n_indent=n_indent,
-                      progress=progress)
+                      progress=progress, timings=timings)
 
     async def embed(self, inputs: list[list[int]], normalize_p: int = 2) -> list[np.ndarray]:
         """Each input's embedding (Engine.embed): from the target, computed on the
@@ -211,8 +214,10 @@ class Stream:
 
     def __init__(self, svc: Service, prompt: list[int], params: GenerationParams, *,
                  stop: list[str] | None, cache_prompt: bool, t_max_ms: float | None,
-                 grammar: Grammar | None, n_indent: int = 0, progress: bool = False):
+                 grammar: Grammar | None, n_indent: int = 0, progress: bool = False,
+                 timings: bool = False):
         self.svc, self.prompt = svc, prompt
+        self._timings = timings
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._t_submit = time.perf_counter()
@@ -243,7 +248,18 @@ class Stream:
         """(worker thread) Prompt processing reached `processed` of `total` tokens."""
         ms = int((time.perf_counter() - self._t_submit) * 1000)
         self._loop.call_soon_threadsafe(self._events.put_nowait, (
-            "progress", ProgressEvent(total, cache, processed, ms)))
+            "progress", ProgressEvent(total, cache, processed, ms,
+                                      self._timings_now(processed - cache))))
+
+    def _timings_now(self, prompt_n: int | None = None) -> dict[str, Any] | None:
+        """The request's timings so far, where asked for (on the worker thread, or once
+        the request ended): `prompt_n` prompt tokens evaluated by now (None: all)."""
+        gen = self.req.gen
+        if not self._timings or gen is None:
+            return None
+        stats = gen.stats
+        done = len(self.prompt) - stats.cached_tokens if prompt_n is None else prompt_n
+        return llama_timings(stats, done, self._n_out)
 
     @property
     def _ended(self) -> bool:
@@ -272,8 +288,8 @@ class Stream:
         logprobs = [] if gen is None or gen.params.logprobs is None else (
             gen.token_logprobs[len(gen.token_logprobs) - len(tokens):][:len(used)])
         if piece or used:
-            self._loop.call_soon_threadsafe(self._events.put_nowait,
-                                            ("piece", Piece(piece, used, out, logprobs)))
+            self._loop.call_soon_threadsafe(self._events.put_nowait, (
+                "piece", Piece(piece, used, out, logprobs, self._timings_now())))
         now = time.monotonic()
         self._t_first = now if self._t_first is None else self._t_first
         if (self._t_max is not None and self._newline and self._matcher.hit is None
@@ -310,7 +326,7 @@ class Stream:
                 text.append(tail)
                 if texts:  # the last token's text, held back until now
                     texts[-1] += tail
-                yield Piece(tail, [])
+                yield Piece(tail, [], timings=self._timings_now())
         except BaseException:
             req.cancel()
             raise
@@ -328,22 +344,24 @@ class Stream:
             completion_tokens=n_out,
             cached_tokens=stats.cached_tokens, stats=stats, stopping_word=matcher.hit or "",
             error=req.error, slot=req.slot, tokens=tokens, texts=texts, logprobs=logprobs,
-            timings={
-                "cache_n": stats.cached_tokens,
-                "prompt_n": len(self.prompt) - stats.cached_tokens,
-                "prompt_ms": round(stats.prefill_s * 1000, 3),
-                "prompt_per_token_ms": _per(stats.prefill_s * 1000,
-                                            len(self.prompt) - stats.cached_tokens),
-                "prompt_per_second": round(stats.prefill_tps, 3),
-                "predicted_n": n_out,
-                "predicted_ms": round(stats.decode_s * 1000, 3),
-                "predicted_per_token_ms": _per(stats.decode_s * 1000, n_out),
-                "predicted_per_second": round(stats.decode_tps, 3),
-                "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
-                "total_ms": round(elapsed * 1000, 3),
-            })
+            timings={**llama_timings(stats, len(self.prompt) - stats.cached_tokens, n_out),
+                     "total_ms": round(elapsed * 1000, 3)})
 
 
-def _per(ms: float, n: int) -> float:
-    """Milliseconds per token (0 for none), as llama.cpp's timings give them."""
-    return round(ms / n, 3) if n > 0 else 0.0
+def llama_timings(stats: SpecStats, prompt_n: int, predicted_n: int) -> dict[str, Any]:
+    """llama-server's `timings` of a request so far: `prompt_n` prompt tokens evaluated
+    (not those from the cache), `predicted_n` generated. The rates are llama.cpp's: over
+    the milliseconds reported, generation's over the tokens after the first (which comes
+    out of the prompt's last pass)."""
+    prompt_ms = round(stats.prefill_s * 1000, 3)
+    predicted_ms = round(stats.decode_s * 1000, 3)
+    steps = max(predicted_n - 1, 0)
+    return {
+        "cache_n": stats.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n > 0 else 0.0,
+        "prompt_per_second": 1e3 / prompt_ms * prompt_n if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / steps if steps > 0 else 0.0,
+        "predicted_per_second": 1e3 / predicted_ms * steps if predicted_ms > 0 else 0.0,
+        "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
+    }

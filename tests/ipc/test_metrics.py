@@ -1,8 +1,11 @@
-"""/metrics in llama-server's series (tiny model, real server on loopback)."""
+"""/metrics in llama-server's series and the per-request timings as llama-server gives
+them (tiny model, real server on loopback)."""
 
 from __future__ import annotations
 
 import http.client
+import json
+from typing import Any
 
 import pytest
 
@@ -49,6 +52,12 @@ def _metrics(srv: LiveServer) -> tuple[dict[str, str], dict[str, tuple[str, floa
     return dict(resp.getheaders()), out
 
 
+def _events(payload: Any) -> list[dict[str, Any]]:
+    assert isinstance(payload, str), payload
+    return [json.loads(line[6:]) for line in payload.splitlines()
+            if line.startswith("data: ") and line[6:] != "[DONE]"]
+
+
 def test_llamacpp_series_count_what_requests_report(server) -> None:
     headers, before = _metrics(server)
     assert int(headers["Process-Start-Time-Unix"]) == int(server.service.started)
@@ -85,3 +94,50 @@ def test_embeddings_count_as_prompt_work(server) -> None:
     assert after["llamacpp:prompt_tokens_total"][1] > before["llamacpp:prompt_tokens_total"][1]
     assert after["llamacpp:n_decode_total"][1] >= before["llamacpp:n_decode_total"][1] + 2
     assert after["llamacpp:tokens_predicted_total"] == before["llamacpp:tokens_predicted_total"]
+
+
+def test_rates_are_over_the_tokens_after_the_first(server) -> None:
+    """The first token comes out of the prompt's pass: generation's rate and time per
+    token are over the others, computed from the milliseconds the response reports."""
+    one = server.request("POST", "/completion", {"prompt": "a b", "n_predict": 1})[1]
+    assert one["timings"]["predicted_per_second"] == 0.0
+    assert one["timings"]["predicted_per_token_ms"] == 0.0
+    t = server.request("POST", "/completion", {"prompt": "a b c", "n_predict": 8,
+                                               "ignore_eos": True, "cache_prompt": False}
+                       )[1]["timings"]
+    assert t["predicted_n"] == 8
+    assert t["predicted_per_second"] == pytest.approx(1e3 / t["predicted_ms"] * 7, abs=1e-9)
+    assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / 7, abs=1e-9)
+    assert t["prompt_per_second"] == pytest.approx(1e3 / t["prompt_ms"] * t["prompt_n"],
+                                                   abs=1e-9)
+
+
+def test_timings_per_token_in_streams(server) -> None:
+    status, payload = server.request("POST", "/completion", {
+        "prompt": "one two three " * 20, "n_predict": 4, "ignore_eos": True, "stream": True,
+        "timings_per_token": True, "return_progress": True, "cache_prompt": False})
+    assert status == 200
+    events = _events(payload)
+    progress = [e for e in events if "prompt_progress" in e]
+    assert progress[0]["timings"]["prompt_n"] == 0
+    assert progress[0]["timings"]["prompt_ms"] == 0.0
+    assert progress[-1]["timings"]["prompt_n"] == progress[-1]["prompt_progress"]["processed"]
+    tokens = [e for e in events if e["tokens"]]
+    assert [e["timings"]["predicted_n"] for e in tokens][-1] == 4
+    assert all(v is not None and v >= 0 for e in events for v in e["timings"].values())
+    # without timings_per_token only the final event has them
+    plain = _events(server.request("POST", "/completion", {
+        "prompt": "one", "n_predict": 2, "stream": True})[1])
+    assert ["timings" in e for e in plain] == [False] * (len(plain) - 1) + [True]
+
+    # OpenAI's chunks: per token where asked, and on the last chunk always
+    chunks = _events(server.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+        "timings_per_token": True, "stream_options": {"include_usage": True}})[1])
+    assert "timings" not in chunks[0]  # the role's
+    assert chunks[-1]["choices"] == [] and chunks[-1]["timings"]["predicted_n"] <= 3
+    assert all("timings" in c for c in chunks[1:] if c["choices"] and
+               c["choices"][0]["delta"].get("content"))
+    status, body = server.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert body["timings"]["predicted_n"] == body["usage"]["completion_tokens"]
