@@ -73,8 +73,8 @@ typedef struct {
   size_t heads, group, hd, n_ctx, pos;
   float scale;
   size_t window; /* 0: every earlier key */
-  /* packed sequences (CachedAttention with segments), else NULL: row r's position and
-     the cache slot its keys are in */
+  /* CachedAttention, else NULL: row r's last key position (its own, or not causal its
+     segment's last row's) and the cache slot its keys are in */
   const size_t *row_pos, *row_slot;
 } Job;
 
@@ -231,7 +231,10 @@ const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F
  *               packed (optional, 0): 1 = q is [S, (H+Hkv)*hd], each row q then k, and
  *               k names the same tensor; 2 = q is [S, (H+2Hkv)*hd], q, k, v, and k and v
  *               name it too (the product over the stacked projections, without a Split),
- *               window (optional, 0): as CausalAttention's
+ *               window (optional, 0): as CausalAttention's,
+ *               causal (optional, 1): 0 = each row of a segment attends to every key of
+ *               its sequence up to the segment's last row (pos+rows-1), its later rows
+ *               included (a drafter head's block, not causal within itself); no window
  *
  * The rotation of x at a row is, per pair (a, b) and angle i, a*cos - b*sin and
  * b*cos + a*sin in float32 without fused multiply-adds (dims past rd pass through); an
@@ -242,6 +245,7 @@ const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F
 typedef struct {
   Attn at;
   int64_t rotary_dim, interleaved, packed;
+  int64_t causal; /* 0: a segment's rows see all its keys (up to its last row) */
 } Cached;
 
 /* float32 -> float16 bits, rounded to nearest even (F16C's vcvtps2ph, ONNX's Cast) */
@@ -433,7 +437,8 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   for (size_t i = 0; i < n_seg; i++)
     for (int64_t j = 0; j < seg[i].rows; j++, s++) {
       const size_t p = (size_t)(seg[i].pos + j), slot = (size_t)seg[i].slot;
-      row_pos[s] = p;
+      /* the last key the row sees: itself, or not causal the segment's last row */
+      row_pos[s] = cd->causal ? p : (size_t)(seg[i].pos + seg[i].rows - 1);
       row_slot[s] = slot;
       rotate(q + s * q_stride, qr_rows + s * heads * d, heads, d, rd, (int)cd->interleaved,
              cs + p * half, sn + p * half);
@@ -476,8 +481,14 @@ static OrtStatus *create_cached(const OrtApi *api, const OrtKernelInfo *info, vo
   CHECK(api->KernelInfoGetAttribute_int64(info, "interleaved", &cd.interleaved));
   cd.packed = specd_int64_attribute_or(api, info, "packed", 0); /* 0: q, k, v apart */
   cd.at.window = specd_int64_attribute_or(api, info, "window", 0);
+  cd.causal = specd_int64_attribute_or(api, info, "causal", 1);
   if (cd.at.window < 0)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: window must be >= 0");
+  if (cd.causal != 0 && cd.causal != 1)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: causal must be 0 or 1");
+  if (!cd.causal && cd.at.window)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT,
+                             "CachedAttention: a window needs causal attention");
   if (cd.packed < 0 || cd.packed > 2)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: packed must be 0, 1 or 2");
   if (cd.at.heads <= 0 || cd.at.kv_heads <= 0 || cd.at.heads % cd.at.kv_heads)
