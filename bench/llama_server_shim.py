@@ -24,7 +24,8 @@ VALUED = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": 
           "--ctx-size": "-c", "-c": "-c", "--parallel": "--slots", "-np": "--slots",
           "--n-predict": "-n", "-n": "-n", "--threads": "-t", "-t": "-t",
           "--pooling": "--pooling", "--spec-draft-n-max": "--spec-draft-n-max",
-          "--spec-draft-n-min": "--spec-draft-n-min", "--cors-origins": "--allow-origin",
+          "--spec-draft-n-min": "--spec-draft-n-min", "--api-key": "--api-key",
+          "--api-key-file": "--api-key-file",
           "--spec-synth-rates": "--spec-synthetic-rates",
           "--spec-synth-len": "--spec-synthetic-mean", "--alias": "--alias", "-a": "--alias",
           "--tags": "--tags", "--batch-size": "-b", "-b": "-b"}
@@ -36,7 +37,7 @@ DROPPED_VALUED = {"--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ct
                   "--chat-template-file", "--mmproj-url", "--media-path", "--cache-ram",
                   "--sleep-idle-seconds", "--models-dir", "--models-max", "--models-preset",
                   "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json",
-                  "--lora", "--api-key", "--model-url"}
+                  "--lora", "--model-url"}
 
 
 def model_for(repo: str | None, hf_file: str | None, model: str | None) -> str:
@@ -55,6 +56,11 @@ def translate(argv: list[str]) -> list[str]:
         value = argv[i + 1] if i + 1 < len(argv) else None
         if a in ("--n-predict", "-n") and value is not None and int(value) < 0:
             i += 2  # -1 (no limit): specd serve's own default -n stands for it
+            continue
+        if a == "--cors-origins" and value is not None:  # comma-separated: one flag each
+            for origin in value.split(","):
+                out += ["--allow-origin", origin.strip()]
+            i += 2
             continue
         if a in VALUED:
             out += [VALUED[a], str(value)]

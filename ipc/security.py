@@ -10,6 +10,7 @@ import os
 import secrets
 import socket
 import stat
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ class Access:
     # tests build it: a peer the kernel does not name is admitted, there being nothing
     # to ask it for; `specd serve` always has one)
     token: str | None = None
+    # keys of the owner's choosing (llama-server's --api-key), admitted as the token is
+    api_keys: frozenset[str] = frozenset()
     require_token: bool = False  # every TCP client needs it (non-loopback, --require-token)
     # loopback TCP admits every local OS user without the token (--allow-other-users);
     # else only the daemon's own user, as the kernel names the peer (Linux)
@@ -146,18 +149,34 @@ def _own_uid() -> int | None:
     return os.getuid() if hasattr(os, "getuid") else None
 
 
+def _credential(request: web.Request) -> str | None:
+    """The key a request presents: Authorization's (its "Bearer " dropped), else
+    X-Api-Key's (Anthropic's clients send that), as llama-server reads them."""
+    got = request.headers.get("Authorization") or request.headers.get("X-Api-Key")
+    if got is None:
+        return None
+    return got[len("Bearer "):] if got.startswith("Bearer ") else got
+
+
+def _matches(got: str, key: str) -> bool:
+    return secrets.compare_digest(got.encode(), key.encode())
+
+
 def _admit(request: web.Request, access: Access, unix: bool) -> str | web.Response:
     """The identity of the request's sender, or the response refusing it."""
     uid = _peer_uid(request, unix)
     if unix:
         return f"uid:{_own_uid() if uid is None else uid}"
-    got = request.headers.get("Authorization", "")
-    with_token = access.token is not None and secrets.compare_digest(
-        got.encode(), f"Bearer {access.token}".encode())
-    if with_token:
+    got = _credential(request)
+    if got is not None and access.token is not None and _matches(got, access.token):
         return "token" if uid is None else f"uid:{uid}"
+    key = None if got is None else next((k for k in sorted(access.api_keys)
+                                         if _matches(got, k)), None)
+    if key is not None:  # each key's holder is an identity of its own
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return f"key:{digest}" if uid is None else f"uid:{uid}"
     if access.require_token:
-        return error_response(401, "missing or wrong bearer token "
+        return error_response(401, "missing or wrong API key or bearer token "
                                    "(Authorization: Bearer <token>)")
     if uid is not None and (access.other_users or uid == _own_uid()):
         return f"uid:{uid}"
@@ -167,6 +186,22 @@ def _admit(request: web.Request, access: Access, unix: bool) -> str | web.Respon
                                "the bearer token: send Authorization: Bearer <token> (the "
                                "token file in the daemon user's state dir), or start it "
                                "with --allow-other-users")
+
+
+def origin_allowed(origin: str, allowed: set[str]) -> bool:
+    """Whether a browser Origin may call the API: one of `allowed`, or, where "localhost"
+    is, any loopback origin whatever its port (llama-server's --cors-origins localhost)."""
+    if origin in allowed:
+        return True
+    if "localhost" not in allowed:
+        return False
+    try:
+        url = urllib.parse.urlsplit(origin)
+        host = url.hostname
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and host is not None and is_loopback_host(
+        f"[{host}]" if ":" in host else host)
 
 
 def make_middlewares(*, allowed_origins: set[str], access: Access,
@@ -204,10 +239,11 @@ def make_middlewares(*, allowed_origins: set[str], access: Access,
                                        "(DNS-rebinding protection)" if not access.hosts else
                                        "Host header must name this machine (DNS-rebinding "
                                        "protection)")
-        if (request.method == "OPTIONS" and origin in allowed_origins
+        if (request.method == "OPTIONS" and origin is not None
+                and origin_allowed(origin, allowed_origins)
                 and "Access-Control-Request-Method" in request.headers):
             # a browser's CORS preflight (it never carries the token)
-            return web.Response(status=204, headers={
+            return web.Response(status=200, headers={
                 "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                 "Access-Control-Allow-Headers": request.headers.get(
                     "Access-Control-Request-Headers", "Authorization, Content-Type"),
@@ -217,7 +253,7 @@ def make_middlewares(*, allowed_origins: set[str], access: Access,
             if isinstance(admitted, web.Response):
                 return admitted
             request[IDENTITY] = admitted
-        if origin is not None and origin not in allowed_origins:
+        if origin is not None and not origin_allowed(origin, allowed_origins):
             return error_response(403, f"cross-origin requests from {origin} are not "
                                        "allowed (see --allow-origin)")
         return await handler(request)
@@ -231,7 +267,7 @@ def cors_on_prepare(allowed_origins: set[str]) -> Callable[[web.Request, web.Str
     streams included, before their headers go out) names it in Access-Control-Allow-Origin."""
     async def add(request: web.Request, response: web.StreamResponse) -> None:
         origin = request.headers.get("Origin")
-        if origin is not None and origin in allowed_origins:
+        if origin is not None and origin_allowed(origin, allowed_origins):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
     return add

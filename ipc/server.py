@@ -42,6 +42,8 @@ class ServeConfig:
     port: int = DEFAULT_PORT  # 0 = pick a free port
     socket_path: Path | None = field(default_factory=default_socket_path)  # None: no socket
     require_token: bool = False
+    # keys of the owner's choosing (--api-key): every TCP client then needs one (or the token)
+    api_keys: frozenset[str] = frozenset()
     allow_non_loopback: bool = False
     allowed_origins: set[str] = field(default_factory=set)
     # loopback TCP serves every local OS user without the token (else only the daemon's)
@@ -51,23 +53,26 @@ class ServeConfig:
 
 
 def resolve_token(cfg: ServeConfig) -> str | None:
-    """Loopback-only needs no token unless asked; any other bind requires one."""
+    """Loopback-only needs no token unless asked (--require-token, or --api-key: keys are
+    then required); any other bind requires one."""
     if not is_loopback_host(cfg.host):
         if not cfg.allow_non_loopback:
             raise ValueError(f"refusing to listen on {cfg.host}: not a loopback address "
                              "(pass --allow-non-loopback; a bearer token is then required)")
         return load_or_create_token(token_path())
-    return load_or_create_token(token_path()) if cfg.require_token else None
+    required = cfg.require_token or bool(cfg.api_keys)
+    return load_or_create_token(token_path()) if required else None
 
 
 def serve_access(cfg: ServeConfig) -> Access:
     """Who may use the TCP port: by default the daemon's own OS user, and anyone with the
-    token (created on first use); every client needs the token off loopback or with
-    --require-token. Off loopback, Host may name the bound address or this machine."""
+    token (created on first use) or an --api-key; every client needs one of them off
+    loopback, with --require-token or with an --api-key. Off loopback, Host may name the
+    bound address or this machine."""
     required = resolve_token(cfg)
     token = required if required is not None else load_or_create_token(token_path())
     hosts = frozenset() if is_loopback_host(cfg.host) else machine_names(cfg.host)
-    return Access(token=token, require_token=required is not None,
+    return Access(token=token, api_keys=cfg.api_keys, require_token=required is not None,
                   other_users=cfg.allow_other_users, hosts=hosts)
 
 

@@ -34,6 +34,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="most queued requests (then 503)")
     p.add_argument("--require-token", action="store_true",
                    help="require the bearer token (state dir file) on TCP")
+    p.add_argument("--api-key", default=None,
+                   help="API keys (comma-separated) admitted on TCP as the token is, as "
+                   "Authorization: Bearer <key> or X-Api-Key: <key>; every TCP client then "
+                   "needs one or the token (llama-server's --api-key; other local users "
+                   "can read a command line: prefer --api-key-file)")
+    p.add_argument("--api-key-file", default=None,
+                   help="a file of API keys, one a line (# starts a comment), as --api-key")
     p.add_argument("--allow-non-loopback", action="store_true",
                    help="allow a non-loopback --host (a token is then always required)")
     p.add_argument("--allow-other-users", action="store_true",
@@ -138,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     scfg = ServeConfig(host=args.host, port=args.port,
                        socket_path=None if args.no_socket else Path(args.socket)
                        if args.socket else default_socket_path(),
-                       require_token=args.require_token,
+                       require_token=args.require_token, api_keys=api_keys(args),
                        allow_non_loopback=args.allow_non_loopback,
                        allowed_origins=set(args.allow_origin),
                        allow_other_users=args.allow_other_users,
@@ -166,6 +173,15 @@ def run(args: argparse.Namespace) -> int:
         if rotation is not None:
             rotation.stop()
     return 0
+
+
+def api_keys(args: argparse.Namespace) -> frozenset[str]:
+    """--api-key's keys and --api-key-file's lines (not blank, not # comments)."""
+    keys = [k.strip() for k in (args.api_key or "").split(",")]
+    if args.api_key_file:
+        lines = Path(args.api_key_file).read_text().splitlines()
+        keys += [k.strip() for k in lines if not k.strip().startswith("#")]
+    return frozenset(k for k in keys if k)
 
 
 def _log_rotation(args: argparse.Namespace) -> LogRotation | None:

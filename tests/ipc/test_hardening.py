@@ -279,6 +279,52 @@ def test_a_required_token_is_required_of_the_owner_too(tiny_path: Path,
         assert status == 200
 
 
+def test_api_keys_are_required_and_admitted_as_the_token_is(
+        tiny_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's --api-key: keys of the owner's choosing, sent as a bearer token or
+    in X-Api-Key; with one, every TCP client needs a key or the token."""
+    monkeypatch.setenv("SPECD_STATE_DIR", str(tmp_path / "state"))
+    cfg = ServeConfig(port=0, socket_path=None, api_keys=frozenset({"key-one", "key-two"}))
+    access = serve_access(cfg)
+    assert access.require_token and access.token
+    app = create_app(_service(tiny_path), access=access)
+    with serving(app, cfg) as (srv, _):
+        def status(headers: dict[str, str]) -> tuple[int, Any]:
+            return call(srv.port, "POST", "/tokenize", {"content": "hi"}, headers=headers)
+
+        for refused in ({}, {"Authorization": "Bearer key-three"}, {"X-Api-Key": "key"}):
+            code, out = status(refused)
+            assert code == 401 and out["error"]["type"] == "authentication_error", out
+        for admitted in ({"Authorization": "Bearer key-one"}, {"X-Api-Key": "key-two"},
+                         {"Authorization": "key-two"},
+                         {"Authorization": f"Bearer {access.token}"}):
+            assert status(admitted)[0] == 200, admitted
+        assert call(srv.port, "GET", "/health") == (200, {"status": "ok"})
+
+
+def test_allowing_localhost_allows_every_loopback_origin(tiny_path: Path,
+                                                         tmp_path: Path) -> None:
+    """--allow-origin localhost: a web app served from any loopback port (llama-server's
+    --cors-origins localhost); other origins, look-alikes included, are still refused."""
+    with live_server(_cfg(tiny_path, 1), tmp_path, allowed_origins={"localhost"}) as srv:
+        def preflight(origin: str) -> tuple[int, Any]:
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+            conn.request("OPTIONS", "/completion", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST"})
+            resp = conn.getresponse()
+            resp.read()
+            conn.close()
+            return resp.status, resp.getheader("Access-Control-Allow-Origin")
+
+        for origin in ("http://localhost", "http://localhost:5173", "https://127.0.0.1:3000",
+                       "http://[::1]:8080"):
+            assert preflight(origin) == (200, origin)
+        for origin in ("http://localhost.evil.com", "http://notlocalhost", "http://evil.com",
+                       "file://localhost", "http://[::1"):
+            code, allowed = preflight(origin)
+            assert code in (401, 403) and allowed is None, origin
+
+
 # -- 9. serving a LAN ---------------------------------------------------------------------
 def _lan_address() -> str | None:
     import socket

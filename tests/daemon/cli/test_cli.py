@@ -216,6 +216,19 @@ def test_sampled_requests_draft_probabilistically_unless_told_not_to() -> None:
     assert not params_from_args(off).draft.probabilistic
 
 
+def test_serve_takes_api_keys_from_the_flag_and_a_file(tmp_path) -> None:
+    from specd.daemon.cli.main import build_parser
+    from specd.daemon.cli.serve import api_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# the editor's\nkey-three\n\n  key-four  \n")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--api-key", "key-one, key-two,",
+                              "--api-key-file", str(keys)])
+    assert api_keys(args) == {"key-one", "key-two", "key-three", "key-four"}
+    assert api_keys(parser.parse_args(["serve"])) == frozenset()
+
+
 def test_serve_names_the_model_by_its_aliases_and_tags(tiny_model_factory, tmp_path) -> None:
     """--alias / --tags: /v1/models lists them, the first alias in sorted order is the
     model's id and what responses call it, and a request may name any alias."""
