@@ -13,13 +13,20 @@ the K/V rows of verified (token, g) pairs; `step` runs pairs through its layer, 
 their K/V rows at their positions, and returns the logits and pre-norm hidden states of
 the rows asked for. Rows past the verified
 context are overwritten by the next step likewise.
+
+A DFlash block graph on specd's attention (`packs_blocks`) runs the blocks of several
+sequences in one pass (`forward_batch`), each row over its own slot's cache, so a row's
+bits are the same whatever shares its pass; elsewhere `forward_batch` runs them one
+after another.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +41,7 @@ from .graph_builder.dflash import (
     build_injection_graph,
     head_hparams,
     head_options,
+    packs_blocks,
     unsupported,
 )
 from .graph_builder.eagle3 import build_encode_graph, build_pair_graph, build_step_graph
@@ -49,7 +57,7 @@ from .sampling_op import SampledBlock, SampleSpec
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
-HEAD_GRAPHS_VERSION = 4
+HEAD_GRAPHS_VERSION = 5
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None
@@ -78,6 +86,20 @@ class BlockOutput:
     candidates: np.ndarray | None = None  # [R, k] DFlash2's top-k token ids per row
     scores: np.ndarray | None = None  # [R, k, k] DFlash2's (predecessor, successor) scores
     sampled: list[SampledBlock | None] | None = None  # per row, where the graph chose them
+    # the block's share of its pass's seconds, in proportion to its rows (all of them for
+    # a block alone)
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One sequence's block in a pass: `HeadRunner.block`'s arguments."""
+
+    seq: int
+    tokens: Sequence[int]
+    pos: int
+    rows: Sequence[int]
+    specs: Sequence[SampleSpec] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +145,8 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
         kernels = native_ops.kernels_for(device)
     if requant is None:
         requant = "q4k" if kernels == "gguf" else ""
-    options = head_options(target, accuracy_level, kernels, requant, sampler=kernels == "gguf")
+    options = head_options(target, accuracy_level, kernels, requant, sampler=kernels == "gguf",
+                           packed=packs_blocks(head, kernels))
     folder = (cache_dir() / "heads" / f"{head_file.content_hash()[:16]}-"
               f"{target_file.content_hash()[:16]}-b{BUILDER_VERSION}.{HEAD_GRAPHS_VERSION}-"
               f"{options.key()}")
@@ -164,8 +187,16 @@ class HeadRunner:
         self.sessions = {name: ort.InferenceSession(
             str(built.model_path(name)), so, providers=session_providers(self.runtime.device))
             for name in built.graphs}
+        # the block graph takes `segments`: the blocks of several sequences in one pass,
+        # every slot's buffers bound at once (one binding)
+        self.packs_blocks = "block" in self.sessions and any(
+            i.name == "segments" for i in self.sessions["block"].get_inputs())
         self._cached = [name for name, sess in self.sessions.items()
-                        if any(i.name == "past_key_0" for i in sess.get_inputs())]
+                        if any(i.name == "past_key_0" for i in sess.get_inputs())
+                        and not (name == "block" and self.packs_blocks)]
+        self._all = self.sessions["block"].io_binding() if self.packs_blocks else None
+        self._all_version = -1  # the cache's buffers as last bound to `_all`
+        self.block_passes = 0  # block session runs (a pass may hold several sequences')
         # the block and step graphs choose their rows' proposals where asked (a SampleSpec
         # per row)
         self.block_samples, self.step_samples = (
@@ -212,36 +243,89 @@ class HeadRunner:
         """Run the block `tokens` at positions pos.. over the injected context; the logits
         of `rows` (a DSpark head's Markov chain runs over them in the order given), or with
         `specs` (one per row, a graph with a sampler) the proposal chosen at each row."""
-        if specs is not None and (not self.block_samples or len(specs) != len(rows)):
-            raise ValueError(f"{len(specs)} sample specs for {len(rows)} rows of a block "
-                             + ("" if self.block_samples else "whose graph has no sampler"))
-        check_call(pos, len(tokens), self.n_ctx)
-        b = self._bindings[seq]["block"]
-        b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
-        b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
-        b.bind_cpu_input("attn_len", np.array([pos + len(tokens)], dtype=np.int64))
-        b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
+        return self._block_pass([BlockCall(seq, tokens, pos, rows, specs)])[0]
+
+    def forward_batch(self, calls: Sequence[BlockCall]) -> list[BlockOutput]:
+        """The blocks of several sequences (one each): where the block graph packs them,
+        in one pass that reads every weight once for all their rows, each row computed
+        exactly as in its block alone; else one block after another."""
+        if len({c.seq for c in calls}) < len(calls):
+            raise ValueError("a batch holds one block per sequence")
+        if self.packs_blocks and len(calls) > 1:
+            return self._block_pass(calls)
+        return [self._block_pass([c])[0] for c in calls]
+
+    def _block_binding(self, seq: int) -> Any:  # an onnxruntime.IOBinding
+        """The binding a block on `seq` runs with, the cache's buffers bound as they are
+        now (they move when a sequence is added past the cache's capacity)."""
+        if self._all is None:
+            return self._bindings[seq]["block"]
+        if self._all_version != self.kv.version:
+            self.kv.bind_all(self._all)
+            self._all_version = self.kv.version
+        return self._all
+
+    def _block_pass(self, calls: Sequence[BlockCall]) -> list[BlockOutput]:
+        """One session run over the calls' blocks, one after another (several only where
+        the graph packs them)."""
+        for c in calls:
+            if c.specs is not None and (not self.block_samples or len(c.specs) != len(c.rows)):
+                raise ValueError(f"{len(c.specs)} sample specs for {len(c.rows)} rows of a "
+                                 "block " + ("" if self.block_samples
+                                             else "whose graph has no sampler"))
+            check_call(c.pos, len(c.tokens), self.n_ctx)
+            if c.seq >= self.n_seq:
+                raise ValueError(f"no sequence slot {c.seq} (the head has {self.n_seq})")
+        ids: list[int] = []
+        logits_rows: list[int] = []
+        segments: list[tuple[int, int, int]] = []  # (slot, pos, rows) per block
+        for c in calls:
+            logits_rows += [len(ids) + r for r in c.rows]
+            ids += c.tokens
+            segments.append((c.seq, c.pos, len(c.tokens)))
+        b = self._block_binding(calls[0].seq)
+        b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
+        if self.packs_blocks:
+            b.bind_cpu_input("segments", np.asarray(segments, dtype=np.int64))
+        else:
+            (_, pos, n), = segments
+            b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
+            b.bind_cpu_input("attn_len", np.array([pos + n], dtype=np.int64))
+        b.bind_cpu_input("logits_rows", np.asarray(logits_rows, dtype=np.int64))
         head = self.built.head
         names = (["candidates", "scores"] if head.kind == "dflash2" else
                  ["logits", "confidence"] if head.has_confidence_head else ["logits"])
         for name in names:
             b.bind_output(name, "cpu")
+        # the sampler's rows: one spec per row (None: the row is picked on the host)
+        row_specs: list[SampleSpec | None] = [
+            s for c in calls for s in (c.specs if c.specs is not None else [None] * len(c.rows))]
         if self.block_samples:
-            self._bind_sampler(b, specs)
+            self._bind_sampler(b, row_specs if row_specs else [None])
+        t0 = time.perf_counter()
         self.sessions["block"].run_with_iobinding(b)
+        per_row = (time.perf_counter() - t0) / len(ids)
+        self.block_passes += 1
         out = bound_outputs(b)
         first = 2 * self.hp.n_layer  # after the caches, in the order bound
-        # the logits leave the session only where the graph did not choose the rows
-        got: dict[str, Any] = {name: out[first + i].numpy() for i, name in enumerate(names)
-                               if name != "logits" or specs is None}
-        if "logits" not in got:
-            got["logits"] = np.zeros((len(rows), 0), np.float32)
-        if specs is not None:
-            got["sampled"] = sampling_op.read(out, first + len(names), specs,
-                                              range(len(specs)))
-        return BlockOutput(**got)
+        # the logits leave the session only where the graph did not choose a block's rows
+        got = {name: out[first + i].numpy() for i, name in enumerate(names)
+               if name != "logits" or any(c.specs is None for c in calls)}
+        sampled = (sampling_op.read(out, first + len(names), row_specs, range(len(row_specs)))
+                   if any(c.specs is not None for c in calls) else None)
+        results = []
+        bounds = [0, *accumulate(len(c.rows) for c in calls)]  # each block's logits rows
+        for c, lo, hi in zip(calls, bounds[:-1], bounds[1:], strict=True):
+            mine: dict[str, Any] = {name: a[lo:hi] for name, a in got.items()}
+            if c.specs is not None or "logits" not in mine:  # none left the session
+                mine["logits"] = np.zeros((len(c.rows), 0), np.float32)
+            if c.specs is not None:
+                assert sampled is not None
+                mine["sampled"] = sampled[lo:hi]
+            results.append(BlockOutput(**mine, seconds=per_row * len(c.tokens)))
+        return results
 
-    def _bind_sampler(self, b: Any, specs: Sequence[SampleSpec] | None) -> None:
+    def _bind_sampler(self, b: Any, specs: Sequence[SampleSpec | None] | None) -> None:
         """The sampler's inputs for one spec per row (None: the rows are skipped) and its
         outputs, on a graph that has it."""
         calls = specs if specs is not None else [None]

@@ -35,6 +35,7 @@ class AttentionInputs:
     ppad: str = ""  # exact, group size 1: zero probabilities [Hkv, 1, attn_len]
     seqlens_k: str = ""  # fused: int32 [1] pos + S - 1
     total_len: str = ""  # fused: int32 scalar pos + S
+    causal: bool = True  # False: a row sees its whole block (exact and native only)
 
 
 def rope_tables(hp: HParams, max_pos: int, base: float | None = None
@@ -104,16 +105,18 @@ def kv_cache_io(c: BuildContext, i: int) -> None:
 def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True) -> AttentionInputs:
     """The new tokens' positions, the rotary tables (rope.cos, rope.sin) and what the
     graph's kind of attention needs besides, from the graph inputs `ids` ([S], or [S, *]:
-    its rows are the new tokens), `position` and `attn_len`. causal=False (exact attention
-    only): every new row attends to all `attn_len` keys, later rows of its block included."""
+    its rows are the new tokens), `position` and `attn_len` (native: `segments`).
+    causal=False (exact or native attention): every new row attends to all `attn_len` keys
+    (native: its segment's), later rows of its block included."""
     g, hp = c.g, c.hp
     s_len = g.op("Shape", [ids]) if causal else g.op("Shape", [ids], end=1)  # [1]
-    if not causal and c.options.attention != "exact":
-        raise ValueError("attention over a whole block (not causal) is written out: "
-                         f"attention 'exact', not {c.options.attention!r}")
+    if not causal and c.options.attention not in ("exact", "native"):
+        raise ValueError("attention over a whole block (not causal) is written out or "
+                         "specd's: attention 'exact' or 'native', not "
+                         f"{c.options.attention!r}")
     if c.options.attention == "native":  # CachedAttention takes `segments`, masks by itself
         rotary_tables(c)
-        return AttentionInputs("", s_len)
+        return AttentionInputs("", s_len, causal=causal)
     io = AttentionInputs(rotary_positions(c, s_len), s_len)
     if c.options.attention == "fused":  # GroupQueryAttention's int32 lengths; it masks itself
         end = g.op("Cast", [g.op("Add", ["position", s_len])], to=TensorProto.INT32)
@@ -144,7 +147,7 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
     kv_cache_io(c, i)
     if c.options.attention == "native" and not hp.qk_norm:
         # CachedAttention reads q, k and v out of the stacked products, no Split between
-        return linear(c, _cached_attention(c, i, grouped_linears(c, h, names)),
+        return linear(c, _cached_attention(c, i, grouped_linears(c, h, names), io.causal),
                       p + "attn_output.weight")
     q, k, v = linears(c, h, names)  # [S, H*hd], [S, Hkv*hd], [S, Hkv*hd]
     if hp.qk_norm:
@@ -152,7 +155,8 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
         k = head_norm(c, k, nkv, p + "attn_k_norm.weight")
     if c.options.attention == "native":
         return linear(c, _cached_attention(c, i, [(q, names[:1]), (k, names[1:2]),
-                                                  (v, names[2:])]), p + "attn_output.weight")
+                                                  (v, names[2:])], io.causal),
+                      p + "attn_output.weight")
     q3, k3 = (g.op("Unsqueeze", [t, g.const([0])]) for t in (q, k))  # [1, S, *]
     fused = c.options.attention == "fused"
     v3 = g.op("Unsqueeze", [v, g.const([0])]) if fused else ""
@@ -204,12 +208,14 @@ def write_kv(c: BuildContext, i: int, k3: str, v: str) -> tuple[str, str]:
     return ck, cv
 
 
-def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[str]]]) -> str:
+def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[str]]],
+                      causal: bool = True) -> str:
     """specd's CachedAttention on the unrotated projections: rotary, the write of the new
     keys and values into layer i's cache in place, and the exact attention over it in one
     node: [S, H*hd]; the rows are `segments` (slot, position, rows) of several sequences.
     `products`: the q, k and v products as `grouped_linears` gives them; q + k + v or
-    q + k stacked in one are read in place (`packed`), anything else split."""
+    q + k stacked in one are read in place (`packed`), anything else split. causal False:
+    each segment's rows see the whole segment (a drafter head's block)."""
     shapes = [len(group) for _, group in products]
     if shapes == [3]:
         packed, (t,) = 2, [y for y, _ in products]
@@ -224,7 +230,8 @@ def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[st
     op = "CachedAttentionF16" if c.options.kv_dtype == "f16" else "CachedAttention"
     table = rope_table(hp, i)
     optional = ({"packed": packed} if packed else {}) | (
-        {"window": hp.sliding_window} if hp.is_swa(i) else {})
+        {"window": hp.sliding_window} if hp.is_swa(i) else {}) | (
+        {} if causal else {"causal": 0})
     out, _, _ = g.op(op, [q, k, v, f"past_key_{i}", f"past_value_{i}", "segments",
                           f"{table}.cos", f"{table}.sin"], 3, domain=NATIVE,
                      out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],

@@ -17,7 +17,11 @@ block      input_ids [B] = [last, MASK × (B - 1)] at `position`: the head's Qwe
            [R, k, k] (graph_builder/dflash2.py).
 
 Graph inputs and outputs follow the decoder graph's contract (package docstring):
-`position`, `attn_len`, `logits_rows`, past_/present_ key/value per layer.
+`position`, `attn_len`, `logits_rows`, past_/present_ key/value per layer. A DFlash block
+on specd's attention (`packs_blocks`) takes `segments` [B, 3] (slot, position, rows)
+instead of `position` and `attn_len`: the blocks of B sequences in one pass, each row
+over its own slot's cache, the caches of every slot bound at once; `logits_rows` index
+the packed rows. The injection graph writes one sequence's rows into its slot's buffers.
 """
 
 from __future__ import annotations
@@ -63,15 +67,26 @@ def head_hparams(head: HeadParams, target: HParams) -> HParams:
                    rope_interleaved=head.rope_interleaved, qk_norm=head.kind != "eagle3")
 
 
+def packs_blocks(head: HeadParams, kernels: str) -> bool:
+    """Whether the head's block graph runs on specd's CachedAttention (not causal within a
+    block) with `segments`, packing the blocks of several sequences in one pass: DFlash's,
+    where specd's kernels run (kernels "gguf") and its head_dim is whole lanes. DSpark's
+    Markov chain and DFlash2's convolutions run across a block's rows, so their blocks
+    keep a pass each."""
+    return kernels == "gguf" and head.kind == "dflash" and head.head_dim % 8 == 0
+
+
 def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
-                 kernels: str = "ort", requant: str = "", sampler: bool = False
-                 ) -> BuildOptions:
+                 kernels: str = "ort", requant: str = "", sampler: bool = False,
+                 packed: bool = False) -> BuildOptions:
     """Head graphs: attention written out (the block is not causal), float32 cache, rotary
     tables as long as the target's context; kernels "gguf": specd's GgufMatMul for the
     matrix types it reads (the others as ONNX Runtime's); requant "q4k": every matrix
     re-quantized to Q4_K for it, as drafts' are (the shared LM head included); sampler: a
-    block's proposals chosen in the graph (SampleTokens after its logits)."""
-    return BuildOptions(attention="exact", kv_dtype="f32", max_positions=target.n_ctx_train,
+    block's proposals chosen in the graph (SampleTokens after its logits); packed
+    (`packs_blocks`): the block on specd's attention, taking `segments`."""
+    return BuildOptions(attention="native" if packed else "exact", kv_dtype="f32",
+                        max_positions=target.n_ctx_train,
                         accuracy_level=accuracy_level, kernels=kernels, requant=requant,
                         sampler=sampler)
 
@@ -138,8 +153,11 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     tc = BuildContext(g, target, target_file, dataclasses.replace(options, max_positions=0),
                       None)
     ids = g.input("input_ids", I64, ["S"])
-    g.input("position", I64, [1])
-    g.input("attn_len", I64, [1])
+    if options.attention == "native":  # the blocks of B sequences: (slot, position, rows)
+        g.input("segments", I64, ["B", 3])
+    else:
+        g.input("position", I64, [1])
+        g.input("attn_len", I64, [1])
     g.input("logits_rows", I64, ["R"])
     io = attention_inputs(c, ids, causal=head.causal)
     x = embedding(c if head.has_token_embd else tc, ids)  # [S, E]

@@ -1,0 +1,108 @@
+"""A DFlash head's blocks of several sequences in one pass (HeadRunner.forward_batch): each
+block's logits, proposals and cache rows equal that block alone, bit for bit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specd.ort_models import native_ops
+from specd.ort_models.head_runner import BlockCall, HeadRunner, load_or_build_head
+from specd.ort_models.sampling_op import SampleSpec
+
+from tiny_heads import write_tiny_head
+
+pytestmark = pytest.mark.skipif(native_ops.library() is None,
+                                reason=f"no specd kernels: {native_ops.unavailable_reason()}")
+
+CONTEXTS = (12, 20, 7)  # injected rows per slot
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+          ) -> tuple[Path, Path]:
+    target = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
+    head = write_tiny_head(tmp_path_factory.mktemp("head") / "head.gguf", seed=5)
+    return target, head
+
+
+def _runner(paths: tuple[Path, Path]) -> HeadRunner:
+    """A head over three slots, each with its own random context injected."""
+    target, head = paths
+    runner = HeadRunner(load_or_build_head(head, target), n_ctx=512, n_seq=3)
+    rng = np.random.default_rng(1)
+    for seq, n in enumerate(CONTEXTS):
+        runner.inject(seq, rng.normal(0, 1, (n, runner.feature_width)).astype(np.float32), 0)
+    return runner
+
+
+def _calls(runner: HeadRunner, lengths: tuple[int, ...]) -> list[BlockCall]:
+    mask = runner.built.head.mask_token_id
+    assert mask is not None
+    return [BlockCall(seq, [100 + seq] + [mask] * (n - 1), CONTEXTS[seq], list(range(1, n)))
+            for seq, n in enumerate(lengths)]
+
+
+def _kv(runner: HeadRunner, seq: int) -> list[np.ndarray]:
+    return [a.copy() for pair in runner.kv.layers(seq) for a in pair]
+
+
+def test_the_dflash_block_graph_packs_sequences(paths: tuple[Path, Path]) -> None:
+    runner = _runner(paths)
+    assert runner.packs_blocks
+    assert "segments" in {i.name for i in runner.sessions["block"].get_inputs()}
+
+
+@pytest.mark.parametrize("lengths", [(4, 2, 3), (4, 4)], ids=["three", "two"])
+def test_packed_blocks_equal_each_block_alone(paths: tuple[Path, Path],
+                                              lengths: tuple[int, ...]) -> None:
+    runner = _runner(paths)
+    calls = _calls(runner, lengths)
+    passes = runner.block_passes
+    packed = runner.forward_batch(calls)
+    assert runner.block_passes == passes + 1  # one pass for every block
+    packed_kv = [_kv(runner, c.seq) for c in calls]
+    alone = _runner(paths)
+    for c, got, kv in zip(calls, packed, packed_kv, strict=True):
+        want = alone.forward_batch([c])[0]
+        assert got.logits.shape == (len(c.rows), runner.hp.n_vocab)
+        np.testing.assert_array_equal(got.logits, want.logits)
+        for a, b in zip(kv, _kv(alone, c.seq), strict=True):
+            np.testing.assert_array_equal(a, b)  # the block's rows, and nothing else's
+    # the same blocks again, in another order: the same bits
+    again = runner.forward_batch(list(reversed(calls)))
+    for got, want in zip(reversed(again), packed, strict=True):
+        np.testing.assert_array_equal(got.logits, want.logits)
+
+
+def test_packed_blocks_mix_graph_choices_and_host_rows(paths: tuple[Path, Path]) -> None:
+    """A block whose rows the graph chooses (one spec per row) beside one read on the host:
+    each as alone."""
+    runner = _runner(paths)
+    calls = _calls(runner, (4, 3))
+    specs = [SampleSpec(key=7, position=CONTEXTS[0] + 1 + i, temperature=0.8)
+             for i in range(len(calls[0].rows))]
+    calls[0] = BlockCall(calls[0].seq, calls[0].tokens, calls[0].pos, calls[0].rows, specs)
+    packed = runner.forward_batch(calls)
+    alone = _runner(paths)
+    for c, got in zip(calls, packed, strict=True):
+        want = alone.forward_batch([c])[0]
+        np.testing.assert_array_equal(got.logits, want.logits)
+        if c.specs is None:
+            assert got.sampled is None and got.logits.shape[1] == runner.hp.n_vocab
+        else:
+            assert got.sampled is not None and want.sampled is not None
+            assert got.logits.shape == (len(c.rows), 0)
+            for a, b in zip(got.sampled, want.sampled, strict=True):
+                assert a is not None and b is not None
+                assert list(a.tokens) == list(b.tokens)
+
+
+def test_a_batch_holds_one_block_per_sequence(paths: tuple[Path, Path]) -> None:
+    runner = _runner(paths)
+    call = _calls(runner, (2,))[0]
+    with pytest.raises(ValueError, match="one block per sequence"):
+        runner.forward_batch([call, call])
