@@ -6,7 +6,13 @@
 /* ---------------------------------------------------------------------------------- */
 /* 512-bit passes: 16 rows per vector                                                   */
 #define SPECD_AVX512 1
-enum { ROWS_PER_PASS = 6 }; /* rows of A whose accumulators stay in the 32 registers */
+/* Rows of A a superblock is multiplied with at once: their accumulators stay in the 32
+   registers (two a row). A row group is taken superblock by superblock, each against
+   all the rows of the call in turn, in chunks of at most ROWS_PER_PASS, as even as
+   possible (8 rows: one chunk; 12: 6 and 6): the superblock is read from memory once
+   and from L1 after, and the stream of weights is spread evenly over the compute
+   instead of coming all in the first pass over the group. */
+enum { ROWS_PER_PASS = 8 };
 typedef __m512i VI;
 
 ALWAYS_INLINE VI bcast4(const void *p) {
@@ -30,10 +36,11 @@ ALWAYS_INLINE VI pairs_i8(const uint8_t *lo, const uint8_t *hi) {
 }
 
 /* y[m][r] += superblock i of a row group (at w, its first nsub sub-blocks) . rows
-   m0 .. m0+mt-1 of A, r < 16; mt and nsub are constants where this is inlined, so the
-   loops over m unroll into registers */
+   m0 .. m0+mt-1 of A, r < 16; mt is a constant where this is inlined, so the loops
+   over m unroll into registers. pf: the first chunk of rows on this superblock, which
+   prefetches the one PF_AHEAD on. */
 ALWAYS_INLINE void sb_q4_k(const uint8_t *w, size_t i, const int nsub, const Act *a,
-                           size_t m0, const int mt, float (*y)[GROUP]) {
+                           size_t m0, const int mt, const int pf, float (*y)[GROUP]) {
   const size_t k = a->k;
   const VI m4 = _mm512_set1_epi8(0x0F);
   const uint8_t *sc = w + Q4_K_SC, *mn = w + Q4_K_MN, *qs = w + Q4_K_QS;
@@ -45,7 +52,11 @@ ALWAYS_INLINE void sb_q4_k(const uint8_t *w, size_t i, const int nsub, const Act
     x[m] = a->q + (m0 + m) * k + i * QK_K;
   }
   for (int j = 0; j < nsub; j++, qs += 4 * 64) {
-    /* the rows' dot products interleaved: consecutive instructions are independent */
+    if (pf) prefetch_lines(w + PF_AHEAD * Q4_K_GROUP_BYTES + 320 * j, 5);
+    /* the rows' dot products interleaved: consecutive instructions are independent.
+       Up to 3 rows, the low and the high nibbles' products in two sums a row (two
+       chains of vpdpbusd); from 4 rows on, the rows' chains are enough and one sum a
+       row leaves the registers for more rows */
     VI s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
@@ -54,14 +65,21 @@ ALWAYS_INLINE void sb_q4_k(const uint8_t *w, size_t i, const int nsub, const Act
 #pragma GCC unroll 8
       for (int m = 0; m < mt; m++) {
         const int8_t *xp = x[m] + 32 * j + 8 * p;
-        s0[m] = _mm512_dpbusd_epi32(p ? s0[m] : _mm512_setzero_si512(), lo, bcast4(xp));
-        s1[m] = _mm512_dpbusd_epi32(p ? s1[m] : _mm512_setzero_si512(), hi, bcast4(xp + 4));
+        if (mt < 4) {
+          s0[m] = _mm512_dpbusd_epi32(p ? s0[m] : _mm512_setzero_si512(), lo, bcast4(xp));
+          s1[m] = _mm512_dpbusd_epi32(p ? s1[m] : _mm512_setzero_si512(), hi, bcast4(xp + 4));
+        } else {
+          s0[m] = _mm512_dpbusd_epi32(p ? s0[m] : _mm512_setzero_si512(), lo, bcast4(xp));
+          s0[m] = _mm512_dpbusd_epi32(s0[m], hi, bcast4(xp + 4));
+        }
       }
     }
     const VI scj = u8x16(sc + GROUP * j);
 #pragma GCC unroll 8
-    for (int m = 0; m < mt; m++)
-      isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(s0[m], s1[m]), scj));
+    for (int m = 0; m < mt; m++) {
+      const VI s = mt < 4 ? _mm512_add_epi32(s0[m], s1[m]) : s0[m];
+      isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(s, scj));
+    }
   }
   /* y += da * (d * isum - dmin * imin), imin = sum_j m[j] * (sum of A's 32 values of
      sub-block j), two sub-blocks a madd */
@@ -82,64 +100,100 @@ ALWAYS_INLINE void sb_q4_k(const uint8_t *w, size_t i, const int nsub, const Act
   }
 }
 
-/* y[m][r] += row group (nb superblocks at w) . rows m0 .. m0+mt-1 of A, r < 16 */
-ALWAYS_INLINE void pass_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
-                             const int mt, float (*y)[GROUP]) {
-  for (size_t i = 0; i + 1 < nb; i++, w += Q4_K_GROUP_BYTES) sb_q4_k(w, i, 8, a, m0, mt, y);
-  if (a->trim == 0) sb_q4_k(w, nb - 1, 8, a, m0, mt, y);
-  else sb_q4_k(w, nb - 1, 8 - a->trim, a, m0, mt, y);
-}
-
-ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0,
-                             const int mt, float (*y)[GROUP]) {
+/* y[m][r] += superblock i of a row group (at w) . rows m0 .. m0+mt-1 of A, r < 16 */
+ALWAYS_INLINE void sb_q6_k(const uint8_t *w, size_t i, const Act *a, size_t m0,
+                           const int mt, const int pf, float (*y)[GROUP]) {
   const size_t k = a->k;
   const VI m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-  for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES) {
-    const uint8_t *sc = w + Q6_K_SC, *ql = w + Q6_K_QL;
-    VI isum[ROWS_PER_PASS];
-    /* codes are stored + 32: isum starts at -32 * sum_j sc[j] * (sum of A's 16 values of
-       sub-block j), two sub-blocks a madd */
-    VI sp[8];
-    for (int t = 0; t < 8; t++) sp[t] = pairs_i8(sc + 32 * t, sc + 32 * t + GROUP);
+  const uint8_t *sc = w + Q6_K_SC, *ql = w + Q6_K_QL;
+  VI isum[ROWS_PER_PASS];
+  /* codes are stored + 32: isum starts at -32 * sum_j sc[j] * (sum of A's 16 values of
+     sub-block j), two sub-blocks a madd */
+  VI sp[8];
+  for (int t = 0; t < 8; t++) sp[t] = pairs_i8(sc + 32 * t, sc + 32 * t + GROUP);
+#pragma GCC unroll 8
+  for (int m = 0; m < mt; m++) {
+    const int16_t *bs = a->sum16 + (m0 + m) * (k / 16) + i * 16;
+    VI off = _mm512_madd_epi16(sp[0], bcast4(bs));
+    for (int t = 1; t < 8; t++) off = _mm512_add_epi32(off, _mm512_madd_epi16(sp[t], bcast4(bs + 2 * t)));
+    isum[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(off, 5));
+  }
+  for (int j = 0; j < 16; j++, ql += 192) {
+    if (pf) prefetch_lines(w + PF_AHEAD * Q6_K_GROUP_BYTES + 256 * j, 4);
+    const VI l0 = _mm512_loadu_si512(ql), l1 = _mm512_loadu_si512(ql + 64);
+    const VI h = _mm512_loadu_si512(ql + 128);
+    /* bits 2t..2t+1 of each byte of h moved to bits 4..5 (16-bit shifts: the bits that
+       cross into the next byte land outside the mask) */
+    const VI c0 = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+    const VI c1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4),
+                                  _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+    const VI c2 = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(h, m30));
+    const VI c3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                                  _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+    const VI scj = i8x16(sc + GROUP * j);
 #pragma GCC unroll 8
     for (int m = 0; m < mt; m++) {
-      const int16_t *bs = a->sum16 + (m0 + m) * (k / 16) + i * 16;
-      VI off = _mm512_madd_epi16(sp[0], bcast4(bs));
-      for (int t = 1; t < 8; t++) off = _mm512_add_epi32(off, _mm512_madd_epi16(sp[t], bcast4(bs + 2 * t)));
-      isum[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(off, 5));
+      const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
+      VI s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, bcast4(x));
+      VI s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1, bcast4(x + 4));
+      s0 = _mm512_dpbusd_epi32(s0, c2, bcast4(x + 8));
+      s1 = _mm512_dpbusd_epi32(s1, c3, bcast4(x + 12));
+      isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scj));
     }
-    for (int j = 0; j < 16; j++, ql += 192) {
-      const VI l0 = _mm512_loadu_si512(ql), l1 = _mm512_loadu_si512(ql + 64);
-      const VI h = _mm512_loadu_si512(ql + 128);
-      /* bits 2t..2t+1 of each byte of h moved to bits 4..5 (16-bit shifts: the bits that
-         cross into the next byte land outside the mask) */
-      const VI c0 = _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
-      const VI c1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4),
-                                    _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
-      const VI c2 = _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(h, m30));
-      const VI c3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
-                                    _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
-      const VI scj = i8x16(sc + GROUP * j);
+  }
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
 #pragma GCC unroll 8
-      for (int m = 0; m < mt; m++) {
-        const int8_t *x = a->q + (m0 + m) * k + i * QK_K + 16 * j;
-        VI s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, bcast4(x));
-        VI s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1, bcast4(x + 4));
-        s0 = _mm512_dpbusd_epi32(s0, c2, bcast4(x + 8));
-        s1 = _mm512_dpbusd_epi32(s1, c3, bcast4(x + 12));
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scj));
-      }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-#pragma GCC unroll 8
-    for (int m = 0; m < mt; m++) {
-      const __m512 da = _mm512_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
-      const __m512 t = _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[m]));
-      _mm512_storeu_ps(y[m], _mm512_add_ps(_mm512_loadu_ps(y[m]), _mm512_mul_ps(da, t)));
+  for (int m = 0; m < mt; m++) {
+    const __m512 da = _mm512_set1_ps(a->d[(m0 + m) * (k / QK_K) + i]);
+    const __m512 t = _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[m]));
+    _mm512_storeu_ps(y[m], _mm512_add_ps(_mm512_loadu_ps(y[m]), _mm512_mul_ps(da, t)));
+  }
+}
+
+/* sb_<type>(..., m0 + m, n, pf, y + m) for the chunk of n <= ROWS_PER_PASS rows at m,
+   n a constant in each case */
+#define SB_CHUNK(call)                                                                    \
+  switch (n) {                                                                            \
+    case 1: call(1); break;                                                               \
+    case 2: call(2); break;                                                               \
+    case 3: call(3); break;                                                               \
+    case 4: call(4); break;                                                               \
+    case 5: call(5); break;                                                               \
+    case 6: call(6); break;                                                               \
+    case 7: call(7); break;                                                               \
+    default: call(8); break;                                                              \
+  }
+/* y[m][r] += row group . rows m0 .. m0+mt-1 of A: superblock by superblock, each against
+   the rows in chunks of at most ROWS_PER_PASS, as even as possible; per row, the same
+   float operations in the same (superblock) order as a call of any other size */
+static void group_q4_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, size_t mt,
+                       float (*y)[GROUP]) {
+  const size_t chunks = (mt + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+  for (size_t i = 0; i < nb; i++, w += Q4_K_GROUP_BYTES) {
+    const int nsub = i + 1 < nb ? 8 : 8 - a->trim;
+    for (size_t c = 0, m = 0; c < chunks; c++) {
+      const size_t n = (mt - m) / (chunks - c);
+#define Q4_K_CHUNK(rows) sb_q4_k(w, i, nsub, a, m0 + m, rows, c == 0, y + m)
+      SB_CHUNK(Q4_K_CHUNK)
+#undef Q4_K_CHUNK
+      m += n;
     }
   }
 }
-#define HALF_PASSES(pass, n) pass_##pass(w, nb, a, m0 + m, n, y + m)
+
+static void group_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m0, size_t mt,
+                       float (*y)[GROUP]) {
+  const size_t chunks = (mt + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
+  for (size_t i = 0; i < nb; i++, w += Q6_K_GROUP_BYTES) {
+    for (size_t c = 0, m = 0; c < chunks; c++) {
+      const size_t n = (mt - m) / (chunks - c);
+#define Q6_K_CHUNK(rows) sb_q6_k(w, i, a, m0 + m, rows, c == 0, y + m)
+      SB_CHUNK(Q6_K_CHUNK)
+#undef Q6_K_CHUNK
+      m += n;
+    }
+  }
+}
 
 #elif SPECD_AVX2
 /* ---------------------------------------------------------------------------------- */
@@ -307,7 +361,9 @@ ALWAYS_INLINE void pass_q6_k(const uint8_t *w, size_t nb, const Act *a, size_t m
 #define HALF_PASSES(pass, n) pass_##pass(w, nb, a, m0 + m, n, y + m)
 #endif
 
-#if SPECD_AVX2
+#if SPECD_AVX512
+/* group_q4_k and group_q6_k: above */
+#elif SPECD_AVX2
 /* mt rows in passes of ROWS_PER_PASS, each pass with a constant row count (the cases
    past ROWS_PER_PASS are never taken: n % (ROWS_PER_PASS + 1) compiles them empty) */
 #define ROW_PASS(pass, n) HALF_PASSES(pass, (n) % (ROWS_PER_PASS + 1))
