@@ -26,13 +26,15 @@ from specd.daemon.spec.drafter import (
     Drafter,
     DraftEvidence,
     DraftParams,
+    DraftSteps,
     Features,
     Proposal,
     head_input_rows,
+    run_steps,
 )
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
-from specd.ort_models.head_runner import BlockOutput, HeadRunner
+from specd.ort_models.head_runner import BlockCall, BlockOutput, HeadRunner
 from specd.ort_models.heads import DEFAULT_BLOCK_SIZE
 from specd.ort_models.sampling_op import SampleSpec
 
@@ -53,7 +55,8 @@ class DFlashDrafter(Drafter):
         head = runner.built.head
         if head.mask_token_id is None:
             raise ValueError(f"{runner.built.head_path.name} names no mask token")
-        self.runner = runner
+        # the scheduler runs the blocks of several sequences in one pass of it
+        self.runner = self.step_runner = runner
         self.name = head.kind
         self.target_layers = head.hidden_layers
         self.mask_id = head.mask_token_id
@@ -80,6 +83,12 @@ class DFlashDrafter(Drafter):
 
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
               grammar: GrammarState | None = None) -> Proposal:
+        return run_steps(self.draft_steps(seq, last, pos, n_max, params, grammar), self.runner)
+
+    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+                    grammar: GrammarState | None = None) -> DraftSteps:
+        """The draft as one yielded BlockCall (sent its BlockOutput): a scheduler runs the
+        blocks of several sequences in one pass of the head."""
         st = self._seqs[seq]
         if st.injected != pos:
             raise RuntimeError(f"the head's context ends at {st.injected}, the target at {pos}")
@@ -89,11 +98,15 @@ class DFlashDrafter(Drafter):
             return Proposal([])
         t0 = time.perf_counter()
         sampler = st.sampler if params.probabilistic else None  # None: the argmax
-        out = self.runner.block(seq, [last] + [self.mask_id] * (n + first - 1), pos,
-                                list(range(first, first + n)),
-                                self._specs(sampler, grammar, pos, n, params))
+        call = BlockCall(seq, [last] + [self.mask_id] * (n + first - 1), pos,
+                         list(range(first, first + n)),
+                         self._specs(sampler, grammar, pos, n, params))
+        t1 = time.perf_counter()
+        out: BlockOutput = yield call
+        # what waiting for the other sequences' rows of the pass cost is not this draft's
+        waited = max(time.perf_counter() - t1 - out.seconds, 0.0)
         tokens, q_rows, unsure = self._read(out, sampler, params.p_min, grammar)
-        seconds = time.perf_counter() - t0  # one pass proposed them all
+        seconds = time.perf_counter() - t0 - waited  # one pass proposed them all
         return Proposal(tokens, stack_q(q_rows),
                         DraftEvidence(step_seconds=(seconds,), stopped_unsure=unsure))
 

@@ -22,7 +22,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from specd.daemon.spec.drafter import StepRunner
 from specd.daemon.spec.generation import (
     Generation,
     GenerationParams,
@@ -31,7 +33,7 @@ from specd.daemon.spec.generation import (
 )
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
-from specd.ort_models.runner import Call, CallOutput, ModelRunner
+from specd.ort_models.runner import Call
 
 from .engine import Engine
 
@@ -56,14 +58,20 @@ class PassCounts:
     n_tokens_max: int = 0  # the longest sequence a slot has held (prompt + generated)
 
 
+# a slot's step: it yields its drafter's calls (a draft model's Call, a head's
+# BlockCall), is sent their outputs, and returns the target's call
+_Steps = Generator[Any, Any, Call | None]
+
+
 @dataclass
 class _Drafting:
-    """A slot's step waiting for the output of its drafter's model call."""
+    """A slot's step waiting for the output of its drafter's call (a draft model's step,
+    a head's block): those of every slot on one runner run in one pass."""
 
     slot: Slot
-    steps: Generator[Call, CallOutput, Call | None]
-    runner: ModelRunner
-    call: Call
+    steps: _Steps
+    runner: StepRunner
+    call: Any
 
 
 @dataclass
@@ -310,8 +318,8 @@ class Scheduler:
 
     def _step(self) -> None:
         """One step of every active slot: each plans its round (or takes its next prompt
-        chunk, within the step's prefill budget); their drafters' model calls run a pass
-        at a time for all of them; then one target pass runs every slot's call, and each
+        chunk, within the step's prefill budget); their drafters' calls (a draft model's
+        steps, a head's blocks) run a pass at a time for all of them; then one target pass runs every slot's call, and each
         verifies and emits.
 
         While prompts are evaluated, steps alternate: one runs the prompt chunks alone,
@@ -320,7 +328,7 @@ class Scheduler:
         token comes a decode pass sooner, and running streams still advance every other
         chunk."""
         work: list[tuple[Slot, Call]] = []  # target calls
-        drafting: list[_Drafting] = []  # draft-model calls waiting for their pass
+        drafting: list[_Drafting] = []  # drafter calls waiting for their pass
         prefill_left = self.prefill_chunk  # prompt tokens this step's pass may hold
         prompts_only = not self._last_prompts_only and any(
             s.request is not None and s.request.gen is not None and not s.request.cancelled
@@ -377,12 +385,12 @@ class Scheduler:
                 self._fail(req, exc)
             self._settle(slot)
 
-    def _resume(self, slot: Slot, steps: Generator[Call, CallOutput, Call | None],
-                out: CallOutput | Exception | None, drafting: list[_Drafting]
+    def _resume(self, slot: Slot, steps: _Steps, out: Any, drafting: list[_Drafting]
                 ) -> Call | None:
-        """Run a slot's step up to its next model call (sent `out`, the last one's output
-        or failure): a draft-model call joins `drafting`; the target call it ends with is
-        returned (None: no target call, or the request failed)."""
+        """Run a slot's step up to its next drafter call (sent `out`, the last one's
+        output or failure; None: the step starts): a drafter's call joins `drafting`; the
+        target call it ends with is returned (None: no target call, or the request
+        failed)."""
         req = slot.request
         assert req is not None and req.gen is not None
         try:
@@ -403,7 +411,7 @@ class Scheduler:
         drafting.append(_Drafting(slot, steps, runner, call))
         return None
 
-    def _pass(self, runner: ModelRunner, calls: list[Call]) -> list[CallOutput | Exception]:
+    def _pass(self, runner: StepRunner, calls: list[Any]) -> list[Any]:
         """The calls through `runner` in one pass; where it fails, each call alone, so
         that only the request whose call fails gets the error."""
         try:

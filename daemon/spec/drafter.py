@@ -22,12 +22,11 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from specd.daemon.text.grammar import GrammarState
-from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
 from .sampling import Sampler
 from .verify import DraftProbs
@@ -116,12 +115,22 @@ class Proposal:
 
 _R = TypeVar("_R")
 
-# a draft as a generator: it yields calls of the drafter's model, is sent each call's
-# output, and returns the proposal
-DraftSteps = Generator[Call, CallOutput, "Proposal"]
+# a draft as a generator: it yields calls of the drafter's model (a ModelRunner's Call, a
+# head's BlockCall), is sent each call's output (with its `seconds`), and returns the
+# proposal
+DraftSteps = Generator[Any, Any, "Proposal"]
 
 
-def run_steps(steps: Generator[Call, CallOutput, _R], runner: ModelRunner | None) -> _R:
+class StepRunner(Protocol):
+    """What runs a drafter's stepwise calls: the calls of several sequences (one each) in
+    one pass where it can, an output (with its `seconds`, the call's share of the pass)
+    per call. A ModelRunner (Call -> CallOutput), a HeadRunner (BlockCall ->
+    BlockOutput)."""
+
+    def forward_batch(self, calls: Sequence[Any]) -> list[Any]: ...
+
+
+def run_steps(steps: Generator[Any, Any, _R], runner: StepRunner | None) -> _R:
     """Drive a stepwise draft (or anything yielding model calls) alone: each call it
     yields through `runner`; what it returns."""
     try:
@@ -134,14 +143,14 @@ def run_steps(steps: Generator[Call, CallOutput, _R], runner: ModelRunner | None
         return result
 
 
-def timed_steps(steps: Generator[Call, CallOutput, _R]
-                ) -> Generator[Call, CallOutput, tuple[_R, float]]:
+def timed_steps(steps: Generator[Any, Any, _R]
+                ) -> Generator[Any, Any, tuple[_R, float]]:
     """`steps`, passing their calls on, and what they cost this sequence: their own time
     between calls and each call's share of its pass (`CallOutput.seconds`), not the time
     spent waiting while passes shared with other sequences ran."""
     own = 0.0
     t = time.perf_counter()
-    to_send: CallOutput | None = None
+    to_send: Any = None  # the last call's output (a CallOutput, a BlockOutput)
     thrown: BaseException | None = None
     while True:
         try:
@@ -186,8 +195,9 @@ class Drafter(ABC):
     #: `draft()` proposes all its tokens in one pass (a head's block), whose cost grows
     #: with the block's length far less than a step per token
     one_pass: bool = False
-    #: the runner whose calls `draft_steps` yields (None: it yields none)
-    step_runner: ModelRunner | None = None
+    #: the runner whose calls `draft_steps` yields (None: it yields none): a StepRunner
+    #: (typed Any while Generation.step_runner says ModelRunner)
+    step_runner: Any = None
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:

@@ -1,0 +1,111 @@
+"""Slots drafting with a DFlash head: the scheduler runs every slot's block in one pass of
+the head, as it runs the draft model's steps, and each stream's output is its solo run's
+(tiny models, specd's kernels)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specd.daemon.serving.engine import Engine, EngineConfig
+from specd.daemon.serving.scheduler import Request, Scheduler
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.sampling import SamplerParams
+from specd.daemon.text.grammar import Grammar, compile_constraint
+from specd.ort_models import native_ops
+from specd.ort_models.head_runner import BlockCall, BlockOutput, HeadRunner
+
+from tiny_heads import write_tiny_head
+
+pytestmark = pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                 "maximum": 999}},
+          "required": ["n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+           ) -> Engine:
+    target = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
+    head = write_tiny_head(tmp_path_factory.mktemp("heads") / "dflash.gguf", seed=5)
+    return Engine(EngineConfig(target=str(target), draft=str(head), spec_type="draft-dflash",
+                               n_ctx=512, slots=3, fetch=False, device="cpu"))
+
+
+@pytest.fixture
+def scheduler(engine: Engine) -> Iterator[Scheduler]:
+    sched = Scheduler(engine)
+    yield sched
+    sched.stop()
+
+
+class Stream:
+    """A request and what it emitted."""
+
+    def __init__(self, prompt: list[int], params: GenerationParams,
+                 grammar: Grammar | None = None):
+        self.tokens: list[int] = []
+        self.done = threading.Event()
+        self.req = Request(prompt=prompt, params=params, on_tokens=self._got,
+                           on_done=lambda r: self.done.set(), grammar=grammar)
+
+    def _got(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+
+    def result(self) -> list[int]:
+        assert self.done.wait(120) and self.req.error is None, self.req.error
+        return self.tokens
+
+
+def _streams(engine: Engine) -> list[Callable[[], Stream]]:
+    """Greedy, seeded sampling, and greedy under a JSON schema; drafting every round."""
+    grammar = compile_constraint("json_schema", SCHEMA, engine.tokenizer)
+
+    def params(**kw: Any) -> GenerationParams:
+        return GenerationParams(**{"max_tokens": 40, "ignore_eos": True, "adaptive": False,
+                                   "draft": DraftParams(n_max=3), **kw})
+
+    return [
+        lambda: Stream([348, *range(20, 50)], params()),
+        lambda: Stream([348, *range(80, 120)],
+                       params(sampling=SamplerParams(temperature=0.8, seed=7))),
+        lambda: Stream(engine.tokenizer.encode("give json:"), params(ignore_eos=False),
+                       grammar),
+    ]
+
+
+def _solo(scheduler: Scheduler, make: Callable[[], Stream]) -> list[int]:
+    s = make()
+    scheduler.submit(s.req)
+    return s.result()
+
+
+def test_streams_share_head_passes_and_equal_their_solo_runs(
+        scheduler: Scheduler, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    head = engine.head
+    assert isinstance(head, HeadRunner) and head.packs_blocks
+    assert engine.drafter is not None and engine.drafter.step_runner is head
+    makers = _streams(engine)
+    want = [_solo(scheduler, make) for make in makers]
+    real, sizes = head.forward_batch, []
+
+    def spy(calls: list[BlockCall]) -> list[BlockOutput]:
+        sizes.append(len(calls))
+        return real(calls)
+
+    monkeypatch.setattr(head, "forward_batch", spy)
+    passes = head.block_passes
+    streams = [make() for make in makers]
+    for s in streams:
+        scheduler.submit(s.req)
+    assert [s.result() for s in streams] == want
+    drafted = [s.req.gen.stats.drafted for s in streams if s.req.gen is not None]
+    assert all(n > 0 for n in drafted)
+    assert max(sizes) == 3  # all three streams' blocks in one pass
+    assert head.block_passes - passes == len(sizes) < sum(sizes)  # a session run per pass
