@@ -319,8 +319,8 @@ class Scheduler:
     def _step(self) -> None:
         """One step of every active slot: each plans its round (or takes its next prompt
         chunk, within the step's prefill budget); their drafters' calls (a draft model's
-        steps, a head's blocks) run a pass at a time for all of them; then one target pass runs every slot's call, and each
-        verifies and emits.
+        steps, a head's blocks) run a pass at a time for all of them; then one target
+        pass runs every slot's call, and each verifies and emits.
 
         While prompts are evaluated, steps alternate: one runs the prompt chunks alone,
         the next every slot. A pass of a chunk's rows is compute-bound, so rows riding
