@@ -25,7 +25,9 @@ VALUED = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": 
           "--n-predict": "-n", "-n": "-n", "--threads": "-t", "-t": "-t",
           "--pooling": "--pooling", "--spec-draft-n-max": "--spec-draft-n-max",
           "--spec-draft-n-min": "--spec-draft-n-min", "--api-key": "--api-key",
-          "--api-key-file": "--api-key-file",
+          "--api-key-file": "--api-key-file", "--chat-template-file": "--chat-template-file",
+          "--chat-template-kwargs": "--chat-template-kwargs", "--reasoning": "--reasoning",
+          "-rea": "--reasoning",
           "--spec-synth-rates": "--spec-synthetic-rates",
           "--spec-synth-len": "--spec-synthetic-mean", "--alias": "--alias", "-a": "--alias",
           "--tags": "--tags", "--batch-size": "-b", "-b": "-b"}
@@ -33,8 +35,8 @@ FLAGS = {"--embedding": "--embeddings", "--embeddings": "--embeddings"}
 # llama-server flags that take a value and have no specd counterpart
 DROPPED_VALUED = {"--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ctv", "-fa",
                   "--grp-attn-n", "--grp-attn-w",
-                  "--slot-save-path", "--reasoning-format", "--reasoning", "--chat-template",
-                  "--chat-template-file", "--mmproj-url", "--media-path", "--cache-ram",
+                  "--slot-save-path", "--reasoning-format", "--chat-template", "--mmproj-url",
+                  "--media-path", "--cache-ram",
                   "--sleep-idle-seconds", "--models-dir", "--models-max", "--models-preset",
                   "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json",
                   "--lora", "--model-url"}

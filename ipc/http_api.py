@@ -465,7 +465,8 @@ class _ChatInputs:
     tools: list[dict[str, Any]] | None  # told to the model (None: none, or tool_choice none)
     names: set[str] | None  # the tools whose calls the reply is read for
     forced: str | None  # a grammar making the reply calls (tool_choice)
-    render: dict[str, bool]  # continue_final_message / add_generation_prompt
+    # continue_final_message / add_generation_prompt, template_kwargs where given
+    render: dict[str, Any]
 
 
 def _chat_inputs(body: dict[str, Any]) -> _ChatInputs:
@@ -494,8 +495,17 @@ def _chat_inputs(body: dict[str, Any]) -> _ChatInputs:
         raise BadRequest("only the last message may be an assistant's to continue (two "
                          "assistant messages end the chat)", param="messages")
     cont = get(body, "continue_final_message", bool, prefill)
-    render = {"continue_final_message": cont,
-              "add_generation_prompt": get(body, "add_generation_prompt", bool, not cont)}
+    render: dict[str, Any] = {
+        "continue_final_message": cont,
+        "add_generation_prompt": get(body, "add_generation_prompt", bool, not cont)}
+    # more variables for the template, as llama-server and vLLM take them
+    # ({"enable_thinking": false} for Qwen3's)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise BadRequest("'chat_template_kwargs' must be an object",
+                             param="chat_template_kwargs")
+        render["template_kwargs"] = kwargs
     return _ChatInputs(messages, tools or None, names, forced, render)
 
 
@@ -503,7 +513,8 @@ def _render(svc: Service, chat: _ChatInputs, how: str) -> Any:
     """The chat's prompt, rendered by the engine's `how` ("render_chat": the text,
     "chat_tokens": its token ids); a template error, or more text than the context can
     hold, is a 400."""
-    check_text_bytes(texts_in(chat.messages) + texts_in(chat.tools or []),
+    check_text_bytes(texts_in(chat.messages) + texts_in(chat.tools or [])
+                     + texts_in(chat.render.get("template_kwargs") or {}),
                      _prompt_byte_limit(svc), "messages")
     try:
         return getattr(svc.engine, how)(chat.messages, chat.tools, **chat.render)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .generate import engine_config_from_args
 from .options import build_progress, int_at_least
@@ -59,6 +60,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "order is what /v1/models and responses call it; default: the GGUF's)")
     p.add_argument("--tags", default=None,
                    help="tags /v1/models lists for the model, comma-separated")
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="a Jinja chat template used instead of the GGUF's")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="variables for the chat template, a JSON object (e.g. "
+                   "'{\"enable_thinking\": false}'); a request's chat_template_kwargs "
+                   "override them")
+    p.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
+                   help="on / off: the chat template's enable_thinking, unless a request "
+                   "sets it; auto (default): the template's own default")
     p.add_argument("--embeddings", action="store_true",
                    help="serve /v1/embeddings and /embeddings from the target's last hidden "
                    "state (its graph then outputs it: built once more)")
@@ -126,6 +136,7 @@ def build_service(args: argparse.Namespace):
     cfg.embeddings = args.embeddings or args.embedding_model is not None
     cfg.pooling, cfg.embedding_model = args.pooling, args.embedding_model
     cfg.aliases, cfg.tags = _names(args.alias), _names(args.tags)
+    cfg.chat_template, cfg.template_kwargs = chat_template_options(args)
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     return Service(engine, Scheduler(engine, max_queue=args.queue,
                                      prefill_chunk=args.batch_size))
@@ -173,6 +184,26 @@ def run(args: argparse.Namespace) -> int:
         if rotation is not None:
             rotation.stop()
     return 0
+
+
+def chat_template_options(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
+    """--chat-template-file's text, and the template variables of --chat-template-kwargs
+    and --reasoning."""
+    template = (Path(args.chat_template_file).read_text(encoding="utf-8")
+                if args.chat_template_file else None)
+    kwargs: dict[str, Any] = {}
+    if args.chat_template_kwargs:
+        try:
+            given = json.loads(args.chat_template_kwargs)
+        except ValueError:
+            given = None
+        if not isinstance(given, dict):
+            raise ValueError("--chat-template-kwargs: not a JSON object: "
+                             f"{args.chat_template_kwargs!r}")
+        kwargs = given
+    if args.reasoning != "auto":
+        kwargs["enable_thinking"] = args.reasoning == "on"
+    return template, kwargs
 
 
 def api_keys(args: argparse.Namespace) -> frozenset[str]:

@@ -90,6 +90,15 @@ class EngineConfig:
     # the first in sorted order is its id), and its --tags; none: the GGUF's name
     aliases: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
+    # the chat template instead of the GGUF's (--chat-template-file), and variables every
+    # chat render gets unless its request sets them (--chat-template-kwargs, --reasoning)
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# variables a chat render sets itself: template kwargs may not replace them
+RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt",
+                              "continue_final_message", "bos_token", "eos_token"})
 
 
 @dataclass
@@ -145,7 +154,8 @@ class Engine:
             + (" (chosen by --spec-type auto)" if cfg.spec_type == "auto" else ""))
         before_tokenizer = rss_bytes()
         self.tokenizer = Tokenizer.from_metadata(tgt_file.metadata)
-        self.chat_template: str | None = tgt_file.get("tokenizer.chat_template")
+        self.chat_template: str | None = (cfg.chat_template
+                                          or tgt_file.get("tokenizer.chat_template"))
         tokenizer_bytes = rss_bytes() - before_tokenizer
         bp = build_progress or (lambda label: None)
         try:
@@ -280,25 +290,31 @@ class Engine:
     def render_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None, *,
                     add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> str:
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat as the model's template writes it: a new assistant turn opened (by
-        default), or the final message continued (assistant prefill)."""
+        default), or the final message continued (assistant prefill). `template_kwargs`:
+        more variables for the template (`enable_thinking`, ...) over the served ones."""
         tok = self.tokenizer
+        extra = {k: v for k, v in {**self.cfg.template_kwargs, **(template_kwargs or {})}.items()
+                 if k not in RENDER_VARIABLES}
         return render_chat(self.chat_template or "", messages,
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message,
                            bos_token=self._bos_text(),
                            eos_token=tok.token_text(tok.eos_id)
-                           if tok.eos_id is not None else "", tools=tools)
+                           if tok.eos_id is not None else "", tools=tools, **extra)
 
     def chat_tokens(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None, *,
                     add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The rendered chat as token ids, with one BOS: templates that write
         `{{ bos_token }}` themselves get no second one from the tokenizer."""
         text = self.render_chat(messages, tools, add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message)
+                                continue_final_message=continue_final_message,
+                                template_kwargs=template_kwargs)
         bos = self._bos_text()
         add_bos = None if not (bos and text.startswith(bos)) else False
         return self.tokenizer.encode(text, add_bos=add_bos, parse_special=True)

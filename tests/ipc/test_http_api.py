@@ -590,3 +590,33 @@ def test_return_progress_reports_each_prompt_chunk(server) -> None:
         assert not any("prompt_progress" in e for e in plain)
     finally:
         scheduler.prefill_chunk = chunk
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:"
+    "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}"
+    "{% if flavour is defined %} {{ flavour }}{% endif %}{% endif %}")
+
+
+def test_chat_template_file_and_kwargs(tiny_path, tmp_path) -> None:
+    """--chat-template-file's template replaces the GGUF's; --reasoning off and
+    --chat-template-kwargs give it variables, which a request's chat_template_kwargs
+    override (llama-server's and vLLM's field; the render's own variables stay)."""
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1,
+                       chat_template=THINKING_TEMPLATE,
+                       template_kwargs={"enable_thinking": False, "flavour": "mint"})
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with live_server(cfg, tmp_path) as srv:
+        status, out = srv.request("POST", "/apply-template", chat)
+        assert status == 200 and out["prompt"] == "user: hi\nassistant: /no_think mint"
+        status, out = srv.request("POST", "/apply-template", {
+            **chat, "chat_template_kwargs": {"enable_thinking": True, "flavour": "lime",
+                                             "add_generation_prompt": False}})
+        assert out["prompt"] == "user: hi\nassistant: lime"
+        status, out = srv.request("POST", "/apply-template", {
+            **chat, "chat_template_kwargs": ["enable_thinking"]})
+        assert status == 400 and out["error"]["param"] == "chat_template_kwargs"
+        status, out = srv.request("POST", "/v1/chat/completions", {
+            **chat, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": True}})
+        assert status == 200, out

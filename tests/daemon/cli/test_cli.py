@@ -229,6 +229,22 @@ def test_serve_takes_api_keys_from_the_flag_and_a_file(tmp_path) -> None:
     assert api_keys(parser.parse_args(["serve"])) == frozenset()
 
 
+def test_serve_chat_template_options(tmp_path) -> None:
+    from specd.daemon.cli.main import build_parser
+    from specd.daemon.cli.serve import chat_template_options
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}")
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--chat-template-file", str(template), "--reasoning",
+                              "off", "--chat-template-kwargs", '{"flavour": "mint"}'])
+    assert chat_template_options(args) == ("{{ messages[0].content }}",
+                                           {"flavour": "mint", "enable_thinking": False})
+    assert chat_template_options(parser.parse_args(["serve"])) == (None, {})
+    with pytest.raises(ValueError, match="not a JSON object"):
+        chat_template_options(parser.parse_args(["serve", "--chat-template-kwargs", "[1]"]))
+
+
 def test_serve_names_the_model_by_its_aliases_and_tags(tiny_model_factory, tmp_path) -> None:
     """--alias / --tags: /v1/models lists them, the first alias in sorted order is the
     model's id and what responses call it, and a request may name any alias."""
