@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -57,7 +58,7 @@ from .sampling_op import SampledBlock, SampleSpec
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
-HEAD_GRAPHS_VERSION = 5
+HEAD_GRAPHS_VERSION = 6
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None
@@ -194,6 +195,15 @@ class HeadRunner:
         self._cached = [name for name, sess in self.sessions.items()
                         if any(i.name == "past_key_0" for i in sess.get_inputs())
                         and not (name == "block" and self.packs_blocks)]
+        # the injection graph returns K/V rows (beside a packing block graph): the rows of
+        # several sequences in one pass, written into their slots here; injections may
+        # wait in `_pending` while `deferred_injections` is open
+        self.packs_injections = "inject" in self.sessions and any(
+            i.name == "positions" for i in self.sessions["inject"].get_inputs())
+        self._pending: list[tuple[int, np.ndarray, int]] = []  # (seq, features, pos)
+        self._deferring = 0
+        self.injections = 0  # inject() calls
+        self.inject_passes = 0  # injection session runs (a pass may hold several calls')
         self._all = self.sessions["block"].io_binding() if self.packs_blocks else None
         self._all_version = -1  # the cache's buffers as last bound to `_all`
         self.block_passes = 0  # block session runs (a pass may hold several sequences')
@@ -233,10 +243,55 @@ class HeadRunner:
         """Write the K/V rows of target tokens at positions pos.. from their features
         [n, L*E_t] (the target layers' hidden states, concatenated in the head's order)."""
         check_call(pos, features.shape[0], self.n_ctx)
+        self.injections += 1
+        if self.packs_injections:
+            rows = np.array(features, dtype=np.float32, copy=self._deferring > 0)  # [n, W]
+            self._pending.append((seq, rows, pos))
+            if not self._deferring:
+                self.flush_injections()
+            return
         b = self._bindings[seq]["inject"]
         b.bind_cpu_input("features", np.ascontiguousarray(features, dtype=np.float32))
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
         self.sessions["inject"].run_with_iobinding(b)
+        self.inject_passes += 1
+
+    @contextmanager
+    def deferred_injections(self) -> Iterator[None]:
+        """While open, injections (of any sequences) wait, and run in one pass when it
+        closes (or before a block reads them), where the injection graph packs them."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            if not self._deferring:
+                self.flush_injections()
+
+    def flush_injections(self) -> None:
+        """Run the waiting injections in one pass: each sequence's K/V rows written into its
+        slot at their positions."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        features = np.concatenate([f for _, f, _ in pending])  # [S, L*E_t]
+        positions = np.concatenate([np.arange(pos, pos + len(f), dtype=np.int64)
+                                    for _, f, pos in pending])  # [S]
+        names = [f"{kind}_{i}" for i in range(self.hp.n_layer) for kind in ("key", "value")]
+        outs = self.sessions["inject"].run(names, {"features": features,
+                                                   "positions": positions})
+        self.inject_passes += 1
+        hkv, hd = self.hp.n_head_kv, self.hp.head_dim
+        start = 0
+        for seq, f, pos in pending:
+            n = len(f)
+            # the caches [1, Hkv, kv_len, hd] of each layer, its rows [S, Hkv*hd]
+            for (k, v), k_rows, v_rows in zip(self.kv.layers(seq), outs[0::2], outs[1::2],
+                                              strict=True):
+                for cache, rows in ((k, k_rows), (v, v_rows)):
+                    cache[0, :, pos:pos + n] = (rows[start:start + n].reshape(n, hkv, hd)
+                                                .transpose(1, 0, 2))
+            start += n
 
     def block(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int],
               specs: Sequence[SampleSpec] | None = None) -> BlockOutput:
@@ -276,6 +331,7 @@ class HeadRunner:
             check_call(c.pos, len(c.tokens), self.n_ctx)
             if c.seq >= self.n_seq:
                 raise ValueError(f"no sequence slot {c.seq} (the head has {self.n_seq})")
+        self.flush_injections()  # the context the blocks read
         ids: list[int] = []
         logits_rows: list[int] = []
         segments: list[tuple[int, int, int]] = []  # (slot, pos, rows) per block

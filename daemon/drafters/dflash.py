@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,6 +154,11 @@ class DFlashDrafter(Drafter):
         rows = head_input_rows(features, self.target_layers, len(tokens))  # [n, L*E]
         self.runner.inject(seq, rows, st.injected)
         st.injected += len(tokens)
+
+    def batched_updates(self) -> AbstractContextManager[None]:
+        """The injections of the sequences completed together in one pass of the head
+        (where its injection graph packs them)."""
+        return self.runner.deferred_injections()
 
     def end(self, seq: int) -> None:
         st = self._seqs.get(seq)

@@ -11,6 +11,7 @@ that a rejection must roll back (`accept`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 from specd.daemon.spec.drafter import Drafter, DraftParams, DraftSteps, Features, Proposal
 from specd.daemon.spec.sampling import Sampler
@@ -46,6 +47,9 @@ class HybridDrafter(Drafter):
     def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
                     grammar: GrammarState | None = None) -> DraftSteps:
         return self.model.draft_steps(seq, last, pos, n_max, params, grammar)
+
+    def batched_updates(self) -> AbstractContextManager[None]:
+        return self.model.batched_updates()
 
     def accept(self, seq: int, n_accepted: int) -> None:
         self.model.accept(seq, n_accepted)  # a no-op after a lookup round: nothing drafted

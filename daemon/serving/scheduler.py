@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -371,6 +372,15 @@ class Scheduler:
         outputs = self._pass(self.engine.target.runner, [call for _, call in work])
         self.counts.passes += 1
         self.counts.rows += len(work)
+        drafter = self.engine.drafter
+        # what the drafter computes from the verified tokens (a head's injections) runs
+        # in one pass for all the slots completed here
+        with drafter.batched_updates() if drafter is not None else nullcontext():
+            self._complete(work, outputs)
+
+    def _complete(self, work: list[tuple[Slot, Call]], outputs: list[Any]) -> None:
+        """Each slot's step finished with its output of the target's pass (or failure):
+        verified, emitted, settled."""
         for (slot, _), out in zip(work, outputs, strict=True):
             req = slot.request
             assert req is not None and req.gen is not None

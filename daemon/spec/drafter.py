@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -225,6 +226,12 @@ class Drafter(ABC):
         call."""
         return self.draft(seq, last, pos, n_max, params, grammar)
         yield  # unreachable: makes this a generator
+
+    def batched_updates(self) -> AbstractContextManager[None]:
+        """While open, what `begin` and `process` compute for several sequences may wait
+        and run in one pass when it closes (a head's injections): a scheduler opens it
+        around the steps it completes together."""
+        return nullcontext()
 
     def accepts_position(self, i: int, target_choice: int, eog: set[int]) -> bool:
         """Whether draft position i (reached) is accepted, for a drafter that decides

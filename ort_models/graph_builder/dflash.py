@@ -3,7 +3,11 @@ reads its GGUF), over one draft KV cache that both bind:
 
 injection  features [S, L*E_t] of S verified target tokens at `position`:
            g = RMSNorm_enc(fc · features); for every head layer K = RoPE(k_norm(W_k g)),
-           V = W_v g, written into the cache at the tokens' positions. No logits.
+           V = W_v g, written into the cache at the tokens' positions. No logits. Beside
+           a packing block graph (`packs_blocks`) it takes `positions` [S] instead, one
+           per row, and returns each layer's rows `key_i`, `value_i` [S, Hkv*hd] rather
+           than writing them: the rows of several sequences in one pass, the runner
+           writing each into its slot (no cache input).
 block      input_ids [B] = [last, MASK × (B - 1)] at `position`: the head's Qwen3-style
            layers, each row attending to all `attn_len` (= position + B) keys: the
            injected context and the whole block (not causal within it, unless the head
@@ -21,7 +25,7 @@ Graph inputs and outputs follow the decoder graph's contract (package docstring)
 on specd's attention (`packs_blocks`) takes `segments` [B, 3] (slot, position, rows)
 instead of `position` and `attn_len`: the blocks of B sequences in one pass, each row
 over its own slot's cache, the caches of every slot bound at once; `logits_rows` index
-the packed rows. The injection graph writes one sequence's rows into its slot's buffers.
+the packed rows; its injection graph returns the K/V rows of any sequences' tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .attention import (
     attention_inputs,
     kv_cache_io,
     rotary_positions,
+    rotary_tables,
     rotate,
     write_kv,
 )
@@ -123,8 +128,13 @@ def build_injection_graph(head_file: GGUFFile, head: HeadParams, target: HParams
                      total=head.n_layer + 1)
     width = len(head.target_layers) * head.target_hidden_size
     features = g.input("features", F32, ["S", width])
-    g.input("position", I64, [1])
-    pos_ids = rotary_positions(c, g.op("Shape", [features], end=1))
+    packed = options.attention == "native"  # rows out, the runner writes them (docstring)
+    if packed:
+        pos_ids = g.op("Unsqueeze", [g.input("positions", I64, ["S"]), g.const([0])])  # [1, S]
+        rotary_tables(c)
+    else:
+        g.input("position", I64, [1])
+        pos_ids = rotary_positions(c, g.op("Shape", [features], end=1))
     finite = g.op("Where", [g.op("IsNaN", [features]), g.const(0.0, np.float32), features])
     x = g.op("Clip", [finite, g.const(-FEATURE_LIMIT, np.float32),
                       g.const(FEATURE_LIMIT, np.float32)])  # [S, L*E_t]
@@ -133,10 +143,18 @@ def build_injection_graph(head_file: GGUFFile, head: HeadParams, target: HParams
     nkv = c.hp.n_head_kv
     for i in range(head.n_layer):
         p = f"blk.{i}."
-        kv_cache_io(c, i)
+        if not packed:
+            kv_cache_io(c, i)
         k = head_norm(c, linear(c, fused, p + "attn_k.weight"), nkv, p + "attn_k_norm.weight")
         k3 = rotate(c, g.op("Unsqueeze", [k, g.const([0])]), pos_ids, nkv)  # [1, S, Hkv*hd]
-        write_kv(c, i, k3, linear(c, fused, p + "attn_v.weight"))
+        v = linear(c, fused, p + "attn_v.weight")  # [S, Hkv*hd]
+        if packed:
+            g.op("Squeeze", [k3, g.const([0])], out=[f"key_{i}"])
+            g.output(f"key_{i}", F32, ["S", nkv * c.hp.head_dim])
+            g.op("Identity", [v], out=[f"value_{i}"])
+            g.output(f"value_{i}", F32, ["S", nkv * c.hp.head_dim])
+        else:
+            write_kv(c, i, k3, v)
         c.shared.clear()
         c.tick(f"layer {i + 1}/{head.n_layer}")
 

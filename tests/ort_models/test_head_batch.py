@@ -106,3 +106,30 @@ def test_a_batch_holds_one_block_per_sequence(paths: tuple[Path, Path]) -> None:
     call = _calls(runner, (2,))[0]
     with pytest.raises(ValueError, match="one block per sequence"):
         runner.forward_batch([call, call])
+
+
+def test_deferred_injections_run_in_one_pass_as_each_alone(paths: tuple[Path, Path]) -> None:
+    """The injections of three sequences waiting in `deferred_injections` run in one pass
+    when it closes, writing the rows each injection alone writes, bit for bit; a block
+    first runs those waiting before it."""
+    runner, alone = _runner(paths), _runner(paths)
+    assert runner.packs_injections
+    rng = np.random.default_rng(2)
+    more = [rng.normal(0, 1, (n, runner.feature_width)).astype(np.float32) for n in (3, 1, 5)]
+    passes = runner.inject_passes
+    with runner.deferred_injections():
+        for seq, rows in enumerate(more):
+            buf = rows.copy()
+            runner.inject(seq, buf, CONTEXTS[seq])
+            buf[:] = 0.0  # the rows waiting are the runner's own copy
+        assert runner.inject_passes == passes
+    assert runner.inject_passes == passes + 1
+    for seq, rows in enumerate(more):
+        alone.inject(seq, rows, CONTEXTS[seq])
+    for seq in range(3):
+        for a, b in zip(_kv(runner, seq), _kv(alone, seq), strict=True):
+            np.testing.assert_array_equal(a, b)
+    with runner.deferred_injections():
+        runner.inject(0, more[0], CONTEXTS[0] + 3)
+        runner.forward_batch(_calls(runner, (2,)))  # runs the injection waiting first
+        assert runner.inject_passes == passes + 2

@@ -100,7 +100,7 @@ def test_streams_share_head_passes_and_equal_their_solo_runs(
         return real(calls)
 
     monkeypatch.setattr(head, "forward_batch", spy)
-    passes = head.block_passes
+    passes, injections, inject_passes = head.block_passes, head.injections, head.inject_passes
     streams = [make() for make in makers]
     for s in streams:
         scheduler.submit(s.req)
@@ -109,3 +109,5 @@ def test_streams_share_head_passes_and_equal_their_solo_runs(
     assert all(n > 0 for n in drafted)
     assert max(sizes) == 3  # all three streams' blocks in one pass
     assert head.block_passes - passes == len(sizes) < sum(sizes)  # a session run per pass
+    # the verified tokens' injections of the slots completed together: one pass
+    assert head.inject_passes - inject_passes < head.injections - injections
