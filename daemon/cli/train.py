@@ -31,11 +31,12 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         DEFAULT_FEATURE_LAYERS,
         DEFAULT_GAMMA,
         DEFAULT_HEAD_LAYERS,
+        DEFAULT_MARKOV_RANK,
     )
 
     p = subparsers.add_parser(
-        "train-draft", help="train a DFlash drafter head for a target (self-distillation; "
-        "needs specd[train])",
+        "train-draft", help="train a DFlash or DSpark drafter head for a target "
+        "(self-distillation; needs specd[train])",
         description="Train a drafter head for TARGET by self-distillation: the target "
         "answers instructions made of the Python standard library's source and docs "
         "(PSF licence) and story prompts, its hidden states and greedy replies are what the "
@@ -44,8 +45,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         "docs/training.md.")
     p.add_argument("-m", "--model", default=DEFAULT_TARGET,
                    help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
-    p.add_argument("--kind", default="dflash", help="head kind: dflash (eagle3 and dspark "
-                   "are planned)")
+    p.add_argument("--kind", default="dflash", help="head kind: dflash, or dspark (anchor-"
+                   "first, with Markov and confidence heads); eagle3 is planned")
     p.add_argument("-o", "--outfile", required=True, help="the head GGUF to write")
     p.add_argument("--work-dir", default=None,
                    help="data and checkpoints (default: OUTFILE.work)")
@@ -82,6 +83,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     h.add_argument("--draft-vocab", type=int_at_least(0), default=DEFAULT_DRAFT_VOCAB,
                    help=f"draft vocabulary: the most frequent reply tokens, with d2t "
                    f"(default {DEFAULT_DRAFT_VOCAB}; 0: the target's whole vocabulary)")
+    h.add_argument("--markov-rank", type=int_at_least(1), default=DEFAULT_MARKOV_RANK,
+                   help=f"DSpark: the Markov head's rank (default {DEFAULT_MARKOV_RANK})")
     h.add_argument("--outtype", choices=("f32", "f16", "bf16", "q8_0"), default="f16",
                    help="type of the head's matrices in the GGUF (default f16)")
     t = p.add_argument_group("training")
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             n_ff=args.ffn, block_size=args.block, gamma=args.gamma,
             feature_layers=args.feature_layers, target_layers=args.target_layers,
             mask_token_id=args.mask_token_id, draft_vocab=args.draft_vocab,
-            outtype=args.outtype, device=resolve_device(args.device),
+            markov_rank=args.markov_rank, outtype=args.outtype, device=resolve_device(args.device),
             train_device=args.train_device, threads=args.threads or None, seed=args.seed,
             resume=args.resume, exclude=tuple(PROMPTS.values()), settings=settings)
         result = train_draft(req)

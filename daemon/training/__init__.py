@@ -9,9 +9,9 @@ The stages, each resumable from its work folder:
 2. `distill.py`: the target's own greedy replies to them (specd's runner, prompt lookup
    in front, so the replies are exactly what the target says), with the hidden states of
    the layers the head reads for every token, stored as shards of numpy arrays.
-3. `trainer.py` (PyTorch, the optional `specd[train]` extra): the DFlash recipe on those
-   shards, checkpointed; `model.py` is the head in torch, the same computation as specd's
-   head graphs (`ort_models/graph_builder/dflash.py`).
+3. `trainer.py` (PyTorch, the optional `specd[train]` extra): the DFlash (or DSpark)
+   recipe on those shards, checkpointed; `model.py` is the head in torch, the same
+   computation as specd's head graphs (`ort_models/graph_builder/dflash.py`, `dspark.py`).
 4. `export.py`: the head GGUF, through `convert_draft`'s writer, checked by specd's head
    reader against the target.
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 
-KINDS = ("dflash",)  # head kinds train-draft makes
-PLANNED_KINDS = ("eagle3", "dspark")  # recognised, refused with a reason
+KINDS = ("dflash", "dspark")  # head kinds train-draft makes
+PLANNED_KINDS = ("eagle3",)  # recognised, refused with a reason
 INSTALL_HINT = "pip install 'specd[train]'"
 
 

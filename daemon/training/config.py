@@ -1,6 +1,7 @@
 """The shape of the head to train, chosen from the target: which target layers it reads
 (llama.cpp's ids), its width and attention (the target's: a DFlash head reads features of
-its own width and shares the target's embeddings), the mask token, the block."""
+its own width and shares the target's embeddings), the mask token, the block, and a DSpark
+head's Markov rank."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ DEFAULT_BLOCK = 16
 DEFAULT_GAMMA = 7.0  # the loss weight of block slot k is exp(-(k - 1) / gamma)
 DEFAULT_DRAFT_VOCAB = 32768  # a reduced vocabulary (with d2t) where the target's is larger
 HEAD_RMS_EPS = 1e-6
+DEFAULT_MARKOV_RANK = 256  # DeepSpec's
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,21 @@ class HeadConfig:
     mask_token_id: int
     target_vocab: int  # the target's vocabulary (token_embd rows)
     draft_vocab: int  # rows of the head's logits: < target_vocab means a d2t map
+    # "dflash": slot 0 holds the anchor, slots 1..B-1 draft the tokens at their own
+    # positions; "dspark": anchor-first, slot k drafts the token after its position
+    # (a + k + 1), biased by a Markov head of this rank, with a confidence head
+    kind: str = "dflash"
+    markov_rank: int = 0
+
+    @property
+    def first_slot(self) -> int:
+        """The block's first drafting slot."""
+        return 0 if self.kind == "dspark" else 1
+
+    @property
+    def n_slots(self) -> int:
+        """Drafts a block proposes: B - 1, or B anchor-first."""
+        return self.block_size - self.first_slot
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -55,7 +72,10 @@ class HeadConfig:
         return self.draft_vocab < self.target_vocab
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.kind == "dflash":  # as DFlash runs recorded it before other kinds
+            del d["kind"], d["markov_rank"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HeadConfig:
@@ -99,9 +119,10 @@ def head_config(f: GGUFFile, hp: HParams, *, n_layer: int = DEFAULT_HEAD_LAYERS,
                 n_ff: int | None = None, block_size: int = DEFAULT_BLOCK,
                 gamma: float = DEFAULT_GAMMA, feature_layers: int = DEFAULT_FEATURE_LAYERS,
                 target_layers: tuple[int, ...] | None = None, mask_token_id: int | None = None,
-                draft_vocab: int = DEFAULT_DRAFT_VOCAB) -> HeadConfig:
-    """The head for target `f` (hyper-parameters `hp`): its attention is the target's
-    (heads, KV heads, head size, rope base); n_ff defaults to the target's."""
+                draft_vocab: int = DEFAULT_DRAFT_VOCAB, kind: str = "dflash",
+                markov_rank: int = DEFAULT_MARKOV_RANK) -> HeadConfig:
+    """The `kind` head for target `f` (hyper-parameters `hp`): its attention is the
+    target's (heads, KV heads, head size, rope base); n_ff defaults to the target's."""
     if block_size < 2:
         raise TrainError(f"--block {block_size}: a block is the anchor and at least one "
                          "draft slot")
@@ -122,4 +143,5 @@ def head_config(f: GGUFFile, hp: HParams, *, n_layer: int = DEFAULT_HEAD_LAYERS,
                       rms_eps=HEAD_RMS_EPS, rope_base=hp.rope_base,
                       n_ctx_train=hp.n_ctx_train, block_size=block_size, gamma=gamma,
                       target_layers=tuple(layers), mask_token_id=mask,
-                      target_vocab=hp.n_vocab, draft_vocab=vocab)
+                      target_vocab=hp.n_vocab, draft_vocab=vocab, kind=kind,
+                      markov_rank=markov_rank if kind == "dspark" else 0)

@@ -1,5 +1,6 @@
-"""The trained head as the GGUF llama.cpp's converter writes for a DFlash checkpoint
-(`DFlashModel` in conversion/qwen.py), through `convert_draft`'s writer: the same keys,
+"""The trained head as the GGUF llama.cpp's converter writes for a DFlash or DSpark
+checkpoint (`DFlashModel`, `DSparkModel` in conversion/qwen.py), through `convert_draft`'s
+writer: the same keys,
 tensor names and types as `specd convert-draft` gives a z-lab checkpoint, the target's
 tokenizer copied in. The export folder also holds the head's Hugging Face config.json and
 a model card (what the GGUF's general.* keys are read from, as the converter reads them):
@@ -29,13 +30,15 @@ from specd.ort_models.heads import MASK_TOKEN_KEY, HeadFormatError, HeadParams, 
 from . import TrainError
 from .config import HeadConfig
 
-HF_ARCH = "DFlashDraftModel"  # z-lab's class name: the config convert_draft reads too
+# the Hugging Face class names convert_draft (and llama.cpp's converter) read a config by
+HF_ARCHS = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
 
 
 def hf_config(cfg: HeadConfig) -> dict[str, Any]:
-    """The head's config.json in z-lab's DFlash layout (HF layer ids: llama.cpp's - 1)."""
+    """The head's config.json in z-lab's DFlash layout (HF layer ids: llama.cpp's - 1), with
+    a DSpark head's Markov rank and anchor-first block."""
     config: dict[str, Any] = {
-        "architectures": [HF_ARCH],
+        "architectures": [HF_ARCHS[cfg.kind]],
         "model_type": "qwen3",
         "hidden_size": cfg.n_embd,
         "num_hidden_layers": cfg.n_layer,
@@ -54,18 +57,22 @@ def hf_config(cfg: HeadConfig) -> dict[str, Any]:
     }
     if cfg.reduced:
         config["draft_vocab_size"] = cfg.draft_vocab
+    if cfg.kind == "dspark":
+        config |= {"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
+                   "sample_from_anchor": True}
     return config
 
 
 def model_card(cfg: HeadConfig, target: GGUFFile, sources: Sequence[dict[str, str]],
                recipe: dict[str, Any]) -> str:
     """README.md with the front matter llama.cpp's metadata reader takes general.* from."""
-    front = ["---", "tags:", "- dflash", "- speculative-decoding", "- specd"]
+    front = ["---", "tags:", f"- {cfg.kind}", "- speculative-decoding", "- specd"]
     licence = target.get("general.license")
     if isinstance(licence, str) and licence:
         front.append(f"license: {licence}")
     front.append("---")
-    lines = [*front, "", f"# DFlash head for {target.name or Path(target.path).name}", "",
+    title = {"dflash": "DFlash", "dspark": "DSpark"}[cfg.kind]
+    lines = [*front, "", f"# {title} head for {target.name or Path(target.path).name}", "",
              f"Trained by `specd train-draft` by self-distillation: {cfg.n_layer} layer(s), "
              f"width {cfg.n_embd}, block {cfg.block_size}, reading target layers "
              f"{list(cfg.target_layers)} (llama.cpp's ids), "
@@ -93,7 +100,7 @@ def write_head(out: Path, cfg: HeadConfig, tensors: dict[str, np.ndarray],
     `tensors` the trained weights by llama.cpp name; a reduced head's d2t (target ids
     ascending) and its LM head rows lm_rows [Vd, E]. Returns the head as specd reads it."""
     config = json.loads((card_folder / "config.json").read_text())
-    ck = Checkpoint(card_folder, config, config, HF_ARCH, {})
+    ck = Checkpoint(card_folder, config, config, HF_ARCHS[cfg.kind], {})
     target = read_target(target_path)
     b = HeadWriter("dflash", outtype)
     for name, data in tensors.items():
@@ -106,6 +113,9 @@ def write_head(out: Path, cfg: HeadConfig, tensors: dict[str, np.ndarray],
     b.add_text_params(ck, cfg.n_layer, rope_parameters(ck))
     b.w.add_uint32(b.key("block_size"), cfg.block_size)
     b.w.add_array(b.key("target_layers"), list(cfg.target_layers))
+    if cfg.kind == "dspark":
+        b.w.add_bool(b.key("sample_from_anchor"), True)
+        b.w.add_bool(b.key("has_confidence_head"), "conf_proj.weight" in tensors)
     b.add_quantization_version()
     b.add_tokenizer(target.tokenizer.items())
     named = target.tokenizer.get(MASK_TOKEN_KEY)

@@ -1,6 +1,6 @@
-"""A DFlash head in PyTorch: the computation of specd's head graphs
-(`ort_models/graph_builder/dflash.py`) and of llama.cpp's dflash.cpp, written for training
-many blocks of a sequence at once.
+"""DFlash and DSpark heads in PyTorch: the computation of specd's head graphs
+(`ort_models/graph_builder/dflash.py`, `dspark.py`) and of llama.cpp's dflash.cpp, written
+for training many blocks of a sequence at once.
 
 - context: g = RMSNorm_enc(fc · features) for every target row; per layer its K =
   RoPE(k_norm(W_k g)) and V = W_v g at the row's position (what injection writes).
@@ -8,7 +8,12 @@ many blocks of a sequence at once.
   through Qwen3-style layers (q/k norms, NeoX RoPE, SwiGLU); a block row attends to the
   context rows strictly before its anchor and to every row of its own block (not causal);
   output_norm, then the frozen LM head (the target's, or its rows of a reduced draft
-  vocabulary).
+  vocabulary). DFlash drafts from slots 1..B-1 (each the token at its own position);
+  DSpark, anchor-first, from slots 0..B-1 (each the token after its position).
+- DSpark: slot k's logits gain W2 · W1[prev_k] (prev_0 the anchor, prev_k the token slot
+  k - 1 drafts: in training the target's, which is what the chain's argmax is wherever
+  the drafts before it are accepted); its confidence is
+  sigmoid(conf_proj · [h_k ; W1[prev_k]] + b), h_k the slot's output-normed row.
 
 The target's token embeddings and LM head are frozen buffers, as in the DFlash recipe.
 """
@@ -126,7 +131,7 @@ class DFlashHead(nn.Module):
                 ) -> torch.Tensor:
         """feats [b, T, F] (the context rows); anchors [b, N] (positions; blocks whose
         anchor is negative are padding); anchor_tokens [b, N] target ids. Returns the
-        draft slots' output-normed rows [b, N, B - 1, E]."""
+        draft slots' output-normed rows [b, N, S, E] (S = cfg.n_slots)."""
         c = self.cfg
         b, t, _ = feats.shape
         n, bs = anchors.shape[1], c.block_size
@@ -148,30 +153,71 @@ class DFlashHead(nn.Module):
             ctx_k, ctx_v = layer.kv(g, ctx_pos)  # injection: no attn_norm on g
             x = layer(x, pos, ctx_k, ctx_v, mask)
         x = self.out_norm(x).view(b, n, bs, c.n_embd)
-        return x[:, :, 1:]  # [b, N, B - 1, E]: slot 0 holds the anchor, no draft
+        return x[:, :, c.first_slot:]  # [b, N, S, E]
 
-    def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """[..., E] -> [..., Vd] through the frozen LM head."""
+    def logits(self, rows: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [..., E] -> [..., Vd] through the frozen LM head (`prev` [...], the
+        tokens before the slots, is DSpark's)."""
         return rows @ self.lm_head.T
+
+    def confidence_logit(self, rows: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """The confidence head's logit per slot [...] (None: the head has none)."""
+        return None
 
     def gguf_tensors(self) -> dict[str, np.ndarray]:
         """The trained weights under llama.cpp's names (numpy order (out, in), float32)."""
-        def a(t: torch.Tensor) -> np.ndarray:
-            return t.detach().to("cpu", torch.float32).numpy()
-
-        out = {"fc.weight": a(self.fc.weight), "enc.output_norm.weight": a(self.enc_norm.weight)}
+        out = {"fc.weight": as_numpy(self.fc.weight),
+               "enc.output_norm.weight": as_numpy(self.enc_norm.weight)}
         for i, layer in enumerate(self.blocks()):
             p = f"blk.{i}."
-            out |= {p + "attn_norm.weight": a(layer.attn_norm.weight),
-                    p + "attn_q.weight": a(layer.q.weight),
-                    p + "attn_k.weight": a(layer.k.weight),
-                    p + "attn_v.weight": a(layer.v.weight),
-                    p + "attn_output.weight": a(layer.o.weight),
-                    p + "attn_q_norm.weight": a(layer.q_norm.weight),
-                    p + "attn_k_norm.weight": a(layer.k_norm.weight),
-                    p + "ffn_norm.weight": a(layer.ffn_norm.weight),
-                    p + "ffn_gate.weight": a(layer.gate.weight),
-                    p + "ffn_up.weight": a(layer.up.weight),
-                    p + "ffn_down.weight": a(layer.down.weight)}
-        out["output_norm.weight"] = a(self.out_norm.weight)
+            out |= {p + "attn_norm.weight": as_numpy(layer.attn_norm.weight),
+                    p + "attn_q.weight": as_numpy(layer.q.weight),
+                    p + "attn_k.weight": as_numpy(layer.k.weight),
+                    p + "attn_v.weight": as_numpy(layer.v.weight),
+                    p + "attn_output.weight": as_numpy(layer.o.weight),
+                    p + "attn_q_norm.weight": as_numpy(layer.q_norm.weight),
+                    p + "attn_k_norm.weight": as_numpy(layer.k_norm.weight),
+                    p + "ffn_norm.weight": as_numpy(layer.ffn_norm.weight),
+                    p + "ffn_gate.weight": as_numpy(layer.gate.weight),
+                    p + "ffn_up.weight": as_numpy(layer.up.weight),
+                    p + "ffn_down.weight": as_numpy(layer.down.weight)}
+        out["output_norm.weight"] = as_numpy(self.out_norm.weight)
         return out
+
+
+class DSparkHead(DFlashHead):
+    """A DFlash head, anchor-first, with DSpark's Markov head (W1 [target vocab, R], an
+    embedding by target id; W2 [R -> Vd]) and confidence head ([E + R -> 1])."""
+
+    def __init__(self, cfg: HeadConfig, embed: np.ndarray, embed_index: np.ndarray,
+                 lm_head: np.ndarray) -> None:
+        super().__init__(cfg, embed, embed_index, lm_head)
+        self.markov_w1 = nn.Embedding(cfg.target_vocab, cfg.markov_rank)
+        self.markov_w2 = nn.Linear(cfg.markov_rank, len(lm_head), bias=False)
+        self.conf_proj = nn.Linear(cfg.n_embd + cfg.markov_rank, 1)
+        nn.init.normal_(self.markov_w1.weight, std=0.02)
+        nn.init.zeros_(self.markov_w2.weight)  # no bias before it learns one
+        nn.init.normal_(self.conf_proj.weight, std=0.02)
+        nn.init.zeros_(self.conf_proj.bias)
+
+    def logits(self, rows: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        assert prev is not None, "DSpark's logits need the tokens before the slots"
+        return rows @ self.lm_head.T + self.markov_w2(self.markov_w1(prev))
+
+    def confidence_logit(self, rows: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        z = self.conf_proj(torch.cat([rows, self.markov_w1(prev).to(rows.dtype)], dim=-1))
+        return z[..., 0]
+
+    def gguf_tensors(self) -> dict[str, np.ndarray]:
+        return {**super().gguf_tensors(), "markov_w1.weight": as_numpy(self.markov_w1.weight),
+                "markov_w2.weight": as_numpy(self.markov_w2.weight),
+                "conf_proj.weight": as_numpy(self.conf_proj.weight),
+                "conf_proj.bias": as_numpy(self.conf_proj.bias)}
+
+
+HEADS: dict[str, type[DFlashHead]] = {"dflash": DFlashHead, "dspark": DSparkHead}
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as float32 numpy, detached, on the CPU."""
+    return t.detach().to("cpu", torch.float32).numpy()

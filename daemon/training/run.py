@@ -25,6 +25,7 @@ from .config import (
     DEFAULT_FEATURE_LAYERS,
     DEFAULT_GAMMA,
     DEFAULT_HEAD_LAYERS,
+    DEFAULT_MARKOV_RANK,
     HeadConfig,
     head_config,
 )
@@ -56,6 +57,7 @@ class TrainRequest:
     target_layers: tuple[int, ...] | None = None
     mask_token_id: int | None = None
     draft_vocab: int = DEFAULT_DRAFT_VOCAB
+    markov_rank: int = DEFAULT_MARKOV_RANK  # DSpark's
     outtype: str = "f16"
     device: str = "cpu"  # specd's runtime device for the target (distillation)
     train_device: str = "auto"  # torch's
@@ -98,7 +100,7 @@ def train_draft(req: TrainRequest, log: Callable[[str], None] | None = None,
     cfg = head_config(f, hp, n_layer=req.n_layer, n_ff=req.n_ff, block_size=req.block_size,
                       gamma=req.gamma, feature_layers=req.feature_layers,
                       target_layers=req.target_layers, mask_token_id=req.mask_token_id,
-                      draft_vocab=req.draft_vocab)
+                      draft_vocab=req.draft_vocab, kind=req.kind, markov_rank=req.markov_rank)
     spec = DistillSpec(target_sha(req.target), cfg.hidden_layers, req.max_prompt,
                        req.max_reply, req.seed)
     work = req.work
@@ -115,7 +117,8 @@ def train_draft(req: TrainRequest, log: Callable[[str], None] | None = None,
     else:
         work.mkdir(parents=True, exist_ok=True)
         run_file.write_text(json.dumps(state, indent=1))
-    say(f"head: {cfg.n_layer} layer(s), width {cfg.n_embd}, block {cfg.block_size}, target "
+    say(f"head: {cfg.kind}, {cfg.n_layer} layer(s), width {cfg.n_embd}, block {cfg.block_size}"
+        + (f", Markov rank {cfg.markov_rank}" if cfg.kind == "dspark" else "") + ", target "
         f"layers {list(cfg.target_layers)}, mask token {cfg.mask_token_id}, vocabulary "
         f"{cfg.draft_vocab}{' (d2t)' if cfg.reduced else ''}; work folder {work}")
     manifest = distill(req.target, work / "data", spec,
@@ -131,7 +134,7 @@ def _train(req: TrainRequest, cfg: HeadConfig, f: GGUFFile, state: dict[str, Any
     import torch
 
     from .export import write_card_folder, write_head
-    from .model import DFlashHead
+    from .model import HEADS
     from .trainer import (
         Batches,
         TrainSettings,
@@ -167,7 +170,7 @@ def _train(req: TrainRequest, cfg: HeadConfig, f: GGUFFile, state: dict[str, Any
         + (", bfloat16 autocast" if use_bf16(settings.precision, device) else ", float32")
         + f": {len(train_set)} training replies, {len(eval_set)} held out")
     torch.manual_seed(settings.seed)
-    model = DFlashHead(cfg, embed, index, lm_rows).to(device)
+    model = HEADS[cfg.kind](cfg, embed, index, lm_rows).to(device)
     batches = Batches(train_set, cfg, t2d, device)
     eval_blocks = Batches(eval_set, cfg, t2d, device).eval_windows(settings.eval_blocks)
     meta = {**state, "d2t": None if d2t is None else hashlib.sha256(d2t.tobytes()).hexdigest()}

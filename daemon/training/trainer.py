@@ -1,16 +1,19 @@
-"""Training a DFlash head on distilled sequences (PyTorch; `specd[train]`).
+"""Training a DFlash or DSpark head on distilled sequences (PyTorch; `specd[train]`).
 
 The recipe of DFlash / SpecForge: per step, a few sequences and a few anchors among each
 one's reply positions; block = [token at the anchor, MASK × (B - 1)], attending to the
-context before the anchor (the target's features) and within itself; cross-entropy of
-draft slot k against the target's own token at anchor + k (its greedy reply), weighted
-exp(-(k - 1) / γ); AdamW, linear warm-up over the first 4% of steps, cosine decay to a
-tenth; the target's embeddings and LM head frozen. Labels outside a reduced draft
-vocabulary count as misses and carry no loss.
+context before the anchor (the target's features) and within itself; the block's j-th
+draft (j = 0, 1, ...) is labelled with the target's own token at anchor + 1 + j (its
+greedy reply), weighted exp(-j / γ); cross-entropy for DFlash; for DSpark (DeepSpec's
+recipe) 0.1 cross-entropy + 0.9 total variation (1 - p(label): the greedy target's
+acceptance rate), and its confidence head by binary cross-entropy against that rate. AdamW,
+linear warm-up over the first 4% of steps, cosine decay to a tenth; the target's
+embeddings and LM head frozen. Labels outside a reduced draft vocabulary count as misses
+and carry no token loss.
 
 The held-out estimate: on fixed anchors of the evaluation split, the mean acceptance
-length τ = 1 + the drafts of a full block (B - 1) that match the target's reply before
-the first miss, as greedy verification would accept them. Checkpoints (`ckpt.pt` in the
+length τ = 1 + the drafts of a full block that match the target's reply before the first
+miss, as greedy verification would accept them. Checkpoints (`ckpt.pt` in the
 work folder) hold the weights, the optimizer and the RNGs, so `--resume` goes on exactly.
 """
 
@@ -175,45 +178,78 @@ class Batches:
 
     def make(self, picks: list[tuple[int, np.ndarray]]) -> dict[str, torch.Tensor]:
         """Tensors of sequences `picks` [(index, anchors)]: context features up to the
-        last anchor, anchors, their tokens, labels [b, N, B - 1] as draft ids (-1: no
-        label or outside the draft vocabulary) and which labels exist."""
-        bs = self.cfg.block_size
+        last anchor, anchors, their tokens, labels [b, N, S] as draft ids (-1: no label
+        or outside the draft vocabulary), which labels exist, and the target token before
+        each label (DSpark's Markov input)."""
+        slots = self.cfg.n_slots
         b, n = len(picks), max(len(a) for _, a in picks)
         t = max(int(a.max()) for _, a in picks)
         feats = np.zeros((b, t, self.cfg.feature_width), np.float32)
         anchors = np.full((b, n), -1, np.int64)
         anchor_tokens = np.zeros((b, n), np.int64)
-        labels = np.full((b, n, bs - 1), -1, np.int64)
-        exists = np.zeros((b, n, bs - 1), bool)
+        labels = np.full((b, n, slots), -1, np.int64)
+        exists = np.zeros((b, n, slots), bool)
+        prev = np.zeros((b, n, slots), np.int64)
         for j, (i, a) in enumerate(picks):
             tokens, _, f = self.data.get(i)
             end = int(a.max())
             feats[j, :end] = f[:end]
             anchors[j, :len(a)] = a
             anchor_tokens[j, :len(a)] = tokens[a]
-            at = a[:, None] + np.arange(1, bs)  # [n_a, B - 1] label positions
+            at = a[:, None] + np.arange(1, slots + 1)  # [n_a, S] label positions
             ok = at < len(tokens)
             ids = tokens[np.minimum(at, len(tokens) - 1)]
             exists[j, :len(a)] = ok
+            prev[j, :len(a)] = tokens[np.minimum(at - 1, len(tokens) - 1)]
             drafted = ids if self.t2d is None else self.t2d[ids]
             labels[j, :len(a)] = np.where(ok, drafted, -1)
         d = self.device
         return {"feats": torch.from_numpy(feats).to(d), "anchors": torch.from_numpy(anchors).to(d),
                 "anchor_tokens": torch.from_numpy(anchor_tokens).to(d),
-                "labels": torch.from_numpy(labels).to(d), "exists": torch.from_numpy(exists).to(d)}
+                "labels": torch.from_numpy(labels).to(d), "exists": torch.from_numpy(exists).to(d),
+                "prev": torch.from_numpy(prev).to(d)}
 
 
 def block_loss(model: DFlashHead, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """The position-weighted cross-entropy of a batch, and the labels it counted."""
+    """The position-weighted loss of a batch, and the labels it counted."""
     cfg = model.cfg
-    rows = model(batch["feats"], batch["anchors"], batch["anchor_tokens"])  # [b, N, B-1, E]
-    labels = batch["labels"]  # [b, N, B - 1]
+    rows = model(batch["feats"], batch["anchors"], batch["anchor_tokens"])  # [b, N, S, E]
+    labels = batch["labels"]  # [b, N, S]
+    slot = torch.arange(cfg.n_slots, device=labels.device).expand_as(labels)
+    weight = torch.exp(-slot.to(torch.float32) / cfg.gamma)  # draft j: exp(-j / γ)
+    if cfg.kind == "dspark":
+        return _dspark_loss(model, rows, batch, weight)
     valid = labels >= 0
     logits = model.logits(rows[valid])  # [M, Vd]
     ce = torch.nn.functional.cross_entropy(logits, labels[valid], reduction="none")  # [M]
-    k = torch.arange(cfg.block_size - 1, device=labels.device).expand_as(labels)[valid]
-    w = torch.exp(-k.to(ce.dtype) / cfg.gamma)  # slot k + 1: exp(-k / γ)
+    w = weight[valid]
     return (w * ce).sum() / w.sum().clamp(min=1e-9), int(valid.sum())
+
+
+def _dspark_loss(model: DFlashHead, rows: torch.Tensor, batch: dict[str, torch.Tensor],
+                 weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """DeepSpec's: 0.1 CE + 0.9 TV on the drafts whose label is in the draft vocabulary,
+    and the confidence head's BCE against the acceptance rate p(label) (0 outside it) on
+    every draft with a label."""
+    at = batch["exists"]  # [b, N, S]
+    lab = batch["labels"][at]  # [M], -1 outside the draft vocabulary
+    prev = batch["prev"][at]
+    h = rows[at]  # [M, E]
+    logits = model.logits(h, prev).float()  # [M, Vd]
+    valid = lab >= 0
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(1, lab.clamp(min=0)[:, None])[:, 0]  # [M]
+    rate = torch.where(valid, lp.exp(), torch.zeros_like(lp))  # greedy acceptance rate
+    token = 0.1 * -lp + 0.9 * (1.0 - rate)
+    w = weight[at]
+    wv = w * valid
+    loss = (wv * token).sum() / wv.sum().clamp(min=1e-9)
+    conf = model.confidence_logit(h, prev)
+    if conf is not None:
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(
+            conf.float(), rate.detach(), reduction="none")  # [M]
+        loss = loss + (w * bce).sum() / w.sum().clamp(min=1e-9)
+    return loss, int(valid.sum())
 
 
 @torch.no_grad()
@@ -227,16 +263,18 @@ def acceptance(model: DFlashHead, windows: list[dict[str, torch.Tensor]], bf16: 
     first drafts that hit and the conditional acceptance per draft slot."""
     model.eval()
     rounds = accepted = 0
-    slot_hits = np.zeros(model.cfg.block_size - 1)
-    slot_seen = np.zeros(model.cfg.block_size - 1)
+    slot_hits = np.zeros(model.cfg.n_slots)
+    slot_seen = np.zeros(model.cfg.n_slots)
     device = batch_device(windows)
     for batch in windows:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             rows = model(batch["feats"], batch["anchors"], batch["anchor_tokens"])
-            pred = model.logits(rows).argmax(-1)  # [b, N, B - 1]
+            # DSpark's chain on the target's tokens: its own argmax wherever the drafts
+            # before a slot hit, the only slots that count
+            pred = model.logits(rows, batch["prev"]).argmax(-1)  # [b, N, S]
         hit = ((pred == batch["labels"]) & (batch["labels"] >= 0)).cpu().numpy()
         real = (batch["anchors"] >= 0).cpu().numpy()  # [b, N]
-        lead = np.cumprod(hit, axis=-1)  # [b, N, B - 1]: 1 while every draft so far hit
+        lead = np.cumprod(hit, axis=-1)  # [b, N, S]: 1 while every draft so far hit
         reached = np.concatenate([np.ones_like(lead[..., :1]), lead[..., :-1]], axis=-1)
         slot_seen += (reached * real[..., None]).sum((0, 1))
         slot_hits += (lead * real[..., None]).sum((0, 1))

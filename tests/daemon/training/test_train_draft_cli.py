@@ -15,7 +15,7 @@ from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.heads import read_head
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dspark", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
 def test_other_kinds_are_refused(kind: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train-draft", "--kind", kind, "-o", str(tmp_path / "h.gguf")]) == 1

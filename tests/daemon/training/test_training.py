@@ -1,7 +1,8 @@
-"""`specd train-draft` on a tiny target: a tiny DFlash head trained for a few hundred steps
-lowers its loss and raises its acceptance, held out and through specd's own decode; the
-GGUF it writes loads, drafts, and leaves greedy output byte-identical to target-only; the
-torch head computes what specd's head graphs compute; an interrupted run resumes exactly.
+"""`specd train-draft` on a tiny target: a tiny DFlash head (and a DSpark one) trained for a
+few hundred steps lowers its loss and raises its acceptance, held out and through specd's
+own decode; the GGUF it writes loads, drafts, and leaves greedy output byte-identical to
+target-only; the torch head computes what specd's head graphs compute; an interrupted run
+resumes exactly.
 
 Skipped where torch (the `specd[train]` extra) is not installed."""
 
@@ -30,12 +31,13 @@ from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.training.config import head_config
 from specd.daemon.training.distill import ChatPrompts, load_split
 from specd.daemon.training.export import write_card_folder, write_head
-from specd.daemon.training.model import DFlashHead
+from specd.daemon.training.model import DFlashHead, DSparkHead
 from specd.daemon.training.run import TrainRequest, train_draft
 from specd.daemon.training.trainer import TrainSettings, target_tables
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.head_runner import HeadRunner, load_or_build_head
+from specd.ort_models.heads import read_head
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
@@ -235,3 +237,113 @@ def test_llama_cpp_drafts_with_the_written_heads(trained: Trained) -> None:
     # llama.cpp accepts about half as many of the trained head's drafts as specd does
     # (docs/training.md); that it accepts them at all is what is checked here
     assert rates["untrained"] < 0.02 and rates["trained"] > 0.06, rates
+
+
+# -- DSpark -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dspark(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """A DSpark head trained on the DFlash head's distilled data (the same replies)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("dspark")
+    work = root / "work"
+    shutil.copytree(trained.work / "data", work / "data")
+    kw: dict[str, Any] = {"kind": "dspark", "markov_rank": 16}
+    untrained = root / "untrained.gguf"
+    train_draft(_request(trained.target, untrained, work, settings=replace(SETTINGS, steps=0),
+                         **kw), verbose=False)
+    out = root / "head.gguf"
+    result = train_draft(_request(trained.target, out, work, settings=SETTINGS, resume=True,
+                                  **kw), verbose=False)
+    assert result.head_path == out
+    return Trained(trained.target, work, untrained, out, result.history)
+
+
+def test_a_dspark_head_learns_and_is_written_as_one(dspark: Trained) -> None:
+    """Anchor-first, even the untrained head's first draft often hits on the tiny target's
+    runs of one token (its row is the anchor's embedding through the target's LM head):
+    what training must add is the rest of the block."""
+    h = dspark.history
+    assert h[-1]["loss"] < 0.75 * h[1]["loss"], h
+    assert h[-1]["tau"] > h[0]["tau"] + 0.4, h
+    assert len(h[-1]["per_slot"]) == BLOCK  # anchor-first: every slot drafts
+    head = read_head(GGUFFile(dspark.trained))
+    assert head.kind == "dspark" and head.sample_from_anchor and head.has_confidence_head
+    assert head.markov_rank == 16
+
+
+def test_a_dspark_head_drafts_and_output_stays_the_targets(dspark: Trained) -> None:
+    """Held-out prompts decoded with the DSpark head drafting its whole block every round
+    (no confidence cut): greedy output equals target-only decoding, and the trained head's
+    drafts are accepted more often than the untrained one's."""
+    data = load_split(dspark.work / "data", "eval")
+    layers = head_config(GGUFFile(dspark.target), read_hparams(GGUFFile(dspark.target)),
+                         block_size=BLOCK).hidden_layers
+    options = build_options("target")
+    plain = ModelRunner(load_or_build(dspark.target, options), n_ctx=512)
+    with_features = ModelRunner(load_or_build(dspark.target, replace(
+        options, hidden_layers=tuple(sorted(set(layers))))), n_ctx=512)
+    eog = ChatPrompts(GGUFFile(dspark.target)).eog
+    rates = {}
+    for name, head in (("untrained", dspark.untrained), ("trained", dspark.trained)):
+        drafter = DFlashDrafter(HeadRunner(load_or_build_head(head, dspark.target), n_ctx=512))
+        accepted = drafted = 0
+        for i in range(6):
+            tokens, reply, _ = data.get(i)
+            prompt = tokens[:reply].tolist()
+            want, _ = _decode(plain, prompt, None, eog)
+            params = GenerationParams(max_tokens=64, adaptive=False,
+                                      draft=DraftParams(n_max=BLOCK, p_min=0.0))
+            gen = Generation(with_features, 0, prompt, params, eog=eog, drafter=drafter)
+            got = gen.prefill()
+            while not gen.done:
+                got += gen.step()
+            assert got == want
+            accepted, drafted = accepted + gen.stats.accepted, drafted + gen.stats.drafted
+        rates[name] = accepted / drafted
+    assert rates["trained"] > rates["untrained"] + 0.1, rates
+
+
+def test_the_torch_dspark_head_computes_what_specd_runs(trained: Trained, tmp_path: Path
+                                                        ) -> None:
+    """A DSpark head's torch logits and confidences for a block equal specd's head graphs'
+    (the Markov chain fed the graph's own picks), whole vocabulary and reduced."""
+    f = GGUFFile(trained.target)
+    data = load_split(trained.work / "data", "train")
+    tokens, reply, feats = data.get(0)
+    anchor = reply + 5
+    for draft_vocab in (0, 200):
+        cfg = head_config(f, read_hparams(f), n_layer=1, block_size=BLOCK,
+                          draft_vocab=draft_vocab, kind="dspark", markov_rank=8)
+        d2t = np.sort(np.random.default_rng(1).choice(cfg.target_vocab, cfg.draft_vocab,
+                                                      replace=False)) if cfg.reduced else None
+        embed, index, lm_rows = target_tables(f, cfg, np.arange(cfg.target_vocab), d2t)
+        torch.manual_seed(7)
+        model = DSparkHead(cfg, embed, index, lm_rows)
+        with torch.no_grad():  # norms away from 1, a Markov bias that matters
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.uniform_(0.5, 1.5)
+            model.markov_w2.weight.normal_(0.0, 0.5)
+        head_path, card = tmp_path / f"head-{draft_vocab}.gguf", tmp_path / f"card-{draft_vocab}"
+        write_card_folder(card, cfg, f, [], {})
+        write_head(head_path, cfg, model.gguf_tensors(), d2t, lm_rows, trained.target, card,
+                   "f32")
+        runner = HeadRunner(load_or_build_head(head_path, trained.target, kernels="ort",
+                                               requant="", accuracy_level=1), n_ctx=512)
+        runner.inject(0, np.asarray(feats[:anchor], np.float32), 0)
+        out = runner.block(0, [int(tokens[anchor])] + [cfg.mask_token_id] * (BLOCK - 1),
+                           anchor, list(range(BLOCK)))
+        got = out.logits if d2t is None else out.logits[:, d2t]  # [B, Vd]
+        picks = got.argmax(axis=1) if d2t is None else d2t[got.argmax(axis=1)]
+        prev = torch.tensor([[[int(tokens[anchor]), *picks[:-1].tolist()]]])  # [1, 1, B]
+        with torch.no_grad():
+            rows = model(torch.from_numpy(np.asarray(feats[:anchor], np.float32))[None],
+                         torch.tensor([[anchor]]), torch.tensor([[int(tokens[anchor])]]))
+            want = model.logits(rows, prev)[0, 0].numpy()  # [B, Vd]
+            conf = torch.sigmoid(model.confidence_logit(rows, prev))[0, 0].numpy()  # [B]
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+        assert out.confidence is not None
+        np.testing.assert_allclose(out.confidence, conf, rtol=1e-3, atol=1e-4)
