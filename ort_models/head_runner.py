@@ -14,10 +14,11 @@ their K/V rows at their positions, and returns the logits and pre-norm hidden st
 the rows asked for. Rows past the verified
 context are overwritten by the next step likewise.
 
-A DFlash block graph on specd's attention (`packs_blocks`) runs the blocks of several
-sequences in one pass (`forward_batch`), each row over its own slot's cache, so a row's
-bits are the same whatever shares its pass; elsewhere `forward_batch` runs them one
-after another.
+A DFlash block graph or an EAGLE-3 step graph on specd's attention (`packs_sequences`)
+runs the calls of several sequences in one pass (`forward_batch`), each row over its own
+slot's cache, so a row's bits are the same whatever shares its pass; elsewhere
+`forward_batch` runs them one after another. DFlash injections beside it likewise
+(`deferred_injections`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .graph_builder.dflash import (
     build_injection_graph,
     head_hparams,
     head_options,
-    packs_blocks,
+    packs_sequences,
     unsupported,
 )
 from .graph_builder.eagle3 import build_encode_graph, build_pair_graph, build_step_graph
@@ -58,7 +59,7 @@ from .sampling_op import SampledBlock, SampleSpec
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
-HEAD_GRAPHS_VERSION = 6
+HEAD_GRAPHS_VERSION = 7
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None
@@ -108,6 +109,19 @@ class StepOutput:
     logits: np.ndarray  # [R, vocab] the rows asked for ([1, 0] where the graph chose)
     hidden: np.ndarray  # [R, E] their pre-norm hidden states (the next step's g)
     sampled: SampledBlock | None = None  # what the graph chose (a step with a spec)
+    seconds: float = 0.0  # the step's share of its pass's seconds, by rows
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One sequence's EAGLE-3 step in a pass: `HeadRunner.step`'s arguments."""
+
+    seq: int
+    tokens: Sequence[int]
+    g: np.ndarray  # [n, E]
+    pos: int
+    rows: Sequence[int]
+    spec: SampleSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +161,7 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
     if requant is None:
         requant = "q4k" if kernels == "gguf" else ""
     options = head_options(target, accuracy_level, kernels, requant, sampler=kernels == "gguf",
-                           packed=packs_blocks(head, kernels))
+                           packed=packs_sequences(head, kernels))
     folder = (cache_dir() / "heads" / f"{head_file.content_hash()[:16]}-"
               f"{target_file.content_hash()[:16]}-b{BUILDER_VERSION}.{HEAD_GRAPHS_VERSION}-"
               f"{options.key()}")
@@ -188,13 +202,14 @@ class HeadRunner:
         self.sessions = {name: ort.InferenceSession(
             str(built.model_path(name)), so, providers=session_providers(self.runtime.device))
             for name in built.graphs}
-        # the block graph takes `segments`: the blocks of several sequences in one pass,
-        # every slot's buffers bound at once (one binding)
-        self.packs_blocks = "block" in self.sessions and any(
-            i.name == "segments" for i in self.sessions["block"].get_inputs())
+        # graphs taking `segments` (a block, a step): the calls of several sequences in
+        # one pass, every slot's buffers bound at once (one binding each)
+        packing = [name for name, sess in self.sessions.items()
+                   if any(i.name == "segments" for i in sess.get_inputs())]
+        self.packs_blocks, self.packs_steps = "block" in packing, "step" in packing
         self._cached = [name for name, sess in self.sessions.items()
                         if any(i.name == "past_key_0" for i in sess.get_inputs())
-                        and not (name == "block" and self.packs_blocks)]
+                        and name not in packing]
         # the injection graph returns K/V rows (beside a packing block graph): the rows of
         # several sequences in one pass, written into their slots here; injections may
         # wait in `_pending` while `deferred_injections` is open
@@ -204,9 +219,10 @@ class HeadRunner:
         self._deferring = 0
         self.injections = 0  # inject() calls
         self.inject_passes = 0  # injection session runs (a pass may hold several calls')
-        self._all = self.sessions["block"].io_binding() if self.packs_blocks else None
-        self._all_version = -1  # the cache's buffers as last bound to `_all`
+        self._all = {name: self.sessions[name].io_binding() for name in packing}
+        self._all_version = dict.fromkeys(packing, -1)  # the cache's buffers as last bound
         self.block_passes = 0  # block session runs (a pass may hold several sequences')
+        self.step_passes = 0  # step session runs (likewise)
         # the block and step graphs choose their rows' proposals where asked (a SampleSpec
         # per row)
         self.block_samples, self.step_samples = (
@@ -300,25 +316,31 @@ class HeadRunner:
         `specs` (one per row, a graph with a sampler) the proposal chosen at each row."""
         return self._block_pass([BlockCall(seq, tokens, pos, rows, specs)])[0]
 
-    def forward_batch(self, calls: Sequence[BlockCall]) -> list[BlockOutput]:
-        """The blocks of several sequences (one each): where the block graph packs them,
-        in one pass that reads every weight once for all their rows, each row computed
-        exactly as in its block alone; else one block after another."""
+    def forward_batch(self, calls: Sequence[Any]) -> list[Any]:
+        """The blocks (BlockCall -> BlockOutput) or EAGLE-3 steps (StepCall -> StepOutput)
+        of several sequences, one each: where the graph packs them, in one pass that reads
+        every weight once for all their rows, each row computed exactly as in its call
+        alone; else one call after another."""
         if len({c.seq for c in calls}) < len(calls):
-            raise ValueError("a batch holds one block per sequence")
-        if self.packs_blocks and len(calls) > 1:
-            return self._block_pass(calls)
-        return [self._block_pass([c])[0] for c in calls]
+            raise ValueError("a batch holds one call per sequence")
+        steps = [c for c in calls if isinstance(c, StepCall)]
+        if steps and len(steps) < len(calls):
+            raise ValueError("a batch holds blocks or steps, not both")
+        run = self._step_pass if steps else self._block_pass
+        if (self.packs_steps if steps else self.packs_blocks) and len(calls) > 1:
+            return list(run(calls))
+        return [run([c])[0] for c in calls]
 
-    def _block_binding(self, seq: int) -> Any:  # an onnxruntime.IOBinding
-        """The binding a block on `seq` runs with, the cache's buffers bound as they are
-        now (they move when a sequence is added past the cache's capacity)."""
-        if self._all is None:
-            return self._bindings[seq]["block"]
-        if self._all_version != self.kv.version:
-            self.kv.bind_all(self._all)
-            self._all_version = self.kv.version
-        return self._all
+    def _binding(self, name: str, seq: int) -> Any:  # an onnxruntime.IOBinding
+        """The binding a call of graph `name` on `seq` runs with, the cache's buffers bound
+        as they are now (they move when a sequence is added past the cache's capacity)."""
+        b = self._all.get(name)
+        if b is None:
+            return self._bindings[seq][name]
+        if self._all_version[name] != self.kv.version:
+            self.kv.bind_all(b)
+            self._all_version[name] = self.kv.version
+        return b
 
     def _block_pass(self, calls: Sequence[BlockCall]) -> list[BlockOutput]:
         """One session run over the calls' blocks, one after another (several only where
@@ -339,7 +361,7 @@ class HeadRunner:
             logits_rows += [len(ids) + r for r in c.rows]
             ids += c.tokens
             segments.append((c.seq, c.pos, len(c.tokens)))
-        b = self._block_binding(calls[0].seq)
+        b = self._binding("block", calls[0].seq)
         b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
         if self.packs_blocks:
             b.bind_cpu_input("segments", np.asarray(segments, dtype=np.int64))
@@ -410,23 +432,55 @@ class HeadRunner:
         their K/V rows; the logits and pre-norm hidden states of `rows` (may be empty), or
         with `spec` (one row, a graph with a sampler) the proposal chosen there instead of
         its logits."""
-        if spec is not None and (not self.step_samples or len(rows) != 1):
-            raise ValueError("a sample spec needs one row of a step graph with a sampler")
-        check_call(pos, len(tokens), self.n_ctx)
-        b = self._bindings[seq]["step"]
-        b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
-        b.bind_cpu_input("g", np.ascontiguousarray(g, dtype=np.float32))
-        b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
-        b.bind_cpu_input("attn_len", np.array([pos + len(tokens)], dtype=np.int64))
-        b.bind_cpu_input("logits_rows", np.asarray(rows, dtype=np.int64))
+        return self._step_pass([StepCall(seq, tokens, g, pos, rows, spec)])[0]
+
+    def _step_pass(self, calls: Sequence[StepCall]) -> list[StepOutput]:
+        """One session run over the calls' steps, one after another (several only where
+        the graph packs them)."""
+        for c in calls:
+            if c.spec is not None and (not self.step_samples or len(c.rows) != 1):
+                raise ValueError("a sample spec needs one row of a step graph with a sampler")
+            check_call(c.pos, len(c.tokens), self.n_ctx)
+            if c.seq >= self.n_seq:
+                raise ValueError(f"no sequence slot {c.seq} (the head has {self.n_seq})")
+        ids: list[int] = []
+        logits_rows: list[int] = []
+        segments: list[tuple[int, int, int]] = []  # (slot, pos, rows) per step
+        for c in calls:
+            logits_rows += [len(ids) + r for r in c.rows]
+            ids += c.tokens
+            segments.append((c.seq, c.pos, len(c.tokens)))
+        b = self._binding("step", calls[0].seq)
+        b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
+        g = np.concatenate([np.asarray(c.g, dtype=np.float32) for c in calls])  # [S, E]
+        b.bind_cpu_input("g", np.ascontiguousarray(g))
+        if self.packs_steps:
+            b.bind_cpu_input("segments", np.asarray(segments, dtype=np.int64))
+        else:
+            (_, pos, n), = segments
+            b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
+            b.bind_cpu_input("attn_len", np.array([pos + n], dtype=np.int64))
+        b.bind_cpu_input("logits_rows", np.asarray(logits_rows, dtype=np.int64))
         b.bind_output("logits", "cpu")
         b.bind_output("hidden", "cpu")
+        specs = [c.spec for c in calls]
+        bounds = [0, *accumulate(len(c.rows) for c in calls)]  # each step's logits rows
         if self.step_samples:
-            self._bind_sampler(b, None if spec is None else [spec])
+            sampling_op.bind(b, specs, bounds[:-1], self.hp.n_vocab,
+                             self._sampler_inputs.setdefault(id(b), {}))
+        t0 = time.perf_counter()
         self.sessions["step"].run_with_iobinding(b)
+        per_row = (time.perf_counter() - t0) / len(ids)
+        self.step_passes += 1
         out = bound_outputs(b)
         first = 2 * self.hp.n_layer  # after the caches, in the order bound
-        if spec is None:
-            return StepOutput(out[first].numpy(), out[first + 1].numpy())
-        return StepOutput(np.zeros((1, 0), np.float32), out[first + 1].numpy(),
-                          sampling_op.read(out, first + 2, [spec], [0])[0])
+        # the logits leave the session only where the graph did not choose a step's row
+        logits = out[first].numpy() if any(s is None for s in specs) else None  # [R, vocab]
+        hidden = out[first + 1].numpy()  # [R, E]
+        sampled = (sampling_op.read(out, first + 2, specs, bounds[:-1])
+                   if any(s is not None for s in specs) else [None] * len(calls))
+        return [StepOutput(logits[lo:hi] if c.spec is None and logits is not None
+                           else np.zeros((1, 0), np.float32),
+                           hidden[lo:hi], chosen, per_row * len(c.tokens))
+                for c, lo, hi, chosen in zip(calls, bounds[:-1], bounds[1:], sampled,
+                                             strict=True)]

@@ -26,13 +26,15 @@ from specd.daemon.spec.drafter import (
     Drafter,
     DraftEvidence,
     DraftParams,
+    DraftSteps,
     Features,
     Proposal,
     head_input_rows,
+    run_steps,
 )
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
-from specd.ort_models.head_runner import HeadRunner
+from specd.ort_models.head_runner import HeadRunner, StepCall, StepOutput
 
 from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
 
@@ -50,7 +52,8 @@ class Eagle3Drafter(Drafter):
     catch_up = 0  # tokens the target decoded alone were paired as they came
 
     def __init__(self, runner: HeadRunner):
-        self.runner = runner
+        # the scheduler runs the steps of several sequences in one pass of it
+        self.runner = self.step_runner = runner
         self.target_layers = runner.built.head.hidden_layers
         self._seqs: dict[int, _SeqState] = {}
 
@@ -96,6 +99,12 @@ class Eagle3Drafter(Drafter):
 
     def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
               grammar: GrammarState | None = None) -> Proposal:
+        return run_steps(self.draft_steps(seq, last, pos, n_max, params, grammar), self.runner)
+
+    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+                    grammar: GrammarState | None = None) -> DraftSteps:
+        """The draft as yielded StepCalls, one per token (each sent its StepOutput): a
+        scheduler runs the steps of several sequences in one pass of the head."""
         st = self._seqs[seq]
         if st.known != pos or pos == 0:
             raise RuntimeError(f"the head holds g rows of {st.known} positions, the target "
@@ -113,8 +122,11 @@ class Eagle3Drafter(Drafter):
             t0 = time.perf_counter()
             spec = (pick_spec(sampler, grammar, pos + 1 + i, params.p_min,
                               self.runner.hp.n_vocab) if in_graph else None)
-            out = self.runner.step(seq, [token], hidden, pos - 1 + i, [0], spec)
-            seconds.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            out: StepOutput = yield StepCall(seq, [token], hidden, pos - 1 + i, [0], spec)
+            # what waiting for the other sequences' rows of the pass cost is not this draft's
+            waited = max(time.perf_counter() - t1 - out.seconds, 0.0)
+            seconds.append(time.perf_counter() - t0 - waited)
             if i == 0:
                 st.written = pos  # the pending pair, with the token that follows it
             pick = (pick_token(out.logits[0], sampler, grammar, params.p_min)

@@ -4,7 +4,7 @@ reads its GGUF), over one draft KV cache that both bind:
 injection  features [S, L*E_t] of S verified target tokens at `position`:
            g = RMSNorm_enc(fc · features); for every head layer K = RoPE(k_norm(W_k g)),
            V = W_v g, written into the cache at the tokens' positions. No logits. Beside
-           a packing block graph (`packs_blocks`) it takes `positions` [S] instead, one
+           a packing block graph (`packs_sequences`) it takes `positions` [S] instead, one
            per row, and returns each layer's rows `key_i`, `value_i` [S, Hkv*hd] rather
            than writing them: the rows of several sequences in one pass, the runner
            writing each into its slot (no cache input).
@@ -22,7 +22,7 @@ block      input_ids [B] = [last, MASK × (B - 1)] at `position`: the head's Qwe
 
 Graph inputs and outputs follow the decoder graph's contract (package docstring):
 `position`, `attn_len`, `logits_rows`, past_/present_ key/value per layer. A DFlash block
-on specd's attention (`packs_blocks`) takes `segments` [B, 3] (slot, position, rows)
+on specd's attention (`packs_sequences`) takes `segments` [B, 3] (slot, position, rows)
 instead of `position` and `attn_len`: the blocks of B sequences in one pass, each row
 over its own slot's cache, the caches of every slot bound at once; `logits_rows` index
 the packed rows; its injection graph returns the K/V rows of any sequences' tokens.
@@ -72,13 +72,14 @@ def head_hparams(head: HeadParams, target: HParams) -> HParams:
                    rope_interleaved=head.rope_interleaved, qk_norm=head.kind != "eagle3")
 
 
-def packs_blocks(head: HeadParams, kernels: str) -> bool:
-    """Whether the head's block graph runs on specd's CachedAttention (not causal within a
-    block) with `segments`, packing the blocks of several sequences in one pass: DFlash's,
-    where specd's kernels run (kernels "gguf") and its head_dim is whole lanes. DSpark's
-    Markov chain and DFlash2's convolutions run across a block's rows, so their blocks
-    keep a pass each."""
-    return kernels == "gguf" and head.kind == "dflash" and head.head_dim % 8 == 0
+def packs_sequences(head: HeadParams, kernels: str) -> bool:
+    """Whether the head's attending graph (DFlash's block, EAGLE-3's step) runs on specd's
+    CachedAttention (a DFlash block not causal within itself) with `segments`, packing the
+    calls of several sequences in one pass: where specd's kernels run (kernels "gguf") and
+    the head_dim is whole lanes. DSpark's Markov chain and DFlash2's convolutions run
+    across a block's rows, so their blocks keep a pass each."""
+    return (kernels == "gguf" and head.kind in ("dflash", "eagle3")
+            and head.head_dim % 8 == 0)
 
 
 def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
@@ -89,7 +90,7 @@ def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
     matrix types it reads (the others as ONNX Runtime's); requant "q4k": every matrix
     re-quantized to Q4_K for it, as drafts' are (the shared LM head included); sampler: a
     block's proposals chosen in the graph (SampleTokens after its logits); packed
-    (`packs_blocks`): the block on specd's attention, taking `segments`."""
+    (`packs_sequences`): the block or step on specd's attention, taking `segments`."""
     return BuildOptions(attention="native" if packed else "exact", kv_dtype="f32",
                         max_positions=target.n_ctx_train,
                         accuracy_level=accuracy_level, kernels=kernels, requant=requant,

@@ -17,7 +17,10 @@ step    input_ids [S] and g [S, E] at `position`: the row at position P pairs th
         through `d2t`; else the target's).
 
 Graph inputs and outputs follow the decoder graph's contract (package docstring):
-`position`, `attn_len`, `logits_rows`, past_/present_ key/value of the one layer.
+`position`, `attn_len`, `logits_rows`, past_/present_ key/value of the one layer. On
+specd's attention (`dflash.packs_sequences`) the step takes `segments` [B, 3] (slot,
+position, rows) instead of `position` and `attn_len`: the steps of B sequences in one
+pass, each row over its own slot's cache, the caches of every slot bound at once.
 """
 
 from __future__ import annotations
@@ -99,8 +102,11 @@ def build_step_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFil
                       None)
     ids = g.input("input_ids", I64, ["S"])
     feats = g.input("g", F32, ["S", head.n_embd])
-    g.input("position", I64, [1])
-    g.input("attn_len", I64, [1])
+    if options.attention == "native":  # the rows of B sequences: (slot, position, rows)
+        g.input("segments", I64, ["B", 3])
+    else:
+        g.input("position", I64, [1])
+        g.input("attn_len", I64, [1])
     g.input("logits_rows", I64, ["R"])
     io = attention_inputs(c, ids)
     p = "blk.0."

@@ -1,5 +1,6 @@
-"""A DFlash head's blocks of several sequences in one pass (HeadRunner.forward_batch): each
-block's logits, proposals and cache rows equal that block alone, bit for bit."""
+"""A head's calls of several sequences in one pass (HeadRunner.forward_batch): each DFlash
+block's (and EAGLE-3 step's) logits, proposals and cache rows equal that call alone, bit
+for bit; DFlash injections waiting together run in one pass."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from specd.ort_models import native_ops
-from specd.ort_models.head_runner import BlockCall, HeadRunner, load_or_build_head
+from specd.ort_models.head_runner import BlockCall, HeadRunner, StepCall, load_or_build_head
 from specd.ort_models.sampling_op import SampleSpec
 
 from tiny_heads import write_tiny_head
@@ -101,10 +102,10 @@ def test_packed_blocks_mix_graph_choices_and_host_rows(paths: tuple[Path, Path])
                 assert list(a.tokens) == list(b.tokens)
 
 
-def test_a_batch_holds_one_block_per_sequence(paths: tuple[Path, Path]) -> None:
+def test_a_batch_holds_one_call_per_sequence(paths: tuple[Path, Path]) -> None:
     runner = _runner(paths)
     call = _calls(runner, (2,))[0]
-    with pytest.raises(ValueError, match="one block per sequence"):
+    with pytest.raises(ValueError, match="one call per sequence"):
         runner.forward_batch([call, call])
 
 
@@ -133,3 +134,53 @@ def test_deferred_injections_run_in_one_pass_as_each_alone(paths: tuple[Path, Pa
         runner.inject(0, more[0], CONTEXTS[0] + 3)
         runner.forward_batch(_calls(runner, (2,)))  # runs the injection waiting first
         assert runner.inject_passes == passes + 2
+
+
+@pytest.fixture(scope="module")
+def eagle3_paths(tiny_model_factory: Callable[..., Path],
+                 tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    target = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
+    head = write_tiny_head(tmp_path_factory.mktemp("eagle3") / "head.gguf", kind="eagle3",
+                           seed=5, draft_vocab=100)
+    return target, head
+
+
+def _eagle3_runner(paths: tuple[Path, Path]) -> tuple[HeadRunner, list[np.ndarray]]:
+    """An EAGLE-3 head over three slots, each with its own random pairs written; the g
+    rows of each slot's next position."""
+    target, head = paths
+    runner = HeadRunner(load_or_build_head(head, target), n_ctx=512, n_seq=3)
+    rng = np.random.default_rng(4)
+    nexts = []
+    for seq, n in enumerate(CONTEXTS):
+        g = runner.encode(rng.normal(0, 1, (n + 1, runner.feature_width)).astype(np.float32))
+        runner.pair(seq, list(rng.integers(0, 300, n)), g[:n], 0)
+        nexts.append(g[n:])
+    return runner, nexts
+
+
+def test_packed_eagle3_steps_equal_each_step_alone(eagle3_paths: tuple[Path, Path]) -> None:
+    runner, nexts = _eagle3_runner(eagle3_paths)
+    assert runner.packs_steps
+    spec = SampleSpec(key=9, position=CONTEXTS[1] + 1, temperature=0.8)
+    calls = [StepCall(seq, [40 + seq], g, CONTEXTS[seq], [0], spec if seq == 1 else None)
+             for seq, g in enumerate(nexts)]
+    passes = runner.step_passes
+    packed = runner.forward_batch(calls)
+    assert runner.step_passes == passes + 1
+    packed_kv = [_kv(runner, c.seq) for c in calls]
+    alone, _ = _eagle3_runner(eagle3_paths)
+    for c, got, kv in zip(calls, packed, packed_kv, strict=True):
+        want = alone.forward_batch([c])[0]
+        np.testing.assert_array_equal(got.logits, want.logits)
+        np.testing.assert_array_equal(got.hidden, want.hidden)
+        assert got.hidden.shape == (1, runner.hp.n_embd)
+        if c.spec is None:
+            assert got.sampled is None and got.logits.shape == (1, runner.hp.n_vocab)
+        else:
+            assert got.sampled is not None and want.sampled is not None
+            assert got.sampled.tokens == want.sampled.tokens
+        for a, b in zip(kv, _kv(alone, c.seq), strict=True):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="blocks or steps"):
+        runner.forward_batch([calls[0], BlockCall(1, [1, 2], 5, [1])])

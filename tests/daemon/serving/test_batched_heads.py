@@ -1,6 +1,6 @@
-"""Slots drafting with a DFlash head: the scheduler runs every slot's block in one pass of
-the head, as it runs the draft model's steps, and each stream's output is its solo run's
-(tiny models, specd's kernels)."""
+"""Slots drafting with a head: the scheduler runs every slot's DFlash block (or EAGLE-3
+step) in one pass of the head, as it runs the draft model's steps, and each stream's output
+is its solo run's (tiny models, specd's kernels)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
 from specd.daemon.text.grammar import Grammar, compile_constraint
 from specd.ort_models import native_ops
-from specd.ort_models.head_runner import BlockCall, BlockOutput, HeadRunner
+from specd.ort_models.head_runner import HeadRunner
 
 from tiny_heads import write_tiny_head
 
@@ -29,12 +29,14 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
           "required": ["n"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
-           ) -> Engine:
+@pytest.fixture(scope="module", params=["dflash", "eagle3"])
+def engine(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    kind = request.param
     target = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
-    head = write_tiny_head(tmp_path_factory.mktemp("heads") / "dflash.gguf", seed=5)
-    return Engine(EngineConfig(target=str(target), draft=str(head), spec_type="draft-dflash",
+    head = write_tiny_head(tmp_path_factory.mktemp("heads") / f"{kind}.gguf", kind=kind,
+                           seed=5)
+    return Engine(EngineConfig(target=str(target), draft=str(head), spec_type=f"draft-{kind}",
                                n_ctx=512, slots=3, fetch=False, device="cpu"))
 
 
@@ -89,25 +91,31 @@ def _solo(scheduler: Scheduler, make: Callable[[], Stream]) -> list[int]:
 def test_streams_share_head_passes_and_equal_their_solo_runs(
         scheduler: Scheduler, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     head = engine.head
-    assert isinstance(head, HeadRunner) and head.packs_blocks
+    assert isinstance(head, HeadRunner)
+    eagle3 = head.built.head.kind == "eagle3"
+    assert head.packs_steps if eagle3 else head.packs_blocks
     assert engine.drafter is not None and engine.drafter.step_runner is head
+
+    def head_passes() -> int:
+        return head.step_passes if eagle3 else head.block_passes
+
     makers = _streams(engine)
     want = [_solo(scheduler, make) for make in makers]
     real, sizes = head.forward_batch, []
 
-    def spy(calls: list[BlockCall]) -> list[BlockOutput]:
+    def spy(calls: list[Any]) -> list[Any]:
         sizes.append(len(calls))
         return real(calls)
 
     monkeypatch.setattr(head, "forward_batch", spy)
-    passes, injections, inject_passes = head.block_passes, head.injections, head.inject_passes
+    passes, injections, inject_passes = head_passes(), head.injections, head.inject_passes
     streams = [make() for make in makers]
     for s in streams:
         scheduler.submit(s.req)
     assert [s.result() for s in streams] == want
     drafted = [s.req.gen.stats.drafted for s in streams if s.req.gen is not None]
     assert all(n > 0 for n in drafted)
-    assert max(sizes) == 3  # all three streams' blocks in one pass
-    assert head.block_passes - passes == len(sizes) < sum(sizes)  # a session run per pass
-    # the verified tokens' injections of the slots completed together: one pass
-    assert head.inject_passes - inject_passes < head.injections - injections
+    assert max(sizes) == 3  # all three streams' blocks (steps) in one pass
+    assert head_passes() - passes == len(sizes) < sum(sizes)  # a session run per pass
+    if not eagle3:  # the verified tokens' injections of the slots completed together
+        assert head.inject_passes - inject_passes < head.injections - injections
