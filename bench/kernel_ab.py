@@ -2,7 +2,8 @@
 
     python bench/kernel_ab.py [--base HEAD~1] [--shapes 1536x8960,8960x1536]
                               [--types Q4_K,Q6_K,Q4_0,Q4_1] [--sizes 1,4,5,8] [--repeats 9]
-                              [--threads 2] [--hot]
+                              [--threads 2] [--hot] [--cflags=-mno-avx512f] [--min]
+                              [--cpu-time]
 
 This machine's timings drift by 10-20% between runs, more than a kernel change is worth,
 so two builds of `ort_models/kernels/gguf_matmul.c` (the one at git revision `--base`
@@ -15,7 +16,13 @@ both layouts share. `--hot` times the kernels' arithmetic instead: one copy of t
 matrix, multiplied 64 times in a row, so it stays in the caches (pick a shape that fits
 them, e.g. 1536x1024 for the L2 of two cores); a verify block of several rows is
 compute-bound, and there the instructions per row decide its time. Each call starts its
-own threads (tens of microseconds), which dilutes the ratios of small shapes.
+own threads (tens of microseconds), which dilutes the ratios of small shapes. `--cflags`
+adds flags to both builds: `-mno-avx512f` times the AVX2 kernels (machines without
+AVX-512), `-mno-avx512bw` the 256-bit VNNI ones. `--min` reports the fastest round of
+each build instead of the median: on a host busy with other work, the least disturbed.
+`--cpu-time` times a call by the CPU time of its busiest thread instead of the wall clock,
+so that the time other processes take the cores from it does not count (it still counts
+their load on the caches and on memory).
 """
 
 from __future__ import annotations
@@ -40,14 +47,22 @@ typedef struct {
   const Act *a;
   size_t m;
   GroupFn fn;
+  double cpu; /* seconds of CPU time the thread spent on its part */
 } Part;
+static double seconds(clockid_t clock) {
+  struct timespec t;
+  clock_gettime(clock, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
 static void *run_part(void *p) {
-  const Part *t = (const Part *)p;
+  Part *t = (Part *)p;
   float acc[ROW_TILE][GROUP];
+  const double t0 = seconds(CLOCK_THREAD_CPUTIME_ID);
   for (size_t g = t->g0; g < t->g1; g++) {
     memset(acc, 0, sizeof acc);
     t->fn(t->w + g * t->gb, t->nb, t->a, 0, t->m, acc);
   }
+  t->cpu = seconds(CLOCK_THREAD_CPUTIME_ID) - t0;
   return NULL;
 }
 /* type 0 Q4_K, 1 Q6_K, 2 Q4_0, 3 Q4_1 (k a multiple of 256): this build's group function,
@@ -70,9 +85,11 @@ size_t SIDE_matrix_bytes(int type, size_t n, size_t k) {
   layout(type, k, &nb, &gb);
   return (n + GROUP - 1) / GROUP * gb;
 }
-/* seconds for one [m, k] x [n, k]^T product over `threads` threads */
+/* seconds for one [m, k] x [n, k]^T product over `threads` threads: wall-clock, or (cpu)
+   the most CPU time one of the threads spent */
 double SIDE_matmul(int type, size_t m, size_t n, size_t k, const uint8_t *w, const int8_t *q,
-                   const float *d, const int16_t *s16, const int16_t *s32, int threads) {
+                   const float *d, const int16_t *s16, const int16_t *s32, int threads,
+                   int cpu) {
   Act a;
   memset(&a, 0, sizeof a);
   a.k = k; a.q = (int8_t *)q; a.d = (float *)d; a.sum16 = (int16_t *)s16; a.sum32 = (int16_t *)s32;
@@ -81,15 +98,17 @@ double SIDE_matmul(int type, size_t m, size_t n, size_t k, const uint8_t *w, con
   const size_t groups = (n + GROUP - 1) / GROUP;
   Part parts[16];
   pthread_t th[16];
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
+  const double t0 = seconds(CLOCK_MONOTONIC);
   for (int t = 0; t < threads; t++) {
-    parts[t] = (Part){w, groups * t / threads, groups * (t + 1) / threads, gb, nb, &a, m, fn};
+    parts[t] = (Part){w, groups * t / threads, groups * (t + 1) / threads, gb, nb, &a, m, fn, 0};
     pthread_create(&th[t], NULL, run_part, &parts[t]);
   }
-  for (int t = 0; t < threads; t++) pthread_join(th[t], NULL);
-  clock_gettime(CLOCK_MONOTONIC, &t1);
-  return (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  double most = 0;
+  for (int t = 0; t < threads; t++) {
+    pthread_join(th[t], NULL);
+    most = parts[t].cpu > most ? parts[t].cpu : most;
+  }
+  return cpu ? most : seconds(CLOCK_MONOTONIC) - t0;
 }
 /* quantize_row of this build (the activations both sides read) */
 void SIDE_quantize(const float *x, size_t k, int8_t *q, float *d, int16_t *s16, int16_t *s32) {
@@ -128,11 +147,11 @@ MAIN = r"""
 #include <stdlib.h>
 #include <string.h>
 typedef double (*Mm)(int, size_t, size_t, size_t, const uint8_t *, const int8_t *, const float *,
-                     const int16_t *, const int16_t *, int);
+                     const int16_t *, const int16_t *, int, int);
 double base_matmul(int, size_t, size_t, size_t, const uint8_t *, const int8_t *, const float *,
-                   const int16_t *, const int16_t *, int);
+                   const int16_t *, const int16_t *, int, int);
 double work_matmul(int, size_t, size_t, size_t, const uint8_t *, const int8_t *, const float *,
-                   const int16_t *, const int16_t *, int);
+                   const int16_t *, const int16_t *, int, int);
 void work_quantize(const float *, size_t, int8_t *, float *, int16_t *, int16_t *);
 size_t base_matrix_bytes(int, size_t, size_t);
 size_t work_matrix_bytes(int, size_t, size_t);
@@ -142,7 +161,7 @@ static int by_value(const void *a, const void *b) {
 }
 int main(int argc, char **argv) {
   const int type = atoi(argv[1]), repeats = atoi(argv[5]), threads = atoi(argv[6]);
-  const int hot = atoi(argv[7]);
+  const int hot = atoi(argv[7]), cpu = atoi(argv[8]);
   const size_t k = (size_t)atol(argv[2]), n = (size_t)atol(argv[3]), m = (size_t)atol(argv[4]);
   /* each copy holds either build's matrix (their layouts may differ in size) */
   const size_t base_bytes = base_matrix_bytes(type, n, k);
@@ -165,11 +184,13 @@ int main(int argc, char **argv) {
     for (int s = 0; s < 2; s++) {
       double sum = 0;
       for (size_t c = 0; c < calls; c++)
-        sum += side[s](type, m, n, k, w + c % copies * mat, q, d, s16, s32, threads);
+        sum += side[s](type, m, n, k, w + c % copies * mat, q, d, s16, s32, threads, cpu);
       if (r >= 0) t[s][r] = sum / calls;
     }
   for (int s = 0; s < 2; s++) qsort(t[s], repeats, sizeof(double), by_value);
-  printf("%.4f %.4f\n", t[0][repeats / 2] * 1e3, t[1][repeats / 2] * 1e3);
+  /* medians, then minima */
+  printf("%.4f %.4f %.4f %.4f\n", t[0][repeats / 2] * 1e3, t[1][repeats / 2] * 1e3,
+         t[0][0] * 1e3, t[1][0] * 1e3);
   return 0;
 }
 """
@@ -195,8 +216,9 @@ def sources(rev: str | None, out: Path) -> None:
         (out / name).write_text(text)
 
 
-def build(base: str, tmp: Path) -> Path:
+def build(base: str, tmp: Path, cflags: tuple[str, ...] = ()) -> Path:
     cc = os.environ.get("CC", "cc")
+    flags = [*FLAGS, *cflags]
     objs = []
     for side, rev in (("base", base), ("work", None)):
         src = tmp / side
@@ -206,13 +228,13 @@ def build(base: str, tmp: Path) -> Path:
         # each build's op table gets its own name; nothing else of it is global. Q4_0 /
         # Q4_1 only where the revision has them (a side without times Q4_K in their place)
         legacy = ["-DHAS_Q4_LEGACY"] if (src / "gguf_legacy.h").exists() else []
-        subprocess.run([cc, *FLAGS, *legacy, f"-Dspecd_gguf_matmul={side}_op", "-c",
+        subprocess.run([cc, *flags, *legacy, f"-Dspecd_gguf_matmul={side}_op", "-c",
                         str(src / "wrap.c"), "-o", str(obj)], check=True)
         objs.append(str(obj))
     (tmp / "stubs.c").write_text(STUBS)
     (tmp / "main.c").write_text(MAIN)
     exe = tmp / "kernel_ab"
-    subprocess.run([cc, *FLAGS, "-I", str(tmp / "work"), str(tmp / "stubs.c"), str(tmp / "main.c"),
+    subprocess.run([cc, *flags, "-I", str(tmp / "work"), str(tmp / "stubs.c"), str(tmp / "main.c"),
                     *objs, "-o", str(exe), "-lpthread", "-lm"], check=True)
     return exe
 
@@ -227,13 +249,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hot", action="store_true",
                     help="the same matrix over and over, in the caches: arithmetic only")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="a call's time: its busiest thread's CPU time, not the wall clock")
+    ap.add_argument("--min", action="store_true",
+                    help="each build's fastest round instead of the median")
+    ap.add_argument("--cflags", default="",
+                    help="more compiler flags for both builds, space-separated")
     args = ap.parse_args()
+    cflags = tuple(args.cflags.split())
     with tempfile.TemporaryDirectory() as d:
-        exe = build(args.base, Path(d))
+        exe = build(args.base, Path(d), cflags)
         where = "hot in the caches" if args.hot else "streamed from memory"
+        extra = f", {' '.join(cflags)}" if cflags else ""
+        stat = "minima" if args.min else "medians"
+        if args.cpu_time:
+            stat = f"CPU time (busiest thread), {stat}"
         print(f"GgufMatMul groups, {args.base} (base) against the working tree (work), "
-              f"{args.threads} threads, {where}, medians of {args.repeats} interleaved "
-              "rounds\n")
+              f"{args.threads} threads, {where}{extra}, {stat} of {args.repeats} "
+              "interleaved rounds\n")
         print("| type | K×N | M | base ms | work ms | work / base |")
         print("|---|---|---|---|---|---|")
         for type_name in args.types.split(","):
@@ -242,9 +275,10 @@ def main() -> None:
                 for m in args.sizes.split(","):
                     out = subprocess.run([str(exe), str(TYPES.index(type_name)), k, n, m,
                                           str(args.repeats), str(args.threads),
-                                          str(int(args.hot))],
+                                          str(int(args.hot)), str(int(args.cpu_time))],
                                          check=True, capture_output=True, text=True).stdout
-                    base, work = map(float, out.split())
+                    med_base, med_work, min_base, min_work = map(float, out.split())
+                    base, work = (min_base, min_work) if args.min else (med_base, med_work)
                     print(f"| {type_name} | {k}×{n} | {m} | {base:.3f} | {work:.3f} | "
                           f"{work / base:.2f} |", flush=True)
 
