@@ -6,12 +6,12 @@
 /* ---------------------------------------------------------------------------------- */
 /* 512-bit passes: 16 rows per vector                                                   */
 #define SPECD_AVX512 1
-/* Rows of A a superblock is multiplied with at once: their accumulators stay in the 32
-   registers (two a row). A row group is taken superblock by superblock, each against
-   all the rows of the call in turn, in chunks of at most ROWS_PER_PASS, as even as
-   possible (8 rows: one chunk; 12: 6 and 6): the superblock is read from memory once
-   and from L1 after, and the stream of weights is spread evenly over the compute
-   instead of coming all in the first pass over the group. */
+/* Rows of A a superblock is multiplied with at once: their accumulators (3 a row) stay in
+   the 32 registers. A row group is taken superblock by superblock, each against all the
+   rows of the call in turn, in chunks of at most ROWS_PER_PASS, as even as possible (8
+   rows: one chunk; 12: 6 and 6): the superblock is read from memory once and from L1
+   after, and the stream of weights is spread evenly over the compute instead of coming
+   all in the first pass over the group. */
 enum { ROWS_PER_PASS = 8 };
 typedef __m512i VI;
 
@@ -53,10 +53,7 @@ ALWAYS_INLINE void sb_q4_k(const uint8_t *w, size_t i, const int nsub, const Act
   }
   for (int j = 0; j < nsub; j++, qs += 4 * 64) {
     if (pf) prefetch_lines(w + PF_AHEAD * Q4_K_GROUP_BYTES + 320 * j, 5);
-    /* the rows' dot products interleaved: consecutive instructions are independent.
-       Up to 3 rows, the low and the high nibbles' products in two sums a row (two
-       chains of vpdpbusd); from 4 rows on, the rows' chains are enough and one sum a
-       row leaves the registers for more rows */
+    /* the rows' dot products interleaved: consecutive instructions are independent */
     VI s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
@@ -65,21 +62,14 @@ ALWAYS_INLINE void sb_q4_k(const uint8_t *w, size_t i, const int nsub, const Act
 #pragma GCC unroll 8
       for (int m = 0; m < mt; m++) {
         const int8_t *xp = x[m] + 32 * j + 8 * p;
-        if (mt < 4) {
-          s0[m] = _mm512_dpbusd_epi32(p ? s0[m] : _mm512_setzero_si512(), lo, bcast4(xp));
-          s1[m] = _mm512_dpbusd_epi32(p ? s1[m] : _mm512_setzero_si512(), hi, bcast4(xp + 4));
-        } else {
-          s0[m] = _mm512_dpbusd_epi32(p ? s0[m] : _mm512_setzero_si512(), lo, bcast4(xp));
-          s0[m] = _mm512_dpbusd_epi32(s0[m], hi, bcast4(xp + 4));
-        }
+        s0[m] = _mm512_dpbusd_epi32(p ? s0[m] : _mm512_setzero_si512(), lo, bcast4(xp));
+        s1[m] = _mm512_dpbusd_epi32(p ? s1[m] : _mm512_setzero_si512(), hi, bcast4(xp + 4));
       }
     }
     const VI scj = u8x16(sc + GROUP * j);
 #pragma GCC unroll 8
-    for (int m = 0; m < mt; m++) {
-      const VI s = mt < 4 ? _mm512_add_epi32(s0[m], s1[m]) : s0[m];
-      isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(s, scj));
-    }
+    for (int m = 0; m < mt; m++)
+      isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(s0[m], s1[m]), scj));
   }
   /* y += da * (d * isum - dmin * imin), imin = sum_j m[j] * (sum of A's 32 values of
      sub-block j), two sub-blocks a madd */
