@@ -59,7 +59,7 @@ from .sampling_op import SampledBlock, SampleSpec
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
-HEAD_GRAPHS_VERSION = 7
+HEAD_GRAPHS_VERSION = 8
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None
@@ -210,15 +210,19 @@ class HeadRunner:
         self._cached = [name for name, sess in self.sessions.items()
                         if any(i.name == "past_key_0" for i in sess.get_inputs())
                         and name not in packing]
-        # the injection graph returns K/V rows (beside a packing block graph): the rows of
-        # several sequences in one pass, written into their slots here; injections may
-        # wait in `_pending` while `deferred_injections` is open
-        self.packs_injections = "inject" in self.sessions and any(
-            i.name == "positions" for i in self.sessions["inject"].get_inputs())
-        self._pending: list[tuple[int, np.ndarray, int]] = []  # (seq, features, pos)
+        # graphs returning K/V rows instead of writing them (DFlash's injection, EAGLE-3's
+        # pairs, beside a packing graph): the rows of several sequences in one pass,
+        # written into their slots here; they may wait in `_pending` while
+        # `deferred_injections` is open
+        self._row_graphs = {name for name, sess in self.sessions.items()
+                            if any(i.name == "positions" for i in sess.get_inputs())}
+        self.packs_injections = "inject" in self._row_graphs
+        self.packs_pairs = "pair" in self._row_graphs
+        # (graph, seq, its inputs of n rows, pos) per call waiting
+        self._pending: list[tuple[str, int, dict[str, np.ndarray], int]] = []
         self._deferring = 0
-        self.injections = 0  # inject() calls
-        self.inject_passes = 0  # injection session runs (a pass may hold several calls')
+        self.injections = 0  # inject() and pair() calls
+        self.inject_passes = 0  # their session runs (a pass may hold several calls')
         self._all = {name: self.sessions[name].io_binding() for name in packing}
         self._all_version = dict.fromkeys(packing, -1)  # the cache's buffers as last bound
         self.block_passes = 0  # block session runs (a pass may hold several sequences')
@@ -261,10 +265,7 @@ class HeadRunner:
         check_call(pos, features.shape[0], self.n_ctx)
         self.injections += 1
         if self.packs_injections:
-            rows = np.array(features, dtype=np.float32, copy=self._deferring > 0)  # [n, W]
-            self._pending.append((seq, rows, pos))
-            if not self._deferring:
-                self.flush_injections()
+            self._write_rows("inject", seq, {"features": features}, pos)
             return
         b = self._bindings[seq]["inject"]
         b.bind_cpu_input("features", np.ascontiguousarray(features, dtype=np.float32))
@@ -272,10 +273,22 @@ class HeadRunner:
         self.sessions["inject"].run_with_iobinding(b)
         self.inject_passes += 1
 
+    def _write_rows(self, graph: str, seq: int, inputs: dict[str, np.ndarray], pos: int
+                    ) -> None:
+        """A call of a graph returning K/V rows: waiting while `deferred_injections` is
+        open (its inputs copied: the caller may reuse them), else run at once."""
+        waits = self._deferring > 0
+        self._pending.append((graph, seq, {
+            name: np.array(a, dtype=np.int64 if name == "input_ids" else np.float32, copy=waits)
+            for name, a in inputs.items()}, pos))
+        if not waits:
+            self.flush_injections()
+
     @contextmanager
     def deferred_injections(self) -> Iterator[None]:
-        """While open, injections (of any sequences) wait, and run in one pass when it
-        closes (or before a block reads them), where the injection graph packs them."""
+        """While open, injections and EAGLE-3 pairs (of any sequences) wait, and run in one
+        pass per graph when it closes (or before a block or step reads them), where their
+        graphs pack them."""
         self._deferring += 1
         try:
             yield
@@ -285,29 +298,30 @@ class HeadRunner:
                 self.flush_injections()
 
     def flush_injections(self) -> None:
-        """Run the waiting injections in one pass: each sequence's K/V rows written into its
-        slot at their positions."""
+        """Run the waiting injections and pairs, one pass per graph: each call's K/V rows
+        written into its sequence's slot at their positions."""
         pending, self._pending = self._pending, []
-        if not pending:
-            return
-        features = np.concatenate([f for _, f, _ in pending])  # [S, L*E_t]
-        positions = np.concatenate([np.arange(pos, pos + len(f), dtype=np.int64)
-                                    for _, f, pos in pending])  # [S]
-        names = [f"{kind}_{i}" for i in range(self.hp.n_layer) for kind in ("key", "value")]
-        outs = self.sessions["inject"].run(names, {"features": features,
-                                                   "positions": positions})
-        self.inject_passes += 1
-        hkv, hd = self.hp.n_head_kv, self.hp.head_dim
-        start = 0
-        for seq, f, pos in pending:
-            n = len(f)
-            # the caches [1, Hkv, kv_len, hd] of each layer, its rows [S, Hkv*hd]
-            for (k, v), k_rows, v_rows in zip(self.kv.layers(seq), outs[0::2], outs[1::2],
-                                              strict=True):
-                for cache, rows in ((k, k_rows), (v, v_rows)):
-                    cache[0, :, pos:pos + n] = (rows[start:start + n].reshape(n, hkv, hd)
-                                                .transpose(1, 0, 2))
-            start += n
+        for graph in dict.fromkeys(name for name, _, _, _ in pending):
+            calls = [(seq, inputs, pos) for name, seq, inputs, pos in pending if name == graph]
+            feed = {name: np.concatenate([inputs[name] for _, inputs, _ in calls])
+                    for name in calls[0][1]}  # [S, ...]
+            lengths = [len(next(iter(inputs.values()))) for _, inputs, _ in calls]
+            feed["positions"] = np.concatenate([np.arange(pos, pos + n, dtype=np.int64)
+                                                for (_, _, pos), n in zip(calls, lengths,
+                                                                          strict=True)])
+            names = [f"{kind}_{i}" for i in range(self.hp.n_layer) for kind in ("key", "value")]
+            outs = self.sessions[graph].run(names, feed)
+            self.inject_passes += 1
+            hkv, hd = self.hp.n_head_kv, self.hp.head_dim
+            start = 0
+            for (seq, _, pos), n in zip(calls, lengths, strict=True):
+                # the caches [1, Hkv, kv_len, hd] of each layer, its rows [S, Hkv*hd]
+                for (k, v), k_rows, v_rows in zip(self.kv.layers(seq), outs[0::2], outs[1::2],
+                                                  strict=True):
+                    for cache, rows in ((k, k_rows), (v, v_rows)):
+                        cache[0, :, pos:pos + n] = (rows[start:start + n].reshape(n, hkv, hd)
+                                                    .transpose(1, 0, 2))
+                start += n
 
     def block(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int],
               specs: Sequence[SampleSpec] | None = None) -> BlockOutput:
@@ -420,11 +434,16 @@ class HeadRunner:
         """EAGLE-3: write the K/V rows of the pairs (tokens[i], g[i]) [n], [n, E] at
         positions pos.. (what `step` writes for them, without computing anything else)."""
         check_call(pos, len(tokens), self.n_ctx)
+        self.injections += 1
+        if self.packs_pairs:
+            self._write_rows("pair", seq, {"input_ids": np.asarray(tokens), "g": g}, pos)
+            return
         b = self._bindings[seq]["pair"]
         b.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64))
         b.bind_cpu_input("g", np.ascontiguousarray(g, dtype=np.float32))
         b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
         self.sessions["pair"].run_with_iobinding(b)
+        self.inject_passes += 1
 
     def step(self, seq: int, tokens: Sequence[int], g: np.ndarray, pos: int,
              rows: Sequence[int], spec: SampleSpec | None = None) -> StepOutput:
@@ -443,6 +462,7 @@ class HeadRunner:
             check_call(c.pos, len(c.tokens), self.n_ctx)
             if c.seq >= self.n_seq:
                 raise ValueError(f"no sequence slot {c.seq} (the head has {self.n_seq})")
+        self.flush_injections()  # the pairs the steps read
         ids: list[int] = []
         logits_rows: list[int] = []
         segments: list[tuple[int, int, int]] = []  # (slot, pos, rows) per step

@@ -17,7 +17,8 @@ row exactly.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,10 @@ class Eagle3Drafter(Drafter):
         self.runner = self.step_runner = runner
         self.target_layers = runner.built.head.hidden_layers
         self._seqs: dict[int, _SeqState] = {}
+        # while `batched_updates` is open: the verified tokens whose encoding and pairs
+        # wait, (seq, tokens, their feature rows [n, 3*E_t]) in order
+        self._batching = 0
+        self._waiting: list[tuple[int, list[int], np.ndarray]] = []
 
     def _encode(self, st: _SeqState, features: Features | None, pos: int, n: int) -> None:
         """The g rows of n target tokens at positions pos.. from their features."""
@@ -63,6 +68,38 @@ class Eagle3Drafter(Drafter):
         if n:
             st.g[pos:pos + n] = self.runner.encode(rows)
         st.known = pos + n
+
+    @contextmanager
+    def _batched(self) -> Iterator[None]:
+        with self.runner.deferred_injections():  # the pairs written at the end: one pass
+            self._batching += 1
+            try:
+                yield
+            finally:
+                self._batching -= 1
+                if not self._batching:
+                    self._flush()
+
+    def batched_updates(self) -> AbstractContextManager[None]:
+        """The verified tokens of the sequences completed together encoded in one pass and
+        their pairs written in one (where the pair graph packs them)."""
+        return self._batched()
+
+    def _flush(self, seq: int | None = None) -> None:
+        """Encode every waiting token in one pass and write their pairs (seq: only where
+        some of that sequence's wait)."""
+        if not self._waiting or (seq is not None and all(w[0] != seq for w in self._waiting)):
+            return
+        waiting, self._waiting = self._waiting, []
+        g = self.runner.encode(np.concatenate([rows for _, _, rows in waiting]))  # [S, E]
+        start = 0
+        for s, tokens, _ in waiting:
+            st = self._seqs[s]
+            first, n = st.known, len(tokens)
+            st.g[first:first + n] = g[start:start + n]
+            st.known = first + n
+            self._write_pairs(s, st, tokens, first, st.known - 1)
+            start += n
 
     def _write_pairs(self, seq: int, st: _SeqState, tokens: Sequence[int], first: int,
                      end: int) -> None:
@@ -83,6 +120,7 @@ class Eagle3Drafter(Drafter):
         earlier request on this slot keeps that request's g rows and pairs)."""
         while self.runner.n_seq <= seq:
             self.runner.add_sequence()
+        self._flush(seq)
         n = 0 if features is None else next(iter(features.values())).shape[0]
         start = len(prompt) - n
         st = self._seqs.get(seq)
@@ -105,6 +143,7 @@ class Eagle3Drafter(Drafter):
                     grammar: GrammarState | None = None) -> DraftSteps:
         """The draft as yielded StepCalls, one per token (each sent its StepOutput): a
         scheduler runs the steps of several sequences in one pass of the head."""
+        self._flush(seq)
         st = self._seqs[seq]
         if st.known != pos or pos == 0:
             raise RuntimeError(f"the head holds g rows of {st.known} positions, the target "
@@ -150,6 +189,11 @@ class Eagle3Drafter(Drafter):
                 features: Features | None = None) -> None:
         """Encode the verified tokens (at positions known..) and write every pair whose
         following token is now known, over the drafted ones."""
+        if self._batching and tokens:
+            rows = head_input_rows(features, self.target_layers, len(tokens))  # [n, 3*E_t]
+            self._waiting.append((seq, list(tokens), rows))
+            return
+        self._flush(seq)
         st = self._seqs[seq]
         first = st.known
         self._encode(st, features, first, len(tokens))

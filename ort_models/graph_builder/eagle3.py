@@ -20,7 +20,10 @@ Graph inputs and outputs follow the decoder graph's contract (package docstring)
 `position`, `attn_len`, `logits_rows`, past_/present_ key/value of the one layer. On
 specd's attention (`dflash.packs_sequences`) the step takes `segments` [B, 3] (slot,
 position, rows) instead of `position` and `attn_len`: the steps of B sequences in one
-pass, each row over its own slot's cache, the caches of every slot bound at once.
+pass, each row over its own slot's cache, the caches of every slot bound at once; and
+the pair graph takes `positions` [S], one per row, and returns the rows `key_0`, `value_0`
+[S, Hkv*hd] rather than writing them: the pairs of several sequences in one pass, the
+runner writing each into its slot (no cache input).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from .attention import (
     attention_inputs,
     kv_cache_io,
     rotary_positions,
+    rotary_tables,
     rotate,
     write_kv,
 )
@@ -72,12 +76,26 @@ def build_pair_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFil
     tc = BuildContext(g, target, target_file, dataclasses.replace(options, max_positions=0),
                       None)
     ids = g.input("input_ids", I64, ["S"])
-    g.input("position", I64, [1])
-    pos_ids = rotary_positions(c, g.op("Shape", [ids]))
+    packed = options.attention == "native"  # rows out, the runner writes them (docstring)
+    if packed:
+        pos_ids = g.op("Unsqueeze", [g.input("positions", I64, ["S"]), g.const([0])])  # [1, S]
+        rotary_tables(c)
+    else:
+        g.input("position", I64, [1])
+        pos_ids = rotary_positions(c, g.op("Shape", [ids]))
     x = _layer_input(c, tc, head, ids, g.input("g", F32, ["S", head.n_embd]))[0]
-    kv_cache_io(c, 0)
     k = g.op("Unsqueeze", [linear(c, x, "blk.0.attn_k.weight"), g.const([0])])
-    write_kv(c, 0, rotate(c, k, pos_ids, head.n_head_kv), linear(c, x, "blk.0.attn_v.weight"))
+    k3 = rotate(c, k, pos_ids, head.n_head_kv)  # [1, S, Hkv*hd]
+    v = linear(c, x, "blk.0.attn_v.weight")  # [S, Hkv*hd]
+    if packed:
+        width = head.n_head_kv * head.head_dim
+        g.op("Squeeze", [k3, g.const([0])], out=["key_0"])
+        g.output("key_0", F32, ["S", width])
+        g.op("Identity", [v], out=["value_0"])
+        g.output("value_0", F32, ["S", width])
+    else:
+        kv_cache_io(c, 0)
+        write_kv(c, 0, k3, v)
     c.tick("layer")
 
 

@@ -184,3 +184,30 @@ def test_packed_eagle3_steps_equal_each_step_alone(eagle3_paths: tuple[Path, Pat
             np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="blocks or steps"):
         runner.forward_batch([calls[0], BlockCall(1, [1, 2], 5, [1])])
+
+
+def test_deferred_eagle3_pairs_run_in_one_pass_as_each_alone(
+        eagle3_paths: tuple[Path, Path]) -> None:
+    """EAGLE-3 pairs of three sequences waiting in `deferred_injections`: one pass, the
+    rows each pair call alone writes; a step first writes those waiting before it."""
+    runner, nexts = _eagle3_runner(eagle3_paths)
+    alone, _ = _eagle3_runner(eagle3_paths)
+    assert runner.packs_pairs
+    rng = np.random.default_rng(6)
+    pairs = [(list(rng.integers(0, 300, n)),
+              runner.encode(rng.normal(0, 1, (n, runner.feature_width)).astype(np.float32)))
+             for n in (2, 1, 4)]
+    passes = runner.inject_passes
+    with runner.deferred_injections():
+        for seq, (tokens, g) in enumerate(pairs):
+            runner.pair(seq, tokens, g, CONTEXTS[seq])
+        assert runner.inject_passes == passes
+    assert runner.inject_passes == passes + 1
+    for seq, (tokens, g) in enumerate(pairs):
+        alone.pair(seq, tokens, g, CONTEXTS[seq])
+        for a, b in zip(_kv(runner, seq), _kv(alone, seq), strict=True):
+            np.testing.assert_array_equal(a, b)
+    with runner.deferred_injections():
+        runner.pair(0, [5], pairs[0][1][:1], CONTEXTS[0] + 2)
+        runner.forward_batch([StepCall(0, [7], nexts[0], CONTEXTS[0] + 3, [0])])
+        assert runner.inject_passes == passes + 2  # the pair waiting ran first
