@@ -35,7 +35,7 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
 
     p = subparsers.add_parser(
-        "train-draft", help="train a DFlash or DSpark drafter head for a target "
+        "train-draft", help="train a DFlash, DSpark or EAGLE-3 drafter head for a target "
         "(self-distillation; needs specd[train])",
         description="Train a drafter head for TARGET by self-distillation: the target "
         "answers instructions made of the Python standard library's source and docs "
@@ -45,8 +45,9 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         "docs/training.md.")
     p.add_argument("-m", "--model", default=DEFAULT_TARGET,
                    help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
-    p.add_argument("--kind", default="dflash", help="head kind: dflash, or dspark (anchor-"
-                   "first, with Markov and confidence heads); eagle3 is planned")
+    p.add_argument("--kind", default="dflash", help="head kind: dflash; dspark (anchor-"
+                   "first, with Markov and confidence heads); eagle3 (one autoregressive "
+                   "layer over three target layers, trained by the training-time test)")
     p.add_argument("-o", "--outfile", required=True, help="the head GGUF to write")
     p.add_argument("--work-dir", default=None,
                    help="data and checkpoints (default: OUTFILE.work)")
@@ -62,15 +63,16 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     d.add_argument("--max-reply", type=int_at_least(2), default=256,
                    help="reply length cap (tokens, default 256)")
     h = p.add_argument_group("head")
-    h.add_argument("--layers", type=int_at_least(1), default=DEFAULT_HEAD_LAYERS,
-                   help=f"head layers (default {DEFAULT_HEAD_LAYERS})")
+    h.add_argument("--layers", type=int_at_least(1), default=None,
+                   help=f"head layers (default {DEFAULT_HEAD_LAYERS}; eagle3: 1)")
     h.add_argument("--ffn", type=int_at_least(1), default=None,
                    help="feed-forward width (default: the target's)")
-    h.add_argument("--block", type=int_at_least(2), default=DEFAULT_BLOCK,
-                   help=f"block size: drafts per pass + 1 (default {DEFAULT_BLOCK})")
-    h.add_argument("--gamma", type=float, default=DEFAULT_GAMMA,
+    h.add_argument("--block", type=int_at_least(2), default=None,
+                   help=f"block size: drafts per pass + 1 (default {DEFAULT_BLOCK}; eagle3: "
+                   "the unrolled steps of the training-time test + 1, default 8)")
+    h.add_argument("--gamma", type=float, default=None,
                    help=f"loss decay over block slots, exp(-(k-1)/gamma) (default "
-                   f"{DEFAULT_GAMMA})")
+                   f"{DEFAULT_GAMMA}; eagle3: 4.48, step k weighted 0.8^k)")
     h.add_argument("--feature-layers", type=int_at_least(1), default=DEFAULT_FEATURE_LAYERS,
                    help=f"target layers read, spread by z-lab's rule (default "
                    f"{DEFAULT_FEATURE_LAYERS})")

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import os
 
-KINDS = ("dflash", "dspark")  # head kinds train-draft makes
-PLANNED_KINDS = ("eagle3",)  # recognised, refused with a reason
+KINDS = ("dflash", "dspark", "eagle3")  # head kinds train-draft makes
 INSTALL_HINT = "pip install 'specd[train]'"
 
 
@@ -48,4 +47,4 @@ def require_torch() -> None:
                          "CPU-only wheels are far smaller: see docs/training.md)") from None
 
 
-__all__ = ["INSTALL_HINT", "KINDS", "PLANNED_KINDS", "TrainError", "require_torch"]
+__all__ = ["INSTALL_HINT", "KINDS", "TrainError", "require_torch"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from specd.ort_models.arch import HParams
 from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.heads import EAGLE3_TARGET_LAYERS
 
 from . import TrainError
 
@@ -44,7 +45,8 @@ class HeadConfig:
     draft_vocab: int  # rows of the head's logits: < target_vocab means a d2t map
     # "dflash": slot 0 holds the anchor, slots 1..B-1 draft the tokens at their own
     # positions; "dspark": anchor-first, slot k drafts the token after its position
-    # (a + k + 1), biased by a Markov head of this rank, with a confidence head
+    # (a + k + 1), biased by a Markov head of this rank, with a confidence head;
+    # "eagle3": B - 1 autoregressive steps (model.Eagle3Head)
     kind: str = "dflash"
     markov_rank: int = 0
 
@@ -115,18 +117,49 @@ def mask_token(f: GGUFFile, n_vocab: int) -> int:
                      "(padding) token to draft with; pass --mask-token-id")
 
 
-def head_config(f: GGUFFile, hp: HParams, *, n_layer: int = DEFAULT_HEAD_LAYERS,
-                n_ff: int | None = None, block_size: int = DEFAULT_BLOCK,
-                gamma: float = DEFAULT_GAMMA, feature_layers: int = DEFAULT_FEATURE_LAYERS,
+def eagle3_target_layers(n_target: int) -> tuple[int, ...]:
+    """llama.cpp ids of the three target layers an EAGLE-3 head reads by default (its
+    converter's [2, N / 2, N - 3]), each within the 1..N - 1 llama.cpp can read."""
+    return tuple(min(max(x, 1), n_target - 1) for x in (2, n_target // 2, n_target - 3))
+
+
+# a kind's defaults where the request leaves them: layers, block (EAGLE-3: the steps of
+# the training-time test + 1) and gamma (EAGLE-3: step j weighted 0.8^j)
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dflash": {"n_layer": DEFAULT_HEAD_LAYERS, "block_size": DEFAULT_BLOCK,
+               "gamma": DEFAULT_GAMMA},
+    "dspark": {"n_layer": DEFAULT_HEAD_LAYERS, "block_size": DEFAULT_BLOCK,
+               "gamma": DEFAULT_GAMMA},
+    "eagle3": {"n_layer": 1, "block_size": 8, "gamma": 1.0 / math.log(1.25)},
+}
+
+
+def head_config(f: GGUFFile, hp: HParams, *, n_layer: int | None = None,
+                n_ff: int | None = None, block_size: int | None = None,
+                gamma: float | None = None, feature_layers: int = DEFAULT_FEATURE_LAYERS,
                 target_layers: tuple[int, ...] | None = None, mask_token_id: int | None = None,
                 draft_vocab: int = DEFAULT_DRAFT_VOCAB, kind: str = "dflash",
                 markov_rank: int = DEFAULT_MARKOV_RANK) -> HeadConfig:
     """The `kind` head for target `f` (hyper-parameters `hp`): its attention is the
-    target's (heads, KV heads, head size, rope base); n_ff defaults to the target's."""
+    target's (heads, KV heads, head size, rope base); n_ff defaults to the target's, the
+    rest to the kind's (KIND_DEFAULTS)."""
+    d = KIND_DEFAULTS[kind]
+    n_layer = d["n_layer"] if n_layer is None else n_layer
+    block_size = d["block_size"] if block_size is None else block_size
+    gamma = d["gamma"] if gamma is None else gamma
     if block_size < 2:
         raise TrainError(f"--block {block_size}: a block is the anchor and at least one "
                          "draft slot")
-    layers = target_layers or default_target_layers(hp.n_layer, feature_layers)
+    if kind == "eagle3":
+        if n_layer != 1:
+            raise TrainError(f"--layers {n_layer}: an EAGLE-3 head has one layer (llama.cpp "
+                             "loads no other)")
+        layers = target_layers or eagle3_target_layers(hp.n_layer)
+        if len(layers) != EAGLE3_TARGET_LAYERS:
+            raise TrainError(f"target layers {list(layers)}: EAGLE-3 reads exactly "
+                             f"{EAGLE3_TARGET_LAYERS}")
+    else:
+        layers = target_layers or default_target_layers(hp.n_layer, feature_layers)
     bad = [x for x in layers if not 1 <= x < hp.n_layer]
     if bad:
         # specd reads id n_layer (the stream after the last layer), but llama.cpp b11434

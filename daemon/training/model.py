@@ -52,6 +52,29 @@ def rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
+class HeadModel(nn.Module):
+    """What training asks of a head of any kind."""
+
+    cfg: HeadConfig
+
+    def rows(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The drafts' output-normed rows [b, N, S, E] of a batch (trainer.Batches)."""
+        raise NotImplementedError
+
+    def logits(self, rows: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [..., E] -> [..., Vd] (`prev` [...], the tokens before the drafts, is
+        DSpark's Markov input)."""
+        raise NotImplementedError
+
+    def confidence_logit(self, rows: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """The confidence head's logit per draft [...] (None: the head has none)."""
+        return None
+
+    def gguf_tensors(self) -> dict[str, np.ndarray]:
+        """The trained weights under llama.cpp's names (numpy order (out, in), float32)."""
+        raise NotImplementedError
+
+
 class HeadLayer(nn.Module):
     def __init__(self, cfg: HeadConfig) -> None:
         super().__init__()
@@ -99,7 +122,7 @@ class HeadLayer(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-class DFlashHead(nn.Module):
+class DFlashHead(HeadModel):
     """embed [V_in, E]: the target's token embeddings of the ids the data uses (rows by
     `embed_index`); lm_head [Vd, E]: the target's LM head rows of the draft vocabulary."""
 
@@ -155,17 +178,14 @@ class DFlashHead(nn.Module):
         x = self.out_norm(x).view(b, n, bs, c.n_embd)
         return x[:, :, c.first_slot:]  # [b, N, S, E]
 
+    def rows(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self(batch["feats"], batch["anchors"], batch["anchor_tokens"])
+
     def logits(self, rows: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
-        """rows [..., E] -> [..., Vd] through the frozen LM head (`prev` [...], the
-        tokens before the slots, is DSpark's)."""
+        """Through the frozen LM head."""
         return rows @ self.lm_head.T
 
-    def confidence_logit(self, rows: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
-        """The confidence head's logit per slot [...] (None: the head has none)."""
-        return None
-
     def gguf_tensors(self) -> dict[str, np.ndarray]:
-        """The trained weights under llama.cpp's names (numpy order (out, in), float32)."""
         out = {"fc.weight": as_numpy(self.fc.weight),
                "enc.output_norm.weight": as_numpy(self.enc_norm.weight)}
         for i, layer in enumerate(self.blocks()):
@@ -215,9 +235,156 @@ class DSparkHead(DFlashHead):
                 "conf_proj.bias": as_numpy(self.conf_proj.bias)}
 
 
-HEADS: dict[str, type[DFlashHead]] = {"dflash": DFlashHead, "dspark": DSparkHead}
-
-
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A tensor as float32 numpy, detached, on the CPU."""
     return t.detach().to("cpu", torch.float32).numpy()
+
+
+def rope_interleaved(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+    """llama.cpp's NORM rotation (a Llama layer's, EAGLE-3's) of x [..., S, hd] at
+    positions pos [..., S]: adjacent pairs (x[2i], x[2i + 1]), angle pos · base^(-2i / hd)."""
+    hd = x.shape[-1]
+    inv = base ** (-torch.arange(hd // 2, device=x.device, dtype=torch.float64) * 2.0 / hd)
+    theta = (pos.to(torch.float64)[..., None] * inv).to(x.dtype)  # [..., S, hd / 2]
+    cos, sin = theta.cos(), theta.sin()
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+
+
+class Eagle3Head(HeadModel):
+    """An EAGLE-3 head (specd's eagle3 graphs, llama.cpp's eagle3.cpp): g = fc · features
+    of three target layers; one Llama layer whose input at position P is
+    [RMSNorm(embed(token at P + 1)) ; RMSNorm_2(g_P)] (q/k/v 2E wide, interleaved rope, no
+    q/k norms), residual g_P, attending causally over the pairs before it; its pre-norm
+    output is the next step's g; output_norm, then the head's own LM head over the draft
+    vocabulary (initialised from the target's rows), trained with it.
+
+    Trained by the training-time test: per anchor a (the position of the token just
+    verified), the steps of a draft are unrolled: step j at position a - 1 + j reads the
+    token at a + j (the target's: what the drafts are wherever the ones before are
+    accepted) and g = the target's g at a - 1 for j = 0, else step j - 1's output; it
+    attends to the target's pairs before a and to the draft's own steps 1..j, as the
+    cache holds them while drafting, and predicts the token at a + 1 + j."""
+
+    embed: torch.Tensor
+    embed_index: torch.Tensor
+
+    def __init__(self, cfg: HeadConfig, embed: np.ndarray, embed_index: np.ndarray,
+                 lm_head: np.ndarray) -> None:
+        super().__init__()
+        e, hd = cfg.n_embd, cfg.head_dim
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.feature_width, e, bias=False)
+        self.embed_norm = RMSNorm(e, cfg.rms_eps)  # blk.0.attn_norm
+        self.hidden_norm = RMSNorm(e, cfg.rms_eps)  # blk.0.attn_norm_2
+        self.q = nn.Linear(2 * e, cfg.n_head * hd, bias=False)
+        self.k = nn.Linear(2 * e, cfg.n_head_kv * hd, bias=False)
+        self.v = nn.Linear(2 * e, cfg.n_head_kv * hd, bias=False)
+        self.o = nn.Linear(cfg.n_head * hd, e, bias=False)
+        self.ffn_norm = RMSNorm(e, cfg.rms_eps)
+        self.gate = nn.Linear(e, cfg.n_ff, bias=False)
+        self.up = nn.Linear(e, cfg.n_ff, bias=False)
+        self.down = nn.Linear(cfg.n_ff, e, bias=False)
+        self.out_norm = RMSNorm(e, cfg.rms_eps)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+        self.lm_head = nn.Linear(e, len(lm_head), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(torch.from_numpy(lm_head))
+        self.register_buffer("embed", torch.from_numpy(embed), persistent=False)
+        self.register_buffer("embed_index", torch.from_numpy(embed_index.astype(np.int64)),
+                             persistent=False)
+
+    def _input(self, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The layer's input [..., 2E] of tokens ids [...] paired with g [..., E]."""
+        return torch.cat([self.embed_norm(self.embed[self.embed_index[ids]]),
+                          self.hidden_norm(g)], dim=-1)
+
+    def _kv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [..., S, Hkv, hd] of inputs x [..., S, 2E] at positions pos [..., S]."""
+        c = self.cfg
+        k = self.k(x).unflatten(-1, (c.n_head_kv, c.head_dim))
+        k = rope_interleaved(k.transpose(-2, -3), pos[..., None, :], c.rope_base)
+        return k.transpose(-2, -3), self.v(x).unflatten(-1, (c.n_head_kv, c.head_dim))
+
+    def forward(self, feats: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                prev: torch.Tensor) -> torch.Tensor:
+        """feats [b, T, F] and tokens [b, T + 1] of the context (features of positions
+        before the last anchor, tokens through it); anchors [b, N] (negative: padding,
+        else >= 1); prev [b, N, S] the token each step reads. Returns the steps'
+        output-normed rows [b, N, S, E]."""
+        c = self.cfg
+        b, t, _ = feats.shape
+        n, steps = anchors.shape[1], prev.shape[2]
+        dev = feats.device
+        group = c.n_head // c.n_head_kv
+        g = self.fc(feats)  # [b, T, E]
+        ctx_pos = torch.arange(t, device=dev).expand(b, t)  # [b, T]
+        ctx_k, ctx_v = self._kv(self._input(tokens[:, 1:t + 1], g), ctx_pos)  # [b, T, Hkv, hd]
+        ctx_k = ctx_k.repeat_interleave(group, dim=2)
+        ctx_v = ctx_v.repeat_interleave(group, dim=2)
+        a = anchors.clamp(min=1)  # [b, N]
+        sees = ctx_pos[:, None, :] < a[:, :, None]  # [b, N, T]: the pairs before the anchor
+        cur = torch.gather(g, 1, (a - 1)[..., None].expand(b, n, c.n_embd))  # [b, N, E]
+        keys: list[torch.Tensor] = []  # the draft's own steps 1.. [b, N, H, hd] each
+        vals: list[torch.Tensor] = []
+        rows = []
+        scale = 1.0 / math.sqrt(c.head_dim)
+        for j in range(steps):
+            pos = a - 1 + j  # [b, N]
+            x = self._input(prev[:, :, j], cur)  # [b, N, 2E]
+            q = self.q(x).unflatten(-1, (c.n_head, c.head_dim))  # [b, N, H, hd]
+            q = rope_interleaved(q.transpose(1, 2), pos[:, None, :], c.rope_base)
+            q = q.transpose(1, 2)  # [b, N, H, hd]
+            if j:
+                k, v = self._kv(x[:, :, None], pos[:, :, None])  # [b, N, 1, Hkv, hd]
+                keys.append(k[:, :, 0].repeat_interleave(group, dim=2))
+                vals.append(v[:, :, 0].repeat_interleave(group, dim=2))
+            s_ctx = torch.einsum("bnhd,bthd->bnht", q, ctx_k) * scale  # [b, N, H, T]
+            s_ctx = s_ctx.masked_fill(~sees[:, :, None, :], float("-inf"))
+            if keys:
+                own_k = torch.stack(keys, dim=3)  # [b, N, H, j, hd]
+                s_own = torch.einsum("bnhd,bnhjd->bnhj", q, own_k) * scale  # [b, N, H, j]
+                p = torch.softmax(torch.cat([s_ctx, s_own], dim=-1), dim=-1)
+                attn = (torch.einsum("bnht,bthd->bnhd", p[..., :t], ctx_v)
+                        + torch.einsum("bnhj,bnhjd->bnhd", p[..., t:],
+                                       torch.stack(vals, dim=3)))
+            else:
+                p = torch.softmax(s_ctx, dim=-1)
+                attn = torch.einsum("bnht,bthd->bnhd", p, ctx_v)
+            h = self.o(attn.flatten(-2)) + cur
+            f = self.ffn_norm(h)
+            h = h + self.down(F.silu(self.gate(f)) * self.up(f))  # [b, N, E] pre-norm
+            rows.append(self.out_norm(h))
+            cur = h
+        return torch.stack(rows, dim=2)  # [b, N, S, E]
+
+    def rows(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self(batch["feats"], batch["tokens"], batch["anchors"], batch["prev"])
+
+    def logits(self, rows: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(rows)
+
+    def gguf_tensors(self) -> dict[str, np.ndarray]:
+        """The trained weights under llama.cpp's names (q and k already in its rope
+        layout: the rotation here is llama.cpp's own)."""
+        p = "blk.0."
+        return {"fc.weight": as_numpy(self.fc.weight),
+                p + "attn_norm.weight": as_numpy(self.embed_norm.weight),
+                p + "attn_norm_2.weight": as_numpy(self.hidden_norm.weight),
+                p + "attn_q.weight": as_numpy(self.q.weight),
+                p + "attn_k.weight": as_numpy(self.k.weight),
+                p + "attn_v.weight": as_numpy(self.v.weight),
+                p + "attn_output.weight": as_numpy(self.o.weight),
+                p + "ffn_norm.weight": as_numpy(self.ffn_norm.weight),
+                p + "ffn_gate.weight": as_numpy(self.gate.weight),
+                p + "ffn_up.weight": as_numpy(self.up.weight),
+                p + "ffn_down.weight": as_numpy(self.down.weight),
+                "output_norm.weight": as_numpy(self.out_norm.weight),
+                "output.weight": as_numpy(self.lm_head.weight)}
+
+
+# a head kind -> its torch model (each takes the batch through `rows`)
+HEADS: dict[str, type[HeadModel]] = {"dflash": DFlashHead, "dspark": DSparkHead,
+                                     "eagle3": Eagle3Head}

@@ -18,13 +18,10 @@ import numpy as np
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFFile
 
-from . import KINDS, PLANNED_KINDS, TrainError, require_torch
+from . import KINDS, TrainError, require_torch
 from .config import (
-    DEFAULT_BLOCK,
     DEFAULT_DRAFT_VOCAB,
     DEFAULT_FEATURE_LAYERS,
-    DEFAULT_GAMMA,
-    DEFAULT_HEAD_LAYERS,
     DEFAULT_MARKOV_RANK,
     HeadConfig,
     head_config,
@@ -49,10 +46,10 @@ class TrainRequest:
     eval_samples: int = 64
     max_prompt: int = 768
     max_reply: int = 256
-    n_layer: int = DEFAULT_HEAD_LAYERS
+    n_layer: int | None = None  # None: the kind's default (config.KIND_DEFAULTS)
     n_ff: int | None = None
-    block_size: int = DEFAULT_BLOCK
-    gamma: float = DEFAULT_GAMMA
+    block_size: int | None = None
+    gamma: float | None = None
     feature_layers: int = DEFAULT_FEATURE_LAYERS
     target_layers: tuple[int, ...] | None = None
     mask_token_id: int | None = None
@@ -79,9 +76,6 @@ class TrainResult:
 def check_kind(kind: str) -> None:
     if kind in KINDS:
         return
-    if kind in PLANNED_KINDS:
-        raise TrainError(f"--kind {kind}: not trained yet; train-draft makes "
-                         f"{', '.join(KINDS)} heads for now ({kind} is planned: issue 35)")
     raise TrainError(f"--kind {kind}: unknown head kind (one of {', '.join(KINDS)})")
 
 

@@ -38,7 +38,7 @@ from specd.ort_models.runner import default_threads
 from . import TrainError
 from .config import HeadConfig
 from .distill import Sequences
-from .model import DFlashHead
+from .model import HeadModel
 from .progress import ProgressLine, duration
 
 CHECKPOINT = "ckpt.pt"
@@ -178,13 +178,14 @@ class Batches:
 
     def make(self, picks: list[tuple[int, np.ndarray]]) -> dict[str, torch.Tensor]:
         """Tensors of sequences `picks` [(index, anchors)]: context features up to the
-        last anchor, anchors, their tokens, labels [b, N, S] as draft ids (-1: no label
-        or outside the draft vocabulary), which labels exist, and the target token before
-        each label (DSpark's Markov input)."""
+        last anchor and the tokens through it, anchors, their tokens, labels [b, N, S] as
+        draft ids (-1: no label or outside the draft vocabulary), which labels exist, and
+        the target token before each label (DSpark's Markov input, EAGLE-3's step input)."""
         slots = self.cfg.n_slots
         b, n = len(picks), max(len(a) for _, a in picks)
         t = max(int(a.max()) for _, a in picks)
         feats = np.zeros((b, t, self.cfg.feature_width), np.float32)
+        ctx_tokens = np.zeros((b, t + 1), np.int64)
         anchors = np.full((b, n), -1, np.int64)
         anchor_tokens = np.zeros((b, n), np.int64)
         labels = np.full((b, n, slots), -1, np.int64)
@@ -194,6 +195,7 @@ class Batches:
             tokens, _, f = self.data.get(i)
             end = int(a.max())
             feats[j, :end] = f[:end]
+            ctx_tokens[j, :end + 1] = tokens[:end + 1]
             anchors[j, :len(a)] = a
             anchor_tokens[j, :len(a)] = tokens[a]
             at = a[:, None] + np.arange(1, slots + 1)  # [n_a, S] label positions
@@ -207,13 +209,13 @@ class Batches:
         return {"feats": torch.from_numpy(feats).to(d), "anchors": torch.from_numpy(anchors).to(d),
                 "anchor_tokens": torch.from_numpy(anchor_tokens).to(d),
                 "labels": torch.from_numpy(labels).to(d), "exists": torch.from_numpy(exists).to(d),
-                "prev": torch.from_numpy(prev).to(d)}
+                "prev": torch.from_numpy(prev).to(d), "tokens": torch.from_numpy(ctx_tokens).to(d)}
 
 
-def block_loss(model: DFlashHead, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+def block_loss(model: HeadModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """The position-weighted loss of a batch, and the labels it counted."""
     cfg = model.cfg
-    rows = model(batch["feats"], batch["anchors"], batch["anchor_tokens"])  # [b, N, S, E]
+    rows = model.rows(batch)  # [b, N, S, E]
     labels = batch["labels"]  # [b, N, S]
     slot = torch.arange(cfg.n_slots, device=labels.device).expand_as(labels)
     weight = torch.exp(-slot.to(torch.float32) / cfg.gamma)  # draft j: exp(-j / γ)
@@ -226,7 +228,7 @@ def block_loss(model: DFlashHead, batch: dict[str, torch.Tensor]) -> tuple[torch
     return (w * ce).sum() / w.sum().clamp(min=1e-9), int(valid.sum())
 
 
-def _dspark_loss(model: DFlashHead, rows: torch.Tensor, batch: dict[str, torch.Tensor],
+def _dspark_loss(model: HeadModel, rows: torch.Tensor, batch: dict[str, torch.Tensor],
                  weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     """DeepSpec's: 0.1 CE + 0.9 TV on the drafts whose label is in the draft vocabulary,
     and the confidence head's BCE against the acceptance rate p(label) (0 outside it) on
@@ -253,7 +255,7 @@ def _dspark_loss(model: DFlashHead, rows: torch.Tensor, batch: dict[str, torch.T
 
 
 @torch.no_grad()
-def acceptance(model: DFlashHead, windows: list[dict[str, torch.Tensor]], bf16: bool = False
+def acceptance(model: HeadModel, windows: list[dict[str, torch.Tensor]], bf16: bool = False
                ) -> dict[str, Any]:
     """Held-out acceptance on the evaluation windows: τ, the mean acceptance length of
     greedy decoding played through each window (a round at the window's start drafts a
@@ -268,7 +270,7 @@ def acceptance(model: DFlashHead, windows: list[dict[str, torch.Tensor]], bf16: 
     device = batch_device(windows)
     for batch in windows:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            rows = model(batch["feats"], batch["anchors"], batch["anchor_tokens"])
+            rows = model.rows(batch)
             # DSpark's chain on the target's tokens: its own argmax wherever the drafts
             # before a slot hit, the only slots that count
             pred = model.logits(rows, batch["prev"]).argmax(-1)  # [b, N, S]
@@ -310,7 +312,7 @@ def _save(path: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def train(model: DFlashHead, train_batches: Batches, eval_blocks: list[dict[str, torch.Tensor]],
+def train(model: HeadModel, train_batches: Batches, eval_blocks: list[dict[str, torch.Tensor]],
           settings: TrainSettings, work: Path, *, resume: bool, meta: dict[str, Any],
           log: Callable[[str], None] = print, verbose: bool = True
           ) -> tuple[list[dict[str, Any]], bool]:

@@ -60,9 +60,9 @@ def _target(path: Path) -> Path:
 
 
 def _request(target: Path, out: Path, work: Path, **kw: Any) -> TrainRequest:
+    kw = {"n_layer": 2, "block_size": BLOCK, **kw}
     return TrainRequest(target=target, out=out, work=work, samples=128, eval_samples=16,
-                        max_prompt=384, max_reply=64, n_layer=2, block_size=BLOCK,
-                        threads=1, train_device="cpu", **kw)
+                        max_prompt=384, max_reply=64, threads=1, train_device="cpu", **kw)
 
 
 @dataclass
@@ -347,3 +347,108 @@ def test_the_torch_dspark_head_computes_what_specd_runs(trained: Trained, tmp_pa
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
         assert out.confidence is not None
         np.testing.assert_allclose(out.confidence, conf, rtol=1e-3, atol=1e-4)
+
+
+# -- EAGLE-3 ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eagle3(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """An EAGLE-3 head trained on the same instructions (distilled again: it reads three
+    target layers), 3 unrolled steps."""
+    root = tmp_path_factory.mktemp("eagle3")
+    work = root / "work"
+    kw: dict[str, Any] = {"kind": "eagle3", "n_layer": 1}
+    untrained = root / "untrained.gguf"
+    train_draft(_request(trained.target, untrained, work, settings=replace(SETTINGS, steps=0),
+                         **kw), verbose=False)
+    out = root / "head.gguf"
+    result = train_draft(_request(trained.target, out, work, settings=SETTINGS, resume=True,
+                                  **kw), verbose=False)
+    assert result.head_path == out
+    return Trained(trained.target, work, untrained, out, result.history)
+
+
+def test_an_eagle3_head_learns_and_is_written_as_one(eagle3: Trained) -> None:
+    h = eagle3.history
+    assert h[-1]["loss"] < 0.75 * h[1]["loss"], h
+    assert h[-1]["tau"] > h[0]["tau"] + 0.4, h
+    assert len(h[-1]["per_slot"]) == BLOCK - 1  # the unrolled steps
+    head = read_head(GGUFFile(eagle3.trained))
+    assert head.kind == "eagle3" and len(head.target_layers) == 3 and head.has_output
+
+
+def test_an_eagle3_head_drafts_and_output_stays_the_targets(eagle3: Trained) -> None:
+    """Held-out prompts decoded with the EAGLE-3 head drafting every round: greedy output
+    equals target-only decoding, and the trained head's drafts are accepted more often
+    than the untrained one's."""
+    from specd.daemon.drafters.eagle3 import Eagle3Drafter
+
+    data = load_split(eagle3.work / "data", "eval")
+    f = GGUFFile(eagle3.target)
+    layers = read_head(GGUFFile(eagle3.trained)).hidden_layers
+    options = build_options("target")
+    plain = ModelRunner(load_or_build(eagle3.target, options), n_ctx=512)
+    with_features = ModelRunner(load_or_build(eagle3.target, replace(
+        options, hidden_layers=tuple(sorted(set(layers))))), n_ctx=512)
+    eog = ChatPrompts(f).eog
+    rates = {}
+    for name, head in (("untrained", eagle3.untrained), ("trained", eagle3.trained)):
+        drafter = Eagle3Drafter(HeadRunner(load_or_build_head(head, eagle3.target), n_ctx=512))
+        accepted = drafted = 0
+        for i in range(6):
+            tokens, reply, _ = data.get(i)
+            prompt = tokens[:reply].tolist()
+            want, _ = _decode(plain, prompt, None, eog)
+            got, stats = _decode(with_features, prompt, drafter, eog)  # type: ignore[arg-type]
+            assert got == want
+            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+        rates[name] = accepted / drafted
+    assert rates["trained"] > rates["untrained"] + 0.1, rates
+
+
+def test_the_torch_eagle3_head_computes_what_specd_runs(eagle3: Trained, tmp_path: Path
+                                                        ) -> None:
+    """An EAGLE-3 head's torch logits for the steps of a draft equal specd's head graphs'
+    (encode, the verified pairs, then one step per token), whole vocabulary and reduced."""
+    from specd.daemon.training.model import Eagle3Head
+
+    f = GGUFFile(eagle3.target)
+    data = load_split(eagle3.work / "data", "train")
+    tokens, reply, feats = data.get(0)
+    a, steps = reply + 5, 3
+    for draft_vocab in (0, 200):
+        cfg = head_config(f, read_hparams(f), kind="eagle3", block_size=steps + 1,
+                          draft_vocab=draft_vocab)
+        d2t = np.sort(np.random.default_rng(1).choice(cfg.target_vocab, cfg.draft_vocab,
+                                                      replace=False)) if cfg.reduced else None
+        embed, index, lm_rows = target_tables(f, cfg, np.arange(cfg.target_vocab), d2t)
+        torch.manual_seed(7)
+        model = Eagle3Head(cfg, embed, index, lm_rows)
+        with torch.no_grad():  # norms away from 1, so that a misplaced one shows
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.uniform_(0.5, 1.5)
+        head_path, card = tmp_path / f"head-{draft_vocab}.gguf", tmp_path / f"card-{draft_vocab}"
+        write_card_folder(card, cfg, f, [], {})
+        write_head(head_path, cfg, model.gguf_tensors(), d2t, None, eagle3.target, card, "f32")
+        runner = HeadRunner(load_or_build_head(head_path, eagle3.target, kernels="ort",
+                                               requant="", accuracy_level=1), n_ctx=512)
+        ctx = np.asarray(feats[:a], np.float32)  # [a, 3E]
+        g = runner.encode(ctx)  # [a, E]
+        runner.pair(0, tokens[1:a].tolist(), g[:a - 1], 0)
+        got, hidden = [], g[a - 1:a]
+        for j in range(steps):
+            out = runner.step(0, [int(tokens[a + j])], hidden, a - 1 + j, [0])
+            got.append(out.logits[0])
+            hidden = out.hidden
+        got_rows = np.stack(got)  # [steps, vocab]
+        if d2t is not None:
+            assert np.all(np.isneginf(np.delete(got_rows, d2t, axis=1)))
+            got_rows = got_rows[:, d2t]
+        prev = torch.tensor(tokens[a:a + steps].astype(np.int64))[None, None]  # [1, 1, S]
+        with torch.no_grad():
+            rows = model(torch.from_numpy(ctx)[None], torch.from_numpy(
+                tokens[:a + 1].astype(np.int64))[None], torch.tensor([[a]]), prev)
+            want = model.logits(rows)[0, 0].numpy()  # [S, Vd]
+        np.testing.assert_allclose(got_rows, want, rtol=1e-3, atol=1e-3)
