@@ -15,7 +15,8 @@ block      input_ids [B] = [last, MASK × (B - 1)] at `position`: the head's Qwe
            target's unless the head has its own), scattered to target ids through `d2t`
            where the head drafts a reduced vocabulary (-inf elsewhere). A DSpark head's
            rows go through its Markov chain first (graph_builder/dspark.py), over the
-           rows in the order given, and its confidence head adds `confidence` [R]. A
+           rows in the order given (packed: `row_anchors` [R], the anchor at each block's
+           first read row, -1 elsewhere), and its confidence head adds `confidence` [R]. A
            DFlash2 head's layers add grouped convolutions, and its selector replaces the
            logits by the rows' top-k `candidates` [R, k] and their pair `scores`
            [R, k, k] (graph_builder/dflash2.py).
@@ -76,9 +77,10 @@ def packs_sequences(head: HeadParams, kernels: str) -> bool:
     """Whether the head's attending graph (DFlash's block, EAGLE-3's step) runs on specd's
     CachedAttention (a DFlash block not causal within itself) with `segments`, packing the
     calls of several sequences in one pass: where specd's kernels run (kernels "gguf") and
-    the head_dim is whole lanes. DSpark's Markov chain and DFlash2's convolutions run
-    across a block's rows, so their blocks keep a pass each."""
-    return (kernels == "gguf" and head.kind in ("dflash", "eagle3")
+    the head_dim is whole lanes. A DSpark block's Markov chain restarts at each block's
+    first read row (`row_anchors`); DFlash2's convolutions and lattice run across a
+    block's rows, so its blocks keep a pass each."""
+    return (kernels == "gguf" and head.kind in ("dflash", "dspark", "eagle3")
             and head.head_dim % 8 == 0)
 
 
@@ -185,7 +187,9 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     logits = lm_head(c if head.has_output else tc, normed)  # [R, draft vocab]
     anchor = g.op("Gather", [ids, g.const([0])], axis=0)  # [1] the block's first token
     if head.kind == "dspark":
-        logits, confidence = markov_chain(c, head, logits, normed, anchor)
+        # packed blocks: each block's first read row restarts the chain at its anchor
+        row_anchors = g.input("row_anchors", I64, ["R"]) if options.attention == "native" else None
+        logits, confidence = markov_chain(c, head, logits, normed, anchor, row_anchors)
         if confidence is not None:
             g.op("Identity", [confidence], out=["confidence"])
             g.output("confidence", F32, ["R"])

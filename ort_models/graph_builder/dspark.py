@@ -10,9 +10,11 @@ anchor) and prev_{r+1} the argmax of row r's biased logits:
 base_r: the row's logits through the LM head, in the head's own vocabulary (its draft
 vocabulary where `d2t` reduces it: the chain's argmax is a draft row, mapped through d2t
 to the target id the next W1 row is read at); h_r: the row's output-normed hidden state.
-The chain runs as an ONNX Loop over the rows, conditioned on the argmax whatever the
-request samples, as llama.cpp's graph does: each row's distribution is still a fixed
-function of the context, so sampling from it and verifying by rejection stays exact.
+The rows of several blocks packed in one pass (`row_anchors`) restart the chain at each
+block's first row with its own anchor. The chain runs as an ONNX Loop over the rows,
+conditioned on the argmax whatever the request samples, as llama.cpp's graph does: each
+row's distribution is still a fixed function of the context, so sampling from it and
+verifying by rejection stays exact.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from .weights import matrix
 BOOL = TensorProto.BOOL
 
 
-def markov_chain(c: BuildContext, head: HeadParams, base: str, hidden: str, anchor: str
-                 ) -> tuple[str, str | None]:
+def markov_chain(c: BuildContext, head: HeadParams, base: str, hidden: str, anchor: str,
+                 row_anchors: str | None = None) -> tuple[str, str | None]:
     """The biased logits [R, Vd] of the rows base [R, Vd] (hidden [R, E] their normed
     states, anchor [1] the block's first token) and their confidences [R] (None: the head
-    has no confidence head)."""
+    has no confidence head). row_anchors [R] (the rows of several blocks packed): where
+    >= 0, the row's prev is that anchor instead of the last row's argmax."""
     g = c.g
     names = {k: g.fresh(f"markov_{k}") for k in ("i", "cond", "prev")}
     inputs = [helper.make_tensor_value_info(names["i"], I64, []),
@@ -49,8 +52,13 @@ def markov_chain(c: BuildContext, head: HeadParams, base: str, hidden: str, anch
         out_infos.append(helper.make_tensor_value_info(outs["conf"], F32, [1]))
     c.shared.clear()
     with g.body("markov_step", inputs, out_infos) as body:
+        prev = names["prev"]  # [1]
+        if row_anchors is not None:  # a block's first row: its anchor
+            a = g.op("Gather", [row_anchors, g.op("Unsqueeze", [names["i"], g.const([0])])],
+                     axis=0)  # [1]
+            prev = g.op("Where", [g.op("GreaterOrEqual", [a, g.const([0])]), a, prev])
         w1 = matrix(c, "markov_w1.weight", exact=True).lookup(
-            g, "markov_w1.weight", names["prev"])  # [1, rank]
+            g, "markov_w1.weight", prev)  # [1, rank]
         row = g.op("Gather", [base, g.op("Unsqueeze", [names["i"], g.const([0])])],
                    axis=0)  # [1, Vd]
         g.op("Add", [row, linear(c, w1, "markov_w2.weight")], out=[outs["logits"]])

@@ -22,11 +22,14 @@ pytestmark = pytest.mark.skipif(native_ops.library() is None,
 CONTEXTS = (12, 20, 7)  # injected rows per slot
 
 
-@pytest.fixture(scope="module")
-def paths(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
-          ) -> tuple[Path, Path]:
+@pytest.fixture(scope="module", params=["dflash", "dspark"])
+def paths(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path],
+          tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A DFlash head, or a DSpark head (its Markov chain over each block's rows, and a
+    confidence head)."""
     target = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
-    head = write_tiny_head(tmp_path_factory.mktemp("head") / "head.gguf", seed=5)
+    head = write_tiny_head(tmp_path_factory.mktemp("head") / "head.gguf", kind=request.param,
+                           seed=5)
     return target, head
 
 
@@ -41,10 +44,12 @@ def _runner(paths: tuple[Path, Path]) -> HeadRunner:
 
 
 def _calls(runner: HeadRunner, lengths: tuple[int, ...]) -> list[BlockCall]:
-    mask = runner.built.head.mask_token_id
-    assert mask is not None
-    return [BlockCall(seq, [100 + seq] + [mask] * (n - 1), CONTEXTS[seq], list(range(1, n)))
-            for seq, n in enumerate(lengths)]
+    """A block of n tokens per slot, its proposing rows read (DSpark's from the anchor)."""
+    head = runner.built.head
+    assert head.mask_token_id is not None
+    first = 0 if head.sample_from_anchor else 1
+    return [BlockCall(seq, [100 + seq] + [head.mask_token_id] * (n - 1), CONTEXTS[seq],
+                      list(range(first, n))) for seq, n in enumerate(lengths)]
 
 
 def _kv(runner: HeadRunner, seq: int) -> list[np.ndarray]:
@@ -71,6 +76,9 @@ def test_packed_blocks_equal_each_block_alone(paths: tuple[Path, Path],
         want = alone.forward_batch([c])[0]
         assert got.logits.shape == (len(c.rows), runner.hp.n_vocab)
         np.testing.assert_array_equal(got.logits, want.logits)
+        if runner.built.head.has_confidence_head:
+            assert got.confidence is not None and want.confidence is not None
+            np.testing.assert_array_equal(got.confidence, want.confidence)
         for a, b in zip(kv, _kv(alone, c.seq), strict=True):
             np.testing.assert_array_equal(a, b)  # the block's rows, and nothing else's
     # the same blocks again, in another order: the same bits

@@ -1,6 +1,6 @@
 """Slots drafting with a head: the scheduler runs every slot's DFlash block (or EAGLE-3
 step) in one pass of the head, as it runs the draft model's steps, and each stream's output
-is its solo run's (tiny models, specd's kernels); a DSpark head, whose blocks do not pack,
+is its solo run's (tiny models, specd's kernels); a DFlash2 head, whose blocks do not pack,
 runs them one after another."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
           "required": ["n"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module", params=["dflash", "eagle3", "dspark"])
+@pytest.fixture(scope="module", params=["dflash", "dspark", "eagle3", "dflash2"])
 def engine(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path],
            tmp_path_factory: pytest.TempPathFactory) -> Engine:
     kind = request.param
@@ -95,7 +95,7 @@ def test_streams_share_head_passes_and_equal_their_solo_runs(
     assert isinstance(head, HeadRunner)
     kind = head.built.head.kind
     eagle3 = kind == "eagle3"
-    packs = kind != "dspark"  # a DSpark block's Markov chain runs across its rows
+    packs = kind != "dflash2"  # its convolutions and lattice run across a block's rows
     assert (head.packs_steps if eagle3 else head.packs_blocks) == packs
     assert engine.drafter is not None and engine.drafter.step_runner is head
 
