@@ -8,6 +8,7 @@ Skipped where torch (the `specd[train]` extra) is not installed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,14 @@ except TrainError as exc:
 import torch
 
 from specd.daemon.drafters.dflash import DFlashDrafter
+from specd.daemon.drafters.eagle3 import Eagle3Drafter
 from specd.daemon.models.building import build_options
-from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.drafter import Drafter, DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.training.config import head_config
 from specd.daemon.training.distill import ChatPrompts, load_split
 from specd.daemon.training.export import write_card_folder, write_head
-from specd.daemon.training.model import DFlashHead, DSparkHead
+from specd.daemon.training.model import DFlashHead, DSparkHead, Eagle3Head
 from specd.daemon.training.run import TrainRequest, train_draft
 from specd.daemon.training.trainer import TrainSettings, target_tables
 from specd.ort_models.arch import read_hparams
@@ -46,6 +48,7 @@ import tiny_gguf
 BLOCK = 4
 STEPS = 400
 # float32: the same numbers on every CPU (bfloat16 autocast is on where a CPU has it)
+BLOCK_DRAFTS = DraftParams(n_max=BLOCK - 1)  # a block's drafts every round
 SETTINGS = TrainSettings(steps=STEPS, lr=3e-3, batch_seqs=4, anchors=16, eval_every=100,
                          eval_blocks=512, precision="fp32")
 
@@ -97,10 +100,9 @@ def test_loss_falls_and_held_out_acceptance_rises(trained: Trained) -> None:
     assert h[0]["first"] < 0.05 and h[-1]["first"] > 0.3, h
 
 
-def _decode(runner: ModelRunner, prompt: list[int], drafter: DFlashDrafter | None,
-            eog: set[int], n: int = 64) -> tuple[list[int], Any]:
-    params = GenerationParams(max_tokens=n, draft=DraftParams(n_max=BLOCK - 1),
-                              adaptive=False)
+def _decode(runner: ModelRunner, prompt: list[int], drafter: Drafter | None,
+            eog: set[int], draft: DraftParams, n: int = 64) -> tuple[list[int], Any]:
+    params = GenerationParams(max_tokens=n, draft=draft, adaptive=False)
     gen = Generation(runner, 0, prompt, params, eog=eog, drafter=drafter)
     out = gen.prefill()
     while not gen.done:
@@ -108,32 +110,39 @@ def _decode(runner: ModelRunner, prompt: list[int], drafter: DFlashDrafter | Non
     return out, gen.stats
 
 
-def test_the_written_head_drafts_better_and_output_stays_the_targets(trained: Trained
-                                                                     ) -> None:
-    """Held-out prompts decoded by specd with each head drafting every round: greedy
-    output equals target-only decoding (and the reply the target gave when distilled),
-    and the trained head's drafts are accepted far more often than the untrained one's."""
-    data = load_split(trained.work / "data", "eval")
-    layers = head_config(GGUFFile(trained.target), read_hparams(GGUFFile(trained.target)),
-                         block_size=BLOCK).hidden_layers
+def _acceptance_rates(run: Trained, drafter_type: Callable[[HeadRunner], Drafter],
+                      draft: DraftParams = BLOCK_DRAFTS) -> dict[str, float]:
+    """Held-out prompts decoded by specd with the untrained and the trained head drafting
+    every round: the share of drafts accepted by each, checking that greedy output equals
+    target-only decoding and the reply the target gave when distilled."""
+    data = load_split(run.work / "data", "eval")
+    layers = read_head(GGUFFile(run.trained)).hidden_layers
     options = build_options("target")  # as the engine and distillation build it
-    plain = ModelRunner(load_or_build(trained.target, options), n_ctx=512)
-    with_features = ModelRunner(load_or_build(trained.target, replace(
+    plain = ModelRunner(load_or_build(run.target, options), n_ctx=512)
+    with_features = ModelRunner(load_or_build(run.target, replace(
         options, hidden_layers=tuple(sorted(set(layers))))), n_ctx=512)
-    eog = ChatPrompts(GGUFFile(trained.target)).eog
+    eog = ChatPrompts(GGUFFile(run.target)).eog
     rates = {}
-    for name, head in (("untrained", trained.untrained), ("trained", trained.trained)):
-        drafter = DFlashDrafter(HeadRunner(load_or_build_head(head, trained.target), n_ctx=512))
+    for name, head in (("untrained", run.untrained), ("trained", run.trained)):
+        drafter = drafter_type(HeadRunner(load_or_build_head(head, run.target), n_ctx=512))
         accepted = drafted = 0
         for i in range(6):
             tokens, reply, _ = data.get(i)
             prompt = tokens[:reply].tolist()
-            want, _ = _decode(plain, prompt, None, eog)
-            got, stats = _decode(with_features, prompt, drafter, eog)
+            want, _ = _decode(plain, prompt, None, eog, draft)
+            got, stats = _decode(with_features, prompt, drafter, eog, draft)
             assert got == want
             assert want == tokens[reply:].tolist()
             accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
         rates[name] = accepted / drafted
+    return rates
+
+
+def test_the_written_head_drafts_better_and_output_stays_the_targets(trained: Trained
+                                                                     ) -> None:
+    """The trained head's drafts are accepted far more often than the untrained one's,
+    and greedy output stays target-only's."""
+    rates = _acceptance_rates(trained, DFlashDrafter)
     assert rates["untrained"] < 0.02 and rates["trained"] > 0.12, rates
 
 
@@ -275,34 +284,10 @@ def test_a_dspark_head_learns_and_is_written_as_one(dspark: Trained) -> None:
 
 
 def test_a_dspark_head_drafts_and_output_stays_the_targets(dspark: Trained) -> None:
-    """Held-out prompts decoded with the DSpark head drafting its whole block every round
-    (no confidence cut): greedy output equals target-only decoding, and the trained head's
-    drafts are accepted more often than the untrained one's."""
-    data = load_split(dspark.work / "data", "eval")
-    layers = head_config(GGUFFile(dspark.target), read_hparams(GGUFFile(dspark.target)),
-                         block_size=BLOCK).hidden_layers
-    options = build_options("target")
-    plain = ModelRunner(load_or_build(dspark.target, options), n_ctx=512)
-    with_features = ModelRunner(load_or_build(dspark.target, replace(
-        options, hidden_layers=tuple(sorted(set(layers))))), n_ctx=512)
-    eog = ChatPrompts(GGUFFile(dspark.target)).eog
-    rates = {}
-    for name, head in (("untrained", dspark.untrained), ("trained", dspark.trained)):
-        drafter = DFlashDrafter(HeadRunner(load_or_build_head(head, dspark.target), n_ctx=512))
-        accepted = drafted = 0
-        for i in range(6):
-            tokens, reply, _ = data.get(i)
-            prompt = tokens[:reply].tolist()
-            want, _ = _decode(plain, prompt, None, eog)
-            params = GenerationParams(max_tokens=64, adaptive=False,
-                                      draft=DraftParams(n_max=BLOCK, p_min=0.0))
-            gen = Generation(with_features, 0, prompt, params, eog=eog, drafter=drafter)
-            got = gen.prefill()
-            while not gen.done:
-                got += gen.step()
-            assert got == want
-            accepted, drafted = accepted + gen.stats.accepted, drafted + gen.stats.drafted
-        rates[name] = accepted / drafted
+    """The DSpark head drafting its whole block every round (no confidence cut): the
+    trained head's drafts are accepted more often than the untrained one's, and greedy
+    output stays target-only's."""
+    rates = _acceptance_rates(dspark, DFlashDrafter, DraftParams(n_max=BLOCK, p_min=0.0))
     assert rates["trained"] > rates["untrained"] + 0.1, rates
 
 
@@ -379,31 +364,9 @@ def test_an_eagle3_head_learns_and_is_written_as_one(eagle3: Trained) -> None:
 
 
 def test_an_eagle3_head_drafts_and_output_stays_the_targets(eagle3: Trained) -> None:
-    """Held-out prompts decoded with the EAGLE-3 head drafting every round: greedy output
-    equals target-only decoding, and the trained head's drafts are accepted more often
-    than the untrained one's."""
-    from specd.daemon.drafters.eagle3 import Eagle3Drafter
-
-    data = load_split(eagle3.work / "data", "eval")
-    f = GGUFFile(eagle3.target)
-    layers = read_head(GGUFFile(eagle3.trained)).hidden_layers
-    options = build_options("target")
-    plain = ModelRunner(load_or_build(eagle3.target, options), n_ctx=512)
-    with_features = ModelRunner(load_or_build(eagle3.target, replace(
-        options, hidden_layers=tuple(sorted(set(layers))))), n_ctx=512)
-    eog = ChatPrompts(f).eog
-    rates = {}
-    for name, head in (("untrained", eagle3.untrained), ("trained", eagle3.trained)):
-        drafter = Eagle3Drafter(HeadRunner(load_or_build_head(head, eagle3.target), n_ctx=512))
-        accepted = drafted = 0
-        for i in range(6):
-            tokens, reply, _ = data.get(i)
-            prompt = tokens[:reply].tolist()
-            want, _ = _decode(plain, prompt, None, eog)
-            got, stats = _decode(with_features, prompt, drafter, eog)  # type: ignore[arg-type]
-            assert got == want
-            accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
-        rates[name] = accepted / drafted
+    """The trained EAGLE-3 head's drafts are accepted more often than the untrained one's,
+    and greedy output stays target-only's."""
+    rates = _acceptance_rates(eagle3, Eagle3Drafter)
     assert rates["trained"] > rates["untrained"] + 0.1, rates
 
 
@@ -411,8 +374,6 @@ def test_the_torch_eagle3_head_computes_what_specd_runs(eagle3: Trained, tmp_pat
                                                         ) -> None:
     """An EAGLE-3 head's torch logits for the steps of a draft equal specd's head graphs'
     (encode, the verified pairs, then one step per token), whole vocabulary and reduced."""
-    from specd.daemon.training.model import Eagle3Head
-
     f = GGUFFile(eagle3.target)
     data = load_split(eagle3.work / "data", "train")
     tokens, reply, feats = data.get(0)
