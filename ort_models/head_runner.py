@@ -59,7 +59,7 @@ from .sampling_op import SampledBlock, SampleSpec
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
-HEAD_GRAPHS_VERSION = 9
+HEAD_GRAPHS_VERSION = 10
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None
@@ -207,8 +207,10 @@ class HeadRunner:
         packing = [name for name, sess in self.sessions.items()
                    if any(i.name == "segments" for i in sess.get_inputs())]
         self.packs_blocks, self.packs_steps = "block" in packing, "step" in packing
-        self._row_anchors = self.packs_blocks and any(
-            i.name == "row_anchors" for i in self.sessions["block"].get_inputs())
+        block_inputs = ({i.name for i in self.sessions["block"].get_inputs()}
+                        if self.packs_blocks else set())
+        self._row_anchors = "row_anchors" in block_inputs
+        self._block_rows = "block_rows" in block_inputs
         self._cached = [name for name, sess in self.sessions.items()
                         if any(i.name == "past_key_0" for i in sess.get_inputs())
                         and name not in packing]
@@ -386,7 +388,10 @@ class HeadRunner:
             b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
             b.bind_cpu_input("attn_len", np.array([pos + n], dtype=np.int64))
         b.bind_cpu_input("logits_rows", np.asarray(logits_rows, dtype=np.int64))
-        if self._row_anchors:  # DSpark's chain starts at each block's anchor
+        if self._block_rows:  # DFlash2's convolutions start at each block's first row
+            b.bind_cpu_input("block_rows", np.concatenate(
+                [np.arange(len(c.tokens), dtype=np.int64) for c in calls]))  # [S]
+        if self._row_anchors:  # DSpark's chain, DFlash2's lattice: from each block's anchor
             b.bind_cpu_input("row_anchors", np.asarray(
                 [a for c in calls for a in [c.tokens[0], *[-1] * len(c.rows)][:len(c.rows)]],
                 dtype=np.int64))  # [R]

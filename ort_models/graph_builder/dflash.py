@@ -77,11 +77,10 @@ def packs_sequences(head: HeadParams, kernels: str) -> bool:
     """Whether the head's attending graph (DFlash's block, EAGLE-3's step) runs on specd's
     CachedAttention (a DFlash block not causal within itself) with `segments`, packing the
     calls of several sequences in one pass: where specd's kernels run (kernels "gguf") and
-    the head_dim is whole lanes. A DSpark block's Markov chain restarts at each block's
-    first read row (`row_anchors`); DFlash2's convolutions and lattice run across a
-    block's rows, so its blocks keep a pass each."""
-    return (kernels == "gguf" and head.kind in ("dflash", "dspark", "eagle3")
-            and head.head_dim % 8 == 0)
+    the head_dim is whole lanes. Where a block's rows interact, each block restarts at
+    its own first rows: DSpark's Markov chain and DFlash2's lattice at `row_anchors`,
+    DFlash2's convolutions at `block_rows`."""
+    return kernels == "gguf" and head.head_dim % 8 == 0
 
 
 def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
@@ -181,14 +180,18 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
         g.input("attn_len", I64, [1])
     g.input("logits_rows", I64, ["R"])
     io = attention_inputs(c, ids, causal=head.causal)
+    # packed blocks of a head whose rows interact (DSpark's chain, DFlash2's convolutions
+    # and lattice): each block's first read row restarts at its anchor (-1 elsewhere),
+    # and DFlash2's rows know their index in their block
+    packed = options.attention == "native" and head.kind in ("dspark", "dflash2")
+    row_anchors = g.input("row_anchors", I64, ["R"]) if packed else None
+    block_rows = g.input("block_rows", I64, ["S"]) if packed and head.kind == "dflash2" else None
     x = embedding(c if head.has_token_embd else tc, ids)  # [S, E]
     c.tick("embedding")
-    normed = _layers_and_norm(c, head, x, io)  # [R, E] the rows read, output-normed
+    normed = _layers_and_norm(c, head, x, io, block_rows)  # [R, E] the rows read, output-normed
     logits = lm_head(c if head.has_output else tc, normed)  # [R, draft vocab]
     anchor = g.op("Gather", [ids, g.const([0])], axis=0)  # [1] the block's first token
     if head.kind == "dspark":
-        # packed blocks: each block's first read row restarts the chain at its anchor
-        row_anchors = g.input("row_anchors", I64, ["R"]) if options.attention == "native" else None
         logits, confidence = markov_chain(c, head, logits, normed, anchor, row_anchors)
         if confidence is not None:
             g.op("Identity", [confidence], out=["confidence"])
@@ -198,7 +201,7 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     if head.draft_vocab is not None and head_file.has_tensor("d2t"):
         logits = scatter_to_target(c, logits, head_file, target.n_vocab)
     if head.kind == "dflash2":
-        cand, scores = selector_lattice(c, head, logits, normed, anchor)
+        cand, scores = selector_lattice(c, head, logits, normed, anchor, row_anchors)
         k = head.selector_top_k
         g.op("Identity", [cand], out=["candidates"])
         g.output("candidates", I64, ["R", k])
@@ -212,13 +215,15 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     c.tick("output")
 
 
-def _layers_and_norm(c: BuildContext, head: HeadParams, x: str, io: AttentionInputs) -> str:
+def _layers_and_norm(c: BuildContext, head: HeadParams, x: str, io: AttentionInputs,
+                     block_rows: str | None = None) -> str:
     """The head's layers over the block x [S, E]; the rows `logits_rows` output-normed
-    [R, E] (with the head's eps, whoever owns the LM head)."""
+    [R, E] (with the head's eps, whoever owns the LM head). block_rows: DFlash2's packed
+    blocks."""
     g = c.g
     if head.kind == "dflash2":
         for i in range(head.n_layer):
-            x = dflash2_layer(c, head, i, x, io)
+            x = dflash2_layer(c, head, i, x, io, block_rows)
             c.shared.clear()
             c.tick(f"layer {i + 1}/{head.n_layer}")
         rows = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]

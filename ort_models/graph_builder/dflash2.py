@@ -18,6 +18,11 @@ candidates,
 
 with pred[0, :] the anchor token and pred[r, :] = cand[r - 1, :]. The drafter walks the
 lattice from the anchor by argmax, as llama.cpp does on the host.
+
+Several blocks packed in one pass (`block_rows` [S], each row's index in its block, and
+`row_anchors` [R], each block's anchor at its first read row, -1 elsewhere): the
+convolutions read zero before each block's first row, and each block's first read row
+takes its own anchor as predecessor.
 """
 
 from __future__ import annotations
@@ -35,25 +40,30 @@ from .norms import rms_norm
 from .weights import matrix
 
 
-def dflash2_layer(c: BuildContext, head: HeadParams, i: int, x: str, io: AttentionInputs
-                  ) -> str:
-    """Block i of a DFlash2 head on the residual stream x [S, E] -> the new stream."""
+def dflash2_layer(c: BuildContext, head: HeadParams, i: int, x: str, io: AttentionInputs,
+                  block_rows: str | None = None) -> str:
+    """Block i of a DFlash2 head on the residual stream x [S, E] -> the new stream
+    (block_rows: packed blocks, module docstring)."""
     g, p = c.g, f"blk.{i}."
     h = rms_norm(c, x, c.vector(p + "attn_norm.weight"))  # [S, E]
     dynamic = linear(c, h, p + "attn_conv_proj.weight")  # [S, 2*K*G]
-    h = block_conv(c, head, h, dynamic, p + "attn_conv_base", 0)
-    a = block_conv(c, head, attention(c, i, h, io), dynamic, p + "attn_conv_base", 1)
+    h = block_conv(c, head, h, dynamic, p + "attn_conv_base", 0, block_rows)
+    a = block_conv(c, head, attention(c, i, h, io), dynamic, p + "attn_conv_base", 1,
+                   block_rows)
     x = g.op("Add", [x, a])
     f = rms_norm(c, x, c.vector(p + "ffn_norm.weight"))
     dynamic = linear(c, f, p + "ffn_conv_proj.weight")
-    f = block_conv(c, head, f, dynamic, p + "ffn_conv_base", 0)
-    out = block_conv(c, head, feed_forward(c, f, p), dynamic, p + "ffn_conv_base", 1)
+    f = block_conv(c, head, f, dynamic, p + "ffn_conv_base", 0, block_rows)
+    out = block_conv(c, head, feed_forward(c, f, p), dynamic, p + "ffn_conv_base", 1,
+                     block_rows)
     return g.op("Add", [x, out])
 
 
 def block_conv(c: BuildContext, head: HeadParams, h: str, dynamic: str, base_name: str,
-               side: int) -> str:
-    """The grouped convolution (module docstring) of h [S, E] on `side` -> [S, E]."""
+               side: int, block_rows: str | None = None) -> str:
+    """The grouped convolution (module docstring) of h [S, E] on `side` -> [S, E];
+    block_rows [S] (packed blocks): a row reads zero where the tap reaches before its
+    block."""
     g = c.g
     taps, gs, e = head.conv_kernel_size, head.conv_group_size, head.n_embd
     groups = e // gs
@@ -70,16 +80,21 @@ def block_conv(c: BuildContext, head: HeadParams, h: str, dynamic: str, base_nam
         w = g.op("Gather", [weight, g.const(tap)], axis=1)  # [S, E]
         shifted = h if tap == 0 else g.op("Slice", [
             g.op("Pad", [h, g.const([tap, 0, 0, 0])]), g.const([0]), s_len, g.const([0])])
+        if tap and block_rows is not None:  # zero, as the Pad's, before each block
+            inside = g.op("Unsqueeze", [g.op("GreaterOrEqual", [block_rows, g.const(tap)]),
+                                        g.const([1])])  # [S, 1]
+            shifted = g.op("Where", [inside, shifted, g.const(0.0, np.float32)])
         term = g.op("Mul", [w, shifted])  # row t reads row t - tap (zero before the block)
         out = term if not out else g.op("Add", [out, term])
     return out
 
 
 def selector_lattice(c: BuildContext, head: HeadParams, logits: str, hidden: str,
-                     anchor: str) -> tuple[str, str]:
+                     anchor: str, row_anchors: str | None = None) -> tuple[str, str]:
     """The read rows' candidates [R, k] (int64 token ids, best logit first) and pair scores
     [R, k (predecessor), k (successor)] (module docstring), from their logits [R, V] and
-    normed hidden states [R, E]; anchor [1] the block's first token."""
+    normed hidden states [R, E]; anchor [1] the block's first token (row_anchors [R],
+    packed blocks: each block's anchor at its first read row, -1 elsewhere)."""
     g, k = c.g, head.selector_top_k
     unary, cand = g.op("TopK", [logits, g.const([k])], n_out=2, axis=1, largest=1,
                        sorted=1)  # [R, k], [R, k]
@@ -89,6 +104,10 @@ def selector_lattice(c: BuildContext, head: HeadParams, logits: str, hidden: str
     earlier = g.op("Slice", [cand, g.const([0]), g.op("Sub", [n_rows, g.const([1])]),
                              g.const([0])])  # [R - 1, k]
     pred = g.op("Concat", [first, earlier], axis=0)  # [R, k]
+    if row_anchors is not None:  # each block's first read row: its own anchor
+        own = g.op("Expand", [g.op("Unsqueeze", [row_anchors, g.const([1])]),
+                              g.const([1, k])])  # [R, k]
+        pred = g.op("Where", [g.op("GreaterOrEqual", [own, g.const(0)]), own, pred])
     prev = _rows(c, "selector_predecessor.weight", pred)  # [R, k, rank]
     succ = _rows(c, "selector_successor.weight", cand)  # [R, k, rank]
     gate = g.op("Unsqueeze", [linear(c, hidden, "selector_hidden.weight"), g.const([1])])

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from specd.ort_models import native_ops
-from specd.ort_models.head_runner import BlockCall, HeadRunner, StepCall, load_or_build_head
+from specd.ort_models.head_runner import (
+    BlockCall,
+    BlockOutput,
+    HeadRunner,
+    StepCall,
+    load_or_build_head,
+)
 from specd.ort_models.sampling_op import SampleSpec
 
 from tiny_heads import write_tiny_head
@@ -22,11 +28,12 @@ pytestmark = pytest.mark.skipif(native_ops.library() is None,
 CONTEXTS = (12, 20, 7)  # injected rows per slot
 
 
-@pytest.fixture(scope="module", params=["dflash", "dspark"])
+@pytest.fixture(scope="module", params=["dflash", "dspark", "dflash2"])
 def paths(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path],
           tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A DFlash head, or a DSpark head (its Markov chain over each block's rows, and a
-    confidence head)."""
+    """A DFlash head, a DSpark head (its Markov chain over each block's rows, and a
+    confidence head) or a DFlash2 head (convolutions across a block's rows, a candidate
+    lattice from its anchor)."""
     target = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
     head = write_tiny_head(tmp_path_factory.mktemp("head") / "head.gguf", kind=request.param,
                            seed=5)
@@ -52,6 +59,17 @@ def _calls(runner: HeadRunner, lengths: tuple[int, ...]) -> list[BlockCall]:
                       list(range(first, n))) for seq, n in enumerate(lengths)]
 
 
+def _same(got: BlockOutput, want: BlockOutput, rows: int) -> None:
+    """Every array a block returns, bit for bit (DFlash2: its lattice, no logits)."""
+    lattice = got.candidates is not None
+    assert got.logits.shape[0] == rows and (got.logits.shape[1] == 0) == lattice
+    for name in ("logits", "confidence", "candidates", "scores"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+
+
 def _kv(runner: HeadRunner, seq: int) -> list[np.ndarray]:
     return [a.copy() for pair in runner.kv.layers(seq) for a in pair]
 
@@ -74,23 +92,21 @@ def test_packed_blocks_equal_each_block_alone(paths: tuple[Path, Path],
     alone = _runner(paths)
     for c, got, kv in zip(calls, packed, packed_kv, strict=True):
         want = alone.forward_batch([c])[0]
-        assert got.logits.shape == (len(c.rows), runner.hp.n_vocab)
-        np.testing.assert_array_equal(got.logits, want.logits)
-        if runner.built.head.has_confidence_head:
-            assert got.confidence is not None and want.confidence is not None
-            np.testing.assert_array_equal(got.confidence, want.confidence)
+        _same(got, want, len(c.rows))
         for a, b in zip(kv, _kv(alone, c.seq), strict=True):
             np.testing.assert_array_equal(a, b)  # the block's rows, and nothing else's
     # the same blocks again, in another order: the same bits
     again = runner.forward_batch(list(reversed(calls)))
-    for got, want in zip(reversed(again), packed, strict=True):
-        np.testing.assert_array_equal(got.logits, want.logits)
+    for got, want, c in zip(reversed(again), packed, calls, strict=True):
+        _same(got, want, len(c.rows))
 
 
 def test_packed_blocks_mix_graph_choices_and_host_rows(paths: tuple[Path, Path]) -> None:
     """A block whose rows the graph chooses (one spec per row) beside one read on the host:
     each as alone."""
     runner = _runner(paths)
+    if not runner.block_samples:
+        pytest.skip("the block graph has no sampler (DFlash2's lattice)")
     calls = _calls(runner, (4, 3))
     specs = [SampleSpec(key=7, position=CONTEXTS[0] + 1 + i, temperature=0.8)
              for i in range(len(calls[0].rows))]
