@@ -235,3 +235,36 @@ def test_deferred_eagle3_pairs_run_in_one_pass_as_each_alone(
         runner.pair(0, [5], pairs[0][1][:1], CONTEXTS[0] + 2)
         runner.forward_batch([StepCall(0, [7], nexts[0], CONTEXTS[0] + 3, [0])])
         assert runner.inject_passes == passes + 2  # the pair waiting ran first
+
+
+def test_slots_added_later_pack_as_well(paths: tuple[Path, Path]) -> None:
+    """Sequences added past the cache's first capacity (its arrays move): the packed
+    binding follows them, and the blocks still equal each alone."""
+    target, head = paths
+    grown = HeadRunner(load_or_build_head(head, target), n_ctx=512, n_seq=1)
+    while grown.n_seq < 3:
+        grown.add_sequence()
+    rng = np.random.default_rng(1)
+    for seq, n in enumerate(CONTEXTS):
+        grown.inject(seq, rng.normal(0, 1, (n, grown.feature_width)).astype(np.float32), 0)
+    calls = _calls(grown, (3, 4, 2))
+    alone = _runner(paths)
+    for c, got in zip(calls, grown.forward_batch(calls), strict=True):
+        _same(got, alone.forward_batch([c])[0], len(c.rows))
+
+
+def test_without_specds_kernels_blocks_run_one_by_one(paths: tuple[Path, Path]) -> None:
+    """A head built on ONNX Runtime's ops (as on CUDA) does not pack: forward_batch runs a
+    pass per block, each the block alone."""
+    target, head = paths
+    runner = HeadRunner(load_or_build_head(head, target, kernels="ort"), n_ctx=512, n_seq=2)
+    assert not (runner.packs_blocks or runner.packs_injections)
+    rng = np.random.default_rng(1)
+    for seq, n in enumerate(CONTEXTS[:2]):
+        runner.inject(seq, rng.normal(0, 1, (n, runner.feature_width)).astype(np.float32), 0)
+    calls = _calls(runner, (4, 2))
+    passes = runner.block_passes
+    together = runner.forward_batch(calls)
+    assert runner.block_passes == passes + 2
+    for c, got in zip(calls, together, strict=True):
+        _same(got, runner.forward_batch([c])[0], len(c.rows))
