@@ -52,7 +52,10 @@ ALWAYS_INLINE void sb_q4_k(const uint8_t *w, size_t i, const int nsub, const Act
     x[m] = a->q + (m0 + m) * k + i * QK_K;
   }
   for (int j = 0; j < nsub; j++, qs += 4 * 64) {
-    if (pf) prefetch_lines(w + PF_AHEAD * Q4_K_GROUP_BYTES + 320 * j, 5);
+    /* not for one row of A: there the hardware prefetcher keeps up with the stream on
+       its own and the prefetches only cost time (Q6_K's single rows do gain from them);
+       from 2 rows on, without them, the rows wait on memory */
+    if (pf && mt > 1) prefetch_lines(w + PF_AHEAD * Q4_K_GROUP_BYTES + 320 * j, 5);
     /* the rows' dot products interleaved: consecutive instructions are independent */
     VI s0[ROWS_PER_PASS], s1[ROWS_PER_PASS];
 #pragma GCC unroll 4
