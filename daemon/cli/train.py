@@ -32,6 +32,7 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         DEFAULT_GAMMA,
         DEFAULT_HEAD_LAYERS,
         DEFAULT_MARKOV_RANK,
+        DEFAULT_PARALLEL,
     )
 
     p = subparsers.add_parser(
@@ -62,6 +63,9 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="longer instructions are skipped (tokens, default 768)")
     d.add_argument("--max-reply", type=int_at_least(2), default=256,
                    help="reply length cap (tokens, default 256)")
+    d.add_argument("--parallel", type=int_at_least(1), default=DEFAULT_PARALLEL,
+                   help=f"replies distilled at once, their rows in one pass of the target "
+                   f"(default {DEFAULT_PARALLEL})")
     h = p.add_argument_group("head")
     h.add_argument("--layers", type=int_at_least(1), default=None,
                    help=f"head layers (default {DEFAULT_HEAD_LAYERS}; eagle3: 1)")
@@ -148,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
             feature_layers=args.feature_layers, target_layers=args.target_layers,
             mask_token_id=args.mask_token_id, draft_vocab=args.draft_vocab,
             markov_rank=args.markov_rank, outtype=args.outtype, device=resolve_device(args.device),
-            train_device=args.train_device, threads=args.threads or None, seed=args.seed,
+            train_device=args.train_device, threads=args.threads or None,
+            parallel=args.parallel, seed=args.seed,
             resume=args.resume, exclude=tuple(PROMPTS.values()), settings=settings)
         result = train_draft(req)
     except (TrainError, ModelStoreError, GGUFError, OSError, ValueError) as exc:

@@ -24,6 +24,7 @@ DEFAULT_GAMMA = 7.0  # the loss weight of block slot k is exp(-(k - 1) / gamma)
 DEFAULT_DRAFT_VOCAB = 32768  # a reduced vocabulary (with d2t) where the target's is larger
 HEAD_RMS_EPS = 1e-6
 DEFAULT_MARKOV_RANK = 256  # DeepSpec's
+DEFAULT_PARALLEL = 4  # replies distilled at once (their rows in one pass of the target)
 
 
 @dataclass(frozen=True)

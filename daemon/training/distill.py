@@ -2,7 +2,10 @@
 
 Each instruction is rendered with the target's chat template and answered by the target
 greedily through specd's own decode (`spec/generation.py`, prompt lookup proposing, which
-only makes it faster: greedy output is the target's, token for token). The lookup drafter
+only makes it faster: greedy output is the target's, token for token). Several replies
+are decoded at once, their rows in one pass of the target per step, as the daemon's slots
+are (each row computed as alone, so the replies are the same whatever runs beside them);
+they are stored in the order of their instructions. The lookup drafter
 here also declares the head's target layers, so every verified token's hidden states come
 back with it (no second pass): row i of a sequence's features is the concatenation, in
 the head's order, of the streams after specd's hidden layers for token i. The last token
@@ -39,6 +42,7 @@ from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
 from . import TrainError
+from .config import DEFAULT_PARALLEL
 from .corpus import Instruction, instructions
 from .progress import ProgressLine
 
@@ -66,7 +70,8 @@ class DistillSpec:
 
 
 class _FeatureRecorder(NgramDrafter):
-    """Prompt lookup that also keeps the features of every token the target evaluated."""
+    """Prompt lookup that also keeps the features of every token the target evaluated,
+    per sequence."""
 
     name = "ngram"
 
@@ -74,23 +79,29 @@ class _FeatureRecorder(NgramDrafter):
         super().__init__()
         self.order = tuple(hidden_layers)
         self.target_layers = tuple(sorted(set(hidden_layers)))
-        self.rows: list[np.ndarray] = []
+        self.rows: dict[int, list[np.ndarray]] = {}
 
-    def _keep(self, features: Features | None) -> None:
+    def _keep(self, seq: int, features: Features | None) -> None:
         if features is not None:
             rows = np.concatenate([features[h] for h in self.order], axis=-1)  # [n, F]
-            self.rows.append(np.clip(rows, -FEATURE_LIMIT, FEATURE_LIMIT).astype(np.float16))
+            self.rows[seq].append(np.clip(rows, -FEATURE_LIMIT, FEATURE_LIMIT
+                                          ).astype(np.float16))
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: object = None,
               features: Features | None = None) -> None:
-        self.rows = []
+        self.rows[seq] = []
         super().begin(seq, prompt, sampler, None)
-        self._keep(features)
+        self._keep(seq, features)
 
     def process(self, seq: int, tokens: Sequence[int],
                 features: Features | None = None) -> None:
         super().process(seq, tokens, None)
-        self._keep(features)
+        self._keep(seq, features)
+
+    def take(self, seq: int, width: int) -> np.ndarray:
+        """The sequence's feature rows [n, width] so far, forgotten here."""
+        rows = self.rows.pop(seq, [])
+        return np.concatenate(rows) if rows else np.zeros((0, width), np.float16)
 
 
 class ChatPrompts:
@@ -167,9 +178,10 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 def distill(target_path: Path, folder: Path, spec: DistillSpec, samples: dict[str, int], *,
             exclude: Sequence[str] = (), device: str = "cpu", threads: int | None = None,
-            verbose: bool = True) -> dict[str, Any]:
-    """Make (or finish making) `samples[split]` sequences per split in `folder`; returns
-    the manifest. TrainError where the folder holds data made otherwise."""
+            parallel: int = DEFAULT_PARALLEL, verbose: bool = True) -> dict[str, Any]:
+    """Make (or finish making) `samples[split]` sequences per split in `folder`, decoding
+    `parallel` replies at once; returns the manifest. TrainError where the folder holds
+    data made otherwise."""
     folder.mkdir(parents=True, exist_ok=True)
     manifest = _read_manifest(folder)
     if manifest is None:
@@ -187,15 +199,27 @@ def distill(target_path: Path, folder: Path, spec: DistillSpec, samples: dict[st
     options = dataclasses.replace(build_options("target", device=device),
                                   hidden_layers=tuple(sorted(set(spec.hidden_layers))))
     built = load_or_build(target_path, options)
-    runner = ModelRunner(built, n_ctx=spec.max_prompt + spec.max_reply + 1, threads=threads)
+    runner = ModelRunner(built, n_ctx=spec.max_prompt + spec.max_reply + 1, threads=threads,
+                         n_seq=max(parallel, 1))
     for split, want in todo.items():
         _distill_split(runner, chat, folder, manifest, spec, split, want, exclude, verbose)
     return manifest
 
 
+@dataclass
+class _Reply:
+    """An instruction being answered on a sequence of the runner."""
+
+    prompt: list[int]
+    gen: Generation
+    reply: list[int]
+
+
 def _distill_split(runner: ModelRunner, chat: ChatPrompts, folder: Path,
                    manifest: dict[str, Any], spec: DistillSpec, split: str, want: int,
                    exclude: Sequence[str], verbose: bool) -> None:
+    """Answer the split's next instructions until it holds `want` replies, one per
+    sequence of `runner` at a time, every sequence's step in one pass."""
     state = manifest["splits"][split]
     width = len(spec.hidden_layers) * runner.hp.n_embd
     writer = _ShardWriter(folder, split, len(state["shards"]))
@@ -209,39 +233,69 @@ def _distill_split(runner: ModelRunner, chat: ChatPrompts, folder: Path,
     pending = {"samples": 0, "tokens": 0, "reply_tokens": 0, "consumed": 0}
     done = state["samples"]
     reply_tokens = 0
-    for inst in source:
-        pending["consumed"] += 1
-        prompt = chat.tokens(inst.text)
-        if len(prompt) > spec.max_prompt:
-            continue
-        gen = Generation(runner, 0, prompt, params, eog=chat.eog, drafter=recorder)
-        reply = gen.prefill()
-        while not gen.done:
-            reply += gen.step()
-        tokens = prompt + reply
-        feats = np.concatenate(recorder.rows) if recorder.rows else np.zeros((0, width))
-        if feats.shape != (len(tokens) - 1, width):  # the recorder failed mid-request
-            raise TrainError(f"distilling: {feats.shape[0]} feature rows for "
-                             f"{len(tokens) - 1} evaluated tokens (the feature recorder "
-                             "stopped; run with -v to see why)")
-        feats = np.concatenate([feats, np.zeros((1, width), np.float16)])  # [T, F]
-        writer.add(tokens, len(prompt), feats)
-        pending["samples"] += 1
-        pending["tokens"] += len(tokens)
-        pending["reply_tokens"] += len(reply)
-        reply_tokens += len(reply)
-        done += 1
-        if bar is not None:
-            bar.update(done, f"{reply_tokens / max(done - bar.start_done, 1):.0f} reply tokens "
-                       f"each, {gen.stats.mean_acceptance_length:.2f} tokens/pass")
-        if writer.full():
-            _commit(folder, manifest, state, writer, pending)
-        if done >= want:
+    # the instructions taken, in order, each with its reply (None: skipped, too long);
+    # a finished reply is stored, and its instruction counted as consumed, once every
+    # instruction before it is, so that a resumed run starts right after the stored ones
+    queue: list[_Reply | None] = []
+    free = list(range(runner.n_seq))
+    exhausted = False
+    while True:
+        while free and not exhausted and done + sum(r is not None for r in queue) < want:
+            inst = next(source, None)
+            if inst is None:
+                exhausted = True
+                break
+            prompt = chat.tokens(inst.text)
+            queue.append(None if len(prompt) > spec.max_prompt else _Reply(
+                prompt, Generation(runner, free.pop(), prompt, params, eog=chat.eog,
+                                   drafter=recorder), []))
+        if not queue:
             break
+        _step_together(runner, [r for r in queue if r is not None and not r.gen.done])
+        while queue and (queue[0] is None or queue[0].gen.done):
+            r = queue.pop(0)
+            pending["consumed"] += 1
+            if r is None:
+                continue
+            free.append(r.gen.seq)
+            r.gen.close()
+            tokens = r.prompt + r.reply
+            feats = recorder.take(r.gen.seq, width)
+            if feats.shape != (len(tokens) - 1, width):  # the recorder failed mid-request
+                raise TrainError(f"distilling: {feats.shape[0]} feature rows for "
+                                 f"{len(tokens) - 1} evaluated tokens (the feature recorder "
+                                 "stopped; run with -v to see why)")
+            feats = np.concatenate([feats, np.zeros((1, width), np.float16)])  # [T, F]
+            writer.add(tokens, len(r.prompt), feats)
+            pending["samples"] += 1
+            pending["tokens"] += len(tokens)
+            pending["reply_tokens"] += len(r.reply)
+            reply_tokens += len(r.reply)
+            done += 1
+            if bar is not None:
+                bar.update(done, f"{reply_tokens / max(done - bar.start_done, 1):.0f} reply "
+                           f"tokens each, {r.gen.stats.mean_acceptance_length:.2f} "
+                           "tokens/pass")
+            if writer.full():
+                _commit(folder, manifest, state, writer, pending)
     _commit(folder, manifest, state, writer, pending)
     if bar is not None:
         bar.done(f"{state['samples']} replies, {state['tokens']} tokens "
                  f"({state['reply_tokens']} in replies)")
+
+
+def _step_together(runner: ModelRunner, replies: Sequence[_Reply]) -> None:
+    """One step of every reply under way (a prompt, or a round), their calls in one pass
+    of the target."""
+    calls = []
+    for r in replies:
+        call = r.gen.next_call()
+        if call is not None:
+            calls.append((r, call))
+    if not calls:
+        return
+    for (r, _), out in zip(calls, runner.forward_batch([c for _, c in calls]), strict=True):
+        r.reply += r.gen.complete(out)
 
 
 def _commit(folder: Path, manifest: dict[str, Any], state: dict[str, Any],

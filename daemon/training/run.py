@@ -23,6 +23,7 @@ from .config import (
     DEFAULT_DRAFT_VOCAB,
     DEFAULT_FEATURE_LAYERS,
     DEFAULT_MARKOV_RANK,
+    DEFAULT_PARALLEL,
     HeadConfig,
     head_config,
 )
@@ -59,6 +60,7 @@ class TrainRequest:
     device: str = "cpu"  # specd's runtime device for the target (distillation)
     train_device: str = "auto"  # torch's
     threads: int | None = None
+    parallel: int = DEFAULT_PARALLEL  # replies distilled at once
     seed: int = 0
     resume: bool = False
     exclude: Sequence[str] = ()  # prompts never to train on (specd bench's)
@@ -117,7 +119,8 @@ def train_draft(req: TrainRequest, log: Callable[[str], None] | None = None,
         f"{cfg.draft_vocab}{' (d2t)' if cfg.reduced else ''}; work folder {work}")
     manifest = distill(req.target, work / "data", spec,
                        {"train": req.samples, "eval": req.eval_samples}, exclude=req.exclude,
-                       device=req.device, threads=req.threads, verbose=verbose)
+                       device=req.device, threads=req.threads, parallel=req.parallel,
+                       verbose=verbose)
     history, finished = _train(req, cfg, f, state, say, verbose)
     return TrainResult(req.out if finished else None, cfg, history, manifest["splits"])
 

@@ -50,3 +50,26 @@ def test_replies_and_features_in_shards_resumed(tmp_path: Path, monkeypatch: pyt
     other = dataclasses.replace(spec, max_reply=32)
     with pytest.raises(TrainError, match="another --work-dir"):
         distill.distill(target, folder, other, {"train": 6}, verbose=False)
+
+
+def test_replies_decoded_together_are_those_decoded_one_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        tiny_model_factory: Callable[..., Path]) -> None:
+    """Several replies at once (their rows in one pass a step) store the very sequences
+    and features of one reply at a time, in the instructions' order, and a run stopped
+    part-way resumes after the replies it stored."""
+    target = tiny_model_factory(arch="qwen3")
+    spec = DistillSpec(target_sha(target), LAYERS, max_prompt=160, max_reply=24, seed=0)
+    monkeypatch.setattr(distill, "SHARD_SECONDS", 0.0)
+    one = distill.distill(target, tmp_path / "one", spec, {"train": 6}, parallel=1,
+                          verbose=False)
+    distill.distill(target, tmp_path / "four", spec, {"train": 2}, parallel=4, verbose=False)
+    four = distill.distill(target, tmp_path / "four", spec, {"train": 6}, parallel=4,
+                           verbose=False)
+    assert four["splits"]["train"]["consumed"] == one["splits"]["train"]["consumed"]
+    a, b = load_split(tmp_path / "one", "train"), load_split(tmp_path / "four", "train")
+    assert len(a) == len(b) == 6
+    for i in range(6):
+        (ta, ra, fa), (tb, rb, fb) = a.get(i), b.get(i)
+        assert np.array_equal(ta, tb) and ra == rb
+        assert np.array_equal(fa, fb)
