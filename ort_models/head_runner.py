@@ -282,8 +282,9 @@ class HeadRunner:
         """A call of a graph returning K/V rows: waiting while `deferred_injections` is
         open (its inputs copied: the caller may reuse them), else run at once."""
         waits = self._deferring > 0
+        copy = np.array if waits else np.asarray
         self._pending.append((graph, seq, {
-            name: np.array(a, dtype=np.int64 if name == "input_ids" else np.float32, copy=waits)
+            name: copy(a, dtype=np.int64 if name == "input_ids" else np.float32)
             for name, a in inputs.items()}, pos))
         if not waits:
             self.flush_injections()

@@ -150,7 +150,7 @@ def test_deferred_injections_run_in_one_pass_as_each_alone(paths: tuple[Path, Pa
         assert runner.inject_passes == passes
     assert runner.inject_passes == passes + 1
     for seq, rows in enumerate(more):
-        alone.inject(seq, rows, CONTEXTS[seq])
+        alone.inject(seq, rows.astype(np.float64), CONTEXTS[seq])  # converted, as before
     for seq in range(3):
         for a, b in zip(_kv(runner, seq), _kv(alone, seq), strict=True):
             np.testing.assert_array_equal(a, b)
