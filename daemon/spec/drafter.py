@@ -196,9 +196,8 @@ class Drafter(ABC):
     #: `draft()` proposes all its tokens in one pass (a head's block), whose cost grows
     #: with the block's length far less than a step per token
     one_pass: bool = False
-    #: the runner whose calls `draft_steps` yields (None: it yields none): a StepRunner
-    #: (typed Any while Generation.step_runner says ModelRunner)
-    step_runner: Any = None
+    #: the runner whose calls `draft_steps` yields (None: it yields none)
+    step_runner: StepRunner | None = None
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:

@@ -21,7 +21,15 @@ from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 from specd.ort_models.sampling_op import MAX_LOGPROBS, EmittedLogprobs, SampleSpec
 
-from .drafter import Drafter, DraftParams, Features, Proposal, run_steps, timed_steps
+from .drafter import (
+    Drafter,
+    DraftParams,
+    Features,
+    Proposal,
+    StepRunner,
+    run_steps,
+    timed_steps,
+)
 from .graph_sampling import (
     BONUS_CANDIDATES,
     block_result,
@@ -338,7 +346,7 @@ class Generation:
         return run_steps(self.step_calls(prefill_budget), self.step_runner)
 
     @property
-    def step_runner(self) -> ModelRunner | None:
+    def step_runner(self) -> StepRunner | None:
         """The runner of the drafter's model calls that `step_calls` yields."""
         return None if self.drafter is None else self.drafter.step_runner
 
