@@ -506,6 +506,12 @@ def _chat_inputs(body: dict[str, Any]) -> _ChatInputs:
             raise BadRequest("'chat_template_kwargs' must be an object",
                              param="chat_template_kwargs")
         render["template_kwargs"] = kwargs
+    # OpenAI's reasoning_effort, as llama-server passes it: "none" turns thinking off,
+    # another level is the template's `reasoning_effort` (gpt-oss reads it)
+    effort = get(body, "reasoning_effort", str, None)
+    if effort is not None:
+        render["template_kwargs"] = {**(kwargs or {}), **(
+            {"enable_thinking": False} if effort == "none" else {"reasoning_effort": effort})}
     return _ChatInputs(messages, tools or None, names, forced, render)
 
 

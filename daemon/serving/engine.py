@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,16 @@ class EngineConfig:
 # variables a chat render sets itself: template kwargs may not replace them
 RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt",
                               "continue_final_message", "bos_token", "eos_token"})
+
+
+def template_defaults() -> dict[str, Any]:
+    """The variables llama-server gives every chat template: thinking on (templates
+    that close the thinking block unless told so, as llama.cpp's copies of DeepSeek-R1's
+    and QwQ's do, then open it), and today's date as Llama 3's and firefunction's
+    templates read it."""
+    now = datetime.now()
+    return {"enable_thinking": True, "date_string": now.strftime("%d %b %Y"),
+            "datetime": now.strftime("%b %d %Y")}
 
 
 @dataclass
@@ -294,10 +305,11 @@ class Engine:
                     template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat as the model's template writes it: a new assistant turn opened (by
         default), or the final message continued (assistant prefill). `template_kwargs`:
-        more variables for the template (`enable_thinking`, ...) over the served ones."""
+        more variables for the template (`enable_thinking`, ...) over the served ones, which
+        are over llama-server's defaults (`template_defaults`)."""
         tok = self.tokenizer
-        extra = {k: v for k, v in {**self.cfg.template_kwargs, **(template_kwargs or {})}.items()
-                 if k not in RENDER_VARIABLES}
+        given = {**template_defaults(), **self.cfg.template_kwargs, **(template_kwargs or {})}
+        extra = {k: v for k, v in given.items() if k not in RENDER_VARIABLES}
         return render_chat(self.chat_template or "", messages,
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message,

@@ -620,3 +620,26 @@ def test_chat_template_file_and_kwargs(tiny_path, tmp_path) -> None:
         status, out = srv.request("POST", "/v1/chat/completions", {
             **chat, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": True}})
         assert status == 200, out
+
+
+def test_chat_templates_get_llama_servers_variables(tiny_path, tmp_path) -> None:
+    """As llama-server renders: thinking on unless turned off (reasoning_effort "none"
+    too), OpenAI's reasoning_effort passed on, today's date as Llama 3's templates read
+    it."""
+    from datetime import date
+
+    template = ("{{ enable_thinking }}|{{ reasoning_effort | default('-') }}|"
+                "{{ date_string }}|{{ datetime }}")
+    cfg = EngineConfig(target=str(tiny_path), spec_type="none", n_ctx=512, slots=1,
+                       chat_template=template)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with live_server(cfg, tmp_path) as srv:
+        today = date.today()
+        dates = f"{today.strftime('%d %b %Y')}|{today.strftime('%b %d %Y')}"
+        assert srv.request("POST", "/apply-template", chat)[1]["prompt"] == (
+            f"True|-|{dates}")
+        assert srv.request("POST", "/apply-template", {**chat, "reasoning_effort": "none"}
+                           )[1]["prompt"].startswith("False|-|")
+        assert srv.request("POST", "/apply-template", {
+            **chat, "reasoning_effort": "high", "chat_template_kwargs": {"date_string": "x"}}
+                           )[1]["prompt"] == f"True|high|x|{today.strftime('%b %d %Y')}"
