@@ -15,13 +15,15 @@ __all__ = ["bin_dir", "missing", "speculative_rounds", "greedy_completion",
            "greedy_with_logprobs", "greedy_with_margins", "agreed_until_near_tie"]
 
 _CANDIDATE = re.compile(r"draft candidate\s+(\d+), pos\s+\d+:\s+(\d+) \(\s*([0-9.]+)\)")
-_ACCEPTED = re.compile(r"accepted (\d+)/(\d+) draft tokens")
+_ACCEPTED = re.compile(
+    r"accepted (\d+)/(\d+) draft tokens(?:, the last target token is: \((\d+)\))?")
 
 
 @dataclass
 class Round:
     candidates: list[list[tuple[int, float]]]  # per drafted position: its top (id, p), best first
     accepted: int
+    last: int = -1  # the target's token after the accepted drafts (-1: not in the log)
 
     @property
     def drafts(self) -> list[int]:
@@ -50,7 +52,8 @@ def speculative_rounds(target: Path, draft: Path, prompt: str, *, spec_type: str
                 positions.append([])
             positions[-1].append((int(m.group(2)), float(m.group(3))))
         elif m := _ACCEPTED.search(line):
-            rounds.append(Round(positions, int(m.group(1))))
+            rounds.append(Round(positions, int(m.group(1)),
+                                int(m.group(3)) if m.group(3) else -1))
             positions = []
     return rounds
 

@@ -243,9 +243,79 @@ def test_llama_cpp_drafts_with_the_written_heads(trained: Trained) -> None:
             accepted += sum(r.accepted for r in rounds)
             drafted += sum(len(r.drafts) for r in rounds)
         rates[name] = accepted / max(drafted, 1)
-    # llama.cpp accepts about half as many of the trained head's drafts as specd does
+    # below specd's rate on its own six prompts, as specd's is on these four, and lower
+    # again where llama.cpp's target leaves the distilled reply at a near tie
     # (docs/training.md); that it accepts them at all is what is checked here
     assert rates["untrained"] < 0.02 and rates["trained"] > 0.06, rates
+
+
+def _drafts_by_anchor(target: ModelRunner, drafter: Drafter, prompt: list[int],
+                      eog: set[int], n: int) -> tuple[list[int], dict[int, list[int]]]:
+    """specd's greedy text after `prompt` with `drafter` drafting a block every round, and
+    each round's drafts by the position of its anchor."""
+    drafts: dict[int, list[int]] = {}
+    draft_steps = drafter.draft_steps
+
+    def record(seq: int, last: int, pos: int, *args: Any, **kw: Any) -> Any:
+        proposal = yield from draft_steps(seq, last, pos, *args, **kw)
+        drafts[pos] = list(proposal.tokens)
+        return proposal
+
+    drafter.draft_steps = record  # type: ignore[method-assign]
+    gen = Generation(target, 0, prompt, GenerationParams(
+        max_tokens=n, draft=BLOCK_DRAFTS, adaptive=False), eog=eog, drafter=drafter)
+    text = gen.prefill()
+    while not gen.done:
+        text += gen.step()
+    return text, drafts
+
+
+def test_llama_cpp_drafts_what_specd_drafts_after_every_kind_of_round(trained: Trained
+                                                                      ) -> None:
+    """From the same verified context llama.cpp's drafts with the trained head are specd's
+    (float32 head), whatever the rounds before accepted: all of a draft, part of it (the
+    rejected rows dropped, the bonus the next anchor) or none. Compared at each position
+    both start a round from, while the two targets' texts agree (llama.cpp's target breaks
+    some near ties the other way)."""
+    import llama_cpp_oracle
+
+    if reason := llama_cpp_oracle.missing("llama-speculative-simple"):
+        pytest.skip(reason)
+    data = load_split(trained.work / "data", "eval")
+    chat = ChatPrompts(GGUFFile(trained.target))
+    prompts = [tokens[:reply].tolist() for tokens, reply, _ in map(data.get, range(len(data)))
+               if reply <= 192][:4]
+    layers = read_head(GGUFFile(trained.trained)).hidden_layers
+    target = ModelRunner(load_or_build(trained.target, replace(
+        build_options("target"), hidden_layers=tuple(sorted(set(layers))))), n_ctx=512)
+    # float32 products, as llama.cpp computes the F16 head's
+    head = HeadRunner(load_or_build_head(trained.trained, trained.target, accuracy_level=1,
+                                         kernels="ort"), n_ctx=512)
+    after = {"none": 0, "part": 0, "all": 0}  # compared rounds by what the one before kept
+    for prompt in prompts:
+        text, ours = _drafts_by_anchor(target, DFlashDrafter(head), prompt, chat.eog, 48)
+        rounds = llama_cpp_oracle.speculative_rounds(
+            trained.target, trained.trained, chat.tok.decode(prompt), spec_type="draft-dflash",
+            n_predict=48, n_max=BLOCK - 1)
+        # llama-speculative-simple's first round drafts from the prompt's last token
+        pos, theirs = len(prompt) - 1, []
+        before = None
+        for r in rounds:
+            assert r.last >= 0
+            if pos - len(prompt) >= len(text) or theirs != text[:len(theirs)]:
+                break  # past specd's text, or the targets' texts differ: the contexts too
+            if pos in ours and len(ours[pos]) == len(r.drafts):  # (specd's last may be cut)
+                for token, top in zip(ours[pos], r.candidates, strict=True):
+                    near_tie = len(top) > 1 and top[1][1] > 0.98 * top[0][1]
+                    assert token == top[0][0] or (near_tie and token == top[1][0]), (
+                        pos, ours[pos], r.drafts)
+                if before is not None:
+                    after[before] += 1
+            before = ("none" if r.accepted == 0 else
+                      "all" if r.accepted == len(r.drafts) else "part")
+            theirs += [*r.drafts[:r.accepted], r.last]
+            pos += r.accepted + 1
+    assert min(after.values()) >= 3, after
 
 
 # -- DSpark -----------------------------------------------------------------------------
