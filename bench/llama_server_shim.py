@@ -91,6 +91,10 @@ def translate(argv: list[str]) -> list[str]:
         at = out.index("-c") + 1
         out[at] = str(max(int(out[at]) // int(out[out.index("--slots") + 1]), 1))
     out += ["-m", model_for(repo, hf_file, model)]
+    if "--spec-synthetic-rates" in out or "--spec-synthetic-mean" in out:
+        # llama.cpp's synthetic acceptance rides on its draft; specd's is a spec type of
+        # its own, needing no draft model
+        draft, spec_type = None, "synthetic"
     if draft is not None:
         out += ["-md", model_for(None, None, draft)]
     if spec_type is not None:  # llama.cpp's names where specd has the same thing
