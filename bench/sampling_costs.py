@@ -31,7 +31,7 @@ import numpy as np
 
 import specd.daemon.drafters.draft_model as draft_model
 import specd.daemon.spec.generation as generation
-import specd.ort_models.runner as runner_module
+import specd.ort_models.sampling_op as sampling_op
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
@@ -64,7 +64,7 @@ class Clocks:
             finally:
                 self.session += time.perf_counter() - t0
 
-        runner.session.run_with_iobinding = timed  # type: ignore[method-assign]
+        runner.session.run_with_iobinding = timed
 
     def time_calls(self, owner: Any, name: str, path: str) -> None:
         """Count the seconds in `owner.name` towards the decision cost of `path`."""
@@ -80,7 +80,7 @@ class Clocks:
         setattr(owner, name, timed)
 
     def count_rows(self) -> None:
-        real = runner_module.pack_inputs
+        real = sampling_op.pack_inputs
 
         def counted(specs: list[SampleSpec | None], *args: Any) -> Any:
             for s in specs:
@@ -88,14 +88,14 @@ class Clocks:
                     self.rows["draft" if s.stream else "target"] += s.rows
             return real(specs, *args)
 
-        runner_module.pack_inputs = counted  # type: ignore[assignment]
+        sampling_op.pack_inputs = counted  # type: ignore[assignment]
 
 
 def instrument(clocks: Clocks) -> None:
     for owner, name, path in (
             (Generation, "_verify", "host"), (draft_model, "pick_token", "host"),
             (Generation, "_round_spec", "graph"), (generation, "block_result", "graph"),
-            (runner_module, "pack_inputs", "graph"), (runner_module, "unpack_outputs", "graph"),
+            (sampling_op, "pack_inputs", "graph"), (sampling_op, "unpack_outputs", "graph"),
             (draft_model, "pick_spec", "graph"), (draft_model, "pick_from_block", "graph")):
         clocks.time_calls(owner, name, path)
     clocks.count_rows()
@@ -163,7 +163,7 @@ def main() -> None:
                                             spec_type="draft", n_ctx=1024))}
     vocab = engines["target-only"].target.runner.logits_width
     draft_runner = engines["draft"].drafter.step_runner  # type: ignore[union-attr]
-    assert draft_runner is not None
+    assert isinstance(draft_runner, ModelRunner)
     alone = {t: {"target": op_alone_ms(vocab, t),
                  "draft": op_alone_ms(draft_runner.logits_width, t,
                                       DRAFT_TOP_K if t else 0)} for t in (0.0, 0.7)}
@@ -176,7 +176,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for label, engine in engines.items():
         clocks.time_session(engine.target.runner)
-        if engine.drafter is not None and engine.drafter.step_runner is not None:
+        if engine.drafter is not None and isinstance(engine.drafter.step_runner, ModelRunner):
             clocks.time_session(engine.drafter.step_runner)
         prompt = engine.encode_prompt(PROMPT)
         for temperature in (0.0, 0.7):
