@@ -155,7 +155,9 @@ class Batches:
         picks = []
         for i in seqs:
             _, reply, _ = self.data.get(int(i))
-            candidates = np.arange(reply, self.lengths[i] - 1)  # positions with a label after
+            # positions with a label after: the reply's, and the prompt's last token, which
+            # llama.cpp anchors its first block on (its prompt pass leaves that token out)
+            candidates = np.arange(max(reply - 1, 1), self.lengths[i] - 1)
             k = min(n_anchors, len(candidates))
             picks.append((int(i), np.sort(rng.choice(candidates, size=k, replace=False))))
         return self.make(picks)

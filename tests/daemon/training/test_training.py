@@ -306,9 +306,11 @@ def test_llama_cpp_drafts_what_specd_drafts_after_every_kind_of_round(trained: T
                 break  # past specd's text, or the targets' texts differ: the contexts too
             if pos in ours and len(ours[pos]) == len(r.drafts):  # (specd's last may be cut)
                 for token, top in zip(ours[pos], r.candidates, strict=True):
-                    near_tie = len(top) > 1 and top[1][1] > 0.98 * top[0][1]
+                    # llama.cpp's CPU products round the F16 head's activations to F16:
+                    # logits within ~0.1 of each other may come out either way
+                    near_tie = len(top) > 1 and top[1][1] > 0.9 * top[0][1]
                     assert token == top[0][0] or (near_tie and token == top[1][0]), (
-                        pos, ours[pos], r.drafts)
+                        pos, ours[pos], r.drafts, top)
                 if before is not None:
                     after[before] += 1
             before = ("none" if r.accepted == 0 else
