@@ -34,7 +34,7 @@ from specd.daemon.text.tool_calls import (
 )
 
 from .jsonout import dumps, json_response
-from .metrics import render_metrics
+from .metrics import RateWindow, render_metrics
 from .security import (
     IDENTITY,
     Access,
@@ -78,6 +78,7 @@ MEMORY_PLAN = web.AppKey("memory_plan", object)
 STRICT_MODEL_NAME = web.AppKey("strict_model_name", bool)
 LIVE = web.AppKey("live_requests", LiveRequests)
 PREP = web.AppKey("prep_executor", ThreadPoolExecutor)
+RATES = web.AppKey("metrics_rates", RateWindow)  # /metrics' rate gauges: since the last scrape
 PREP_THREADS = 4  # requests prepared (tokenized, rendered) at once, off the event loop
 MIN_BYTES_PER_TOKEN = 32
 T = TypeVar("T")
@@ -1143,7 +1144,8 @@ async def slots(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     svc = _svc(request)
     # llama-server's header: scrapers tell a restart from a counter reset by it
-    return web.Response(text=render_metrics(svc), content_type="text/plain", charset="utf-8",
+    return web.Response(text=render_metrics(svc, request.app[RATES]), content_type="text/plain",
+                        charset="utf-8",
                         headers={"Process-Start-Time-Unix": str(int(svc.started))})
 
 
@@ -1181,6 +1183,7 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     app[MEMORY_PLAN] = memory_plan
     app[STRICT_MODEL_NAME] = strict_model_name
     app[LIVE] = LiveRequests()
+    app[RATES] = RateWindow()
     app[PREP] = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="specd-prep")
     app.on_shutdown.append(_cancel_generations)
     app.on_cleanup.append(_stop_service)

@@ -3,10 +3,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from specd.daemon.serving.service import Service
+from specd.daemon.spec.stats import SpecStats
 
 
-def render_metrics(svc: Service) -> str:
+@dataclass
+class RateWindow:
+    """llama-server's throughput gauges: tokens per second over the work done since the
+    previous scrape (0 where there was none), so that a dashboard shows what runs now."""
+
+    prompt: tuple[int, float] = (0, 0.0)  # prompt tokens evaluated, and seconds, by then
+    predicted: tuple[int, float] = (0, 0.0)  # tokens after each request's first, seconds
+
+    def rates(self, t: SpecStats) -> tuple[float, float]:
+        """(prompt, generation) tokens per second since the last call; the window restarts."""
+        prompt = (t.prompt_tokens - t.cached_tokens, t.prefill_s)
+        predicted = (t.decoded_tokens, t.decode_s)
+        out = _rate(prompt, self.prompt), _rate(predicted, self.predicted)
+        self.prompt, self.predicted = prompt, predicted
+        return out
+
+
+def _rate(now: tuple[int, float], before: tuple[int, float]) -> float:
+    seconds = now[1] - before[1]
+    return (now[0] - before[0]) / seconds if seconds > 0 else 0.0
+
+
+def render_metrics(svc: Service, window: RateWindow) -> str:
+    """The metrics text; `window`: the scrapes' own, for llama-server's rate gauges."""
     sch = svc.scheduler
     t = sch.totals
     busy = sum(1 for s in sch.slots if s.request is not None)
@@ -45,13 +71,14 @@ def render_metrics(svc: Service) -> str:
         "# TYPE specd_slots_total gauge",
         f"specd_slots_total {len(sch.slots)}",
     ]
-    return "\n".join(lines + _llamacpp(svc)) + "\n"
+    return "\n".join(lines + _llamacpp(svc, window)) + "\n"
 
 
-def _llamacpp(svc: Service) -> list[str]:
-    """llama-server's series: counters since start; the rates are averages since start."""
+def _llamacpp(svc: Service, window: RateWindow) -> list[str]:
+    """llama-server's series: counters since start, rates since the last scrape."""
     sch = svc.scheduler
     t, c = sch.totals, sch.counts
+    prompt_rate, predicted_rate = window.rates(t)
     counters = [
         ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
          t.prompt_tokens - t.cached_tokens),
@@ -73,9 +100,9 @@ def _llamacpp(svc: Service) -> list[str]:
          "Speculative: Total speculative decoding verification steps", t.rounds),
     ]
     gauges = [
-        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", t.prefill_tps),
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
         ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
-         t.decode_tps),
+         predicted_rate),
         ("requests_processing", "Number of requests processing",
          sum(1 for s in sch.slots if s.request is not None)),
         ("requests_deferred", "Number of requests deferred", sch.queue_length),

@@ -86,6 +86,19 @@ def test_llamacpp_series_count_what_requests_report(server) -> None:
         assert after[f"llamacpp:{name}"][0] == "counter"
 
 
+def test_rate_gauges_cover_the_time_since_the_last_scrape(server) -> None:
+    """As llama-server's: a dashboard sees what runs now, not an average since start."""
+    status, _ = server.request("POST", "/completion", {
+        "prompt": "seven eight nine", "n_predict": 6, "ignore_eos": True})
+    assert status == 200
+    _, busy = _metrics(server)
+    assert busy["llamacpp:predicted_tokens_seconds"][1] > 0
+    assert busy["llamacpp:prompt_tokens_seconds"][1] > 0
+    _, idle = _metrics(server)  # nothing ran since
+    assert idle["llamacpp:predicted_tokens_seconds"] == ("gauge", 0)
+    assert idle["llamacpp:prompt_tokens_seconds"] == ("gauge", 0)
+
+
 def test_embeddings_count_as_prompt_work(server) -> None:
     _, before = _metrics(server)
     status, body = server.request("POST", "/v1/embeddings", {"input": ["hello world", "bye"]})
