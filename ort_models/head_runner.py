@@ -369,26 +369,7 @@ class HeadRunner:
                 raise ValueError(f"{len(c.specs)} sample specs for {len(c.rows)} rows of a "
                                  "block " + ("" if self.block_samples
                                              else "whose graph has no sampler"))
-            check_call(c.pos, len(c.tokens), self.n_ctx)
-            if c.seq >= self.n_seq:
-                raise ValueError(f"no sequence slot {c.seq} (the head has {self.n_seq})")
-        self.flush_injections()  # the context the blocks read
-        ids: list[int] = []
-        logits_rows: list[int] = []
-        segments: list[tuple[int, int, int]] = []  # (slot, pos, rows) per block
-        for c in calls:
-            logits_rows += [len(ids) + r for r in c.rows]
-            ids += c.tokens
-            segments.append((c.seq, c.pos, len(c.tokens)))
-        b = self._binding("block", calls[0].seq)
-        b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
-        if self.packs_blocks:
-            b.bind_cpu_input("segments", np.asarray(segments, dtype=np.int64))
-        else:
-            (_, pos, n), = segments
-            b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
-            b.bind_cpu_input("attn_len", np.array([pos + n], dtype=np.int64))
-        b.bind_cpu_input("logits_rows", np.asarray(logits_rows, dtype=np.int64))
+        b, ids = self._bind_rows("block", calls, self.packs_blocks)
         if self._block_rows:  # DFlash2's convolutions start at each block's first row
             b.bind_cpu_input("block_rows", np.concatenate(
                 [np.arange(len(c.tokens), dtype=np.int64) for c in calls]))  # [S]
@@ -465,34 +446,44 @@ class HeadRunner:
         its logits."""
         return self._step_pass([StepCall(seq, tokens, g, pos, rows, spec)])[0]
 
-    def _step_pass(self, calls: Sequence[StepCall]) -> list[StepOutput]:
-        """One session run over the calls' steps, one after another (several only where
-        the graph packs them)."""
+    def _bind_rows(self, graph: str, calls: Sequence[BlockCall] | Sequence[StepCall],
+                   packs: bool) -> tuple[Any, list[int]]:
+        """Check the calls' slots and positions, run the injections they read, and bind
+        their tokens one call after another, with the calls' segments where the graph
+        packs them (else the lone call's position), and the rows they ask for: the
+        binding and the token ids."""
         for c in calls:
-            if c.spec is not None and (not self.step_samples or len(c.rows) != 1):
-                raise ValueError("a sample spec needs one row of a step graph with a sampler")
             check_call(c.pos, len(c.tokens), self.n_ctx)
             if c.seq >= self.n_seq:
                 raise ValueError(f"no sequence slot {c.seq} (the head has {self.n_seq})")
-        self.flush_injections()  # the pairs the steps read
+        self.flush_injections()
         ids: list[int] = []
         logits_rows: list[int] = []
-        segments: list[tuple[int, int, int]] = []  # (slot, pos, rows) per step
+        segments: list[tuple[int, int, int]] = []  # (slot, pos, rows) per call
         for c in calls:
             logits_rows += [len(ids) + r for r in c.rows]
             ids += c.tokens
             segments.append((c.seq, c.pos, len(c.tokens)))
-        b = self._binding("step", calls[0].seq)
+        b = self._binding(graph, calls[0].seq)
         b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
-        g = np.concatenate([np.asarray(c.g, dtype=np.float32) for c in calls])  # [S, E]
-        b.bind_cpu_input("g", np.ascontiguousarray(g))
-        if self.packs_steps:
+        if packs:
             b.bind_cpu_input("segments", np.asarray(segments, dtype=np.int64))
         else:
             (_, pos, n), = segments
             b.bind_cpu_input("position", np.array([pos], dtype=np.int64))
             b.bind_cpu_input("attn_len", np.array([pos + n], dtype=np.int64))
         b.bind_cpu_input("logits_rows", np.asarray(logits_rows, dtype=np.int64))
+        return b, ids
+
+    def _step_pass(self, calls: Sequence[StepCall]) -> list[StepOutput]:
+        """One session run over the calls' steps, one after another (several only where
+        the graph packs them)."""
+        for c in calls:
+            if c.spec is not None and (not self.step_samples or len(c.rows) != 1):
+                raise ValueError("a sample spec needs one row of a step graph with a sampler")
+        b, ids = self._bind_rows("step", calls, self.packs_steps)
+        g = np.concatenate([np.asarray(c.g, dtype=np.float32) for c in calls])  # [S, E]
+        b.bind_cpu_input("g", np.ascontiguousarray(g))
         b.bind_output("logits", "cpu")
         b.bind_output("hidden", "cpu")
         specs = [c.spec for c in calls]
