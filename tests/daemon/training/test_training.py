@@ -77,19 +77,23 @@ class Trained:
     history: list[dict[str, Any]]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    root = tmp_path_factory.mktemp("train")
-    target = _target(root / "target.gguf")
+def _train(target: Path, root: Path, **kw: Any) -> Trained:
+    """A head as initialised (0 steps) and trained (SETTINGS) in the work folder root/work."""
     work = root / "work"
     untrained = root / "untrained.gguf"
-    train_draft(_request(target, untrained, work, settings=replace(SETTINGS, steps=0)),
+    train_draft(_request(target, untrained, work, settings=replace(SETTINGS, steps=0), **kw),
                 verbose=False)
     out = root / "head.gguf"
-    result = train_draft(_request(target, out, work, settings=SETTINGS, resume=True),
+    result = train_draft(_request(target, out, work, settings=SETTINGS, resume=True, **kw),
                          verbose=False)
     assert result.head_path == out
     return Trained(target, work, untrained, out, result.history)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    root = tmp_path_factory.mktemp("train")
+    return _train(_target(root / "target.gguf"), root)
 
 
 def test_loss_falls_and_held_out_acceptance_rises(trained: Trained) -> None:
@@ -329,17 +333,8 @@ def dspark(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Traine
     import shutil
 
     root = tmp_path_factory.mktemp("dspark")
-    work = root / "work"
-    shutil.copytree(trained.work / "data", work / "data")
-    kw: dict[str, Any] = {"kind": "dspark", "markov_rank": 16}
-    untrained = root / "untrained.gguf"
-    train_draft(_request(trained.target, untrained, work, settings=replace(SETTINGS, steps=0),
-                         **kw), verbose=False)
-    out = root / "head.gguf"
-    result = train_draft(_request(trained.target, out, work, settings=SETTINGS, resume=True,
-                                  **kw), verbose=False)
-    assert result.head_path == out
-    return Trained(trained.target, work, untrained, out, result.history)
+    shutil.copytree(trained.work / "data", root / "work" / "data")
+    return _train(trained.target, root, kind="dspark", markov_rank=16)
 
 
 def test_a_dspark_head_learns_and_is_written_as_one(dspark: Trained) -> None:
@@ -414,16 +409,7 @@ def eagle3(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Traine
     """An EAGLE-3 head trained on the same instructions (distilled again: it reads three
     target layers), 3 unrolled steps."""
     root = tmp_path_factory.mktemp("eagle3")
-    work = root / "work"
-    kw: dict[str, Any] = {"kind": "eagle3", "n_layer": 1}
-    untrained = root / "untrained.gguf"
-    train_draft(_request(trained.target, untrained, work, settings=replace(SETTINGS, steps=0),
-                         **kw), verbose=False)
-    out = root / "head.gguf"
-    result = train_draft(_request(trained.target, out, work, settings=SETTINGS, resume=True,
-                                  **kw), verbose=False)
-    assert result.head_path == out
-    return Trained(trained.target, work, untrained, out, result.history)
+    return _train(trained.target, root, kind="eagle3", n_layer=1)
 
 
 def test_an_eagle3_head_learns_and_is_written_as_one(eagle3: Trained) -> None:
