@@ -98,10 +98,17 @@ class _FeatureRecorder(NgramDrafter):
         super().process(seq, tokens, None)
         self._keep(seq, features)
 
-    def take(self, seq: int, width: int) -> np.ndarray:
-        """The sequence's feature rows [n, width] so far, forgotten here."""
+    def take(self, seq: int, n: int, width: int) -> np.ndarray:
+        """The sequence's first n feature rows [n, width], forgotten here. A round's last
+        verified tokens may follow the reply's end (an end of generation inside an
+        accepted draft, or max_tokens reached mid-round): their rows, at the end, are
+        dropped with them. TrainError where fewer than n were recorded."""
         rows = self.rows.pop(seq, [])
-        return np.concatenate(rows) if rows else np.zeros((0, width), np.float16)
+        feats = np.concatenate(rows) if rows else np.zeros((0, width), np.float16)
+        if feats.shape[0] < n or feats.shape[1:] != (width,):  # the recorder failed
+            raise TrainError(f"distilling: {feats.shape[0]} feature rows for {n} evaluated "
+                             "tokens (the feature recorder stopped; run with -v to see why)")
+        return feats[:n]
 
 
 class ChatPrompts:
@@ -260,11 +267,7 @@ def _distill_split(runner: ModelRunner, chat: ChatPrompts, folder: Path,
             free.append(r.gen.seq)
             r.gen.close()
             tokens = r.prompt + r.reply
-            feats = recorder.take(r.gen.seq, width)
-            if feats.shape != (len(tokens) - 1, width):  # the recorder failed mid-request
-                raise TrainError(f"distilling: {feats.shape[0]} feature rows for "
-                                 f"{len(tokens) - 1} evaluated tokens (the feature recorder "
-                                 "stopped; run with -v to see why)")
+            feats = recorder.take(r.gen.seq, len(tokens) - 1, width)  # [T - 1, F]
             feats = np.concatenate([feats, np.zeros((1, width), np.float16)])  # [T, F]
             writer.add(tokens, len(r.prompt), feats)
             pending["samples"] += 1

@@ -73,3 +73,18 @@ def test_replies_decoded_together_are_those_decoded_one_at_a_time(
         (ta, ra, fa), (tb, rb, fb) = a.get(i), b.get(i)
         assert np.array_equal(ta, tb) and ra == rb
         assert np.array_equal(fa, fb)
+
+
+def test_rows_after_the_replys_end_are_dropped_and_missing_ones_named() -> None:
+    """A round may verify tokens after the reply's end (an end of generation inside an
+    accepted draft, or max_tokens mid-round): their feature rows come last and go with
+    them; fewer rows than tokens means the recorder failed."""
+    recorder = distill._FeatureRecorder((0,))
+    recorder.begin(3, [5, 6, 7], features={0: np.ones((3, 4), np.float32)})
+    recorder.process(3, [8, 9], features={0: np.full((2, 4), 2.0, np.float32)})
+    feats = recorder.take(3, 4, 4)  # a reply of 2: tokens 5 6 7 8 9, 4 evaluated
+    assert feats.shape == (4, 4) and feats.dtype == np.float16
+    assert feats[:3].tolist() == [[1.0] * 4] * 3 and feats[3].tolist() == [2.0] * 4
+    recorder.begin(3, [5, 6], features={0: np.ones((2, 4), np.float32)})
+    with pytest.raises(TrainError, match="2 feature rows for 3 evaluated tokens"):
+        recorder.take(3, 3, 4)
