@@ -4,7 +4,6 @@ is its solo run's (tiny models, specd's kernels)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,14 +11,15 @@ from typing import Any
 import pytest
 
 from specd.daemon.serving.engine import Engine, EngineConfig
-from specd.daemon.serving.scheduler import Request, Scheduler
+from specd.daemon.serving.scheduler import Scheduler
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
-from specd.daemon.text.grammar import Grammar, compile_constraint
+from specd.daemon.text.grammar import compile_constraint
 from specd.ort_models import native_ops
 from specd.ort_models.head_runner import HeadRunner
 
+from scheduler_streams import Stream, solo
 from tiny_heads import write_tiny_head
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
@@ -47,24 +47,6 @@ def scheduler(engine: Engine) -> Iterator[Scheduler]:
     sched.stop()
 
 
-class Stream:
-    """A request and what it emitted."""
-
-    def __init__(self, prompt: list[int], params: GenerationParams,
-                 grammar: Grammar | None = None):
-        self.tokens: list[int] = []
-        self.done = threading.Event()
-        self.req = Request(prompt=prompt, params=params, on_tokens=self._got,
-                           on_done=lambda r: self.done.set(), grammar=grammar)
-
-    def _got(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-
-    def result(self) -> list[int]:
-        assert self.done.wait(120) and self.req.error is None, self.req.error
-        return self.tokens
-
-
 def _streams(engine: Engine) -> list[Callable[[], Stream]]:
     """Greedy, seeded sampling, and greedy under a JSON schema; drafting every round."""
     grammar = compile_constraint("json_schema", SCHEMA, engine.tokenizer)
@@ -82,12 +64,6 @@ def _streams(engine: Engine) -> list[Callable[[], Stream]]:
     ]
 
 
-def _solo(scheduler: Scheduler, make: Callable[[], Stream]) -> list[int]:
-    s = make()
-    scheduler.submit(s.req)
-    return s.result()
-
-
 def test_streams_share_head_passes_and_equal_their_solo_runs(
         scheduler: Scheduler, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     head = engine.head
@@ -101,7 +77,7 @@ def test_streams_share_head_passes_and_equal_their_solo_runs(
         return head.step_passes if eagle3 else head.block_passes
 
     makers = _streams(engine)
-    want = [_solo(scheduler, make) for make in makers]
+    want = [solo(scheduler, make) for make in makers]
     real, sizes = head.forward_batch, []
 
     def spy(calls: list[Any]) -> list[Any]:

@@ -3,7 +3,6 @@ run's, whatever runs beside it, joins or leaves (tiny models, specd's kernels)."
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,13 +10,15 @@ from typing import Any
 import pytest
 
 from specd.daemon.serving.engine import Engine, EngineConfig
-from specd.daemon.serving.scheduler import Request, Scheduler
+from specd.daemon.serving.scheduler import Scheduler
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
-from specd.daemon.text.grammar import Grammar, compile_constraint
+from specd.daemon.text.grammar import compile_constraint
 from specd.ort_models import native_ops
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
+
+from scheduler_streams import Stream, solo
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
 
@@ -43,26 +44,6 @@ def scheduler(engine: Engine) -> Iterator[Scheduler]:
     sched.stop()
 
 
-class Stream:
-    """A request and what it emitted."""
-
-    def __init__(self, prompt: list[int], params: GenerationParams,
-                 grammar: Grammar | None = None):
-        self.tokens: list[int] = []
-        self.done = threading.Event()
-        self.on_tokens: Callable[[], None] = lambda: None  # after each round's tokens
-        self.req = Request(prompt=prompt, params=params, on_tokens=self._got,
-                           on_done=lambda r: self.done.set(), grammar=grammar)
-
-    def _got(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-        self.on_tokens()
-
-    def result(self) -> list[int]:
-        assert self.done.wait(120) and self.req.error is None, self.req.error
-        return self.tokens
-
-
 def _streams(engine: Engine) -> list[Callable[[], Stream]]:
     """Four kinds of request: greedy, greedy with a longer draft, seeded sampling, and
     greedy under a JSON schema."""
@@ -82,12 +63,6 @@ def _streams(engine: Engine) -> list[Callable[[], Stream]]:
     ]
 
 
-def _solo(scheduler: Scheduler, make: Callable[[], Stream]) -> list[int]:
-    s = make()
-    scheduler.submit(s.req)
-    return s.result()
-
-
 def _count_passes(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> list[int]:
     """The number of calls in each of the runner's passes from now on."""
     real, sizes = runner.forward_batch, []
@@ -103,7 +78,7 @@ def _count_passes(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> list[
 def test_streams_in_one_pass_equal_their_solo_runs(scheduler: Scheduler, engine: Engine,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     makers = _streams(engine)
-    want = [_solo(scheduler, make) for make in makers]
+    want = [solo(scheduler, make) for make in makers]
     sizes = _count_passes(monkeypatch, engine.target.runner)
     draft = engine.drafter.step_runner if engine.drafter is not None else None
     draft_sizes = _count_passes(monkeypatch, draft) if draft is not None else [2]
@@ -121,7 +96,7 @@ def test_joining_and_cancelled_streams_leave_the_others_unchanged(
     and one of the two is cancelled once all three shared a pass: the others' outputs
     are their solo runs', the cancelled one's a prefix of its own."""
     a, b, c, _ = _streams(engine)
-    want_a, want_b, want_c = (_solo(scheduler, make) for make in (a, b, c))
+    want_a, want_b, want_c = (solo(scheduler, make) for make in (a, b, c))
     sizes = _count_passes(monkeypatch, engine.target.runner)
     first, leaving, joining = a(), b(), c()
 
@@ -158,7 +133,7 @@ def test_a_prompt_asked_twice_at_once_is_evaluated_once(scheduler: Scheduler) ->
     def make(identity: str) -> Stream:
         return _as(identity, Stream(prompt, GenerationParams(max_tokens=12, ignore_eos=True)))
 
-    want = _solo(scheduler, lambda: make("solo"))
+    want = solo(scheduler, lambda: make("solo"))
     pair = [make("choices"), make("choices")]
     for s in pair:
         scheduler.submit(s.req)
