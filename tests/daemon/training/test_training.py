@@ -30,10 +30,10 @@ from specd.daemon.drafters.eagle3 import Eagle3Drafter
 from specd.daemon.models.building import build_options
 from specd.daemon.spec.drafter import Drafter, DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
-from specd.daemon.training.config import head_config
+from specd.daemon.training.config import HeadConfig, head_config
 from specd.daemon.training.distill import ChatPrompts, load_split
 from specd.daemon.training.export import write_card_folder, write_head
-from specd.daemon.training.model import DFlashHead, DSparkHead, Eagle3Head
+from specd.daemon.training.model import DFlashHead, DSparkHead, Eagle3Head, HeadModel
 from specd.daemon.training.run import TrainRequest, train_draft
 from specd.daemon.training.trainer import TrainSettings, target_tables
 from specd.ort_models.arch import read_hparams
@@ -150,6 +150,35 @@ def test_the_written_head_drafts_better_and_output_stays_the_targets(trained: Tr
     assert rates["untrained"] < 0.02 and rates["trained"] > 0.12, rates
 
 
+def _random_model(target: Path, cfg: HeadConfig, model_type: type[HeadModel]
+                  ) -> tuple[Any, np.ndarray | None, np.ndarray]:
+    """A head of random weights for `cfg` (norms away from 1, so that a misplaced one
+    shows), its d2t (random ids where the vocabulary is reduced) and LM head rows."""
+    f = GGUFFile(target)
+    d2t = np.sort(np.random.default_rng(1).choice(cfg.target_vocab, cfg.draft_vocab,
+                                                  replace=False)) if cfg.reduced else None
+    embed, index, lm_rows = target_tables(f, cfg, np.arange(cfg.target_vocab), d2t)
+    torch.manual_seed(7)
+    model = model_type(cfg, embed, index, lm_rows)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    return model, d2t, lm_rows
+
+
+def _written(target: Path, cfg: HeadConfig, model: HeadModel, d2t: np.ndarray | None,
+             lm_rows: np.ndarray, folder: Path) -> HeadRunner:
+    """The head written as its GGUF (float32) and loaded by specd with the file's own
+    weights and float32 activations (MatMulNBits' int8 ones differ by ~1%)."""
+    tag = cfg.draft_vocab
+    head_path, card = folder / f"head-{tag}.gguf", folder / f"card-{tag}"
+    write_card_folder(card, cfg, GGUFFile(target), [], {})
+    write_head(head_path, cfg, model.gguf_tensors(), d2t, lm_rows, target, card, "f32")
+    return HeadRunner(load_or_build_head(head_path, target, kernels="ort", requant="",
+                                         accuracy_level=1), n_ctx=512)
+
+
 def test_the_torch_head_computes_what_specd_runs(trained: Trained, tmp_path: Path) -> None:
     """A head's torch logits for a block equal specd's head graphs' (injection of the
     context rows, then the block), with the whole vocabulary and with a reduced one."""
@@ -160,28 +189,12 @@ def test_the_torch_head_computes_what_specd_runs(trained: Trained, tmp_path: Pat
     for draft_vocab in (0, 200):
         cfg = head_config(f, read_hparams(f), n_layer=2, block_size=BLOCK,
                           draft_vocab=draft_vocab)
-        d2t = np.sort(np.random.default_rng(1).choice(cfg.target_vocab, cfg.draft_vocab,
-                                                      replace=False)) if cfg.reduced else None
-        used = np.arange(cfg.target_vocab)
-        embed, index, lm_rows = target_tables(f, cfg, used, d2t)
-        torch.manual_seed(7)
-        model = DFlashHead(cfg, embed, index, lm_rows)
-        with torch.no_grad():  # norms away from 1, so that a misplaced one shows
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.uniform_(0.5, 1.5)
-        head_path = tmp_path / f"head-{draft_vocab}.gguf"
-        card = tmp_path / f"card-{draft_vocab}"
-        write_card_folder(card, cfg, f, [], {})
-        write_head(head_path, cfg, model.gguf_tensors(), d2t, lm_rows, trained.target, card,
-                   "f32")
+        model, d2t, lm_rows = _random_model(trained.target, cfg, DFlashHead)
+        runner = _written(trained.target, cfg, model, d2t, lm_rows, tmp_path)
         with torch.no_grad():
             rows = model(torch.from_numpy(np.asarray(feats[:anchor], np.float32))[None],
                          torch.tensor([[anchor]]), torch.tensor([[int(tokens[anchor])]]))
             want = model.logits(rows)[0, 0].numpy()  # [B - 1, Vd]
-        # the GGUF's own weights, float32 activations (MatMulNBits' int8 ones differ by ~1%)
-        runner = HeadRunner(load_or_build_head(head_path, trained.target, kernels="ort",
-                                               requant="", accuracy_level=1), n_ctx=512)
         runner.inject(0, np.asarray(feats[:anchor], np.float32), 0)
         got = runner.block(0, [int(tokens[anchor])] + [cfg.mask_token_id] * (BLOCK - 1),
                            anchor, list(range(1, BLOCK))).logits  # [B - 1, vocab]
@@ -369,22 +382,10 @@ def test_the_torch_dspark_head_computes_what_specd_runs(trained: Trained, tmp_pa
     for draft_vocab in (0, 200):
         cfg = head_config(f, read_hparams(f), n_layer=1, block_size=BLOCK,
                           draft_vocab=draft_vocab, kind="dspark", markov_rank=8)
-        d2t = np.sort(np.random.default_rng(1).choice(cfg.target_vocab, cfg.draft_vocab,
-                                                      replace=False)) if cfg.reduced else None
-        embed, index, lm_rows = target_tables(f, cfg, np.arange(cfg.target_vocab), d2t)
-        torch.manual_seed(7)
-        model = DSparkHead(cfg, embed, index, lm_rows)
-        with torch.no_grad():  # norms away from 1, a Markov bias that matters
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.uniform_(0.5, 1.5)
+        model, d2t, lm_rows = _random_model(trained.target, cfg, DSparkHead)
+        with torch.no_grad():  # a Markov bias that matters
             model.markov_w2.weight.normal_(0.0, 0.5)
-        head_path, card = tmp_path / f"head-{draft_vocab}.gguf", tmp_path / f"card-{draft_vocab}"
-        write_card_folder(card, cfg, f, [], {})
-        write_head(head_path, cfg, model.gguf_tensors(), d2t, lm_rows, trained.target, card,
-                   "f32")
-        runner = HeadRunner(load_or_build_head(head_path, trained.target, kernels="ort",
-                                               requant="", accuracy_level=1), n_ctx=512)
+        runner = _written(trained.target, cfg, model, d2t, lm_rows, tmp_path)
         runner.inject(0, np.asarray(feats[:anchor], np.float32), 0)
         out = runner.block(0, [int(tokens[anchor])] + [cfg.mask_token_id] * (BLOCK - 1),
                            anchor, list(range(BLOCK)))
@@ -439,20 +440,8 @@ def test_the_torch_eagle3_head_computes_what_specd_runs(eagle3: Trained, tmp_pat
     for draft_vocab in (0, 200):
         cfg = head_config(f, read_hparams(f), kind="eagle3", block_size=steps + 1,
                           draft_vocab=draft_vocab)
-        d2t = np.sort(np.random.default_rng(1).choice(cfg.target_vocab, cfg.draft_vocab,
-                                                      replace=False)) if cfg.reduced else None
-        embed, index, lm_rows = target_tables(f, cfg, np.arange(cfg.target_vocab), d2t)
-        torch.manual_seed(7)
-        model = Eagle3Head(cfg, embed, index, lm_rows)
-        with torch.no_grad():  # norms away from 1, so that a misplaced one shows
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.uniform_(0.5, 1.5)
-        head_path, card = tmp_path / f"head-{draft_vocab}.gguf", tmp_path / f"card-{draft_vocab}"
-        write_card_folder(card, cfg, f, [], {})
-        write_head(head_path, cfg, model.gguf_tensors(), d2t, None, eagle3.target, card, "f32")
-        runner = HeadRunner(load_or_build_head(head_path, eagle3.target, kernels="ort",
-                                               requant="", accuracy_level=1), n_ctx=512)
+        model, d2t, lm_rows = _random_model(eagle3.target, cfg, Eagle3Head)
+        runner = _written(eagle3.target, cfg, model, d2t, lm_rows, tmp_path)
         ctx = np.asarray(feats[:a], np.float32)  # [a, 3E]
         g = runner.encode(ctx)  # [a, E]
         runner.pair(0, tokens[1:a].tolist(), g[:a - 1], 0)
