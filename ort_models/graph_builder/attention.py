@@ -16,7 +16,7 @@ from specd.ort_models.onnx_writer import MS, GraphWriter
 from .context import BuildContext
 from .linear import grouped_linears, linear, linears, split
 from .norms import head_norm
-from .options import F16, F32
+from .options import F16, F32, I64
 from .pending import Activation
 
 
@@ -57,6 +57,19 @@ def rotary_positions(c: BuildContext, s_len: str) -> str:
         g.const([0])])  # [1, S]
     rotary_tables(c)
     return pos_ids
+
+
+def written_rows_positions(c: BuildContext, rows: str, packed: bool) -> str:
+    """The positions [1, S] of rows [S, ...] whose K/V a graph writes (a head's injection
+    or pairs), and the rotary tables: given per row by the graph input `positions` where
+    the runner writes the rows (`packed`, `write_kv_rows`), else counted from `position`."""
+    g = c.g
+    if packed:
+        pos_ids = g.op("Unsqueeze", [g.input("positions", I64, ["S"]), g.const([0])])
+        rotary_tables(c)
+        return pos_ids
+    g.input("position", I64, [1])
+    return rotary_positions(c, g.op("Shape", [rows], end=1))
 
 
 def rotary_tables(c: BuildContext) -> None:
@@ -206,6 +219,22 @@ def write_kv(c: BuildContext, i: int, k3: str, v: str) -> tuple[str, str]:
     cv = g.op("TensorScatter", [f"past_value_{i}", v4, "position"], axis=2,
               out=[f"present_value_{i}"])
     return ck, cv
+
+
+def write_kv_rows(c: BuildContext, i: int, k3: str, v: str, packed: bool) -> None:
+    """Layer i's new K/V rows (k3 [1, S, Hkv*hd] rotated, v [S, Hkv*hd]): graph outputs
+    key_i / value_i [S, Hkv*hd] for the runner to write into each row's slot (`packed`),
+    else written into the layer's cache at `position` (its buffers declared here)."""
+    g = c.g
+    if packed:
+        width = c.hp.n_head_kv * c.hp.head_dim
+        g.op("Squeeze", [k3, g.const([0])], out=[f"key_{i}"])
+        g.output(f"key_{i}", F32, ["S", width])
+        g.op("Identity", [v], out=[f"value_{i}"])
+        g.output(f"value_{i}", F32, ["S", width])
+    else:
+        kv_cache_io(c, i)
+        write_kv(c, i, k3, v)
 
 
 def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[str]]],

@@ -43,11 +43,9 @@ from specd.ort_models.onnx_writer import GraphWriter
 from .attention import (
     AttentionInputs,
     attention_inputs,
-    kv_cache_io,
-    rotary_positions,
-    rotary_tables,
     rotate,
-    write_kv,
+    write_kv_rows,
+    written_rows_positions,
 )
 from .context import BuildContext
 from .decoder import decoder_layer, embedding
@@ -131,12 +129,7 @@ def build_injection_graph(head_file: GGUFFile, head: HeadParams, target: HParams
     width = len(head.target_layers) * head.target_hidden_size
     features = g.input("features", F32, ["S", width])
     packed = options.attention == "native"  # rows out, the runner writes them (docstring)
-    if packed:
-        pos_ids = g.op("Unsqueeze", [g.input("positions", I64, ["S"]), g.const([0])])  # [1, S]
-        rotary_tables(c)
-    else:
-        g.input("position", I64, [1])
-        pos_ids = rotary_positions(c, g.op("Shape", [features], end=1))
+    pos_ids = written_rows_positions(c, features, packed)  # [1, S]
     finite = g.op("Where", [g.op("IsNaN", [features]), g.const(0.0, np.float32), features])
     x = g.op("Clip", [finite, g.const(-FEATURE_LIMIT, np.float32),
                       g.const(FEATURE_LIMIT, np.float32)])  # [S, L*E_t]
@@ -145,18 +138,10 @@ def build_injection_graph(head_file: GGUFFile, head: HeadParams, target: HParams
     nkv = c.hp.n_head_kv
     for i in range(head.n_layer):
         p = f"blk.{i}."
-        if not packed:
-            kv_cache_io(c, i)
         k = head_norm(c, linear(c, fused, p + "attn_k.weight"), nkv, p + "attn_k_norm.weight")
         k3 = rotate(c, g.op("Unsqueeze", [k, g.const([0])]), pos_ids, nkv)  # [1, S, Hkv*hd]
         v = linear(c, fused, p + "attn_v.weight")  # [S, Hkv*hd]
-        if packed:
-            g.op("Squeeze", [k3, g.const([0])], out=[f"key_{i}"])
-            g.output(f"key_{i}", F32, ["S", nkv * c.hp.head_dim])
-            g.op("Identity", [v], out=[f"value_{i}"])
-            g.output(f"value_{i}", F32, ["S", nkv * c.hp.head_dim])
-        else:
-            write_kv(c, i, k3, v)
+        write_kv_rows(c, i, k3, v, packed)
         c.shared.clear()
         c.tick(f"layer {i + 1}/{head.n_layer}")
 

@@ -38,11 +38,9 @@ from specd.ort_models.onnx_writer import GraphWriter
 from .attention import (
     attention,
     attention_inputs,
-    kv_cache_io,
-    rotary_positions,
-    rotary_tables,
     rotate,
-    write_kv,
+    write_kv_rows,
+    written_rows_positions,
 )
 from .context import BuildContext
 from .decoder import embedding
@@ -77,25 +75,12 @@ def build_pair_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFil
                       None)
     ids = g.input("input_ids", I64, ["S"])
     packed = options.attention == "native"  # rows out, the runner writes them (docstring)
-    if packed:
-        pos_ids = g.op("Unsqueeze", [g.input("positions", I64, ["S"]), g.const([0])])  # [1, S]
-        rotary_tables(c)
-    else:
-        g.input("position", I64, [1])
-        pos_ids = rotary_positions(c, g.op("Shape", [ids]))
+    pos_ids = written_rows_positions(c, ids, packed)  # [1, S]
     x = _layer_input(c, tc, head, ids, g.input("g", F32, ["S", head.n_embd]))[0]
     k = g.op("Unsqueeze", [linear(c, x, "blk.0.attn_k.weight"), g.const([0])])
     k3 = rotate(c, k, pos_ids, head.n_head_kv)  # [1, S, Hkv*hd]
     v = linear(c, x, "blk.0.attn_v.weight")  # [S, Hkv*hd]
-    if packed:
-        width = head.n_head_kv * head.head_dim
-        g.op("Squeeze", [k3, g.const([0])], out=["key_0"])
-        g.output("key_0", F32, ["S", width])
-        g.op("Identity", [v], out=["value_0"])
-        g.output("value_0", F32, ["S", width])
-    else:
-        kv_cache_io(c, 0)
-        write_kv(c, 0, k3, v)
+    write_kv_rows(c, 0, k3, v, packed)
     c.tick("layer")
 
 
