@@ -1640,13 +1640,6 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   return st;
 }
 
-static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
-  (void)api;
-  (void)info;
-  static const char none = 0;
-  return specd_new_state(&none, 1, kernel);
-}
-
 static const ONNXTensorElementDataType INPUTS[N_IN] = {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,  ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64,
@@ -1659,5 +1652,5 @@ static const ONNXTensorElementDataType OUTPUTS[N_OUT] = {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
 /* tokens required; the other outputs may be left out of the node */
-const SpecdOpDef specd_sample_tokens = {"SampleTokens", N_IN, INPUTS, create, compute,
-                                        N_OUT, OUTPUTS, 0, 1};
+const SpecdOpDef specd_sample_tokens = {"SampleTokens", N_IN, INPUTS, specd_create_stateless,
+                                        compute, N_OUT, OUTPUTS, 0, 1};

@@ -50,6 +50,13 @@ OrtStatus *specd_new_state(const void *state, size_t size, void **out) {
   return NULL;
 }
 
+OrtStatus *specd_create_stateless(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
+  (void)api;
+  (void)info;
+  static const char none = 0;
+  return specd_new_state(&none, 1, kernel);
+}
+
 int64_t specd_int64_attribute_or(const OrtApi *api, const OrtKernelInfo *info, const char *name,
                                  int64_t fallback) {
   int64_t v;

@@ -19,6 +19,8 @@ OrtStatus *specd_fail(const char *msg);
 /* *out = a heap copy of the `size` bytes at `state` (a kernel's attributes; freed by the
  * glue when ORT destroys the kernel). */
 OrtStatus *specd_new_state(const void *state, size_t size, void **out);
+/* A kernel with no attributes: a placeholder state (its `create`). */
+OrtStatus *specd_create_stateless(const OrtApi *api, const OrtKernelInfo *info, void **kernel);
 /* The int64 attribute `name`, or `fallback` where the node does not set it. */
 int64_t specd_int64_attribute_or(const OrtApi *api, const OrtKernelInfo *info, const char *name,
                                  int64_t fallback);

@@ -85,12 +85,6 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx) {
   return NULL;
 }
 
-static OrtStatus *create(const OrtApi *api, const OrtKernelInfo *info, void **kernel) {
-  (void)api;
-  (void)info;
-  static const char none = 0;
-  return specd_new_state(&none, 1, kernel);
-}
-
 static const ONNXTensorElementDataType INPUTS[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
-const SpecdOpDef specd_swiglu = {"SwiGlu", 1, INPUTS, create, compute, 0, NULL};
+const SpecdOpDef specd_swiglu = {"SwiGlu", 1, INPUTS, specd_create_stateless, compute, 0,
+                                 NULL};
