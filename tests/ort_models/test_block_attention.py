@@ -11,6 +11,8 @@ from onnx import TensorProto, helper
 
 from specd.ort_models import native_ops
 
+from packed_attention import assert_segments_equal_alone
+
 LIB = native_ops.library()
 WHY = native_ops.unavailable_reason() or ""
 EXPECTED_ABSENCE = (native_ops.compiler() is None or "without AVX2" in WHY
@@ -108,16 +110,7 @@ def test_not_causal_segments_each_equal_their_block_alone() -> None:
     y, pk, pv = _session(0, True).run(None, {**proj, "pk": caches[0], "pv": caches[1],
                                              "pos": np.array(segs), "cos": cos, "sin": sin})
     alone = _session(0, False)
-    start = 0
-    for slot, pos, n in segs:
-        rows = slice(start, start + n)
-        want = alone.run(None, {**{k: v[rows] for k, v in proj.items()},
-                                "pk": caches[0][slot:slot + 1], "pv": caches[1][slot:slot + 1],
-                                "pos": np.array([pos]), "cos": cos, "sin": sin})
-        np.testing.assert_array_equal(y[rows], want[0])
-        np.testing.assert_array_equal(pk[slot:slot + 1], want[1])
-        np.testing.assert_array_equal(pv[slot:slot + 1], want[2])
-        start += n
+    assert_segments_equal_alone((y, pk, pv), alone, proj, caches, segs, cos, sin)
 
 
 def test_a_window_needs_causal_attention() -> None:

@@ -18,6 +18,7 @@ from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
 from numpy_reference import ReferenceModel, gguf_matmul, gguf_rms_norm
+from packed_attention import assert_segments_equal_alone
 from tiny_gguf import random_kquant_blocks, random_q4_blocks
 
 LIB = native_ops.library()
@@ -705,16 +706,7 @@ def test_cached_attention_packs_sequences_each_over_its_own_cache(f16: bool) -> 
     y, pk, pv = packed.run(None, {**proj, "pk": caches[0], "pv": caches[1],
                                   "pos": np.array(segs), "cos": cos, "sin": sin})
     alone = _cached_session(heads, kv, hd, rd, 0, f16)
-    start = 0
-    for slot, pos, n in segs:
-        rows = slice(start, start + n)
-        want = alone.run(None, {**{k: v[rows] for k, v in proj.items()},
-                                "pk": caches[0][slot:slot + 1], "pv": caches[1][slot:slot + 1],
-                                "pos": np.array([pos]), "cos": cos, "sin": sin})
-        np.testing.assert_array_equal(y[rows], want[0])
-        np.testing.assert_array_equal(pk[slot:slot + 1], want[1])
-        np.testing.assert_array_equal(pv[slot:slot + 1], want[2])
-        start += n
+    assert_segments_equal_alone((y, pk, pv), alone, proj, caches, segs, cos, sin)
     bad = {"slot": [(3, 0, 7)], "rows": [(0, 0, 6)], "cache": [(0, 60, 7)]}
     for name, seg in bad.items():
         with pytest.raises(Exception, match={"slot": "not a cache slot", "rows": "sum to S",
