@@ -70,6 +70,18 @@ class HeadModel(nn.Module):
         """The confidence head's logit per draft [...] (None: the head has none)."""
         return None
 
+    def loss(self, rows: torch.Tensor, batch: dict[str, torch.Tensor],
+             weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The batch's loss from its drafts' rows [b, N, S, E], each draft weighted by
+        weight [b, N, S], and the labels it counted: cross-entropy against the target's
+        tokens (labels outside the draft vocabulary carry none)."""
+        labels = batch["labels"]  # [b, N, S]
+        valid = labels >= 0
+        logits = self.logits(rows[valid])  # [M, Vd]
+        ce = F.cross_entropy(logits, labels[valid], reduction="none")  # [M]
+        w = weight[valid]
+        return (w * ce).sum() / w.sum().clamp(min=1e-9), int(valid.sum())
+
     def gguf_tensors(self) -> dict[str, np.ndarray]:
         """The trained weights under llama.cpp's names (numpy order (out, in), float32)."""
         raise NotImplementedError
@@ -227,6 +239,28 @@ class DSparkHead(DFlashHead):
     def confidence_logit(self, rows: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         z = self.conf_proj(torch.cat([rows, self.markov_w1(prev).to(rows.dtype)], dim=-1))
         return z[..., 0]
+
+    def loss(self, rows: torch.Tensor, batch: dict[str, torch.Tensor],
+             weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """DeepSpec's: 0.1 CE + 0.9 TV (1 - p(label), the greedy target's acceptance rate)
+        on the drafts whose label is in the draft vocabulary, and the confidence head's BCE
+        against that rate (0 outside it) on every draft with a label."""
+        at = batch["exists"]  # [b, N, S]
+        lab = batch["labels"][at]  # [M], -1 outside the draft vocabulary
+        prev = batch["prev"][at]
+        h = rows[at]  # [M, E]
+        logits = self.logits(h, prev).float()  # [M, Vd]
+        valid = lab >= 0
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(1, lab.clamp(min=0)[:, None])[:, 0]  # [M]
+        rate = torch.where(valid, lp.exp(), torch.zeros_like(lp))  # greedy acceptance rate
+        token = 0.1 * -lp + 0.9 * (1.0 - rate)
+        w = weight[at]
+        wv = w * valid
+        loss = (wv * token).sum() / wv.sum().clamp(min=1e-9)
+        bce = F.binary_cross_entropy_with_logits(
+            self.confidence_logit(h, prev).float(), rate.detach(), reduction="none")  # [M]
+        return loss + (w * bce).sum() / w.sum().clamp(min=1e-9), int(valid.sum())
 
     def gguf_tensors(self) -> dict[str, np.ndarray]:
         return {**super().gguf_tensors(), "markov_w1.weight": as_numpy(self.markov_w1.weight),

@@ -1,12 +1,12 @@
-"""Training a DFlash or DSpark head on distilled sequences (PyTorch; `specd[train]`).
+"""Training a DFlash, DSpark or EAGLE-3 head on distilled sequences (PyTorch;
+`specd[train]`).
 
 The recipe of DFlash / SpecForge: per step, a few sequences and a few anchors among each
 one's reply positions; block = [token at the anchor, MASK × (B - 1)], attending to the
 context before the anchor (the target's features) and within itself; the block's j-th
 draft (j = 0, 1, ...) is labelled with the target's own token at anchor + 1 + j (its
-greedy reply), weighted exp(-j / γ); cross-entropy for DFlash; for DSpark (DeepSpec's
-recipe) 0.1 cross-entropy + 0.9 total variation (1 - p(label): the greedy target's
-acceptance rate), and its confidence head by binary cross-entropy against that rate. AdamW,
+greedy reply), weighted exp(-j / γ), with the kind's loss (`HeadModel.loss`: cross-entropy;
+DSpark's DeepSpec mix). EAGLE-3 unrolls its steps instead of a block (model.Eagle3Head). AdamW,
 linear warm-up over the first 4% of steps, cosine decay to a tenth; the target's
 embeddings and LM head frozen. Labels outside a reduced draft vocabulary count as misses
 and carry no token loss.
@@ -215,45 +215,12 @@ class Batches:
 
 
 def block_loss(model: HeadModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """The position-weighted loss of a batch, and the labels it counted."""
-    cfg = model.cfg
+    """The batch's position-weighted loss (the head kind's own), and the labels it counted."""
     rows = model.rows(batch)  # [b, N, S, E]
     labels = batch["labels"]  # [b, N, S]
-    slot = torch.arange(cfg.n_slots, device=labels.device).expand_as(labels)
-    weight = torch.exp(-slot.to(torch.float32) / cfg.gamma)  # draft j: exp(-j / γ)
-    if cfg.kind == "dspark":
-        return _dspark_loss(model, rows, batch, weight)
-    valid = labels >= 0
-    logits = model.logits(rows[valid])  # [M, Vd]
-    ce = torch.nn.functional.cross_entropy(logits, labels[valid], reduction="none")  # [M]
-    w = weight[valid]
-    return (w * ce).sum() / w.sum().clamp(min=1e-9), int(valid.sum())
-
-
-def _dspark_loss(model: HeadModel, rows: torch.Tensor, batch: dict[str, torch.Tensor],
-                 weight: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """DeepSpec's: 0.1 CE + 0.9 TV on the drafts whose label is in the draft vocabulary,
-    and the confidence head's BCE against the acceptance rate p(label) (0 outside it) on
-    every draft with a label."""
-    at = batch["exists"]  # [b, N, S]
-    lab = batch["labels"][at]  # [M], -1 outside the draft vocabulary
-    prev = batch["prev"][at]
-    h = rows[at]  # [M, E]
-    logits = model.logits(h, prev).float()  # [M, Vd]
-    valid = lab >= 0
-    logp = torch.log_softmax(logits, dim=-1)
-    lp = logp.gather(1, lab.clamp(min=0)[:, None])[:, 0]  # [M]
-    rate = torch.where(valid, lp.exp(), torch.zeros_like(lp))  # greedy acceptance rate
-    token = 0.1 * -lp + 0.9 * (1.0 - rate)
-    w = weight[at]
-    wv = w * valid
-    loss = (wv * token).sum() / wv.sum().clamp(min=1e-9)
-    conf = model.confidence_logit(h, prev)
-    if conf is not None:
-        bce = torch.nn.functional.binary_cross_entropy_with_logits(
-            conf.float(), rate.detach(), reduction="none")  # [M]
-        loss = loss + (w * bce).sum() / w.sum().clamp(min=1e-9)
-    return loss, int(valid.sum())
+    slot = torch.arange(model.cfg.n_slots, device=labels.device).expand_as(labels)
+    weight = torch.exp(-slot.to(torch.float32) / model.cfg.gamma)  # draft j: exp(-j / γ)
+    return model.loss(rows, batch, weight)
 
 
 @torch.no_grad()
