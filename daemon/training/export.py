@@ -1,6 +1,6 @@
-"""The trained head as the GGUF llama.cpp's converter writes for a DFlash or DSpark
-checkpoint (`DFlashModel`, `DSparkModel` in conversion/qwen.py), through `convert_draft`'s
-writer: the same keys,
+"""The trained head as the GGUF llama.cpp's converter writes for a DFlash, DSpark or
+EAGLE-3 checkpoint (`DFlashModel`, `DSparkModel` in conversion/qwen.py, `LlamaModel`'s
+EAGLE-3 path in conversion/llama.py), through `convert_draft`'s writer: the same keys,
 tensor names and types as `specd convert-draft` gives a z-lab checkpoint, the target's
 tokenizer copied in. The export folder also holds the head's Hugging Face config.json and
 a model card (what the GGUF's general.* keys are read from, as the converter reads them):
