@@ -151,18 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _models_list(args: argparse.Namespace) -> int:
     from specd.daemon.models.catalog import CATALOG
     from specd.daemon.models.store import model_path
-    from specd.ort_models.arch import READERS
 
     rows = [{"name": e.name, "size": e.size, "downloaded": model_path(e.name).is_file(),
-             "description": e.description, "runnable": e.arch in READERS}
+             "packaged": e.packaged is not None, "description": e.description,
+             "runnable": e.runnable}
             for e in CATALOG.values()]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         for r, e in zip(rows, CATALOG.values(), strict=True):
             mark = "*" if r["downloaded"] else " "
-            note = "" if r["runnable"] else (f"  [specd cannot run {e.arch} models yet: "
-                                             "its tokenizer only]")
+            note = ("  [ships with specd]" if r["packaged"] else "" if r["runnable"] else
+                    f"  [specd cannot run {e.arch} models yet: its tokenizer only]")
             print(f"{mark} {r['name']:32s} {e.size / 1e6:8.1f} MB  {r['description']}{note}")
     return EXIT_OK
 

