@@ -12,7 +12,7 @@ from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
 
-from .options import build_progress
+from .options import build_progress, settle_draft
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:
@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from specd.daemon.text.detokenize import IncrementalDetokenizer
 
     text, chat = _prompt_text(args)
+    settle_draft(args)
     cfg = engine_config_from_args(args)
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     print(f"specd: {engine.runtime.describe()}", file=sys.stderr)

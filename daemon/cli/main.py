@@ -25,7 +25,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=DEFAULT_TARGET,
                    help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
     p.add_argument("-md", "--model-draft", dest="draft", default=None,
-                   help="draft GGUF path or catalog name")
+                   help="draft GGUF path or catalog name (a draft model or a drafter head); "
+                        "left out, a catalog target gets the drafter measured fastest beside "
+                        "it, where one was; none: no draft")
     add_draft_build_args(p)
     add_spin_arg(p)
     from specd.daemon.drafters.registry import SPEC_TYPES

@@ -37,6 +37,25 @@ def add_draft_build_args(p: argparse.ArgumentParser) -> None:
                         f"target's either way")
 
 
+NO_DRAFT = "none"  # `-md none`: decode without a draft file
+
+
+def settle_draft(args: argparse.Namespace) -> None:
+    """Settle `-md`: `none` is no draft file; left out under --spec-type auto, a catalog
+    target speculates with the drafter measured fastest beside it, the reason said."""
+    if args.draft == NO_DRAFT:
+        args.draft = None
+        return
+    if args.draft is not None or args.spec_type != "auto":
+        return
+    from specd.daemon.models.default_drafter import default_drafter
+
+    choice = default_drafter(args.model)
+    if choice is not None:
+        print(f"specd: {choice.reason}", file=sys.stderr)
+        args.draft = choice.draft
+
+
 def add_spin_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spin", action="store_true",
                    help="CPU threads busy-wait during a forward pass: faster on an idle "

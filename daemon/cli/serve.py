@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .generate import engine_config_from_args
-from .options import build_progress, int_at_least
+from .options import build_progress, int_at_least, settle_draft
 
 if TYPE_CHECKING:
     from specd.daemon.control.log_file import LogRotation
@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
                        max_connections=args.max_connections)
     access = serve_access(scfg)
     check_free(scfg)  # before minutes of loading
+    settle_draft(args)
     memory_plan = plan_memory(args)
     service = build_service(args)
     print(f"specd: {service.engine.runtime.describe()}", file=sys.stderr)

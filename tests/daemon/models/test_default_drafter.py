@@ -1,0 +1,80 @@
+"""The drafter a catalog target gets when none is named: the measured fastest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from specd.daemon.cli.options import settle_draft
+from specd.daemon.models import default_drafter as dd
+from specd.daemon.models.catalog import CATALOG, CatalogEntry
+from specd.daemon.models.default_drafter import choice_table, default_drafter
+
+TARGET, DRAFT, HEAD = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct",
+                       "qwen2.5-coder-1.5b-dflash")
+
+
+@pytest.fixture(autouse=True)
+def head_in_catalog(monkeypatch):
+    """The head as a catalog entry, whatever the catalog ships (only its name counts)."""
+    monkeypatch.setitem(CATALOG, HEAD, CatalogEntry(
+        name=HEAD, description="a head", arch="dflash", wheels=(), size=1, sha256="0",
+        license="none", packaged="head.gguf", head_for=TARGET))
+
+
+def table(draft: dict[str, float], head: dict[str, float]) -> dict:
+    return {TARGET: {"measured": "a test run", "workloads": ["code T 0", "prose T 0"],
+                     "speedup": {DRAFT: draft, HEAD: head}}}
+
+
+def test_the_fastest_by_geometric_mean_is_chosen_and_the_reason_gives_both():
+    # the head wins one workload by more, the draft both by a steadier margin
+    t = table({"code T 0": 1.4, "prose T 0": 1.1}, {"code T 0": 1.7, "prose T 0": 0.8})
+    choice = default_drafter(TARGET, t)
+    assert choice is not None and choice.draft == DRAFT
+    assert f"{DRAFT} 1.24×" in choice.reason and f"{HEAD} 1.17×" in choice.reason
+    assert "a test run" in choice.reason and "-md none" in choice.reason
+
+
+def test_no_drafter_where_none_beats_the_target_alone():
+    t = table({"code T 0": 0.9, "prose T 0": 1.0}, {"code T 0": 0.95, "prose T 0": 0.99})
+    choice = default_drafter(TARGET, t)
+    assert choice is not None and choice.draft is None
+    assert "no speculation" in choice.reason
+
+
+def test_unmeasured_targets_and_uncatalogued_drafters_choose_nothing():
+    t = table({"code T 0": 1.4, "prose T 0": 1.1}, {"code T 0": 1.7, "prose T 0": 0.8})
+    assert default_drafter("smollm2-135m-instruct", t) is None
+    t[TARGET]["speedup"] = {"some-file.gguf": {"code T 0": 2.0}}
+    assert default_drafter(TARGET, t) is None
+    assert default_drafter(TARGET, {}) is None
+
+
+def test_the_table_is_read_from_a_file(tmp_path):
+    t = table({"code T 0": 1.4, "prose T 0": 1.1}, {"code T 0": 1.7, "prose T 0": 0.8})
+    path = tmp_path / "speculation.json"
+    path.write_text(json.dumps(t))
+    assert choice_table(path) == t
+    assert choice_table(tmp_path / "none.json") == {}
+
+
+def args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"model": TARGET, "draft": None, "spec_type": "auto", **kw})
+
+
+def test_settle_draft(monkeypatch, capsys):
+    t = table({"code T 0": 1.4, "prose T 0": 1.1}, {"code T 0": 1.7, "prose T 0": 0.8})
+    monkeypatch.setattr(dd, "choice_table", lambda path=None: t)
+    a = args()
+    settle_draft(a)
+    assert a.draft == DRAFT
+    assert "the fastest measured" in capsys.readouterr().err
+    for given, want in (({"draft": "none"}, None), ({"draft": "x.gguf"}, "x.gguf"),
+                        ({"spec_type": "ngram"}, None), ({"model": "tiny.gguf"}, None)):
+        a = args(**given)
+        settle_draft(a)
+        assert a.draft == want, given
+    assert capsys.readouterr().err == ""
