@@ -8,6 +8,10 @@ Modes (one server process each, started at its first run and kept until close):
     ngram-mod                    --spec-type ngram-mod (prompt lookup)
     draft-simple                 -md DRAFT --spec-type draft-simple, llama.cpp's defaults
     draft-simple n_max=8 p_min=0.5   the same, tuned for a small CPU draft
+    draft-dflash                 -md HEAD --spec-type draft-dflash (a DFlash-family head),
+                                 llama.cpp's defaults (3 drafts a round)
+    draft-dflash n_max=16        the same, drafting the head's whole block (llama.cpp
+                                 clamps n_max to it)
 
 Each run is one /completion of the prompt's token ids (no prompt cache between runs), the
 sampler reduced to the temperature as in specd's runs; the server's own timings give
@@ -23,17 +27,19 @@ from .llama_server import LlamaServer
 from .run import RunResult
 
 TUNED_N_MAX, TUNED_P_MIN = 8, 0.5
-MODES = ("target-only", "ngram-mod", "draft-simple",
-         f"draft-simple n_max={TUNED_N_MAX} p_min={TUNED_P_MIN}")
+BLOCK_N_MAX = 16  # above any block a head is trained for: llama.cpp drafts the whole block
+DRAFT_MODES = ("draft-simple", f"draft-simple n_max={TUNED_N_MAX} p_min={TUNED_P_MIN}")
+HEAD_MODES = ("draft-dflash", f"draft-dflash n_max={BLOCK_N_MAX}")
+MODES = ("target-only", "ngram-mod", *DRAFT_MODES, *HEAD_MODES)
 
 
 class LlamaServerPeer:
     MODES = MODES
 
     def __init__(self, target_path: Path, threads: int, n_ctx: int,
-                 draft_path: Path | None = None):
+                 draft_path: Path | None = None, head_path: Path | None = None):
         self.path, self.threads, self.n_ctx = target_path, threads, n_ctx
-        self.draft_path = draft_path
+        self.draft_path, self.head_path = draft_path, head_path
         self._servers: dict[str, LlamaServer] = {}
 
     def _args(self, mode: str) -> list[str]:
@@ -49,6 +55,13 @@ class LlamaServerPeer:
             if mode != "draft-simple":
                 args += ["--spec-draft-n-max", str(TUNED_N_MAX),
                          "--spec-draft-p-min", str(TUNED_P_MIN)]
+            return args
+        if mode.startswith("draft-dflash"):
+            if self.head_path is None:
+                raise ValueError(f"peer mode {mode!r} needs a drafter head")
+            args = ["-md", str(self.head_path), "--spec-type", "draft-dflash"]
+            if mode != "draft-dflash":
+                args += ["--spec-draft-n-max", str(BLOCK_N_MAX)]
             return args
         raise ValueError(f"unknown peer mode {mode!r} (one of {', '.join(MODES)})")
 

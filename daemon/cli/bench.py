@@ -108,13 +108,13 @@ def run(args: argparse.Namespace) -> int:
                                  spin=args.spin),
                     progress=ProgressBar())
     print(f"specd: {engine.runtime.describe()}", file=sys.stderr)
-    from specd.daemon.benchmark.peer import MODES, LlamaServerPeer
+    from specd.daemon.benchmark.peer import DRAFT_MODES, MODES, LlamaServerPeer
 
     peer = (LlamaServerPeer(engine.target.path, threads, args.n_ctx,
                             draft_path=engine.draft.path if engine.draft else None)
             if with_peer else None)
     modes = (MODES[0],) + ((MODES[1],) if args.peer_lookup else ()) + (
-        MODES[2:] if args.peer_draft and engine.draft else ())
+        DRAFT_MODES if args.peer_draft and engine.draft else ())
     try:
         result = bench.run_bench(engine, prompts=prompts, temperatures=temps,
                                  max_tokens=args.max_tokens, repeats=args.repeats,
