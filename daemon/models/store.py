@@ -144,21 +144,24 @@ def check_stored(name: str, path: Path) -> None:
     want = CATALOG[name].sha256
     got = content_hash(path)
     if got != want:
-        fix = ("reinstall specd" if CATALOG[name].packaged is not None else
-               f"remove it and pull again (specd models rm {name}; specd models pull {name})")
         raise ModelStoreError(
             f"stored model {name!r} is damaged: its sha256 is {got[:16]}..., the catalog's "
-            f"{want[:16]}...; {fix}")
+            f"{want[:16]}...; {_remedy(name)}")
 
 
 def _check_size(name: str, path: Path) -> None:
     size = path.stat().st_size
     if size != CATALOG[name].size:
-        fix = ("reinstall specd" if CATALOG[name].packaged is not None
-               else "remove it and pull again")
         raise ModelStoreError(
-            f"stored model {name!r} has size {size}, expected {CATALOG[name].size}; {fix}"
-        )
+            f"stored model {name!r} has size {size}, expected {CATALOG[name].size}; "
+            f"{_remedy(name)}")
+
+
+def _remedy(name: str) -> str:
+    """What mends a damaged file of catalog model `name`."""
+    if CATALOG[name].packaged is not None:
+        return "reinstall specd"
+    return f"remove it and pull again (specd models rm {name}; specd models pull {name})"
 
 
 # --------------------------------------------------------------------------- pull
