@@ -194,18 +194,14 @@ class Engine:
         if draft_path is not None and d_file is not None and draft_options is not None:
             self.draft = self._load(draft_path, d_file, bp("draft"), draft_options, exact=False)
         self.head: HeadRunner | None = None
-        self.head_resident_bytes = 0
         if draft_path is not None and head is not None:
             try:
                 built = load_or_build_head(draft_path, target_path, bp("draft head"),
                                            device=self.runtime.device)
             except ValueError as exc:  # a head kind or feature not built yet
                 raise EngineError(str(exc)) from None
-            before = rss_bytes()
             self.head = HeadRunner(built, n_ctx=self.n_ctx, n_seq=cfg.slots,
                                    threads=cfg.threads, runtime=self.runtime)
-            # RSS growth while its sessions and KV cache were created
-            self.head_resident_bytes = max(rss_bytes() - before, 0)
         self.drafter: Drafter | None = make_drafter(self.spec_type, self.drafter_inputs())
         self.embedding: LoadedModel | None = None  # a model of its own for embeddings
         self.embedder: Embedder | None = None
