@@ -2,20 +2,22 @@
 acceptance length of target-only decoding, the draft model (`-md DRAFT`: draft+ngram,
 adaptive) and the head (`-md HEAD`: the head's type with prompt lookup in front,
 adaptive), on `specd bench`'s code, refactoring and prose prompts at each temperature;
-with `--peer`, llama-server at the build specd follows on the same files (target-only,
-the draft model tuned, the head with llama.cpp's defaults and drafting its whole block).
+with `--peer`, llama-server at the build specd follows on the same files (target-only and
+the draft model tuned; `--peer-head` adds the head, with llama.cpp's defaults and drafting
+its whole block: llama.cpp b11434 runs heads on llama and qwen3 targets, and aborts on a
+qwen2 one such as Qwen2.5-Coder, whose graph does not output the layers a head reads).
 
     python bench/head_vs_draft.py [--head qwen2.5-coder-1.5b-dflash] [--repeats 2]
-                                  [-n 128] [--peer] [--write-choice]
+                                  [-n 128] [--peer [--peer-head]] [--write-choice]
 
 Two engines share the process: the target with the draft model, and the target with the
 head (its graph also outputs the layers the head reads). Each repeat runs every
 configuration back to back per (prompt, temperature), so each sees the same machine
-state. Memory: the RSS growth while the draft model, and the head, were loaded with their
-KV caches at the same context. `--write-choice` writes each drafter's decode speed as a
-multiple of target-only per workload into `daemon/models/packaged/speculation.json`,
-from which specd chooses a catalog target's drafter when `-md` is left out
-(`daemon/models/default_drafter.py`).
+state. Memory: what `specd fit` plans for the draft model and for the head beside the
+target at the same context (weights as built, KV cache, workspace, host-side metadata).
+`--write-choice` writes each drafter's decode speed as a multiple of target-only per
+workload into `daemon/models/packaged/speculation.json`, from which specd chooses a
+catalog target's drafter when `-md` is left out (`daemon/models/default_drafter.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from specd.daemon.benchmark.peer import HEAD_MODES, LlamaServerPeer
 from specd.daemon.benchmark.run import PROMPTS, BenchConfig, RunResult, SpecdRunner, parse_config
+from specd.daemon.models.building import fit_models
 from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from specd.daemon.models.default_drafter import CHOICE_FILE
 from specd.daemon.models.store import ProgressBar, packaged_dir
@@ -38,7 +41,7 @@ from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.ort_models.runner import default_threads
 
 DEFAULT_HEAD = "qwen2.5-coder-1.5b-dflash"
-PEER_MODES = ("target-only", "draft-simple n_max=8 p_min=0.5", *HEAD_MODES)
+PEER_MODES = ("target-only", "draft-simple n_max=8 p_min=0.5")
 
 
 def _engines(args: argparse.Namespace, threads: int) -> tuple[Engine, Engine]:
@@ -55,6 +58,14 @@ def _configs(with_draft: Engine, with_head: Engine) -> dict[str, tuple[Engine, B
         "draft model": (with_draft, parse_config("draft+ngram adaptive")),
         "head": (with_head, parse_config(f"{with_head.spec_type} adaptive")),
     }
+
+
+def _planned_bytes(args: argparse.Namespace, drafter: str, threads: int) -> int:
+    """The memory `specd fit` plans for `drafter` beside the target at --ctx-size."""
+    plan, _ = fit_models(args.model, drafter, max_ctx=args.n_ctx, min_ctx=args.n_ctx,
+                         threads=threads, fetch=False)
+    row = next(r for r in plan.as_dict()["models"] if r["role"] == "draft")
+    return int(row["total_bytes"])
 
 
 def _median(runs: list[RunResult], attr: str) -> float:
@@ -78,6 +89,8 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--peer", action="store_true", help="also run llama-server")
+    ap.add_argument("--peer-head", action="store_true",
+                    help="also run llama-server with the head (implies --peer)")
     ap.add_argument("--out", default="bench/results/head_vs_draft.json")
     ap.add_argument("--write-choice", action="store_true",
                     help=f"write the speedups to the packaged {CHOICE_FILE}")
@@ -90,12 +103,13 @@ def main() -> int:
     runners = {e: SpecdRunner(e) for e in (with_draft, with_head)}
     encoded = {k: with_draft.encode_prompt(v, chat=True) for k, v in prompts.items()}
     peer = None
-    if args.peer:
+    peer_modes = PEER_MODES + (HEAD_MODES if args.peer_head else ())
+    if args.peer or args.peer_head:
         assert with_draft.draft is not None and with_head.head is not None
         peer = LlamaServerPeer(with_draft.target.path, threads, args.n_ctx,
                                draft_path=with_draft.draft.path,
                                head_path=with_head.head.built.head_path)
-    names = list(configs) + ([f"llama.cpp {m}" for m in PEER_MODES] if peer else [])
+    names = list(configs) + ([f"llama.cpp {m}" for m in peer_modes] if peer else [])
 
     def run_one(name: str, ids: list[int], temp: float) -> RunResult:
         if name.startswith("llama.cpp "):
@@ -128,9 +142,8 @@ def main() -> int:
                      "acceptance_length": round(_median(runs[w, n], "mean_acceptance_length"),
                                                 2)}
                  for n in names} for w in workloads}
-    assert with_draft.draft is not None
-    memory = {"draft model": with_draft.draft.resident_bytes,
-              "head": with_head.head_resident_bytes}
+    memory = {"draft model": _planned_bytes(args, args.draft, threads),
+              "head": _planned_bytes(args, args.head, threads)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -153,7 +166,7 @@ def main() -> int:
               + f" | {ratio:.2f}× |")
     print(f"resident: draft model {memory['draft model'] / 1e6:.0f} MB, head "
           f"{memory['head'] / 1e6:.0f} MB ({memory['head'] / memory['draft model']:.0%} of "
-          f"the draft model's), each with its KV cache at n_ctx {args.n_ctx}")
+          f"the draft model's), planned by specd fit with KV caches at n_ctx {args.n_ctx}")
 
     if args.write_choice:
         path = packaged_dir() / CHOICE_FILE
