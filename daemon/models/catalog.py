@@ -85,6 +85,18 @@ CATALOG: dict[str, CatalogEntry] = {
             license="Apache-2.0 (Qwen2.5-Coder)",
         ),
         CatalogEntry(
+            name="qwen2.5-coder-1.5b-dflash",
+            description="DFlash head for Qwen2.5-Coder-1.5B-Instruct, trained by specd "
+                        "train-draft (1 layer, block 8, 16k-token vocabulary, Q8_0)",
+            arch="dflash",
+            wheels=(),
+            size=63_744_256,
+            sha256="e24114581787db55d77433e9c656a0a214f6416dd0be897666d86f29b0351cda",
+            license="Apache-2.0 (Qwen2.5-Coder's weights and replies; training text PSF-2.0)",
+            packaged="qwen2.5-coder-1.5b-dflash.gguf",
+            head_for="qwen2.5-coder-1.5b-instruct",
+        ),
+        CatalogEntry(
             name="gemma-3-270m",
             description="Gemma 3 270M base Q4_K_M (gemma3, 18 layers, no chat template)",
             arch="gemma3",

@@ -312,10 +312,13 @@ def remove(name: str) -> bool:
 
 
 def list_local() -> list[tuple[str, Path, int]]:
-    """(name, path, size) for each catalog model present in the store, in catalog order."""
+    """(name, path, size) for each catalog model present in the store (pulled, not
+    packaged), in catalog order."""
     clean_leftovers()
     out = []
-    for name in CATALOG:
+    for name, entry in CATALOG.items():
+        if entry.packaged is not None:
+            continue
         path = model_path(name)
         if path.is_file():
             out.append((name, path, path.stat().st_size))

