@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("SPECD_VENV", ROOT / ".venv"))
 # where `check` links the package for mypy: pyproject's [tool.mypy] mypy_path
 MYPY_TREE = ROOT / "build" / "mypy"
-DEMO = ["generate", "-m", "qwen2.5-coder-1.5b-instruct", "-md", "qwen2.5-coder-0.5b-instruct",
+# no -md: specd speculates with the drafter measured fastest for this target, and says why
+DEMO = ["generate", "-m", "qwen2.5-coder-1.5b-instruct",
         "--chat", "Write a Python function that checks whether a number is prime."]
 
 

@@ -8,7 +8,8 @@ import hashlib
 import pytest
 
 from specd.daemon.models import store as model_store
-from specd.daemon.models.catalog import CATALOG, CatalogEntry
+from specd.daemon.models.catalog import CATALOG, DEFAULT_TARGET, CatalogEntry
+from specd.daemon.models.default_drafter import choice_table, default_drafter
 from specd.daemon.models.store import (
     ModelStoreError,
     check_stored,
@@ -91,3 +92,12 @@ def test_each_shipped_head_is_whole_and_drafts_for_a_catalog_target(entry: Catal
     assert head.kind == entry.arch and entry.head_for in CATALOG
     assert CATALOG[entry.head_for].head_for is None  # a target, not another head
 
+
+def test_the_shipped_choices_name_catalog_models():
+    table = choice_table()
+    assert DEFAULT_TARGET in table
+    for target, measured in table.items():
+        assert target in CATALOG and set(measured["speedup"]) <= set(CATALOG)
+        assert all(set(cells) == set(measured["workloads"])
+                   for cells in measured["speedup"].values())
+    assert default_drafter(DEFAULT_TARGET) is not None
