@@ -73,6 +73,35 @@ def ensure_env() -> None:
     stamp.write_text(stamp_text)
 
 
+# PyTorch's CPU-only build, for the training tests (the extra `train` would take the
+# default build, gigabytes of CUDA libraries): from a local wheel or the package index
+# where one has it, else from PyTorch's own CPU index
+TORCH_CPU = "torch==2.13.0+cpu"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def ensure_torch() -> None:
+    """Install PyTorch's CPU build once, best effort: without it the training tests skip,
+    saying why, and everything else runs."""
+    py = str(_bin("python"))
+    tried = VENV / ".specd-torch-tried"
+    if tried.is_file() or subprocess.run([py, "-c", "import torch"],
+                                         capture_output=True).returncode == 0:
+        return
+    print(f"quickstart: installing {TORCH_CPU} for the training tests (first run only)",
+          file=sys.stderr)
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH_CPU]
+    for extra in ([], ["--extra-index-url", TORCH_CPU_INDEX]):
+        out = subprocess.run(pip + extra, capture_output=True, text=True)
+        if out.returncode == 0:
+            break
+    else:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"quickstart: PyTorch was not installed ({last}); the training tests skip",
+              file=sys.stderr)
+    tried.write_text(TORCH_CPU)
+
+
 def specd_args(argv: list[str]) -> tuple[list[str], bool]:
     """(`specd` arguments, is it the demo) for quickstart's arguments: `demo` (or none)
     is the demo, with any options after it (`demo -n 64`); anything else is passed on."""
@@ -156,6 +185,7 @@ def main(argv: list[str]) -> int:
     if argv == ["check"]:
         return check()
     if argv[:1] == ["test"]:
+        ensure_torch()
         cmd = [str(_bin("python")), "-m", "pytest", *argv[1:]]
         rc = subprocess.run(cmd, cwd=ROOT).returncode
         if rc == 5:

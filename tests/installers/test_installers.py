@@ -274,6 +274,29 @@ def test_quickstart_demo_takes_more_options() -> None:
     assert qs.specd_args(["models", "list"]) == (["models", "list"], False)
 
 
+def test_quickstart_tries_torch_once_and_says_why_it_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    qs = _quickstart()
+    monkeypatch.setattr(qs, "VENV", tmp_path)
+    calls: list[list[str]] = []
+
+    def fail(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
+
+    monkeypatch.setattr(qs.subprocess, "run", fail)
+    qs.ensure_torch()
+    # is torch there; the CPU build from the configured indexes; then from PyTorch's
+    assert calls[0][-2:] == ["-c", "import torch"]
+    assert calls[1][-1] == qs.TORCH_CPU
+    assert calls[2][-3:] == [qs.TORCH_CPU, "--extra-index-url", qs.TORCH_CPU_INDEX]
+    assert "(ERROR: No matching distribution); the training tests skip" in \
+        capsys.readouterr().err
+    qs.ensure_torch()  # tried: not again
+    assert len(calls) == 3
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="symlinks need a privilege there")
 def test_quickstart_check_links_the_package_as_it_is_installed(tmp_path: Path) -> None:
     """`quickstart.py check` runs `mypy -p specd`; mypy cannot see the editable install's
