@@ -230,12 +230,21 @@ def _measure_subprocess(folder: Path, device: str, threads: int, points: tuple[i
     return ModelCost.from_dict(json.loads(lines[-1]))
 
 
-def head_cost(built: BuiltHead) -> ModelCost:
-    """What a drafter head needs: its graphs' weights as written (the target's embeddings
-    and LM head included where it shares them) and, per token, its KV cache (float32) and
-    for EAGLE-3 the g row the drafter keeps of every position. Its workspace is not
+def head_cost(built: BuiltHead, target_graph: Path | None = None) -> ModelCost:
+    """What a drafter head needs: its graphs' weights as written, less the arrays its
+    sessions share with the target graph's (`target_graph`: the engine gives both sessions
+    one copy, ort_models/shared_initializers.py), and, per token, its KV cache (float32)
+    and for EAGLE-3 the g row the drafter keeps of every position. Its workspace is not
     measured: a pass holds a few rows of activations and their logits."""
+    from specd.ort_models.shared_initializers import external_tensors, target_copies
+
     weights = sum((built.folder / f"{name}.bin").stat().st_size for name in built.graphs)
+    if target_graph is not None:
+        graphs = [(g, built.model_path(g)) for g in built.graphs]
+        tensors = {g: external_tensors(path) for g, path in graphs}
+        weights -= sum(tensors[g][name].length
+                       for g, names in target_copies(graphs, target_graph).items()
+                       for name in names)
     per_token = built.hparams.kv_bytes_per_token(4)
     if built.head.kind == "eagle3":
         per_token += 4 * built.head.n_embd

@@ -56,6 +56,7 @@ from .paths import cache_dir, exclusive_lock
 from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
 from .runner import bound_outputs, check_call, default_threads, session_options
 from .sampling_op import SampledBlock, SampleSpec
+from .shared_initializers import SharedWeights, add_initializers
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
@@ -191,17 +192,27 @@ class HeadRunner:
     sequence slot and session."""
 
     def __init__(self, built: BuiltHead, *, n_ctx: int, n_seq: int = 1,
-                 threads: int | None = None, runtime: RuntimeChoice | None = None):
+                 threads: int | None = None, runtime: RuntimeChoice | None = None,
+                 shared: SharedWeights | None = None):
+        """shared: the target's weights the head's graphs use in place of their copies
+        (`share_with_target`, the same arrays the target's runner was given)."""
         import onnxruntime as ort
 
         self.built, self.hp = built, built.hparams
         self.n_ctx = min(n_ctx, built.target.n_ctx_train)
         self.runtime = runtime or choose_runtime("auto")
         device, device_id = parse_device(self.runtime.device)
-        so = session_options(threads or default_threads(), native=built.uses_native)
+        self._shared: list[object] = []  # the OrtValues behind `shared`
+
+        def options(graph: str) -> Any:
+            so = session_options(threads or default_threads(), native=built.uses_native)
+            if shared is not None:
+                add_initializers(so, shared.for_graph(graph), self._shared)
+            return so
+
         self.sessions = {name: ort.InferenceSession(
-            str(built.model_path(name)), so, providers=session_providers(self.runtime.device))
-            for name in built.graphs}
+            str(built.model_path(name)), options(name),
+            providers=session_providers(self.runtime.device)) for name in built.graphs}
         # graphs taking `segments` (a block, a step): the calls of several sequences in
         # one pass, every slot's buffers bound at once (one binding each)
         packing = [name for name, sess in self.sessions.items()

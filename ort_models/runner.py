@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -31,6 +31,7 @@ from .providers import (
 )
 from .row_invariance import min_call_rows
 from .sampling_op import SampledBlock, SampleSpec
+from .shared_initializers import add_initializers
 
 log = logging.getLogger("specd.runner")
 
@@ -146,7 +147,8 @@ class ModelRunner:
     def __init__(self, built: BuiltModel, *, n_ctx: int, n_seq: int = 1,
                  threads: int | None = None, runtime: RuntimeChoice | None = None,
                  spinning: bool | str = False, row_block: int | None = None,
-                 min_rows: int | None = None, kv: KVCache | None = None):
+                 min_rows: int | None = None, kv: KVCache | None = None,
+                 initializers: Mapping[str, np.ndarray] | None = None):
         """row_block: every call of up to this many tokens runs as exactly this many rows
         (filler rows after the real ones, computed and dropped). Default 1 on the CPU,
         where kernels compute a row the same way whatever the number of rows (but see
@@ -161,7 +163,10 @@ class ModelRunner:
         CPUs without VNNI, measured by row_invariance at load), else 1.
 
         kv: a KV cache to share with another runner of a graph with the same layers (a
-        drafter's graphs over one draft cache); default: the runner's own."""
+        drafter's graphs over one draft cache); default: the runner's own.
+
+        initializers: arrays to use in place of the graph's initializers of those names
+        (weights shared with a drafter head's sessions: shared_initializers.py)."""
         import onnxruntime as ort
 
         self.built = built
@@ -178,6 +183,8 @@ class ModelRunner:
                              "'native')")
         self.threads = threads or default_threads()
         so = session_options(self.threads, spinning=spinning, native=built.options.uses_native)
+        self._shared: list[object] = []  # the OrtValues behind `initializers`
+        add_initializers(so, dict(initializers or {}), self._shared)
         try:
             self.session = ort.InferenceSession(
                 str(built.model_path), so, providers=session_providers(self.runtime.device))

@@ -134,11 +134,14 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                   else resolve_model(draft, fetch=fetch, progress=progress, to_run=True))
     head = None if draft_path is None else draft_head(draft_path)
     costs = []
+    target_graph = None
     for label, path in (("target", target_path), ("draft", draft_path)):
         if path is None or (label == "draft" and head is not None):
             continue
         built = built_model(path, bp(label),
                             build_options(label, draft_quant, dev, draft_vocab, head))
+        if label == "target":
+            target_graph = built.model_path
         trained = built.hparams.n_ctx_train
         if 0 < trained < ATTN_BUCKET:  # nothing to measure at, nothing to plan
             raise FitError(f"a context of at least {ATTN_BUCKET} tokens is needed; "
@@ -146,7 +149,8 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
         costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
     if head is not None and draft_path is not None:
         costs.append(head_cost(load_or_build_head(draft_path, target_path, bp("draft head"),
-                                                  device=dev)))
+                                                  device=dev),
+                               target_graph if dev == "cpu" else None))
     beside = None
     if embedding_model is not None:
         path = resolve_model(embedding_model, fetch=fetch, progress=progress, to_run=True)

@@ -48,6 +48,7 @@ from specd.ort_models.heads import HeadFormatError, HeadParams, head_kind, read_
 from specd.ort_models.model_cache import BuiltModel, load_or_build
 from specd.ort_models.providers import RuntimeChoice, choose_runtime
 from specd.ort_models.runner import ModelRunner
+from specd.ort_models.shared_initializers import share_with_target
 
 from .embeddings import Embedder, EmbeddingHead
 
@@ -182,7 +183,20 @@ class Engine:
             target_head = self._embedding_head(tgt_file)
             target_options = replace(target_options, hidden_layers=tuple(sorted(
                 {*target_options.hidden_layers, target_head.layer})))
-        self.target = self._load(target_path, tgt_file, bp("target"), target_options)
+        built_head = None  # a head's graphs, built first: they share the target's weights
+        if draft_path is not None and head is not None:
+            try:
+                built_head = load_or_build_head(draft_path, target_path, bp("draft head"),
+                                                device=self.runtime.device)
+            except ValueError as exc:  # a head kind or feature not built yet
+                raise EngineError(str(exc)) from None
+        target_built = load_or_build(target_path, target_options, bp("target"))
+        # on the CPU, where sessions read the mapped arrays in place
+        shared = (None if built_head is None or self.runtime.device != "cpu" else
+                  share_with_target(((g, built_head.model_path(g)) for g in built_head.graphs),
+                                    target_built.model_path))
+        self.target = self._load(target_path, tgt_file, None, target_options,
+                                 initializers=None if shared is None else shared.arrays)
         self.target.resident_bytes += max(tokenizer_bytes, 0)
         self.n_ctx = self.target.runner.n_ctx
         if cfg.n_ctx > self.n_ctx:  # said out loud when the context was asked for
@@ -194,14 +208,9 @@ class Engine:
         if draft_path is not None and d_file is not None and draft_options is not None:
             self.draft = self._load(draft_path, d_file, bp("draft"), draft_options, exact=False)
         self.head: HeadRunner | None = None
-        if draft_path is not None and head is not None:
-            try:
-                built = load_or_build_head(draft_path, target_path, bp("draft head"),
-                                           device=self.runtime.device)
-            except ValueError as exc:  # a head kind or feature not built yet
-                raise EngineError(str(exc)) from None
-            self.head = HeadRunner(built, n_ctx=self.n_ctx, n_seq=cfg.slots,
-                                   threads=cfg.threads, runtime=self.runtime)
+        if built_head is not None:
+            self.head = HeadRunner(built_head, n_ctx=self.n_ctx, n_seq=cfg.slots,
+                                   threads=cfg.threads, runtime=self.runtime, shared=shared)
         self.drafter: Drafter | None = make_drafter(self.spec_type, self.drafter_inputs())
         self.embedding: LoadedModel | None = None  # a model of its own for embeddings
         self.embedder: Embedder | None = None
@@ -272,16 +281,17 @@ class Engine:
         return None if self.embedder is None else self.embedder.pooling
 
     def _load(self, path: Path, f: GGUFFile, progress: Progress | None,
-              options: BuildOptions, exact: bool = True, n_seq: int | None = None
-              ) -> LoadedModel:
+              options: BuildOptions, exact: bool = True, n_seq: int | None = None,
+              initializers: dict[str, np.ndarray] | None = None) -> LoadedModel:
         """exact: a verified row must equal a single step bit for bit (the target's runner
-        makes its calls' shapes so); a draft's rows need not, and run their own shapes."""
+        makes its calls' shapes so); a draft's rows need not, and run their own shapes.
+        initializers: weights its session shares with a head's (shared_initializers.py)."""
         built = load_or_build(path, options, progress)
         before = rss_bytes()  # after any build: its freed scratch is not the model's
         runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=n_seq or self.cfg.slots,
                              threads=self.cfg.threads, runtime=self.runtime,
                              spinning=self.cfg.spin, row_block=None if exact else 1,
-                             min_rows=None if exact else 1)
+                             min_rows=None if exact else 1, initializers=initializers)
         return LoadedModel(path, f, built, runner, max(rss_bytes() - before, 0))
 
     # -- requests -------------------------------------------------------------------------
