@@ -42,7 +42,9 @@ NO_DRAFT = "none"  # `-md none`: decode without a draft file
 
 def settle_draft(args: argparse.Namespace) -> None:
     """Settle `-md`: `none` is no draft file; left out under --spec-type auto, a catalog
-    target speculates with the drafter measured fastest beside it, the reason said."""
+    target speculates with the drafter measured fastest beside it, the reason said (and
+    `args.draft_fallbacks` lists the next fastest, for a memory plan it does not fit)."""
+    args.draft_fallbacks = ()
     if args.draft == NO_DRAFT:
         args.draft = None
         return
@@ -53,7 +55,7 @@ def settle_draft(args: argparse.Namespace) -> None:
     choice = default_drafter(args.model)
     if choice is not None:
         print(f"specd: {choice.reason}", file=sys.stderr)
-        args.draft = choice.draft
+        args.draft, args.draft_fallbacks = choice.draft, choice.fallbacks
 
 
 def add_spin_arg(p: argparse.ArgumentParser) -> None:

@@ -99,13 +99,26 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
     uses_draft = args.spec_type == "auto" or args.spec_type in MODEL_SPEC_TYPES
     # -c as the runner takes it (whole buckets, rounded up), and no smaller floor than it
     max_ctx = None if args.n_ctx is None else round_up(args.n_ctx, ATTN_BUCKET)
-    plan, _ = fit_models(args.model, args.draft if uses_draft else None,
-                         device=args.device, slots=args.slots, max_ctx=max_ctx,
-                         min_ctx=min(DEFAULT_MIN_CTX, max_ctx or DEFAULT_MIN_CTX),
-                         threads=args.threads, fetch=not args.no_fetch,
-                         draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
-                         build_progress=build_progress,
-                         progress=ProgressBar(), embedding_model=args.embedding_model)
+
+    def fit_with(draft: str | None) -> Any:
+        plan, _ = fit_models(args.model, draft, device=args.device, slots=args.slots,
+                             max_ctx=max_ctx,
+                             min_ctx=min(DEFAULT_MIN_CTX, max_ctx or DEFAULT_MIN_CTX),
+                             threads=args.threads, fetch=not args.no_fetch,
+                             draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
+                             build_progress=build_progress,
+                             progress=ProgressBar(), embedding_model=args.embedding_model)
+        return plan
+
+    plan = fit_with(args.draft if uses_draft else None)
+    # a drafter chosen by measurement that does not fit: the next fastest that does
+    for fallback in getattr(args, "draft_fallbacks", ()) if plan.draft_dropped else ():
+        second = fit_with(fallback)
+        if not second.draft_dropped:
+            print(f"specd: {args.draft} does not fit in memory beside the target; "
+                  f"{fallback}, measured next fastest, does", file=sys.stderr)
+            args.draft, plan = fallback, second
+            break
     for w in plan.warnings:
         print(f"specd: warning: {w}", file=sys.stderr)
     print(f"specd: memory plan: n_ctx {plan.n_ctx}, slots {plan.slots}"

@@ -25,6 +25,9 @@ CHOICE_FILE = "speculation.json"
 class DrafterChoice:
     draft: str | None  # a catalog name; None: decode without speculation
     reason: str  # one line for the user: what was measured and what it showed
+    # the other drafters measured faster than target-only, fastest first: where `draft`
+    # does not fit in memory beside the target, the next that does
+    fallbacks: tuple[str, ...] = ()
 
 
 def choice_table(path: Path | None = None) -> dict[str, Any]:
@@ -62,4 +65,5 @@ def default_drafter(target: str, table: dict[str, Any] | None = None) -> Drafter
         return DrafterChoice(None, f"no speculation for {target}: no drafter measured faster "
                                    f"than the target alone ({measured})")
     return DrafterChoice(best, f"speculation for {target}: {best}, the fastest measured "
-                               f"({measured}); -md names another, -md none decodes without")
+                               f"({measured}); -md names another, -md none decodes without",
+                         tuple(name for name, speed in ranked[1:] if speed > 1.0))

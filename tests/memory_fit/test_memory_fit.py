@@ -448,6 +448,38 @@ def test_serve_plan_keeps_lookup_and_takes_c_as_the_runner_does(
     assert "draft model dropped" in capsys.readouterr().err
 
 
+def test_serve_plan_falls_back_to_the_next_measured_drafter_that_fits(
+        tiny_cost: tuple[Any, ModelCost], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A drafter chosen by measurement (`settle_draft`) that does not fit beside the target
+    gives way to the next fastest measured one that does (a small head), not to lookup."""
+    from specd.daemon.cli.main import build_parser
+    from specd.daemon.cli.serve import plan_memory
+    from specd.daemon.models import building
+    from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES
+
+    from tiny_heads import write_tiny_head
+
+    built, _ = tiny_cost
+    gguf = str(built.gguf_path)
+    head = str(write_tiny_head(tmp_path / "head.gguf", seed=5, target_arch="qwen2"))
+
+    def total(draft: str) -> int:
+        return building.fit_models(gguf, draft, device="cpu", threads=1, max_ctx=1024,
+                                   margin_bytes=0, probe=probe(64 * GiB))[0].total_bytes
+
+    assert total(head) < total(gguf)  # the head fits where the model draft does not
+    room = total(head) + DEFAULT_MARGIN_BYTES + (64 << 10)
+    monkeypatch.setattr(building, "probe_for", lambda dev: probe(room))
+    args = build_parser().parse_args(["serve", "-m", gguf, "-md", gguf, "--device", "cpu",
+                                      "-t", "1", "-c", "1024"])
+    args.draft_fallbacks = (head,)  # as settle_draft sets it from the measured table
+    plan = plan_memory(args)
+    assert args.draft == head and args.spec_type == "auto"
+    assert plan is not None and [m["role"] for m in plan["models"]] == ["target", "draft"]
+    assert "measured next fastest, does" in capsys.readouterr().err
+
+
 def test_fit_models_measures_the_embedding_model(tiny_cost: tuple[Any, ModelCost]) -> None:
     """fit_models builds the embedding model as the engine loads it (its last hidden state
     out, no sampler), measures it and fits it beside the target."""

@@ -36,6 +36,7 @@ def test_the_fastest_by_geometric_mean_is_chosen_and_the_reason_gives_both():
     assert choice is not None and choice.draft == DRAFT
     assert f"{DRAFT} 1.24×" in choice.reason and f"{HEAD} 1.17×" in choice.reason
     assert "a test run" in choice.reason and "-md none" in choice.reason
+    assert choice.fallbacks == (HEAD,)  # also faster than the target alone
 
 
 def test_no_drafter_where_none_beats_the_target_alone():
@@ -70,7 +71,7 @@ def test_settle_draft(monkeypatch, capsys):
     monkeypatch.setattr(dd, "choice_table", lambda path=None: t)
     a = args()
     settle_draft(a)
-    assert a.draft == DRAFT
+    assert a.draft == DRAFT and a.draft_fallbacks == (HEAD,)
     assert "the fastest measured" in capsys.readouterr().err
     for given, want in (({"draft": "none"}, None), ({"draft": "x.gguf"}, "x.gguf"),
                         ({"spec_type": "ngram"}, None), ({"model": "tiny.gguf"}, None)):
