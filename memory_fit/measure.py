@@ -236,15 +236,12 @@ def head_cost(built: BuiltHead, target_graph: Path | None = None) -> ModelCost:
     one copy, ort_models/shared_initializers.py), and, per token, its KV cache (float32)
     and for EAGLE-3 the g row the drafter keeps of every position. Its workspace is not
     measured: a pass holds a few rows of activations and their logits."""
-    from specd.ort_models.shared_initializers import external_tensors, target_copies
+    from specd.ort_models.shared_initializers import target_copies
 
     weights = sum((built.folder / f"{name}.bin").stat().st_size for name in built.graphs)
     if target_graph is not None:
-        graphs = [(g, built.model_path(g)) for g in built.graphs]
-        tensors = {g: external_tensors(path) for g, path in graphs}
-        weights -= sum(tensors[g][name].length
-                       for g, names in target_copies(graphs, target_graph).items()
-                       for name in names)
+        weights -= sum(c.tensor.length for c in target_copies(
+            [(g, built.model_path(g)) for g in built.graphs], target_graph))
     per_token = built.hparams.kv_bytes_per_token(4)
     if built.head.kind == "eagle3":
         per_token += 4 * built.head.n_embd

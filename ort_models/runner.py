@@ -184,7 +184,7 @@ class ModelRunner:
         self.threads = threads or default_threads()
         so = session_options(self.threads, spinning=spinning, native=built.options.uses_native)
         self._shared: list[object] = []  # the OrtValues behind `initializers`
-        add_initializers(so, dict(initializers or {}), self._shared)
+        add_initializers(so, initializers or {}, self._shared)
         try:
             self.session = ort.InferenceSession(
                 str(built.model_path), so, providers=session_providers(self.runtime.device))

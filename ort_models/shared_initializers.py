@@ -10,7 +10,7 @@ equal (checked, not assumed), ONNX Runtime gets one array per name through
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +59,22 @@ def external_tensors(model_path: Path) -> dict[str, ExternalTensor]:
     return out
 
 
+def shares_on(device: str) -> bool:
+    """Whether a head's sessions on `device` take the target's arrays: the CPU EP reads a
+    mapped array in place; another device's session would copy it there anyway."""
+    return device == "cpu"
+
+
+@dataclass(frozen=True)
+class TargetCopy:
+    """A head graph's initializer that is byte-for-byte one of the target graph's."""
+
+    graph: str  # the head graph holding it
+    name: str  # its name there
+    target_name: str
+    tensor: ExternalTensor  # the target's
+
+
 @dataclass
 class SharedWeights:
     """The target's arrays by the target graph's names, and each head graph's names for
@@ -67,10 +83,6 @@ class SharedWeights:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     head_names: dict[str, dict[str, str]] = field(default_factory=dict)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
-
     def for_graph(self, graph: str) -> dict[str, np.ndarray]:
         """A head graph's initializers to override, by its own names."""
         return {name: self.arrays[target] for name, target in
@@ -78,29 +90,30 @@ class SharedWeights:
 
 
 def target_copies(head_graphs: Iterable[tuple[str, Path]], target_model: Path
-                  ) -> dict[str, dict[str, str]]:
-    """Per head graph, its initializers that are byte-for-byte the target graph's:
-    {graph: {head name: target name}}."""
+                  ) -> list[TargetCopy]:
+    """The head graphs' initializers that are byte-for-byte the target graph's."""
     target = external_tensors(target_model)
-    out: dict[str, dict[str, str]] = {}
+    out = []
     for graph, path in head_graphs:
         for name, tensor in external_tensors(path).items():
             base = name.replace(HEAD_COPY_MARK, ".", 1)
             if base != name and base in target and tensor.bytes_equal(target[base]):
-                out.setdefault(graph, {})[name] = base
+                out.append(TargetCopy(graph, name, base, target[base]))
     return out
 
 
 def share_with_target(head_graphs: Iterable[tuple[str, Path]], target_model: Path
                       ) -> SharedWeights:
-    """The copies found, their arrays mapped once from the target graph's file."""
-    names = target_copies(head_graphs, target_model)
-    wanted = {t for per_graph in names.values() for t in per_graph.values()}
-    target = external_tensors(target_model)
-    return SharedWeights({t: target[t].map() for t in sorted(wanted)}, names)
+    """The copies found, each of the target's arrays mapped once from its graph's file."""
+    shared = SharedWeights()
+    for c in target_copies(head_graphs, target_model):
+        if c.target_name not in shared.arrays:
+            shared.arrays[c.target_name] = c.tensor.map()
+        shared.head_names.setdefault(c.graph, {})[c.name] = c.target_name
+    return shared
 
 
-def add_initializers(options: object, arrays: dict[str, np.ndarray],
+def add_initializers(options: object, arrays: Mapping[str, np.ndarray],
                      keep: list[object]) -> None:
     """Give a session's options these arrays in place of its graph's initializers (their
     OrtValues wrap the arrays; `keep` holds them as long as the session lives)."""

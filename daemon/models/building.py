@@ -23,6 +23,7 @@ from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.graph_builder import ATTN_BUCKET, BuildOptions
 from specd.ort_models.head_runner import load_or_build_head
 from specd.ort_models.heads import HeadParams, head_kind, read_head
+from specd.ort_models.shared_initializers import shares_on
 
 if TYPE_CHECKING:
     from specd.ort_models.model_cache import BuiltModel
@@ -150,7 +151,7 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
     if head is not None and draft_path is not None:
         costs.append(head_cost(load_or_build_head(draft_path, target_path, bp("draft head"),
                                                   device=dev),
-                               target_graph if dev == "cpu" else None))
+                               target_graph if shares_on(dev) else None))
     beside = None
     if embedding_model is not None:
         path = resolve_model(embedding_model, fetch=fetch, progress=progress, to_run=True)
