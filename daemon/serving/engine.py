@@ -42,13 +42,12 @@ from specd.memory_fit.rss import rss_bytes
 from specd.ort_models import native_ops
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFFile
-from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.head_runner import HeadRunner, load_or_build_head
 from specd.ort_models.heads import HeadFormatError, HeadParams, head_kind, read_head
 from specd.ort_models.model_cache import BuiltModel, load_or_build
 from specd.ort_models.providers import RuntimeChoice, choose_runtime
 from specd.ort_models.runner import ModelRunner
-from specd.ort_models.shared_initializers import share_with_target
+from specd.ort_models.shared_initializers import share_with_target, shares_on
 
 from .embeddings import Embedder, EmbeddingHead
 
@@ -191,11 +190,10 @@ class Engine:
             except ValueError as exc:  # a head kind or feature not built yet
                 raise EngineError(str(exc)) from None
         target_built = load_or_build(target_path, target_options, bp("target"))
-        # on the CPU, where sessions read the mapped arrays in place
-        shared = (None if built_head is None or self.runtime.device != "cpu" else
+        shared = (None if built_head is None or not shares_on(self.runtime.device) else
                   share_with_target(((g, built_head.model_path(g)) for g in built_head.graphs),
                                     target_built.model_path))
-        self.target = self._load(target_path, tgt_file, None, target_options,
+        self.target = self._load(target_path, tgt_file, target_built,
                                  initializers=None if shared is None else shared.arrays)
         self.target.resident_bytes += max(tokenizer_bytes, 0)
         self.n_ctx = self.target.runner.n_ctx
@@ -206,7 +204,8 @@ class Engine:
                 self.target.built.hparams.n_ctx_train, self.n_ctx)
         self.draft: LoadedModel | None = None
         if draft_path is not None and d_file is not None and draft_options is not None:
-            self.draft = self._load(draft_path, d_file, bp("draft"), draft_options, exact=False)
+            self.draft = self._load(draft_path, d_file, load_or_build(
+                draft_path, draft_options, bp("draft")), exact=False)
         self.head: HeadRunner | None = None
         if built_head is not None:
             self.head = HeadRunner(built_head, n_ctx=self.n_ctx, n_seq=cfg.slots,
@@ -272,7 +271,8 @@ class Engine:
             options = embedding_options(self.runtime.device, head.layer)
         except BuildError as exc:
             raise EngineError(str(exc)) from None
-        self.embedding = self._load(path, f, bp("embedding model"), options, n_seq=1)
+        self.embedding = self._load(path, f, load_or_build(path, options, bp("embedding model")),
+                                    n_seq=1)
         return Embedder(self.embedding.runner, Tokenizer.from_metadata(f.metadata), head, True)
 
     @property
@@ -280,13 +280,13 @@ class Engine:
         """How embeddings pool the tokens' states (None: embeddings are off)."""
         return None if self.embedder is None else self.embedder.pooling
 
-    def _load(self, path: Path, f: GGUFFile, progress: Progress | None,
-              options: BuildOptions, exact: bool = True, n_seq: int | None = None,
-              initializers: dict[str, np.ndarray] | None = None) -> LoadedModel:
-        """exact: a verified row must equal a single step bit for bit (the target's runner
-        makes its calls' shapes so); a draft's rows need not, and run their own shapes.
-        initializers: weights its session shares with a head's (shared_initializers.py)."""
-        built = load_or_build(path, options, progress)
+    def _load(self, path: Path, f: GGUFFile, built: BuiltModel, exact: bool = True,
+              n_seq: int | None = None, initializers: dict[str, np.ndarray] | None = None
+              ) -> LoadedModel:
+        """The built graph's runner. exact: a verified row must equal a single step bit for
+        bit (the target's runner makes its calls' shapes so); a draft's rows need not, and
+        run their own shapes. initializers: weights its session shares with a head's
+        (shared_initializers.py)."""
         before = rss_bytes()  # after any build: its freed scratch is not the model's
         runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=n_seq or self.cfg.slots,
                              threads=self.cfg.threads, runtime=self.runtime,
