@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from specd.daemon.benchmark.peer import HEAD_MODES, LlamaServerPeer
+from specd.daemon.benchmark.peer import DRAFT_MODES, HEAD_MODES, LlamaServerPeer
 from specd.daemon.benchmark.run import PROMPTS, BenchConfig, RunResult, SpecdRunner, parse_config
 from specd.daemon.models.building import fit_models
 from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -41,7 +41,7 @@ from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.ort_models.runner import default_threads
 
 DEFAULT_HEAD = "qwen2.5-coder-1.5b-dflash"
-PEER_MODES = ("target-only", "draft-simple n_max=8 p_min=0.5")
+PEER_MODES = ("target-only", DRAFT_MODES[1])  # the draft model tuned
 
 
 def _engines(args: argparse.Namespace, threads: int) -> tuple[Engine, Engine]:
