@@ -10,8 +10,10 @@ tokens per second, E(n) / T(n), from measured acceptance and measured costs:
 
 n = 0 (a plain target step) wins unless drafting is predicted clearly faster, with budgeted
 probe rounds so that estimates recover; a free lookup offer is weighed against the model's
-best length and a plain step, with acceptance kept per lookup match length. The reasoning
-behind each rule is in docs/adaptive-policy.md.
+best length and a plain step, with acceptance kept per lookup match length. A drafter with
+several model sources (a head and a draft model) has each one's acceptance and costs kept
+apart, and each round drafts from the one predicted fastest, the others probed now and
+then. The reasoning behind each rule is in docs/adaptive-policy.md.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ def _ema(old: float | None, new: float) -> float:
 @dataclass(frozen=True)
 class RoundPlan:
     """What a round drafts: n tokens (0: a plain target step), from the free offer or
-    from the drafter's model."""
+    from one of the drafter's model sources."""
 
     n: int
     take_offer: bool = False
+    source: int = 0  # the model source that drafts (Drafter.model_sources)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class ModelCall:
     n_proposed: int
     seconds: float
     evidence: DraftEvidence
+    source: int = 0  # the model source that drafted
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,67 @@ class _Acceptance:
         return e
 
 
+@dataclass(frozen=True)
+class SourceTraits:
+    """What the policy must know of a model source to price it."""
+
+    # proposes a whole block in one pass (a head): a call's cost is a line in the block
+    # length, fitted as the verify pass's is, not first + (n - 1) * next
+    one_pass: bool = False
+    # most skipped tokens it evaluates before drafting (None: all of them)
+    catch_up_limit: int | None = None
+
+
+@dataclass
+class _ModelSource:
+    """One model source's measured acceptance and costs: a draft model's, or a head's."""
+
+    traits: SourceTraits
+    acceptance: _Acceptance
+    block: _Line
+    first: float | None = None  # seconds: a steady drafting call, but its later steps
+    next: float | None = None  # seconds: each proposal step after the first
+    calls: int = 0
+    skipped: int = 0  # tokens emitted since this source last ran: its next catch-up
+    catch_up: float | None = None  # seconds per skipped token it evaluates
+    idle_rounds: int = 0  # rounds since it last drafted (while another source did)
+
+    def observe_draft(self, seconds: float, later_steps: Sequence[float], n: int) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            return
+        if self.traits.one_pass:
+            self.block.add(n, seconds)
+            self.first = _ema(self.first, seconds)
+            return
+        self.first = _ema(self.first, seconds - sum(later_steps))
+        for t in later_steps:
+            self.next = _ema(self.next, t)
+
+    def draft_cost(self, n: int) -> float | None:
+        if self.first is None:
+            return None
+        if self.traits.one_pass:
+            return self.block.at(n)
+        nxt = self.first if self.next is None else self.next
+        return self.first + (n - 1) * nxt
+
+    @property
+    def to_catch_up(self) -> int:
+        limit = self.traits.catch_up_limit
+        return self.skipped if limit is None else min(self.skipped, limit)
+
+    def catch_up_cost(self) -> float:
+        if self.catch_up is not None:
+            return self.catch_up
+        return CATCH_UP_PRIOR * (self.first or 0.0)
+
+    @property
+    def thin(self) -> bool:
+        """Too few verified first positions to trust its acceptance yet."""
+        return self.acceptance.trials[0] < MIN_EVIDENCE if self.acceptance.trials else False
+
+
 @dataclass
 class AdaptiveDraftLength(DraftPolicy):
     n_max: int
@@ -209,24 +274,23 @@ class AdaptiveDraftLength(DraftPolicy):
     # fast (EXPLORE_MARGIN): costs seen only at lengths no longer chosen would otherwise
     # never be corrected
     explore_every: int = 8
-    # most skipped tokens the drafter evaluates before drafting (None: all of them)
+    # the one model source's traits (SourceTraits), where `sources` names none
     catch_up_limit: int | None = None
-    # the drafter proposes a whole block in one pass (a head): a call's cost is a line in
-    # the block length, fitted as the verify pass's is, not first + (n - 1) * next
     one_pass: bool = False
+    # the drafter's model sources, each round drafting from the one predicted fastest (a
+    # head and a draft model); empty: one source with the traits above
+    sources: tuple[SourceTraits, ...] = ()
     _verify: _Line = field(init=False)
-    _block: _Line = field(init=False)
-    _draft_first: float | None = None  # seconds: a steady drafting call, but its later steps
-    _draft_next: float | None = None  # seconds: each proposal step after the first
-    _draft_calls: int = 0
     _drafting_rounds: int = 0
     _idle_rounds: int = 0
     _drafting: bool = False  # the last choice drafted (not counting probes)
     _probing: bool = False  # the last choice was a probe
+    # tokens per second of the plan a probe of another source displaced (None: a probe
+    # from n = 0, priced against plain steps)
+    _probe_rate: float | None = None
+    _chosen: int = 0  # the model source of the last choice
     _elapsed: float = 0.0  # seconds of the rounds observed
     _probe_overhead: float = 0.0  # seconds probes took beyond plain steps for their tokens
-    _skipped: int = 0  # tokens emitted since the draft last ran: its next catch-up
-    _catch_up: float | None = None  # seconds per skipped token the draft evaluates
     _last_verify: float = 0.0  # seconds of the latest target pass
     # seconds of a round outside the draft call and the target pass (sampling, acceptance,
     # bookkeeping): a drafting round samples more rows (p and q at temperature > 0)
@@ -237,19 +301,25 @@ class AdaptiveDraftLength(DraftPolicy):
     def __post_init__(self) -> None:
         n = max(self.n_max, 0)
         self._verify = _Line(self.decay)
-        self._block = _Line(self.decay)
-        self._model = _Acceptance(n, self.decay, self.prior_accept)
+        traits = self.sources or (SourceTraits(self.one_pass, self.catch_up_limit),)
+        self._models = [_ModelSource(t, _Acceptance(n, self.decay, self.prior_accept),
+                                     _Line(self.decay)) for t in traits]
         self._lookups: dict[int, _Acceptance] = {}  # match length -> its offers' acceptance
 
-    def _source(self, lookup: int) -> _Acceptance:
-        """Acceptance of the draft model (lookup 0) or of lookups matching that many tokens."""
+    def _acceptance(self, lookup: int, source: int = 0) -> _Acceptance:
+        """Acceptance of model source `source` (lookup 0) or of lookups matching that many
+        tokens."""
         if lookup <= 0:
-            return self._model
+            return self._models[source].acceptance
         acc = self._lookups.get(lookup)
         if acc is None:
-            acc = self._lookups[lookup] = _Acceptance(len(self._model.hits), self.decay,
+            acc = self._lookups[lookup] = _Acceptance(max(self.n_max, 0), self.decay,
                                                       LOOKUP_PRIOR)
         return acc
+
+    @property
+    def n_sources(self) -> int:
+        return len(self._models)
 
     # -- observations ---------------------------------------------------------------------
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
@@ -257,28 +327,20 @@ class AdaptiveDraftLength(DraftPolicy):
         self._last_verify = seconds
 
     def observe_draft(self, seconds: float, later_steps: Sequence[float] = (),
-                      n: int = 0) -> None:
-        """A steady drafting call for n tokens took `seconds`, of which `later_steps` were
-        its second, third, ... proposal steps (a drafter that does not time its steps
-        passes none; a one-pass drafter has none). The first call is not used: its passes
-        run at shapes and cache states not seen again, and an outlier stays long where
-        lengths are rarely tried."""
-        self._draft_calls += 1
-        if self._draft_calls == 1:
-            return
-        if self.one_pass:
-            self._block.add(n, seconds)
-            self._draft_first = _ema(self._draft_first, seconds)
-            return
-        self._draft_first = _ema(self._draft_first, seconds - sum(later_steps))
-        for t in later_steps:
-            self._draft_next = _ema(self._draft_next, t)
+                      n: int = 0, source: int = 0) -> None:
+        """A steady drafting call of model source `source` for n tokens took `seconds`, of
+        which `later_steps` were its second, third, ... proposal steps (a drafter that does
+        not time its steps passes none; a one-pass drafter has none). A source's first call
+        is not used: its passes run at shapes and cache states not seen again, and an
+        outlier stays long where lengths are rarely tried."""
+        self._models[source].observe_draft(seconds, later_steps, n)
 
     def observe_round(self, n_drafted: int, n_emitted: int, seconds: float,
-                      draft_seconds: float, lookup: bool = False) -> None:
-        """A whole round: `draft_seconds` of its `seconds` were the drafter's call (0 when
-        the draft did not run), which first caught up on the tokens skipped before it;
-        `lookup`: the round verified a lookup offer (the draft model did not run)."""
+                      draft_seconds: float, lookup: bool = False, source: int = 0) -> None:
+        """A whole round: `draft_seconds` of its `seconds` were model source `source`'s call
+        (0 when no model ran), which first caught up on the tokens skipped before it; the
+        other sources skipped the round's tokens; `lookup`: the round verified a lookup
+        offer (no model ran)."""
         self._elapsed += seconds
         rest = max(seconds - draft_seconds - self._last_verify, 0.0)
         if lookup:
@@ -287,99 +349,99 @@ class AdaptiveDraftLength(DraftPolicy):
             self._rest_drafting = _ema(self._rest_drafting, rest)
         elif draft_seconds == 0:
             self._rest_plain = _ema(self._rest_plain, rest)
-        if draft_seconds > 0:
-            if self._to_catch_up >= 2 and self._draft_first is not None:
-                own = self.draft_cost(max(n_drafted, 1)) or 0.0
-                per = max(draft_seconds - own, 0.0) / self._to_catch_up
-                self._catch_up = _ema(self._catch_up, per)
-            self._skipped = 0
-        else:
-            self._skipped += n_emitted
+        for s, m in enumerate(self._models):
+            if draft_seconds > 0 and s == source:
+                if m.to_catch_up >= 2 and m.first is not None:
+                    own = m.draft_cost(max(n_drafted, 1)) or 0.0
+                    per = max(draft_seconds - own, 0.0) / m.to_catch_up
+                    m.catch_up = _ema(m.catch_up, per)
+                m.skipped = 0
+            else:
+                m.skipped += n_emitted
         if self._probing:
             self._probing = False
-            self._probe_overhead += seconds - n_emitted * (self.verify_cost(1) or 0.0)
+            if self._probe_rate is None:
+                self._probe_overhead += seconds - n_emitted * (self.verify_cost(1) or 0.0)
+            else:
+                self._probe_overhead += seconds - n_emitted / self._probe_rate
 
     def observe_acceptance(self, n_drafted: int, n_accepted: int, lookup: int = 0,
-                           probs: Sequence[float] = ()) -> None:
-        """The target accepted n_accepted of n_drafted tokens from the draft model (lookup
-        0) or from a lookup offer continuing a match of `lookup` context tokens; `probs`:
-        the probability each position up to the first rejection was accepted with
+                           probs: Sequence[float] = (), source: int = 0) -> None:
+        """The target accepted n_accepted of n_drafted tokens from model source `source`
+        (lookup 0) or from a lookup offer continuing a match of `lookup` context tokens;
+        `probs`: the probability each position up to the first rejection was accepted with
         (`VerifyResult.accept_probs`; at temperature > 0 they estimate acceptance with
         less noise than the outcomes, drawn from them)."""
-        self._source(lookup).observe(n_drafted, n_accepted, probs)
+        self._acceptance(lookup, source).observe(n_drafted, n_accepted, probs)
 
-    def observe_position(self, i: int, hit: float, lookup: int = 0) -> None:
+    def observe_position(self, i: int, hit: float, lookup: int = 0, source: int = 0) -> None:
         """A guess at draft position i (0-based), given the positions before it accepted,
         checked without verifying it: a draft's teacher-forced rows, or the guess after a
         fully accepted round for the target's bonus token. Rounds only reach the lengths
         they draft, so without these the acceptance of the next position is a prior
         that is rarely tested. `hit`: whether the guess was right, or (a sampled target)
-        the probability it would have been accepted. `lookup` as in `observe_acceptance`."""
-        self._source(lookup).observe_at(i, hit)
+        the probability it would have been accepted. `lookup`, `source` as in
+        `observe_acceptance`."""
+        self._acceptance(lookup, source).observe_at(i, hit)
 
     # -- estimates ------------------------------------------------------------------------
     @property
     def accept(self) -> list[float]:
-        """Estimated conditional acceptance per draft position of the draft model."""
-        return self._model.rates()
+        """Estimated conditional acceptance per draft position of the (first) model source."""
+        return self.accept_of(0)
+
+    def accept_of(self, source: int) -> list[float]:
+        """Estimated conditional acceptance per draft position of model source `source`."""
+        return self._models[source].acceptance.rates()
 
     def accept_lookup(self, match: int) -> list[float]:
         """Estimated conditional acceptance per position of lookup offers continuing a
         match of `match` context tokens."""
-        return self._source(max(match, 1)).rates()
+        return self._acceptance(max(match, 1)).rates()
 
     def verify_cost(self, s: int) -> float | None:
         """Fitted seconds for a target pass over s tokens (None before any data)."""
         return self._verify.at(s)
 
-    def draft_cost(self, n: int) -> float | None:
-        """Estimated seconds of a steady drafting call proposing n (None before any data);
-        before any later step was seen each one is taken to cost as much as the first."""
-        first = self._draft_first
-        if first is None:
-            return None
-        if self.one_pass:
-            return self._block.at(n)
-        nxt = first if self._draft_next is None else self._draft_next
-        return first + (n - 1) * nxt
+    def draft_cost(self, n: int, source: int = 0) -> float | None:
+        """Estimated seconds of a steady drafting call of `source` proposing n (None before
+        any data); before any later step was seen each one is taken to cost as much as the
+        first."""
+        return self._models[source].draft_cost(n)
 
-    @property
-    def _to_catch_up(self) -> int:
-        """Tokens the draft evaluates before its next proposal (those skipped, at most
-        the drafter's limit)."""
-        limit = self.catch_up_limit
-        return self._skipped if limit is None else min(self._skipped, limit)
+    def catch_up_cost(self, source: int = 0) -> float:
+        """Estimated seconds per skipped token `source` evaluates before it drafts (before
+        any was measured: CATCH_UP_PRIOR of a drafting call)."""
+        return self._models[source].catch_up_cost()
 
-    def catch_up_cost(self) -> float:
-        """Estimated seconds per skipped token the draft evaluates before it drafts
-        (before any was measured: CATCH_UP_PRIOR of a drafting call)."""
-        if self._catch_up is not None:
-            return self._catch_up
-        return CATCH_UP_PRIOR * (self._draft_first or 0.0)
-
-    def probe_cost(self, n: int = 2) -> float:
-        """Predicted seconds a probe of n costs beyond plain steps for the same tokens."""
+    def probe_cost(self, n: int = 2, source: int = 0) -> float:
+        """Predicted seconds a probe of n from `source` costs beyond plain steps for the
+        same tokens."""
+        m = self._models[source]
         t1 = self.verify_cost(1) or 0.0
-        own = ((self.draft_cost(n) or 0.0) + (self.verify_cost(n + 1) or t1)
-               - self.expected_tokens(n) * t1)
-        return self.catch_up_cost() * self._to_catch_up + max(own, 0.0)
+        own = ((m.draft_cost(n) or 0.0) + (self.verify_cost(n + 1) or t1)
+               - m.acceptance.expected_tokens(n) * t1)
+        return m.catch_up_cost() * m.to_catch_up + max(own, 0.0)
 
-    def expected_tokens(self, n: int) -> float:
-        return self._model.expected_tokens(n)
+    def expected_tokens(self, n: int, source: int = 0) -> float:
+        return self._models[source].acceptance.expected_tokens(n)
 
-    def rate(self, n: int) -> float | None:
-        """Predicted tokens per second of a round drafting n (None before any data)."""
+    def rate(self, n: int, source: int = 0) -> float | None:
+        """Predicted tokens per second of a round drafting n from model source `source`
+        (None before any data). Its catch-up is not counted: it is paid once, not per
+        round."""
         t1 = self.verify_cost(1)
         if t1 is None:
             return None
         plain = self._rest_plain or 0.0
         if n == 0:
             return 1.0 / (t1 + plain)
-        draft = self.draft_cost(n)
+        draft = self.draft_cost(n, source)
         if draft is None:
             return None
         rest = plain if self._rest_drafting is None else self._rest_drafting
-        return self.expected_tokens(n) / (draft + (self.verify_cost(n + 1) or t1) + rest)
+        return (self.expected_tokens(n, source)
+                / (draft + (self.verify_cost(n + 1) or t1) + rest))
 
     def lookup_rate(self, n: int, match: int) -> float | None:
         """Predicted tokens per second of verifying n tokens of a lookup offer continuing a
@@ -389,7 +451,7 @@ class AdaptiveDraftLength(DraftPolicy):
             return None
         rest = next((r for r in (self._rest_lookup, self._rest_drafting, self._rest_plain)
                      if r is not None), 0.0)
-        expected = self._source(max(match, 1)).expected_tokens(n)
+        expected = self._acceptance(max(match, 1)).expected_tokens(n)
         return expected / ((self.verify_cost(n + 1) or t1) + rest)
 
     @property
@@ -398,53 +460,94 @@ class AdaptiveDraftLength(DraftPolicy):
         return max(self.n_min, 1)
 
     def choose(self, limit: int) -> int:
-        """Draft length for the next round, at most `limit`."""
+        """Draft length for the next round, at most `limit` (its source: `choose_model`)."""
+        return self.choose_model(limit)[0]
+
+    def choose_model(self, limit: int) -> tuple[int, int]:
+        """(draft length, model source) for the next round, at most `limit` tokens; a
+        length of 0 is a plain target step."""
         limit = min(limit, self.n_max)
         shortest = self.shortest
         if limit < shortest:
-            return 0
+            return self._choice(0, self._chosen)
         probe = min(max(PROBE_LENGTH, shortest), limit)
         if self.rate(0) is None:
-            return 0  # first measure a plain target step
-        if self.draft_cost(1) is None:
-            return probe  # then a short probe for the draft and verify costs
+            return self._choice(0, self._chosen)  # first measure a plain target step
+        for s, m in enumerate(self._models):
+            if m.draft_cost(1) is None:
+                return self._choice(probe, s)  # then short probes for each source's costs
         # hysteresis: leaving n = 0 must be predicted clearly faster (a wrong start costs
-        # a catch-up on the draft as well); between draft lengths SWITCH_MARGIN decides
+        # a catch-up on the draft as well); between draft lengths and sources (the current
+        # one weighed first) SWITCH_MARGIN decides
         start = SWITCH_MARGIN if self._drafting else START_MARGIN
         base = self.rate(0) or 0.0
-        best_n, best_rate = 0, base
-        for n in range(shortest, limit + 1):
-            r = self.rate(n) or 0.0
-            if r > max(best_rate * SWITCH_MARGIN, base * start):
-                best_n, best_rate = n, r
+        best_n, best_s, best_rate = 0, self._chosen, base
+        order = [self._chosen, *(s for s in range(self.n_sources) if s != self._chosen)]
+        for s in order:
+            for n in range(shortest, limit + 1):
+                r = self.rate(n, s) or 0.0
+                if r > max(best_rate * SWITCH_MARGIN, base * start):
+                    best_n, best_s, best_rate = n, s, r
         self._drafting = best_n > 0
         if best_n == 0:
             self._idle_rounds += 1
-            n = probe
+            # the source to probe: one still thin on evidence, else the most promising
+            s = next((s for s, m in enumerate(self._models) if m.thin),
+                     max(range(self.n_sources), key=lambda s: self.rate(probe, s) or 0.0))
             # a few unlucky first rounds must not settle the request at n = 0 for good:
             # until position 1 has some evidence, probes (cheap then) are not budgeted
-            thin = bool(self._model.trials) and self._model.trials[0] < MIN_EVIDENCE
-            if self._idle_rounds >= self.probe_every and (thin or self._probe_overhead
-                    + self.probe_cost(n) <= self.probe_budget * self._elapsed):
+            if self._idle_rounds >= self.probe_every and (
+                    self._models[s].thin or self._probe_overhead + self.probe_cost(probe, s)
+                    <= self.probe_budget * self._elapsed):
                 self._idle_rounds = 0
-                self._probing = True
-                return n
-        else:
-            self._idle_rounds = 0
-            self._drafting_rounds += 1
-            if (best_n < limit and self._drafting_rounds % self.explore_every == 0
-                    and (self.rate(best_n + 1) or 0.0) >= EXPLORE_MARGIN * best_rate):
-                return best_n + 1
-        return best_n
+                self._probing, self._probe_rate = True, None
+                return self._choice(probe, s)
+            return self._choice(0, best_s)
+        self._idle_rounds = 0
+        self._drafting_rounds += 1
+        other = self._probe_other(best_s, best_rate, probe)
+        if other is not None:
+            return self._choice(probe, other)
+        if (best_n < limit and self._drafting_rounds % self.explore_every == 0
+                and (self.rate(best_n + 1, best_s) or 0.0) >= EXPLORE_MARGIN * best_rate):
+            return self._choice(best_n + 1, best_s)
+        return self._choice(best_n, best_s)
+
+    def _choice(self, n: int, source: int) -> tuple[int, int]:
+        self._chosen = source
+        return n, source
+
+    def _probe_other(self, best: int, best_rate: float, n: int) -> int | None:
+        """A model source other than `best` to probe with n tokens this round: one that has
+        not drafted for `probe_every` rounds, while thin on evidence or within the probe
+        budget (what it is predicted to cost against the chosen plan), so that a source
+        found slower early is weighed again as the text changes. None: no probe."""
+        for s, m in enumerate(self._models):
+            if s == best:
+                m.idle_rounds = 0
+                continue
+            m.idle_rounds += 1
+            if m.idle_rounds < self.probe_every * (1 if m.thin else 4):
+                continue
+            cost = (m.catch_up_cost() * m.to_catch_up + (m.draft_cost(n) or 0.0)
+                    + (self.verify_cost(n + 1) or 0.0)
+                    - self.expected_tokens(n, s) / best_rate)
+            if m.thin or (self._probe_overhead + max(cost, 0.0)
+                          <= self.probe_budget * self._elapsed):
+                m.idle_rounds = 0
+                self._probing, self._probe_rate = True, best_rate
+                return s
+        return None
 
     def choose_source(self, limit: int, offered: int, match: int, *, model: bool = True
                       ) -> tuple[int, bool]:
         """(tokens to verify, from the lookup offer?) for a round where a lookup offers
         `offered` tokens continuing a match of `match` context tokens, at no cost: the
-        offer's best length when it is predicted faster than the draft model's choice (a
-        plain step included), else `choose(limit)`'s; without a draft `model`, faster
-        than a plain step, else (0, False)."""
-        n = self.choose(limit) if model else 0
+        offer's best length when it is predicted faster than the model's choice (a
+        plain step included; its source: the last `choose_model`'s), else
+        `choose(limit)`'s; without a draft `model`, faster than a plain step, else
+        (0, False)."""
+        n, source = self.choose_model(limit) if model else (0, 0)
         if offered <= 0 or self.verify_cost(1) is None:
             return n, False
         best_m, best_rate = 0, 0.0
@@ -452,31 +555,35 @@ class AdaptiveDraftLength(DraftPolicy):
             r = self.lookup_rate(m, match) or 0.0
             if r > best_rate * SWITCH_MARGIN:
                 best_m, best_rate = m, r
-        other = (self.rate(0) if self._probing or not model else self.rate(n)) or 0.0
+        other = (self.rate(0) if self._probing or not model else self.rate(n, source)) or 0.0
         if best_m == 0 or best_rate <= other:
             return n, False
         if self._probing:  # the probe waits for the next round without an offer
             self._probing = False
             self._idle_rounds = self.probe_every
+            self._models[source].idle_rounds = self.probe_every
         return best_m, True
 
     # -- the round's interface --------------------------------------------------------------
     def plan(self, limit: int, offer: Proposal | None, runs_model: bool) -> RoundPlan:
         if offer is None:
-            return RoundPlan(self.choose(limit))
+            n, source = self.choose_model(limit)
+            return RoundPlan(n, source=source)
         n, take = self.choose_source(limit, len(offer.tokens), offer.evidence.lookup_match,
                                      model=runs_model)
-        return RoundPlan(n, take)
+        return RoundPlan(n, take, self._chosen)
 
     def observe(self, record: RoundRecord) -> None:
         """Learn from a round, in the order its facts arose: the model call's evidence,
         the target pass, the verified positions, the offer's next token, the whole round."""
         r = record
+        source = 0 if r.model_call is None else r.model_call.source
         if r.model_call is not None:
             self._observe_model_call(r.model_call, r.last_bonus_probs)
         self.observe_verify(r.n_drafted + 1, r.verify_seconds)
         if r.n_drafted:
-            self.observe_acceptance(r.n_drafted, r.n_accepted, r.lookup_match, r.accept_probs)
+            self.observe_acceptance(r.n_drafted, r.n_accepted, r.lookup_match, r.accept_probs,
+                                    source)
             nxt = r.offer_next
             if r.lookup_match and nxt is not None and r.n_accepted == r.n_drafted < len(r.emitted):
                 # the offer's next token against the bonus: the probability the target gave
@@ -486,20 +593,20 @@ class AdaptiveDraftLength(DraftPolicy):
                        else float(r.emitted[r.n_accepted] == nxt))
                 self.observe_position(r.n_accepted, hit, r.lookup_match)
         self.observe_round(r.n_drafted, len(r.emitted), r.seconds, r.draft_seconds,
-                           r.lookup_match > 0)
+                           r.lookup_match > 0, source)
 
     def _observe_model_call(self, call: ModelCall, bonus_p: np.ndarray | None) -> None:
-        """A draft model's call: its cost (when steady) and its free acceptance samples."""
-        ev = call.evidence
+        """A model source's call: its cost (when steady) and its free acceptance samples."""
+        ev, s = call.evidence, call.source
         if not ev.includes_catch_up:
-            self.observe_draft(call.seconds, ev.step_seconds[1:], call.n_requested)
+            self.observe_draft(call.seconds, ev.step_seconds[1:], call.n_requested, s)
         for i, hit in ev.guess_checks:
-            self.observe_position(i, hit)
+            self.observe_position(i, hit, source=s)
         if ev.bonus_q is not None and bonus_p is not None:
             i, q = ev.bonus_q
             self.observe_position(
-                i, acceptance_probability(bonus_p, to_width(q, bonus_p.shape[0])))
+                i, acceptance_probability(bonus_p, to_width(q, bonus_p.shape[0])), source=s)
         if ev.stopped_unsure and call.n_proposed < call.n_requested:
             # stopped short for want of confidence (p_min): position n_proposed yields
             # nothing, as a rejection there would
-            self.observe_position(call.n_proposed, False)
+            self.observe_position(call.n_proposed, False, source=s)

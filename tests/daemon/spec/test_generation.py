@@ -569,10 +569,11 @@ def test_sampled_rounds_feed_the_controller_acceptance_probabilities(models, mon
     a = gen.policy
     assert a is not None
     acc, pos = a.observe_acceptance, a.observe_position
-    a.observe_acceptance = lambda n, k, lookup=0, probs=(): (  # type: ignore[method-assign]
-        seen.extend(("round", i, x) for i, x in enumerate(probs)), acc(n, k, lookup, probs))
-    a.observe_position = lambda i, hit, lookup=0: (  # type: ignore[method-assign]
-        seen.append(("bonus", i, float(hit))), pos(i, hit, lookup))
+    a.observe_acceptance = lambda n, k, lookup=0, probs=(), source=0: (  # type: ignore[method-assign]
+        seen.extend(("round", i, x) for i, x in enumerate(probs)),
+        acc(n, k, lookup, probs, source))
+    a.observe_position = lambda i, hit, lookup=0, source=0: (  # type: ignore[method-assign]
+        seen.append(("bonus", i, float(hit))), pos(i, hit, lookup, source))
     gen.prefill()
     while not gen.done:
         gen.step()

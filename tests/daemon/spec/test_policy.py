@@ -382,7 +382,7 @@ def test_a_drafter_that_never_catches_up() -> None:
     for _ in range(5):
         a.observe_round(0, 1, 0.075, 0.0)
     a.observe_round(2, 1, 0.12, 0.04)
-    assert a.probe_cost() >= 0.0 and a._catch_up is None
+    assert a.probe_cost() >= 0.0 and a._models[0].catch_up is None
 
 
 def test_the_fixed_policy_drafts_n_max_and_takes_any_offer() -> None:
