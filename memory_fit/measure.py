@@ -100,6 +100,28 @@ class ModelCost:
         return cls(weights_bytes, kv_bytes_per_token, round(base), slope,
                    points=tuple(pts), **kw)
 
+    def beside(self, other: ModelCost) -> ModelCost:
+        """The cost of this model and `other` loaded together at the same context and
+        sequences (a head beside a draft model): bytes add up, one loads after the other,
+        the shorter trained context bounds both. At most one may have a ring cache."""
+        if self.kv_ring_rows and other.kv_ring_rows:
+            raise ValueError(f"{self.name} and {other.name} both have sliding-window "
+                             "caches: their sum is not one ring")
+        ring = self if self.kv_ring_rows else other
+        trained = [c.n_ctx_train for c in (self, other) if c.n_ctx_train]
+        return ModelCost(
+            self.weights_bytes + other.weights_bytes,
+            self.kv_bytes_per_token + other.kv_bytes_per_token,
+            self.workspace_base + other.workspace_base,
+            self.workspace_per_ctx + other.workspace_per_ctx,
+            n_ctx_train=min(trained) if trained else 0,
+            runtime_bytes=max(self.runtime_bytes, other.runtime_bytes),
+            load_extra_bytes=max(self.load_extra_bytes, other.load_extra_bytes),
+            metadata_bytes=self.metadata_bytes + other.metadata_bytes,
+            tokenizer_bytes=self.tokenizer_bytes + other.tokenizer_bytes,
+            name=f"{self.name} + {other.name}", kv_ring_rows=ring.kv_ring_rows,
+            kv_ring_bytes_per_row=ring.kv_ring_bytes_per_row)
+
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["points"] = [list(p) for p in self.points]

@@ -44,7 +44,8 @@ def engine_config_from_args(args: argparse.Namespace, *, slots: int = 1):
         raise ValueError("--spec-type synthetic needs --spec-synthetic-rates or "
                          "--spec-synthetic-mean")
     return EngineConfig(
-        target=args.model, draft=args.draft, spec_type=spec_type, n_ctx=args.n_ctx,
+        target=args.model, draft=args.draft, also_draft=getattr(args, "also_draft", None),
+        spec_type=spec_type, n_ctx=args.n_ctx,
         slots=slots, threads=args.threads, device=args.device, ngram_min=args.spec_ngram_min,
         ngram_max=args.spec_ngram_max, synthetic_rates=rates,
         synthetic_mean=args.spec_synthetic_mean, fetch=not args.no_fetch,
@@ -117,7 +118,10 @@ def run(args: argparse.Namespace) -> int:
               f"{s.mean_acceptance_length:.2f}; draft {s.draft_s:.2f}s, verify "
               f"{s.verify_s:.2f}s"
               + (f"; {s.lookup_rounds} rounds by prompt lookup ({s.lookup_accepted} accepted)"
-                 if SPEC_TYPE_REGISTRY[engine.spec_type].chains_lookup else ""),
+                 if SPEC_TYPE_REGISTRY[engine.spec_type].chains_lookup else "")
+              + ("; drafted by " + ", ".join(f"{name} {c}×" for name, c
+                                               in sorted(s.source_calls.items()))
+                 if len(s.source_calls) > 1 else ""),
               file=sys.stderr)
         print(f"specd: per-position acceptance [{acc}]; draft lengths {{{lengths}}}"
               + ("" if s.valid else "; SYNTHETIC: output not valid"), file=sys.stderr)

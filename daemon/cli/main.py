@@ -24,10 +24,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("-m", "--model", default=DEFAULT_TARGET,
                    help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
-    p.add_argument("-md", "--model-draft", dest="draft", default=None,
+    p.add_argument("-md", "--model-draft", dest="draft", action="append", default=None,
                    help="draft GGUF path or catalog name (a draft model or a drafter head); "
-                        "left out, a catalog target gets the drafter measured fastest beside "
-                        "it, where one was; none: no draft")
+                        "given twice, a head and a draft model, each round drafting with the "
+                        "one predicted faster (head+draft); left out, a catalog target gets "
+                        "the drafter measured fastest beside it, where one was; none: no "
+                        "draft")
     add_draft_build_args(p)
     add_spin_arg(p)
     from specd.daemon.drafters.registry import SPEC_TYPES
@@ -35,8 +37,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-type", default="auto", choices=SPEC_TYPES,
                    help="speculation: draft+ngram = the draft model and prompt lookup (each "
                         "round verifies the faster-predicted one); draft-dflash = a DFlash "
-                        "head (-md head.gguf) and prompt lookup; auto = picked by the -md "
-                        "file (a head's kind, else draft+ngram), none without -md")
+                        "head (-md head.gguf) and prompt lookup; head+draft = a head and a "
+                        "draft model (-md twice) and prompt lookup; auto = picked by the -md "
+                        "files (a head's kind, draft+ngram, head+draft), none without -md")
     p.add_argument("--spec-draft-n-max", dest="n_max", type=int, default=8,
                    help="most tokens drafted per round (default 8)")
     p.add_argument("--spec-draft-n-min", dest="n_min", type=int, default=0,

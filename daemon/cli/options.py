@@ -41,21 +41,41 @@ NO_DRAFT = "none"  # `-md none`: decode without a draft file
 
 
 def settle_draft(args: argparse.Namespace) -> None:
-    """Settle `-md`: `none` is no draft file; left out under --spec-type auto, a catalog
-    target speculates with the drafter measured fastest beside it, the reason said (and
-    `args.draft_fallbacks` lists the next fastest, for a memory plan it does not fit)."""
+    """Settle `-md` (given up to twice) into `args.draft` and `args.also_draft`: `none` is
+    no draft file; left out under --spec-type auto, a catalog target speculates with the
+    drafter measured fastest beside it, the reason said (and `args.draft_fallbacks` lists
+    the next fastest, for a memory plan it does not fit). A measured drafter named `a+b`
+    is two draft files run side by side (a head and a draft model)."""
+    given = args.draft if isinstance(args.draft, list) else [args.draft] * (args.draft is not None)
+    if len(given) > 2:
+        raise ValueError("-md: at most two draft files (a drafter head and a draft model), "
+                         f"got {len(given)}")
     args.draft_fallbacks = ()
-    if args.draft == NO_DRAFT:
-        args.draft = None
+    if given == [NO_DRAFT]:
+        args.draft, args.also_draft = None, None
         return
-    if args.draft is not None or args.spec_type != "auto":
+    if NO_DRAFT in given:
+        raise ValueError(f"-md {NO_DRAFT} runs without a draft and names no other")
+    if given or args.spec_type != "auto":
+        args.draft, args.also_draft = (given + [None, None])[:2]
         return
+    args.draft, args.also_draft = None, None
     from specd.daemon.models.default_drafter import default_drafter
 
     choice = default_drafter(args.model)
     if choice is not None:
         print(f"specd: {choice.reason}", file=sys.stderr)
-        args.draft, args.draft_fallbacks = choice.draft, choice.fallbacks
+        args.draft, args.also_draft = split_drafter(choice.draft)
+        args.draft_fallbacks = choice.fallbacks
+
+
+def split_drafter(name: str | None) -> tuple[str | None, str | None]:
+    """A measured drafter's draft files (catalog names): `a` alone, or `a+b` (a head and a
+    draft model side by side)."""
+    if not name:
+        return None, None
+    first, _, second = name.partition("+")
+    return first, second or None
 
 
 def add_spin_arg(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .generate import engine_config_from_args
-from .options import build_progress, int_at_least, settle_draft
+from .options import build_progress, int_at_least, settle_draft, split_drafter
 
 if TYPE_CHECKING:
     from specd.daemon.control.log_file import LogRotation
@@ -100,8 +100,9 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
     # -c as the runner takes it (whole buckets, rounded up), and no smaller floor than it
     max_ctx = None if args.n_ctx is None else round_up(args.n_ctx, ATTN_BUCKET)
 
-    def fit_with(draft: str | None) -> Any:
-        plan, _ = fit_models(args.model, draft, device=args.device, slots=args.slots,
+    def fit_with(draft: str | None, also: str | None = None) -> Any:
+        plan, _ = fit_models(args.model, draft, also_draft=also, device=args.device,
+                             slots=args.slots,
                              max_ctx=max_ctx,
                              min_ctx=min(DEFAULT_MIN_CTX, max_ctx or DEFAULT_MIN_CTX),
                              threads=args.threads, fetch=not args.no_fetch,
@@ -110,14 +111,16 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
                              progress=ProgressBar(), embedding_model=args.embedding_model)
         return plan
 
-    plan = fit_with(args.draft if uses_draft else None)
+    also = getattr(args, "also_draft", None)
+    plan = fit_with(args.draft, also) if uses_draft else fit_with(None)
     # a drafter chosen by measurement that does not fit: the next fastest that does
     for fallback in getattr(args, "draft_fallbacks", ()) if plan.draft_dropped else ():
-        second = fit_with(fallback)
+        second = fit_with(*split_drafter(fallback))
         if not second.draft_dropped:
-            print(f"specd: {args.draft} does not fit in memory beside the target; "
+            chosen = args.draft + (f"+{also}" if also else "")
+            print(f"specd: {chosen} does not fit in memory beside the target; "
                   f"{fallback}, measured next fastest, does", file=sys.stderr)
-            args.draft, plan = fallback, second
+            (args.draft, args.also_draft), plan = split_drafter(fallback), second
             break
     for w in plan.warnings:
         print(f"specd: warning: {w}", file=sys.stderr)
@@ -125,7 +128,7 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
           + (", draft dropped" if plan.draft_dropped else ""), file=sys.stderr)
     args.n_ctx, args.slots = plan.n_ctx, plan.slots
     if plan.draft_dropped:
-        args.draft = None
+        args.draft = args.also_draft = None
         spec = SPEC_TYPE_REGISTRY.get(args.spec_type)
         if args.spec_type == "auto" or (spec is not None and spec.chains_lookup):
             args.spec_type = "ngram"  # the lookup half needs no memory
@@ -185,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     d = service.engine.describe()
     print(f"specd: target {d['target']['name']}, spec {d['spec_type']}"
           + (f", draft {d['draft']['name']}" if "draft" in d else "")
+          + (f", head {d['head']['name']}" if "head" in d else "")
           + f", n_ctx {d['n_ctx']}, slots {d['slots']}", file=sys.stderr, flush=True)
     app = create_app(service, allowed_origins=scfg.allowed_origins, access=access,
                      memory_plan=memory_plan, strict_model_name=args.strict_model_name)

@@ -69,7 +69,7 @@ def _argv_for(args: argparse.Namespace, actions: list[argparse.Action],
                 out.append(opt)
         elif isinstance(value, list):
             for v in value:
-                out += [opt, str(v)]
+                out += [opt, _absolute(a.dest, str(v)) if a.dest in _PATH_DESTS else str(v)]
         else:
             v = _absolute(a.dest, str(value)) if a.dest in _PATH_DESTS else str(value)
             out += [opt, v]

@@ -31,6 +31,10 @@ class HybridDrafter(Drafter):
         self.one_pass = model.one_pass
         self.step_runner = model.step_runner
 
+    @property
+    def model_sources(self) -> Sequence[Drafter]:
+        return self.model.model_sources
+
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
         self.model.begin(seq, prompt, sampler, features)

@@ -3,8 +3,9 @@
 The engine, the CLI and the bench all build drafters here. `auto` and `none` are not
 drafters: `auto` resolves by the draft file (`-md`): a head (its kind recognised from its
 metadata, `ort_models.heads.head_kind`) to its type (`draft-dflash`, `draft-dspark`,
-`draft-dflash2`, `draft-eagle3`), a draft model to `draft+ngram`, no draft to `none`.
-Prompt lookup offers its proposals in front of a model or a head.
+`draft-dflash2`, `draft-eagle3`), a draft model to `draft+ngram`, a head and a draft model
+(two draft files) to `head+draft`, no draft to `none`. Prompt lookup offers its proposals
+in front of a model or a head.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from specd.ort_models.runner import ModelRunner
 from .dflash import DFlash2Drafter, DFlashDrafter
 from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter
+from .head_and_model import HeadAndModelDrafter
 from .hybrid import HybridDrafter
 from .ngram import NgramDrafter
 from .synthetic import SyntheticDrafter
+
+HEAD_AND_MODEL = "head+draft"  # the spec type of two draft files: a head and a model
 
 
 class SpecTypeError(ValueError):
@@ -53,6 +57,8 @@ class SpecType:
     # other spec types' names that mean this one for a file of its head kind (llama.cpp
     # names no DFlash2 type: its draft-dflash runs DFlash2 heads)
     also_named: tuple[str, ...] = ()
+    # loads two draft files, a head and a draft model (head_kind: any the registry runs)
+    loads_head_and_model: bool = False
 
 
 def _model(inputs: DrafterInputs) -> DraftModelDrafter:
@@ -60,22 +66,27 @@ def _model(inputs: DrafterInputs) -> DraftModelDrafter:
     return DraftModelDrafter(inputs.draft_runner, vocab_limit=inputs.target_vocab)
 
 
-def _dflash(inputs: DrafterInputs) -> HybridDrafter:
-    """A DFlash-family head (DFlash, DSpark), with prompt lookup in front."""
+# each head kind's drafter (DSpark heads draft a DFlash block; llama.cpp's draft-dflash
+# runs DFlash2 heads too)
+HEAD_DRAFTERS: dict[str, Callable[[HeadRunner], Drafter]] = {
+    "dflash": DFlashDrafter, "dspark": DFlashDrafter, "dflash2": DFlash2Drafter,
+    "eagle3": Eagle3Drafter}
+
+
+def _head(inputs: DrafterInputs) -> Drafter:
+    """The drafter of the loaded head's kind."""
     assert inputs.head_runner is not None
-    return HybridDrafter(DFlashDrafter(inputs.head_runner), _ngram(inputs))
+    return HEAD_DRAFTERS[inputs.head_runner.built.head.kind](inputs.head_runner)
 
 
-def _dflash2(inputs: DrafterInputs) -> HybridDrafter:
-    """A DFlash2 head, with prompt lookup in front."""
-    assert inputs.head_runner is not None
-    return HybridDrafter(DFlash2Drafter(inputs.head_runner), _ngram(inputs))
+def _head_with_lookup(inputs: DrafterInputs) -> HybridDrafter:
+    """A head, with prompt lookup in front."""
+    return HybridDrafter(_head(inputs), _ngram(inputs))
 
 
-def _eagle3(inputs: DrafterInputs) -> HybridDrafter:
-    """An EAGLE-3 head, with prompt lookup in front."""
-    assert inputs.head_runner is not None
-    return HybridDrafter(Eagle3Drafter(inputs.head_runner), _ngram(inputs))
+def _head_and_model(inputs: DrafterInputs) -> HybridDrafter:
+    """A head and a draft model, each round drafting with one, prompt lookup in front."""
+    return HybridDrafter(HeadAndModelDrafter(_head(inputs), _model(inputs)), _ngram(inputs))
 
 
 def _ngram(inputs: DrafterInputs) -> NgramDrafter:
@@ -93,11 +104,13 @@ SPEC_TYPE_REGISTRY: dict[str, SpecType] = {s.name: s for s in (
     SpecType("draft+ngram", True, lambda i: HybridDrafter(_model(i), _ngram(i)),
              chains_lookup=True),
     SpecType("synthetic", False, _synthetic),
-    SpecType("draft-dflash", True, _dflash, head_kind="dflash", chains_lookup=True),
-    SpecType("draft-dspark", True, _dflash, head_kind="dspark", chains_lookup=True),
-    SpecType("draft-dflash2", True, _dflash2, head_kind="dflash2", chains_lookup=True,
-             also_named=("draft-dflash",)),
-    SpecType("draft-eagle3", True, _eagle3, head_kind="eagle3", chains_lookup=True),
+    SpecType("draft-dflash", True, _head_with_lookup, head_kind="dflash", chains_lookup=True),
+    SpecType("draft-dspark", True, _head_with_lookup, head_kind="dspark", chains_lookup=True),
+    SpecType("draft-dflash2", True, _head_with_lookup, head_kind="dflash2",
+             chains_lookup=True, also_named=("draft-dflash",)),
+    SpecType("draft-eagle3", True, _head_with_lookup, head_kind="eagle3", chains_lookup=True),
+    SpecType(HEAD_AND_MODEL, True, _head_and_model, chains_lookup=True,
+             loads_head_and_model=True),
 )}
 SPEC_TYPES = ("auto", "none", *SPEC_TYPE_REGISTRY)
 # the spec types that load a draft model
@@ -112,10 +125,20 @@ def check_spec_type(spec_type: str, draft: str | None) -> None:
         raise SpecTypeError(f"--spec-type {spec_type} needs a draft model (-md)")
 
 
-def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None = None) -> str:
+def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None = None,
+                      head_and_model: bool = False) -> str:
     """The spec type to run: `auto` resolved by the draft file's kind (`head_kind`: None for
-    a draft model), a type that needs another kind of draft file refused."""
+    a draft model; `head_and_model`: two draft files were given, a head and a draft model),
+    a type that needs another kind of draft file refused."""
     check_spec_type(spec_type, draft)
+    if head_and_model or spec_type == HEAD_AND_MODEL:
+        if head_and_model and spec_type in ("auto", HEAD_AND_MODEL):
+            return HEAD_AND_MODEL
+        if head_and_model:
+            raise SpecTypeError(f"--spec-type {spec_type} runs one draft file, and -md names "
+                                f"a head and a draft model (both run as {HEAD_AND_MODEL})")
+        raise SpecTypeError(f"--spec-type {HEAD_AND_MODEL} needs a head and a draft model: "
+                            "-md twice")
     if spec_type == "auto":
         if not draft:
             return "none"
@@ -149,6 +172,10 @@ def make_drafter(spec_type: str, inputs: DrafterInputs) -> Drafter | None:
     spec = SPEC_TYPE_REGISTRY.get(spec_type)
     if spec is None:
         raise SpecTypeError(f"unknown spec type {spec_type!r} (one of {', '.join(SPEC_TYPES)})")
+    if spec.loads_head_and_model:
+        if inputs.head_runner is None or inputs.draft_runner is None:
+            raise SpecTypeError(f"spec type {spec_type} needs a head and a draft model")
+        return spec.build(inputs)
     loaded = inputs.draft_runner if spec.head_kind is None else inputs.head_runner
     if spec.loads_draft_model and loaded is None:
         raise SpecTypeError(f"spec type {spec_type} needs a draft "

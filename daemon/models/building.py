@@ -121,37 +121,37 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                use_cache: bool = True, probe: MemoryProbe | None = None,
                build_progress: BuildProgress | None = None, draft_quant: str = "auto",
                draft_vocab: int = DRAFT_VOCAB_ROWS, progress: Any = None,
-               embedding_model: str | os.PathLike[str] | None = None
+               embedding_model: str | os.PathLike[str] | None = None,
+               also_draft: str | os.PathLike[str] | None = None
                ) -> tuple[Plan, list[ModelCost]]:
     """Resolve, build, measure and fit target (+ draft, + an embedding model of its own,
-    counted beside them); returns the plan and the costs (the embedding model's last)."""
+    counted beside them); returns the plan and the costs (the embedding model's last).
+    `also_draft`: a second draft file loaded with `draft` (a head beside a draft model),
+    planned with it as one draft."""
     from specd.daemon.models.store import resolve_model
 
     dev = resolve_device(device)
     free = FakeProbe.snapshot(probe or probe_for(dev))  # before anything is loaded
     bp = build_progress or (lambda label: None)
     target_path = resolve_model(target, fetch=fetch, progress=progress, to_run=True)  # a bar
-    draft_path = (None if draft is None
-                  else resolve_model(draft, fetch=fetch, progress=progress, to_run=True))
-    head = None if draft_path is None else draft_head(draft_path)
-    costs = []
-    target_graph = None
-    for label, path in (("target", target_path), ("draft", draft_path)):
-        if path is None or (label == "draft" and head is not None):
-            continue
-        built = built_model(path, bp(label),
-                            build_options(label, draft_quant, dev, draft_vocab, head))
-        if label == "target":
-            target_graph = built.model_path
-        trained = built.hparams.n_ctx_train
-        if 0 < trained < ATTN_BUCKET:  # nothing to measure at, nothing to plan
-            raise FitError(f"a context of at least {ATTN_BUCKET} tokens is needed; "
-                           f"{Path(path).name} was trained on {trained}")
-        costs.append(measure(built, dev, threads=threads, use_cache=use_cache))
-    if head is not None and draft_path is not None:
-        costs.append(head_cost(load_or_build_head(draft_path, target_path, bp("draft head"),
-                                                  device=dev),
-                               target_graph if shares_on(dev) else None))
+    draft_paths = [resolve_model(d, fetch=fetch, progress=progress, to_run=True)
+                   for d in (draft, also_draft) if d is not None]
+    heads = [draft_head(path) for path in draft_paths]
+    head = next((h for h in heads if h is not None), None)  # the target outputs its layers
+    target_built = built_model(target_path, bp("target"),
+                               build_options("target", draft_quant, dev, draft_vocab, head))
+    costs = [_measured(target_built, dev, threads, use_cache)]
+    drafts: list[ModelCost] = []
+    for path, head in zip(draft_paths, heads, strict=True):
+        if head is None:
+            drafts.append(_measured(built_model(path, bp("draft"), build_options(
+                "draft", draft_quant, dev, draft_vocab)), dev, threads, use_cache))
+        else:
+            drafts.append(head_cost(load_or_build_head(path, target_path, bp("draft head"),
+                                                       device=dev),
+                                    target_built.model_path if shares_on(dev) else None))
+    if drafts:
+        costs.append(drafts[0] if len(drafts) == 1 else drafts[0].beside(drafts[1]))
     beside = None
     if embedding_model is not None:
         path = resolve_model(embedding_model, fetch=fetch, progress=progress, to_run=True)
@@ -161,6 +161,16 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
                margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx, beside=beside)
     return plan, costs + ([beside] if beside is not None else [])
+
+
+def _measured(built: BuiltModel, device: str, threads: int | None, use_cache: bool
+              ) -> ModelCost:
+    """A built model's measured cost (a context too short to plan at refused)."""
+    trained = built.hparams.n_ctx_train
+    if 0 < trained < ATTN_BUCKET:  # nothing to measure at, nothing to plan
+        raise FitError(f"a context of at least {ATTN_BUCKET} tokens is needed; "
+                       f"{built.gguf_path.name} was trained on {trained}")
+    return measure(built, device, threads=threads, use_cache=use_cache)
 
 
 def draft_head(path: str | os.PathLike[str]) -> HeadParams | None:

@@ -5,7 +5,8 @@ fastest beside it.
 speed as a multiple of target-only decoding, per workload (prompt kind and temperature),
 as `bench/head_vs_draft.py --write-choice` wrote it from one benchmark run. The choice is
 the drafter with the highest geometric mean over the workloads; no drafter where none is
-faster than the target alone.
+faster than the target alone. A drafter named `a+b` is a head and a draft model run side by
+side (spec type head+draft).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ CHOICE_FILE = "speculation.json"
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    draft: str | None  # a catalog name; None: decode without speculation
+    draft: str | None  # a catalog name, or two joined by "+"; None: decode without
     reason: str  # one line for the user: what was measured and what it showed
     # the other drafters measured faster than target-only, fastest first: where `draft`
     # does not fit in memory beside the target, the next that does
@@ -52,7 +53,8 @@ def default_drafter(target: str, table: dict[str, Any] | None = None) -> Drafter
     if not entry:
         return None
     speeds = {name: _geomean(list(cells.values()))
-              for name, cells in entry["speedup"].items() if name in CATALOG and cells}
+              for name, cells in entry["speedup"].items()
+              if cells and all(part in CATALOG for part in name.split("+"))}
     if not speeds:
         return None
     ranked = sorted(speeds.items(), key=lambda kv: kv[1], reverse=True)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from specd.daemon.drafters.registry import (
+    HEAD_DRAFTERS,
     MODEL_SPEC_TYPES,
     DrafterInputs,
     SpecTypeError,
@@ -60,6 +61,11 @@ class EngineError(Exception):
     """A configuration that cannot be loaded (message for the user)."""
 
 
+def _what_draft(kind: str | None) -> str:
+    """A draft file's kind, for messages: a draft model (None), or a head of its kind."""
+    return "a draft model" if kind is None else f"a {kind} head"
+
+
 DEFAULT_N_CTX = 4096  # per sequence, capped at the model's trained context
 
 
@@ -67,6 +73,9 @@ DEFAULT_N_CTX = 4096  # per sequence, capped at the model's trained context
 class EngineConfig:
     target: str
     draft: str | None = None
+    # a second draft file: a head beside a draft model (`draft` the other), each round
+    # drafting with the one predicted faster (spec type head+draft)
+    also_draft: str | None = None
     spec_type: str = "auto"
     n_ctx: int = DEFAULT_N_CTX
     slots: int = 1
@@ -147,21 +156,43 @@ class Engine:
         target_path = self._resolve(cfg.target, progress)
         loads_draft = cfg.draft is not None and (cfg.spec_type == "auto"
                                                  or cfg.spec_type in MODEL_SPEC_TYPES)
-        draft_path = self._resolve(cfg.draft, progress) if loads_draft else None
         tgt_file = GGUFFile(target_path)
-        d_file = GGUFFile(draft_path) if draft_path is not None else None
-        # a drafter head (its kind from the file's metadata) or a draft model
-        self.draft_kind = None if d_file is None else head_kind(d_file.metadata, d_file.tensors)
+        # each draft file: a drafter head (its kind from the file's metadata) or a model
+        drafts = [(path, f, head_kind(f.metadata, f.tensors)) for path, f in (
+            (path, GGUFFile(path)) for path in (self._resolve(name, progress) for name in (
+                cfg.draft, cfg.also_draft) if name is not None and loads_draft))]
+        if len(drafts) == 2 and sum(kind is not None for _, _, kind in drafts) != 1:
+            raise EngineError("two draft files run side by side must be a drafter head and "
+                              "a draft model; -md names " + " and ".join(
+                                  f"{path.name} ({_what_draft(kind)})"
+                                  for path, _, kind in drafts))
+        drafts.sort(key=lambda d: d[2] is None)  # the head first
+        # the draft file's kind, the head's beside a draft model (None: a draft model)
+        self.draft_kind = draft_kind = drafts[0][2] if drafts else None
         try:
-            self.spec_type = resolve_spec_type(cfg.spec_type, cfg.draft, self.draft_kind)
+            self.spec_type = resolve_spec_type(cfg.spec_type, cfg.draft, draft_kind,
+                                               head_and_model=len(drafts) == 2)
         except SpecTypeError as exc:
             raise EngineError(str(exc)) from None
-        head = None if d_file is None else self._check_draft(tgt_file, d_file)
+        if len(drafts) == 2 and draft_kind not in HEAD_DRAFTERS:
+            raise EngineError(f"{drafts[0][0].name} is a {draft_kind} drafter head, which "
+                              f"specd does not run yet")
+        head = None  # a head's parameters
+        head_path: Path | None = None
+        draft_path: Path | None = None  # a draft model
+        d_file: GGUFFile | None = None
+        for path, f, kind in drafts:
+            checked = self._check_draft(tgt_file, f, kind)
+            if checked is None:
+                draft_path, d_file = path, f
+            else:
+                head, head_path = checked, path
         # what the draft file is and the speculation it runs, said at start
-        self.draft_choice = "" if head is None or draft_path is None else (
-            f"{draft_path.name} is a {head.kind} head ({head.arch} architecture, "
-            f"{head.n_layer} layers, reading target layers {list(head.target_layers)}): "
-            f"speculation {self.spec_type}"
+        self.draft_choice = "" if head is None or head_path is None else (
+            f"{head_path.name} is a {head.kind} head ({head.arch} architecture, "
+            f"{head.n_layer} layers, reading target layers {list(head.target_layers)})"
+            + ("" if draft_path is None else f", beside the draft model {draft_path.name}")
+            + f": speculation {self.spec_type}"
             + (" (chosen by --spec-type auto)" if cfg.spec_type == "auto" else ""))
         before_tokenizer = rss_bytes()
         self.tokenizer = Tokenizer.from_metadata(tgt_file.metadata)
@@ -173,7 +204,7 @@ class Engine:
             target_options = build_options("target", device=self.runtime.device, head=head)
             draft_options = (build_options("draft", cfg.draft_quant, self.runtime.device,
                                            cfg.draft_vocab)
-                             if draft_path is not None and head is None else None)
+                             if draft_path is not None else None)
         except BuildError as exc:
             raise EngineError(str(exc)) from None
         # embeddings from the target: its graph also outputs the layer they read
@@ -183,9 +214,9 @@ class Engine:
             target_options = replace(target_options, hidden_layers=tuple(sorted(
                 {*target_options.hidden_layers, target_head.layer})))
         built_head = None  # a head's graphs, built first: they share the target's weights
-        if draft_path is not None and head is not None:
+        if head_path is not None:
             try:
-                built_head = load_or_build_head(draft_path, target_path, bp("draft head"),
+                built_head = load_or_build_head(head_path, target_path, bp("draft head"),
                                                 device=self.runtime.device)
             except ValueError as exc:  # a head kind or feature not built yet
                 raise EngineError(str(exc)) from None
@@ -218,11 +249,12 @@ class Engine:
         elif cfg.embedding_model is not None:
             self.embedder = self._load_embedder(cfg.embedding_model, progress, bp)
 
-    def _check_draft(self, tgt_file: GGUFFile, d_file: GGUFFile) -> HeadParams | None:
+    def _check_draft(self, tgt_file: GGUFFile, d_file: GGUFFile, kind: str | None
+                     ) -> HeadParams | None:
         """Refuse a draft file that cannot draft for the target, before anything is built;
-        a head's parameters (None for a draft model)."""
+        a head's parameters (None for a draft model: `kind` None)."""
         name, target = Path(d_file.path).name, Path(tgt_file.path).name
-        if self.draft_kind is None:
+        if kind is None:
             problems = draft_incompatibilities(tgt_file.metadata, d_file.metadata)
             head = None
         else:
@@ -382,7 +414,9 @@ class Engine:
                               self.draft.built.hparams.n_vocab)}
         if self.head is not None:
             head = self.head.built.head
-            d["draft"] = {"path": str(self.head.built.head_path), "arch": head.arch,
+            d["head" if self.draft is not None else "draft"] = {
+                "name": self.head.built.head_path.name,
+                "path": str(self.head.built.head_path), "arch": head.arch,
                           "kind": head.kind, "n_layer": head.n_layer,
                           "target_layers": list(head.target_layers),
                           "block_size": head.block_size, "n_ctx": self.head.n_ctx}

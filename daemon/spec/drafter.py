@@ -4,7 +4,8 @@ A round for sequence `seq`, with `last` the newest token (at position `pos`, not
 evaluated by the target):
 
     offer = drafter.offer(seq, last, pos, n_max)          # a free proposal, if it has one
-    proposal = drafter.draft(seq, last, pos, n, params)   # or a model's proposal
+    proposal = drafter.draft(seq, last, pos, n, params)   # or a model's proposal (from one
+      of `model_sources`, where a drafter holds several)
       (or, stepwise, `draft_steps`: its model calls yielded one at a time, so that the
       calls of several sequences run in one pass of `step_runner`)
     ... the target verifies [last, *proposal.tokens] in one pass ...
@@ -198,6 +199,14 @@ class Drafter(ABC):
     one_pass: bool = False
     #: the runner whose calls `draft_steps` yields (None: it yields none)
     step_runner: StepRunner | None = None
+
+    @property
+    def model_sources(self) -> Sequence[Drafter]:
+        """The drafters a round may draft with (`draft_steps`), one per round, the policy
+        choosing (`RoundPlan.source`): this one, or those a drafter of several sources
+        holds (a head and a draft model). Each declares its own `catch_up`, `one_pass`
+        and `step_runner`."""
+        return (self,)
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,7 @@ from .policy import (
     ModelCall,
     RoundPlan,
     RoundRecord,
+    SourceTraits,
 )
 from .sampling import (
     Sampler,
@@ -98,9 +100,9 @@ def make_policy(params: GenerationParams, drafter: Drafter | None) -> DraftPolic
     """The request's draft-length policy: adaptive, or n_max every round."""
     dp = params.draft
     if params.adaptive:
-        return AdaptiveDraftLength(dp.n_max, n_min=dp.n_min,
-                                   catch_up_limit=None if drafter is None else drafter.catch_up,
-                                   one_pass=drafter is not None and drafter.one_pass)
+        sources = () if drafter is None else tuple(
+            SourceTraits(d.one_pass, d.catch_up) for d in drafter.model_sources)
+        return AdaptiveDraftLength(dp.n_max, n_min=dp.n_min, sources=sources)
     return FixedDraftLength(dp.n_max, n_min=dp.n_min)
 
 
@@ -112,6 +114,19 @@ class _Proposed:
     model_call: ModelCall | None = None
     offer_next: int | None = None  # the offer's token after those kept (all of them kept)
     seconds: float = 0.0  # what proposing cost this sequence (its share of shared passes)
+
+
+@dataclass
+class _RoundSourceRunner:
+    """Runs a generation's drafter calls on the runner of its round's model source (known
+    only once the round is planned)."""
+
+    gen: Generation
+
+    def forward_batch(self, calls: Sequence[Any]) -> list[Any]:
+        runner = self.gen.step_runner
+        assert runner is not None, "a draft yielded a call with no runner to run it"
+        return runner.forward_batch(calls)
 
 
 @dataclass
@@ -178,6 +193,7 @@ class Generation:
         self._bonus_p: np.ndarray | None = None
         self._t_decode = time.perf_counter()
         self._pending: _PrefillChunk | _Round | None = None  # begun by next_call
+        self._source = 0  # the round's model source (an index into model_sources)
         self._on_progress = on_prompt_progress
         # post-sampling logprobs under a grammar: its state advanced in step with the
         # tokens recorded, for the mask each one was decided under
@@ -343,12 +359,15 @@ class Generation:
         pass): before the prompt is in, its next chunk (at most `prefill_budget` tokens);
         then the round's plan and proposal, and the call over [last, *draft]. None where
         the step needs no pass (done, or it ended here); else `complete` must follow."""
-        return run_steps(self.step_calls(prefill_budget), self.step_runner)
+        return run_steps(self.step_calls(prefill_budget), _RoundSourceRunner(self))
 
     @property
     def step_runner(self) -> StepRunner | None:
-        """The runner of the drafter's model calls that `step_calls` yields."""
-        return None if self.drafter is None else self.drafter.step_runner
+        """The runner of the drafter's model calls that `step_calls` yields: the round's
+        model source's."""
+        if self.drafter is None:
+            return None
+        return self.drafter.model_sources[self._source].step_runner
 
     def step_calls(self, prefill_budget: int | None = None
                    ) -> Generator[Call, CallOutput, Call | None]:
@@ -433,15 +452,19 @@ class Generation:
             return _Proposed(Proposal([]))
         assert self._last is not None
         fork = None if self.grammar is None else self.grammar.fork()
+        self._source = plan.source
+        source = self.drafter.model_sources[plan.source]
         try:
-            drafted, seconds = yield from timed_steps(self.drafter.draft_steps(
+            drafted, seconds = yield from timed_steps(source.draft_steps(
                 self.seq, self._last, self._pos, plan.n,
                 replace(dp, backend_sampling=self.params.backend_sampling), fork))
         except Exception:  # a failing draft never fails the request: go on target-only
             self.drafter = None
             return _Proposed(Proposal([]))
         self.stats.draft_s += seconds
-        call = ModelCall(plan.n, len(drafted.tokens), seconds, drafted.evidence)
+        self.stats.record_source(source.name)
+        call = ModelCall(plan.n, len(drafted.tokens), seconds, drafted.evidence,
+                         plan.source)
         return _Proposed(self._usable(drafted.truncate(plan.n)), model_call=call,
                          seconds=seconds)
 

@@ -17,6 +17,9 @@ class SpecStats:
     draft_lengths: dict[int, int] = field(default_factory=dict)  # n -> rounds drafted n
     lookup_rounds: int = 0  # rounds whose draft came from a prompt lookup (no model ran)
     lookup_accepted: int = 0  # drafts of those rounds the target accepted
+    # model calls per source (a drafter's name: "draft", "dflash", ...), where a drafter
+    # of several sources chose one per round
+    source_calls: dict[str, int] = field(default_factory=dict)
     draft_s: float = 0.0
     verify_s: float = 0.0
     prompt_tokens: int = 0
@@ -45,6 +48,10 @@ class SpecStats:
                 self.reached_at[i] += 1
             if i < n_accepted:
                 self.accepted_at[i] += 1
+
+    def record_source(self, name: str) -> None:
+        """A model source drafted this round."""
+        self.source_calls[name] = self.source_calls.get(name, 0) + 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -87,6 +94,8 @@ class SpecStats:
             self.reached_at[i] += other.reached_at[i]
         for n, c in other.draft_lengths.items():
             self.draft_lengths[n] = self.draft_lengths.get(n, 0) + c
+        for name, c in other.source_calls.items():
+            self.source_calls[name] = self.source_calls.get(name, 0) + c
         self.valid = self.valid and other.valid
 
     def as_dict(self) -> dict[str, object]:
@@ -97,6 +106,7 @@ class SpecStats:
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
             "draft_lengths": dict(sorted(self.draft_lengths.items())),
             "lookup_rounds": self.lookup_rounds, "lookup_accepted": self.lookup_accepted,
+            "source_calls": dict(sorted(self.source_calls.items())),
             "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
             "cached_tokens": self.cached_tokens,

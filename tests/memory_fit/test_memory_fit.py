@@ -421,6 +421,7 @@ def test_serve_plan_keeps_lookup_and_takes_c_as_the_runner_does(
     """`serve -c` is rounded up to whole buckets as the runner rounds it; when the draft
     is dropped, `--spec-type auto` keeps prompt lookup (it needs no memory)."""
     from specd.daemon.cli.main import build_parser
+    from specd.daemon.cli.options import settle_draft
     from specd.daemon.cli.serve import plan_memory
     from specd.daemon.models import building
     from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES
@@ -432,6 +433,7 @@ def test_serve_plan_keeps_lookup_and_takes_c_as_the_runner_does(
     def planned(*argv: str) -> argparse.Namespace:
         args = build_parser().parse_args(["serve", "-m", gguf, "--device", "cpu", "-t", "1",
                                           *argv])
+        settle_draft(args)
         plan_memory(args)
         return args
 
@@ -454,6 +456,7 @@ def test_serve_plan_falls_back_to_the_next_measured_drafter_that_fits(
     """A drafter chosen by measurement (`settle_draft`) that does not fit beside the target
     gives way to the next fastest measured one that does (a small head), not to lookup."""
     from specd.daemon.cli.main import build_parser
+    from specd.daemon.cli.options import settle_draft
     from specd.daemon.cli.serve import plan_memory
     from specd.daemon.models import building
     from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES
@@ -473,6 +476,7 @@ def test_serve_plan_falls_back_to_the_next_measured_drafter_that_fits(
     monkeypatch.setattr(building, "probe_for", lambda dev: probe(room))
     args = build_parser().parse_args(["serve", "-m", gguf, "-md", gguf, "--device", "cpu",
                                       "-t", "1", "-c", "1024"])
+    settle_draft(args)
     args.draft_fallbacks = (head,)  # as settle_draft sets it from the measured table
     plan = plan_memory(args)
     assert args.draft == head and args.spec_type == "auto"

@@ -22,9 +22,24 @@ from specd.ort_models.runner import ModelRunner
 
 def test_spec_types_name_the_registry() -> None:
     assert SPEC_TYPES == ("auto", "none", "draft", "ngram", "draft+ngram", "synthetic",
-                          "draft-dflash", "draft-dspark", "draft-dflash2", "draft-eagle3")
+                          "draft-dflash", "draft-dspark", "draft-dflash2", "draft-eagle3",
+                          "head+draft")
     assert MODEL_SPEC_TYPES == ("draft", "draft+ngram", "draft-dflash", "draft-dspark",
-                                "draft-dflash2", "draft-eagle3")
+                                "draft-dflash2", "draft-eagle3", "head+draft")
+
+
+def test_two_draft_files_resolve_to_head_and_draft() -> None:
+    """A head and a draft model run side by side; no other type takes two files, and
+    head+draft takes no fewer."""
+    assert resolve_spec_type("auto", "h.gguf", "dflash", head_and_model=True) == "head+draft"
+    assert resolve_spec_type("head+draft", "h.gguf", "dflash",
+                             head_and_model=True) == "head+draft"
+    with pytest.raises(SpecTypeError, match="draft-dflash runs one draft file"):
+        resolve_spec_type("draft-dflash", "h.gguf", "dflash", head_and_model=True)
+    with pytest.raises(SpecTypeError, match="needs a head and a draft model: -md twice"):
+        resolve_spec_type("head+draft", "h.gguf", "dflash")
+    with pytest.raises(SpecTypeError, match="needs a head and a draft model"):
+        make_drafter("head+draft", DrafterInputs())
 
 
 def test_auto_resolves_by_whether_there_is_a_draft() -> None:

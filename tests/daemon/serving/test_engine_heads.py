@@ -33,8 +33,8 @@ def _engine(target: Path, draft: Path | None, spec_type: str = "auto") -> Engine
 
 
 def _generate(engine: Engine, **params: object) -> list[int]:
-    params = {"draft": DraftParams(n_max=4), **params}
-    gen = engine.start(0, PROMPT, GenerationParams(max_tokens=40, ignore_eos=True, **params))
+    params = {"draft": DraftParams(n_max=4), "max_tokens": 40, **params}
+    gen = engine.start(0, PROMPT, GenerationParams(ignore_eos=True, **params))
     out = gen.prefill()
     while not gen.done:
         out += gen.step()
@@ -54,6 +54,45 @@ def test_auto_picks_dflash_for_a_head_and_says_so(files: tuple[Path, Path]) -> N
     want = _generate(_engine(target, None, "none"))
     assert _generate(engine) == want
     assert _generate(engine, adaptive=True) == want
+
+
+def test_a_head_and_a_draft_model_run_side_by_side(
+        files: tuple[Path, Path], tiny_model_factory: Callable[..., Path]) -> None:
+    """Two draft files, a head and a draft model (in either order): head+draft, each
+    round drafting with one of them, the output the target's own; the adaptive policy
+    tries both."""
+    target, head = files
+    model = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=4, context_length=512)
+    engine = Engine(EngineConfig(target=str(target), draft=str(model), also_draft=str(head),
+                                 n_ctx=512, fetch=False, device="cpu"))
+    assert engine.spec_type == "head+draft" and engine.draft_kind == "dflash"
+    assert engine.head is not None and engine.draft is not None
+    assert "beside the draft model" in engine.draft_choice
+    d = engine.describe()
+    assert d["head"]["kind"] == "dflash" and d["draft"]["name"] == engine.draft.name
+    want = _generate(_engine(target, None, "none"))
+    assert _generate(engine) == want
+    gen = engine.start(0, PROMPT, GenerationParams(max_tokens=60, ignore_eos=True,
+                                                   draft=DraftParams(n_max=4), adaptive=True))
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    gen.close()
+    assert out == _generate(_engine(target, None, "none"), max_tokens=60)
+    assert set(gen.stats.source_calls) == {"dflash", "draft"}, gen.stats.source_calls
+
+
+def test_two_draft_files_must_be_a_head_and_a_model(
+        files: tuple[Path, Path], tiny_model_factory: Callable[..., Path]) -> None:
+    target, head = files
+    model = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=4, context_length=512)
+    for first, second in ((head, head), (model, model)):
+        with pytest.raises(EngineError, match="must be a drafter head and a draft model"):
+            Engine(EngineConfig(target=str(target), draft=str(first), also_draft=str(second),
+                                n_ctx=512, fetch=False, device="cpu"))
+    with pytest.raises(EngineError, match="draft-dflash runs one draft file"):
+        Engine(EngineConfig(target=str(target), draft=str(head), also_draft=str(model),
+                            spec_type="draft-dflash", n_ctx=512, fetch=False, device="cpu"))
 
 
 def test_the_target_outputs_hidden_states_only_with_a_head(files: tuple[Path, Path]) -> None:
@@ -111,6 +150,23 @@ def test_generate_with_a_head_from_the_cli(files: tuple[Path, Path]) -> None:
     assert r.returncode == 0, r.stderr
     assert "dflash.gguf is a dflash head" in r.stderr
     assert "speculation draft-dflash:" in r.stderr
+
+
+def test_generate_with_a_head_and_a_draft_model_from_the_cli(
+        files: tuple[Path, Path], tiny_model_factory: Callable[..., Path]) -> None:
+    target, head = files
+    model = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=4, context_length=512)
+    base = [sys.executable, "-m", "specd.daemon.cli", "generate", "-m", str(target), "hello",
+            "-n", "24", "--ignore-eos", "--device", "cpu", "--no-fetch", "--temp", "0"]
+    alone = subprocess.run([*base, "-md", "none"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*base, "-md", str(head), "-md", str(model)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and alone.returncode == 0, r.stderr + alone.stderr
+    assert r.stdout == alone.stdout
+    assert "beside the draft model" in r.stderr and "speculation head+draft:" in r.stderr
+    three = subprocess.run([*base, "-md", str(head), "-md", str(model), "-md", str(model)],
+                           capture_output=True, text=True, timeout=300)
+    assert three.returncode != 0 and "at most two draft files" in three.stderr
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
