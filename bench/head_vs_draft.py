@@ -1,7 +1,8 @@
 """A drafter head against the draft model, for one target, in one run: decode speed and mean
 acceptance length of target-only decoding, the draft model (`-md DRAFT`: draft+ngram,
-adaptive) and the head (`-md HEAD`: the head's type with prompt lookup in front,
-adaptive), on `specd bench`'s code, refactoring and prose prompts at each temperature;
+adaptive), the head (`-md HEAD`: the head's type with prompt lookup in front, adaptive)
+and both (`-md HEAD -md DRAFT`: head+draft, each round drafting with one, adaptive), on
+`specd bench`'s code, refactoring and prose prompts at each temperature;
 with `--peer`, llama-server at the build specd follows on the same files (target-only and
 the draft model tuned; `--peer-head` adds the head, with llama.cpp's defaults and drafting
 its whole block: llama.cpp b11434 runs heads on llama and qwen3 targets, and aborts on a
@@ -10,10 +11,10 @@ qwen2 one such as Qwen2.5-Coder, whose graph does not output the layers a head r
     python bench/head_vs_draft.py [--head qwen2.5-coder-1.5b-dflash] [--repeats 2]
                                   [-n 128] [--peer [--peer-head]] [--write-choice]
 
-Two engines share the process: the target with the draft model, and the target with the
-head (its graph also outputs the layers the head reads). Each repeat runs every
+Three engines share the process: the target with the draft model, with the head (its
+graph also outputs the layers the head reads), and with both. Each repeat runs every
 configuration back to back per (prompt, temperature), so each sees the same machine
-state. Memory: what `specd fit` plans for the draft model and for the head beside the
+state. Memory: what `specd fit` plans for the draft model, the head and both beside the
 target at the same context (weights as built, KV cache, workspace, host-side metadata).
 `--write-choice` writes each drafter's decode speed as a multiple of target-only per
 workload into `daemon/models/packaged/speculation.json`, from which specd chooses a
@@ -44,26 +45,30 @@ DEFAULT_HEAD = "qwen2.5-coder-1.5b-dflash"
 PEER_MODES = ("target-only", DRAFT_MODES[1])  # the draft model tuned
 
 
-def _engines(args: argparse.Namespace, threads: int) -> tuple[Engine, Engine]:
-    def engine(draft: str) -> Engine:
-        return Engine(EngineConfig(target=args.model, draft=draft, n_ctx=args.n_ctx,
-                                   threads=threads), progress=ProgressBar())
-    return engine(args.draft), engine(args.head)
+def _engines(args: argparse.Namespace, threads: int) -> tuple[Engine, Engine, Engine]:
+    def engine(draft: str, also: str | None = None) -> Engine:
+        return Engine(EngineConfig(target=args.model, draft=draft, also_draft=also,
+                                   n_ctx=args.n_ctx, threads=threads), progress=ProgressBar())
+    return engine(args.draft), engine(args.head), engine(args.head, args.draft)
 
 
-def _configs(with_draft: Engine, with_head: Engine) -> dict[str, tuple[Engine, BenchConfig]]:
+def _configs(with_draft: Engine, with_head: Engine, with_both: Engine
+             ) -> dict[str, tuple[Engine, BenchConfig]]:
     """Configuration name → (the engine it runs on, what it runs)."""
     return {
         "target-only": (with_draft, parse_config("target-only")),
         "draft model": (with_draft, parse_config("draft+ngram adaptive")),
         "head": (with_head, parse_config(f"{with_head.spec_type} adaptive")),
+        "both": (with_both, parse_config(f"{with_both.spec_type} adaptive")),
     }
 
 
-def _planned_bytes(args: argparse.Namespace, drafter: str, threads: int) -> int:
-    """The memory `specd fit` plans for `drafter` beside the target at --ctx-size."""
-    plan, _ = fit_models(args.model, drafter, max_ctx=args.n_ctx, min_ctx=args.n_ctx,
-                         threads=threads, fetch=False)
+def _planned_bytes(args: argparse.Namespace, drafter: str, threads: int,
+                   also: str | None = None) -> int:
+    """The memory `specd fit` plans for `drafter` (and `also`) beside the target at
+    --ctx-size."""
+    plan, _ = fit_models(args.model, drafter, also_draft=also, max_ctx=args.n_ctx,
+                         min_ctx=args.n_ctx, threads=threads, fetch=False)
     row = next(r for r in plan.as_dict()["models"] if r["role"] == "draft")
     return int(row["total_bytes"])
 
@@ -98,9 +103,9 @@ def main() -> int:
     threads = args.threads or default_threads()
     temps = tuple(float(t) for t in args.temperatures.split(","))
     prompts = {k: PROMPTS[k] for k in args.prompts.split(",")}
-    with_draft, with_head = _engines(args, threads)
-    configs = _configs(with_draft, with_head)
-    runners = {e: SpecdRunner(e) for e in (with_draft, with_head)}
+    with_draft, with_head, with_both = _engines(args, threads)
+    configs = _configs(with_draft, with_head, with_both)
+    runners = {e: SpecdRunner(e) for e in (with_draft, with_head, with_both)}
     encoded = {k: with_draft.encode_prompt(v, chat=True) for k, v in prompts.items()}
     peer = None
     peer_modes = PEER_MODES + (HEAD_MODES if args.peer_head else ())
@@ -143,7 +148,8 @@ def main() -> int:
                                                 2)}
                  for n in names} for w in workloads}
     memory = {"draft model": _planned_bytes(args, args.draft, threads),
-              "head": _planned_bytes(args, args.head, threads)}
+              "head": _planned_bytes(args, args.head, threads),
+              "both": _planned_bytes(args, args.head, threads, args.draft)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -156,17 +162,19 @@ def main() -> int:
 
     print(f"\n{args.model}: decode tok/s (mean acceptance length), medians of "
           f"{args.repeats}; {when}, commit {commit}")
-    print("| workload | " + " | ".join(names) + " | head / draft model |")
-    print("|---" * (len(names) + 2) + "|")
+    print("| workload | " + " | ".join(names) + " | head / draft model | both / draft model |")
+    print("|---" * (len(names) + 3) + "|")
     for w in workloads:
         row = table[w]
-        ratio = row["head"]["decode_tps"] / row["draft model"]["decode_tps"]
+        ratios = [row[n]["decode_tps"] / row["draft model"]["decode_tps"]
+                  for n in ("head", "both")]
         print(f"| {w} | " + " | ".join(f"{row[n]['decode_tps']:.1f} "
                                         f"({row[n]['acceptance_length']:.2f})" for n in names)
-              + f" | {ratio:.2f}× |")
+              + "".join(f" | {r:.2f}×" for r in ratios) + " |")
     print(f"resident: draft model {memory['draft model'] / 1e6:.0f} MB, head "
           f"{memory['head'] / 1e6:.0f} MB ({memory['head'] / memory['draft model']:.0%} of "
-          f"the draft model's), planned by specd fit with KV caches at n_ctx {args.n_ctx}")
+          f"the draft model's), both {memory['both'] / 1e6:.0f} MB, planned by specd fit "
+          f"with KV caches at n_ctx {args.n_ctx}")
 
     if args.write_choice:
         path = packaged_dir() / CHOICE_FILE
@@ -178,7 +186,8 @@ def main() -> int:
             "speedup": {drafter: {w: round(table[w][name]["decode_tps"] / base[w], 3)
                                   for w in workloads}
                         for drafter, name in ((args.draft, "draft model"),
-                                              (args.head, "head"))}}
+                                              (args.head, "head"),
+                                              (f"{args.head}+{args.draft}", "both"))}}
         path.write_text(json.dumps(choices, indent=1) + "\n")
         print(f"wrote {path}")
     return 0
