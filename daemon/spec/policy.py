@@ -505,9 +505,9 @@ class AdaptiveDraftLength(DraftPolicy):
             return self._choice(0, best_s)
         self._idle_rounds = 0
         self._drafting_rounds += 1
-        other = self._probe_other(best_s, best_rate, probe)
+        other = self._probe_other(best_s, best_rate, best_n)
         if other is not None:
-            return self._choice(probe, other)
+            return self._choice(best_n, other)
         if (best_n < limit and self._drafting_rounds % self.explore_every == 0
                 and (self.rate(best_n + 1, best_s) or 0.0) >= EXPLORE_MARGIN * best_rate):
             return self._choice(best_n + 1, best_s)
@@ -518,10 +518,11 @@ class AdaptiveDraftLength(DraftPolicy):
         return n, source
 
     def _probe_other(self, best: int, best_rate: float, n: int) -> int | None:
-        """A model source other than `best` to probe with n tokens this round: one that has
-        not drafted for `probe_every` rounds, while thin on evidence or within the probe
-        budget (what it is predicted to cost against the chosen plan), so that a source
-        found slower early is weighed again as the text changes. None: no probe."""
+        """A model source other than `best` to probe this round with the n tokens the plan
+        drafts (every position it would be chosen for is tested): one that has not drafted
+        for `probe_every` rounds, while thin on evidence, or four times that within the
+        probe budget (what it is predicted to cost against the chosen plan), so that a
+        source found slower early is weighed again as the text changes. None: no probe."""
         for s, m in enumerate(self._models):
             if s == best:
                 m.idle_rounds = 0

@@ -434,3 +434,78 @@ def test_a_one_pass_drafters_cost_is_a_line_in_the_block_length() -> None:
     assert cost is not None and 0.0115 < cost < 0.0125
     assert a.draft_cost(8) > a.draft_cost(4)  # type: ignore[operator]
     assert b.draft_cost(8) == pytest.approx(8 * b.draft_cost(1))  # type: ignore[operator]
+
+
+# -- several model sources (a head and a draft model) -------------------------------------
+def _two_sources() -> AdaptiveDraftLength:
+    from specd.daemon.spec.policy import SourceTraits
+
+    return AdaptiveDraftLength(n_max=8, sources=(SourceTraits(one_pass=True, catch_up_limit=0),
+                                                 SourceTraits(catch_up_limit=16)))
+
+
+def _simulate(a: AdaptiveDraftLength, rounds: int, accept: tuple[float, float],
+              cost: tuple[float, float], t1: float = 0.03) -> list[tuple[int, int]]:
+    """Rounds as Generation runs them: source s accepts each draft position with
+    probability accept[s] (as its expected count) and its call costs cost[s] per token
+    (a one-pass source: per block); (n, source) per round."""
+    chosen = []
+    for _ in range(rounds):
+        n, s = a.choose_model(8)
+        chosen.append((n, s))
+        if n == 0:
+            a.observe_verify(1, t1)
+            a.observe_round(0, 1, t1, 0.0)
+            continue
+        draft = cost[s] * (1 if s == 0 else n)
+        accepted = 0
+        run = 1.0
+        for _ in range(n):
+            run *= accept[s]
+            if run < 0.5:
+                break
+            accepted += 1
+        a.observe_draft(draft, () if s == 0 else (cost[s],) * (n - 1), n, s)
+        a.observe_verify(n + 1, t1 * (1 + 0.1 * n))
+        a.observe_acceptance(n, accepted, source=s)
+        a.observe_round(n, accepted + 1, draft + t1 * (1 + 0.1 * n), draft, source=s)
+    return chosen
+
+
+def test_each_source_is_measured_before_either_is_chosen() -> None:
+    a = _two_sources()
+    assert a.choose_model(8) == (0, 0)  # a plain step first
+    a.observe_verify(1, 0.03)
+    assert a.choose_model(8) == (2, 0)  # then probes of each source for its costs
+    a.observe_draft(0.004, (), 2, 0)
+    a.observe_draft(0.004, (), 2, 0)
+    assert a.choose_model(8) == (2, 1)
+
+
+def test_the_source_predicted_faster_drafts_and_acceptance_is_kept_apart() -> None:
+    """An accurate but costly draft model against a cheap but weaker head: the model wins
+    while its acceptance is high; each source's acceptance is its own."""
+    a = _two_sources()
+    chosen = _simulate(a, 300, accept=(0.5, 0.95), cost=(0.002, 0.004))
+    late = [s for n, s in chosen[-100:] if n]
+    assert late.count(1) > 0.9 * len(late)
+    assert a.accept_of(1)[1] > 0.9 and a.accept_of(0)[1] < 0.3
+
+
+def test_a_source_found_slower_is_probed_again_and_taken_when_it_gets_better() -> None:
+    a = _two_sources()
+    _simulate(a, 300, accept=(0.5, 0.95), cost=(0.002, 0.004))
+    # the text changes: the head now accepts as well as the model, at half its cost
+    chosen = _simulate(a, 400, accept=(0.95, 0.95), cost=(0.002, 0.004))
+    late = [s for n, s in chosen[-100:] if n]
+    assert late.count(0) > 0.8 * len(late)
+
+
+def test_the_unused_source_counts_the_tokens_it_must_catch_up_on() -> None:
+    a = _two_sources()
+    a.observe_verify(1, 0.03)
+    a.observe_round(3, 4, 0.05, 0.004, source=0)  # the head drafted: the model skipped 4
+    assert (a._models[0].skipped, a._models[1].skipped) == (0, 4)
+    assert a._models[1].to_catch_up == 4 and a._models[0].to_catch_up == 0
+    a.observe_round(2, 3, 0.05, 0.01, source=1)
+    assert (a._models[0].skipped, a._models[1].skipped) == (3, 0)
