@@ -91,6 +91,26 @@ def test_sliding_window_rings_hold_their_rows_not_the_context() -> None:
     assert ModelCost.from_dict(json.loads(json.dumps(c.as_dict()))) == c
 
 
+def test_two_drafts_loaded_together_cost_their_sum() -> None:
+    """A head beside a draft model is planned as one draft: its bytes at any context are
+    the two models' together, and it is dropped or kept whole."""
+    head = ModelCost(weights_bytes=60 * MiB, kv_bytes_per_token=4 * KiB, workspace_base=9 * MiB,
+                     workspace_per_ctx=1000.0, n_ctx_train=4096, load_extra_bytes=10 * MiB,
+                     metadata_bytes=1 * MiB, name="head")
+    both = head.beside(DRAFT)
+    assert both.name == "head + draft-0.5b" and both.n_ctx_train == 4096
+    assert steady(2048, 2, TARGET, both) == steady(2048, 2, TARGET, head, DRAFT)
+    plan = fit(TARGET, both, probe=probe(64 * GiB), margin_bytes=MARGIN)
+    assert plan.n_ctx == 4096 and not plan.draft_dropped
+    tight = steady(4096, 1, TARGET, DRAFT) + MARGIN
+    assert fit(TARGET, both, probe=probe(tight), margin_bytes=MARGIN, max_ctx=4096,
+               min_ctx=4096).draft_dropped
+    ring = ModelCost(100, kv_bytes_per_token=18, kv_ring_rows=768, kv_ring_bytes_per_row=15)
+    assert ring.beside(DRAFT).kv_bytes(4096, 1) == ring.kv_bytes(4096, 1) + DRAFT.kv_bytes(4096, 1)
+    with pytest.raises(ValueError, match="both have sliding-window caches"):
+        ring.beside(ring)
+
+
 def test_a_measured_gemma3_counts_its_rings(tiny_model_factory: Any) -> None:
     """A sliding-window model built for specd's kernel: the measured cost knows its rings,
     and its KV bytes at a context are what a runner of that context allocates."""

@@ -79,3 +79,31 @@ def test_settle_draft(monkeypatch, capsys):
         settle_draft(a)
         assert a.draft == want, given
     assert capsys.readouterr().err == ""
+
+
+def test_a_head_and_a_draft_model_together_are_chosen_as_two_draft_files(monkeypatch,
+                                                                          capsys):
+    """A measured `head+draft` row names both files; settle_draft gives them to -md."""
+    pair = f"{HEAD}+{DRAFT}"
+    t = table({"code T 0": 1.4, "prose T 0": 1.1}, {"code T 0": 1.2, "prose T 0": 1.25})
+    t[TARGET]["speedup"][pair] = {"code T 0": 1.45, "prose T 0": 1.35}
+    choice = default_drafter(TARGET, t)
+    assert choice is not None and choice.draft == pair
+    assert choice.fallbacks == (DRAFT, HEAD)
+    t[TARGET]["speedup"][f"{HEAD}+some-file.gguf"] = {"code T 0": 9.0, "prose T 0": 9.0}
+    assert default_drafter(TARGET, t).draft == pair  # type: ignore[union-attr]
+    monkeypatch.setattr(dd, "choice_table", lambda path=None: t)
+    a = args()
+    settle_draft(a)
+    assert (a.draft, a.also_draft, a.draft_fallbacks) == (HEAD, DRAFT, (DRAFT, HEAD))
+    assert pair in capsys.readouterr().err
+
+
+def test_settle_draft_takes_md_twice_and_no_more():
+    a = args(draft=["h.gguf", "m.gguf"])
+    settle_draft(a)
+    assert (a.draft, a.also_draft) == ("h.gguf", "m.gguf")
+    with pytest.raises(ValueError, match="at most two draft files"):
+        settle_draft(args(draft=["a", "b", "c"]))
+    with pytest.raises(ValueError, match="-md none runs without a draft"):
+        settle_draft(args(draft=["none", "m.gguf"]))

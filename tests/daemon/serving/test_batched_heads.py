@@ -96,3 +96,41 @@ def test_streams_share_head_passes_and_equal_their_solo_runs(
     assert head_passes() - passes == len(sizes) < sum(sizes)  # a session run per pass
     # the verified tokens' injections (EAGLE-3: pairs) of the slots completed together
     assert head.inject_passes - inject_passes < head.injections - injections
+
+
+def test_slots_drafting_with_a_head_and_a_draft_model_equal_target_only(
+        tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """head+draft in three slots, the adaptive policy choosing a source per round and
+    slot: each slot's draft calls run on its round's source (the head's blocks and the
+    model's steps in passes of their own), and greedy output is target-only's."""
+    target = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=3, context_length=512)
+    model = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=4, context_length=512)
+    head = write_tiny_head(tmp_path / "dflash.gguf", seed=5)
+    both = Engine(EngineConfig(target=str(target), draft=str(head), also_draft=str(model),
+                               n_ctx=512, slots=3, fetch=False, device="cpu"))
+    alone = Engine(EngineConfig(target=str(target), spec_type="none", n_ctx=512, fetch=False,
+                                device="cpu"))
+    assert both.spec_type == "head+draft"
+
+    def makers(adaptive: bool) -> list[Callable[[], Stream]]:
+        params = GenerationParams(max_tokens=60, ignore_eos=True, adaptive=adaptive,
+                                  draft=DraftParams(n_max=4))
+        return [lambda p=p: Stream(p, params)
+                for p in ([348, *range(20, 50)], [348, *range(80, 120)], [348, 7, 9, 11])]
+
+    plain = Scheduler(alone)
+    try:
+        want = [solo(plain, make) for make in makers(False)]
+    finally:
+        plain.stop()
+    sched = Scheduler(both)
+    try:
+        streams = [make() for make in makers(True)]
+        for s in streams:
+            sched.submit(s.req)
+        assert [s.result() for s in streams] == want
+    finally:
+        sched.stop()
+    used = {name for s in streams if s.req.gen is not None
+            for name in s.req.gen.stats.source_calls}
+    assert used == {"dflash", "draft"}
