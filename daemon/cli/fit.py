@@ -38,8 +38,9 @@ def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("fit", help="measure the models and show what fits in memory")
     p.add_argument("-m", "--model", default=DEFAULT_TARGET,
                    help=f"target GGUF path or catalog name (default {DEFAULT_TARGET})")
-    p.add_argument("-md", "--model-draft", dest="draft", default=None,
-                   help="draft GGUF path or catalog name")
+    p.add_argument("-md", "--model-draft", dest="draft", action="append", default=None,
+                   help="draft GGUF path or catalog name (a draft model or a drafter head; "
+                        "given twice, a head and a draft model, planned together)")
     add_draft_build_args(p)
     p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=1,
                    help="parallel sequences (default 1)")
@@ -64,8 +65,15 @@ def run_fit(args: argparse.Namespace) -> int:
     from specd.daemon.models.store import ModelStoreError, ProgressBar
     from specd.ort_models.gguf_file import GGUFError
 
+    drafts = args.draft or []
+    if len(drafts) > 2:
+        print("specd: error: -md: at most two draft files (a drafter head and a draft "
+              "model)", file=sys.stderr)
+        return EXIT_ERROR
+    draft, also = (drafts + [None, None])[:2]
     try:
-        plan, _ = fit_models(args.model, args.draft, device=args.device, slots=args.slots,
+        plan, _ = fit_models(args.model, draft, also_draft=also, device=args.device,
+                             slots=args.slots,
                              margin_bytes=int(args.margin_mb * 2**20), min_ctx=args.min_ctx,
                              max_ctx=args.max_ctx, threads=args.threads,
                              fetch=not args.no_fetch, use_cache=not args.remeasure,

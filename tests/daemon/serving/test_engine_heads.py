@@ -188,6 +188,25 @@ def test_fit_counts_the_head_and_its_cache(files: tuple[Path, Path], tmp_path: P
     assert draft["weights_bytes"] > 0
 
 
+def test_fit_plans_a_head_and_a_draft_model_as_one_draft(
+        files: tuple[Path, Path], tiny_model_factory: Callable[..., Path]) -> None:
+    import json
+
+    target, head = files
+    model = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=4, context_length=512)
+    base = [sys.executable, "-m", "specd.daemon.cli", "fit", "-m", str(target), "--device",
+            "cpu", "--no-fetch", "--json"]
+    rows = {}
+    for name, extra in (("head", ["-md", str(head)]), ("model", ["-md", str(model)]),
+                        ("both", ["-md", str(head), "-md", str(model)])):
+        r = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        rows[name] = json.loads(r.stdout)["models"][1]
+    assert rows["both"]["name"] == f"{head.name} + {rows['model']['name']}"
+    for key in ("weights_bytes", "kv_bytes_per_token"):
+        assert rows["both"][key] == rows["head"][key] + rows["model"][key]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_heads_draft_for_every_target_architecture(arch: str,
                                                    tiny_model_factory: Callable[..., Path],
