@@ -245,3 +245,46 @@ def test_slots_do_not_copy_prefixes_beside_a_head(files: tuple[Path, Path]) -> N
             assert r.gen.stats.cached_tokens == 0 and r.gen.stats.drafted > 0
     finally:
         scheduler.stop()
+
+
+def test_serve_runs_a_head_and_a_draft_model_for_the_openai_client(
+        files: tuple[Path, Path], tiny_model_factory: Callable[..., Path]) -> None:
+    """`specd serve -md HEAD -md MODEL` on loopback: its startup line names both, and a
+    greedy completion through the official SDK is the target's own text."""
+    import time
+
+    import openai
+
+    from live_server import call, free_port
+
+    target, head = files
+    model = tiny_model_factory(arch="qwen3", weight_type="Q8_0", seed=4, context_length=512)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specd.daemon.cli", "serve", "-m",
+                             str(target), "-md", str(head), "-md", str(model), "--port",
+                             str(port), "--no-socket", "--device", "cpu", "--no-fetch",
+                             "-c", "512"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if call(port, "GET", "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError("specd serve did not come up")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        got = client.completions.create(model="any", prompt="hello world", max_tokens=24,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert f"head {head.name}" in err and "spec head+draft" in err, err
+    alone = _engine(target, None, "none")
+    ids = alone.encode_prompt("hello world")
+    gen = alone.start(0, ids, GenerationParams(max_tokens=24, ignore_eos=True))
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    assert got.choices[0].text == alone.tokenizer.decode(out)
