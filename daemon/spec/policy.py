@@ -38,6 +38,10 @@ START_MARGIN = 1.06  # leaving n = 0 must be predicted this much faster
 SWITCH_MARGIN = 1.02  # ... once drafting, or between two lengths or two offers
 EXPLORE_MARGIN = 0.95  # a longer draft is explored when predicted within this share
 PROBE_LENGTH = 2  # tokens a probe round drafts (at least n_min)
+# a model source not in use, still thin on evidence, is probed without budget only while
+# predicted at least this share of the plan's rate (a source already clearly slower is
+# weighed again within the budget)
+THIN_PROBE_MARGIN = 0.8
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -520,21 +524,23 @@ class AdaptiveDraftLength(DraftPolicy):
     def _probe_other(self, best: int, best_rate: float, n: int) -> int | None:
         """A model source other than `best` to probe this round with the n tokens the plan
         drafts (every position it would be chosen for is tested): one that has not drafted
-        for `probe_every` rounds, while thin on evidence, or four times that within the
-        probe budget (what it is predicted to cost against the chosen plan), so that a
-        source found slower early is weighed again as the text changes. None: no probe."""
+        for `probe_every` rounds, while thin on evidence and predicted close to the plan
+        (THIN_PROBE_MARGIN), else four times that within the probe budget (what it is
+        predicted to cost against the chosen plan), so that a source found slower early
+        is weighed again as the text changes. None: no probe."""
         for s, m in enumerate(self._models):
             if s == best:
                 m.idle_rounds = 0
                 continue
             m.idle_rounds += 1
-            if m.idle_rounds < self.probe_every * (1 if m.thin else 4):
+            close = m.thin and (self.rate(n, s) or 0.0) >= THIN_PROBE_MARGIN * best_rate
+            if m.idle_rounds < self.probe_every * (1 if close else 4):
                 continue
             cost = (m.catch_up_cost() * m.to_catch_up + (m.draft_cost(n) or 0.0)
                     + (self.verify_cost(n + 1) or 0.0)
                     - self.expected_tokens(n, s) / best_rate)
-            if m.thin or (self._probe_overhead + max(cost, 0.0)
-                          <= self.probe_budget * self._elapsed):
+            if close or (self._probe_overhead + max(cost, 0.0)
+                         <= self.probe_budget * self._elapsed):
                 m.idle_rounds = 0
                 self._probing, self._probe_rate = True, best_rate
                 return s

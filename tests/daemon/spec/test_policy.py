@@ -509,3 +509,12 @@ def test_the_unused_source_counts_the_tokens_it_must_catch_up_on() -> None:
     assert a._models[1].to_catch_up == 4 and a._models[0].to_catch_up == 0
     a.observe_round(2, 3, 0.05, 0.01, source=1)
     assert (a._models[0].skipped, a._models[1].skipped) == (3, 0)
+
+
+def test_a_source_clearly_slower_is_not_probed_on_thin_evidence_alone() -> None:
+    """Once measured far slower (a weak head beside an accurate draft model), the source
+    is probed within the budget, not every few rounds while its evidence is thin."""
+    a = _two_sources()
+    chosen = _simulate(a, 40, accept=(0.3, 0.95), cost=(0.002, 0.004))
+    head_rounds = sum(1 for n, s in chosen[5:] if n and s == 0)
+    assert head_rounds <= 2, chosen  # every 4 rounds until 8 trials: 7
