@@ -382,8 +382,10 @@ class DaemonSnapshot:
 
     @property
     def draft(self) -> str | None:
-        d = self.props.get("draft")
-        return str(d.get("name")) if isinstance(d, dict) else None
+        """The drafter's name: a draft model's or a head's, or both (a head + a model)."""
+        names = [str(d.get("name")) for d in (self.props.get("head"), self.props.get("draft"))
+                 if isinstance(d, dict)]
+        return " + ".join(names) or None
 
     @property
     def spec_type(self) -> str:

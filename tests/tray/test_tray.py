@@ -73,6 +73,13 @@ def test_error() -> None:
     assert ts.view(TimeoutError()).title == "specd: error: TimeoutError"
 
 
+def test_a_head_beside_a_draft_model_names_both() -> None:
+    s = snap()
+    s.props["head"] = {"name": "h.gguf"}
+    assert s.draft == "h.gguf + d-0.5b"
+    assert "Draft: h.gguf + d-0.5b" in texts(ts.view(s))
+
+
 def test_idle_with_draft() -> None:
     v = ts.view(snap())
     assert v.state is ts.IconState.IDLE
