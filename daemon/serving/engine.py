@@ -157,16 +157,7 @@ class Engine:
         loads_draft = cfg.draft is not None and (cfg.spec_type == "auto"
                                                  or cfg.spec_type in MODEL_SPEC_TYPES)
         tgt_file = GGUFFile(target_path)
-        # each draft file: a drafter head (its kind from the file's metadata) or a model
-        drafts = [(path, f, head_kind(f.metadata, f.tensors)) for path, f in (
-            (path, GGUFFile(path)) for path in (self._resolve(name, progress) for name in (
-                cfg.draft, cfg.also_draft) if name is not None and loads_draft))]
-        if len(drafts) == 2 and sum(kind is not None for _, _, kind in drafts) != 1:
-            raise EngineError("two draft files run side by side must be a drafter head and "
-                              "a draft model; -md names " + " and ".join(
-                                  f"{path.name} ({_what_draft(kind)})"
-                                  for path, _, kind in drafts))
-        drafts.sort(key=lambda d: d[2] is None)  # the head first
+        drafts = self._draft_files(progress) if loads_draft else []
         # the draft file's kind, the head's beside a draft model (None: a draft model)
         self.draft_kind = draft_kind = drafts[0][2] if drafts else None
         try:
@@ -248,6 +239,23 @@ class Engine:
             self.embedder = Embedder(self.target.runner, self.tokenizer, target_head, False)
         elif cfg.embedding_model is not None:
             self.embedder = self._load_embedder(cfg.embedding_model, progress, bp)
+
+    def _draft_files(self, progress: Progress | None
+                     ) -> list[tuple[Path, GGUFFile, str | None]]:
+        """The draft files (-md, up to two), each with its kind: a drafter head's (from its
+        metadata), None for a draft model; two must be a head and a model, the head first."""
+        drafts = []
+        for name in (self.cfg.draft, self.cfg.also_draft):
+            if name is not None:
+                path = self._resolve(name, progress)
+                f = GGUFFile(path)
+                drafts.append((path, f, head_kind(f.metadata, f.tensors)))
+        if len(drafts) == 2 and sum(kind is not None for _, _, kind in drafts) != 1:
+            raise EngineError("two draft files run side by side must be a drafter head and "
+                              "a draft model; -md names " + " and ".join(
+                                  f"{path.name} ({_what_draft(kind)})"
+                                  for path, _, kind in drafts))
+        return sorted(drafts, key=lambda d: d[2] is None)
 
     def _check_draft(self, tgt_file: GGUFFile, d_file: GGUFFile, kind: str | None
                      ) -> HeadParams | None:
@@ -417,7 +425,7 @@ class Engine:
             d["head" if self.draft is not None else "draft"] = {
                 "name": self.head.built.head_path.name,
                 "path": str(self.head.built.head_path), "arch": head.arch,
-                          "kind": head.kind, "n_layer": head.n_layer,
-                          "target_layers": list(head.target_layers),
-                          "block_size": head.block_size, "n_ctx": self.head.n_ctx}
+                "kind": head.kind, "n_layer": head.n_layer,
+                "target_layers": list(head.target_layers),
+                "block_size": head.block_size, "n_ctx": self.head.n_ctx}
         return d
