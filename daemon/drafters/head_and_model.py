@@ -24,7 +24,8 @@ class HeadAndModelDrafter(Drafter):
     def __init__(self, head: Drafter, model: Drafter):
         self.head, self.model = head, model
         self.target_layers = head.target_layers
-        self.step_runner = head.step_runner  # a round's own: its source's (model_sources)
+        # a round's calls run on its source's runner; a draft naming no source, the head's
+        self.step_runner = head.step_runner
 
     @property
     def model_sources(self) -> Sequence[Drafter]:
