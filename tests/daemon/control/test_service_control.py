@@ -131,6 +131,13 @@ def test_start_argv_from_options_and_config(env: dict[str, str], tmp_path: Path,
     assert argv[argv.index("--ctx-size") + 1] == "4096"
     assert "--no-spec-adaptive" in argv
     assert _argv_for(p.parse_args(["--spec-adaptive"]), actions, None) == ["--spec-adaptive"]
+    # -md twice (a head and a draft model): both passed on, a file made absolute
+    (tmp_path / "h.gguf").write_bytes(b"")
+    two = _argv_for(p.parse_args(["-md", "h.gguf", "-md", "qwen2.5-coder-0.5b-instruct"]),
+                    actions, None)
+    assert two == ["--model-draft", str(tmp_path / "h.gguf"),
+                   "--model-draft", "qwen2.5-coder-0.5b-instruct"]
+    assert _argv_for(p.parse_args([]), actions, {"draft": "d"}) == ["--model-draft", "d"]
 
 
 # -- pid files ----------------------------------------------------------------------------
