@@ -418,13 +418,16 @@ class AdaptiveDraftLength(DraftPolicy):
         any was measured: CATCH_UP_PRIOR of a drafting call)."""
         return self._models[source].catch_up_cost()
 
-    def probe_cost(self, n: int = 2, source: int = 0) -> float:
-        """Predicted seconds a probe of n from `source` costs beyond plain steps for the
-        same tokens."""
+    def probe_cost(self, n: int = 2, source: int = 0, displaced: float | None = None
+                   ) -> float:
+        """Predicted seconds a probe of n from `source` costs beyond what the plan it
+        displaces takes for the same tokens: plain steps, or (`displaced`, tokens per
+        second) another source's drafting."""
         m = self._models[source]
         t1 = self.verify_cost(1) or 0.0
+        per_token = t1 if displaced is None else 1.0 / displaced
         own = ((m.draft_cost(n) or 0.0) + (self.verify_cost(n + 1) or t1)
-               - m.acceptance.expected_tokens(n) * t1)
+               - m.acceptance.expected_tokens(n) * per_token)
         return m.catch_up_cost() * m.to_catch_up + max(own, 0.0)
 
     def expected_tokens(self, n: int, source: int = 0) -> float:
@@ -536,10 +539,7 @@ class AdaptiveDraftLength(DraftPolicy):
             close = m.thin and (self.rate(n, s) or 0.0) >= THIN_PROBE_MARGIN * best_rate
             if m.idle_rounds < self.probe_every * (1 if close else 4):
                 continue
-            cost = (m.catch_up_cost() * m.to_catch_up + (m.draft_cost(n) or 0.0)
-                    + (self.verify_cost(n + 1) or 0.0)
-                    - self.expected_tokens(n, s) / best_rate)
-            if close or (self._probe_overhead + max(cost, 0.0)
+            if close or (self._probe_overhead + self.probe_cost(n, s, best_rate)
                          <= self.probe_budget * self._elapsed):
                 m.idle_rounds = 0
                 self._probing, self._probe_rate = True, best_rate
