@@ -26,9 +26,7 @@ class HybridDrafter(Drafter):
     def __init__(self, model: Drafter, lookup: NgramDrafter | None = None):
         self.model = model
         self.lookup = lookup if lookup is not None else NgramDrafter()
-        self.catch_up = model.catch_up
         self.target_layers = model.target_layers
-        self.one_pass = model.one_pass
         self.step_runner = model.step_runner
 
     @property
