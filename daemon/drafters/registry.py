@@ -131,12 +131,12 @@ def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None 
     a draft model; `head_and_model`: two draft files were given, a head and a draft model),
     a type that needs another kind of draft file refused."""
     check_spec_type(spec_type, draft)
-    if head_and_model or spec_type == HEAD_AND_MODEL:
-        if head_and_model and spec_type in ("auto", HEAD_AND_MODEL):
+    if head_and_model:
+        if spec_type in ("auto", HEAD_AND_MODEL):
             return HEAD_AND_MODEL
-        if head_and_model:
-            raise SpecTypeError(f"--spec-type {spec_type} runs one draft file, and -md names "
-                                f"a head and a draft model (both run as {HEAD_AND_MODEL})")
+        raise SpecTypeError(f"--spec-type {spec_type} runs one draft file, and -md names "
+                            f"a head and a draft model (both run as {HEAD_AND_MODEL})")
+    if spec_type == HEAD_AND_MODEL:
         raise SpecTypeError(f"--spec-type {HEAD_AND_MODEL} needs a head and a draft model: "
                             "-md twice")
     if spec_type == "auto":
