@@ -15,7 +15,7 @@ from specd.memory_fit.measure import MeasureError
 from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError
 from specd.memory_fit.probes import ProbeError
 
-from .options import add_draft_build_args, build_progress, int_at_least
+from .options import add_draft_build_args, build_progress, draft_files, int_at_least
 
 EXIT_OK, EXIT_ERROR = 0, 1
 
@@ -65,16 +65,11 @@ def run_fit(args: argparse.Namespace) -> int:
     from specd.daemon.models.store import ModelStoreError, ProgressBar
     from specd.ort_models.gguf_file import GGUFError
 
-    drafts = args.draft or []
-    if len(drafts) > 2:
-        print("specd: error: -md: at most two draft files (a drafter head and a draft "
-              "model)", file=sys.stderr)
-        return EXIT_ERROR
-    draft, also = (drafts + [None, None])[:2]
     try:
+        draft, also = draft_files(args.draft)
         plan, _ = fit_models(args.model, draft, also_draft=also, device=args.device,
-                             slots=args.slots,
-                             margin_bytes=int(args.margin_mb * 2**20), min_ctx=args.min_ctx,
+                             slots=args.slots, margin_bytes=int(args.margin_mb * 2**20),
+                             min_ctx=args.min_ctx,
                              max_ctx=args.max_ctx, threads=args.threads,
                              fetch=not args.no_fetch, use_cache=not args.remeasure,
                              build_progress=build_progress, draft_quant=args.draft_quant,

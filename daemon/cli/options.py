@@ -47,9 +47,6 @@ def settle_draft(args: argparse.Namespace) -> None:
     the next fastest, for a memory plan it does not fit). A measured drafter named `a+b`
     is two draft files run side by side (a head and a draft model)."""
     given = args.draft if isinstance(args.draft, list) else [args.draft] * (args.draft is not None)
-    if len(given) > 2:
-        raise ValueError("-md: at most two draft files (a drafter head and a draft model), "
-                         f"got {len(given)}")
     args.draft_fallbacks = ()
     if given == [NO_DRAFT]:
         args.draft, args.also_draft = None, None
@@ -57,7 +54,7 @@ def settle_draft(args: argparse.Namespace) -> None:
     if NO_DRAFT in given:
         raise ValueError(f"-md {NO_DRAFT} runs without a draft and names no other")
     if given or args.spec_type != "auto":
-        args.draft, args.also_draft = (given + [None, None])[:2]
+        args.draft, args.also_draft = draft_files(given)
         return
     args.draft, args.also_draft = None, None
     from specd.daemon.models.default_drafter import default_drafter
@@ -67,6 +64,17 @@ def settle_draft(args: argparse.Namespace) -> None:
         print(f"specd: {choice.reason}", file=sys.stderr)
         args.draft, args.also_draft = split_drafter(choice.draft)
         args.draft_fallbacks = choice.fallbacks
+
+
+def draft_files(given: list[str] | None) -> tuple[str | None, str | None]:
+    """`-md` as given (up to twice): (the first draft file, the second), None for each one
+    not given; more than two refused."""
+    given = given or []
+    if len(given) > 2:
+        raise ValueError("-md: at most two draft files (a drafter head and a draft model), "
+                         f"got {len(given)}")
+    first, second = [*given, None, None][:2]
+    return first, second
 
 
 def split_drafter(name: str | None) -> tuple[str | None, str | None]:

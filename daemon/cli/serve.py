@@ -102,8 +102,7 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
 
     def fit_with(draft: str | None, also: str | None = None) -> Any:
         plan, _ = fit_models(args.model, draft, also_draft=also, device=args.device,
-                             slots=args.slots,
-                             max_ctx=max_ctx,
+                             slots=args.slots, max_ctx=max_ctx,
                              min_ctx=min(DEFAULT_MIN_CTX, max_ctx or DEFAULT_MIN_CTX),
                              threads=args.threads, fetch=not args.no_fetch,
                              draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
