@@ -142,8 +142,8 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                                build_options("target", draft_quant, dev, draft_vocab, head))
     costs = [_measured(target_built, dev, threads, use_cache)]
     drafts: list[ModelCost] = []
-    for path, head in zip(draft_paths, heads, strict=True):
-        if head is None:
+    for path, head_params in zip(draft_paths, heads, strict=True):
+        if head_params is None:  # a draft model
             drafts.append(_measured(built_model(path, bp("draft"), build_options(
                 "draft", draft_quant, dev, draft_vocab)), dev, threads, use_cache))
         else:
