@@ -21,6 +21,7 @@ from specd.daemon.drafters.registry import MODEL_SPEC_TYPES, make_drafter
 from specd.daemon.serving.engine import Engine
 from specd.daemon.spec.drafter import Drafter, DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.spec.policy import PolicyMemory
 from specd.daemon.spec.sampling import SamplerParams
 from specd.memory_fit.rss import PeakRss, lifetime_peak
 
@@ -192,13 +193,16 @@ class SpecdRunner:
         return make_drafter(cfg.spec, self.engine.drafter_inputs())
 
     def run(self, prompt: list[int], cfg: BenchConfig, temperature: float, max_tokens: int,
-            seed: int) -> RunResult:
+            seed: int, memory: PolicyMemory | None = None) -> RunResult:
+        """One request, alone; `memory`: its adaptive policy starts from (and leaves its
+        estimates to) it, as an engine's requests do (None: a fresh policy, as `specd
+        generate`'s one request)."""
         params = GenerationParams(
             max_tokens=max_tokens, ignore_eos=True,
             sampling=SamplerParams(temperature=temperature, seed=seed),
             draft=DraftParams(n_max=cfg.n_max, p_min=cfg.p_min), adaptive=cfg.adaptive)
         gen = Generation(self.engine.target.runner, 0, prompt, params,
-                         eog=self.engine.eog_ids, drafter=self.drafter_for(cfg))
+                         eog=self.engine.eog_ids, drafter=self.drafter_for(cfg), memory=memory)
         with PeakRss(interval_s=0.05) as peak:
             t0 = time.perf_counter()
             gen.prefill()

@@ -36,6 +36,7 @@ from specd.daemon.models.compat import draft_incompatibilities, head_incompatibi
 from specd.daemon.models.store import resolve_model
 from specd.daemon.spec.drafter import Drafter
 from specd.daemon.spec.generation import Generation, GenerationParams, PromptProgress
+from specd.daemon.spec.policy import PolicyMemory
 from specd.daemon.text.chat_template import render_chat
 from specd.daemon.text.grammar import GrammarState
 from specd.daemon.text.tokenizer import Tokenizer
@@ -233,6 +234,8 @@ class Engine:
             self.head = HeadRunner(built_head, n_ctx=self.n_ctx, n_seq=cfg.slots,
                                    threads=cfg.threads, runtime=self.runtime, shared=shared)
         self.drafter: Drafter | None = make_drafter(self.spec_type, self.drafter_inputs())
+        # each request's draft policy starts from the last finished one's estimates
+        self.policy_memory = PolicyMemory()
         self.embedding: LoadedModel | None = None  # a model of its own for embeddings
         self.embedder: Embedder | None = None
         if target_head is not None:
@@ -392,7 +395,7 @@ class Engine:
               on_prompt_progress: PromptProgress | None = None) -> Generation:
         return Generation(self.target.runner, seq, prompt, params, eog=self.eog_ids,
                           drafter=self.drafter, reuse=reuse, grammar=grammar,
-                          on_prompt_progress=on_prompt_progress)
+                          on_prompt_progress=on_prompt_progress, memory=self.policy_memory)
 
     def embed(self, seq: int, tokens: Sequence[int], normalize_p: int = 2) -> np.ndarray:
         """The embedding of `tokens` (Embedder.embed; `seq`: the target's slot, where the

@@ -43,6 +43,7 @@ from .policy import (
     DraftPolicy,
     FixedDraftLength,
     ModelCall,
+    PolicyMemory,
     RoundPlan,
     RoundRecord,
     SourceTraits,
@@ -150,8 +151,11 @@ class Generation:
     def __init__(self, target: ModelRunner, seq: int, prompt: Sequence[int],
                  params: GenerationParams, *, eog: set[int], drafter: Drafter | None = None,
                  reuse: int = 0, grammar: GrammarState | None = None,
-                 on_prompt_progress: PromptProgress | None = None):
-        """on_prompt_progress: told the prompt's progress (called on the caller's thread)."""
+                 on_prompt_progress: PromptProgress | None = None,
+                 memory: PolicyMemory | None = None):
+        """on_prompt_progress: told the prompt's progress (called on the caller's thread);
+        memory: an adaptive policy starts from the last finished request's of the same
+        drafter, and is kept there when this one closes."""
         check_prompt_fits(prompt, target.n_ctx)
         params.sampling.validate()
         params.draft.validate()
@@ -177,6 +181,9 @@ class Generation:
                           frequency_penalty=sp.frequency_penalty, logit_bias=sp.logit_bias),
             seed=d_seed) if not sp.is_greedy else None
         self.policy = make_policy(params, drafter)
+        self._memory = memory if drafter is not None and params.adaptive else None
+        if self._memory is not None and drafter is not None:
+            self._memory.start(drafter.name, self.policy)
         # a fully cached prompt still evaluates its last token (its logits are needed)
         self.stats = SpecStats(prompt_tokens=len(prompt),
                                cached_tokens=min(reuse, max(len(prompt) - 1, 0)))
@@ -631,3 +638,6 @@ class Generation:
     def close(self) -> None:
         if self.drafter is not None:
             self.drafter.end(self.seq)
+            if self._memory is not None:
+                self._memory.keep(self.drafter.name, self.policy)
+                self._memory = None

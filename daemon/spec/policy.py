@@ -13,11 +13,15 @@ probe rounds so that estimates recover; a free lookup offer is weighed against t
 best length and a plain step, with acceptance kept per lookup match length. A drafter with
 several model sources (a head and a draft model) has each one's acceptance and costs kept
 apart, and each round drafts from the one predicted fastest, the others probed now and
-then. The reasoning behind each rule is in docs/adaptive-policy.md.
+then. A request may start from what an earlier one of the same drafter learned
+(`PolicyMemory`): the machine's costs, and its acceptance as a few observations. The
+reasoning behind each rule is in docs/adaptive-policy.md.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +46,9 @@ PROBE_LENGTH = 2  # tokens a probe round drafts (at least n_min)
 # predicted at least this share of the plan's rate (a source already clearly slower is
 # weighed again within the budget)
 THIN_PROBE_MARGIN = 0.8
+# observations an estimate carried from an earlier request counts as at most (acceptance
+# per position, each cost line): a new request's own rounds soon outweigh it
+CARRIED_WEIGHT = 4.0
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -102,6 +109,11 @@ class DraftPolicy(ABC):
     def observe(self, record: RoundRecord) -> None:
         """Learn from a finished round."""
 
+    def carry_from(self, earlier: DraftPolicy) -> bool:
+        """Start from what `earlier`, a finished request's policy, learned; whether
+        anything was carried (a fixed policy learns nothing)."""
+        return False
+
 
 @dataclass
 class FixedDraftLength(DraftPolicy):
@@ -144,6 +156,15 @@ class _Line:
         acc[0] += 1.0
         acc[1] += y
 
+    def carried(self, weight: float = CARRIED_WEIGHT) -> _Line:
+        """A copy whose observations count as at most `weight` in all: the same line."""
+        out = copy.deepcopy(self)
+        f = min(1.0, weight / self.w) if self.w > weight else 1.0
+        out.w, out.sx, out.sy, out.sxx, out.sxy = (v * f for v in (
+            self.w, self.sx, self.sy, self.sxx, self.sxy))
+        out.at_size = {x: [acc[0] * f, acc[1] * f] for x, acc in self.at_size.items()}
+        return out
+
     def at(self, x: int) -> float | None:
         if self.w == 0:
             return None
@@ -185,6 +206,14 @@ class _Acceptance:
         if 0 <= i < self.n:
             self.hits[i] = self.decay * self.hits[i] + float(hit)
             self.trials[i] = self.decay * self.trials[i] + 1.0
+
+    def carry_from(self, earlier: _Acceptance, weight: float = CARRIED_WEIGHT) -> None:
+        """Start from `earlier`'s evidence, each position's counting as at most `weight`
+        trials: the same hit rates, soon outweighed."""
+        for i in range(min(self.n, earlier.n)):
+            t = earlier.trials[i]
+            f = min(1.0, weight / t) if t > weight else 1.0
+            self.hits[i], self.trials[i] = earlier.hits[i] * f, t * f
 
     def rates(self) -> list[float]:
         """Estimated conditional acceptance per draft position."""
@@ -265,6 +294,13 @@ class _ModelSource:
         """Too few verified first positions to trust its acceptance yet."""
         return self.acceptance.trials[0] < MIN_EVIDENCE if self.acceptance.trials else False
 
+    def carry_from(self, earlier: _ModelSource) -> None:
+        """Start from `earlier`'s costs, and its acceptance and block line as a few
+        observations. Its first call here is still not used (observe_draft)."""
+        self.acceptance.carry_from(earlier.acceptance)
+        self.block = earlier.block.carried()
+        self.first, self.next, self.catch_up = earlier.first, earlier.next, earlier.catch_up
+
 
 @dataclass
 class AdaptiveDraftLength(DraftPolicy):
@@ -324,6 +360,28 @@ class AdaptiveDraftLength(DraftPolicy):
     @property
     def n_sources(self) -> int:
         return len(self._models)
+
+    def carry_from(self, earlier: DraftPolicy) -> bool:
+        """Start from what `earlier` (a finished request of the same drafter) learned: its
+        costs of the target pass, of each source's calls and of a round's other work (the
+        machine's, much the same from request to request), and its acceptance of each
+        source and lookup match as at most CARRIED_WEIGHT observations a position (the
+        text changes: this request's own rounds soon outweigh them). So a request starts
+        drafting from its first round instead of measuring and probing each source first.
+        False (nothing carried) where `earlier` priced other sources."""
+        if not isinstance(earlier, AdaptiveDraftLength) or (
+                [m.traits for m in earlier._models] != [m.traits for m in self._models]):
+            return False
+        self._verify = earlier._verify.carried()
+        for mine, theirs in zip(self._models, earlier._models, strict=True):
+            mine.carry_from(theirs)
+        for match, acc in earlier._lookups.items():
+            self._acceptance(match).carry_from(acc)
+        self._rest_plain = earlier._rest_plain
+        self._rest_drafting = earlier._rest_drafting
+        self._rest_lookup = earlier._rest_lookup
+        self._last_verify = earlier._last_verify
+        return True
 
     # -- observations ---------------------------------------------------------------------
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
@@ -617,3 +675,25 @@ class AdaptiveDraftLength(DraftPolicy):
             # stopped short for want of confidence (p_min): position n_proposed yields
             # nothing, as a rejection there would
             self.observe_position(call.n_proposed, False, source=s)
+
+
+class PolicyMemory:
+    """The estimates of the last finished request of each drafter, for the next one to
+    start from (`AdaptiveDraftLength.carry_from`): an engine's requests skip relearning
+    the machine's costs. Slots share it; each request starts from the last one kept."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, DraftPolicy] = {}
+        self._lock = threading.Lock()
+
+    def start(self, drafter: str, policy: DraftPolicy) -> bool:
+        """Seed a new request's `policy` from drafter `drafter`'s last kept one; whether
+        anything was carried."""
+        with self._lock:
+            earlier = self._kept.get(drafter)
+            return earlier is not None and policy.carry_from(earlier)
+
+    def keep(self, drafter: str, policy: DraftPolicy) -> None:
+        """A finished request's policy: the next request of `drafter` starts from it."""
+        with self._lock:
+            self._kept[drafter] = policy

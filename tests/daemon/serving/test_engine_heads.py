@@ -13,6 +13,7 @@ import pytest
 from specd.daemon.serving.engine import Engine, EngineConfig, EngineError
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.policy import AdaptiveDraftLength
 
 from tiny_heads import write_tiny_head
 
@@ -80,6 +81,16 @@ def test_a_head_and_a_draft_model_run_side_by_side(
     gen.close()
     assert out == _generate(_engine(target, None, "none"), max_tokens=60)
     assert set(gen.stats.source_calls) == {"dflash", "draft"}, gen.stats.source_calls
+    # the engine's next request starts from this one's estimates of both sources
+    after = engine.start(0, PROMPT, GenerationParams(max_tokens=60, ignore_eos=True,
+                                                     draft=DraftParams(n_max=4), adaptive=True))
+    assert isinstance(after.policy, AdaptiveDraftLength)
+    assert all(after.policy.draft_cost(2, s) is not None for s in (0, 1))
+    again = after.prefill()
+    while not after.done:
+        again += after.step()
+    after.close()
+    assert again == out
 
 
 def test_two_draft_files_must_be_a_head_and_a_model(

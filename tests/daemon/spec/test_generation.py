@@ -751,3 +751,33 @@ def test_speculation_with_catch_up_gaps_is_byte_identical(models, tiny_model_fac
     assert got == want
     assert drafter._seqs[0].offset > 0  # gaps were left
     assert gen.stats.drafted > 0
+
+
+def test_a_request_starts_from_the_last_finished_requests_estimates(models, monkeypatch):
+    """With a PolicyMemory, a request's adaptive policy starts from the previous one's
+    estimates (a fresh one knows no cost before its first round); greedy output stays the
+    target's."""
+    from specd.daemon.spec.policy import AdaptiveDraftLength, PolicyMemory
+
+    steady_clock(monkeypatch)
+    target, draft = models
+    want, _ = run(target, max_tokens=40, ignore_eos=True)
+    runner = ModelRunner(target, n_ctx=512)
+    drafter = draft_drafter(draft)
+    memory = PolicyMemory()
+    params = GenerationParams(max_tokens=40, ignore_eos=True, adaptive=True,
+                              draft=DraftParams(n_max=4))
+    rates: list[list[float | None]] = []
+    for _ in range(2):
+        gen = Generation(runner, 0, PROMPT, params, eog=EOG, drafter=drafter, memory=memory)
+        a = gen.policy
+        assert isinstance(a, AdaptiveDraftLength)
+        rates.append([a.rate(n) for n in range(4)])  # before any round
+        out = gen.prefill()
+        while not gen.done:
+            out += gen.step()
+        gen.close()
+        assert out == want
+        kept = [a.rate(n) for n in range(4)]
+    assert rates[0] == [None] * 4
+    assert rates[1] == pytest.approx(kept, rel=0.2)

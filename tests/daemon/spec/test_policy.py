@@ -518,3 +518,63 @@ def test_a_source_clearly_slower_is_not_probed_on_thin_evidence_alone() -> None:
     chosen = _simulate(a, 40, accept=(0.3, 0.95), cost=(0.002, 0.004))
     head_rounds = sum(1 for n, s in chosen[5:] if n and s == 0)
     assert head_rounds <= 2, chosen  # every 4 rounds until 8 trials: 7
+
+
+# -- estimates carried from one request to the next -----------------------------------------
+def test_a_carried_policy_drafts_from_the_faster_source_at_its_first_round() -> None:
+    """A fresh request measures a plain step and probes each source before choosing; one
+    started from an earlier request's estimates drafts from the source found faster at
+    once, with the earlier costs."""
+    earlier = _two_sources()
+    _simulate(earlier, 300, accept=(0.5, 0.95), cost=(0.002, 0.004))
+    fresh, carried = _two_sources(), _two_sources()
+    assert fresh.choose_model(8) == (0, 0)
+    assert carried.carry_from(earlier)
+    n, s = carried.choose_model(8)
+    assert n >= 2 and s == 1
+    assert carried.draft_cost(3, 1) == pytest.approx(earlier.draft_cost(3, 1))
+    assert carried.verify_cost(4) == pytest.approx(earlier.verify_cost(4))
+
+
+def test_carried_acceptance_counts_as_a_few_observations() -> None:
+    from specd.daemon.spec.policy import CARRIED_WEIGHT
+
+    earlier = _two_sources()
+    _simulate(earlier, 300, accept=(0.5, 0.95), cost=(0.002, 0.004))
+    carried = _two_sources()
+    carried.carry_from(earlier)
+    # the earlier hit rate, nearer the prior for the fewer observations
+    acc = carried._models[1].acceptance
+    assert acc.hits[0] / acc.trials[0] == pytest.approx(
+        earlier._models[1].acceptance.hits[0] / earlier._models[1].acceptance.trials[0])
+    assert acc.trials[0] == pytest.approx(CARRIED_WEIGHT)
+    assert 0.85 < carried.accept_of(1)[0] < earlier.accept_of(1)[0]
+    for _ in range(8):  # this request's text: the model's drafts are all rejected
+        carried.observe_acceptance(4, 0, source=1)
+    assert carried.accept_of(1)[0] < 0.4 < 0.9 < earlier.accept_of(1)[0]
+
+
+def test_nothing_is_carried_from_a_policy_of_other_sources() -> None:
+    from specd.daemon.spec.policy import FixedDraftLength
+
+    earlier = AdaptiveDraftLength(n_max=8)  # one source
+    _warm(earlier, 0.07, 0.012, 0.002)
+    two = _two_sources()
+    assert not two.carry_from(earlier)
+    assert not two.carry_from(FixedDraftLength(8))
+    assert two.choose_model(8) == (0, 0) and two.verify_cost(1) is None
+    assert not FixedDraftLength(8).carry_from(earlier)
+
+
+def test_policy_memory_starts_each_request_from_the_last_one_kept() -> None:
+    from specd.daemon.spec.policy import PolicyMemory
+
+    memory = PolicyMemory()
+    first = _two_sources()
+    assert not memory.start("head+draft", first)  # nothing kept yet
+    _simulate(first, 300, accept=(0.5, 0.95), cost=(0.002, 0.004))
+    memory.keep("head+draft", first)
+    second, other = _two_sources(), _two_sources()
+    assert memory.start("head+draft", second)
+    assert not memory.start("draft", other)  # another drafter's estimates are its own
+    assert second.choose_model(8)[1] == 1 and other.choose_model(8) == (0, 0)
