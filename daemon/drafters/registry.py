@@ -125,13 +125,29 @@ def check_spec_type(spec_type: str, draft: str | None) -> None:
         raise SpecTypeError(f"--spec-type {spec_type} needs a draft model (-md)")
 
 
+def _head_spec_type(draft: str | None, draft_kind: str) -> str:
+    """The spec type that runs a `draft_kind` head (`draft`: its file, named in the error
+    where specd runs no such head)."""
+    spec_type = next((n for n, s in SPEC_TYPE_REGISTRY.items() if s.head_kind == draft_kind),
+                     None)
+    if spec_type is None:
+        raise SpecTypeError(f"{draft} is a {draft_kind} drafter head, which specd does not "
+                            "run yet (it runs "
+                            + ", ".join(s.head_kind for s in SPEC_TYPE_REGISTRY.values()
+                                        if s.head_kind) + " heads)")
+    return spec_type
+
+
 def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None = None,
                       head_and_model: bool = False) -> str:
     """The spec type to run: `auto` resolved by the draft file's kind (`head_kind`: None for
-    a draft model; `head_and_model`: two draft files were given, a head and a draft model),
-    a type that needs another kind of draft file refused."""
+    a draft model; `head_and_model`: two draft files were given, a head, `draft`, and a
+    draft model), a type that needs another kind of draft file refused, and a head of a
+    kind specd does not run."""
     check_spec_type(spec_type, draft)
     if head_and_model:
+        if draft_kind is not None:
+            _head_spec_type(draft, draft_kind)
         if spec_type in ("auto", HEAD_AND_MODEL):
             return HEAD_AND_MODEL
         raise SpecTypeError(f"--spec-type {spec_type} runs one draft file, and -md names "
@@ -144,14 +160,7 @@ def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None 
             return "none"
         if draft_kind is None:  # a draft model, with prompt lookup in front
             return "draft+ngram"
-        auto = next((n for n, s in SPEC_TYPE_REGISTRY.items() if s.head_kind == draft_kind),
-                    None)
-        if auto is None:
-            raise SpecTypeError(f"{draft} is a {draft_kind} drafter head, which specd does not "
-                                "run yet (it runs "
-                                + ", ".join(s.head_kind for s in SPEC_TYPE_REGISTRY.values()
-                                            if s.head_kind) + " heads)")
-        return auto
+        return _head_spec_type(draft, draft_kind)
     named = next((n for n, s in SPEC_TYPE_REGISTRY.items()
                   if spec_type in s.also_named and s.head_kind == draft_kind), None)
     if named is not None:

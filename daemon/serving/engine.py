@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from specd.daemon.drafters.registry import (
-    HEAD_DRAFTERS,
     MODEL_SPEC_TYPES,
     DrafterInputs,
     SpecTypeError,
@@ -161,14 +160,12 @@ class Engine:
         drafts = self._draft_files(progress) if loads_draft else []
         # the draft file's kind, the head's beside a draft model (None: a draft model)
         self.draft_kind = draft_kind = drafts[0][2] if drafts else None
-        try:
-            self.spec_type = resolve_spec_type(cfg.spec_type, cfg.draft, draft_kind,
-                                               head_and_model=len(drafts) == 2)
+        try:  # the head's file named where there are two
+            self.spec_type = resolve_spec_type(
+                cfg.spec_type, drafts[0][0].name if len(drafts) == 2 else cfg.draft,
+                draft_kind, head_and_model=len(drafts) == 2)
         except SpecTypeError as exc:
             raise EngineError(str(exc)) from None
-        if len(drafts) == 2 and draft_kind not in HEAD_DRAFTERS:
-            raise EngineError(f"{drafts[0][0].name} is a {draft_kind} drafter head, which "
-                              f"specd does not run yet")
         head = None  # a head's parameters
         head_path: Path | None = None
         draft_path: Path | None = None  # a draft model

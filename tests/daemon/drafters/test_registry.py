@@ -62,6 +62,8 @@ def test_auto_resolves_a_head_by_its_kind() -> None:
     assert resolve_spec_type("draft-dflash", "h.gguf", "dflash2") == "draft-dflash2"
     with pytest.raises(SpecTypeError, match="mtp drafter head, which specd does not run"):
         resolve_spec_type("auto", "h.gguf", "mtp")
+    with pytest.raises(SpecTypeError, match="h.gguf is a mtp drafter head, which specd does not"):
+        resolve_spec_type("auto", "h.gguf", "mtp", head_and_model=True)  # beside a model
     with pytest.raises(SpecTypeError, match="needs a draft model, and h.gguf is a dflash head"):
         resolve_spec_type("draft+ngram", "h.gguf", "dflash")
     with pytest.raises(SpecTypeError, match="needs a dflash head, and m.gguf is a draft model"):
