@@ -157,12 +157,15 @@ class _Line:
         acc[1] += y
 
     def carried(self, weight: float = CARRIED_WEIGHT) -> _Line:
-        """A copy whose observations count as at most `weight` in all: the same line."""
+        """A copy whose fit, and each size's mean, count as at most `weight` observations:
+        the same estimates, soon outweighed."""
         out = copy.deepcopy(self)
-        f = min(1.0, weight / self.w) if self.w > weight else 1.0
+        f = weight / self.w if self.w > weight else 1.0
         out.w, out.sx, out.sy, out.sxx, out.sxy = (v * f for v in (
             self.w, self.sx, self.sy, self.sxx, self.sxy))
-        out.at_size = {x: [acc[0] * f, acc[1] * f] for x, acc in self.at_size.items()}
+        for acc in out.at_size.values():
+            g = weight / acc[0] if acc[0] > weight else 1.0
+            acc[0], acc[1] = acc[0] * g, acc[1] * g
         return out
 
     def at(self, x: int) -> float | None:
@@ -212,7 +215,7 @@ class _Acceptance:
         trials: the same hit rates, soon outweighed."""
         for i in range(min(self.n, earlier.n)):
             t = earlier.trials[i]
-            f = min(1.0, weight / t) if t > weight else 1.0
+            f = weight / t if t > weight else 1.0
             self.hits[i], self.trials[i] = earlier.hits[i] * f, t * f
 
     def rates(self) -> list[float]:
@@ -380,7 +383,6 @@ class AdaptiveDraftLength(DraftPolicy):
         self._rest_plain = earlier._rest_plain
         self._rest_drafting = earlier._rest_drafting
         self._rest_lookup = earlier._rest_lookup
-        self._last_verify = earlier._last_verify
         return True
 
     # -- observations ---------------------------------------------------------------------

@@ -578,3 +578,18 @@ def test_policy_memory_starts_each_request_from_the_last_one_kept() -> None:
     assert memory.start("head+draft", second)
     assert not memory.start("draft", other)  # another drafter's estimates are its own
     assert second.choose_model(8)[1] == 1 and other.choose_model(8) == (0, 0)
+
+
+def test_carried_costs_keep_each_pass_size_own_mean() -> None:
+    """Verify costs step with the pass size (2 rows cost about 1, 3 much more): a carried
+    line keeps each size's mean, not only the fitted line through them."""
+    a = AdaptiveDraftLength(n_max=8)
+    for _ in range(20):
+        for size, seconds in ((1, 0.030), (2, 0.031), (3, 0.045), (5, 0.050)):
+            a.observe_verify(size, seconds)
+    b = AdaptiveDraftLength(n_max=8)
+    assert b.carry_from(a)
+    for size in (1, 2, 3, 5):
+        assert b.verify_cost(size) == pytest.approx(a.verify_cost(size))
+    b.observe_verify(2, 0.040)  # the new request's own passes soon count
+    assert b.verify_cost(2) > 0.032  # type: ignore[operator]
