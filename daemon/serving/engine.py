@@ -160,10 +160,11 @@ class Engine:
         drafts = self._draft_files(progress) if loads_draft else []
         # the draft file's kind, the head's beside a draft model (None: a draft model)
         self.draft_kind = draft_kind = drafts[0][2] if drafts else None
+        pair = len(drafts) == 2  # a head and a draft model
         try:  # the head's file named where there are two
-            self.spec_type = resolve_spec_type(
-                cfg.spec_type, drafts[0][0].name if len(drafts) == 2 else cfg.draft,
-                draft_kind, head_and_model=len(drafts) == 2)
+            self.spec_type = resolve_spec_type(cfg.spec_type,
+                                               drafts[0][0].name if pair else cfg.draft,
+                                               draft_kind, head_and_model=pair)
         except SpecTypeError as exc:
             raise EngineError(str(exc)) from None
         head = None  # a head's parameters

@@ -181,7 +181,7 @@ class Generation:
                           frequency_penalty=sp.frequency_penalty, logit_bias=sp.logit_bias),
             seed=d_seed) if not sp.is_greedy else None
         self.policy = make_policy(params, drafter)
-        self._memory = memory if drafter is not None and params.adaptive else None
+        self._memory = memory if params.adaptive else None
         if self._memory is not None and drafter is not None:
             self._memory.start(drafter.name, self.policy)
         # a fully cached prompt still evaluates its last token (its logits are needed)

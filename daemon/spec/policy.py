@@ -20,7 +20,6 @@ reasoning behind each rule is in docs/adaptive-policy.md.
 
 from __future__ import annotations
 
-import copy
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -53,6 +52,11 @@ CARRIED_WEIGHT = 4.0
 
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + DRAFT_COST_RATE * (new - old)
+
+
+def _carried_share(count: float, weight: float) -> float:
+    """The factor that scales `count` observations down to at most `weight`."""
+    return weight / count if count > weight else 1.0
 
 
 @dataclass(frozen=True)
@@ -159,14 +163,13 @@ class _Line:
     def carried(self, weight: float = CARRIED_WEIGHT) -> _Line:
         """A copy whose fit, and each size's mean, count as at most `weight` observations:
         the same estimates, soon outweighed."""
-        out = copy.deepcopy(self)
-        f = weight / self.w if self.w > weight else 1.0
-        out.w, out.sx, out.sy, out.sxx, out.sxy = (v * f for v in (
-            self.w, self.sx, self.sy, self.sxx, self.sxy))
-        for acc in out.at_size.values():
-            g = weight / acc[0] if acc[0] > weight else 1.0
-            acc[0], acc[1] = acc[0] * g, acc[1] * g
-        return out
+        at_size = {}
+        for x, (w, total) in self.at_size.items():
+            g = _carried_share(w, weight)
+            at_size[x] = [w * g, total * g]
+        f = _carried_share(self.w, weight)
+        return _Line(self.decay, self.w * f, self.sx * f, self.sy * f, self.sxx * f,
+                     self.sxy * f, at_size)
 
     def at(self, x: int) -> float | None:
         if self.w == 0:
@@ -214,9 +217,8 @@ class _Acceptance:
         """Start from `earlier`'s evidence, each position's counting as at most `weight`
         trials: the same hit rates, soon outweighed."""
         for i in range(min(self.n, earlier.n)):
-            t = earlier.trials[i]
-            f = weight / t if t > weight else 1.0
-            self.hits[i], self.trials[i] = earlier.hits[i] * f, t * f
+            f = _carried_share(earlier.trials[i], weight)
+            self.hits[i], self.trials[i] = earlier.hits[i] * f, earlier.trials[i] * f
 
     def rates(self) -> list[float]:
         """Estimated conditional acceptance per draft position."""
