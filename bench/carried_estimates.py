@@ -25,13 +25,12 @@ import time
 from pathlib import Path
 
 from specd.daemon.benchmark.run import PROMPTS, RunResult, SpecdRunner, parse_config
-from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
 from specd.daemon.models.store import ProgressBar
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.spec.policy import PolicyMemory
 from specd.ort_models.runner import default_threads
 
-DEFAULT_HEAD = "qwen2.5-coder-1.5b-dflash"
 MODES = ("fresh", "carried")
 
 

@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 
-from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
 
 PROMPT = "Write a short story about a lighthouse keeper."
 
@@ -40,7 +40,7 @@ def measure(target: str, draft: str | None, n_ctx: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default=DEFAULT_TARGET)
-    ap.add_argument("--drafters", default=f"{DEFAULT_DRAFT},qwen2.5-coder-1.5b-dflash")
+    ap.add_argument("--drafters", default=f"{DEFAULT_DRAFT},{DEFAULT_HEAD}")
     ap.add_argument("-c", "--ctx-size", type=int, default=2048)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's drafter
     args = ap.parse_args()

@@ -35,13 +35,12 @@ from pathlib import Path
 from specd.daemon.benchmark.peer import DRAFT_MODES, HEAD_MODES, LlamaServerPeer
 from specd.daemon.benchmark.run import PROMPTS, BenchConfig, RunResult, SpecdRunner, parse_config
 from specd.daemon.models.building import fit_models
-from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from specd.daemon.models.catalog import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
 from specd.daemon.models.default_drafter import CHOICE_FILE
 from specd.daemon.models.store import ProgressBar, packaged_dir
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.ort_models.runner import default_threads
 
-DEFAULT_HEAD = "qwen2.5-coder-1.5b-dflash"
 PEER_MODES = ("target-only", DRAFT_MODES[1])  # the draft model tuned
 
 

@@ -115,3 +115,4 @@ CATALOG: dict[str, CatalogEntry] = {
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_HEAD = "qwen2.5-coder-1.5b-dflash"  # the drafter head shipped for DEFAULT_TARGET
