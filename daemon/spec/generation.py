@@ -181,9 +181,11 @@ class Generation:
                           frequency_penalty=sp.frequency_penalty, logit_bias=sp.logit_bias),
             seed=d_seed) if not sp.is_greedy else None
         self.policy = make_policy(params, drafter)
-        self._memory = memory if params.adaptive else None
-        if self._memory is not None and drafter is not None:
-            self._memory.start(drafter.name, self.policy)
+        # where this request's policy starts from, and where close() leaves it
+        self._memory: PolicyMemory | None = None
+        if memory is not None and drafter is not None and params.adaptive:
+            memory.start(drafter.name, self.policy)
+            self._memory = memory
         # a fully cached prompt still evaluates its last token (its logits are needed)
         self.stats = SpecStats(prompt_tokens=len(prompt),
                                cached_tokens=min(reuse, max(len(prompt) - 1, 0)))
