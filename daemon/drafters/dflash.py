@@ -106,7 +106,7 @@ class DFlashDrafter(Drafter):
         out: BlockOutput = yield call
         # what waiting for the other sequences' rows of the pass cost is not this draft's
         waited = max(time.perf_counter() - t1 - out.seconds, 0.0)
-        tokens, q_rows, unsure = self._read(out, sampler, params.p_min, grammar)
+        tokens, q_rows, unsure = self._read(out, sampler, params.p_min, grammar, pos + 1)
         seconds = time.perf_counter() - t0 - waited  # one pass proposed them all
         return Proposal(tokens, stack_q(q_rows),
                         DraftEvidence(step_seconds=(seconds,), stopped_unsure=unsure))
@@ -123,9 +123,10 @@ class DFlashDrafter(Drafter):
         return None if any(s is None for s in specs) else specs  # type: ignore[return-value]
 
     def _read(self, out: BlockOutput, sampler: Sampler | None, p_min: float,
-              grammar: GrammarState | None) -> tuple[list[int], list[QRow], bool]:
-        """The proposals of a block's rows in order: tokens, the q rows they were drawn
-        from (none for argmax picks), and whether p_min stopped them."""
+              grammar: GrammarState | None, first: int) -> tuple[list[int], list[QRow], bool]:
+        """The proposals of a block's rows in order (the first at sequence position
+        `first`): tokens, the q rows they were drawn from (none for argmax picks), and
+        whether p_min stopped them."""
         confident = out.confidence  # [n] where the head judges its rows itself
         tokens: list[int] = []
         q_rows: list[QRow] = []
@@ -134,7 +135,7 @@ class DFlashDrafter(Drafter):
                 return tokens, q_rows, True
             row_p_min = p_min if confident is None else 0.0
             chosen = None if out.sampled is None else out.sampled[i]
-            pick = (pick_token(row, sampler, grammar, row_p_min) if chosen is None
+            pick = (pick_token(row, sampler, grammar, row_p_min, first + i) if chosen is None
                     else pick_from_block(chosen, sampler is not None, row_p_min))
             if pick.token is None:
                 return tokens, q_rows, pick.unsure
@@ -173,7 +174,7 @@ class DFlash2Drafter(DFlashDrafter):
     where the target's own draw equals it)."""
 
     def _read(self, out: BlockOutput, sampler: Sampler | None, p_min: float,
-              grammar: GrammarState | None) -> tuple[list[int], list[QRow], bool]:
+              grammar: GrammarState | None, first: int) -> tuple[list[int], list[QRow], bool]:
         assert out.candidates is not None and out.scores is not None
         tokens: list[int] = []
         prev = 0  # the anchor: every predecessor row of the first position is the same

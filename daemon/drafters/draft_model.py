@@ -134,24 +134,25 @@ class DraftModelDrafter(Drafter):
         for _ in range(n_max):
             t0 = time.perf_counter()
             waits.clear()
+            at = pos + 1 + len(st.drafted)  # the sequence position of this step's token
             if len(pending) > 1 and sampler is None:
                 row, forced = yield from self._check_guesses(seq, pending, p, full_run, waits)
-                pick = pick_token(row, sampler, grammar, params.p_min)
+                pick = pick_token(row, sampler, grammar, params.p_min, at)
             elif len(pending) == 2 and full_run and grammar is None:
                 # pending = [last draft, bonus]: the first row is where the bonus was drawn
                 out = (yield from _call(Call(seq, self._ids(pending), p, [0, 1]), waits)
                        ).logits  # [2, vocab]
                 assert st.sampler is not None
                 bonus_q = (full_run, st.sampler.probs(self._logits(out[0])))  # [vocab]
-                pick = pick_token(self._logits(out[1]), sampler, grammar, params.p_min)
+                pick = pick_token(self._logits(out[1]), sampler, grammar, params.p_min, at)
             else:
-                spec = (pick_spec(sampler, grammar, pos + 1 + len(st.drafted), params.p_min,
-                                  self.runner.logits_width) if in_graph else None)
+                spec = (pick_spec(sampler, grammar, at, params.p_min, self.runner.logits_width)
+                        if in_graph else None)
                 out1 = yield from _call(Call(seq, self._ids(pending), p, sample=spec), waits)
                 pick = (pick_from_block(out1.sampled, sampler is not None, params.p_min)
                         if out1.sampled is not None
                         else pick_token(self._logits(out1.logits[0]), sampler, grammar,
-                                        params.p_min))
+                                        params.p_min, at))
             p += len(pending)
             st.n_cached = p
             if pick.token is None:

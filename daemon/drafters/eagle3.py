@@ -168,7 +168,7 @@ class Eagle3Drafter(Drafter):
             seconds.append(time.perf_counter() - t0 - waited)
             if i == 0:
                 st.written = pos  # the pending pair, with the token that follows it
-            pick = (pick_token(out.logits[0], sampler, grammar, params.p_min)
+            pick = (pick_token(out.logits[0], sampler, grammar, params.p_min, pos + 1 + i)
                     if out.sampled is None
                     else pick_from_block(out.sampled, sampler is not None, params.p_min))
             if pick.token is None:

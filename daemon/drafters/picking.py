@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specd.daemon.spec.coupling import CoupledSampler
 from specd.daemon.spec.graph_sampling import (
     MAX_Q_WIDTH,
     candidates_row,
@@ -20,7 +21,13 @@ from specd.daemon.spec.graph_sampling import (
 from specd.daemon.spec.sampling import Sampler, SamplerParams, mask_logits, top_probability
 from specd.daemon.spec.verify import DraftProbs
 from specd.daemon.text.grammar import GrammarState
-from specd.ort_models.sampling_op import DRAFT_STREAM, OK, SampledBlock, SampleSpec
+from specd.ort_models.sampling_op import (
+    DRAFT_STREAM,
+    OK,
+    TARGET_STREAM,
+    SampledBlock,
+    SampleSpec,
+)
 
 # the draft's greedy choice in its graph: the argmax of its logits, no sampler settings
 _GREEDY = Sampler(SamplerParams(temperature=0.0, seed=0))
@@ -36,16 +43,17 @@ class Pick:
 
 
 def pick_token(row: np.ndarray, sampler: Sampler | None, grammar: GrammarState | None,
-               p_min: float) -> Pick:
-    """The draft's token for `row` [vocab]: drawn from q (the sampler's distribution, under
-    the grammar's mask) where a sampler is given, else the argmax; no token where the grammar
-    allows none or (p_min > 0) the top probability is below p_min."""
+               p_min: float, position: int | None = None) -> Pick:
+    """The draft's token for `row` [vocab] at sequence position `position`: drawn from q
+    (the sampler's distribution, under the grammar's mask) where a sampler is given, else
+    the argmax; no token where the grammar allows none or (p_min > 0) the top probability
+    is below p_min."""
     mask = None if grammar is None else grammar.allowed(row.shape[0])  # [vocab]
     if mask is not None and not mask.any():
         return Pick(None)
     q = None
     if sampler is not None:
-        tok, q = sampler.sample_with_probs(row, mask)
+        tok, q = sampler.sample_with_probs(row, mask, position)
         top = float(q.max())
     else:
         masked = row if mask is None else mask_logits(row, mask)
@@ -59,14 +67,20 @@ def pick_token(row: np.ndarray, sampler: Sampler | None, grammar: GrammarState |
 def pick_spec(sampler: Sampler | None, grammar: GrammarState | None, position: int,
               p_min: float, vocab: int) -> SampleSpec | None:
     """The graph's decision of `pick_token` for the draft token at `position` (None where
-    its q would not fit the candidates a graph returns: a sampler without top-k)."""
+    its q would not fit the candidates a graph returns, a sampler without top-k, or where a
+    coupled sampler's noise is the target's host stream, which a graph cannot draw)."""
     if sampler is None:
         return sample_spec(_GREEDY, position, vocab, grammar=grammar, stream=DRAFT_STREAM,
                            candidates=1 if p_min > 0 else 0)
     k = sampler.params.top_k
     if not 0 < k <= MAX_Q_WIDTH:
         return None
-    return sample_spec(sampler, position, vocab, grammar=grammar, stream=DRAFT_STREAM,
+    coupled = sampler if isinstance(sampler, CoupledSampler) else None
+    if coupled is not None and not coupled.graph_noise:
+        return None
+    # a coupled pick draws the target's uniform at its position (its key is the target's)
+    stream = DRAFT_STREAM if coupled is None else TARGET_STREAM
+    return sample_spec(sampler, position, vocab, grammar=grammar, stream=stream,
                        candidates=k)
 
 

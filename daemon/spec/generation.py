@@ -22,6 +22,7 @@ from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 from specd.ort_models.sampling_op import MAX_LOGPROBS, EmittedLogprobs, SampleSpec
 
+from .coupling import CoupledSampler
 from .drafter import (
     Drafter,
     DraftParams,
@@ -95,6 +96,18 @@ class GenerationParams:
     # decide tokens in the target's (and the draft's) graph where it has a sampler
     # (graph_sampling): only token ids and a few probabilities leave the session
     backend_sampling: bool = True
+    # sampled drafts drawn with the target's noise and kept where the target's own draw
+    # equals them (spec/coupling.py): the output is target-only decoding's for the seed,
+    # whatever is drafted. None: for seeded requests; False: rejection sampling
+    coupled: bool | None = None
+
+    @property
+    def couples_drafts(self) -> bool:
+        """Whether sampled drafts are coupled to the target's draws."""
+        sp = self.sampling
+        if sp.is_greedy or not self.draft.probabilistic:
+            return False
+        return sp.seed is not None if self.coupled is None else self.coupled
 
 
 def make_policy(params: GenerationParams, drafter: Drafter | None) -> DraftPolicy:
@@ -171,15 +184,11 @@ class Generation:
         self.grammar = grammar  # the request's constraint state (advanced on emitted tokens)
         t_seed, d_seed = derive_seeds(params.sampling.seed)
         self.sampler = Sampler(params.sampling, seed=t_seed)
-        sp = params.sampling
-        # q: the draft's top-k at the request's temperature, after the request's logit bias
-        # and penalties (over the same emitted tokens as p's), so that q stays near p
-        self.draft_sampler = Sampler(
-            SamplerParams(temperature=sp.temperature, top_k=params.draft_top_k, seed=d_seed,
-                          repeat_penalty=sp.repeat_penalty, repeat_last_n=sp.repeat_last_n,
-                          presence_penalty=sp.presence_penalty,
-                          frequency_penalty=sp.frequency_penalty, logit_bias=sp.logit_bias),
-            seed=d_seed) if not sp.is_greedy else None
+        # tokens decided in the target's graph (logprobs are computed on the host from
+        # the logits, which then leave the session too)
+        self.in_graph = params.backend_sampling and target.samples
+        self.coupled = drafter is not None and params.couples_drafts
+        self.draft_sampler = self._make_draft_sampler(d_seed)
         self.policy = make_policy(params, drafter)
         # where this request's policy starts from, and where close() leaves it
         self._memory: PolicyMemory | None = None
@@ -208,9 +217,21 @@ class Generation:
         # tokens recorded, for the mask each one was decided under
         self._logprob_grammar = (grammar.fork() if grammar is not None
                                  and params.post_sampling_probs else None)
-        # tokens decided in the target's graph (logprobs are computed on the host from
-        # the logits, which then leave the session too)
-        self.in_graph = params.backend_sampling and target.samples
+
+    def _make_draft_sampler(self, seed: int) -> Sampler | None:
+        """q's sampler: the draft's top-k at the request's temperature, after the request's
+        logit bias and penalties (over the same emitted tokens as p's), so that q stays
+        near p; drawing the target's uniforms where drafts are coupled (None: greedy)."""
+        sp = self.params.sampling
+        if sp.is_greedy:
+            return None
+        q = SamplerParams(temperature=sp.temperature, top_k=self.params.draft_top_k, seed=seed,
+                          repeat_penalty=sp.repeat_penalty, repeat_last_n=sp.repeat_last_n,
+                          presence_penalty=sp.presence_penalty,
+                          frequency_penalty=sp.frequency_penalty, logit_bias=sp.logit_bias)
+        if self.coupled:
+            return CoupledSampler(q, self.sampler, graph_noise=self.in_graph)
+        return Sampler(q, seed=seed)
 
     @property
     def done(self) -> bool:
@@ -461,6 +482,8 @@ class Generation:
             return _Proposed(Proposal([]))
         assert self._last is not None
         fork = None if self.grammar is None else self.grammar.fork()
+        if isinstance(self.draft_sampler, CoupledSampler):
+            self.draft_sampler.start_round(self._pos + 1)
         self._source = plan.source
         source = self.drafter.model_sources[plan.source]
         try:
@@ -499,7 +522,7 @@ class Generation:
         drafts = [] if proposal is None else list(proposal.tokens)
         q = None
         if drafts and proposal is not None and proposal.q_rows is not None and (
-                self.params.draft.probabilistic):
+                self._rejection_sampled):
             q = sparse_q(proposal.q_rows)
             if q is None:  # too wide to send: verified on the host
                 return None
@@ -520,12 +543,18 @@ class Generation:
             return None
         return self._spec(self._pos + 1, proposal)
 
+    @property
+    def _rejection_sampled(self) -> bool:
+        """Sampled drafts are verified by rejection sampling against their q (else by the
+        target's own draw: coupled drafts)."""
+        return self.params.draft.probabilistic and not self.coupled
+
     def _verify(self, rows: np.ndarray, proposal: Proposal) -> VerifyResult:
         if proposal.tokens and self.drafter is not None and self.drafter.decides_acceptance:
             self.stats.valid = False  # rows after the first follow placeholder drafts
             out = self._verify_by_drafter(rows, proposal, self.drafter)
             return VerifyResult(len(out) - 1, out, len(proposal.tokens))
-        if proposal.q_rows is not None and self.params.draft.probabilistic:
+        if proposal.q_rows is not None and self._rejection_sampled:
             return verify_rejection(rows, proposal.tokens, proposal.q_rows, self.sampler,
                                     self.grammar, draft_masked=True)
         return verify_greedy(rows, proposal.tokens, self.sampler, self.grammar)

@@ -320,8 +320,9 @@ class Sampler:
         """Record an emitted token in the repetition-penalty history."""
         self._history.append(int(token))
 
-    def uniform(self) -> float:
-        """Draw one uniform in [0, 1) from this sampler's stream."""
+    def uniform(self, position: int | None = None) -> float:
+        """Draw one uniform in [0, 1) from this sampler's stream (`position`: the token's
+        sequence position, which a coupled draft's sampler keys its noise by)."""
         return float(self._rng.random())
 
     def copy(self) -> Sampler:
@@ -424,14 +425,14 @@ class Sampler:
         return token
 
     def sample_with_probs(
-        self, logits: np.ndarray, mask: np.ndarray | None = None
+        self, logits: np.ndarray, mask: np.ndarray | None = None, position: int | None = None
     ) -> tuple[int, np.ndarray]:
         """Like :meth:`sample` but also return the dense [vocab] distribution drawn from.
 
         This is what a draft model needs for rejection-sampling verification (under a
         mask: the masked, renormalised distribution, zero off the mask).
         """
-        token, ids, p = self._draw(logits, mask)
+        token, ids, p = self._draw(logits, mask, position)
         return token, _densify(ids, p, np.shape(logits)[-1])
 
     def sample_with_prob_of(
@@ -446,10 +447,10 @@ class Sampler:
         return choice, float(p[at]) if at < ids.shape[0] and ids[at] == token else 0.0
 
     def _draw(
-        self, logits: np.ndarray, mask: np.ndarray | None = None
+        self, logits: np.ndarray, mask: np.ndarray | None = None, position: int | None = None
     ) -> tuple[int, np.ndarray | None, np.ndarray]:
         ids, p = self._filtered(logits, mask)
-        pos = 0 if self.is_greedy else sample_from_probs(p, self.uniform())
+        pos = 0 if self.is_greedy else sample_from_probs(p, self.uniform(position))
         return (pos if ids is None else int(ids[pos])), ids, p
 
 

@@ -19,6 +19,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from specd.daemon.spec.philox import philox4x32, philox_uniform
 from specd.daemon.spec.sampling import (
     NoAllowedToken,
     Sampler,
@@ -57,36 +58,6 @@ OUTPUTS = [("tokens", TensorProto.INT64), ("counts", TensorProto.INT64),
            ("cand_probs", TensorProto.FLOAT)]
 TEMP_LAST, REJECT, MASKED = 1, 2, 4
 OK, DEAD_END, NO_TOKEN = 0, 1, 2
-
-
-# -- Philox4x32-10, numpy (Salmon et al. 2011; independent of the C code) ----------------
-
-_M32 = np.uint64(0xFFFFFFFF)
-
-
-def philox4x32(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
-    """Philox4x32-10 of counters [..., 4] under keys [..., 2] (uint32 values) -> [..., 4]."""
-    c = [np.asarray(counter, dtype=np.uint64)[..., i] for i in range(4)]
-    k0 = np.asarray(key, dtype=np.uint64)[..., 0]
-    k1 = np.asarray(key, dtype=np.uint64)[..., 1]
-    for r in range(10):
-        if r:
-            k0, k1 = (k0 + np.uint64(0x9E3779B9)) & _M32, (k1 + np.uint64(0xBB67AE85)) & _M32
-        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
-        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & _M32,
-             (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & _M32]
-    return np.stack(c, axis=-1)
-
-
-def philox_uniform(key: int | np.ndarray, position: int | np.ndarray, stream: int | np.ndarray,
-                   draw: int | np.ndarray) -> np.ndarray:
-    """The contract's uniform (float64 in [0, 1)) for each (key, position, stream, draw)."""
-    key, position, stream, draw = np.broadcast_arrays(
-        *(np.asarray(a, dtype=np.int64).view(np.uint64) for a in (key, position, stream, draw)))
-    counter = np.stack([position & _M32, position >> np.uint64(32), stream, draw], axis=-1)
-    out = philox4x32(counter, np.stack([key & _M32, key >> np.uint64(32)], axis=-1))
-    bits = (out[..., 0] << np.uint64(32)) | out[..., 1]
-    return (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
 def test_numpy_philox_gives_random123s_known_answers() -> None:
@@ -244,7 +215,7 @@ class PhiloxSampler(Sampler):
         super().accept(token)
         self.emitted += 1
 
-    def uniform(self) -> float:
+    def uniform(self, position: int | None = None) -> float:
         draw = 1 if self.last == self.emitted else 0  # a second uniform at the same row
         self.last = self.emitted
         c = self.call

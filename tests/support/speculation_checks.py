@@ -30,7 +30,8 @@ def second_token_check(runner: ModelRunner, drafter: Drafter, prompt: Sequence[i
         gen = Generation(runner, 0, list(prompt), GenerationParams(
             max_tokens=3, ignore_eos=True,
             sampling=SamplerParams(temperature=temperature, seed=seed, **sampling),
-            draft=DraftParams(n_max=1), draft_top_k=0), eog=set(), drafter=drafter)
+            draft=DraftParams(n_max=1), draft_top_k=0, coupled=False), eog=set(),
+            drafter=drafter)
         out = gen.prefill()
         out += gen.step()
         gen.close()
