@@ -323,7 +323,8 @@ def _spec_block(r: Result) -> dict[str, Any]:
     s = r.stats
     return {"drafted": s.drafted, "accepted": s.accepted,
             "mean_acceptance_length": round(s.mean_acceptance_length, 4),
-            "rounds": s.rounds, "valid": s.valid}
+            "rounds": s.rounds, "valid": s.valid,
+            "drafter_failures": dict(s.drafter_failures)}
 
 
 def _usage(*results: Result) -> dict[str, Any]:

@@ -64,6 +64,17 @@ def render_metrics(svc: Service, window: RateWindow) -> str:
     for i, rate in enumerate(t.per_position_acceptance()):
         lines.append(f'specd_draft_acceptance_rate{{position="{i}"}} {rate:.4f}')
     lines += [
+        "# HELP specd_drafter_failures_total Exceptions drafters raised (each request "
+        "went on target-only).",
+        "# TYPE specd_drafter_failures_total counter",
+    ]
+    drafter = sch.engine.drafter
+    failures = dict(t.drafter_failures)
+    if drafter is not None:
+        failures.setdefault(drafter.name, 0)
+    for name, n in sorted(failures.items()):
+        lines.append(f'specd_drafter_failures_total{{drafter="{name}"}} {n}')
+    lines += [
         "# TYPE specd_queue_length gauge",
         f"specd_queue_length {sch.queue_length}",
         "# TYPE specd_slots_busy gauge",

@@ -17,6 +17,10 @@ from tiny_gguf import write_tiny_gguf
 # and pick algorithms by shape; the reference tolerances and batch-invariance tests here
 # are the CPU's). tests/ort_models/test_cuda.py asks for CUDA explicitly.
 os.environ["SPECD_DEVICE"] = "cpu"
+# A drafter's exception fails its request (the daemon logs it, counts it and goes on
+# target-only, which a test comparing output with target-only cannot notice).
+# tests/daemon/spec/test_drafter_failures.py turns it off to test the daemon's way.
+os.environ["SPECD_RAISE_DRAFTER_ERRORS"] = "1"
 
 
 @pytest.fixture(scope="session")

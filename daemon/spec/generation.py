@@ -10,6 +10,8 @@ learns from the round's record). docs/architecture.md states the round's invaria
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
@@ -62,6 +64,17 @@ from .verify import VerifyResult, verify_greedy, verify_rejection
 
 # prompt tokens (cached, processed so far, in all) before the first chunk and after each
 PromptProgress = Callable[[int, int, int], None]
+
+log = logging.getLogger("specd.generation")
+
+# set to 1 (the test suite sets it), a drafter's exception fails its request instead of
+# being logged and counted while the request goes on target-only: a broken drafter then
+# fails its test
+RAISE_DRAFTER_ERRORS = "SPECD_RAISE_DRAFTER_ERRORS"
+
+
+def drafter_errors_raise() -> bool:
+    return os.environ.get(RAISE_DRAFTER_ERRORS, "") == "1"
 
 
 class RequestError(ValueError):
@@ -181,6 +194,7 @@ class Generation:
         self.prompt = list(prompt)
         self.eog = set() if params.ignore_eos else set(eog)
         self.drafter = drafter
+        self._failed_drafter: Drafter | None = None  # dropped after raising (still ended)
         self.grammar = grammar  # the request's constraint state (advanced on emitted tokens)
         t_seed, d_seed = derive_seeds(params.sampling.seed)
         self.sampler = Sampler(params.sampling, seed=t_seed)
@@ -350,8 +364,23 @@ class Generation:
         self._prompt_features = {}
         try:
             self.drafter.begin(self.seq, self.prompt, self.draft_sampler, features)
-        except Exception:  # a failing draft never fails the request
-            self.drafter = None
+        except Exception as exc:
+            self._drafter_failed(exc, "starting")
+
+    def _drafter_failed(self, exc: Exception, during: str, name: str | None = None) -> None:
+        """A drafter raised: counted under its name (`name`: the model source's that
+        raised) and logged with the exception (once: the drafter is dropped), and the
+        request goes on target-only; where drafter errors raise (the test suite), the
+        request fails with it instead."""
+        drafter = self.drafter
+        assert drafter is not None
+        name = name or drafter.name
+        self.stats.record_drafter_failure(name)
+        if drafter_errors_raise():
+            raise exc
+        log.error("drafter %s failed while %s on slot %d; the request goes on without it",
+                  name, during, self.seq, exc_info=exc)
+        self._failed_drafter, self.drafter = drafter, None
 
     def _grammar_finished(self, dead: bool = False) -> bool:
         """Stop at a grammar dead end, or once the grammar allows nothing but the end."""
@@ -490,8 +519,8 @@ class Generation:
             drafted, seconds = yield from timed_steps(source.draft_steps(
                 self.seq, self._last, self._pos, plan.n,
                 replace(dp, backend_sampling=self.params.backend_sampling), fork))
-        except Exception:  # a failing draft never fails the request: go on target-only
-            self.drafter = None
+        except Exception as exc:
+            self._drafter_failed(exc, "drafting", source.name)
             return _Proposed(Proposal([]))
         self.stats.draft_s += seconds
         self.stats.record_source(source.name)
@@ -586,10 +615,13 @@ class Generation:
             for t in emitted:
                 self.draft_sampler.accept(t)
         if self.drafter is not None:
-            self.drafter.accept(self.seq, len(emitted) - 1)
             kept = None if features is None else {
                 layer: rows[: len(emitted)] for layer, rows in features.items()}
-            self.drafter.process(self.seq, [self._last, *emitted[:-1]], kept)
+            try:
+                self.drafter.accept(self.seq, len(emitted) - 1)
+                self.drafter.process(self.seq, [self._last, *emitted[:-1]], kept)
+            except Exception as exc:
+                self._drafter_failed(exc, "taking the verified tokens")
         self._pos += len(emitted)
 
     def _observe(self, proposed: _Proposed, result: VerifyResult, seconds: float,
@@ -667,8 +699,12 @@ class Generation:
             self.finish_reason = reason
 
     def close(self) -> None:
-        if self.drafter is not None:
-            self.drafter.end(self.seq)
-            if self._memory is not None:
-                self._memory.keep(self.drafter.name, self.policy)
-                self._memory = None
+        if self.drafter is not None and self._memory is not None:
+            self._memory.keep(self.drafter.name, self.policy)
+        self._memory = None
+        drafter = self.drafter or self._failed_drafter
+        if drafter is not None:
+            try:
+                drafter.end(self.seq)
+            except Exception:  # the request is over; the slot's next one starts it anew
+                log.exception("drafter %s failed to end slot %d", drafter.name, self.seq)

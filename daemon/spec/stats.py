@@ -20,6 +20,9 @@ class SpecStats:
     # model calls per source (a drafter's name: "draft", "dflash", ...), where a drafter
     # of several sources chose one per round
     source_calls: dict[str, int] = field(default_factory=dict)
+    # exceptions drafters raised, by drafter name (each dropped the drafter for the rest of
+    # its request, which went on target-only)
+    drafter_failures: dict[str, int] = field(default_factory=dict)
     draft_s: float = 0.0
     verify_s: float = 0.0
     prompt_tokens: int = 0
@@ -52,6 +55,9 @@ class SpecStats:
     def record_source(self, name: str) -> None:
         """A model source drafted this round."""
         self.source_calls[name] = self.source_calls.get(name, 0) + 1
+
+    def record_drafter_failure(self, name: str) -> None:
+        self.drafter_failures[name] = self.drafter_failures.get(name, 0) + 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -94,8 +100,10 @@ class SpecStats:
             self.reached_at[i] += other.reached_at[i]
         for n, c in other.draft_lengths.items():
             self.draft_lengths[n] = self.draft_lengths.get(n, 0) + c
-        for name, c in other.source_calls.items():
-            self.source_calls[name] = self.source_calls.get(name, 0) + c
+        for counts, more in ((self.source_calls, other.source_calls),
+                             (self.drafter_failures, other.drafter_failures)):
+            for name, c in more.items():
+                counts[name] = counts.get(name, 0) + c
         self.valid = self.valid and other.valid
 
     def as_dict(self) -> dict[str, object]:
@@ -107,6 +115,7 @@ class SpecStats:
             "draft_lengths": dict(sorted(self.draft_lengths.items())),
             "lookup_rounds": self.lookup_rounds, "lookup_accepted": self.lookup_accepted,
             "source_calls": dict(sorted(self.source_calls.items())),
+            "drafter_failures": dict(sorted(self.drafter_failures.items())),
             "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
             "cached_tokens": self.cached_tokens,
