@@ -124,8 +124,7 @@ def test_a_seeded_stream_beside_three_others_is_target_onlys(
 
     def seeded(n_max: int) -> Stream:
         return Stream(prompt, GenerationParams(max_tokens=40, ignore_eos=True,
-                                               sampling=SEEDED, draft=DraftParams(n_max=n_max),
-                                               adaptive=True))
+                                               sampling=SEEDED, draft=DraftParams(n_max=n_max)))
 
     alone = Engine(EngineConfig(target=str(target), spec_type="none", n_ctx=1024, slots=1))
     sched = Scheduler(alone)
@@ -139,7 +138,7 @@ def test_a_seeded_stream_beside_three_others_is_target_onlys(
     try:
         assert solo(sched, lambda: seeded(4)) == want
         others = [Stream([1, *range(20 + 9 * i, 40 + 9 * i)], GenerationParams(
-            max_tokens=60, ignore_eos=True, draft=DraftParams(n_max=2 + i), adaptive=True,
+            max_tokens=60, ignore_eos=True, draft=DraftParams(n_max=2 + i),
             sampling=SamplerParams(temperature=0.8 if i else 0.0))) for i in range(3)]
         mine = seeded(6)
         for s in [others[0], mine, *others[1:]]:
