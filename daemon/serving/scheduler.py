@@ -25,6 +25,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+from specd.daemon.spec.batch_policy import BatchDraftPlanner, Outlook
 from specd.daemon.spec.drafter import StepRunner
 from specd.daemon.spec.generation import (
     Generation,
@@ -138,6 +139,8 @@ class Scheduler:
         self._used = 0  # slots' last_used clock
         self._stop = False
         self._last_prompts_only = False  # the last step ran prompt chunks alone
+        # caps the drafts of a step several decoding slots share (one slot: its own policy)
+        self.planner = BatchDraftPlanner()
         self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
         self._thread.start()
 
@@ -335,6 +338,7 @@ class Scheduler:
             s.request is not None and s.request.gen is not None and not s.request.cancelled
             and not s.request.gen.prefilled for s in self.slots)
         self._last_prompts_only = prompts_only
+        caps = {} if prompts_only else self._draft_caps()
         for slot in self.slots:
             req = slot.request
             if req is None:
@@ -350,7 +354,7 @@ class Scheduler:
                 continue  # decodes in the next step
             elif gen.prefilled or prefill_left > 0:  # else its chunk waits a step
                 prefilling = not gen.prefilled
-                steps = gen.step_calls(prefill_left)
+                steps = gen.step_calls(prefill_left, caps.get(slot.index))
                 call = self._resume(slot, steps, None, drafting)
                 if call is not None:
                     if prefilling:
@@ -361,7 +365,9 @@ class Scheduler:
             runner = drafting[0].runner
             group = [d for d in drafting if d.runner is runner]
             drafting = [d for d in drafting if d.runner is not runner]
+            t0 = time.perf_counter()
             outs = self._pass(runner, [d.call for d in group])
+            self.planner.costs.observe_draft(runner, len(group), time.perf_counter() - t0)
             for d, out in zip(group, outs, strict=True):
                 call = self._resume(d.slot, d.steps, out, drafting)
                 if call is not None:
@@ -369,6 +375,7 @@ class Scheduler:
                 self._settle(d.slot)
         if not work:
             return
+        t0 = time.perf_counter()
         outputs = self._pass(self.engine.target.runner, [call for _, call in work])
         self.counts.passes += 1
         self.counts.rows += len(work)
@@ -377,6 +384,26 @@ class Scheduler:
         # in one pass for all the slots completed here
         with drafter.batched_updates() if drafter is not None else nullcontext():
             self._complete(work, outputs)
+        if all(call.rows is not None for _, call in work):  # rounds, no prompt chunk
+            self.planner.costs.observe_verify(sum(len(call.tokens) for _, call in work),
+                                              time.perf_counter() - t0)
+
+    def _draft_caps(self) -> dict[int, int]:
+        """Each decoding slot's cap on its draft this step, where the step is planned as a
+        whole (several slots decoding, each with an estimate of what its draft brings)."""
+        slots: list[int] = []
+        outlooks: list[Outlook] = []
+        for s in self.slots:
+            r = s.request
+            if r is None or r.gen is None or r.cancelled or not r.gen.prefilled:
+                continue
+            o = r.gen.outlook()
+            if o is None:
+                return {}
+            slots.append(s.index)
+            outlooks.append(o)
+        caps = self.planner.caps(outlooks)
+        return {} if caps is None else dict(zip(slots, caps, strict=True))
 
     def _complete(self, work: list[tuple[Slot, Call]], outputs: list[Any]) -> None:
         """Each slot's step finished with its output of the target's pass (or failure):

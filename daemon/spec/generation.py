@@ -24,6 +24,7 @@ from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 from specd.ort_models.sampling_op import MAX_LOGPROBS, EmittedLogprobs, SampleSpec
 
+from .batch_policy import Outlook
 from .coupling import CoupledSampler
 from .drafter import (
     Drafter,
@@ -226,6 +227,7 @@ class Generation:
         self._t_decode = time.perf_counter()
         self._pending: _PrefillChunk | _Round | None = None  # begun by next_call
         self._source = 0  # the round's model source (an index into model_sources)
+        self._offered: tuple[int, Proposal | None] | None = None  # (position, offer)
         self._on_progress = on_prompt_progress
         # post-sampling logprobs under a grammar: its state advanced in step with the
         # tokens recorded, for the mask each one was decided under
@@ -428,11 +430,13 @@ class Generation:
             return None
         return self.drafter.model_sources[self._source].step_runner
 
-    def step_calls(self, prefill_budget: int | None = None
+    def step_calls(self, prefill_budget: int | None = None, cap: int | None = None
                    ) -> Generator[Call, CallOutput, Call | None]:
         """`next_call` as a generator: it yields the drafter's model calls (on
         `step_runner`; each is sent back its output), so that a scheduler runs those of
-        several sequences in one pass too, and returns the target's call."""
+        several sequences in one pass too, and returns the target's call. `cap`: the most
+        tokens the round may draft, where a step shared with other sequences is planned
+        as a whole (batch_policy)."""
         if self._pending is not None:
             raise RuntimeError("the previous call was not completed")
         if self.done:
@@ -446,7 +450,7 @@ class Generation:
             self.finish_reason = "length"
             return None
         t0 = time.perf_counter()
-        plan, offer = self._plan(limit)
+        plan, offer = self._plan(limit if cap is None else min(limit, cap))
         plan_s = time.perf_counter() - t0
         proposed = yield from self._propose(plan, offer)
         self._pending = _Round(proposed, plan_s + proposed.seconds)
@@ -491,9 +495,45 @@ class Generation:
         dp = self.params.draft
         if self.drafter is None or limit <= 0 or dp.n_max <= 0:
             return RoundPlan(0), None
-        assert self._last is not None
-        offer = self.drafter.offer(self.seq, self._last, self._pos, min(dp.n_max, limit))
+        offer = self._offer(min(dp.n_max, limit))
+        if self.drafter is None:  # it failed offering
+            return RoundPlan(0), None
         return self.policy.plan(limit, offer, self.drafter.runs_model), offer
+
+    def _offer(self, n_max: int) -> Proposal | None:
+        """The drafter's free offer of up to n_max tokens for this round (asked once a
+        round: the step's plan may have weighed it already)."""
+        assert self.drafter is not None and self._last is not None
+        if self._offered is None or self._offered[0] != self._pos:
+            try:
+                offer = self.drafter.offer(self.seq, self._last, self._pos, n_max)
+            except Exception as exc:
+                self._drafter_failed(exc, "offering")
+                return None
+            self._offered = (self._pos, offer)
+        offer = self._offered[1]
+        return None if offer is None else offer.truncate(n_max)
+
+    def outlook(self) -> Outlook | None:
+        """What drafting could bring this sequence's next round, for a step planned with
+        other sequences (None: it is not between rounds with a drafter, or its policy
+        keeps no estimates)."""
+        dp = self.params.draft
+        if (self.drafter is None or self.done or not self.prefilled
+                or self._pending is not None or dp.n_max <= 0):
+            return None
+        limit = min(self._draft_limit(), dp.n_max)
+        if limit <= 0:
+            return None
+        offer = self._offer(limit)
+        seen = None if self.drafter is None else self.policy.outlook(limit, offer)
+        if seen is None or self.drafter is None:
+            return None
+        model, s, lookup = seen
+        source = self.drafter.model_sources[s]
+        if not self.drafter.runs_model:
+            model = model[:1]
+        return Outlook(model, source.step_runner, source.one_pass, lookup)
 
     def _propose(self, plan: RoundPlan, offer: Proposal | None
                  ) -> Generator[Call, CallOutput, _Proposed]:

@@ -118,6 +118,14 @@ class DraftPolicy(ABC):
         anything was carried (a fixed policy learns nothing)."""
         return False
 
+    def outlook(self, limit: int, offer: Proposal | None
+                ) -> tuple[list[float], int, list[float]] | None:
+        """What the next round could emit, for a step planned with other sequences
+        (batch_policy): expected tokens for each model draft length 0..limit from the
+        source it drafts with now, that source, and for each length of the free `offer`
+        (None: the policy keeps no estimates)."""
+        return None
+
 
 @dataclass
 class FixedDraftLength(DraftPolicy):
@@ -136,7 +144,7 @@ class FixedDraftLength(DraftPolicy):
 
 
 @dataclass
-class _Line:
+class CostLine:
     """Seconds against tokens per pass: the discounted mean at sizes observed often
     enough (kernels have steps: M = 2 costs about M = 1 here, M = 3 much more), else a
     discounted least-squares line through all observations."""
@@ -160,7 +168,7 @@ class _Line:
         acc[0] += 1.0
         acc[1] += y
 
-    def carried(self, weight: float = CARRIED_WEIGHT) -> _Line:
+    def carried(self, weight: float = CARRIED_WEIGHT) -> CostLine:
         """A copy whose fit, and each size's mean, count as at most `weight` observations:
         the same estimates, soon outweighed."""
         at_size = {}
@@ -168,7 +176,7 @@ class _Line:
             g = _carried_share(w, weight)
             at_size[x] = [w * g, total * g]
         f = _carried_share(self.w, weight)
-        return _Line(self.decay, self.w * f, self.sx * f, self.sy * f, self.sxx * f,
+        return CostLine(self.decay, self.w * f, self.sx * f, self.sy * f, self.sxx * f,
                      self.sxy * f, at_size)
 
     def at(self, x: int) -> float | None:
@@ -256,7 +264,7 @@ class _ModelSource:
 
     traits: SourceTraits
     acceptance: _Acceptance
-    block: _Line
+    block: CostLine
     first: float | None = None  # seconds: a steady drafting call, but its later steps
     next: float | None = None  # seconds: each proposal step after the first
     calls: int = 0
@@ -325,7 +333,7 @@ class AdaptiveDraftLength(DraftPolicy):
     # the drafter's model sources, each round drafting from the one predicted fastest (a
     # head and a draft model); empty: one source with the traits above
     sources: tuple[SourceTraits, ...] = ()
-    _verify: _Line = field(init=False)
+    _verify: CostLine = field(init=False)
     _drafting_rounds: int = 0
     _idle_rounds: int = 0
     _drafting: bool = False  # the last choice drafted (not counting probes)
@@ -345,10 +353,10 @@ class AdaptiveDraftLength(DraftPolicy):
 
     def __post_init__(self) -> None:
         n = max(self.n_max, 0)
-        self._verify = _Line(self.decay)
+        self._verify = CostLine(self.decay)
         traits = self.sources or (SourceTraits(self.one_pass, self.catch_up_limit),)
         self._models = [_ModelSource(t, _Acceptance(n, self.decay, self.prior_accept),
-                                     _Line(self.decay)) for t in traits]
+                                     CostLine(self.decay)) for t in traits]
         self._lookups: dict[int, _Acceptance] = {}  # match length -> its offers' acceptance
 
     def _acceptance(self, lookup: int, source: int = 0) -> _Acceptance:
@@ -634,6 +642,21 @@ class AdaptiveDraftLength(DraftPolicy):
         return best_m, True
 
     # -- the round's interface --------------------------------------------------------------
+    def outlook(self, limit: int, offer: Proposal | None
+                ) -> tuple[list[float], int, list[float]] | None:
+        if self.rate(0) is None:
+            return None  # nothing measured yet: the round's own choice measures
+        limit = min(limit, self.n_max)
+        s = self._chosen
+        model = [1.0 if n < self.shortest and n else self.expected_tokens(n, s)
+                 for n in range(limit + 1)]
+        lookup: list[float] = []
+        if offer is not None and offer.tokens:
+            acc = self._acceptance(max(offer.evidence.lookup_match, 1))
+            lookup = [1.0 if m < self.shortest and m else acc.expected_tokens(m)
+                      for m in range(min(len(offer.tokens), limit) + 1)]
+        return model, s, lookup
+
     def plan(self, limit: int, offer: Proposal | None, runs_model: bool) -> RoundPlan:
         if offer is None:
             n, source = self.choose_model(limit)

@@ -3,6 +3,7 @@ run's, whatever runs beside it, joins or leaves (tiny models, specd's kernels)."
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -165,3 +166,62 @@ def test_a_request_reuses_the_prefix_another_slot_is_generating(scheduler: Sched
     assert got == solo.result()
     assert follow[0].req.gen is not None
     assert follow[0].req.gen.stats.cached_tokens == len(prompt) + 3
+
+
+
+def test_adaptive_streams_planned_as_a_step_equal_their_solo_runs(
+        scheduler: Scheduler, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four adaptive streams (greedy, and seeded sampling): once the passes are timed the
+    planner caps each step's drafts as a whole, and each output is its solo run's."""
+    if engine.drafter is None:
+        pytest.skip("no drafter to plan")
+
+    def make(i: int) -> Callable[[], Stream]:
+        sampling = SamplerParams(temperature=0.8 if i % 2 else 0.0, seed=i)
+        return lambda: Stream([1, *range(20 + 13 * i, 45 + 13 * i)], GenerationParams(
+            max_tokens=60, ignore_eos=True, draft=DraftParams(n_max=6), adaptive=True,
+            sampling=sampling))
+
+    makers = [make(i) for i in range(4)]
+    want = [solo(scheduler, m) for m in makers]
+    planned: list[list[int]] = []
+    real = scheduler.planner.caps
+
+    def caps(outlooks: Any) -> list[int] | None:
+        out = real(outlooks)
+        if out is not None:
+            planned.append(out)
+        return out
+
+    monkeypatch.setattr(scheduler.planner, "caps", caps)
+    streams = [m() for m in makers]
+    for s in streams:
+        scheduler.submit(s.req)
+    assert [s.result() for s in streams] == want
+    assert max(len(c) for c in planned) == 4  # steps of four were planned
+
+
+def test_streams_drafting_to_any_caps_equal_their_solo_runs(
+        scheduler: Scheduler, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step's caps drawn at random (0: a plain step): every stream drafts at most its
+    cap, and its output is its solo run's."""
+    if engine.drafter is None:
+        pytest.skip("no drafter to cap")
+    makers = _streams(engine)
+    want = [solo(scheduler, make) for make in makers]
+    rng = random.Random(5)
+    given: list[dict[int, int]] = []
+
+    def caps() -> dict[int, int]:
+        given.append({s.index: rng.choice([0, 0, 1, 2, 5]) for s in scheduler.slots})
+        return given[-1]
+
+    monkeypatch.setattr(scheduler, "_draft_caps", caps)
+    streams = [make() for make in makers]
+    for s in streams:
+        scheduler.submit(s.req)
+    assert [s.result() for s in streams] == want
+    stats = [s.req.gen.stats for s in streams if s.req.gen is not None]
+    assert sum(st.rounds for st in stats) > 0 and sum(st.accepted for st in stats) > 0
+    assert max(n for st in stats for n in st.draft_lengths) <= 5
+    assert any(st.draft_lengths.get(5) for st in stats)  # the caps let long drafts through
