@@ -193,14 +193,17 @@ class SpecdRunner:
         return make_drafter(cfg.spec, self.engine.drafter_inputs())
 
     def run(self, prompt: list[int], cfg: BenchConfig, temperature: float, max_tokens: int,
-            seed: int, memory: PolicyMemory | None = None) -> RunResult:
+            seed: int | None, memory: PolicyMemory | None = None,
+            coupled: bool | None = None) -> RunResult:
         """One request, alone; `memory`: its adaptive policy starts from (and leaves its
         estimates to) it, as an engine's requests do (None: a fresh policy, as `specd
-        generate`'s one request)."""
+        generate`'s one request); `coupled`: GenerationParams.coupled (None: a seeded
+        request's drafts are coupled)."""
         params = GenerationParams(
             max_tokens=max_tokens, ignore_eos=True,
             sampling=SamplerParams(temperature=temperature, seed=seed),
-            draft=DraftParams(n_max=cfg.n_max, p_min=cfg.p_min), adaptive=cfg.adaptive)
+            draft=DraftParams(n_max=cfg.n_max, p_min=cfg.p_min), adaptive=cfg.adaptive,
+            coupled=coupled)
         gen = Generation(self.engine.target.runner, 0, prompt, params,
                          eog=self.engine.eog_ids, drafter=self.drafter_for(cfg), memory=memory)
         with PeakRss(interval_s=0.05) as peak:
