@@ -17,11 +17,10 @@ from specd.daemon.spec.drafter import Drafter
 from specd.ort_models.head_runner import HeadRunner
 from specd.ort_models.runner import ModelRunner
 
+from .composite import CompositeDrafter
 from .dflash import DFlash2Drafter, DFlashDrafter
 from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter
-from .head_and_model import HeadAndModelDrafter
-from .hybrid import HybridDrafter
 from .ngram import NgramDrafter
 from .synthetic import SyntheticDrafter
 
@@ -79,14 +78,20 @@ def _head(inputs: DrafterInputs) -> Drafter:
     return HEAD_DRAFTERS[inputs.head_runner.built.head.kind](inputs.head_runner)
 
 
-def _head_with_lookup(inputs: DrafterInputs) -> HybridDrafter:
+def _model_with_lookup(inputs: DrafterInputs) -> CompositeDrafter:
+    """A draft model, with prompt lookup in front."""
+    return CompositeDrafter("draft+ngram", [_model(inputs)], _ngram(inputs))
+
+
+def _head_with_lookup(inputs: DrafterInputs) -> CompositeDrafter:
     """A head, with prompt lookup in front."""
-    return HybridDrafter(_head(inputs), _ngram(inputs))
+    head = _head(inputs)
+    return CompositeDrafter(f"{head.name}+ngram", [head], _ngram(inputs))
 
 
-def _head_and_model(inputs: DrafterInputs) -> HybridDrafter:
+def _head_and_model(inputs: DrafterInputs) -> CompositeDrafter:
     """A head and a draft model, each round drafting with one, prompt lookup in front."""
-    return HybridDrafter(HeadAndModelDrafter(_head(inputs), _model(inputs)), _ngram(inputs))
+    return CompositeDrafter(HEAD_AND_MODEL, [_head(inputs), _model(inputs)], _ngram(inputs))
 
 
 def _ngram(inputs: DrafterInputs) -> NgramDrafter:
@@ -101,8 +106,7 @@ def _synthetic(inputs: DrafterInputs) -> SyntheticDrafter:
 SPEC_TYPE_REGISTRY: dict[str, SpecType] = {s.name: s for s in (
     SpecType("draft", True, _model),
     SpecType("ngram", False, _ngram),
-    SpecType("draft+ngram", True, lambda i: HybridDrafter(_model(i), _ngram(i)),
-             chains_lookup=True),
+    SpecType("draft+ngram", True, _model_with_lookup, chains_lookup=True),
     SpecType("synthetic", False, _synthetic),
     SpecType("draft-dflash", True, _head_with_lookup, head_kind="dflash", chains_lookup=True),
     SpecType("draft-dspark", True, _head_with_lookup, head_kind="dspark", chains_lookup=True),

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from specd.daemon.drafters.composite import CompositeDrafter
 from specd.daemon.drafters.draft_model import DraftModelDrafter
-from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.spec.drafter import DraftParams
 from specd.ort_models.model_cache import load_or_build
@@ -68,7 +68,7 @@ def draft_runner(tiny_model_factory):
 
 def test_hybrid_offers_the_lookup_and_drafts_with_the_model(draft_runner) -> None:
     model = DraftModelDrafter(draft_runner)
-    h = HybridDrafter(model)
+    h = CompositeDrafter("draft+ngram", [model])
     assert h.runs_model and not NgramDrafter.runs_model
     prompt = [348, 20, 31, 42, 53, 64, 20, 31]
     h.begin(0, prompt)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from specd.daemon.drafters.composite import CompositeDrafter
 from specd.daemon.drafters.draft_model import DraftModelDrafter
-from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.registry import (
     MODEL_SPEC_TYPES,
@@ -80,7 +80,7 @@ def test_each_type_builds_its_drafter(tiny_model_factory) -> None:
     model = make_drafter("draft", inputs)
     assert isinstance(model, DraftModelDrafter) and model.vocab_limit == 300
     hybrid = make_drafter("draft+ngram", inputs)
-    assert isinstance(hybrid, HybridDrafter) and hybrid.lookup.max_ngram == 3
+    assert isinstance(hybrid, CompositeDrafter) and hybrid.lookup.max_ngram == 3
     ngram = make_drafter("ngram", inputs)
     assert isinstance(ngram, NgramDrafter) and (ngram.min_ngram, ngram.max_ngram) == (1, 3)
     synthetic = make_drafter("synthetic", inputs)

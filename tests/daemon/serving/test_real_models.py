@@ -8,9 +8,9 @@ import re
 
 import pytest
 
+from specd.daemon.drafters.composite import CompositeDrafter
 from specd.daemon.drafters.dflash import DFlashDrafter
 from specd.daemon.drafters.draft_model import DraftModelDrafter
-from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.models.store import ModelStoreError
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.spec.drafter import DraftParams
@@ -89,8 +89,8 @@ def test_qwen_coder_writes_a_plausible_function(qwen_pair: Engine) -> None:
 def test_qwen_pair_speculation_is_byte_identical(qwen_pair: Engine, prompt_text: str) -> None:
     prompt = qwen_pair.encode_prompt(prompt_text, chat=True)
     want = _generate(qwen_pair, prompt, max_tokens=64, ignore_eos=True)
-    assert isinstance(qwen_pair.drafter, HybridDrafter)  # spec type auto with a draft
-    model = qwen_pair.drafter.model
+    assert isinstance(qwen_pair.drafter, CompositeDrafter)  # spec type auto with a draft
+    [model] = qwen_pair.drafter.models
     for n_max in (4, 16):
         got = _generate(qwen_pair, prompt, drafter=model, max_tokens=64,
                         ignore_eos=True, draft=DraftParams(n_max=n_max))

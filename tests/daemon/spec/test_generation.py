@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
+from specd.daemon.drafters.composite import CompositeDrafter
 from specd.daemon.drafters.draft_model import DraftModelDrafter
-from specd.daemon.drafters.hybrid import HybridDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.synthetic import SyntheticDrafter
 from specd.daemon.models.building import DRAFT_VOCAB_ROWS, build_options, target_kernels
@@ -222,7 +222,8 @@ def test_draft_and_lookup_speculation_is_byte_identical(models, adaptive, temper
     prompt = PROMPT + PROMPT[1:] + PROMPT[1:]  # repetition for lookup to find
     sp = SamplerParams(temperature=temperature, top_k=40, seed=11)
     want, _ = run(target, prompt=prompt, max_tokens=64, ignore_eos=True, sampling=sp)
-    drafter = HybridDrafter(draft_drafter(draft), NgramDrafter(min_ngram=1))  # many matches
+    drafter = CompositeDrafter("draft+ngram", [draft_drafter(draft)],
+                               NgramDrafter(min_ngram=1))  # many matches
     got, gen = run(target, drafter, prompt=prompt, max_tokens=64, ignore_eos=True,
                    sampling=sp, draft=DraftParams(n_max=6, probabilistic=False),
                    adaptive=adaptive)
