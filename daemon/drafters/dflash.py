@@ -24,14 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from specd.daemon.spec.drafter import (
-    Drafter,
     DraftEvidence,
     DraftParams,
     DraftSteps,
     Features,
     Proposal,
     head_input_rows,
-    run_steps,
 )
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
@@ -39,6 +37,7 @@ from specd.ort_models.head_runner import BlockCall, BlockOutput, HeadRunner
 from specd.ort_models.heads import DEFAULT_BLOCK_SIZE
 from specd.ort_models.sampling_op import SampleSpec
 
+from .model_backed import ModelBackedDrafter
 from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
 
 
@@ -48,7 +47,7 @@ class _SeqState:
     sampler: Sampler | None = None
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(ModelBackedDrafter[_SeqState, HeadRunner]):
     one_pass = True
     catch_up = 0  # tokens skipped while the target decoded alone were injected as they came
 
@@ -57,6 +56,7 @@ class DFlashDrafter(Drafter):
         if head.mask_token_id is None:
             raise ValueError(f"{runner.built.head_path.name} names no mask token")
         # the scheduler runs the blocks of several sequences in one pass of it
+        super().__init__()
         self.runner = self.step_runner = runner
         self.name = head.kind
         self.target_layers = head.hidden_layers
@@ -64,14 +64,12 @@ class DFlashDrafter(Drafter):
         # the block's first proposing row: 0 for an anchor-first DSpark block, else 1
         self.first_row = 0 if head.sample_from_anchor else 1
         self.max_drafts = (head.block_size or DEFAULT_BLOCK_SIZE) - self.first_row
-        self._seqs: dict[int, _SeqState] = {}
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
         """Inject the evaluated prompt tokens' rows (a prefix reused from an earlier request
         on this slot was injected by it: its rows are still in the cache)."""
-        while self.runner.n_seq <= seq:
-            self.runner.add_sequence()
+        self._ensure_sequence(seq)
         n = 0 if features is None else next(iter(features.values())).shape[0]
         start = len(prompt) - n
         old = self._seqs.get(seq)
@@ -81,10 +79,6 @@ class DFlashDrafter(Drafter):
         self._seqs[seq] = _SeqState(injected=start, sampler=sampler)
         if n:
             self.process(seq, prompt[start:], features)
-
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: GrammarState | None = None) -> Proposal:
-        return run_steps(self.draft_steps(seq, last, pos, n_max, params, grammar), self.runner)
 
     def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
                     grammar: GrammarState | None = None) -> DraftSteps:
@@ -161,10 +155,6 @@ class DFlashDrafter(Drafter):
         (where its injection graph packs them)."""
         return self.runner.deferred_injections()
 
-    def end(self, seq: int) -> None:
-        st = self._seqs.get(seq)
-        if st is not None:
-            st.sampler = None
 
 
 class DFlash2Drafter(DFlashDrafter):

@@ -22,18 +22,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specd.daemon.spec.drafter import (
-    Drafter,
     DraftEvidence,
     DraftParams,
     DraftSteps,
     Features,
     Proposal,
-    run_steps,
 )
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
+from .model_backed import ModelBackedDrafter
 from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
 
 
@@ -54,16 +53,16 @@ FORCED_ROWS = 16  # late rows checked against the tokens that followed them (the
 CATCH_UP = 16  # most skipped tokens evaluated before drafting (the latest)
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(ModelBackedDrafter[_SeqState, ModelRunner]):
     name = "draft"
 
     def __init__(self, runner: ModelRunner, *, vocab_limit: int | None = None,
                  catch_up: int | None = CATCH_UP):
+        super().__init__()
         self.runner = self.step_runner = runner
         self.catch_up = catch_up  # None: evaluate every skipped token
         self.vocab_limit = vocab_limit  # the target's vocab size, if smaller
         self._n_vocab = runner.hp.n_vocab  # the draft's own rows
-        self._seqs: dict[int, _SeqState] = {}
 
     @property
     def n_ctx(self) -> int:
@@ -72,8 +71,7 @@ class DraftModelDrafter(Drafter):
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
         """Evaluate the prompt on the draft, reusing the prefix its cache already holds."""
-        while self.runner.n_seq <= seq:
-            self.runner.add_sequence()
+        self._ensure_sequence(seq)
         old = self._seqs.get(seq)
         reuse = 0
         if old is not None:
@@ -95,10 +93,6 @@ class DraftModelDrafter(Drafter):
 
     def _logits(self, rows: np.ndarray) -> np.ndarray:
         return rows[..., : self.vocab_limit] if self.vocab_limit else rows
-
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: GrammarState | None = None) -> Proposal:
-        return run_steps(self.draft_steps(seq, last, pos, n_max, params, grammar), self.runner)
 
     def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
                     grammar: GrammarState | None = None) -> DraftSteps:
@@ -206,7 +200,8 @@ class DraftModelDrafter(Drafter):
         """Keep the history and cache length: the next request on this slot may reuse it."""
         st = self._seqs.get(seq)
         if st is not None:
-            st.drafted, st.sampler = [], None
+            st.drafted = []
+        super().end(seq)
 
 
 def _call(call: Call, waits: list[float]) -> Generator[Call, CallOutput, CallOutput]:

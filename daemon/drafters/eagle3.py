@@ -24,19 +24,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from specd.daemon.spec.drafter import (
-    Drafter,
     DraftEvidence,
     DraftParams,
     DraftSteps,
     Features,
     Proposal,
     head_input_rows,
-    run_steps,
 )
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.head_runner import HeadRunner, StepCall, StepOutput
 
+from .model_backed import ModelBackedDrafter
 from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
 
 
@@ -48,15 +47,15 @@ class _SeqState:
     sampler: Sampler | None = None
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(ModelBackedDrafter[_SeqState, HeadRunner]):
     name = "eagle3"
     catch_up = 0  # tokens the target decoded alone were paired as they came
 
     def __init__(self, runner: HeadRunner):
         # the scheduler runs the steps of several sequences in one pass of it
+        super().__init__()
         self.runner = self.step_runner = runner
         self.target_layers = runner.built.head.hidden_layers
-        self._seqs: dict[int, _SeqState] = {}
         # while `batched_updates` is open: the verified tokens whose encoding and pairs
         # wait, (seq, tokens, their feature rows [n, 3*E_t]) in order
         self._batching = 0
@@ -118,8 +117,7 @@ class Eagle3Drafter(Drafter):
               features: Features | None = None) -> None:
         """Encode the evaluated prompt tokens and write their pairs (a prefix reused from an
         earlier request on this slot keeps that request's g rows and pairs)."""
-        while self.runner.n_seq <= seq:
-            self.runner.add_sequence()
+        self._ensure_sequence(seq)
         self._flush(seq)
         n = 0 if features is None else next(iter(features.values())).shape[0]
         start = len(prompt) - n
@@ -134,10 +132,6 @@ class Eagle3Drafter(Drafter):
         st.written = min(st.written, max(start - 1, 0))
         self._encode(st, features, start, n)
         self._write_pairs(seq, st, prompt, 0, len(prompt) - 1)
-
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: GrammarState | None = None) -> Proposal:
-        return run_steps(self.draft_steps(seq, last, pos, n_max, params, grammar), self.runner)
 
     def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
                     grammar: GrammarState | None = None) -> DraftSteps:
@@ -199,7 +193,3 @@ class Eagle3Drafter(Drafter):
         self._encode(st, features, first, len(tokens))
         self._write_pairs(seq, st, tokens, first, st.known - 1)
 
-    def end(self, seq: int) -> None:
-        st = self._seqs.get(seq)
-        if st is not None:
-            st.sampler = None
