@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from specd.daemon.text.grammar import GrammarState, GrammarViolation
+from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.graph_builder import ATTN_BUCKET
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 from specd.ort_models.sampling_op import MAX_LOGPROBS, EmittedLogprobs, SampleSpec
@@ -35,13 +35,8 @@ from .drafter import (
     run_steps,
     timed_steps,
 )
-from .graph_sampling import (
-    BONUS_CANDIDATES,
-    block_result,
-    emitted_logprob,
-    sample_spec,
-    sparse_q,
-)
+from .graph_sampling import BONUS_CANDIDATES, block_result, sample_spec, sparse_q
+from .logprobs import LogprobRecorder
 from .policy import (
     AdaptiveDraftLength,
     DraftPolicy,
@@ -57,8 +52,6 @@ from .sampling import (
     SamplerParams,
     TokenLogprob,
     derive_seeds,
-    post_sampling_logprob,
-    token_logprob,
 )
 from .stats import SpecStats
 from .verify import VerifyResult, verify_greedy, verify_rejection
@@ -229,10 +222,9 @@ class Generation:
         self._source = 0  # the round's model source (an index into model_sources)
         self._offered: tuple[int, Proposal | None] | None = None  # (position, offer)
         self._on_progress = on_prompt_progress
-        # post-sampling logprobs under a grammar: its state advanced in step with the
-        # tokens recorded, for the mask each one was decided under
-        self._logprob_grammar = (grammar.fork() if grammar is not None
-                                 and params.post_sampling_probs else None)
+        self._logprobs = None if params.logprobs is None else LogprobRecorder(
+            params.logprobs, self.sampler, post_sampling=params.post_sampling_probs,
+            grammar=grammar)
 
     def _make_draft_sampler(self, seed: int) -> Sampler | None:
         """q's sampler: the draft's top-k at the request's temperature, after the request's
@@ -684,14 +676,11 @@ class Generation:
         vocab] are the target's logits each was decided on, or `graph_logprobs` the
         logprobs the graph computed for them."""
         out: list[int] = []
-        k = self.params.logprobs
-        masks = (self._logprob_masks(toks, rows) if k is not None and graph_logprobs is None
-                 else [])
+        logprobs = (None if self._logprobs is None
+                    else self._logprobs.of_round(toks, rows, self.tokens, graph_logprobs))
         for i, t in enumerate(toks):
-            if k is not None:
-                self.token_logprobs.append(
-                    self._token_logprob(rows[i], t, k, masks[i]) if graph_logprobs is None
-                    else emitted_logprob(graph_logprobs, i, t))
+            if logprobs is not None:
+                self.token_logprobs.append(logprobs[i])
             self.tokens.append(t)
             out.append(t)
             if t in self.eog:
@@ -705,34 +694,6 @@ class Generation:
         self.stats.decoded_tokens = max(len(self.tokens) - 1, 0)
         self.stats.decode_s = time.perf_counter() - self._t_decode
         return out
-
-    def _logprob_masks(self, toks: list[int], rows: np.ndarray) -> list[np.ndarray | None]:
-        """The grammar's mask each of the round's tokens was decided under, for
-        post-sampling logprobs (None where there is none); the state they are read from
-        follows every token the round's grammar consumed, emitted or not."""
-        g = self._logprob_grammar
-        masks: list[np.ndarray | None] = []
-        for t, row in zip(toks, rows, strict=False):
-            masks.append(None if g is None else g.allowed(len(row)))
-            if g is not None:
-                try:
-                    g.consume(t)
-                except GrammarViolation:  # a dead end: no mask after it
-                    g = self._logprob_grammar = None
-        return masks
-
-    def _token_logprob(self, row: np.ndarray, token: int, k: int,
-                       mask: np.ndarray | None) -> TokenLogprob:
-        """An emitted token's logprob and the k most likely's: under the target's logits,
-        or (post_sampling_probs) under the distribution it was drawn from, with the
-        penalties over the tokens emitted before it and the grammar's mask."""
-        if not self.params.post_sampling_probs:
-            return token_logprob(row, token, k)
-        n = self.params.sampling.repeat_last_n
-        end = len(self.tokens)
-        history = self.tokens if n < 0 else self.tokens[max(end - n, 0):]
-        return post_sampling_logprob(self.sampler, row, token, k, history=history,
-                                     mask=mask)
 
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:
