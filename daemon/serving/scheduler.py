@@ -367,7 +367,8 @@ class Scheduler:
             drafting = [d for d in drafting if d.runner is not runner]
             t0 = time.perf_counter()
             outs = self._pass(runner, [d.call for d in group])
-            self.planner.costs.observe_draft(runner, len(group), time.perf_counter() - t0)
+            self.planner.costs.observe_draft(runner, sum(len(d.call.tokens) for d in group),
+                                             time.perf_counter() - t0)
             for d, out in zip(group, outs, strict=True):
                 call = self._resume(d.slot, d.steps, out, drafting)
                 if call is not None:

@@ -58,7 +58,8 @@ class _Choice:
 @dataclass
 class StepCosts:
     """Measured seconds: the step's target pass (and its verification) against its rows,
-    and each draft runner's pass against the sequences in it."""
+    and each draft runner's pass against its rows (a steady draft step: one a sequence; a
+    head's block: the block's; a catch-up: the skipped tokens too)."""
 
     verify: CostLine = field(default_factory=lambda: CostLine(DECAY))
     draft: dict[int, CostLine] = field(default_factory=dict)  # id(runner) -> its passes
@@ -66,12 +67,12 @@ class StepCosts:
     def observe_verify(self, rows: int, seconds: float) -> None:
         self.verify.add(rows, seconds)
 
-    def observe_draft(self, runner: object, sequences: int, seconds: float) -> None:
-        self.draft.setdefault(id(runner), CostLine(DECAY)).add(sequences, seconds)
+    def observe_draft(self, runner: object, rows: int, seconds: float) -> None:
+        self.draft.setdefault(id(runner), CostLine(DECAY)).add(rows, seconds)
 
-    def draft_pass(self, runner: object, sequences: int) -> float | None:
+    def draft_pass(self, runner: object, rows: int) -> float | None:
         line = self.draft.get(id(runner))
-        return None if line is None else line.at(sequences)
+        return None if line is None else line.at(rows)
 
 
 class BatchDraftPlanner:
@@ -152,16 +153,20 @@ class BatchDraftPlanner:
                 drafting[id(o.runner)] = (o, count + 1, max(chain, c.n))
         seconds = self._verify_cost(rows)
         for o, count, chain in drafting.values():
-            per_pass = self.costs.draft_pass(o.runner, count) or 0.0
-            seconds += per_pass * (1 if o.one_pass else chain)
+            seconds += self._chain_cost(o, count, chain)
         return tokens / seconds
+
+    def _chain_cost(self, o: Outlook, count: int, chain: int) -> float:
+        """Seconds of `count` sequences' drafts of up to `chain` tokens on o's runner: a
+        pass a token of a row each, or one pass of their blocks (a head's)."""
+        if o.one_pass:
+            return self.costs.draft_pass(o.runner, count * (chain + 1)) or 0.0
+        return (self.costs.draft_pass(o.runner, count) or 0.0) * chain
 
     def _seat_cost(self, o: Outlook, chain: int) -> float:
         """What one more sequence in the draft chain adds to it: its share of the passes'
         growth with their sequences."""
-        one = self.costs.draft_pass(o.runner, 1) or 0.0
-        two = self.costs.draft_pass(o.runner, 2) or one
-        return max(two - one, 0.0) * (1 if o.one_pass else chain)
+        return max(self._chain_cost(o, 2, chain) - self._chain_cost(o, 1, chain), 0.0)
 
     def _verify_cost(self, rows: int) -> float:
         cost = self.costs.verify.at(rows)

@@ -17,7 +17,7 @@ def geometric(a: float, n: int) -> list[float]:
 def planner(verify_ms: tuple[float, float], draft_ms: tuple[float, float],
             runner: object = DRAFT) -> BatchDraftPlanner:
     """Costs measured as lines: a target pass of r rows verify_ms[0] + verify_ms[1] * r
-    ms, a draft pass of k sequences draft_ms[0] + draft_ms[1] * k ms."""
+    ms, a draft pass of k rows draft_ms[0] + draft_ms[1] * k ms."""
     p = BatchDraftPlanner()
     for rows in (2, 4, 8, 16, 24):
         for _ in range(4):
@@ -69,9 +69,10 @@ def test_a_free_lookup_is_verified_where_a_model_draft_would_not_pay() -> None:
 
 def test_a_head_pays_once_for_its_block() -> None:
     """The same costs and acceptance: a head's one pass a block beats a chain of passes."""
-    block = planner((30, 2), (15, 2), runner=HEAD)
-    steps = planner((30, 2), (15, 2))
-    assert block.plan([Outlook(geometric(0.7, 8), HEAD, one_pass=True)] * 4)[1] > steps.plan(
+    block = planner((30, 2), (5, 0.5), runner=HEAD)
+    steps = planner((30, 2), (5, 0.5))
+    rate = block.plan([Outlook(geometric(0.7, 8), HEAD, one_pass=True)] * 4)[1]
+    assert rate > steps.plan(
         [Outlook(geometric(0.7, 8), DRAFT)] * 4)[1]
 
 
