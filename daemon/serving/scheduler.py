@@ -33,6 +33,7 @@ from specd.daemon.spec.generation import (
     PromptProgress,
     RequestError,
 )
+from specd.daemon.spec.policy import RoundPlan
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
 from specd.ort_models.runner import Call
@@ -139,7 +140,7 @@ class Scheduler:
         self._used = 0  # slots' last_used clock
         self._stop = False
         self._last_prompts_only = False  # the last step ran prompt chunks alone
-        # caps the drafts of a step several decoding slots share (one slot: its own policy)
+        # plans the drafts of a step several decoding slots share (one slot: its own policy)
         self.planner = BatchDraftPlanner()
         self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
         self._thread.start()
@@ -338,7 +339,7 @@ class Scheduler:
             s.request is not None and s.request.gen is not None and not s.request.cancelled
             and not s.request.gen.prefilled for s in self.slots)
         self._last_prompts_only = prompts_only
-        caps = {} if prompts_only else self._draft_caps()
+        plans = {} if prompts_only else self._step_plans()
         for slot in self.slots:
             req = slot.request
             if req is None:
@@ -354,7 +355,7 @@ class Scheduler:
                 continue  # decodes in the next step
             elif gen.prefilled or prefill_left > 0:  # else its chunk waits a step
                 prefilling = not gen.prefilled
-                steps = gen.step_calls(prefill_left, caps.get(slot.index))
+                steps = gen.step_calls(prefill_left, plans.get(slot.index))
                 call = self._resume(slot, steps, None, drafting)
                 if call is not None:
                     if prefilling:
@@ -389,9 +390,9 @@ class Scheduler:
             self.planner.costs.observe_verify(sum(len(call.tokens) for _, call in work),
                                               time.perf_counter() - t0)
 
-    def _draft_caps(self) -> dict[int, int]:
-        """Each decoding slot's cap on its draft this step, where the step is planned as a
-        whole (several slots decoding, each with an estimate of what its draft brings)."""
+    def _step_plans(self) -> dict[int, RoundPlan | None]:
+        """Each decoding slot's round this step, where the step is planned as a whole
+        (several slots decoding, each with an estimate of what its draft brings)."""
         slots: list[int] = []
         outlooks: list[Outlook] = []
         for s in self.slots:
@@ -403,8 +404,8 @@ class Scheduler:
                 return {}
             slots.append(s.index)
             outlooks.append(o)
-        caps = self.planner.caps(outlooks)
-        return {} if caps is None else dict(zip(slots, caps, strict=True))
+        plans = self.planner.plans(outlooks)
+        return {} if plans is None else dict(zip(slots, plans, strict=True))
 
     def _complete(self, work: list[tuple[Slot, Call]], outputs: list[Any]) -> None:
         """Each slot's step finished with its output of the target's pass (or failure):

@@ -17,9 +17,9 @@ and the best L wins. A sequence whose draft does not pay at this concurrency ver
 nothing extra. E_i comes from the sequence's own policy (its acceptance estimates); the
 costs are measured here, a pass at a time, at the sizes the step runs.
 
-The plan is a cap on each sequence's own choice. With every cap at 0, one sequence at a
-time (in turn) drafts as its own policy would every `explore_every` steps, so that the
-estimates of acceptance go on being tested.
+Each sequence's round then drafts as the step's plan says (its policy still learns from
+it). While the plan drafts nothing, every `explore_every` steps one sequence in turn plans
+its round itself, probes included, so that its acceptance estimates go on being tested.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .policy import CostLine
+from .policy import CostLine, RoundPlan
 
 DECAY = 0.98  # weight kept by older pass timings at each new one
 DINKELBACH_ROUNDS = 4  # iterations of the rate each L's choices are made at
@@ -43,6 +43,8 @@ class Outlook:
     model: Sequence[float]
     # the draft runner of that source (sequences sharing one share its passes)
     runner: object
+    # that source (an index into the drafter's model_sources)
+    source: int = 0
     # the source proposes a block in one pass (a head), not a pass per token
     one_pass: bool = False
     # E(m) for m = 0..len - 1 tokens of a free lookup offer (none: no offer)
@@ -76,7 +78,7 @@ class StepCosts:
 
 
 class BatchDraftPlanner:
-    """Caps each decoding sequence's draft for a step they share (module doc)."""
+    """Plans each decoding sequence's draft for a step they share (module doc)."""
 
     def __init__(self, explore_every: int = 16):
         self.costs = StepCosts()
@@ -84,9 +86,9 @@ class BatchDraftPlanner:
         self._idle_steps = 0  # steps in a row planned with no draft
         self._turn = 0  # the sequence whose turn it is to explore
 
-    def caps(self, outlooks: Sequence[Outlook]) -> list[int] | None:
-        """Each sequence's cap on its draft length this step (None: no plan; each
-        sequence drafts as its own policy chooses, as a sequence alone does)."""
+    def plans(self, outlooks: Sequence[Outlook]) -> list[RoundPlan | None] | None:
+        """Each sequence's round this step (None: its own policy plans it; None for all:
+        no plan, as for a sequence alone)."""
         if len(outlooks) < 2 or self.costs.verify.at(len(outlooks)) is None:
             return None
         if any(o.model[1:] and self.costs.draft_pass(o.runner, 1) is None for o in outlooks):
@@ -95,16 +97,18 @@ class BatchDraftPlanner:
         base = len(outlooks) / self._verify_cost(len(outlooks))
         if rate < base * START_MARGIN:
             choices = [_Choice() for _ in outlooks]
-        caps = [c.n for c in choices]
-        if any(caps):
+        plans: list[RoundPlan | None] = [
+            RoundPlan(c.n, take_offer=c.lookup, source=o.source)
+            for o, c in zip(outlooks, choices, strict=True)]
+        if any(c.n for c in choices):
             self._idle_steps = 0
-            return caps
+            return plans
         self._idle_steps += 1
         if self._idle_steps >= self.explore_every:
             self._idle_steps = 0
             self._turn = (self._turn + 1) % len(outlooks)
-            caps[self._turn] = len(outlooks[self._turn].model) - 1
-        return caps
+            plans[self._turn] = None
+        return plans
 
     def plan(self, outlooks: Sequence[Outlook]) -> tuple[list[_Choice], float]:
         """The best choices and their predicted tokens per second."""

@@ -422,13 +422,13 @@ class Generation:
             return None
         return self.drafter.model_sources[self._source].step_runner
 
-    def step_calls(self, prefill_budget: int | None = None, cap: int | None = None
+    def step_calls(self, prefill_budget: int | None = None, plan: RoundPlan | None = None
                    ) -> Generator[Call, CallOutput, Call | None]:
         """`next_call` as a generator: it yields the drafter's model calls (on
         `step_runner`; each is sent back its output), so that a scheduler runs those of
-        several sequences in one pass too, and returns the target's call. `cap`: the most
-        tokens the round may draft, where a step shared with other sequences is planned
-        as a whole (batch_policy)."""
+        several sequences in one pass too, and returns the target's call. `plan`: the
+        round's, where a step shared with other sequences is planned as a whole
+        (batch_policy; None: the policy plans it)."""
         if self._pending is not None:
             raise RuntimeError("the previous call was not completed")
         if self.done:
@@ -442,7 +442,7 @@ class Generation:
             self.finish_reason = "length"
             return None
         t0 = time.perf_counter()
-        plan, offer = self._plan(limit if cap is None else min(limit, cap))
+        plan, offer = self._plan(limit) if plan is None else self._directed(plan, limit)
         plan_s = time.perf_counter() - t0
         proposed = yield from self._propose(plan, offer)
         self._pending = _Round(proposed, plan_s + proposed.seconds)
@@ -492,6 +492,19 @@ class Generation:
             return RoundPlan(0), None
         return self.policy.plan(limit, offer, self.drafter.runs_model), offer
 
+    def _directed(self, plan: RoundPlan, limit: int) -> tuple[RoundPlan, Proposal | None]:
+        """The step's plan for this round, within what it may draft, and the offer it
+        takes (if it does)."""
+        n = min(plan.n, limit, self.params.draft.n_max)
+        if self.drafter is None or n <= 0:
+            return RoundPlan(0), None
+        if not plan.take_offer:
+            return RoundPlan(n, source=plan.source), None
+        offer = self._offer(n)
+        if offer is None or not offer.tokens:
+            return RoundPlan(0), None
+        return RoundPlan(min(n, len(offer.tokens)), True, plan.source), offer
+
     def _offer(self, n_max: int) -> Proposal | None:
         """The drafter's free offer of up to n_max tokens for this round (asked once a
         round: the step's plan may have weighed it already)."""
@@ -525,7 +538,7 @@ class Generation:
         source = self.drafter.model_sources[s]
         if not self.drafter.runs_model:
             model = model[:1]
-        return Outlook(model, source.step_runner, source.one_pass, lookup)
+        return Outlook(model, source.step_runner, s, source.one_pass, lookup)
 
     def _propose(self, plan: RoundPlan, offer: Proposal | None
                  ) -> Generator[Call, CallOutput, _Proposed]:

@@ -126,7 +126,7 @@ def test_slots_drafting_with_a_head_and_a_draft_model_equal_target_only(
     sched = Scheduler(both)
     # each slot's own policy plans its rounds (the step's planner, which drafts nothing
     # where drafting does not pay, as on these tiny models, is tested on its own)
-    sched.planner.caps = lambda outlooks: None  # type: ignore[method-assign]
+    sched.planner.plans = lambda outlooks: None  # type: ignore[method-assign]
     try:
         streams = [make() for make in makers(True)]
         for s in streams:

@@ -14,6 +14,7 @@ from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.serving.scheduler import Scheduler
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.policy import RoundPlan
 from specd.daemon.spec.sampling import SamplerParams
 from specd.daemon.text.grammar import compile_constraint
 from specd.ort_models import native_ops
@@ -184,16 +185,16 @@ def test_adaptive_streams_planned_as_a_step_equal_their_solo_runs(
 
     makers = [make(i) for i in range(4)]
     want = [solo(scheduler, m) for m in makers]
-    planned: list[list[int]] = []
-    real = scheduler.planner.caps
+    planned: list[list[Any]] = []
+    real = scheduler.planner.plans
 
-    def caps(outlooks: Any) -> list[int] | None:
+    def plans(outlooks: Any) -> list[Any] | None:
         out = real(outlooks)
         if out is not None:
             planned.append(out)
         return out
 
-    monkeypatch.setattr(scheduler.planner, "caps", caps)
+    monkeypatch.setattr(scheduler.planner, "plans", plans)
     streams = [m() for m in makers]
     for s in streams:
         scheduler.submit(s.req)
@@ -201,27 +202,27 @@ def test_adaptive_streams_planned_as_a_step_equal_their_solo_runs(
     assert max(len(c) for c in planned) == 4  # steps of four were planned
 
 
-def test_streams_drafting_to_any_caps_equal_their_solo_runs(
+def test_streams_drafting_to_any_step_plan_equal_their_solo_runs(
         scheduler: Scheduler, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each step's caps drawn at random (0: a plain step): every stream drafts at most its
-    cap, and its output is its solo run's."""
+    """Each step's plan drawn at random (0: a plain step; None: the slot's own policy
+    plans): every stream drafts as planned, up to its n_max, and its output is its solo
+    run's."""
     if engine.drafter is None:
-        pytest.skip("no drafter to cap")
+        pytest.skip("no drafter to plan for")
     makers = _streams(engine)
     want = [solo(scheduler, make) for make in makers]
     rng = random.Random(5)
-    given: list[dict[int, int]] = []
 
-    def caps() -> dict[int, int]:
-        given.append({s.index: rng.choice([0, 0, 1, 2, 5]) for s in scheduler.slots})
-        return given[-1]
+    def plans() -> dict[int, RoundPlan | None]:
+        return {s.index: rng.choice([None, RoundPlan(0), RoundPlan(1), RoundPlan(2),
+                                     RoundPlan(5)]) for s in scheduler.slots}
 
-    monkeypatch.setattr(scheduler, "_draft_caps", caps)
+    monkeypatch.setattr(scheduler, "_step_plans", plans)
     streams = [make() for make in makers]
     for s in streams:
         scheduler.submit(s.req)
     assert [s.result() for s in streams] == want
     stats = [s.req.gen.stats for s in streams if s.req.gen is not None]
     assert sum(st.rounds for st in stats) > 0 and sum(st.accepted for st in stats) > 0
-    assert max(n for st in stats for n in st.draft_lengths) <= 5
-    assert any(st.draft_lengths.get(5) for st in stats)  # the caps let long drafts through
+    assert max(n for st in stats for n in st.draft_lengths) <= 6  # n_max
+    assert any(st.draft_lengths.get(5) for st in stats)  # drafted as the plan said

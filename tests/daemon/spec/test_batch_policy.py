@@ -14,6 +14,12 @@ def geometric(a: float, n: int) -> list[float]:
     return [sum(a ** i for i in range(k + 1)) for k in range(n + 1)]
 
 
+def caps(p: BatchDraftPlanner, outlooks: list[Outlook]) -> list[int | None] | None:
+    """The step's planned draft lengths (None where a sequence plans its own round)."""
+    plans = p.plans(outlooks)
+    return None if plans is None else [None if x is None else x.n for x in plans]
+
+
 def planner(verify_ms: tuple[float, float], draft_ms: tuple[float, float],
             runner: object = DRAFT) -> BatchDraftPlanner:
     """Costs measured as lines: a target pass of r rows verify_ms[0] + verify_ms[1] * r
@@ -30,41 +36,41 @@ def planner(verify_ms: tuple[float, float], draft_ms: tuple[float, float],
 
 def test_one_sequence_plans_alone() -> None:
     p = planner((30, 1), (10, 1))
-    assert p.caps([Outlook(geometric(0.9, 8), DRAFT)]) is None
+    assert caps(p, [Outlook(geometric(0.9, 8), DRAFT)]) is None
 
 
 def test_no_plan_before_the_draft_runner_is_timed() -> None:
     p = BatchDraftPlanner()
     p.costs.observe_verify(2, 0.03)
-    assert p.caps([Outlook(geometric(0.9, 8), DRAFT)] * 2) is None
+    assert caps(p, [Outlook(geometric(0.9, 8), DRAFT)] * 2) is None
 
 
 def test_drafts_that_pay_are_kept() -> None:
     p = planner((30, 1), (8, 1))
-    caps = p.caps([Outlook(geometric(0.9, 8), DRAFT)] * 2)
-    assert caps is not None and min(caps) >= 3
+    planned = caps(p, [Outlook(geometric(0.9, 8), DRAFT)] * 2)
+    assert planned is not None and all(n is not None and n >= 3 for n in planned)
 
 
 def test_drafts_that_do_not_pay_at_this_concurrency_are_dropped() -> None:
     """Rows cost much once the pass is wide, and the draft's passes are dear: at eight
     sequences with middling acceptance, plain steps emit more per second."""
     p = planner((30, 6), (12, 3))
-    caps = p.caps([Outlook(geometric(0.5, 8), DRAFT)] * 8)
-    assert caps == [0] * 8
+    assert caps(p, [Outlook(geometric(0.5, 8), DRAFT)] * 8) == [0] * 8
 
 
 def test_the_sequence_whose_draft_pays_drafts_and_the_others_do_not() -> None:
     p = planner((30, 3), (4, 0.5))
     good, poor = Outlook(geometric(0.95, 8), DRAFT), Outlook(geometric(0.2, 8), DRAFT)
-    caps = p.caps([poor, good, poor, poor])
-    assert caps is not None and caps[1] > 0 and caps[0] == caps[2] == caps[3] == 0
+    planned = caps(p, [poor, good, poor, poor])
+    assert planned is not None and planned[1] and planned[0] == planned[2] == planned[3] == 0
 
 
 def test_a_free_lookup_is_verified_where_a_model_draft_would_not_pay() -> None:
     p = planner((30, 3), (40, 10))
     lookup = Outlook(geometric(0.3, 8), DRAFT, lookup=geometric(0.95, 6))
-    caps = p.caps([lookup, Outlook(geometric(0.3, 8), DRAFT)])
-    assert caps is not None and caps[0] >= 4 and caps[1] == 0
+    plans = p.plans([lookup, Outlook(geometric(0.3, 8), DRAFT)])
+    assert plans is not None and plans[0] is not None and plans[1] is not None
+    assert plans[0].take_offer and plans[0].n >= 4 and plans[1].n == 0
 
 
 def test_a_head_pays_once_for_its_block() -> None:
@@ -76,9 +82,10 @@ def test_a_head_pays_once_for_its_block() -> None:
         [Outlook(geometric(0.7, 8), DRAFT)] * 4)[1]
 
 
-def test_plain_steps_still_let_a_sequence_draft_now_and_then() -> None:
+def test_plain_steps_still_let_a_sequence_plan_its_own_round_now_and_then() -> None:
     p = planner((30, 6), (12, 3))
     outlooks = [Outlook(geometric(0.5, 8), DRAFT)] * 3
-    caps = [p.caps(outlooks) for _ in range(p.explore_every)]
-    assert caps[:-1] == [[0, 0, 0]] * (p.explore_every - 1)
-    assert caps[-1] is not None and sorted(caps[-1]) == [0, 0, 8]
+    planned = [caps(p, outlooks) for _ in range(p.explore_every)]
+    assert planned[:-1] == [[0, 0, 0]] * (p.explore_every - 1)
+    last = planned[-1]
+    assert last is not None and last.count(None) == 1 and last.count(0) == 2
