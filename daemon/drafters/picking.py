@@ -72,15 +72,17 @@ def pick_spec(sampler: Sampler | None, grammar: GrammarState | None, position: i
     if sampler is None:
         return sample_spec(_GREEDY, position, vocab, grammar=grammar, stream=DRAFT_STREAM,
                            candidates=1 if p_min > 0 else 0)
+    if isinstance(sampler, CoupledSampler):
+        # the target's uniform at the position (its key is the target's); no q leaves the
+        # graph (the target's own draw decides), only the top probability, for p_min
+        if not sampler.graph_noise:
+            return None
+        return sample_spec(sampler, position, vocab, grammar=grammar, stream=TARGET_STREAM,
+                           candidates=1)
     k = sampler.params.top_k
     if not 0 < k <= MAX_Q_WIDTH:
         return None
-    coupled = sampler if isinstance(sampler, CoupledSampler) else None
-    if coupled is not None and not coupled.graph_noise:
-        return None
-    # a coupled pick draws the target's uniform at its position (its key is the target's)
-    stream = DRAFT_STREAM if coupled is None else TARGET_STREAM
-    return sample_spec(sampler, position, vocab, grammar=grammar, stream=stream,
+    return sample_spec(sampler, position, vocab, grammar=grammar, stream=DRAFT_STREAM,
                        candidates=k)
 
 
