@@ -3,6 +3,23 @@
 The KV cache (`kv_cache.KVCache`) is bound as both past and present, so the graph writes
 new rows in place; rolling back is free: the next call starts at a smaller position and
 overwrites the old rows.
+
+`forward_batch` runs the calls of several sequences: as one pass where the graph packs
+sequences (specd's CachedAttention takes `segments` [B, 3], slot, first position and rows,
+and attends each row over its own slot's keys only), else one call after another (ORT's
+own attention, CUDA).
+
+Greedy speculation is exact only if every row of a verify call equals, bit for bit, the
+single-token step at its position. The graph computes each row alone, and a block within
+one attention bucket sees the numbers a single step sees (graph_builder's docstring); what
+a call's shape decides is the runner's. `invariant_block_limit(pos)` caps every block a
+round verifies. Filler rows (computed, their logits dropped, their KV rows past the real
+positions overwritten later) give short calls a shape whose rows agree: `min_rows` runs
+single steps as two rows where a one-row MatMulNBits product differs (row_invariance.py),
+and on CUDA, where cuBLAS and MatMulNBits pick algorithms by shape, `row_block` runs every
+call of up to CUDA_ROW_BLOCK tokens as that many rows. Longer calls keep their shape, so
+on CUDA a prompt's KV may depend on how it was chunked; speculation stays exact against
+target-only decoding.
 """
 
 from __future__ import annotations

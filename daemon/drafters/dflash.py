@@ -12,6 +12,13 @@ tokens drawn at the other rows, so sampling row by row and verifying by rejectio
 sampling against those rows is exact. p_min stops at a row whose DSpark confidence, or
 without a confidence head its top probability, is below it. The block's own rows are
 overwritten by the next injection, so nothing needs rolling back.
+
+The head's two graphs (ort_models/head_runner.py) share one KVCache and, on the CPU, the
+target's token embedding table (ort_models/shared_initializers.py). `draft_steps` yields
+the block as one `BlockCall`; where the graphs run on specd's attention, the blocks and
+the injections of several slots run in one pass each (injections wait for
+`batched_updates` to close), a block's bits those of the block alone. `DFlash2Drafter`
+walks a DFlash2 head's candidate lattice from the anchor, on the host, greedily.
 """
 
 from __future__ import annotations

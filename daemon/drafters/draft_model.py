@@ -10,7 +10,9 @@ the older ones are left out of its cache, a gap it never fills. A probe then cos
 same however long drafting was off, and a draft's context missing a stretch only changes
 what it proposes, never the output.
 From the gap on, the draft's cache position of a token is its sequence position less
-`offset`, the tokens left out.
+`offset`, the tokens left out. Catch-up rows checked against the target's tokens, and
+after a fully accepted round its guess for the bonus token, are free acceptance samples
+for the policy (`DraftEvidence.guess_checks`, `bonus_q`).
 """
 
 from __future__ import annotations

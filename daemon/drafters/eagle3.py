@@ -9,6 +9,10 @@ logits propose the first token), then feeds each step's pre-norm hidden state an
 token to the next, as llama.cpp does. The verified pairs written by the next `process`
 overwrite the drafted ones, so nothing needs rolling back.
 
+`draft_steps` yields one `StepCall` per token; where the graphs run on specd's attention,
+the steps and the pairs of several slots run in one pass each (the verified tokens'
+encodings and pairs wait for `batched_updates` to close), as a DFlash head's do.
+
 The g rows of every position are kept, so a request reusing a prefix of an earlier
 request's sequence on the same slot pairs the new token after that prefix with its g
 row exactly.

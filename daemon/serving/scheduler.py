@@ -7,11 +7,23 @@ and reuses that KV (with no real match: an empty slot, else the one used longest
 Prefill runs in chunks of `prefill_chunk` tokens interleaved with the other slots'
 rounds, so a long prompt does not stall running streams.
 
+A step advances every active slot once, in lockstep: each slot's `Generation.step_calls()`
+plans its round (under the step's plan, spec/batch_policy.py, where several slots decode)
+and yields its drafter's model calls; those of all slots run a pass at a time on the
+drafter's `step_runner`, each slot's generator sent its output, until every slot has
+returned its target call. One target pass then runs them all (decode rows, verify blocks,
+prompt chunks within the step's `prefill_chunk` budget), and each slot's `complete()`
+verifies, commits and emits inside the drafter's `batched_updates()`, so what the slots'
+`process` computes for a head (DFlash injections, EAGLE-3 encodings and pairs) runs in
+one pass per graph. A failing pass is retried call by call, so only the request whose call
+fails gets the error. The policies time the batched passes: what a round costs beside its
+neighbours.
+
 Rows are computed the same way however they are batched or chunked (see
 ort_models/graph_builder/), so a request's output does not depend on what else runs.
 On CUDA that holds for decoding and verify blocks (one fixed call shape), not across
 prefill chunkings: a prompt whose prefix was reused is prefilled in other chunks than a
-fresh one, and ORT's CUDA kernels may round those rows differently (docs/architecture.md).
+fresh one, and ORT's CUDA kernels may round those rows differently (ort_models/runner.py).
 """
 
 from __future__ import annotations

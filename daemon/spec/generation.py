@@ -6,6 +6,16 @@ pass over [last, *draft], writing its KV in place) → verify (greedy, or reject
 sampling against the draft's q) → commit (the drafter keeps the accepted tokens; the
 rejected rows of both KV caches are overwritten by the next round) → observe (the policy
 learns from the round's record). docs/architecture.md states the round's invariants.
+
+Prefill and round are both split at the target's pass, so that a scheduler runs several
+sequences' calls in one: `next_call()` (or the generator `step_calls()`, which also yields
+the drafter's model calls) does everything up to it and returns the `Call`, `complete()`
+the rest. A round drafts at most `invariant_block_limit(pos) - 1` tokens, so that every
+verified row equals the single step at its position (ort_models/runner.py), and prefill
+passes end on attention-bucket boundaries. A seeded request's drafts are coupled to the
+target's draws (coupling.py); where the target's graph samples, verification runs there
+(graph_sampling.py). A drafter's exception is logged and counted and the request goes on
+target-only (with SPECD_RAISE_DRAFTER_ERRORS=1 it fails the request instead).
 """
 
 from __future__ import annotations

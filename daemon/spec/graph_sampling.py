@@ -2,14 +2,22 @@
 `SampleSpec`, and what the graph decided as the round's `VerifyResult`.
 
 The graph (ort_models.sampling_op) runs the host's filter chain and verifiers
-(sampling.py, verify.py) on the logits where they are, so only token ids and a few
-probabilities leave the session. The distributions are the host's; the uniforms come from
-a counter-based generator keyed by the sampler's key, the token's position and the stream
-(target or draft), so a seeded request draws the same numbers however its tokens are split
-into rounds. The host path stays the reference and the fallback (drafters that decide
-acceptance themselves, graphs without a sampler). Logprobs under the raw logits come out of
-the graph too; post-sampling ones are computed on the host from the rows' logits. Drafters
-choose their proposals in their graphs through the same specs (drafters/picking.py).
+(sampling.py, verify.py, in float64) on the logits where they are, so only token ids and a
+few probabilities leave the session. A spec carries the request's sampler settings, its
+penalty history and logit bias, the grammar's masks along the drafts, and the drafts with
+their q as (id, probability) pairs. The distributions are the host's; the uniforms come
+from a counter-based generator (Philox4x32-10, philox.py) keyed by the sampler's key and
+counted by the token's position, the stream (target or draft) and the draw (coin or
+residual), so a seeded request draws the same numbers however its tokens are split into
+rounds. Logprobs under the raw logits come out of the graph too; post-sampling ones are
+computed on the host from the rows' logits.
+
+Drafters choose their proposals in their graphs through the same specs (drafters/picking.py):
+a draft model's step its token and top-k q, a DFlash or DSpark block one pick per row, an
+EAGLE-3 step its token. The host path stays the reference and the fallback: a DFlash-family
+block under a grammar, DFlash2's lattice walk, drafters that decide acceptance themselves,
+graphs without a sampler, and everything under `--no-backend-sampling` (or a request's
+`"backend_sampling": false`).
 """
 
 from __future__ import annotations
