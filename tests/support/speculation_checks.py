@@ -10,6 +10,7 @@ import numpy as np
 from specd.daemon.spec.drafter import Drafter, DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.sampling import Sampler, SamplerParams
+from specd.daemon.spec.stats import SpecStats
 from specd.ort_models.runner import ModelRunner
 
 from chi_square import chi2_pvalue
@@ -48,3 +49,22 @@ def second_token_check(runner: ModelRunner, drafter: Drafter, prompt: Sequence[i
     pooled_counts = np.append(counts[~rare], counts[rare].sum())
     pooled_want = np.append(want[~rare], want[rare].sum())
     return chi2_pvalue(pooled_counts, pooled_want), accepted
+
+
+def assert_drafted(stats: SpecStats) -> None:
+    """The request drafted: rounds verified drafts (what a random-weight head drafts is
+    never the target's choice, so its tests can ask no more; the shipped head's acceptance
+    is tested in tests/daemon/serving/test_real_models.py)."""
+    assert stats.rounds > 0 and stats.drafted > 0, f"nothing was drafted: {stats.as_dict()}"
+
+
+def assert_speculated(stats: SpecStats, *, min_first: float = 0.0) -> None:
+    """The request drafted (rounds > 0) and the target accepted some of it: at least one
+    draft, and at least `min_first` of the first draft positions (a speculation test that
+    compares output with target-only alone passes as well with a drafter that never
+    drafts)."""
+    assert stats.rounds > 0, f"nothing was drafted: {stats.as_dict()}"
+    assert stats.accepted > 0, f"no draft was accepted: {stats.as_dict()}"
+    first = stats.per_position_acceptance()[0]
+    assert first >= min_first, (
+        f"first-position acceptance {first:.2f} is below {min_first}: {stats.as_dict()}")
