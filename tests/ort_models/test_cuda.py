@@ -24,6 +24,7 @@ from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import CUDA_ROW_BLOCK, ModelRunner
 
 from numpy_reference import ReferenceModel
+from speculation_checks import decode_all
 
 
 def _why_no_cuda() -> str | None:
@@ -125,11 +126,7 @@ def pair(tiny_model_factory):
 def _generate(target, drafter=None, **kw) -> tuple[list[int], Generation]:
     gen = Generation(_runner(target), 0, PROMPT, GenerationParams(**kw), eog=EOG,
                      drafter=drafter)
-    out = gen.prefill()
-    while not gen.done:
-        out += gen.step()
-    gen.close()
-    return out, gen
+    return decode_all(gen), gen
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

@@ -68,3 +68,12 @@ def assert_speculated(stats: SpecStats, *, min_first: float = 0.0) -> None:
     first = stats.per_position_acceptance()[0]
     assert first >= min_first, (
         f"first-position acceptance {first:.2f} is below {min_first}: {stats.as_dict()}")
+
+
+def decode_all(gen: Generation) -> list[int]:
+    """Prefill, every round to the end, close: the tokens the request emitted."""
+    out = gen.prefill()
+    while not gen.done:
+        out += gen.step()
+    gen.close()
+    return out

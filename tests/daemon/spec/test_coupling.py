@@ -25,7 +25,7 @@ from specd.ort_models.runner import ModelRunner
 from specd.ort_models.sampling_op import TARGET_STREAM
 
 from scheduler_streams import Stream, solo
-from speculation_checks import assert_speculated
+from speculation_checks import assert_speculated, decode_all
 
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
 SEEDED = SamplerParams(temperature=0.8, seed=1234)
@@ -73,11 +73,7 @@ def _run(target: BuiltModel, draft_model: BuiltModel | None, **kw: object
                                  **kw})  # type: ignore[arg-type]
     gen = Generation(ModelRunner(target, n_ctx=512), 0, PROMPT, params, eog=set(),
                      drafter=drafter)
-    out = gen.prefill()
-    while not gen.done:
-        out += gen.step()
-    gen.close()
-    return out, gen
+    return decode_all(gen), gen
 
 
 @pytest.mark.parametrize("options", [

@@ -20,6 +20,7 @@ from specd.ort_models.model_cache import BuiltModel, load_or_build
 from specd.ort_models.runner import ModelRunner
 
 from live_server import live_server
+from speculation_checks import decode_all
 
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
 
@@ -55,11 +56,7 @@ def _run(target: BuiltModel, drafter: DraftModelDrafter | None) -> tuple[list[in
     gen = Generation(ModelRunner(target, n_ctx=512), 0, PROMPT,
                      GenerationParams(max_tokens=40, ignore_eos=True,
                                       draft=DraftParams(n_max=3)), eog=set(), drafter=drafter)
-    out = gen.prefill()
-    while not gen.done:
-        out += gen.step()
-    gen.close()
-    return out, gen
+    return decode_all(gen), gen
 
 
 def test_the_suite_raises_drafter_errors() -> None:
