@@ -405,6 +405,8 @@ class Scheduler:
     def _step_plans(self) -> dict[int, RoundPlan | None]:
         """Each decoding slot's round this step, where the step is planned as a whole
         (several slots decoding, each with an estimate of what its draft brings)."""
+        if self.engine.drafter is None:
+            return {}
         slots: list[int] = []
         outlooks: list[Outlook] = []
         for s in self.slots:

@@ -531,15 +531,15 @@ class Generation:
 
     def outlook(self) -> Outlook | None:
         """What drafting could bring this sequence's next round, for a step planned with
-        other sequences (None: it is not between rounds with a drafter, or its policy
-        keeps no estimates)."""
+        other sequences (None: it is not between rounds, or its policy keeps no estimates;
+        a round that cannot draft, its drafter dropped or its budget spent, is a plain
+        step's single row)."""
         dp = self.params.draft
-        if (self.drafter is None or self.done or not self.prefilled
-                or self._pending is not None or dp.n_max <= 0):
+        if self.done or not self.prefilled or self._pending is not None:
             return None
         limit = min(self._draft_limit(), dp.n_max)
-        if limit <= 0:
-            return None
+        if self.drafter is None or limit <= 0:
+            return Outlook([1.0], None)
         offer = self._offer(limit)
         seen = None if self.drafter is None else self.policy.outlook(limit, offer)
         if seen is None or self.drafter is None:

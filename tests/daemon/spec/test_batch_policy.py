@@ -89,3 +89,12 @@ def test_plain_steps_still_let_a_sequence_plan_its_own_round_now_and_then() -> N
     assert planned[:-1] == [[0, 0, 0]] * (p.explore_every - 1)
     last = planned[-1]
     assert last is not None and last.count(None) == 1 and last.count(0) == 2
+
+
+def test_a_sequence_that_cannot_draft_is_a_plain_row_of_the_step() -> None:
+    """A slot whose drafter was dropped (or whose budget is spent) still shares the step:
+    its row is priced, and the others' drafts are planned around it."""
+    p = planner((30, 1), (8, 1))
+    planned = caps(p, [Outlook([1.0], None), Outlook(geometric(0.9, 8), DRAFT)])
+    assert planned is not None and planned[0] == 0
+    assert planned[1] is not None and planned[1] >= 3
