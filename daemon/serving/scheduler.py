@@ -402,7 +402,7 @@ class Scheduler:
             self.planner.costs.observe_verify(sum(len(call.tokens) for _, call in work),
                                               time.perf_counter() - t0)
 
-    def _step_plans(self) -> dict[int, RoundPlan | None]:
+    def _step_plans(self) -> dict[int, RoundPlan]:
         """Each decoding slot's round this step, where the step is planned as a whole
         (several slots decoding, each with an estimate of what its draft brings)."""
         if self.engine.drafter is None:

@@ -18,8 +18,9 @@ nothing extra. E_i comes from the sequence's own policy (its acceptance estimate
 costs are measured here, a pass at a time, at the sizes the step runs.
 
 Each sequence's round then drafts as the step's plan says (its policy still learns from
-it). While the plan drafts nothing, every `explore_every` steps one sequence in turn plans
-its round itself, probes included, so that its acceptance estimates go on being tested.
+it). While the plan drafts nothing, every `explore_every` steps one sequence that can
+draft, in turn, probes PROBE_LENGTH tokens from its source, so that its acceptance
+estimates go on being tested at a bounded cost to the others.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .policy import CostLine, RoundPlan
+from .policy import PROBE_LENGTH, CostLine, RoundPlan
 
 DECAY = 0.98  # weight kept by older pass timings at each new one
 DINKELBACH_ROUNDS = 4  # iterations of the rate each L's choices are made at
@@ -80,15 +81,15 @@ class StepCosts:
 class BatchDraftPlanner:
     """Plans each decoding sequence's draft for a step they share (module doc)."""
 
-    def __init__(self, explore_every: int = 16):
+    def __init__(self, explore_every: int = 32):
         self.costs = StepCosts()
         self.explore_every = explore_every
         self._idle_steps = 0  # steps in a row planned with no draft
         self._turn = 0  # the sequence whose turn it is to explore
 
-    def plans(self, outlooks: Sequence[Outlook]) -> list[RoundPlan | None] | None:
-        """Each sequence's round this step (None: its own policy plans it; None for all:
-        no plan, as for a sequence alone)."""
+    def plans(self, outlooks: Sequence[Outlook]) -> list[RoundPlan] | None:
+        """Each sequence's round this step (None: no plan; each sequence's own policy
+        plans its round, as a sequence alone does)."""
         if len(outlooks) < 2 or self.costs.verify.at(len(outlooks)) is None:
             return None
         if any(o.model[1:] and self.costs.draft_pass(o.runner, 1) is None for o in outlooks):
@@ -97,17 +98,19 @@ class BatchDraftPlanner:
         base = len(outlooks) / self._verify_cost(len(outlooks))
         if rate < base * START_MARGIN:
             choices = [_Choice() for _ in outlooks]
-        plans: list[RoundPlan | None] = [
-            RoundPlan(c.n, take_offer=c.lookup, source=o.source)
-            for o, c in zip(outlooks, choices, strict=True)]
+        plans = [RoundPlan(c.n, take_offer=c.lookup, source=o.source)
+                 for o, c in zip(outlooks, choices, strict=True)]
         if any(c.n for c in choices):
             self._idle_steps = 0
             return plans
         self._idle_steps += 1
-        if self._idle_steps >= self.explore_every:
+        drafting = [i for i, o in enumerate(outlooks) if len(o.model) > 1]
+        if self._idle_steps >= self.explore_every and drafting:
             self._idle_steps = 0
-            self._turn = (self._turn + 1) % len(outlooks)
-            plans[self._turn] = None
+            self._turn += 1
+            i = drafting[self._turn % len(drafting)]
+            n = min(PROBE_LENGTH, len(outlooks[i].model) - 1)
+            plans[i] = RoundPlan(n, source=outlooks[i].source)
         return plans
 
     def plan(self, outlooks: Sequence[Outlook]) -> tuple[list[_Choice], float]:

@@ -14,10 +14,10 @@ def geometric(a: float, n: int) -> list[float]:
     return [sum(a ** i for i in range(k + 1)) for k in range(n + 1)]
 
 
-def caps(p: BatchDraftPlanner, outlooks: list[Outlook]) -> list[int | None] | None:
-    """The step's planned draft lengths (None where a sequence plans its own round)."""
+def caps(p: BatchDraftPlanner, outlooks: list[Outlook]) -> list[int] | None:
+    """The step's planned draft lengths."""
     plans = p.plans(outlooks)
-    return None if plans is None else [None if x is None else x.n for x in plans]
+    return None if plans is None else [x.n for x in plans]
 
 
 def planner(verify_ms: tuple[float, float], draft_ms: tuple[float, float],
@@ -82,13 +82,14 @@ def test_a_head_pays_once_for_its_block() -> None:
         [Outlook(geometric(0.7, 8), DRAFT)] * 4)[1]
 
 
-def test_plain_steps_still_let_a_sequence_plan_its_own_round_now_and_then() -> None:
+def test_plain_steps_still_probe_a_sequence_now_and_then() -> None:
+    """While nothing is drafted, a sequence that can draft probes two tokens every
+    explore_every steps, each in turn (a plain row, here the first, never)."""
     p = planner((30, 6), (12, 3))
-    outlooks = [Outlook(geometric(0.5, 8), DRAFT)] * 3
-    planned = [caps(p, outlooks) for _ in range(p.explore_every)]
-    assert planned[:-1] == [[0, 0, 0]] * (p.explore_every - 1)
-    last = planned[-1]
-    assert last is not None and last.count(None) == 1 and last.count(0) == 2
+    outlooks = [Outlook([1.0], None), *[Outlook(geometric(0.5, 8), DRAFT)] * 2]
+    planned = [caps(p, outlooks) for _ in range(2 * p.explore_every)]
+    probes = [(i, plan) for i, plan in enumerate(planned) if plan != [0, 0, 0]]
+    assert probes == [(p.explore_every - 1, [0, 0, 2]), (2 * p.explore_every - 1, [0, 2, 0])]
 
 
 def test_a_sequence_that_cannot_draft_is_a_plain_row_of_the_step() -> None:
