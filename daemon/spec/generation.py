@@ -372,19 +372,21 @@ class Generation:
             self._drafter_failed(exc, "starting")
 
     def _drafter_failed(self, exc: Exception, during: str, name: str | None = None) -> None:
-        """A drafter raised: counted under its name (`name`: the model source's that
-        raised) and logged with the exception (once: the drafter is dropped), and the
-        request goes on target-only; where drafter errors raise (the test suite), the
-        request fails with it instead."""
+        """A drafter raised: reported (`name`: the model source's that raised) and dropped
+        (so reported once), and the request goes on target-only."""
         drafter = self.drafter
         assert drafter is not None
-        name = name or drafter.name
+        self._report_drafter_failure(exc, during, name or drafter.name)
+        self._failed_drafter, self.drafter = drafter, None
+
+    def _report_drafter_failure(self, exc: Exception, during: str, name: str) -> None:
+        """A drafter's exception, counted under its name and logged with the exception;
+        where drafter errors raise (the test suite), re-raised instead."""
         self.stats.record_drafter_failure(name)
         if drafter_errors_raise():
             raise exc
         log.error("drafter %s failed while %s on slot %d; the request goes on without it",
                   name, during, self.seq, exc_info=exc)
-        self._failed_drafter, self.drafter = drafter, None
 
     def _grammar_finished(self, dead: bool = False) -> bool:
         """Stop at a grammar dead end, or once the grammar allows nothing but the end."""
@@ -730,5 +732,5 @@ class Generation:
         if drafter is not None:
             try:
                 drafter.end(self.seq)
-            except Exception:  # the request is over; the slot's next one starts it anew
-                log.exception("drafter %s failed to end slot %d", drafter.name, self.seq)
+            except Exception as exc:  # the request is over; the slot's next one begins anew
+                self._report_drafter_failure(exc, "ending", drafter.name)

@@ -125,3 +125,31 @@ def test_a_failing_drafter_is_in_the_response_and_metrics(
     assert spec["drafter_failures"] == {"draft": 1} and spec["rounds"] == 2
     status, text = server.request("GET", "/metrics")
     assert 'specd_drafter_failures_total{drafter="draft"} 1' in text
+
+
+class EndBreaks(DraftModelDrafter):
+    """A draft model that raises when its request ends."""
+
+    def end(self, seq: int) -> None:
+        raise RuntimeError("the end broke")
+
+
+def test_a_drafter_failing_at_the_end_is_logged_and_counted(
+        models: tuple[BuiltModel, BuiltModel], daemon_mode: None,
+        caplog: pytest.LogCaptureFixture) -> None:
+    target, draft = models
+    want, _ = _run(target, None)
+    with caplog.at_level(logging.ERROR, logger="specd.generation"):
+        got, gen = _run(target, EndBreaks(ModelRunner(draft, n_ctx=512)))
+    assert got == want
+    assert gen.stats.drafter_failures == {"draft": 1}
+    [record] = caplog.records
+    assert "drafter draft failed while ending" in record.getMessage()
+    assert record.exc_info is not None and "the end broke" in str(record.exc_info[1])
+
+
+def test_with_errors_raised_a_drafter_failing_at_the_end_fails_its_request(
+        models: tuple[BuiltModel, BuiltModel]) -> None:
+    target, draft = models
+    with pytest.raises(RuntimeError, match="the end broke"):
+        _run(target, EndBreaks(ModelRunner(draft, n_ctx=512)))
