@@ -94,10 +94,7 @@ class BatchDraftPlanner:
             return None
         if any(o.model[1:] and self.costs.draft_pass(o.runner, 1) is None for o in outlooks):
             return None  # a draft runner not timed yet: its sequences' own choices time it
-        choices, rate = self.plan(outlooks)
-        base = len(outlooks) / self._verify_cost(len(outlooks))
-        if rate < base * START_MARGIN:
-            choices = [_Choice() for _ in outlooks]
+        choices, _ = self.plan(outlooks)
         plans = [RoundPlan(c.n, take_offer=c.lookup, source=o.source)
                  for o, c in zip(outlooks, choices, strict=True)]
         if any(c.n for c in choices):
@@ -114,10 +111,12 @@ class BatchDraftPlanner:
         return plans
 
     def plan(self, outlooks: Sequence[Outlook]) -> tuple[list[_Choice], float]:
-        """The best choices and their predicted tokens per second."""
+        """The best choices and their predicted tokens per second: plain steps for all
+        unless drafting is predicted START_MARGIN faster."""
         longest = max(len(o.model) for o in outlooks) - 1
         best = [_Choice() for _ in outlooks]
         best_rate = len(outlooks) / self._verify_cost(len(outlooks))
+        threshold = best_rate * START_MARGIN
         for chain in range(0, longest + 1):
             rate = best_rate
             for _ in range(DINKELBACH_ROUNDS):
@@ -126,7 +125,7 @@ class BatchDraftPlanner:
                 if new_rate <= rate * (1 + 1e-9):
                     break
                 rate = new_rate
-            if rate > best_rate:
+            if rate > max(best_rate, threshold):
                 best, best_rate = choices, rate
         return best, best_rate
 

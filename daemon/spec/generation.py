@@ -543,8 +543,10 @@ class Generation:
         if self.drafter is None or limit <= 0:
             return Outlook([1.0], None)
         offer = self._offer(limit)
-        seen = None if self.drafter is None else self.policy.outlook(limit, offer)
-        if seen is None or self.drafter is None:
+        if self.drafter is None:  # it failed offering
+            return Outlook([1.0], None)
+        seen = self.policy.outlook(limit, offer)
+        if seen is None:
             return None
         model, s, lookup = seen
         source = self.drafter.model_sources[s]

@@ -648,14 +648,17 @@ class AdaptiveDraftLength(DraftPolicy):
             return None  # nothing measured yet: the round's own choice measures
         limit = min(limit, self.n_max)
         s = self._chosen
-        model = [1.0 if n < self.shortest and n else self.expected_tokens(n, s)
-                 for n in range(limit + 1)]
+
+        def curve(acc: _Acceptance, longest: int) -> list[float]:
+            """E(n) for n = 0..longest; a draft below n_min is never verified (E = 1)."""
+            return [1.0 if 0 < n < self.shortest else acc.expected_tokens(n)
+                    for n in range(longest + 1)]
+
         lookup: list[float] = []
         if offer is not None and offer.tokens:
-            acc = self._acceptance(max(offer.evidence.lookup_match, 1))
-            lookup = [1.0 if m < self.shortest and m else acc.expected_tokens(m)
-                      for m in range(min(len(offer.tokens), limit) + 1)]
-        return model, s, lookup
+            lookup = curve(self._acceptance(max(offer.evidence.lookup_match, 1)),
+                           min(len(offer.tokens), limit))
+        return curve(self._models[s].acceptance, limit), s, lookup
 
     def plan(self, limit: int, offer: Proposal | None, runs_model: bool) -> RoundPlan:
         if offer is None:
