@@ -73,7 +73,7 @@ def main() -> int:
     engine = Engine(EngineConfig(target=args.model, draft=args.draft, spec_type="draft"),
                     progress=ProgressBar())
     assert engine.drafter is not None
-    draft_runner = engine.drafter.model_sources[0].step_runner
+    draft_runner = getattr(engine.drafter.model_sources[0], "runner", None)
     assert isinstance(draft_runner, ModelRunner)
     request = SamplerParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed)

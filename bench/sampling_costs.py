@@ -162,7 +162,7 @@ def main() -> None:
                "draft": Engine(EngineConfig(target=args.target, draft=args.draft,
                                             spec_type="draft", n_ctx=1024))}
     vocab = engines["target-only"].target.runner.logits_width
-    draft_runner = engines["draft"].drafter.step_runner  # type: ignore[union-attr]
+    draft_runner = getattr(engines["draft"].drafter, "runner", None)
     assert isinstance(draft_runner, ModelRunner)
     alone = {t: {"target": op_alone_ms(vocab, t),
                  "draft": op_alone_ms(draft_runner.logits_width, t,
@@ -176,8 +176,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for label, engine in engines.items():
         clocks.time_session(engine.target.runner)
-        if engine.drafter is not None and isinstance(engine.drafter.step_runner, ModelRunner):
-            clocks.time_session(engine.drafter.step_runner)
+        draft = getattr(engine.drafter, "runner", None)
+        if isinstance(draft, ModelRunner):
+            clocks.time_session(draft)
         prompt = engine.encode_prompt(PROMPT)
         for temperature in (0.0, 0.7):
             runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}

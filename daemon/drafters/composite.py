@@ -17,9 +17,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
-from specd.daemon.spec.drafter import Drafter, DraftParams, DraftSteps, Features, Proposal
+from specd.daemon.spec.drafter import (
+    Drafter,
+    DraftRequest,
+    Features,
+    PassObserver,
+    Proposal,
+)
 from specd.daemon.spec.sampling import Sampler
-from specd.daemon.text.grammar import GrammarState
 
 from .ngram import NgramDrafter
 
@@ -34,8 +39,6 @@ class CompositeDrafter(Drafter):
         self.lookup = lookup if lookup is not None else NgramDrafter()
         self.target_layers = tuple(sorted({layer for m in self.models
                                            for layer in m.target_layers}))
-        # a round's calls run on its source's runner; a draft naming no source, the first's
-        self.step_runner = self.models[0].step_runner
 
     @property
     def model_sources(self) -> Sequence[Drafter]:
@@ -54,14 +57,10 @@ class CompositeDrafter(Drafter):
         # verified greedily even when sampling: exact for any fixed draft
         return self.lookup.offer(seq, last, pos, n_max)
 
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: GrammarState | None = None) -> Proposal:
-        """The first model source's draft (a round that names no source drafts with it)."""
-        return self.models[0].draft(seq, last, pos, n_max, params, grammar)
-
-    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-                    grammar: GrammarState | None = None) -> DraftSteps:
-        return self.models[0].draft_steps(seq, last, pos, n_max, params, grammar)
+    def propose(self, requests: Sequence[DraftRequest],
+                on_pass: PassObserver | None = None) -> list[Proposal]:
+        """The first model source's proposals (a round names its source and asks it)."""
+        return self.models[0].propose(requests, on_pass)
 
     @contextmanager
     def batched_updates(self) -> Iterator[None]:

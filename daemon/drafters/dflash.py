@@ -14,8 +14,8 @@ without a confidence head its top probability, is below it. The block's own rows
 overwritten by the next injection, so nothing needs rolling back.
 
 The head's two graphs (ort_models/head_runner.py) share one KVCache and, on the CPU, the
-target's token embedding table (ort_models/shared_initializers.py). `draft_steps` yields
-the block as one `BlockCall`; where the graphs run on specd's attention, the blocks and
+target's token embedding table (ort_models/shared_initializers.py). A draft is one
+`BlockCall`; where the graphs run on specd's attention, the blocks and
 the injections of several slots run in one pass each (injections wait for
 `batched_updates` to close), a block's bits those of the block alone. `DFlash2Drafter`
 walks a DFlash2 head's candidate lattice from the anchor, on the host, greedily.
@@ -23,29 +23,21 @@ walks a DFlash2 head's candidate lattice from the anchor, on the host, greedily.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
 
-from specd.daemon.spec.drafter import (
-    DraftEvidence,
-    DraftParams,
-    DraftSteps,
-    Features,
-    Proposal,
-    head_input_rows,
-)
+from specd.daemon.spec.drafter import DraftParams, DraftRequest, Features, head_input_rows
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.head_runner import BlockCall, BlockOutput, HeadRunner
 from specd.ort_models.heads import DEFAULT_BLOCK_SIZE
 from specd.ort_models.sampling_op import SampleSpec
 
-from .model_backed import ModelBackedDrafter
-from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
+from .model_backed import DraftRun, ModelBackedDrafter
+from .picking import Pick, pick_from_block, pick_spec, pick_token
 
 
 @dataclass
@@ -62,9 +54,8 @@ class DFlashDrafter(ModelBackedDrafter[_SeqState, HeadRunner]):
         head = runner.built.head
         if head.mask_token_id is None:
             raise ValueError(f"{runner.built.head_path.name} names no mask token")
-        # the scheduler runs the blocks of several sequences in one pass of it
         super().__init__()
-        self.runner = self.step_runner = runner
+        self.runner = runner
         self.name = head.kind
         self.target_layers = head.hidden_layers
         self.mask_id = head.mask_token_id
@@ -87,30 +78,14 @@ class DFlashDrafter(ModelBackedDrafter[_SeqState, HeadRunner]):
         if n:
             self.process(seq, prompt[start:], features)
 
-    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-                    grammar: GrammarState | None = None) -> DraftSteps:
-        """The draft as one yielded BlockCall (sent its BlockOutput): a scheduler runs the
-        blocks of several sequences in one pass of the head."""
-        st = self._seqs[seq]
-        if st.injected != pos:
-            raise RuntimeError(f"the head's context ends at {st.injected}, the target at {pos}")
-        first = self.first_row
-        n = min(n_max, self.max_drafts, self.runner.n_ctx - pos - first)
-        if n <= 0:
-            return Proposal([])
-        t0 = time.perf_counter()
-        sampler = st.sampler if params.probabilistic else None  # None: the argmax
-        call = BlockCall(seq, [last] + [self.mask_id] * (n + first - 1), pos,
-                         list(range(first, first + n)),
-                         self._specs(sampler, grammar, pos, n, params))
-        t1 = time.perf_counter()
-        out: BlockOutput = yield call
-        # what waiting for the other sequences' rows of the pass cost is not this draft's
-        waited = max(time.perf_counter() - t1 - out.seconds, 0.0)
-        tokens, q_rows, unsure = self._read(out, sampler, params.p_min, grammar, pos + 1)
-        seconds = time.perf_counter() - t0 - waited  # one pass proposed them all
-        return Proposal(tokens, stack_q(q_rows),
-                        DraftEvidence(step_seconds=(seconds,), stopped_unsure=unsure))
+    def start(self, request: DraftRequest) -> DraftRun:
+        """The draft as one BlockCall: the blocks of a batch run in one pass of the head."""
+        r = request
+        st = self._seqs[r.seq]
+        if st.injected != r.pos:
+            raise RuntimeError(f"the head's context ends at {st.injected}, the target at {r.pos}")
+        n = min(r.n_max, self.max_drafts, self.runner.n_ctx - r.pos - self.first_row)
+        return _BlockRun(self, r, n, st.sampler if r.params.probabilistic else None)
 
     def _specs(self, sampler: Sampler | None, grammar: GrammarState | None, pos: int, n: int,
                params: DraftParams) -> list[SampleSpec] | None:
@@ -123,31 +98,21 @@ class DFlashDrafter(ModelBackedDrafter[_SeqState, HeadRunner]):
                  for i in range(n)]
         return None if any(s is None for s in specs) else specs  # type: ignore[return-value]
 
-    def _read(self, out: BlockOutput, sampler: Sampler | None, p_min: float,
-              grammar: GrammarState | None, first: int) -> tuple[list[int], list[QRow], bool]:
-        """The proposals of a block's rows in order (the first at sequence position
-        `first`): tokens, the q rows they were drawn from (none for argmax picks), and
-        whether p_min stopped them."""
+    def _read(self, run: _BlockRun, out: BlockOutput) -> None:
+        """The proposals of a block's rows in order, added to the run until one stops it."""
         confident = out.confidence  # [n] where the head judges its rows itself
-        tokens: list[int] = []
-        q_rows: list[QRow] = []
+        p_min = run.params.p_min
         for i, row in enumerate(out.logits):  # [vocab] ([0] where the graph chose)
             if confident is not None and confident[i] < p_min:
-                return tokens, q_rows, True
+                run.unsure = True
+                return
             row_p_min = p_min if confident is None else 0.0
             chosen = None if out.sampled is None else out.sampled[i]
-            pick = (pick_token(row, sampler, grammar, row_p_min, first + i) if chosen is None
-                    else pick_from_block(chosen, sampler is not None, row_p_min))
-            if pick.token is None:
-                return tokens, q_rows, pick.unsure
-            tokens.append(pick.token)
-            if pick.q is not None:
-                q_rows.append(pick.q)
-            if grammar is not None:
-                grammar.consume(pick.token)
-                if grammar.is_stopped():
-                    break
-        return tokens, q_rows, False
+            pick = (pick_token(row, run.sampler, run.grammar, row_p_min, run.pos + 1 + i)
+                    if chosen is None
+                    else pick_from_block(chosen, run.sampler is not None, row_p_min))
+            if not run.add(pick):
+                return
 
     def process(self, seq: int, tokens: Sequence[int],
                 features: Features | None = None) -> None:
@@ -170,23 +135,41 @@ class DFlash2Drafter(DFlashDrafter):
     is greedy whatever the request samples (no q rows: a sampled request keeps a draft
     where the target's own draw equals it)."""
 
-    def _read(self, out: BlockOutput, sampler: Sampler | None, p_min: float,
-              grammar: GrammarState | None, first: int) -> tuple[list[int], list[QRow], bool]:
+    def _read(self, run: _BlockRun, out: BlockOutput) -> None:
         assert out.candidates is not None and out.scores is not None
-        tokens: list[int] = []
+        p_min, grammar = run.params.p_min, run.grammar
         prev = 0  # the anchor: every predecessor row of the first position is the same
         for cand, scores in zip(out.candidates, out.scores, strict=True):  # [k], [k, k]
             row = scores[prev].astype(np.float64)  # successors of the previous pick
             prev = int(np.argmax(row))
             if p_min > 0 and 1.0 / np.exp(row - row[prev]).sum() < p_min:
-                return tokens, [], True
+                run.unsure = True
+                return
             token = int(cand[prev])
             if grammar is not None and not grammar.allowed(self.runner.built.target.n_vocab
                                                            )[token]:
-                break
-            tokens.append(token)
-            if grammar is not None:
-                grammar.consume(token)
-                if grammar.is_stopped():
-                    break
-        return tokens, [], False
+                return
+            if not run.add(Pick(token)):
+                return
+
+
+class _BlockRun(DraftRun):
+    """A head's draft of one sequence: one block, its rows read in order."""
+
+    def __init__(self, drafter: DFlashDrafter, r: DraftRequest, n: int,
+                 sampler: Sampler | None):
+        super().__init__(r.grammar)
+        self.d, self.seq, self.pos, self.n, self.params = drafter, r.seq, r.pos, n, r.params
+        self.last = r.last
+        self.sampler = sampler  # None: the argmax
+        self.done = n <= 0
+
+    def call(self) -> BlockCall:
+        d, first = self.d, self.d.first_row
+        return BlockCall(self.seq, [self.last] + [d.mask_id] * (self.n + first - 1), self.pos,
+                         list(range(first, first + self.n)),
+                         d._specs(self.sampler, self.grammar, self.pos, self.n, self.params))
+
+    def take(self, out: BlockOutput) -> None:
+        self.d._read(self, out)
+        self.done = True

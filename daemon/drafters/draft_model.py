@@ -17,25 +17,17 @@ for the policy (`DraftEvidence.guess_checks`, `bonus_q`).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from specd.daemon.spec.drafter import (
-    DraftEvidence,
-    DraftParams,
-    DraftSteps,
-    Features,
-    Proposal,
-)
+from specd.daemon.spec.drafter import DraftEvidence, DraftRequest, Features
 from specd.daemon.spec.sampling import Sampler
-from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
-from .model_backed import ModelBackedDrafter
-from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
+from .model_backed import DraftRun, ModelBackedDrafter
+from .picking import pick_from_block, pick_spec, pick_token
 
 
 @dataclass
@@ -61,7 +53,7 @@ class DraftModelDrafter(ModelBackedDrafter[_SeqState, ModelRunner]):
     def __init__(self, runner: ModelRunner, *, vocab_limit: int | None = None,
                  catch_up: int | None = CATCH_UP):
         super().__init__()
-        self.runner = self.step_runner = runner
+        self.runner = runner
         self.catch_up = catch_up  # None: evaluate every skipped token
         self.vocab_limit = vocab_limit  # the target's vocab size, if smaller
         self._n_vocab = runner.hp.n_vocab  # the draft's own rows
@@ -96,94 +88,8 @@ class DraftModelDrafter(ModelBackedDrafter[_SeqState, ModelRunner]):
     def _logits(self, rows: np.ndarray) -> np.ndarray:
         return rows[..., : self.vocab_limit] if self.vocab_limit else rows
 
-    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-                    grammar: GrammarState | None = None) -> DraftSteps:
-        st = self._seqs[seq]
-        if len(st.history) != pos:
-            raise RuntimeError(f"draft history has {len(st.history)} tokens, target at {pos}")
-        st.n_cached = min(st.n_cached, pos - st.offset)
-        skipped = pos - st.offset - st.n_cached  # history the cache has not seen
-        full_run, st.full_run = st.full_run, 0
-        if self.catch_up is not None and skipped > self.catch_up:
-            if st.gap_at is None:
-                st.gap_at = st.n_cached
-            st.offset += skipped - self.catch_up
-            full_run = 0  # the last round's final draft is left out: its guess unchecked
-        p = st.n_cached
-        st.draft_pos = pos - st.offset  # last's cache position
-        n_max = min(n_max, self.n_ctx - st.draft_pos - 1)
-        st.drafted = []
-        if n_max <= 0:
-            return Proposal([])
-        q_rows: list[QRow] = []
-        pending = [*st.history[p + st.offset:], last]
-        forced: tuple[tuple[int, bool], ...] = ()
-        caught_up = len(pending) > 2  # after target-only rounds: a small prefill first
-        step_s: list[float] = []
-        unsure = False
-        sampler = st.sampler if params.probabilistic else None  # None: the argmax
-        # the draft's choice made in its graph, where it has a sampler
-        in_graph = (params.backend_sampling and self.runner.samples
-                    and (self.vocab_limit is None or self.vocab_limit >= self.runner.logits_width))
-        bonus_q: tuple[int, np.ndarray] | None = None
-        waits: list[float] = []  # seconds a step waited on passes shared with others
-        for _ in range(n_max):
-            t0 = time.perf_counter()
-            waits.clear()
-            at = pos + 1 + len(st.drafted)  # the sequence position of this step's token
-            if len(pending) > 1 and sampler is None:
-                row, forced = yield from self._check_guesses(seq, pending, p, full_run, waits)
-                pick = pick_token(row, sampler, grammar, params.p_min, at)
-            elif len(pending) == 2 and full_run and grammar is None:
-                # pending = [last draft, bonus]: the first row is where the bonus was drawn
-                out = (yield from _call(Call(seq, self._ids(pending), p, [0, 1]), waits)
-                       ).logits  # [2, vocab]
-                assert st.sampler is not None
-                bonus_q = (full_run, st.sampler.probs(self._logits(out[0])))  # [vocab]
-                pick = pick_token(self._logits(out[1]), sampler, grammar, params.p_min, at)
-            else:
-                spec = (pick_spec(sampler, grammar, at, params.p_min, self.runner.logits_width)
-                        if in_graph else None)
-                out1 = yield from _call(Call(seq, self._ids(pending), p, sample=spec), waits)
-                pick = (pick_from_block(out1.sampled, sampler is not None, params.p_min)
-                        if out1.sampled is not None
-                        else pick_token(self._logits(out1.logits[0]), sampler, grammar,
-                                        params.p_min, at))
-            p += len(pending)
-            st.n_cached = p
-            if pick.token is None:
-                unsure = pick.unsure
-                break
-            tok = pick.token
-            if pick.q is not None:
-                q_rows.append(pick.q)
-            st.drafted.append(tok)
-            pending = [tok]
-            step_s.append(time.perf_counter() - t0 - sum(waits))
-            if grammar is not None:
-                grammar.consume(tok)
-                if grammar.is_stopped():
-                    break
-        return Proposal(list(st.drafted), stack_q(q_rows), DraftEvidence(
-            step_seconds=tuple(step_s), includes_catch_up=caught_up, guess_checks=forced,
-            bonus_q=bonus_q, stopped_unsure=unsure))
-
-    def _check_guesses(self, seq: int, pending: list[int], pos: int, full_run: int,
-                       waits: list[float]) -> Generator[Call, CallOutput,
-                                      tuple[np.ndarray, tuple[tuple[int, bool], ...]]]:
-        """Evaluate tokens the draft has not seen; the greedy guesses of the last rows are
-        checked against the tokens that really followed them. Row 0 follows the last
-        round's final draft: after `full_run` accepted drafts it guessed the target's
-        bonus token (position full_run); any other row is a teacher-forced position 0."""
-        k = min(len(pending) - 1, FORCED_ROWS)
-        first = len(pending) - 1 - k
-        out = (yield from _call(Call(seq, self._ids(pending), pos,
-                                     list(range(first, len(pending)))), waits)
-               ).logits  # [k + 1, vocab]
-        guesses = self._logits(out[:-1]).argmax(axis=-1)  # [k]
-        hits = guesses == np.asarray(pending[first + 1:])  # [k]
-        return self._logits(out[-1]), tuple(
-            (full_run if first + i == 0 else 0, bool(h)) for i, h in enumerate(hits))
+    def start(self, request: DraftRequest) -> DraftRun:
+        return _Run(self, request)
 
     def accept(self, seq: int, n_accepted: int) -> None:
         st = self._seqs[seq]
@@ -206,10 +112,100 @@ class DraftModelDrafter(ModelBackedDrafter[_SeqState, ModelRunner]):
         super().end(seq)
 
 
-def _call(call: Call, waits: list[float]) -> Generator[Call, CallOutput, CallOutput]:
-    """Yield one call; its output. `waits` gets the seconds spent beyond the call's own
-    share of its pass (waiting while a pass shared with other sequences ran)."""
-    t = time.perf_counter()
-    out = yield call
-    waits.append(max(time.perf_counter() - t - out.seconds, 0.0))
-    return out
+class _Run(DraftRun):
+    """A draft model's draft of one sequence: first whatever its cache lacks (the last
+    token; after target-only rounds, the skipped tokens it catches up on), then a token a
+    step."""
+
+    def __init__(self, drafter: DraftModelDrafter, r: DraftRequest):
+        super().__init__(r.grammar)
+        self.d, self.seq, self.pos, self.params = drafter, r.seq, r.pos, r.params
+        st = self.st = drafter._seqs[r.seq]
+        pos = r.pos
+        if len(st.history) != pos:
+            raise RuntimeError(f"draft history has {len(st.history)} tokens, target at {pos}")
+        st.n_cached = min(st.n_cached, pos - st.offset)
+        skipped = pos - st.offset - st.n_cached  # history the cache has not seen
+        self.full_run, st.full_run = st.full_run, 0
+        if drafter.catch_up is not None and skipped > drafter.catch_up:
+            if st.gap_at is None:
+                st.gap_at = st.n_cached
+            st.offset += skipped - drafter.catch_up
+            self.full_run = 0  # the last round's final draft is left out: its guess unchecked
+        self.p = st.n_cached  # cache position of the next call's first token
+        st.draft_pos = pos - st.offset  # last's cache position
+        self.n_max = min(r.n_max, drafter.n_ctx - st.draft_pos - 1)
+        st.drafted = self.tokens
+        self.done = self.n_max <= 0
+        self.pending = [*st.history[self.p + st.offset:], r.last]  # tokens the cache lacks
+        self.caught_up = len(self.pending) > 2  # after target-only rounds: a small prefill
+        self.forced: tuple[tuple[int, bool], ...] = ()
+        self.bonus_q: tuple[int, np.ndarray] | None = None
+        self.sampler = st.sampler if r.params.probabilistic else None  # None: the argmax
+        runner = drafter.runner
+        # the draft's choice made in its graph, where it has a sampler
+        self.in_graph = (r.params.backend_sampling and runner.samples
+                         and (drafter.vocab_limit is None
+                              or drafter.vocab_limit >= runner.logits_width))
+        self.kind = ""  # what the pending call computes (see `call`)
+        self.first = 0  # the first output row of a call checking guesses
+
+    @property
+    def at(self) -> int:
+        """The sequence position of this step's token."""
+        return self.pos + 1 + len(self.tokens)
+
+    def call(self) -> Call:
+        """Several pending tokens, greedily: their rows check the draft's earlier guesses.
+        After a fully accepted sampled round: the row of the last draft (where the bonus
+        was drawn) and of the bonus. Else the last row, decided in the graph where it
+        samples."""
+        d, pending, ids = self.d, self.pending, self.d._ids(self.pending)
+        if len(pending) > 1 and self.sampler is None:
+            self.kind = "guesses"
+            k = min(len(pending) - 1, FORCED_ROWS)
+            self.first = len(pending) - 1 - k
+            return Call(self.seq, ids, self.p, list(range(self.first, len(pending))))
+        if len(pending) == 2 and self.full_run and self.grammar is None:
+            self.kind = "bonus"
+            return Call(self.seq, ids, self.p, [0, 1])
+        self.kind = "last"
+        spec = (pick_spec(self.sampler, self.grammar, self.at, self.params.p_min,
+                          d.runner.logits_width) if self.in_graph else None)
+        return Call(self.seq, ids, self.p, sample=spec)
+
+    def take(self, out: CallOutput) -> None:
+        d, p_min = self.d, self.params.p_min
+        if self.kind == "guesses":
+            rows = out.logits  # [k + 1, vocab]
+            self._check_guesses(d._logits(rows[:-1]).argmax(axis=-1))
+            pick = pick_token(d._logits(rows[-1]), self.sampler, self.grammar, p_min, self.at)
+        elif self.kind == "bonus":
+            rows = out.logits  # [2, vocab]
+            assert self.st.sampler is not None
+            self.bonus_q = (self.full_run, self.st.sampler.probs(d._logits(rows[0])))
+            pick = pick_token(d._logits(rows[1]), self.sampler, self.grammar, p_min, self.at)
+        elif out.sampled is not None:
+            pick = pick_from_block(out.sampled, self.sampler is not None, p_min)
+        else:
+            pick = pick_token(d._logits(out.logits[0]), self.sampler, self.grammar, p_min,
+                              self.at)
+        self.p += len(self.pending)
+        self.st.n_cached = self.p
+        going = self.add(pick)
+        if pick.token is not None:
+            self.pending = [pick.token]
+        self.done = not going or len(self.tokens) >= self.n_max
+
+    def _check_guesses(self, guesses: np.ndarray) -> None:
+        """The greedy guesses [k] of the rows before the last, against the tokens that
+        really followed them. Row 0 follows the last round's final draft: after
+        `full_run` accepted drafts it guessed the target's bonus token (position
+        full_run); any other row is a teacher-forced position 0."""
+        hits = guesses == np.asarray(self.pending[self.first + 1:])  # [k]
+        self.forced = tuple((self.full_run if self.first + i == 0 else 0, bool(h))
+                            for i, h in enumerate(hits))
+
+    def evidence(self) -> DraftEvidence:
+        return replace(super().evidence(), includes_catch_up=self.caught_up,
+                       guess_checks=self.forced, bonus_q=self.bonus_q)

@@ -4,12 +4,12 @@ state, fed by the target's.
 The head's cache row at position P holds the pair (the token at P + 1, g[P]), g being the
 head's encoding of the target's features at P. So the pair of the newest verified
 position waits for the token after it: `process` writes every pair it can and keeps the
-last g row pending; `draft` runs that pending pair with `last` as the first step (its
+last g row pending; a draft runs that pending pair with `last` as the first step (its
 logits propose the first token), then feeds each step's pre-norm hidden state and drafted
 token to the next, as llama.cpp does. The verified pairs written by the next `process`
 overwrite the drafted ones, so nothing needs rolling back.
 
-`draft_steps` yields one `StepCall` per token; where the graphs run on specd's attention,
+A draft is one `StepCall` per token; where the graphs run on specd's attention,
 the steps and the pairs of several slots run in one pass each (the verified tokens'
 encodings and pairs wait for `batched_updates` to close), as a DFlash head's do.
 
@@ -20,27 +20,18 @@ row exactly.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from specd.daemon.spec.drafter import (
-    DraftEvidence,
-    DraftParams,
-    DraftSteps,
-    Features,
-    Proposal,
-    head_input_rows,
-)
+from specd.daemon.spec.drafter import DraftRequest, Features, head_input_rows
 from specd.daemon.spec.sampling import Sampler
-from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.head_runner import HeadRunner, StepCall, StepOutput
 
-from .model_backed import ModelBackedDrafter
-from .picking import QRow, pick_from_block, pick_spec, pick_token, stack_q
+from .model_backed import DraftRun, ModelBackedDrafter
+from .picking import pick_from_block, pick_spec, pick_token
 
 
 @dataclass
@@ -56,9 +47,8 @@ class Eagle3Drafter(ModelBackedDrafter[_SeqState, HeadRunner]):
     catch_up = 0  # tokens the target decoded alone were paired as they came
 
     def __init__(self, runner: HeadRunner):
-        # the scheduler runs the steps of several sequences in one pass of it
         super().__init__()
-        self.runner = self.step_runner = runner
+        self.runner = runner
         self.target_layers = runner.built.head.hidden_layers
         # while `batched_updates` is open: the verified tokens whose encoding and pairs
         # wait, (seq, tokens, their feature rows [n, 3*E_t]) in order
@@ -137,51 +127,17 @@ class Eagle3Drafter(ModelBackedDrafter[_SeqState, HeadRunner]):
         self._encode(st, features, start, n)
         self._write_pairs(seq, st, prompt, 0, len(prompt) - 1)
 
-    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-                    grammar: GrammarState | None = None) -> DraftSteps:
-        """The draft as yielded StepCalls, one per token (each sent its StepOutput): a
-        scheduler runs the steps of several sequences in one pass of the head."""
-        self._flush(seq)
-        st = self._seqs[seq]
+    def start(self, request: DraftRequest) -> DraftRun:
+        """The draft as StepCalls, one per token: the steps of a batch run in one pass of
+        the head."""
+        self._flush(request.seq)
+        st = self._seqs[request.seq]
+        pos = request.pos
         if st.known != pos or pos == 0:
             raise RuntimeError(f"the head holds g rows of {st.known} positions, the target "
                                f"is at {pos}")
-        n = min(n_max, self.runner.n_ctx - pos + 1)
-        sampler = st.sampler if params.probabilistic else None  # None: the argmax
-        tokens: list[int] = []
-        q_rows: list[QRow] = []
-        seconds: list[float] = []
-        unsure = False
-        token, hidden = last, st.g[pos - 1:pos]  # the pending pair first
         st.written = min(st.written, pos - 1)
-        in_graph = params.backend_sampling and self.runner.step_samples  # chosen there
-        for i in range(n):
-            t0 = time.perf_counter()
-            spec = (pick_spec(sampler, grammar, pos + 1 + i, params.p_min,
-                              self.runner.hp.n_vocab) if in_graph else None)
-            t1 = time.perf_counter()
-            out: StepOutput = yield StepCall(seq, [token], hidden, pos - 1 + i, [0], spec)
-            # what waiting for the other sequences' rows of the pass cost is not this draft's
-            waited = max(time.perf_counter() - t1 - out.seconds, 0.0)
-            seconds.append(time.perf_counter() - t0 - waited)
-            if i == 0:
-                st.written = pos  # the pending pair, with the token that follows it
-            pick = (pick_token(out.logits[0], sampler, grammar, params.p_min, pos + 1 + i)
-                    if out.sampled is None
-                    else pick_from_block(out.sampled, sampler is not None, params.p_min))
-            if pick.token is None:
-                unsure = pick.unsure
-                break
-            token, hidden = pick.token, out.hidden
-            tokens.append(token)
-            if pick.q is not None:
-                q_rows.append(pick.q)
-            if grammar is not None:
-                grammar.consume(token)
-                if grammar.is_stopped():
-                    break
-        return Proposal(tokens, stack_q(q_rows),
-                        DraftEvidence(step_seconds=tuple(seconds), stopped_unsure=unsure))
+        return _StepRun(self, request, st)
 
     def process(self, seq: int, tokens: Sequence[int],
                 features: Features | None = None) -> None:
@@ -197,3 +153,35 @@ class Eagle3Drafter(ModelBackedDrafter[_SeqState, HeadRunner]):
         self._encode(st, features, first, len(tokens))
         self._write_pairs(seq, st, tokens, first, st.known - 1)
 
+
+
+class _StepRun(DraftRun):
+    """An EAGLE-3 head's draft of one sequence: the pending pair with `last` first, then
+    each step's hidden state and drafted token."""
+
+    def __init__(self, drafter: Eagle3Drafter, r: DraftRequest, st: _SeqState):
+        super().__init__(r.grammar)
+        self.d, self.st, self.seq, self.pos, self.params = drafter, st, r.seq, r.pos, r.params
+        self.n = min(r.n_max, drafter.runner.n_ctx - r.pos + 1)
+        self.sampler = st.sampler if r.params.probabilistic else None  # None: the argmax
+        self.in_graph = r.params.backend_sampling and drafter.runner.step_samples
+        self.token, self.hidden = r.last, st.g[r.pos - 1:r.pos]  # the pending pair first
+        self.done = self.n <= 0
+
+    def call(self) -> StepCall:
+        i, p = len(self.tokens), self.params
+        spec = (pick_spec(self.sampler, self.grammar, self.pos + 1 + i, p.p_min,
+                          self.d.runner.hp.n_vocab) if self.in_graph else None)
+        return StepCall(self.seq, [self.token], self.hidden, self.pos - 1 + i, [0], spec)
+
+    def take(self, out: StepOutput) -> None:
+        i, p_min = len(self.tokens), self.params.p_min
+        if i == 0:
+            self.st.written = self.pos  # the pending pair, with the token that follows it
+        pick = (pick_token(out.logits[0], self.sampler, self.grammar, p_min, self.pos + 1 + i)
+                if out.sampled is None
+                else pick_from_block(out.sampled, self.sampler is not None, p_min))
+        going = self.add(pick)
+        if pick.token is not None:
+            self.token, self.hidden = pick.token, out.hidden
+        self.done = not going or len(self.tokens) >= self.n

@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specd.daemon.spec.drafter import Drafter, DraftEvidence, DraftParams, Features, Proposal
+from specd.daemon.spec.drafter import (
+    DraftEvidence,
+    DraftRequest,
+    Features,
+    PerSequenceDrafter,
+    Proposal,
+)
 
 
 @dataclass
@@ -31,7 +37,7 @@ class _History:
         return self.tokens[start - self.offset: stop - self.offset]
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(PerSequenceDrafter):
     name = "ngram"
     runs_model = False
 
@@ -81,9 +87,9 @@ class NgramDrafter(Drafter):
             return Proposal(follow, evidence=DraftEvidence(lookup_match=n))
         return Proposal([])
 
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: object = None) -> Proposal:
-        return self.offer(seq, last, pos, n_max)
+    def propose_one(self, request: DraftRequest) -> Proposal:
+        r = request
+        return self.offer(r.seq, r.last, r.pos, r.n_max)
 
     def end(self, seq: int) -> None:
         self._hist.pop(seq, None)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specd.daemon.spec.drafter import Drafter, DraftParams, Proposal
+from specd.daemon.spec.drafter import DraftRequest, PerSequenceDrafter, Proposal
 
 
 def rates_for_mean_length(mean_len: float, n: int) -> list[float]:
@@ -31,7 +31,7 @@ def rates_for_mean_length(mean_len: float, n: int) -> list[float]:
     return [lo] * n
 
 
-class SyntheticDrafter(Drafter):
+class SyntheticDrafter(PerSequenceDrafter):
     name = "synthetic"
     decides_acceptance = True
 
@@ -60,10 +60,8 @@ class SyntheticDrafter(Drafter):
         digest = zlib.crc32(np.asarray(prompt, dtype=np.int64).tobytes())
         self._rng = np.random.default_rng([self.seed, digest])
 
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: object = None) -> Proposal:
-        n = min(n_max, len(self.rates))
-        return Proposal([last] * n)
+    def propose_one(self, request: DraftRequest) -> Proposal:
+        return Proposal([request.last] * min(request.n_max, len(self.rates)))
 
     def accepts_position(self, i: int, target_choice: int, eog: set[int]) -> bool:
         """Whether draft position i (reached) is accepted; the target's choice is kept."""

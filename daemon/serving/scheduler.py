@@ -7,17 +7,11 @@ and reuses that KV (with no real match: an empty slot, else the one used longest
 Prefill runs in chunks of `prefill_chunk` tokens interleaved with the other slots'
 rounds, so a long prompt does not stall running streams.
 
-A step advances every active slot once, in lockstep: each slot's `Generation.step_calls()`
-plans its round (under the step's plan, spec/batch_policy.py, where several slots decode)
-and yields its drafter's model calls; those of all slots run a pass at a time on the
-drafter's `step_runner`, each slot's generator sent its output, until every slot has
-returned its target call. One target pass then runs them all (decode rows, verify blocks,
-prompt chunks within the step's `prefill_chunk` budget), and each slot's `complete()`
-verifies, commits and emits inside the drafter's `batched_updates()`, so what the slots'
-`process` computes for a head (DFlash injections, EAGLE-3 encodings and pairs) runs in
-one pass per graph. A failing pass is retried call by call, so only the request whose call
-fails gets the error. The policies time the batched passes: what a round costs beside its
-neighbours.
+A step advances every active slot once, in lockstep: one round for all of them
+(spec/round.py: plan, propose a batch per draft source, one target pass for every slot's
+call, including prompt chunks within the step's `prefill_chunk` budget, then verify and
+commit each). An error stays with the request it belongs to. The policies and the step's
+planner time the batched passes: what a round costs beside its neighbours.
 
 Rows are computed the same way however they are batched or chunked (see
 ort_models/graph_builder/), so a request's output does not depend on what else runs.
@@ -32,23 +26,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from specd.daemon.spec.batch_policy import BatchDraftPlanner, Outlook
-from specd.daemon.spec.drafter import StepRunner
+from specd.daemon.spec.batch_policy import BatchDraftPlanner
 from specd.daemon.spec.generation import (
     Generation,
     GenerationParams,
     PromptProgress,
     RequestError,
 )
-from specd.daemon.spec.policy import RoundPlan
+from specd.daemon.spec.round import BatchRound
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
-from specd.ort_models.runner import Call
 
 from .engine import Engine
 
@@ -71,22 +61,6 @@ class PassCounts:
     passes: int = 0  # target passes: prompt chunks and rounds, every slot's call in one
     rows: int = 0  # slots' calls those passes carried (busy slots per pass: rows / passes)
     n_tokens_max: int = 0  # the longest sequence a slot has held (prompt + generated)
-
-
-# a slot's step: it yields its drafter's calls (a draft model's Call, a head's
-# BlockCall), is sent their outputs, and returns the target's call
-_Steps = Generator[Any, Any, Call | None]
-
-
-@dataclass
-class _Drafting:
-    """A slot's step waiting for the output of its drafter's call (a draft model's step,
-    a head's block): those of every slot on one runner run in one pass."""
-
-    slot: Slot
-    steps: _Steps
-    runner: StepRunner
-    call: Any
 
 
 @dataclass
@@ -154,6 +128,7 @@ class Scheduler:
         self._last_prompts_only = False  # the last step ran prompt chunks alone
         # plans the drafts of a step several decoding slots share (one slot: its own policy)
         self.planner = BatchDraftPlanner()
+        self.round = BatchRound(engine.target.runner, self.planner)
         self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
         self._thread.start()
 
@@ -334,24 +309,19 @@ class Scheduler:
                 log.exception("scheduler round failed")
 
     def _step(self) -> None:
-        """One step of every active slot: each plans its round (or takes its next prompt
-        chunk, within the step's prefill budget); their drafters' calls (a draft model's
-        steps, a head's blocks) run a pass at a time for all of them; then one target
-        pass runs every slot's call, and each verifies and emits.
+        """One step of every active slot: its round, or its next prompt chunk within the
+        step's prefill budget (spec/round.py).
 
         While prompts are evaluated, steps alternate: one runs the prompt chunks alone,
         the next every slot. A pass of a chunk's rows is compute-bound, so rows riding
         along would lengthen it as much as a pass of their own: a new request's first
         token comes a decode pass sooner, and running streams still advance every other
         chunk."""
-        work: list[tuple[Slot, Call]] = []  # target calls
-        drafting: list[_Drafting] = []  # drafter calls waiting for their pass
-        prefill_left = self.prefill_chunk  # prompt tokens this step's pass may hold
         prompts_only = not self._last_prompts_only and any(
             s.request is not None and s.request.gen is not None and not s.request.cancelled
             and not s.request.gen.prefilled for s in self.slots)
         self._last_prompts_only = prompts_only
-        plans = {} if prompts_only else self._step_plans()
+        stepping: list[Slot] = []
         for slot in self.slots:
             req = slot.request
             if req is None:
@@ -363,116 +333,31 @@ class Scheduler:
             assert gen is not None
             if req.cancelled:
                 gen.finish("cancelled")
-            elif gen.prefilled and prompts_only:
-                continue  # decodes in the next step
-            elif gen.prefilled or prefill_left > 0:  # else its chunk waits a step
-                prefilling = not gen.prefilled
-                steps = gen.step_calls(prefill_left, plans.get(slot.index))
-                call = self._resume(slot, steps, None, drafting)
-                if call is not None:
-                    if prefilling:
-                        prefill_left -= len(call.tokens)
-                    work.append((slot, call))
+            elif not (gen.prefilled and prompts_only):  # else it decodes in the next step
+                stepping.append(slot)
             self._settle(slot)
-        while drafting:
-            runner = drafting[0].runner
-            group = [d for d in drafting if d.runner is runner]
-            drafting = [d for d in drafting if d.runner is not runner]
-            t0 = time.perf_counter()
-            outs = self._pass(runner, [d.call for d in group])
-            self.planner.costs.observe_draft(runner, sum(len(d.call.tokens) for d in group),
-                                             time.perf_counter() - t0)
-            for d, out in zip(group, outs, strict=True):
-                call = self._resume(d.slot, d.steps, out, drafting)
-                if call is not None:
-                    work.append((d.slot, call))
-                self._settle(d.slot)
-        if not work:
+        if not stepping:
             return
-        t0 = time.perf_counter()
-        outputs = self._pass(self.engine.target.runner, [call for _, call in work])
-        self.counts.passes += 1
-        self.counts.rows += len(work)
-        drafter = self.engine.drafter
-        # what the drafter computes from the verified tokens (a head's injections) runs
-        # in one pass for all the slots completed here
-        with drafter.batched_updates() if drafter is not None else nullcontext():
-            self._complete(work, outputs)
-        if all(call.rows is not None for _, call in work):  # rounds, no prompt chunk
-            self.planner.costs.observe_verify(sum(len(call.tokens) for _, call in work),
-                                              time.perf_counter() - t0)
-
-    def _step_plans(self) -> dict[int, RoundPlan]:
-        """Each decoding slot's round this step, where the step is planned as a whole
-        (several slots decoding, each with an estimate of what its draft brings)."""
-        if self.engine.drafter is None:
-            return {}
-        slots: list[int] = []
-        outlooks: list[Outlook] = []
-        for s in self.slots:
-            r = s.request
-            if r is None or r.gen is None or r.cancelled or not r.gen.prefilled:
-                continue
-            o = r.gen.outlook()
-            if o is None:
-                return {}
-            slots.append(s.index)
-            outlooks.append(o)
-        plans = self.planner.plans(outlooks)
-        return {} if plans is None else dict(zip(slots, plans, strict=True))
-
-    def _complete(self, work: list[tuple[Slot, Call]], outputs: list[Any]) -> None:
-        """Each slot's step finished with its output of the target's pass (or failure):
-        verified, emitted, settled."""
-        for (slot, _), out in zip(work, outputs, strict=True):
+        report = self.round.step([self._gen(s) for s in stepping], self.prefill_chunk)
+        if report.target_calls:
+            self.counts.passes += 1
+            self.counts.rows += report.target_calls
+        for slot, result in zip(stepping, report.results, strict=True):
             req = slot.request
             assert req is not None and req.gen is not None
-            gen = req.gen
             try:
-                if isinstance(out, Exception):
-                    raise out
-                tokens = gen.complete(out)
-                if tokens and req.on_tokens(tokens):
-                    gen.finish("stop")  # the request's consumer wants no more
-            except Exception as exc:
+                if isinstance(result, Exception):
+                    raise result
+                if result and req.on_tokens(result):
+                    req.gen.finish("stop")  # the request's consumer wants no more
+            except Exception as exc:  # one bad request never stops the daemon
                 self._fail(req, exc)
             self._settle(slot)
 
-    def _resume(self, slot: Slot, steps: _Steps, out: Any, drafting: list[_Drafting]
-                ) -> Call | None:
-        """Run a slot's step up to its next drafter call (sent `out`, the last one's
-        output or failure; None: the step starts): a drafter's call joins `drafting`; the
-        target call it ends with is returned (None: no target call, or the request
-        failed)."""
-        req = slot.request
-        assert req is not None and req.gen is not None
-        try:
-            if out is None:
-                call = next(steps)
-            elif isinstance(out, Exception):
-                call = steps.throw(out)
-            else:
-                call = steps.send(out)
-        except StopIteration as stop:
-            target_call: Call | None = stop.value
-            return target_call
-        except Exception as exc:  # one bad request never stops the daemon
-            self._fail(req, exc)
-            return None
-        runner = req.gen.step_runner
-        assert runner is not None, "a draft yielded a call with no runner to run it"
-        drafting.append(_Drafting(slot, steps, runner, call))
-        return None
-
-    def _pass(self, runner: StepRunner, calls: list[Any]) -> list[Any]:
-        """The calls through `runner` in one pass; where it fails, each call alone, so
-        that only the request whose call fails gets the error."""
-        try:
-            return list(runner.forward_batch(calls))
-        except Exception as exc:
-            if len(calls) == 1:
-                return [exc]
-            return [self._pass(runner, [c])[0] for c in calls]
+    @staticmethod
+    def _gen(slot: Slot) -> Generation:
+        assert slot.request is not None and slot.request.gen is not None
+        return slot.request.gen
 
     def _fail(self, req: Request, exc: Exception) -> None:
         """The request ends with an error (one bad request never stops the daemon)."""

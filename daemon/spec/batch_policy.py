@@ -42,8 +42,8 @@ class Outlook:
 
     # E(n) for n = 0..len - 1 drafted by its model source (E(0) = 1)
     model: Sequence[float]
-    # the draft runner of that source (sequences sharing one share its passes)
-    runner: object
+    # that source's drafter (the sequences drafting with one share its passes)
+    drafter: object
     # that source (an index into the drafter's model_sources)
     source: int = 0
     # the source proposes a block in one pass (a head), not a pass per token
@@ -61,20 +61,20 @@ class _Choice:
 @dataclass
 class StepCosts:
     """Measured seconds: the step's target pass (and its verification) against its rows,
-    and each draft runner's pass against its rows (a steady draft step: one a sequence; a
+    and each draft source's pass against its rows (a steady draft step: one a sequence; a
     head's block: the block's; a catch-up: the skipped tokens too)."""
 
     verify: CostLine = field(default_factory=lambda: CostLine(DECAY))
-    draft: dict[int, CostLine] = field(default_factory=dict)  # id(runner) -> its passes
+    draft: dict[int, CostLine] = field(default_factory=dict)  # id(drafter) -> its passes
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self.verify.add(rows, seconds)
 
-    def observe_draft(self, runner: object, rows: int, seconds: float) -> None:
-        self.draft.setdefault(id(runner), CostLine(DECAY)).add(rows, seconds)
+    def observe_draft(self, drafter: object, rows: int, seconds: float) -> None:
+        self.draft.setdefault(id(drafter), CostLine(DECAY)).add(rows, seconds)
 
-    def draft_pass(self, runner: object, rows: int) -> float | None:
-        line = self.draft.get(id(runner))
+    def draft_pass(self, drafter: object, rows: int) -> float | None:
+        line = self.draft.get(id(drafter))
         return None if line is None else line.at(rows)
 
 
@@ -92,8 +92,8 @@ class BatchDraftPlanner:
         plans its round, as a sequence alone does)."""
         if len(outlooks) < 2 or self.costs.verify.at(len(outlooks)) is None:
             return None
-        if any(o.model[1:] and self.costs.draft_pass(o.runner, 1) is None for o in outlooks):
-            return None  # a draft runner not timed yet: its sequences' own choices time it
+        if any(o.model[1:] and self.costs.draft_pass(o.drafter, 1) is None for o in outlooks):
+            return None  # a draft source not timed yet: its sequences' own choices time it
         choices, _ = self.plan(outlooks)
         plans = [RoundPlan(c.n, take_offer=c.lookup, source=o.source)
                  for o, c in zip(outlooks, choices, strict=True)]
@@ -150,24 +150,24 @@ class BatchDraftPlanner:
         """Predicted tokens per second of a step with these choices."""
         tokens = 0.0
         rows = 0
-        drafting: dict[int, tuple[Outlook, int, int]] = {}  # runner -> (one, count, chain)
+        drafting: dict[int, tuple[Outlook, int, int]] = {}  # drafter -> (one, count, chain)
         for o, c in zip(outlooks, choices, strict=True):
             tokens += (o.lookup if c.lookup else o.model)[c.n]
             rows += c.n + 1
             if c.n and not c.lookup:
-                _, count, chain = drafting.get(id(o.runner), (o, 0, 0))
-                drafting[id(o.runner)] = (o, count + 1, max(chain, c.n))
+                _, count, chain = drafting.get(id(o.drafter), (o, 0, 0))
+                drafting[id(o.drafter)] = (o, count + 1, max(chain, c.n))
         seconds = self._verify_cost(rows)
         for o, count, chain in drafting.values():
             seconds += self._chain_cost(o, count, chain)
         return tokens / seconds
 
     def _chain_cost(self, o: Outlook, count: int, chain: int) -> float:
-        """Seconds of `count` sequences' drafts of up to `chain` tokens on o's runner: a
+        """Seconds of `count` sequences' drafts of up to `chain` tokens from o's source: a
         pass a token of a row each, or one pass of their blocks (a head's)."""
         if o.one_pass:
-            return self.costs.draft_pass(o.runner, count * (chain + 1)) or 0.0
-        return (self.costs.draft_pass(o.runner, count) or 0.0) * chain
+            return self.costs.draft_pass(o.drafter, count * (chain + 1)) or 0.0
+        return (self.costs.draft_pass(o.drafter, count) or 0.0) * chain
 
     def _seat_cost(self, o: Outlook, chain: int) -> float:
         """What one more sequence in the draft chain adds to it: its share of the passes'

@@ -1,16 +1,15 @@
 """The drafter interface: what a drafter declares, proposes and is told.
 
-A round for sequence `seq`, with `last` the newest token (at position `pos`, not yet
-evaluated by the target):
+A round for a batch of sequences (spec/round.py), with `last` each one's newest token (at
+position `pos`, not yet evaluated by the target):
 
-    offer = drafter.offer(seq, last, pos, n_max)          # a free proposal, if it has one
-    proposal = drafter.draft(seq, last, pos, n, params)   # or a model's proposal (from one
-      of `model_sources`, where a drafter holds several)
-      (or, stepwise, `draft_steps`: its model calls yielded one at a time, so that the
-      calls of several sequences run in one pass of `step_runner`)
-    ... the target verifies [last, *proposal.tokens] in one pass ...
-    drafter.accept(seq, n_accepted)                       # roll back rejected drafts
-    drafter.process(seq, emitted, features)               # tokens the sequence grew by
+    offer = drafter.offer(seq, last, pos, n_max)       # a free proposal, if it has one
+    proposals = source.propose([DraftRequest(seq, last, pos, n, params), ...])
+      # or a model's proposals, for every sequence drafting with that source (one of
+      # `model_sources`) at once: a pass per draft step for those still drafting
+    ... the target verifies each [last, *proposal.tokens], all in one pass ...
+    drafter.accept(seq, n_accepted)                    # roll back rejected drafts
+    drafter.process(seq, emitted, features)            # tokens the sequence grew by
 
 `begin(seq, prompt, sampler, features)` starts a sequence (the prompt is already evaluated
 by the target); `end(seq)` frees it. A proposal carries what verification needs (tokens,
@@ -19,12 +18,10 @@ q rows) apart from what the draft-length policy learns from it (`DraftEvidence`)
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -103,6 +100,9 @@ class Proposal:
     # the distributions drafts were sampled from: dense [n, vocab], or sparse pairs
     q_rows: DraftProbs | None = None
     evidence: DraftEvidence = field(default_factory=DraftEvidence)
+    # what proposing cost this sequence: its calls' shares of the passes it took part in,
+    # and its own work between them
+    seconds: float = 0.0
 
     @property
     def is_lookup(self) -> bool:
@@ -115,66 +115,23 @@ class Proposal:
                        q_rows=None if self.q_rows is None else self.q_rows[:n])
 
 
-_R = TypeVar("_R")
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's draft to propose: up to n_max tokens to follow `last` (at position
+    `pos`, not yet evaluated by the target). `grammar` is a fork of the request's
+    constraint state, the drafter's to advance along its proposal (model drafters sample
+    under its masks)."""
 
-# a draft as a generator: it yields calls of the drafter's model (a ModelRunner's Call, a
-# head's BlockCall), is sent each call's output (with its `seconds`), and returns the
-# proposal
-DraftSteps = Generator[Any, Any, "Proposal"]
-
-
-class StepRunner(Protocol):
-    """What runs a drafter's stepwise calls: the calls of several sequences (one each) in
-    one pass where it can, an output (with its `seconds`, the call's share of the pass)
-    per call. A ModelRunner (Call -> CallOutput), a HeadRunner (BlockCall ->
-    BlockOutput)."""
-
-    def forward_batch(self, calls: Sequence[Any]) -> list[Any]: ...
+    seq: int
+    last: int
+    pos: int
+    n_max: int
+    params: DraftParams = DraftParams()
+    grammar: GrammarState | None = None
 
 
-def run_steps(steps: Generator[Any, Any, _R], runner: StepRunner | None) -> _R:
-    """Drive a stepwise draft (or anything yielding model calls) alone: each call it
-    yields through `runner`; what it returns."""
-    try:
-        call = next(steps)
-        while True:
-            assert runner is not None, "a draft yielded a call with no runner to run it"
-            call = steps.send(runner.forward_batch([call])[0])
-    except StopIteration as stop:
-        result: _R = stop.value
-        return result
-
-
-def timed_steps(steps: Generator[Any, Any, _R]
-                ) -> Generator[Any, Any, tuple[_R, float]]:
-    """`steps`, passing their calls on, and what they cost this sequence: their own time
-    between calls and each call's share of its pass (`CallOutput.seconds`), not the time
-    spent waiting while passes shared with other sequences ran."""
-    own = 0.0
-    t = time.perf_counter()
-    to_send: Any = None  # the last call's output (a CallOutput, a BlockOutput)
-    thrown: BaseException | None = None
-    while True:
-        try:
-            if thrown is not None:
-                call = steps.throw(thrown)
-            elif to_send is None:
-                call = next(steps)
-            else:
-                call = steps.send(to_send)
-        except StopIteration as stop:
-            return stop.value, own + time.perf_counter() - t
-        own += time.perf_counter() - t
-        thrown = None
-        try:
-            to_send = yield call
-            own += to_send.seconds
-        except GeneratorExit:
-            steps.close()
-            raise
-        except BaseException as exc:  # a failed pass: the draft's own handling decides
-            thrown = exc
-        t = time.perf_counter()
+# told each pass a drafter runs for a batch: (rows it carried, seconds it took)
+PassObserver = Callable[[int, float], None]
 
 
 class Drafter(ABC):
@@ -182,7 +139,7 @@ class Drafter(ABC):
     reads them instead of asking which class it is."""
 
     name: str = "none"
-    #: `draft()` runs a model (a pass per proposal step, which the policy weighs against
+    #: `propose()` runs a model (a pass per proposal step, which the policy weighs against
     #: its acceptance); False: the drafter's only proposals are its free offers
     runs_model: bool = True
     #: acceptance is decided by the drafter (`accepts_position`), not by verification
@@ -194,18 +151,16 @@ class Drafter(ABC):
     #: most tokens skipped in target-only rounds that the drafter evaluates before its next
     #: draft (None: all of them; a drafter without a model evaluates none, at no cost)
     catch_up: int | None = None
-    #: `draft()` proposes all its tokens in one pass (a head's block), whose cost grows
-    #: with the block's length far less than a step per token
+    #: `propose()` proposes all of a sequence's tokens in one pass (a head's block), whose
+    #: cost grows with the block's length far less than a step per token
     one_pass: bool = False
-    #: the runner whose calls `draft_steps` yields (None: it yields none)
-    step_runner: StepRunner | None = None
 
     @property
     def model_sources(self) -> Sequence[Drafter]:
-        """The drafters a round may draft with (`draft_steps`), one per round, the policy
+        """The drafters a round may draft with (`propose`), one per round, the policy
         choosing (`RoundPlan.source`): this one, or those a drafter of several sources
-        holds (a head and a draft model). Each declares its own `catch_up`, `one_pass`
-        and `step_runner`."""
+        holds (a head and a draft model). Each declares its own `catch_up` and
+        `one_pass`; sequences drafting with the same source share its passes."""
         return (self,)
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
@@ -219,26 +174,22 @@ class Drafter(ABC):
         return None
 
     @abstractmethod
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
+    def propose(self, requests: Sequence[DraftRequest],
+                on_pass: PassObserver | None = None) -> list[Proposal]:
+        """A proposal for each request, in order. A model drafter steps the batch together:
+        one pass of its model per draft step, for the sequences still drafting (each pass
+        told to `on_pass`)."""
+
+    def draft(self, seq: int, last: int, pos: int, n_max: int,
+              params: DraftParams = DraftParams(),
               grammar: GrammarState | None = None) -> Proposal:
-        """Propose up to n_max tokens to follow `last` (at position `pos`).
-
-        `grammar` is a fork of the request's constraint state, the drafter's to advance
-        along its proposals (model drafters sample under its masks)."""
-
-    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-                    grammar: GrammarState | None = None) -> DraftSteps:
-        """`draft` as a generator of its model's calls on `step_runner` (each sent back its
-        output), returning the proposal: a scheduler runs the calls of several sequences
-        in one pass. By default the whole draft happens at the first step, yielding no
-        call."""
-        return self.draft(seq, last, pos, n_max, params, grammar)
-        yield  # unreachable: makes this a generator
+        """One sequence's proposal of up to n_max tokens to follow `last`."""
+        return self.propose([DraftRequest(seq, last, pos, n_max, params, grammar)])[0]
 
     def batched_updates(self) -> AbstractContextManager[None]:
         """While open, what `begin` and `process` compute for several sequences may wait
-        and run in one pass when it closes (a head's injections): a scheduler opens it
-        around the steps it completes together."""
+        and run in one pass when it closes (a head's injections): the round opens it
+        around the rounds it completes together."""
         return nullcontext()
 
     def accepts_position(self, i: int, target_choice: int, eog: set[int]) -> bool:
@@ -257,3 +208,15 @@ class Drafter(ABC):
 
     def end(self, seq: int) -> None:
         """The sequence is finished; free what it holds."""
+
+
+class PerSequenceDrafter(Drafter):
+    """A drafter without a model pass to share: each request proposed on its own."""
+
+    def propose(self, requests: Sequence[DraftRequest],
+                on_pass: PassObserver | None = None) -> list[Proposal]:
+        return [self.propose_one(r) for r in requests]
+
+    @abstractmethod
+    def propose_one(self, request: DraftRequest) -> Proposal:
+        """The request's proposal."""

@@ -1,19 +1,15 @@
-"""One request's decode: prefill, then one speculative round per `step()`.
+"""One request's decode: prefill, then one speculative round per step.
 
-A round: plan (the policy picks how many tokens to draft, and from which source) →
-propose (the drafter's proposal, trimmed to what may be emitted) → forward (one target
-pass over [last, *draft], writing its KV in place) → verify (greedy, or rejection
-sampling against the draft's q) → commit (the drafter keeps the accepted tokens; the
-rejected rows of both KV caches are overwritten by the next round) → observe (the policy
-learns from the round's record). docs/architecture.md states the round's invariants.
-
-Prefill and round are both split at the target's pass, so that a scheduler runs several
-sequences' calls in one: `next_call()` (or the generator `step_calls()`, which also yields
-the drafter's model calls) does everything up to it and returns the `Call`, `complete()`
-the rest. A round drafts at most `invariant_block_limit(pos) - 1` tokens, so that every
-verified row equals the single step at its position (ort_models/runner.py), and prefill
-passes end on attention-bucket boundaries. A seeded request's drafts are coupled to the
-target's draws (coupling.py); where the target's graph samples, verification runs there
+A round's phases (plan → propose → forward → verify → commit → observe) are driven for
+a batch by round.py, whose docstring states their invariants; a Generation holds one
+sequence's part of each. Prefill and round are split at the target's pass, so that a step
+runs several sequences' calls in one: `prefill_call()`, or `plan_round()` (the draft it
+asks of its source) and `round_call()` (given that proposal), do everything up to it and
+return the `Call`; `complete()` verifies, commits and emits with the pass's output. A
+round drafts at most `invariant_block_limit(pos) - 1` tokens, so that every verified row
+equals the single step at its position (ort_models/runner.py), and prefill passes end on
+attention-bucket boundaries. A seeded request's drafts are coupled to the target's draws
+(coupling.py); where the target's graph samples, verification runs there
 (graph_sampling.py). A drafter's exception is logged and counted and the request goes on
 target-only (with SPECD_RAISE_DRAFTER_ERRORS=1 it fails the request instead).
 """
@@ -23,9 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 
@@ -36,15 +31,7 @@ from specd.ort_models.sampling_op import MAX_LOGPROBS, EmittedLogprobs, SampleSp
 
 from .batch_policy import Outlook
 from .coupling import CoupledSampler
-from .drafter import (
-    Drafter,
-    DraftParams,
-    Features,
-    Proposal,
-    StepRunner,
-    run_steps,
-    timed_steps,
-)
+from .drafter import Drafter, DraftParams, DraftRequest, Features, Proposal
 from .graph_sampling import BONUS_CANDIDATES, block_result, sample_spec, sparse_q
 from .logprobs import LogprobRecorder
 from .policy import (
@@ -57,6 +44,7 @@ from .policy import (
     RoundRecord,
     SourceTraits,
 )
+from .round import BatchRound, DraftJob
 from .sampling import (
     Sampler,
     SamplerParams,
@@ -148,23 +136,21 @@ class _Proposed:
 
 
 @dataclass
-class _RoundSourceRunner:
-    """Runs a generation's drafter calls on the runner of its round's model source (known
-    only once the round is planned)."""
-
-    gen: Generation
-
-    def forward_batch(self, calls: Sequence[Any]) -> list[Any]:
-        runner = self.gen.step_runner
-        assert runner is not None, "a draft yielded a call with no runner to run it"
-        return runner.forward_batch(calls)
-
-
-@dataclass
 class _PrefillChunk:
     """A pending prompt chunk: the cursor once its KV is in."""
 
     end: int
+
+
+@dataclass
+class _Planned:
+    """A planned round waiting for its proposal: the plan, the offer it weighed, what
+    planning cost, and the model draft it asked for (None: none)."""
+
+    plan: RoundPlan
+    offer: Proposal | None
+    seconds: float
+    job: DraftJob | None
 
 
 @dataclass
@@ -228,8 +214,9 @@ class Generation:
         # round did not end on one, or greedy)
         self._bonus_p: np.ndarray | None = None
         self._t_decode = time.perf_counter()
-        self._pending: _PrefillChunk | _Round | None = None  # begun by next_call
-        self._source = 0  # the round's model source (an index into model_sources)
+        # the step under way: a prompt chunk or a round, once its call is out; a round
+        # waiting for its proposal
+        self._pending: _PrefillChunk | _Planned | _Round | None = None
         self._offered: tuple[int, Proposal | None] | None = None  # (position, offer)
         self._on_progress = on_prompt_progress
         self._logprobs = None if params.logprobs is None else LogprobRecorder(
@@ -290,17 +277,24 @@ class Generation:
         """
         out: list[int] = []
         while not self.prefilled:
-            call = self.next_call(budget)
+            call = self.prefill_call(budget)
             if call is None:
                 break
-            out = self._run(call)
+            out = self.complete(self.target.forward_batch([call])[0])
             if budget is not None:
                 break
         return out
 
-    def _prefill_call(self, budget: int | None) -> Call:
-        """The target call of the next prompt chunk: from the cursor to the budget's last
-        bucket boundary (the budget where none is in reach), within one bucket."""
+    def prefill_call(self, budget: int | None = None) -> Call | None:
+        """The target call of the next prompt chunk (None: done): from the cursor to the
+        budget's last bucket boundary (the budget where none is in reach), within one
+        bucket; `complete` must follow."""
+        if self._pending is not None:
+            raise RuntimeError("the previous call was not completed")
+        if self.done:
+            return None
+        if self.prefilled:
+            raise RuntimeError("the prompt is already evaluated")
         if self._cursor is None:
             self._cursor = min(self._reuse, len(self.prompt) - 1)
             if self._on_progress is not None:
@@ -407,47 +401,28 @@ class Generation:
 
     # -- one round ------------------------------------------------------------------------
     def step(self) -> list[int]:
-        """One round (or, before the prompt is in, the whole prefill): returns the tokens
-        it emitted (empty once done)."""
+        """One round alone (or, before the prompt is in, the whole prefill): returns the
+        tokens it emitted (empty once done)."""
         if not self.prefilled:
             return self.prefill()
-        call = self.next_call()
-        return [] if call is None else self._run(call)
-
-    def _run(self, call: Call) -> list[int]:
-        """The target's pass for `call` alone, and the step completed with it."""
-        return self.complete(self.target.forward_batch([call])[0])
-
-    def next_call(self, prefill_budget: int | None = None) -> Call | None:
-        """Everything of the next step up to the target's pass, and the call that pass
-        must run for this sequence (a scheduler runs several sequences' calls in one
-        pass): before the prompt is in, its next chunk (at most `prefill_budget` tokens);
-        then the round's plan and proposal, and the call over [last, *draft]. None where
-        the step needs no pass (done, or it ended here); else `complete` must follow."""
-        return run_steps(self.step_calls(prefill_budget), _RoundSourceRunner(self))
+        result = BatchRound(self.target).step([self]).results[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     @property
-    def step_runner(self) -> StepRunner | None:
-        """The runner of the drafter's model calls that `step_calls` yields: the round's
-        model source's."""
-        if self.drafter is None:
-            return None
-        return self.drafter.model_sources[self._source].step_runner
+    def round_planned(self) -> bool:
+        """A round is planned and waits for its proposal (`round_call`)."""
+        return isinstance(self._pending, _Planned)
 
-    def step_calls(self, prefill_budget: int | None = None, plan: RoundPlan | None = None
-                   ) -> Generator[Call, CallOutput, Call | None]:
-        """`next_call` as a generator: it yields the drafter's model calls (on
-        `step_runner`; each is sent back its output), so that a scheduler runs those of
-        several sequences in one pass too, and returns the target's call. `plan`: the
-        round's, where a step shared with other sequences is planned as a whole
-        (batch_policy; None: the policy plans it)."""
+    def plan_round(self, plan: RoundPlan | None = None) -> DraftJob | None:
+        """The round's plan: `plan`, the step's where it is planned with other sequences
+        (batch_policy), else the policy's. Returns the model draft the round asks for
+        (None: it proposes nothing from a model); `round_call` follows, given that
+        draft's proposal. No round where the sequence is done or ends here."""
         if self._pending is not None:
             raise RuntimeError("the previous call was not completed")
-        if self.done:
-            return None
-        if not self.prefilled:
-            return self._prefill_call(prefill_budget)
-        if self._grammar_finished():
+        if self.done or not self.prefilled or self._grammar_finished():
             return None
         limit = self._draft_limit()
         if limit < 0:
@@ -455,22 +430,33 @@ class Generation:
             return None
         t0 = time.perf_counter()
         plan, offer = self._plan(limit) if plan is None else self._directed(plan, limit)
-        plan_s = time.perf_counter() - t0
-        proposed = yield from self._propose(plan, offer)
-        self._pending = _Round(proposed, plan_s + proposed.seconds)
+        job = self._draft_job(plan, offer)
+        self._pending = _Planned(plan, offer, time.perf_counter() - t0, job)
+        return job
+
+    def round_call(self, drafted: Proposal | Exception | None = None) -> Call | None:
+        """The planned round's proposal (`drafted`: what its model draft gave, or how it
+        failed) and the target's call over [last, *draft]; `complete` must follow."""
+        planned = self._pending
+        if not isinstance(planned, _Planned):
+            raise RuntimeError("round_call() without plan_round()")
+        self._pending = None
+        proposed = self._proposed(planned, drafted)
+        self._pending = _Round(proposed, planned.seconds + proposed.seconds)
         assert self._last is not None
         tokens = [self._last, *proposed.proposal.tokens]
         return Call(self.seq, tokens, self._pos, list(range(len(tokens))), self._layers,
                     self._round_spec(proposed.proposal))
 
     def complete(self, out: CallOutput) -> list[int]:
-        """The step `next_call` began, finished with the target's output for its call:
-        the tokens it emitted. The call's share of its pass (`out.seconds`) is what the
-        statistics and the policy count as the step's target time."""
+        """The step whose call went out (`prefill_call`, `round_call`), finished with the
+        target's output for that call: the tokens it emitted. The call's share of its pass
+        (`out.seconds`) is what the statistics and the policy count as the step's target
+        time."""
         pending, self._pending = self._pending, None
         if isinstance(pending, _PrefillChunk):
             return self._complete_prefill(pending, out)
-        assert isinstance(pending, _Round), "complete() without next_call()"
+        assert isinstance(pending, _Round), "complete() without a call"
         seconds = out.seconds
         self.stats.verify_s += seconds
         rows = out.logits  # [n + 1, vocab] ([n + 1, 0]: decided in the graph)
@@ -552,41 +538,48 @@ class Generation:
         source = self.drafter.model_sources[s]
         if not self.drafter.runs_model:
             model = model[:1]
-        return Outlook(model, source.step_runner, s, source.one_pass, lookup)
+        return Outlook(model, source, s, source.one_pass, lookup)
 
-    def _propose(self, plan: RoundPlan, offer: Proposal | None
-                 ) -> Generator[Call, CallOutput, _Proposed]:
-        """The proposal to verify: the offer's first n tokens or the model's draft of n
-        (its model calls yielded), trimmed to what may be emitted (empty: a plain target
-        step)."""
+    def _draft_job(self, plan: RoundPlan, offer: Proposal | None) -> DraftJob | None:
+        """The model draft of n tokens the plan asks for (None: it takes the offer, or
+        drafts nothing)."""
+        dp = self.params.draft
+        if offer is not None and plan.take_offer:
+            return None
+        if self.drafter is None or not self.drafter.runs_model or plan.n < max(dp.n_min, 1):
+            return None
+        assert self._last is not None
+        fork = None if self.grammar is None else self.grammar.fork()
+        if isinstance(self.draft_sampler, CoupledSampler):
+            self.draft_sampler.start_round(self._pos + 1)
+        return DraftJob(self.drafter.model_sources[plan.source], DraftRequest(
+            self.seq, self._last, self._pos, plan.n,
+            replace(dp, backend_sampling=self.params.backend_sampling), fork))
+
+    def _proposed(self, planned: _Planned, drafted: Proposal | Exception | None
+                  ) -> _Proposed:
+        """The proposal to verify: the offer's first n tokens or the model's draft of n,
+        trimmed to what may be emitted (empty: a plain target step)."""
+        plan, offer, job = planned.plan, planned.offer, planned.job
         if offer is not None and plan.take_offer:
             t0 = time.perf_counter()
             proposal = self._usable(offer.truncate(plan.n))
             whole = len(proposal.tokens) == plan.n < len(offer.tokens)
             return _Proposed(proposal, offer_next=offer.tokens[plan.n] if whole else None,
                              seconds=time.perf_counter() - t0)
-        dp = self.params.draft
-        if self.drafter is None or not self.drafter.runs_model or plan.n < max(dp.n_min, 1):
+        if job is None or self.drafter is None:
             return _Proposed(Proposal([]))
-        assert self._last is not None
-        fork = None if self.grammar is None else self.grammar.fork()
-        if isinstance(self.draft_sampler, CoupledSampler):
-            self.draft_sampler.start_round(self._pos + 1)
-        self._source = plan.source
-        source = self.drafter.model_sources[plan.source]
-        try:
-            drafted, seconds = yield from timed_steps(source.draft_steps(
-                self.seq, self._last, self._pos, plan.n,
-                replace(dp, backend_sampling=self.params.backend_sampling), fork))
-        except Exception as exc:
-            self._drafter_failed(exc, "drafting", source.name)
+        if drafted is None:
+            raise RuntimeError("a round that asked for a draft was given none")
+        if isinstance(drafted, Exception):
+            self._drafter_failed(drafted, "drafting", job.source.name)
             return _Proposed(Proposal([]))
-        self.stats.draft_s += seconds
-        self.stats.record_source(source.name)
-        call = ModelCall(plan.n, len(drafted.tokens), seconds, drafted.evidence,
+        self.stats.draft_s += drafted.seconds
+        self.stats.record_source(job.source.name)
+        call = ModelCall(plan.n, len(drafted.tokens), drafted.seconds, drafted.evidence,
                          plan.source)
         return _Proposed(self._usable(drafted.truncate(plan.n)), model_call=call,
-                         seconds=seconds)
+                         seconds=drafted.seconds)
 
     def _usable(self, proposal: Proposal) -> Proposal:
         """The part of a proposal worth verifying: up to its first end of generation, what

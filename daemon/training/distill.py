@@ -35,6 +35,7 @@ from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.models.building import build_options
 from specd.daemon.spec.drafter import DraftParams, Features
 from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.spec.round import BatchRound
 from specd.daemon.text.chat_template import render_chat
 from specd.daemon.text.tokenizer import Tokenizer
 from specd.ort_models.gguf_file import GGUFFile, content_hash
@@ -233,6 +234,7 @@ def _distill_split(runner: ModelRunner, chat: ChatPrompts, folder: Path,
     source: Iterator[Instruction] = itertools.islice(
         instructions(split, seed=spec.seed, exclude=exclude), state["consumed"], None)
     recorder = _FeatureRecorder(spec.hidden_layers)
+    one_round = BatchRound(runner)  # every reply under way steps in it
     params = GenerationParams(max_tokens=spec.max_reply, draft=DraftParams(n_max=8),
                               adaptive=True)
     bar = ProgressLine(f"distilling {split}", want, "replies", start=state["samples"]) \
@@ -258,7 +260,12 @@ def _distill_split(runner: ModelRunner, chat: ChatPrompts, folder: Path,
                                    drafter=recorder), []))
         if not queue:
             break
-        _step_together(runner, [r for r in queue if r is not None and not r.gen.done])
+        under_way = [r for r in queue if r is not None and not r.gen.done]
+        report = one_round.step([r.gen for r in under_way])
+        for reply, result in zip(under_way, report.results, strict=True):
+            if isinstance(result, Exception):
+                raise result
+            reply.reply += result
         while queue and (queue[0] is None or queue[0].gen.done):
             r = queue.pop(0)
             pending["consumed"] += 1
@@ -285,20 +292,6 @@ def _distill_split(runner: ModelRunner, chat: ChatPrompts, folder: Path,
     if bar is not None:
         bar.done(f"{state['samples']} replies, {state['tokens']} tokens "
                  f"({state['reply_tokens']} in replies)")
-
-
-def _step_together(runner: ModelRunner, replies: Sequence[_Reply]) -> None:
-    """One step of every reply under way (a prompt, or a round), their calls in one pass
-    of the target."""
-    calls = []
-    for r in replies:
-        call = r.gen.next_call()
-        if call is not None:
-            calls.append((r, call))
-    if not calls:
-        return
-    for (r, _), out in zip(calls, runner.forward_batch([c for _, c in calls]), strict=True):
-        r.reply += r.gen.complete(out)
 
 
 def _commit(folder: Path, manifest: dict[str, Any], state: dict[str, Any],

@@ -4,7 +4,7 @@ run's, whatever runs beside it, joins or leaves (tiny models, specd's kernels)."
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import pytest
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.serving.scheduler import Scheduler
 from specd.daemon.spec.drafter import DraftParams
-from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.policy import RoundPlan
 from specd.daemon.spec.sampling import SamplerParams
 from specd.daemon.spec.stats import SpecStats
@@ -84,7 +84,8 @@ def test_streams_in_one_pass_equal_their_solo_runs(scheduler: Scheduler, engine:
     makers = _streams(engine)
     want = [solo(scheduler, make) for make in makers]
     sizes = _count_passes(monkeypatch, engine.target.runner)
-    draft = engine.drafter.step_runner if engine.drafter is not None else None
+    draft = (None if engine.drafter is None
+             else getattr(engine.drafter.model_sources[0], "runner", None))
     draft_sizes = _count_passes(monkeypatch, draft) if draft is not None else []
     streams = [make() for make in makers]
     for s in streams:
@@ -221,12 +222,12 @@ def test_streams_drafting_to_any_step_plan_equal_their_solo_runs(
     want = [solo(scheduler, make) for make in makers]
     rng = random.Random(5)
 
-    def plans() -> dict[int, RoundPlan]:
-        drawn = {s.index: rng.choice([None, RoundPlan(0), RoundPlan(1), RoundPlan(2),
-                                      RoundPlan(5)]) for s in scheduler.slots}
+    def plans(gens: Sequence[Generation]) -> dict[int, RoundPlan]:
+        drawn = {i: rng.choice([None, RoundPlan(0), RoundPlan(1), RoundPlan(2),
+                                RoundPlan(5)]) for i in range(len(gens))}
         return {i: plan for i, plan in drawn.items() if plan is not None}
 
-    monkeypatch.setattr(scheduler, "_step_plans", plans)
+    monkeypatch.setattr(scheduler.round, "_step_plans", plans)
     streams = [make() for make in makers]
     for s in streams:
         scheduler.submit(s.req)

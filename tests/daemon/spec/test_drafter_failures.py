@@ -5,7 +5,7 @@ suite raises instead, so that a broken drafter fails its test (tiny models)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +13,8 @@ import pytest
 
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.serving.engine import EngineConfig
-from specd.daemon.spec.drafter import DraftParams, DraftSteps
+from specd.daemon.spec.drafter import DraftParams, DraftRequest, PassObserver, Proposal
 from specd.daemon.spec.generation import RAISE_DRAFTER_ERRORS, Generation, GenerationParams
-from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.model_cache import BuiltModel, load_or_build
 from specd.ort_models.runner import ModelRunner
 
@@ -30,12 +29,12 @@ class Breaks(DraftModelDrafter):
 
     drafts = 0
 
-    def draft_steps(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-                    grammar: GrammarState | None = None) -> DraftSteps:
+    def propose(self, requests: Sequence[DraftRequest],
+                on_pass: PassObserver | None = None) -> list[Proposal]:
         self.drafts += 1
         if self.drafts == 3:
             raise RuntimeError("the draft broke")
-        return (yield from super().draft_steps(seq, last, pos, n_max, params, grammar))
+        return super().propose(requests, on_pass)
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +106,16 @@ def test_a_failing_drafter_is_in_the_response_and_metrics(
     assert isinstance(drafter, DraftModelDrafter)
     status, text = server.request("GET", "/metrics")
     assert status == 200 and 'specd_drafter_failures_total{drafter="draft"} 0' in text
-    real = drafter.draft_steps
+    real = drafter.propose
     drafts = []
 
-    def breaks(*args: Any) -> DraftSteps:
+    def breaks(*args: Any) -> list[Proposal]:
         drafts.append(args)
         if len(drafts) == 3:
             raise RuntimeError("the draft broke")
-        return (yield from real(*args))
+        return real(*args)
 
-    monkeypatch.setattr(drafter, "draft_steps", breaks)
+    monkeypatch.setattr(drafter, "propose", breaks)
     body = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
     status, out = server.request("POST", "/v1/completions", body)
     assert status == 200, out

@@ -8,7 +8,14 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from specd.daemon.spec.drafter import Drafter, DraftParams, Features, Proposal
+from specd.daemon.spec.drafter import (
+    Drafter,
+    DraftParams,
+    DraftRequest,
+    Features,
+    PerSequenceDrafter,
+    Proposal,
+)
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.sampling import Sampler
 from specd.ort_models.graph_builder import BuildOptions
@@ -18,7 +25,7 @@ from specd.ort_models.runner import ModelRunner
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
 
 
-class RecordingDrafter(Drafter):
+class RecordingDrafter(PerSequenceDrafter):
     """Proposes the target's own next tokens, the last of them wrong (every round accepts
     some and rejects one), and records every feature row it is given, with the tokens
     they belong to."""
@@ -41,10 +48,9 @@ class RecordingDrafter(Drafter):
               features: Features | None = None) -> None:
         self._record(prompt, features)
 
-    def draft(self, seq: int, last: int, pos: int, n_max: int, params: DraftParams,
-              grammar: object = None) -> Proposal:
-        j = pos - len(PROMPT)  # script[j] is `last`
-        right = self.script[j + 1: j + n_max]
+    def propose_one(self, request: DraftRequest) -> Proposal:
+        j = request.pos - len(PROMPT)  # script[j] is `last`
+        right = self.script[j + 1: j + request.n_max]
         return Proposal([*right, (self.script[j + len(right) + 1] + 1) % 300]
                         if j + len(right) + 1 < len(self.script) else right)
 

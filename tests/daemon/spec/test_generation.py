@@ -628,9 +628,9 @@ class _CountingDrafter(DraftModelDrafter):
         super().__init__(runner)
         self.asked: list[int] = []
 
-    def draft_steps(self, seq, last, pos, n_max, params, grammar=None):
-        self.asked.append(n_max)
-        return (yield from super().draft_steps(seq, last, pos, n_max, params, grammar))
+    def propose(self, requests, on_pass=None):
+        self.asked.extend(r.n_max for r in requests)
+        return super().propose(requests, on_pass)
 
 
 def test_drafts_end_at_an_end_of_generation(models) -> None:

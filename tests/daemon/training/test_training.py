@@ -8,7 +8,7 @@ Skipped where torch (the `specd[train]` extra) is not installed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import torch
 from specd.daemon.drafters.dflash import DFlashDrafter
 from specd.daemon.drafters.eagle3 import Eagle3Drafter
 from specd.daemon.models.building import build_options
-from specd.daemon.spec.drafter import Drafter, DraftParams
+from specd.daemon.spec.drafter import Drafter, DraftParams, DraftRequest, Proposal
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.training.config import HeadConfig, head_config
 from specd.daemon.training.distill import ChatPrompts, load_split
@@ -271,14 +271,15 @@ def _drafts_by_anchor(target: ModelRunner, drafter: Drafter, prompt: list[int],
     """specd's greedy text after `prompt` with `drafter` drafting a block every round, and
     each round's drafts by the position of its anchor."""
     drafts: dict[int, list[int]] = {}
-    draft_steps = drafter.draft_steps
+    propose = drafter.propose
 
-    def record(seq: int, last: int, pos: int, *args: Any, **kw: Any) -> Any:
-        proposal = yield from draft_steps(seq, last, pos, *args, **kw)
-        drafts[pos] = list(proposal.tokens)
-        return proposal
+    def record(requests: Sequence[DraftRequest], *args: Any) -> list[Proposal]:
+        proposals = propose(requests, *args)
+        for r, proposal in zip(requests, proposals, strict=True):
+            drafts[r.pos] = list(proposal.tokens)
+        return proposals
 
-    drafter.draft_steps = record  # type: ignore[method-assign]
+    drafter.propose = record  # type: ignore[method-assign]
     gen = Generation(target, 0, prompt, GenerationParams(
         max_tokens=n, draft=BLOCK_DRAFTS, adaptive=False), eog=eog, drafter=drafter)
     text = gen.prefill()
