@@ -68,6 +68,8 @@ def get(body: dict[str, Any], name: str, kind: type[Any] | tuple[type[Any], ...]
     if not isinstance(value, kinds):
         raise BadRequest(f"'{name}' must be {_names(kinds)}, got {type(value).__name__}",
                          param=name)
+    if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN, Infinity
+        raise BadRequest(f"'{name}' must be a finite number, got {value}", param=name)
     if lo is not None and value < lo or hi is not None and value > hi:
         raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
     return value

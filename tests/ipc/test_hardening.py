@@ -179,6 +179,25 @@ def test_the_longest_stop_list_allowed_still_stops(server: Any) -> None:
     assert out["content"] == first["content"][:first["content"].index(word)]
 
 
+@pytest.mark.parametrize("path, field, value", [
+    ("/completion", "t_max_predict_ms", float("nan")),
+    ("/completion", "temperature", float("inf")),
+    ("/completion", "min_p", float("nan")),
+    ("/completion", "presence_penalty", float("-inf")),
+    ("/v1/completions", "frequency_penalty", float("nan")),
+    ("/v1/chat/completions", "top_p", float("nan")),
+])
+def test_a_number_that_is_not_finite_is_a_400_naming_its_field(
+        server: Any, path: str, field: str, value: float) -> None:
+    """JSON's NaN and Infinity (which Python's parser reads) are no setting's value."""
+    body: dict[str, Any] = ({"messages": [{"role": "user", "content": "hi"}]}
+                            if "chat" in path else {"prompt": "hi"})
+    status, out = call(server.port, "POST", path, {**body, "max_tokens": 2, "n_predict": 2,
+                                                   field: value})
+    assert status == 400, out
+    assert out["error"]["param"] == field and "finite" in out["error"]["message"], out
+
+
 # -- 8. nesting ---------------------------------------------------------------------------
 def test_absurdly_nested_message_values_are_a_400(server: Any) -> None:
     deep: Any = "x"
