@@ -164,7 +164,8 @@ class RunningServer:
 
 SHUTDOWN_GRACE = 5.0  # seconds
 # descriptors kept from connections: one accept() batch (asyncio takes up to 100 before
-# any is answered), model files, pipes and threads
+# any is answered), model files, pipes and threads; a quarter of a lower fd limit, so
+# that most of a small limit still serves connections
 FD_RESERVE = 256
 LOG_EVERY = 10.0  # s between two log lines of one recurring network error
 LINGER = 2.0  # s to read a refused request's body before closing (aiohttp's default: 10)
@@ -210,7 +211,8 @@ def raise_fd_limit() -> int | None:
 
 
 def connection_limit(wanted: int) -> int:
-    """`wanted`, or fewer where the fd limit leaves less room after FD_RESERVE."""
+    """`wanted`, or fewer where the fd limit leaves less room after its reserve
+    (FD_RESERVE, or a quarter of a limit under 4 * FD_RESERVE)."""
     try:
         import resource
     except ImportError:
@@ -218,7 +220,7 @@ def connection_limit(wanted: int) -> int:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return wanted
-    return max(1, min(wanted, soft - FD_RESERVE))
+    return max(1, min(wanted, soft - min(FD_RESERVE, soft // 4)))
 
 
 _BUSY_BODY = (b'{"error":{"message":"too many open connections; retry later","type":'

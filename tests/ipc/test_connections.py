@@ -22,6 +22,7 @@ from specd.ipc.server import (
     RunningServer,
     ServeConfig,
     _quiet_network_errors,
+    connection_limit,
     start_server,
 )
 from specd.ipc.validation import BODY_TIMEOUT, json_body
@@ -149,6 +150,26 @@ def test_accept_errors_are_rate_limited(caplog: pytest.LogCaptureFixture) -> Non
         assert "something else" in caplog.text  # other errors as asyncio logs them
     finally:
         loop.close()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fd limits")
+@pytest.mark.parametrize("soft, wanted, cap", [
+    (256, 512, 192),  # a low limit keeps a quarter for files, pipes and threads
+    (64, 512, 48),
+    (4, 512, 3),
+    (1024, 512, 512),  # plenty: the cap asked for
+    (600, 512, 450),
+    (2000, 4096, 1744),  # the reserve is at most 256
+    (1 << 20, 512, 512),
+])
+def test_the_connection_cap_keeps_a_reserve_scaled_to_the_fd_limit(
+        monkeypatch: pytest.MonkeyPatch, soft: int, wanted: int, cap: int) -> None:
+    """Under a low fd limit most descriptors still serve connections, so one idle client
+    does not leave the others a 503 until the header timeout."""
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, resource.RLIM_INFINITY))
+    assert connection_limit(wanted) == cap
 
 
 _AT_THE_FD_LIMIT = textwrap.dedent("""
