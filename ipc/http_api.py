@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 from aiohttp import web
 
+from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.scheduler import QueueFull
 from specd.daemon.serving.service import Piece, ProgressEvent, Result, Service, Stream
 from specd.daemon.spec.drafter import DraftParams
@@ -44,7 +45,7 @@ from .security import (
     error_response,
     make_middlewares,
 )
-from .service_view import LiveRequests, service_for
+from .service_view import LiveRequests
 from .validation import (
     BODY_TIMEOUT,
     DEFAULT_BODY_TIMEOUT,
@@ -72,7 +73,7 @@ def _fingerprint() -> str:
 
 
 SYSTEM_FINGERPRINT = _fingerprint()
-SERVICE = web.AppKey("service", Service)
+SERVICE = web.AppKey("service", ServiceFacade)
 MAX_BODY = web.AppKey("max_body", int)
 MEMORY_PLAN = web.AppKey("memory_plan", object)
 STRICT_MODEL_NAME = web.AppKey("strict_model_name", bool)
@@ -84,15 +85,15 @@ MIN_BYTES_PER_TOKEN = 32
 T = TypeVar("T")
 
 
-def _svc(request: web.Request) -> Service:
+def _svc(request: web.Request) -> ServiceFacade:
     return request.app[SERVICE]
 
 
-def _served(request: web.Request, body: dict[str, Any]) -> Service:
+def _served(request: web.Request, body: dict[str, Any]) -> ServiceFacade:
     """The service as this request's sender uses it: its prompt cache is the sender's own
     (narrowed by the request's `cache_key`), and shutdown can cancel its generation."""
     identity = cache_identity(request.get(IDENTITY, ""), cache_key(body))
-    return service_for(_svc(request), identity, request.app[LIVE])
+    return _svc(request).for_sender(identity, request.app[LIVE])
 
 
 async def _off_loop(request: web.Request, fn: Callable[..., T], *args: Any,
@@ -103,11 +104,11 @@ async def _off_loop(request: web.Request, fn: Callable[..., T], *args: Any,
     return await loop.run_in_executor(request.app[PREP], functools.partial(fn, *args, **kw))
 
 
-def _prompt_byte_limit(svc: Service) -> int:
+def _prompt_byte_limit(svc: ServiceFacade) -> int:
     """The most bytes of text that can tokenize into the context: each token stands for
     at most the vocabulary's longest token (and no tokenizer here drops characters), so
     longer text cannot fit and is refused before tokenizing."""
-    return svc.engine.n_ctx * _bytes_per_token(svc.tokenizer)
+    return svc.n_ctx * _bytes_per_token(svc.tokenizer)
 
 
 @functools.lru_cache(maxsize=8)
@@ -116,7 +117,7 @@ def _bytes_per_token(tok: Tokenizer) -> int:
     return max(MIN_BYTES_PER_TOKEN, longest)
 
 
-def _check_prompt_bytes(svc: Service, value: Any, param: str) -> None:
+def _check_prompt_bytes(svc: ServiceFacade, value: Any, param: str) -> None:
     check_text_bytes(texts_in(value), _prompt_byte_limit(svc), param)
 
 
@@ -129,10 +130,10 @@ SHUTDOWN_MESSAGE = "specd is shutting down: the generation was cancelled"
 
 
 # -- request parsing ----------------------------------------------------------------------
-def _params(svc: Service, body: dict[str, Any], *, max_key: str) -> GenerationParams:
+def _params(svc: ServiceFacade, body: dict[str, Any], *, max_key: str) -> GenerationParams:
     """The request's settings over the daemon's defaults (`specd serve -n / --temp /
     --seed / --ignore-eos ...`, as /props reports them)."""
-    d = svc.engine.cfg.defaults
+    d = svc.defaults
     max_tokens = get(body, max_key, int, None, lo=-1, hi=1 << 20)
     if max_tokens is None or max_tokens < 0:
         max_tokens = d.max_tokens
@@ -186,21 +187,15 @@ def _check_model(request: web.Request, body: dict[str, Any]) -> None:
     _known_model(_svc(request), model)
 
 
-def _known_model(svc: Service, name: str) -> None:
+def _known_model(svc: ServiceFacade, name: str) -> None:
     """A 404 unless `name` is one the served model answers to."""
-    if name not in _model_names(svc):
+    if name not in svc.model_names:
         raise BadRequest(f"unknown model {name!r}; this daemon serves "
-                         f"{svc.engine.model_name!r}", status=404, code="model_not_found",
+                         f"{svc.model_name!r}", status=404, code="model_not_found",
                          param="model")
 
 
-def _model_names(svc: Service) -> set[str]:
-    t = svc.engine.target
-    return {t.name, t.path.name, t.path.stem, svc.engine.cfg.target, "specd", "default",
-            *svc.engine.cfg.aliases}
-
-
-def _prompt_tokens(svc: Service, value: Any, name: str = "prompt") -> list[int]:
+def _prompt_tokens(svc: ServiceFacade, value: Any, name: str = "prompt") -> list[int]:
     tok = svc.tokenizer
     _check_prompt_bytes(svc, value, name)
     if isinstance(value, str):
@@ -210,7 +205,7 @@ def _prompt_tokens(svc: Service, value: Any, name: str = "prompt") -> list[int]:
     return token_list(value, name, tok.vocab_size)
 
 
-async def _constraint(svc: Service, body: dict[str, Any]) -> Grammar | None:
+async def _constraint(svc: ServiceFacade, body: dict[str, Any]) -> Grammar | None:
     """OpenAI `response_format`, or the native `json_schema` / `grammar` / `regex` fields."""
     kind, spec = None, None
     rf = body.get("response_format")
@@ -250,7 +245,7 @@ async def _constraint(svc: Service, body: dict[str, Any]) -> Grammar | None:
         raise BadRequest(str(exc), param="response_format" if rf else None) from None
 
 
-def _check_fits(svc: Service, prompt: list[int], param: str) -> None:
+def _check_fits(svc: ServiceFacade, prompt: list[int], param: str) -> None:
     if not prompt:
         raise BadRequest("the prompt is empty", param=param)
     try:
@@ -286,7 +281,7 @@ def _unsupported(body: dict[str, Any], fields: tuple[str, ...]) -> None:
 
 
 # -- running ------------------------------------------------------------------------------
-async def _collect(request: web.Request, svc: Service, prompt: list[int],
+async def _collect(request: web.Request, svc: ServiceFacade, prompt: list[int],
                    params: GenerationParams, **kw: Any) -> Result:
     result: Result | None = None
     async for ev in svc.generate(prompt, params, **kw):
@@ -337,7 +332,7 @@ def _usage(*results: Result) -> dict[str, Any]:
             "speculative": _spec_block(r)}
 
 
-def _generation_settings(svc: Service, params: GenerationParams, *,
+def _generation_settings(svc: ServiceFacade, params: GenerationParams, *,
                          stop: list[str] | None = None, stream: bool = False,
                          n_probs: int = 0, post_sampling_probs: bool = False
                          ) -> dict[str, Any]:
@@ -348,7 +343,7 @@ def _generation_settings(svc: Service, params: GenerationParams, *,
     bias = [{"token": t, "bias": None if b == -math.inf else b}
             for t, b in sorted(sp.logit_bias.items())]
     if params.ignore_eos:
-        bias += [{"token": t, "bias": None} for t in sorted(svc.engine.eog_ids)]
+        bias += [{"token": t, "bias": None} for t in sorted(svc.eog_ids)]
     return {"seed": -1 if sp.seed is None else sp.seed, "temperature": sp.temperature,
             "top_k": sp.top_k, "top_p": sp.top_p, "min_p": sp.min_p,
             "repeat_last_n": sp.repeat_last_n, "repeat_penalty": sp.repeat_penalty,
@@ -361,7 +356,7 @@ def _generation_settings(svc: Service, params: GenerationParams, *,
             "speculative.p_min": dp.p_min, "speculative.adaptive": params.adaptive}
 
 
-def _token_text(svc: Service, token: int) -> tuple[str, list[int]]:
+def _token_text(svc: ServiceFacade, token: int) -> tuple[str, list[int]]:
     """A token's text (without the bytes of a character it only begins or ends, as
     llama.cpp gives it) and its bytes."""
     data = svc.tokenizer.token_bytes(token)
@@ -373,7 +368,7 @@ def _finite(logprob: float) -> float:
     return max(logprob, -3.4028234663852886e38)
 
 
-def _chat_logprobs(svc: Service, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+def _chat_logprobs(svc: ServiceFacade, logprobs: list[TokenLogprob]) -> dict[str, Any]:
     """OpenAI chat's `logprobs` object for these tokens."""
     def entry(token: int, lp: float) -> dict[str, Any]:
         text, data = _token_text(svc, token)
@@ -384,7 +379,7 @@ def _chat_logprobs(svc: Service, logprobs: list[TokenLogprob]) -> dict[str, Any]
                         for t in logprobs]}
 
 
-def _completion_logprobs(svc: Service, logprobs: list[TokenLogprob], texts: list[str],
+def _completion_logprobs(svc: ServiceFacade, logprobs: list[TokenLogprob], texts: list[str],
                          offset: int) -> dict[str, Any]:
     """The completions API's `logprobs` object (tokens, token_logprobs, top_logprobs,
     text_offset: where each token's text starts, the first at `offset`)."""
@@ -399,7 +394,7 @@ def _completion_logprobs(svc: Service, logprobs: list[TokenLogprob], texts: list
             "text_offset": offsets[:len(logprobs)]}
 
 
-def _llama_probs(svc: Service, logprobs: list[TokenLogprob], post: bool = False
+def _llama_probs(svc: ServiceFacade, logprobs: list[TokenLogprob], post: bool = False
                  ) -> list[dict[str, Any]]:
     """llama.cpp's `completion_probabilities` for these tokens: logprobs, or with `post`
     (post_sampling_probs) the sampled distribution's probabilities as `prob` and
@@ -414,7 +409,7 @@ def _llama_probs(svc: Service, logprobs: list[TokenLogprob], post: bool = False
             for t in logprobs]
 
 
-def _oai_logprobs(svc: Service, logprobs: list[TokenLogprob], texts: list[str], offset: int,
+def _oai_logprobs(svc: ServiceFacade, logprobs: list[TokenLogprob], texts: list[str], offset: int,
                   *, chat: bool, post: bool) -> dict[str, Any]:
     """A choice's `logprobs` on the OpenAI routes: OpenAI's objects, or with
     `post_sampling_probs` llama-server's entries (`prob`, `top_probs`) under `content`, as it
@@ -517,15 +512,15 @@ def _chat_inputs(body: dict[str, Any]) -> _ChatInputs:
     return _ChatInputs(messages, tools or None, names, forced, render)
 
 
-def _render(svc: Service, chat: _ChatInputs, how: str) -> Any:
-    """The chat's prompt, rendered by the engine's `how` ("render_chat": the text,
+def _render(svc: ServiceFacade, chat: _ChatInputs, how: str) -> Any:
+    """The chat's prompt, rendered by the service's `how` ("render_chat": the text,
     "chat_tokens": its token ids); a template error, or more text than the context can
     hold, is a 400."""
     check_text_bytes(texts_in(chat.messages) + texts_in(chat.tools or [])
                      + texts_in(chat.render.get("template_kwargs") or {}),
                      _prompt_byte_limit(svc), "messages")
     try:
-        return getattr(svc.engine, how)(chat.messages, chat.tools, **chat.render)
+        return getattr(svc, how)(chat.messages, chat.tools, **chat.render)
     except ValueError as exc:
         raise BadRequest(f"chat template: {exc}") from None
 
@@ -580,7 +575,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
             raise BadRequest(f"tools: {exc}", param="tools") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
-    model = svc.engine.model_name
+    model = svc.model_name
     obj = "chat.completion" if chat else "text_completion"
     _check_fits(svc, prompt, "messages" if chat else "prompt")
     # n choices: n requests on the same prompt (each slot reuses what its cache holds),
@@ -778,7 +773,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 # -- llama.cpp-compatible -----------------------------------------------------------------
-def _infill_prompt(svc: Service, body: dict[str, Any], max_tokens: int) -> list[int]:
+def _infill_prompt(svc: ServiceFacade, body: dict[str, Any], max_tokens: int) -> list[int]:
     """llama.cpp's /infill prompt (`daemon.infill`): extra files, then prefix, suffix and
     prompt, trimmed to leave the context room for the completion."""
     tok = svc.tokenizer
@@ -795,7 +790,7 @@ def _infill_prompt(svc: Service, body: dict[str, Any], max_tokens: int) -> list[
               for e in extra]
     return infill_tokens(tok, get(body, "input_prefix", str, ""),
                          get(body, "input_suffix", str, ""), get(body, "prompt", str, ""),
-                         chunks, svc.engine.n_ctx, max_tokens)
+                         chunks, svc.n_ctx, max_tokens)
 
 
 async def _llama_completion(request: web.Request, *, infill: bool) -> web.StreamResponse:
@@ -853,7 +848,7 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
         full = {"index": 0, "content": r.text if not stream else "",
                 "tokens": r.tokens if return_tokens and not stream else [],
                 "id_slot": -1 if r.slot is None else r.slot, "stop": True,
-                "model": svc.engine.model_name, "tokens_predicted": r.completion_tokens,
+                "model": svc.model_name, "tokens_predicted": r.completion_tokens,
                 "tokens_evaluated": r.prompt_tokens,
                 "generation_settings": _generation_settings(svc, params, stop=stop,
                                                             stream=stream, n_probs=n_probs,
@@ -993,7 +988,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 # -- embeddings ---------------------------------------------------------------------------
-def _prompts(svc: Service, value: Any, param: str = "input",
+def _prompts(svc: ServiceFacade, value: Any, param: str = "input",
              tok: Tokenizer | None = None) -> list[list[int]]:
     """The token ids of each prompt, as llama-server reads `prompt` / `input` / `content`:
     a text, an array of ids (text among them is tokenized in place), {"prompt_string":
@@ -1040,12 +1035,13 @@ def _prompts(svc: Service, value: Any, param: str = "input",
 async def _embed(request: web.Request, *, openai: bool) -> web.Response:
     body = await json_body(request)
     svc = _served(request, body)
-    if svc.engine.pooling is None:
+    emb = svc.embeddings
+    if emb is None:
         raise BadRequest("this daemon does not compute embeddings: start it with "
                          "--embeddings", status=501, code="not_supported")
     if openai:
         _check_model(request, body)
-        if svc.engine.pooling == "none":
+        if emb.pooling == "none":
             raise BadRequest("pooling 'none' gives a vector per token, which "
                              "/v1/embeddings cannot return (use /embeddings)", param="input")
     fmt = get(body, "encoding_format", str, "float")
@@ -1055,17 +1051,15 @@ async def _embed(request: web.Request, *, openai: bool) -> web.Response:
     field = "input" if "input" in body or openai else "content"
     if field not in body:
         raise BadRequest(f"'{field}' is required", param=field)
-    embedder = svc.engine.embedder
-    assert embedder is not None
-    tok = embedder.tokenizer
+    tok = emb.tokenizer
     # an empty text: its start alone (llama.cpp embeds the BOS it adds)
     start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
     inputs = [tokens or start
               for tokens in await _off_loop(request, _prompts, svc, body[field], field, tok)]
     for tokens in inputs:
-        if len(tokens) > embedder.n_ctx - 1:
+        if len(tokens) > emb.n_ctx - 1:
             raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "
-                             f"context holds {embedder.n_ctx - 1}", param=field)
+                             f"context holds {emb.n_ctx - 1}", param=field)
     vectors = await svc.embed(inputs, get(body, "embd_normalize", int, 2, lo=-1))
 
     def encoded(v: np.ndarray) -> Any:
@@ -1078,7 +1072,7 @@ async def _embed(request: web.Request, *, openai: bool) -> web.Response:
                               for i, v in enumerate(vectors)])
     n = sum(len(t) for t in inputs)
     return json_response({
-        "model": svc.engine.model_name, "object": "list",
+        "model": svc.model_name, "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": encoded(v)}
                  for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": n, "total_tokens": n}})
@@ -1097,10 +1091,9 @@ async def health(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
 
 
-def _model_card(svc: Service) -> dict[str, Any]:
-    cfg = svc.engine.cfg
-    return {"id": svc.engine.model_name, "aliases": sorted(set(cfg.aliases)),
-            "tags": sorted(set(cfg.tags)), "object": "model", "created": int(svc.started),
+def _model_card(svc: ServiceFacade) -> dict[str, Any]:
+    return {"id": svc.model_name, "aliases": svc.aliases,
+            "tags": svc.tags, "object": "model", "created": int(svc.started),
             "owned_by": "specd"}
 
 
@@ -1118,28 +1111,28 @@ async def model(request: web.Request) -> web.Response:
 
 async def props(request: web.Request) -> web.Response:
     svc = _svc(request)
-    info = svc.engine.describe()
-    d = svc.engine.cfg.defaults
+    info = svc.describe()
+    d = svc.defaults
     tok = svc.tokenizer
-    info.update({"total_slots": len(svc.scheduler.slots), "n_ctx": svc.engine.n_ctx,
+    info.update({"total_slots": svc.n_slots, "n_ctx": svc.n_ctx,
                  "memory_plan": request.app.get(MEMORY_PLAN),
                  # llama-server's: the model's path and name, its template and tokens
-                 "model_path": str(svc.engine.target.path),
-                 "model_alias": svc.engine.model_name,
-                 "chat_template": svc.engine.chat_template or "",
+                 "model_path": str(svc.model_path),
+                 "model_alias": svc.model_name,
+                 "chat_template": svc.chat_template,
                  "bos_token": "" if tok.bos_id is None else tok.token_text(tok.bos_id),
                  "eos_token": "" if tok.eos_id is None else tok.token_text(tok.eos_id),
                  "modalities": {"vision": False, "video": False, "audio": False},
                  "build_info": SYSTEM_FINGERPRINT,
                  "default_generation_settings": {
-                     "n_ctx": svc.engine.n_ctx, "params": _generation_settings(svc, d),
+                     "n_ctx": svc.n_ctx, "params": _generation_settings(svc, d),
                      "n_predict": d.max_tokens, "speculative.n_max": d.draft.n_max,
                      "speculative.n_min": d.draft.n_min, "speculative.p_min": d.draft.p_min}})
     return json_response(info)
 
 
 async def slots(request: web.Request) -> web.Response:
-    return json_response(_svc(request).scheduler.slot_info())
+    return json_response(_svc(request).slot_info())
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -1178,7 +1171,7 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     app = web.Application(client_max_size=max_body, middlewares=make_middlewares(
         allowed_origins=allowed_origins or set(), access=access))
     app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
-    app[SERVICE] = service
+    app[SERVICE] = ServiceFacade(service)
     app[MAX_BODY] = max_body
     app[BODY_TIMEOUT] = body_timeout
     app[MEMORY_PLAN] = memory_plan
@@ -1223,4 +1216,4 @@ async def _stop_service(app: web.Application) -> None:
     """After the last response: the scheduler's worker stops while the event loop still
     runs, so no callback reaches a closed loop."""
     app[PREP].shutdown(wait=False, cancel_futures=True)
-    await asyncio.get_running_loop().run_in_executor(None, app[SERVICE].scheduler.stop)
+    await asyncio.get_running_loop().run_in_executor(None, app[SERVICE].stop)

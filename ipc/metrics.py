@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specd.daemon.serving.service import Service
+from specd.daemon.serving.facade import Counters, ServiceFacade
 from specd.daemon.spec.stats import SpecStats
 
 
@@ -31,18 +31,17 @@ def _rate(now: tuple[int, float], before: tuple[int, float]) -> float:
     return (now[0] - before[0]) / seconds if seconds > 0 else 0.0
 
 
-def render_metrics(svc: Service, window: RateWindow) -> str:
+def render_metrics(svc: ServiceFacade, window: RateWindow) -> str:
     """The metrics text; `window`: the scrapes' own, for llama-server's rate gauges."""
-    sch = svc.scheduler
-    t = sch.totals
-    busy = sum(1 for s in sch.slots if s.request is not None)
+    c = svc.counters()
+    t = c.totals
     lines = [
         "# HELP specd_requests_total Requests finished (any outcome).",
         "# TYPE specd_requests_total counter",
-        f"specd_requests_total {sch.requests_total}",
+        f"specd_requests_total {c.requests_total}",
         "# HELP specd_requests_failed_total Requests that ended in an error.",
         "# TYPE specd_requests_failed_total counter",
-        f"specd_requests_failed_total {sch.requests_failed}",
+        f"specd_requests_failed_total {c.requests_failed}",
         "# TYPE specd_prompt_tokens_total counter",
         f"specd_prompt_tokens_total {t.prompt_tokens}",
         "# TYPE specd_tokens_generated_total counter",
@@ -68,27 +67,25 @@ def render_metrics(svc: Service, window: RateWindow) -> str:
         "went on target-only).",
         "# TYPE specd_drafter_failures_total counter",
     ]
-    drafter = sch.engine.drafter
     failures = dict(t.drafter_failures)
-    if drafter is not None:
-        failures.setdefault(drafter.name, 0)
+    if c.drafter is not None:
+        failures.setdefault(c.drafter, 0)
     for name, n in sorted(failures.items()):
         lines.append(f'specd_drafter_failures_total{{drafter="{name}"}} {n}')
     lines += [
         "# TYPE specd_queue_length gauge",
-        f"specd_queue_length {sch.queue_length}",
+        f"specd_queue_length {c.queue_length}",
         "# TYPE specd_slots_busy gauge",
-        f"specd_slots_busy {busy}",
+        f"specd_slots_busy {c.busy_slots}",
         "# TYPE specd_slots_total gauge",
-        f"specd_slots_total {len(sch.slots)}",
+        f"specd_slots_total {c.n_slots}",
     ]
-    return "\n".join(lines + _llamacpp(svc, window)) + "\n"
+    return "\n".join(lines + _llamacpp(c, window)) + "\n"
 
 
-def _llamacpp(svc: Service, window: RateWindow) -> list[str]:
+def _llamacpp(counted: Counters, window: RateWindow) -> list[str]:
     """llama-server's series: counters since start, rates since the last scrape."""
-    sch = svc.scheduler
-    t, c = sch.totals, sch.counts
+    t, c = counted.totals, counted.passes
     prompt_rate, predicted_rate = window.rates(t)
     counters = [
         ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
@@ -115,8 +112,8 @@ def _llamacpp(svc: Service, window: RateWindow) -> list[str]:
         ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
          predicted_rate),
         ("requests_processing", "Number of requests processing",
-         sum(1 for s in sch.slots if s.request is not None)),
-        ("requests_deferred", "Number of requests deferred", sch.queue_length),
+         counted.busy_slots),
+        ("requests_deferred", "Number of requests deferred", counted.queue_length),
         ("n_busy_slots_per_decode", "Average number of busy slots per target pass",
          c.rows / max(c.passes, 1)),
     ]

@@ -1,18 +1,14 @@
-"""The service as one sender's requests reach it.
+"""The requests every sender has in flight, so that shutdown can cancel them all.
 
-Each request submitted through a view carries the sender's identity (a slot's cached
-prompt is reused, and cached counts reported, only within one identity), and is tracked
-until it finishes, so that shutdown can cancel every generation still running.
+Each sender reaches the service through `ServiceFacade.for_sender`, which stamps its
+identity on its requests and tells them to LiveRequests until they finish.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
-from typing import Any, cast
 
-from specd.daemon.serving.scheduler import Request, Scheduler
-from specd.daemon.serving.service import Service
+from specd.daemon.serving.scheduler import Request
 
 
 class LiveRequests:
@@ -50,30 +46,3 @@ class LiveRequests:
             self.draining = True
             for req in self._requests.values():
                 req.cancel()
-
-
-class _StampingScheduler:
-    """The scheduler, stamping the sender's identity on each request it is given."""
-
-    def __init__(self, scheduler: Scheduler, identity: str, live: LiveRequests):
-        self._scheduler, self._identity, self._live = scheduler, identity, live
-
-    def submit(self, req: Request) -> Request:
-        req.identity = self._identity
-        self._live.track(req)
-        try:
-            return self._scheduler.submit(req)
-        except BaseException:
-            self._live.forget(req)
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._scheduler, name)
-
-
-def service_for(service: Service, identity: str, live: LiveRequests) -> Service:
-    """`service` for one sender: the same engine and scheduler, its requests stamped
-    with `identity` and tracked in `live`."""
-    view = copy.copy(service)
-    view.scheduler = cast(Scheduler, _StampingScheduler(service.scheduler, identity, live))
-    return view

@@ -1,0 +1,208 @@
+"""What the protocol layers (ipc/) ask of the service, and all they may ask.
+
+The served model's names and sizes, the request defaults, chat rendering, constraints,
+submitting and embedding, the slots and the counters /metrics shows. ipc reads nothing
+of the engine or the scheduler but through this, so they can change behind it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import numpy as np
+
+from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.stats import SpecStats
+from specd.daemon.text.grammar import Grammar
+from specd.daemon.text.tokenizer import Tokenizer
+
+from .scheduler import PassCounts, Request, Scheduler
+from .service import Piece, ProgressEvent, Result, Service, Stream
+
+# what a model answers to besides its own names (clients send these for "the model")
+GENERIC_NAMES = ("specd", "default")
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """The model that computes embeddings: its tokenizer, context and pooling."""
+
+    tokenizer: Tokenizer
+    n_ctx: int
+    pooling: str
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The scheduler's counters as /metrics reports them (totals and counts are live)."""
+
+    totals: SpecStats
+    passes: PassCounts
+    requests_total: int
+    requests_failed: int
+    queue_length: int
+    busy_slots: int
+    n_slots: int
+    drafter: str | None  # the drafter's name, if the model drafts
+
+
+class RequestTracker(Protocol):
+    """Told of each request a sender submits (to cancel them all at shutdown)."""
+
+    def track(self, req: Request) -> None: ...
+
+    def forget(self, req: Request) -> None: ...
+
+
+class ServiceFacade:
+    """One Service as a protocol layer sees it."""
+
+    def __init__(self, service: Service):
+        self._service = service
+
+    def for_sender(self, identity: str, tracker: RequestTracker) -> ServiceFacade:
+        """The same service for one sender: its requests stamped with `identity` (a
+        slot's cached prompt is reused only within one identity) and told to `tracker`."""
+        view = copy.copy(self._service)
+        view.scheduler = cast(Scheduler, _StampingScheduler(self._service.scheduler,
+                                                            identity, tracker))
+        return ServiceFacade(view)
+
+    # -- the served model -----------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        """What responses call the served model."""
+        return self._service.engine.model_name
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """Every name the served model answers to."""
+        engine = self._service.engine
+        t = engine.target
+        return frozenset({t.name, t.path.name, t.path.stem, engine.cfg.target,
+                          *GENERIC_NAMES, *engine.cfg.aliases})
+
+    @property
+    def aliases(self) -> list[str]:
+        return sorted(set(self._service.engine.cfg.aliases))
+
+    @property
+    def tags(self) -> list[str]:
+        return sorted(set(self._service.engine.cfg.tags))
+
+    @property
+    def model_path(self) -> Path:
+        return self._service.engine.target.path
+
+    @property
+    def chat_template(self) -> str:
+        return self._service.engine.chat_template or ""
+
+    @property
+    def started(self) -> float:
+        """When the service started (Unix time)."""
+        return self._service.started
+
+    @property
+    def n_ctx(self) -> int:
+        return self._service.engine.n_ctx
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._service.engine.tokenizer
+
+    @property
+    def eog_ids(self) -> set[int]:
+        """The tokens that end a generation."""
+        return self._service.engine.eog_ids
+
+    @property
+    def defaults(self) -> GenerationParams:
+        """The settings a request starts from (`specd serve -n / --temp / ...`)."""
+        return self._service.engine.cfg.defaults
+
+    @property
+    def embeddings(self) -> Embeddings | None:
+        """The embedding model, or None where embeddings are off."""
+        e = self._service.engine.embedder
+        return None if e is None else Embeddings(e.tokenizer, e.n_ctx, e.pooling)
+
+    def describe(self) -> dict[str, Any]:
+        """The runtime and the models, as /props and `specd status` show them."""
+        return self._service.engine.describe()
+
+    # -- requests -------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None, **render: Any) -> str:
+        """The chat as the model's template writes it (Engine.render_chat)."""
+        return self._service.engine.render_chat(messages, tools, **render)
+
+    def chat_tokens(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None, **render: Any) -> list[int]:
+        """The rendered chat as token ids (Engine.chat_tokens)."""
+        return self._service.engine.chat_tokens(messages, tools, **render)
+
+    async def compile_constraint(self, kind: str, spec: Any, *,
+                                 bound_numbers: bool | None = None) -> Grammar:
+        return await self._service.compile_constraint(kind, spec, bound_numbers=bound_numbers)
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """RequestError unless the prompt fits the context."""
+        self._service.check_prompt(prompt)
+
+    def submit(self, prompt: list[int], params: GenerationParams, **kw: Any) -> Stream:
+        """Queue a request (Service.submit): QueueFull or RequestError before any output;
+        cancel the returned Stream to stop it."""
+        return self._service.submit(prompt, params, **kw)
+
+    def generate(self, prompt: list[int], params: GenerationParams,
+                 **kw: Any) -> AsyncIterator[Piece | ProgressEvent | Result]:
+        return self._service.generate(prompt, params, **kw)
+
+    async def embed(self, inputs: list[list[int]], normalize_p: int = 2) -> list[np.ndarray]:
+        return await self._service.embed(inputs, normalize_p)
+
+    # -- slots and counters ---------------------------------------------------------------
+    @property
+    def n_slots(self) -> int:
+        return len(self._service.scheduler.slots)
+
+    def slot_info(self) -> list[dict[str, object]]:
+        return self._service.scheduler.slot_info()
+
+    def counters(self) -> Counters:
+        sch = self._service.scheduler
+        drafter = self._service.engine.drafter
+        return Counters(totals=sch.totals, passes=sch.counts,
+                        requests_total=sch.requests_total,
+                        requests_failed=sch.requests_failed, queue_length=sch.queue_length,
+                        busy_slots=sum(1 for s in sch.slots if s.request is not None),
+                        n_slots=len(sch.slots),
+                        drafter=None if drafter is None else drafter.name)
+
+    def stop(self) -> None:
+        """Stop the scheduler's worker (after the last response)."""
+        self._service.scheduler.stop()
+
+
+class _StampingScheduler:
+    """The scheduler, stamping the sender's identity on each request it is given."""
+
+    def __init__(self, scheduler: Scheduler, identity: str, tracker: RequestTracker):
+        self._scheduler, self._identity, self._tracker = scheduler, identity, tracker
+
+    def submit(self, req: Request) -> Request:
+        req.identity = self._identity
+        self._tracker.track(req)
+        try:
+            return self._scheduler.submit(req)
+        except BaseException:
+            self._tracker.forget(req)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
