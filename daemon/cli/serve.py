@@ -158,7 +158,7 @@ def build_service(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from specd.ipc.http_api import create_app
+    from specd.ipc.http.app import create_app
     from specd.ipc.server import (
         ServeConfig,
         check_free,

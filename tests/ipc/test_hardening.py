@@ -17,7 +17,7 @@ import pytest
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.serving.scheduler import Request, Scheduler
 from specd.daemon.serving.service import Service
-from specd.ipc.http_api import create_app
+from specd.ipc.http.app import create_app
 from specd.ipc.security import Access, TokenFileError, load_or_create_token
 from specd.ipc.server import ServeConfig, serve_access
 from specd.ipc.validation import (

@@ -16,7 +16,7 @@ from typing import Any
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.serving.scheduler import Scheduler
 from specd.daemon.serving.service import Service
-from specd.ipc.http_api import create_app
+from specd.ipc.http.app import create_app
 from specd.ipc.server import ServeConfig, resolve_token, start_server
 
 

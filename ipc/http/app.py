@@ -1,0 +1,110 @@
+"""The app: routes onto each dialect's handlers, the shared answers to a busy or
+closing daemon, and the service's life with the app's."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+
+from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.serving.scheduler import QueueFull
+from specd.daemon.serving.service import Service
+from specd.daemon.spec.generation import RequestError
+
+from ..metrics import RateWindow
+from ..security import Access, Handler, cors_on_prepare, error_response, make_middlewares
+from ..service_view import LiveRequests
+from ..validation import BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT
+from . import embeddings, llama_routes, openai_routes, status
+from .state import (
+    LIVE,
+    MAX_BODY,
+    MEMORY_PLAN,
+    PREP,
+    PREP_THREADS,
+    RATES,
+    SERVICE,
+    STRICT_MODEL_NAME,
+)
+
+
+def _busy(handler: Handler) -> Handler:
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        if request.app[LIVE].draining:
+            return error_response(503, "specd is shutting down")
+        try:
+            return await handler(request)
+        except QueueFull as exc:
+            return error_response(503, str(exc))
+        except RequestError as exc:
+            return error_response(400, str(exc))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+    return wrapped
+
+
+def create_app(service: Service, *, allowed_origins: set[str] | None = None,
+               token: str | None = None, access: Access | None = None,
+               max_body: int = 8 << 20, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               memory_plan: dict[str, Any] | None = None,
+               strict_model_name: bool = False) -> web.Application:
+    """The API over `service`. `access` says who may use TCP (`token` alone: a token
+    every TCP client must send). Closing the app (its runner's cleanup) cancels the
+    generations in flight and stops the service's scheduler."""
+    if access is None:
+        access = Access(token=token, require_token=token is not None)
+    app = web.Application(client_max_size=max_body, middlewares=make_middlewares(
+        allowed_origins=allowed_origins or set(), access=access))
+    app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
+    app[SERVICE] = ServiceFacade(service)
+    app[MAX_BODY] = max_body
+    app[BODY_TIMEOUT] = body_timeout
+    app[MEMORY_PLAN] = memory_plan
+    app[STRICT_MODEL_NAME] = strict_model_name
+    app[LIVE] = LiveRequests()
+    app[RATES] = RateWindow()
+    app[PREP] = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="specd-prep")
+    app.on_shutdown.append(_cancel_generations)
+    app.on_cleanup.append(_stop_service)
+    r = app.router
+    # status
+    r.add_get("/health", status.health)
+    r.add_get("/v1/models", status.models)
+    r.add_get("/models", status.models)
+    r.add_get("/v1/models/{model_id:.+}", status.model)
+    r.add_get("/props", status.props)
+    r.add_get("/slots", status.slots)
+    r.add_get("/metrics", status.metrics)
+    # OpenAI's
+    r.add_post("/v1/completions", _busy(openai_routes.completions))
+    r.add_post("/v1/chat/completions", _busy(openai_routes.chat_completions))
+    r.add_post("/chat/completions", _busy(openai_routes.chat_completions))
+    r.add_post("/v1/embeddings", _busy(embeddings.embeddings_oai))
+    # llama.cpp's
+    r.add_post("/apply-template", llama_routes.apply_template)
+    r.add_post("/chat/completions/input_tokens", llama_routes.chat_input_tokens)
+    r.add_post("/v1/chat/completions/input_tokens", llama_routes.chat_input_tokens)
+    r.add_post("/completion", _busy(llama_routes.completion))
+    r.add_post("/completions", _busy(llama_routes.completion))
+    r.add_post("/infill", _busy(llama_routes.infill))
+    r.add_post("/embeddings", _busy(embeddings.embeddings))
+    r.add_post("/embedding", _busy(embeddings.embeddings))
+    r.add_post("/tokenize", llama_routes.tokenize)
+    r.add_post("/detokenize", llama_routes.detokenize)
+    return app
+
+
+async def _cancel_generations(app: web.Application) -> None:
+    """Shutdown: every generation in flight ends now; its client gets an error event
+    (or a 503), and requests still arriving are refused."""
+    app[LIVE].cancel_all()
+
+
+async def _stop_service(app: web.Application) -> None:
+    """After the last response: the scheduler's worker stops while the event loop still
+    runs, so no callback reaches a closed loop."""
+    app[PREP].shutdown(wait=False, cancel_futures=True)
+    await asyncio.get_running_loop().run_in_executor(None, app[SERVICE].stop)

@@ -1,0 +1,69 @@
+"""Embeddings: OpenAI's /v1/embeddings (one pooled vector per input) and llama.cpp's
+/embeddings (each input's vectors: one pooled, or one per token)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from ..jsonout import json_response
+from ..validation import BadRequest, get, json_body
+from .parsing import check_model, prompts
+from .state import off_loop, served
+
+
+async def embeddings_oai(request: web.Request) -> web.StreamResponse:
+    return await _embed(request, openai=True)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _embed(request, openai=False)
+
+
+async def _embed(request: web.Request, *, openai: bool) -> web.Response:
+    body = await json_body(request)
+    svc = served(request, body)
+    emb = svc.embeddings
+    if emb is None:
+        raise BadRequest("this daemon does not compute embeddings: start it with "
+                         "--embeddings", status=501, code="not_supported")
+    if openai:
+        check_model(request, body)
+        if emb.pooling == "none":
+            raise BadRequest("pooling 'none' gives a vector per token, which "
+                             "/v1/embeddings cannot return (use /embeddings)", param="input")
+    fmt = get(body, "encoding_format", str, "float")
+    if fmt not in ("float", "base64"):
+        raise BadRequest(f"'encoding_format' must be 'float' or 'base64', got {fmt!r}",
+                         param="encoding_format")
+    field = "input" if "input" in body or openai else "content"
+    if field not in body:
+        raise BadRequest(f"'{field}' is required", param=field)
+    tok = emb.tokenizer
+    # an empty text: its start alone (llama.cpp embeds the BOS it adds)
+    start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
+    inputs = [tokens or start
+              for tokens in await off_loop(request, prompts, svc, body[field], field, tok)]
+    for tokens in inputs:
+        if len(tokens) > emb.n_ctx - 1:
+            raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "
+                             f"context holds {emb.n_ctx - 1}", param=field)
+    vectors = await svc.embed(inputs, get(body, "embd_normalize", int, 2, lo=-1))
+
+    def encoded(v: np.ndarray) -> Any:
+        if fmt == "base64":  # as OpenAI sends it: float32, little-endian
+            return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+        return np.asarray(v, dtype=np.float32).tolist()
+
+    if not openai:  # llama.cpp's: each input's vectors (one, pooled; or one per token)
+        return json_response([{"index": i, "embedding": encoded(np.atleast_2d(v))}
+                              for i, v in enumerate(vectors)])
+    n = sum(len(t) for t in inputs)
+    return json_response({
+        "model": svc.model_name, "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encoded(v)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": n, "total_tokens": n}})

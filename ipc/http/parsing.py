@@ -1,0 +1,246 @@
+"""Request parsing both dialects share: generation settings over the daemon's defaults,
+prompts (text, token ids, several), constraints, and the checks that a prompt fits and a
+model name is served."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from aiohttp import web
+
+from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import GenerationParams, RequestError
+from specd.daemon.spec.sampling import SamplerParams
+from specd.daemon.text.grammar import Grammar, GrammarError
+from specd.daemon.text.tokenizer import Tokenizer
+
+from ..validation import (
+    BadRequest,
+    check_constraint_size,
+    check_text_bytes,
+    get,
+    logit_bias,
+    texts_in,
+    token_list,
+)
+from .state import STRICT_MODEL_NAME, service
+
+MIN_BYTES_PER_TOKEN = 32
+
+
+# -- settings -----------------------------------------------------------------------------
+def generation_params(svc: ServiceFacade, body: dict[str, Any], *, max_key: str
+                      ) -> GenerationParams:
+    """The request's settings over the daemon's defaults (`specd serve -n / --temp /
+    --seed / --ignore-eos ...`, as /props reports them)."""
+    d = svc.defaults
+    max_tokens = get(body, max_key, int, None, lo=-1, hi=1 << 20)
+    if max_tokens is None or max_tokens < 0:
+        max_tokens = d.max_tokens
+    spec = body.get("speculative") or {}
+    if not isinstance(spec, dict):
+        raise BadRequest("'speculative' must be an object", param="speculative")
+    seed = get(body, "seed", int, d.sampling.seed)
+    try:
+        sampling = SamplerParams(
+            temperature=get(body, "temperature", float, d.sampling.temperature, lo=0, hi=100),
+            top_k=get(body, "top_k", int, d.sampling.top_k, lo=0),
+            top_p=get(body, "top_p", float, d.sampling.top_p, lo=0, hi=1),
+            min_p=get(body, "min_p", float, d.sampling.min_p, lo=0, hi=1),
+            repeat_penalty=get(body, "repeat_penalty", float, d.sampling.repeat_penalty, lo=0),
+            repeat_last_n=get(body, "repeat_last_n", int, d.sampling.repeat_last_n, lo=-1),
+            presence_penalty=get(body, "presence_penalty", float,
+                                 d.sampling.presence_penalty),
+            frequency_penalty=get(body, "frequency_penalty", float,
+                                  d.sampling.frequency_penalty),
+            logit_bias=d.sampling.logit_bias if body.get("logit_bias") is None else logit_bias(
+                body["logit_bias"],
+                lambda text: svc.tokenizer.encode(text, add_bos=False, parse_special=False),
+                svc.tokenizer.vocab_size),
+            seed=None if seed is None or seed < 0 else seed).validate()
+        draft = DraftParams(
+            n_max=get(spec, "n_max", int, get(body, "speculative.n_max", int, d.draft.n_max),
+                      lo=0, hi=64),
+            n_min=get(spec, "n_min", int, get(body, "speculative.n_min", int, d.draft.n_min),
+                      lo=0, hi=64),
+            p_min=get(spec, "p_min", float, get(body, "speculative.p_min", float,
+                                                d.draft.p_min), lo=0, hi=1),
+            probabilistic=d.draft.probabilistic).validate()
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    # the draft length (and source) chosen per round from measured costs, or n_max always
+    adaptive = get(spec, "adaptive", bool, get(body, "speculative.adaptive", bool, d.adaptive))
+    return GenerationParams(max_tokens=max_tokens, sampling=sampling, draft=draft,
+                            adaptive=adaptive,
+                            ignore_eos=get(body, "ignore_eos", bool, d.ignore_eos),
+                            backend_sampling=get(body, "backend_sampling", bool,
+                                                 d.backend_sampling))
+
+
+def unsupported(body: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """A field asking for what specd does not do is a clear 400, not silently ignored
+    (a client reading logprobs would otherwise fail on the missing data)."""
+    for name in fields:
+        value = body.get(name)
+        if value not in (None, False, 0, ""):
+            raise BadRequest(f"'{name}' is not supported by specd", param=name)
+
+
+# -- model names --------------------------------------------------------------------------
+def check_model(request: web.Request, body: dict[str, Any]) -> None:
+    """Any model name (or none, or "") is served by the loaded model, as llama-server
+    does: clients hard-code "gpt-3.5-turbo" or send "" (llama.vim), and responses name
+    the model that answered. `--strict-model-name` makes an unknown name a 404."""
+    model = get(body, "model", str, None)
+    if not model or not request.app[STRICT_MODEL_NAME]:
+        return
+    known_model(service(request), model)
+
+
+def known_model(svc: ServiceFacade, name: str) -> None:
+    """A 404 unless `name` is one the served model answers to."""
+    if name not in svc.model_names:
+        raise BadRequest(f"unknown model {name!r}; this daemon serves "
+                         f"{svc.model_name!r}", status=404, code="model_not_found",
+                         param="model")
+
+
+# -- prompts ------------------------------------------------------------------------------
+def prompt_byte_limit(svc: ServiceFacade) -> int:
+    """The most bytes of text that can tokenize into the context: each token stands for
+    at most the vocabulary's longest token (and no tokenizer here drops characters), so
+    longer text cannot fit and is refused before tokenizing."""
+    return svc.n_ctx * _bytes_per_token(svc.tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _bytes_per_token(tok: Tokenizer) -> int:
+    longest = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)), default=0)
+    return max(MIN_BYTES_PER_TOKEN, longest)
+
+
+def check_prompt_bytes(svc: ServiceFacade, value: Any, param: str) -> None:
+    check_text_bytes(texts_in(value), prompt_byte_limit(svc), param)
+
+
+def prompt_tokens(svc: ServiceFacade, value: Any, name: str = "prompt") -> list[int]:
+    """The OpenAI completions API's `prompt`: a text, or token ids (one of them in a list)."""
+    tok = svc.tokenizer
+    check_prompt_bytes(svc, value, name)
+    if isinstance(value, str):
+        return tok.encode(value, parse_special=True)
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        return prompt_tokens(svc, value[0], name)
+    return token_list(value, name, tok.vocab_size)
+
+
+def prompts(svc: ServiceFacade, value: Any, param: str = "input",
+            tok: Tokenizer | None = None) -> list[list[int]]:
+    """The token ids of each prompt, as llama-server reads `prompt` / `input` / `content`:
+    a text, an array of ids (text among them is tokenized in place), {"prompt_string":
+    text}, {"content": [text parts]}, or an array of those (several prompts). A text
+    may give no tokens. `tok`: the tokenizer (default: the target's)."""
+    tok = tok or svc.tokenizer
+
+    def one(item: Any) -> list[int]:
+        if isinstance(item, dict):
+            if "multimodal_data" in item:
+                raise BadRequest("this model reads text only ('multimodal_data')",
+                                 param=param)
+            if isinstance(item.get("prompt_string"), str):
+                item = item["prompt_string"]
+            elif isinstance(item.get("content"), list) and all(
+                    isinstance(p, dict) and p.get("type") == "text"
+                    and isinstance(p.get("text"), str) for p in item["content"]):
+                item = "".join(p["text"] for p in item["content"])
+            else:
+                raise BadRequest(f"a '{param}' object needs 'prompt_string' or 'content' as "
+                                 "an array of text parts (this model reads text only)",
+                                 param=param)
+        check_prompt_bytes(svc, item, param)
+        if isinstance(item, str):
+            return tok.encode(item, parse_special=True)
+        if isinstance(item, list) and item and all(
+                isinstance(x, int | str) and not isinstance(x, bool) for x in item):
+            ids: list[int] = []
+            for x in item:
+                ids += [x] if isinstance(x, int) else tok.encode(x, add_bos=False)
+            return token_list(ids, param, tok.vocab_size)
+        raise BadRequest(f"'{param}' must be a string, an array of token ids, an object "
+                         "with text, or an array of these", param=param)
+
+    if isinstance(value, list):
+        if not value:
+            raise BadRequest(f"the {param} is empty", param=param)
+        if any(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return [one(value)]  # one input of ids (with text among them)
+        return [one(x) for x in value]
+    return [one(value)]
+
+
+def check_fits(svc: ServiceFacade, prompt: list[int], param: str) -> None:
+    if not prompt:
+        raise BadRequest("the prompt is empty", param=param)
+    try:
+        svc.check_prompt(prompt)
+    except RequestError as exc:
+        raise BadRequest(str(exc), code="context_length_exceeded", param=param) from None
+
+
+# -- constraints --------------------------------------------------------------------------
+async def constraint(svc: ServiceFacade, body: dict[str, Any], forced: str | None = None
+                     ) -> Grammar | None:
+    """OpenAI `response_format`, or the native `json_schema` / `grammar` / `regex` fields;
+    or `forced`, the grammar of the tool calls tool_choice demands (alone)."""
+    grammar = await _requested_constraint(svc, body)
+    if forced is None:
+        return grammar
+    if grammar is not None:
+        raise BadRequest("tool_choice that forces a call cannot be combined with "
+                         "another constraint", param="tool_choice")
+    try:
+        # the calls' arguments are JSON: their numbers bounded as a schema's are
+        return await svc.compile_constraint("lark", forced, bound_numbers=True)
+    except GrammarError as exc:
+        raise BadRequest(f"tools: {exc}", param="tools") from None
+
+
+async def _requested_constraint(svc: ServiceFacade, body: dict[str, Any]) -> Grammar | None:
+    kind, spec = None, None
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise BadRequest("'response_format' must be an object with a 'type'",
+                             param="response_format")
+        if rf["type"] == "json_object":
+            kind, spec = "json_object", rf.get("schema")
+            if spec is not None:
+                kind = "json_schema"
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise BadRequest("'response_format.json_schema' must be an object with a "
+                                 "'schema'", param="response_format")
+            kind, spec = "json_schema", js["schema"]
+        elif rf["type"] != "text":
+            raise BadRequest(f"unsupported response_format type {rf['type']!r}",
+                             param="response_format")
+    for field, k in (("json_schema", "json_schema"), ("grammar", "lark"), ("regex", "regex")):
+        value = body.get(field)
+        if field == "grammar" and isinstance(value, str) and not value.strip():
+            value = None  # no grammar, as llama.cpp takes it (its clients send "")
+        if value is not None:
+            if kind is not None:
+                raise BadRequest("give only one constraint (response_format, json_schema, "
+                                 "grammar or regex)", param=field)
+            kind, spec = k, value
+    if kind is None:
+        return None
+    check_constraint_size(spec, "response_format" if rf is not None else
+                          next(f for f in ("json_schema", "grammar", "regex") if f in body))
+    try:
+        return await svc.compile_constraint(kind, spec)
+    except GrammarError as exc:
+        raise BadRequest(str(exc), param="response_format" if rf else None) from None

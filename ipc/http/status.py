@@ -1,0 +1,70 @@
+"""What the daemon serves and how it runs: /health, /v1/models, /props, /slots, /metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from specd.daemon.serving.facade import ServiceFacade
+
+from ..jsonout import json_response
+from ..metrics import render_metrics
+from .parsing import known_model
+from .reporting import generation_settings
+from .state import MEMORY_PLAN, RATES, SYSTEM_FINGERPRINT, service
+
+
+async def health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+def _model_card(svc: ServiceFacade) -> dict[str, Any]:
+    return {"id": svc.model_name, "aliases": svc.aliases, "tags": svc.tags,
+            "object": "model", "created": int(svc.started), "owned_by": "specd"}
+
+
+async def models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": [_model_card(service(request))]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: the served model under any name it answers to, else a 404
+    (a lookup says what is there, whatever a completion request would accept)."""
+    svc = service(request)
+    known_model(svc, request.match_info["model_id"])
+    return json_response(_model_card(svc))
+
+
+async def props(request: web.Request) -> web.Response:
+    svc = service(request)
+    info = svc.describe()
+    d = svc.defaults
+    tok = svc.tokenizer
+    info.update({"total_slots": svc.n_slots, "n_ctx": svc.n_ctx,
+                 "memory_plan": request.app.get(MEMORY_PLAN),
+                 # llama-server's: the model's path and name, its template and tokens
+                 "model_path": str(svc.model_path),
+                 "model_alias": svc.model_name,
+                 "chat_template": svc.chat_template,
+                 "bos_token": "" if tok.bos_id is None else tok.token_text(tok.bos_id),
+                 "eos_token": "" if tok.eos_id is None else tok.token_text(tok.eos_id),
+                 "modalities": {"vision": False, "video": False, "audio": False},
+                 "build_info": SYSTEM_FINGERPRINT,
+                 "default_generation_settings": {
+                     "n_ctx": svc.n_ctx, "params": generation_settings(svc, d),
+                     "n_predict": d.max_tokens, "speculative.n_max": d.draft.n_max,
+                     "speculative.n_min": d.draft.n_min, "speculative.p_min": d.draft.p_min}})
+    return json_response(info)
+
+
+async def slots(request: web.Request) -> web.Response:
+    return json_response(service(request).slot_info())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    svc = service(request)
+    # llama-server's header: scrapers tell a restart from a counter reset by it
+    return web.Response(text=render_metrics(svc, request.app[RATES]), content_type="text/plain",
+                        charset="utf-8",
+                        headers={"Process-Start-Time-Unix": str(int(svc.started))})

@@ -1,0 +1,156 @@
+"""The streaming core both dialects share: a request's choices collected whole, or
+streamed as server-sent events in the dialect's shape, every generation cancelled once
+its response ends (finished, failed, or the client went away)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.serving.service import Piece, ProgressEvent, Result, Stream
+from specd.daemon.spec.generation import GenerationParams
+
+from ..jsonout import dumps
+from ..validation import BadRequest
+from .state import SHUTDOWN_MESSAGE, shutting_down
+
+
+class EventWriter(Protocol):
+    """A dialect's streamed events: the payloads each of the streams' events becomes
+    (a str is sent as it is, anything else as JSON)."""
+
+    def opening(self) -> list[Any]:
+        """Sent before any stream's event."""
+        ...
+
+    def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
+        """For stream `index`'s text or progress."""
+        ...
+
+    def finished(self, index: int, result: Result) -> list[Any]:
+        """For stream `index`'s end."""
+        ...
+
+    def failing(self, index: int) -> list[Any]:
+        """What stream `index` held back, sent before the error event ends the response."""
+        ...
+
+    def closing(self) -> list[Any]:
+        """Sent after every stream finished (OpenAI's "[DONE]")."""
+        ...
+
+
+async def collect(request: web.Request, svc: ServiceFacade, prompt: list[int],
+                  choices: list[GenerationParams], **kw: Any) -> list[Result]:
+    """Each choice's whole result (`kw`: Service.submit's options); an error raises, a
+    generation the shutdown cancelled is a 503."""
+    return list(await asyncio.gather(*(_collect_one(request, svc, prompt, p, **kw)
+                                       for p in choices)))
+
+
+async def _collect_one(request: web.Request, svc: ServiceFacade, prompt: list[int],
+                       params: GenerationParams, **kw: Any) -> Result:
+    result: Result | None = None
+    async for ev in svc.generate(prompt, params, **kw):
+        if isinstance(ev, Result):
+            result = ev
+    assert result is not None
+    if result.error:
+        raise RuntimeError(result.error)
+    if shutting_down(request, result):
+        raise BadRequest(SHUTDOWN_MESSAGE, status=503, code="unavailable")
+    return result
+
+
+def submit_all(svc: ServiceFacade, prompt: list[int], choices: list[GenerationParams],
+               **kw: Any) -> list[Stream]:
+    """Each choice queued before the response starts, so that a full queue is still a
+    503 the client can retry; should one fail, those queued are cancelled."""
+    streams: list[Stream] = []
+    try:
+        for params in choices:
+            streams.append(svc.submit(prompt, params, **kw))
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
+    return streams
+
+
+async def stream_events(request: web.Request, streams: list[Stream], writer: EventWriter
+                        ) -> web.StreamResponse:
+    """The streams' events as SSE, shaped by `writer`. A failure after the stream began
+    is an error event, never a normal finish; the streams are cancelled when this ends
+    (a no-op for those finished)."""
+    try:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await _send_all(resp, writer.opening())
+        async for i, ev in _merged(streams):
+            if not isinstance(ev, Result):
+                await _send_all(resp, writer.event(i, ev))
+            elif ev.error or shutting_down(request, ev):
+                await _send_all(resp, writer.failing(i))
+                await _send_error(resp, *((ev.error,) if ev.error else (SHUTDOWN_MESSAGE, 503)))
+                break
+            else:
+                await _send_all(resp, writer.finished(i, ev))
+        else:
+            await _send_all(resp, writer.closing())
+        await resp.write_eof()
+        return resp
+    finally:
+        for stream in streams:
+            stream.cancel()
+
+
+async def _send_error(resp: web.StreamResponse, message: str, code: int = 500) -> None:
+    """An error event, as llama.cpp's server and OpenAI's send one."""
+    etype = "unavailable_error" if code == 503 else "server_error"
+    await _send_all(resp, [{"error": {"code": code, "message": message, "type": etype}}])
+
+
+async def _send_all(resp: web.StreamResponse, payloads: list[Any]) -> None:
+    for payload in payloads:
+        data = payload if isinstance(payload, str) else dumps(payload)
+        await resp.write(f"data: {data}\n\n".encode())
+
+
+def timed(timings: dict[str, Any] | None) -> dict[str, Any]:
+    """An event's "timings" field, where the request asked for them per token."""
+    return {} if timings is None else {"timings": timings}
+
+
+async def _merged(streams: list[Stream]
+                  ) -> AsyncIterator[tuple[int, Piece | ProgressEvent | Result]]:
+    """(index, event) of several streams as the events come."""
+    if len(streams) == 1:
+        async for ev in streams[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Piece | ProgressEvent | Result | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: Stream) -> None:
+        try:
+            async for ev in stream:
+                await queue.put((i, ev))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
