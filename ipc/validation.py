@@ -14,6 +14,7 @@ from aiohttp import web
 
 BODY_TIMEOUT = web.AppKey("body_timeout", float)
 DEFAULT_BODY_TIMEOUT = 60.0  # seconds for a request's body to arrive, once its headers have
+BODY_BYTES = web.RequestKey("body_bytes", int)  # how many bytes the request's body had
 MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 512  # in one stop string
 MAX_TOOLS = 128
@@ -40,6 +41,7 @@ async def json_body(request: web.Request) -> dict[str, Any]:
     except web.HTTPRequestEntityTooLarge:
         raise BadRequest(f"request body too large (limit {request.client_max_size} bytes)",
                          status=413) from None
+    request[BODY_BYTES] = len(raw)
     try:
         body = json.loads(raw or b"{}")
     except (ValueError, UnicodeDecodeError) as exc:

@@ -13,11 +13,12 @@ from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.scheduler import QueueFull
 from specd.daemon.serving.service import Service
 from specd.daemon.spec.generation import RequestError
+from specd.memory_fit.rss import trim_heap
 
 from ..metrics import RateWindow
 from ..security import Access, Handler, cors_on_prepare, error_response, make_middlewares
 from ..service_view import LiveRequests
-from ..validation import BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT
+from ..validation import BODY_BYTES, BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT
 from . import embeddings, llama_routes, openai_routes, status
 from .state import (
     LIVE,
@@ -29,6 +30,18 @@ from .state import (
     SERVICE,
     STRICT_MODEL_NAME,
 )
+
+# a request with a body this big (a huge text to tokenize, a long prompt) gives the memory
+# its preparing freed back to the system before it is answered
+TRIM_FROM = 1 << 20
+
+
+@web.middleware
+async def _give_back_memory(request: web.Request, handler: Handler) -> web.StreamResponse:
+    response = await handler(request)
+    if request.get(BODY_BYTES, 0) >= TRIM_FROM:
+        await asyncio.get_running_loop().run_in_executor(request.app[PREP], trim_heap)
+    return response
 
 
 def _busy(handler: Handler) -> Handler:
@@ -56,8 +69,9 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     generations in flight and stops the service's scheduler."""
     if access is None:
         access = Access(token=token, require_token=token is not None)
-    app = web.Application(client_max_size=max_body, middlewares=make_middlewares(
-        allowed_origins=allowed_origins or set(), access=access))
+    app = web.Application(client_max_size=max_body, middlewares=[
+        _give_back_memory, *make_middlewares(allowed_origins=allowed_origins or set(),
+                                             access=access)])
     app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
     app[SERVICE] = ServiceFacade(service)
     app[MAX_BODY] = max_body

@@ -26,6 +26,7 @@ from specd.ipc.validation import (
     MAX_STOP_STRINGS,
     MAX_TOOLS,
 )
+from specd.memory_fit.rss import trim_heap
 
 from live_server import call, live_server, serving
 
@@ -132,6 +133,22 @@ def test_health_and_other_clients_are_served_while_a_huge_text_is_tokenized(
         big.join(120)
     status, out = result["out"]
     assert status == 200 and len(out["tokens"]) >= 1_400_000
+
+
+@pytest.mark.skipif(not trim_heap(), reason="no malloc_trim: the heap is the allocator's")
+def test_a_huge_tokenize_gives_its_memory_back(server: Any) -> None:
+    """A 7 MB text takes the tokenizer hundreds of MB; once answered, they go back to the
+    system rather than stay resident until the daemon exits."""
+    import psutil
+
+    proc = psutil.Process()
+    trim_heap()  # the baseline: no freed memory held, whatever ran before
+    before = proc.memory_info().rss
+    status, out = call(server.port, "POST", "/tokenize", {"content": "word " * 1_400_000})
+    assert status == 200 and len(out["tokens"]) >= 1_400_000
+    del out
+    grown = (proc.memory_info().rss - before) / 2**20
+    assert grown < 150, f"RSS grew by {grown:.0f} MB and stayed"
 
 
 # -- 2. limits ----------------------------------------------------------------------------
