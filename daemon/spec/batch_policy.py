@@ -116,6 +116,8 @@ class BatchDraftPlanner:
         longest = max(len(o.model) for o in outlooks) - 1
         best = [_Choice() for _ in outlooks]
         best_rate = len(outlooks) / self._verify_cost(len(outlooks))
+        if not any(self._may_pay(o, best_rate) for o in outlooks):
+            return best, best_rate  # no plan that drafts beats plain steps
         threshold = best_rate * START_MARGIN
         for chain in range(0, longest + 1):
             rate = best_rate
@@ -135,16 +137,25 @@ class BatchDraftPlanner:
         per_row = self._verify_slope()
         best, best_gain = _Choice(), 0.0
         for m in range(1, len(o.lookup)):
-            gain = o.lookup[m] - 1.0 - rate * per_row * m
+            gain = _gain(o.lookup[m], rate, per_row * m)
             if gain > best_gain:
                 best, best_gain = _Choice(m, lookup=True), gain
         if chain:
             seat = self._seat_cost(o, chain)
             for n in range(1, min(chain, len(o.model) - 1) + 1):
-                gain = o.model[n] - 1.0 - rate * (per_row * n + seat)
+                gain = _gain(o.model[n], rate, per_row * n + seat)
                 if gain > best_gain:
                     best, best_gain = _Choice(n), gain
         return best
+
+    def _may_pay(self, o: Outlook, rate: float) -> bool:
+        """Whether some draft of the sequence adds tokens at `rate`, each length in the
+        shortest chain that carries it (a longer chain's seat costs more): where none of
+        the sequences' do, every choice at `rate` is a plain step, and so is the plan."""
+        per_row = self._verify_slope()
+        return (any(_gain(o.lookup[m], rate, per_row * m) > 0 for m in range(1, len(o.lookup)))
+                or any(_gain(o.model[n], rate, per_row * n + self._seat_cost(o, n)) > 0
+                       for n in range(1, len(o.model))))
 
     def _rate(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice]) -> float:
         """Predicted tokens per second of a step with these choices."""
@@ -184,3 +195,9 @@ class BatchDraftPlanner:
         line = self.costs.verify
         lo = min(line.at_size) if line.at_size else 1
         return max(self._verify_cost(lo + 8) - self._verify_cost(lo), 0.0) / 8
+
+
+def _gain(expected: float, rate: float, seconds: float) -> float:
+    """Tokens a draft adds beyond the plain step's one, less what its `seconds` are worth
+    at `rate` tokens per second."""
+    return expected - 1.0 - rate * seconds

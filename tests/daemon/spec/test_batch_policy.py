@@ -3,6 +3,8 @@ concurrency, priced by the step's measured pass costs."""
 
 from __future__ import annotations
 
+import random
+
 from specd.daemon.spec.batch_policy import BatchDraftPlanner, Outlook
 
 DRAFT = object()  # a draft runner
@@ -99,3 +101,26 @@ def test_a_sequence_that_cannot_draft_is_a_plain_row_of_the_step() -> None:
     planned = caps(p, [Outlook([1.0], None), Outlook(geometric(0.9, 8), DRAFT)])
     assert planned is not None and planned[0] == 0
     assert planned[1] is not None and planned[1] >= 3
+
+
+def test_the_quick_no_draft_answer_is_the_full_searchs() -> None:
+    """Where no sequence's draft pays at the plain rate the planner answers at once; over
+    random steps, that answer (and every other) is the one the full search gives."""
+    rng = random.Random(3)
+    quick = 0
+    for _ in range(1000):
+        p = planner((rng.uniform(20, 80), rng.uniform(0.2, 3)),
+                    (rng.uniform(5, 60), rng.uniform(0.1, 4)))
+        runner = rng.choice([DRAFT, HEAD])
+        most = rng.uniform(0, 0.9)  # the step's best acceptance
+        outlooks = [Outlook(geometric(rng.uniform(0, most), rng.randint(1, 8)), runner,
+                            one_pass=runner is HEAD,
+                            lookup=geometric(rng.uniform(0, most), 4) if rng.random() < 0.2
+                            else ())
+                    for _ in range(rng.randint(2, 8))]
+        got = p.plan(outlooks)
+        plain = len(outlooks) / p._verify_cost(len(outlooks))
+        quick += not any(p._may_pay(o, plain) for o in outlooks)
+        p._may_pay = lambda o, rate: True  # type: ignore[method-assign]
+        assert p.plan(outlooks) == got
+    assert 100 < quick < 900  # both kinds of step were drawn
