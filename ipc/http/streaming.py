@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -19,9 +20,21 @@ from ..validation import BadRequest
 from .state import SHUTDOWN_MESSAGE, shutting_down
 
 
+@dataclass(frozen=True)
+class Named:
+    """A payload sent under an SSE event name (an `event:` line before its data), as
+    the Responses API's typed events are."""
+
+    event: str
+    data: Any
+
+
 class EventWriter(Protocol):
     """A dialect's streamed events: the payloads each of the streams' events becomes
-    (a str is sent as it is, anything else as JSON)."""
+    (a str is sent as it is, a Named under its name, anything else as JSON).
+
+    A writer may also define `error(message, code) -> list[Any]`: a failure's events in
+    its dialect's shape (else the `{"error": ...}` event llama.cpp and OpenAI send)."""
 
     def opening(self) -> list[Any]:
         """Sent before any stream's event."""
@@ -96,7 +109,8 @@ async def stream_events(request: web.Request, streams: list[Stream], writer: Eve
                 await _send_all(resp, writer.event(i, ev))
             elif ev.error or shutting_down(request, ev):
                 await _send_all(resp, writer.failing(i))
-                await _send_error(resp, *((ev.error,) if ev.error else (SHUTDOWN_MESSAGE, 503)))
+                await _send_error(resp, writer,
+                                  *((ev.error,) if ev.error else (SHUTDOWN_MESSAGE, 503)))
                 break
             else:
                 await _send_all(resp, writer.finished(i, ev))
@@ -109,16 +123,24 @@ async def stream_events(request: web.Request, streams: list[Stream], writer: Eve
             stream.cancel()
 
 
-async def _send_error(resp: web.StreamResponse, message: str, code: int = 500) -> None:
-    """An error event, as llama.cpp's server and OpenAI's send one."""
+async def _send_error(resp: web.StreamResponse, writer: EventWriter, message: str,
+                      code: int = 500) -> None:
+    """The writer's error events, or one as llama.cpp's server and OpenAI's send it."""
+    shaped = getattr(writer, "error", None)
+    if shaped is not None:
+        await _send_all(resp, shaped(message, code))
+        return
     etype = "unavailable_error" if code == 503 else "server_error"
     await _send_all(resp, [{"error": {"code": code, "message": message, "type": etype}}])
 
 
 async def _send_all(resp: web.StreamResponse, payloads: list[Any]) -> None:
     for payload in payloads:
+        head = ""
+        if isinstance(payload, Named):
+            head, payload = f"event: {payload.event}\n", payload.data
         data = payload if isinstance(payload, str) else dumps(payload)
-        await resp.write(f"data: {data}\n\n".encode())
+        await resp.write(f"{head}data: {data}\n\n".encode())
 
 
 def timed(timings: dict[str, Any] | None) -> dict[str, Any]:

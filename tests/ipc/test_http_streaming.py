@@ -18,6 +18,7 @@ from specd.daemon.serving.scheduler import QueueFull
 from specd.daemon.serving.service import Piece, ProgressEvent, Result, Stream
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.stats import SpecStats
+from specd.ipc.http import streaming
 from specd.ipc.http.state import LIVE
 from specd.ipc.http.streaming import stream_events, submit_all
 from specd.ipc.service_view import LiveRequests
@@ -65,8 +66,14 @@ def _result(error: str | None = None) -> Result:
 
 def _sse(streams: list[_Stream]) -> list[Any]:
     """The data lines of the SSE response stream_events sends for `streams`."""
+    lines = [line[len("data: "):] for line in _raw(streams, _Writer()).split("\n\n") if line]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+def _raw(streams: list[_Stream], writer: Any) -> str:
+    """The SSE response's text."""
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await stream_events(request, cast(list[Stream], streams), _Writer())
+        return await stream_events(request, cast(list[Stream], streams), writer)
 
     async def run() -> str:
         app = web.Application()
@@ -77,8 +84,7 @@ def _sse(streams: list[_Stream]) -> list[Any]:
             assert resp.headers["Content-Type"] == "text/event-stream"
             return await resp.text()
 
-    lines = [line[len("data: "):] for line in asyncio.run(run()).split("\n\n") if line]
-    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+    return asyncio.run(run())
 
 
 def test_the_writers_payloads_come_in_order_and_the_streams_end_cancelled() -> None:
@@ -96,6 +102,21 @@ def test_a_failed_generation_is_an_error_event_after_what_was_held() -> None:
                                                 "type": "server_error"}}]
     assert "[DONE]" not in out
     assert all(s.cancelled for s in streams)
+
+
+def test_named_payloads_get_event_lines_and_a_writer_can_shape_its_error() -> None:
+    class Named(_Writer):
+        def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
+            return [streaming.Named("delta", {"text": ev.text})]
+
+        def error(self, message: str, code: int) -> list[Any]:
+            return [streaming.Named("failed", {"why": message, "code": code})]
+
+    ok = _raw([_Stream([Piece("a", [1]), _result()])], Named())
+    assert 'event: delta\ndata: {"text":"a"}\n\n' in ok
+    failed = _raw([_Stream([Piece("a", [1]), _result("boom")])], Named())
+    assert failed.endswith('event: failed\ndata: {"why":"boom","code":500}\n\n')
+    assert '"error"' not in failed
 
 
 def test_a_full_queue_cancels_the_choices_already_queued() -> None:
