@@ -1,0 +1,180 @@
+"""The Responses API's answer: the response object, whole or as the typed `response.*`
+events that stream it (each with its `event:` line and sequence_number)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from specd.daemon.serving.service import Piece, ProgressEvent, Result
+from specd.daemon.text.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+
+from .reporting import spec_block
+from .streaming import Named, timed
+
+INCOMPLETE = ("length", "time_limit")  # finish reasons that leave a response incomplete
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [] if text is None else [_text_part(text)]}
+
+
+def _call(item_id: str, call: ToolCall, status: str, arguments: str | None = None
+          ) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if arguments is None else arguments,
+            "status": status}
+
+
+def usage(r: Result) -> dict[str, Any]:
+    return {"input_tokens": r.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": r.cached_tokens,
+                                     "cache_write_tokens": 0},
+            "output_tokens": r.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "speculative": spec_block(r)}
+
+
+class ResponseReply:
+    """One response: built whole from a result, or streamed as events (an EventWriter
+    of one stream). `echo`: the request's settings the response repeats (instructions,
+    tools, text, ...); `names`: the tools whose calls the reply is read for; `keep`: told
+    the output items once the response is complete, before the client is."""
+
+    def __init__(self, response_id: str, model: str, echo: dict[str, Any], *,
+                 names: set[str] | None,
+                 keep: Callable[[list[dict[str, Any]]], None] | None = None):
+        self.id, self.model, self.echo, self.names, self.keep = (response_id, model, echo,
+                                                                 names, keep)
+        self.created_at = int(time.time())
+        self._seq = 0
+        self._tools = None if names is None else ToolCallStream(names)
+        self._output: list[dict[str, Any]] = []  # the items done
+        self._msg: str | None = None  # the id of the message being streamed
+        self._text = ""  # its text so far
+
+    def response(self, status: str, output: list[dict[str, Any]],
+                 result: Result | None = None, error: str | None = None) -> dict[str, Any]:
+        incomplete = status == "incomplete"
+        return {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": status, "model": self.model, "output": output,
+                "error": None if error is None else {"code": "server_error",
+                                                     "message": error},
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "usage": None if result is None else usage(result),
+                **self.echo}
+
+    # -- whole ----------------------------------------------------------------------------
+    def whole(self, r: Result) -> dict[str, Any]:
+        status = _status(r)
+        content, calls = ((r.text, []) if self.names is None
+                          else parse_tool_calls(r.text, self.names))
+        output = [] if content is None and calls else [
+            _message(new_id("msg"), content or "", status)]
+        output += [_call(new_id("fc"), c, "completed") for c in calls]
+        if self.keep is not None:
+            self.keep(output)
+        return {**self.response(status, output, r), "timings": r.timings}
+
+    # -- streamed (streaming.EventWriter) -------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> Named:
+        ev = Named(kind, {"type": kind, "sequence_number": self._seq, **fields})
+        self._seq += 1
+        return ev
+
+    def opening(self) -> list[Any]:
+        return [self._event(k, response=self.response("in_progress", []))
+                for k in ("response.created", "response.in_progress")]
+
+    def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
+        if isinstance(ev, ProgressEvent):  # return_progress, as llama-server sends it
+            return [self._event("response.in_progress",
+                                response=self.response("in_progress", []),
+                                prompt_progress=ev.as_json(), **timed(ev.timings))]
+        text = ev.text if self._tools is None else self._tools.feed(ev.text)
+        return self._delta(text, ev.timings)
+
+    def _delta(self, text: str, timings: dict[str, Any] | None = None) -> list[Named]:
+        if not text:
+            return []
+        out = self._open_message()
+        self._text += text
+        out.append(self._event("response.output_text.delta", item_id=self._msg,
+                               output_index=len(self._output), content_index=0,
+                               delta=text, logprobs=[], **timed(timings)))
+        return out
+
+    def _open_message(self) -> list[Named]:
+        if self._msg is not None:
+            return []
+        self._msg = new_id("msg")
+        at = len(self._output)
+        return [self._event("response.output_item.added", output_index=at,
+                            item=_message(self._msg, None, "in_progress")),
+                self._event("response.content_part.added", item_id=self._msg,
+                            output_index=at, content_index=0, part=_text_part(""))]
+
+    def _close_message(self, status: str) -> list[Named]:
+        out = self._open_message()
+        assert self._msg is not None
+        at, text = len(self._output), self._text
+        item = _message(self._msg, text, status)
+        out += [self._event("response.output_text.done", item_id=self._msg,
+                            output_index=at, content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=self._msg,
+                            output_index=at, content_index=0, part=_text_part(text)),
+                self._event("response.output_item.done", output_index=at, item=item)]
+        self._output.append(item)
+        return out
+
+    def _function_call(self, call: ToolCall) -> list[Named]:
+        item_id, at = new_id("fc"), len(self._output)
+        item = _call(item_id, call, "completed")
+        self._output.append(item)
+        return [self._event("response.output_item.added", output_index=at,
+                            item=_call(item_id, call, "in_progress", "")),
+                self._event("response.function_call_arguments.delta", item_id=item_id,
+                            output_index=at, delta=call.arguments),
+                self._event("response.function_call_arguments.done", item_id=item_id,
+                            output_index=at, name=call.name, arguments=call.arguments),
+                self._event("response.output_item.done", output_index=at, item=item)]
+
+    def failing(self, index: int) -> list[Any]:
+        return self._delta(self._tools.held() if self._tools is not None else "")
+
+    def error(self, message: str, code: int) -> list[Any]:
+        return [self._event("response.failed",
+                            response=self.response("failed", self._output, error=message))]
+
+    def finished(self, index: int, result: Result) -> list[Any]:
+        status = _status(result)
+        rest, calls = self._tools.finish() if self._tools is not None else ("", [])
+        out = self._delta(rest)
+        if self._msg is not None or not calls:
+            out += self._close_message(status)
+        for call in calls:
+            out += self._function_call(call)
+        if self.keep is not None:
+            self.keep(self._output)
+        done = self.response(status, self._output, result)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return out + [self._event(kind, response=done, timings=result.timings)]
+
+    def closing(self) -> list[Any]:
+        return []
+
+
+def _status(r: Result) -> str:
+    return "incomplete" if r.finish_reason in INCOMPLETE else "completed"
