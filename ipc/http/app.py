@@ -19,7 +19,8 @@ from ..metrics import RateWindow
 from ..security import Access, Handler, cors_on_prepare, error_response, make_middlewares
 from ..service_view import LiveRequests
 from ..validation import BODY_BYTES, BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT
-from . import embeddings, llama_routes, openai_routes, status
+from . import embeddings, llama_routes, openai_routes, responses_routes, status
+from .responses_store import RESPONSES, ResponseStore
 from .state import (
     LIVE,
     MAX_BODY,
@@ -80,6 +81,7 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     app[STRICT_MODEL_NAME] = strict_model_name
     app[LIVE] = LiveRequests()
     app[RATES] = RateWindow()
+    app[RESPONSES] = ResponseStore()
     app[PREP] = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="specd-prep")
     app.on_shutdown.append(_cancel_generations)
     app.on_cleanup.append(_stop_service)
@@ -97,6 +99,8 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/v1/chat/completions", _busy(openai_routes.chat_completions))
     r.add_post("/chat/completions", _busy(openai_routes.chat_completions))
     r.add_post("/v1/embeddings", _busy(embeddings.embeddings_oai))
+    r.add_post("/v1/responses", _busy(responses_routes.responses))
+    r.add_post("/responses", _busy(responses_routes.responses))
     # llama.cpp's
     r.add_post("/apply-template", llama_routes.apply_template)
     r.add_post("/chat/completions/input_tokens", llama_routes.chat_input_tokens)
