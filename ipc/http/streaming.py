@@ -1,11 +1,11 @@
-"""The streaming core both dialects share: a request's choices collected whole, or
-streamed as server-sent events in the dialect's shape, every generation cancelled once
-its response ends (finished, failed, or the client went away)."""
+"""The streaming core the dialects share: a request's choices collected whole, or
+streamed in the dialect's shape (as server-sent events, or Ollama's NDJSON lines), every
+generation cancelled once its response ends (finished, failed, or the client went away)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,7 +34,7 @@ class EventWriter(Protocol):
     (a str is sent as it is, a Named under its name, anything else as JSON).
 
     A writer may also define `error(message, code) -> list[Any]`: a failure's events in
-    its dialect's shape (else the `{"error": ...}` event llama.cpp and OpenAI send)."""
+    its dialect's shape (else its framing's error payload)."""
 
     def opening(self) -> list[Any]:
         """Sent before any stream's event."""
@@ -55,6 +55,51 @@ class EventWriter(Protocol):
     def closing(self) -> list[Any]:
         """Sent after every stream finished (OpenAI's "[DONE]")."""
         ...
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a stream's payloads go on the wire: its content type, one payload's bytes
+    (its data as text, and its event name if it has one), and the payload that reports an
+    error (message, HTTP-like code) mid-stream."""
+
+    content_type: str
+    frame: Callable[[str, str | None], bytes]
+    error: Callable[[str, int], Any]
+
+    async def start(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": self.content_type,
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
+
+    async def send(self, resp: web.StreamResponse, payloads: list[Any]) -> None:
+        """Each payload (a str is sent as it is, a Named under its name, anything else as
+        JSON)."""
+        for payload in payloads:
+            event = None
+            if isinstance(payload, Named):
+                event, payload = payload.event, payload.data
+            await resp.write(self.frame(payload if isinstance(payload, str) else dumps(payload),
+                                        event))
+
+
+def _sse_frame(data: str, event: str | None) -> bytes:
+    head = "" if event is None else f"event: {event}\n"
+    return f"{head}data: {data}\n\n".encode()
+
+
+def _sse_error(message: str, code: int) -> dict[str, Any]:
+    """An error event, as llama.cpp's server and OpenAI's send one."""
+    etype = "unavailable_error" if code == 503 else "server_error"
+    return {"error": {"code": code, "message": message, "type": etype}}
+
+
+# server-sent events (OpenAI's and llama.cpp's streams)
+SSE = Framing("text/event-stream", _sse_frame, _sse_error)
+# one JSON object a line (Ollama's streams), an error as Ollama's {"error": message}
+NDJSON = Framing("application/x-ndjson", lambda data, event: f"{data}\n".encode(),
+                 lambda message, code: {"error": message})
 
 
 async def collect(request: web.Request, svc: ServiceFacade, prompt: list[int],
@@ -94,53 +139,34 @@ def submit_all(svc: ServiceFacade, prompt: list[int], choices: list[GenerationPa
     return streams
 
 
-async def stream_events(request: web.Request, streams: list[Stream], writer: EventWriter
-                        ) -> web.StreamResponse:
-    """The streams' events as SSE, shaped by `writer`. A failure after the stream began
-    is an error event, never a normal finish; the streams are cancelled when this ends
-    (a no-op for those finished)."""
+async def stream_events(request: web.Request, streams: list[Stream], writer: EventWriter,
+                        framing: Framing = SSE) -> web.StreamResponse:
+    """The streams' events, shaped by `writer`, framed by `framing`. A failure after the
+    stream began is an error event, never a normal finish; the streams are cancelled when
+    this ends (a no-op for those finished)."""
     try:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        await _send_all(resp, writer.opening())
+        resp = await framing.start(request)
+        send = framing.send
+        await send(resp, writer.opening())
         async for i, ev in _merged(streams):
             if not isinstance(ev, Result):
-                await _send_all(resp, writer.event(i, ev))
+                await send(resp, writer.event(i, ev))
             elif ev.error or shutting_down(request, ev):
-                await _send_all(resp, writer.failing(i))
-                await _send_error(resp, writer,
-                                  *((ev.error,) if ev.error else (SHUTDOWN_MESSAGE, 503)))
+                await send(resp, writer.failing(i))
+                message, code = (ev.error, 500) if ev.error else (SHUTDOWN_MESSAGE, 503)
+                shaped = getattr(writer, "error", None)  # the dialect's own error events
+                await send(resp, shaped(message, code) if shaped is not None
+                           else [framing.error(message, code)])
                 break
             else:
-                await _send_all(resp, writer.finished(i, ev))
+                await send(resp, writer.finished(i, ev))
         else:
-            await _send_all(resp, writer.closing())
+            await send(resp, writer.closing())
         await resp.write_eof()
         return resp
     finally:
         for stream in streams:
             stream.cancel()
-
-
-async def _send_error(resp: web.StreamResponse, writer: EventWriter, message: str,
-                      code: int = 500) -> None:
-    """The writer's error events, or one as llama.cpp's server and OpenAI's send it."""
-    shaped = getattr(writer, "error", None)
-    if shaped is not None:
-        await _send_all(resp, shaped(message, code))
-        return
-    etype = "unavailable_error" if code == 503 else "server_error"
-    await _send_all(resp, [{"error": {"code": code, "message": message, "type": etype}}])
-
-
-async def _send_all(resp: web.StreamResponse, payloads: list[Any]) -> None:
-    for payload in payloads:
-        head = ""
-        if isinstance(payload, Named):
-            head, payload = f"event: {payload.event}\n", payload.data
-        data = payload if isinstance(payload, str) else dumps(payload)
-        await resp.write(f"{head}data: {data}\n\n".encode())
 
 
 def timed(timings: dict[str, Any] | None) -> dict[str, Any]:

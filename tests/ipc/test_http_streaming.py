@@ -20,7 +20,7 @@ from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.stats import SpecStats
 from specd.ipc.http import streaming
 from specd.ipc.http.state import LIVE
-from specd.ipc.http.streaming import stream_events, submit_all
+from specd.ipc.http.streaming import NDJSON, Framing, stream_events, submit_all
 from specd.ipc.service_view import LiveRequests
 
 
@@ -64,27 +64,35 @@ def _result(error: str | None = None) -> Result:
                   completion_tokens=2, cached_tokens=0, stats=SpecStats(), error=error)
 
 
-def _sse(streams: list[_Stream]) -> list[Any]:
-    """The data lines of the SSE response stream_events sends for `streams`."""
-    lines = [line[len("data: "):] for line in _raw(streams, _Writer()).split("\n\n") if line]
-    return [line if line == "[DONE]" else json.loads(line) for line in lines]
-
-
-def _raw(streams: list[_Stream], writer: Any) -> str:
-    """The SSE response's text."""
+def _body(streams: list[_Stream], writer: Any = None, framing: Framing | None = None
+          ) -> tuple[str, str]:
+    """(content type, body) of the response stream_events sends for `streams`."""
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await stream_events(request, cast(list[Stream], streams), writer)
+        return await stream_events(request, cast(list[Stream], streams), writer or _Writer(),
+                                   *(() if framing is None else (framing,)))
 
-    async def run() -> str:
+    async def run() -> tuple[str, str]:
         app = web.Application()
         app[LIVE] = LiveRequests()
         app.router.add_get("/", handler)
         async with TestClient(TestServer(app)) as client:
             resp = await client.get("/")
-            assert resp.headers["Content-Type"] == "text/event-stream"
-            return await resp.text()
+            return resp.headers["Content-Type"], await resp.text()
 
     return asyncio.run(run())
+
+
+def _raw(streams: list[_Stream], writer: Any) -> str:
+    """The SSE response's text."""
+    content_type, body = _body(streams, writer)
+    assert content_type == "text/event-stream"
+    return body
+
+
+def _sse(streams: list[_Stream]) -> list[Any]:
+    """The data lines of the SSE response stream_events sends for `streams`."""
+    lines = [line[len("data: "):] for line in _raw(streams, _Writer()).split("\n\n") if line]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
 
 
 def test_the_writers_payloads_come_in_order_and_the_streams_end_cancelled() -> None:
@@ -132,3 +140,12 @@ def test_a_full_queue_cancels_the_choices_already_queued() -> None:
     with pytest.raises(QueueFull):
         submit_all(cast(ServiceFacade, Service()), [1], [GenerationParams()] * 3)
     assert len(queued) == 2 and all(s.cancelled for s in queued)
+
+
+def test_ndjson_framing_is_one_object_a_line_and_an_error_in_ollamas_shape() -> None:
+    content_type, body = _body([_Stream([Piece("a", [1]), _result("boom")])],
+                               framing=NDJSON)
+    assert content_type == "application/x-ndjson"
+    assert body.endswith("\n") and "data:" not in body
+    assert [json.loads(line) for line in body.splitlines()] == [
+        {"open": True}, {"text": "a", "index": 0}, {"held": 0}, {"error": "boom"}]
