@@ -8,12 +8,15 @@ of the engine or the scheduler but through this, so they can change behind it.
 from __future__ import annotations
 
 import copy
+import math
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 import numpy as np
+from gguf import LlamaFileType
 
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.stats import SpecStats
@@ -34,6 +37,21 @@ class Embeddings:
     tokenizer: Tokenizer
     n_ctx: int
     pooling: str
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What model listings (Ollama's /api/tags, /api/show, /api/ps) say of the served
+    model: its file, architecture, size and where it runs."""
+
+    arch: str
+    parameters: int  # weights, counted in elements
+    quantization: str  # llama.cpp's name for the file's type ("Q4_K_M")
+    file_bytes: int
+    modified: float  # the file's mtime (Unix time)
+    resident_bytes: int  # memory the loaded models took (the target's and drafter's)
+    device: str  # "cpu" / "cuda:N"
+    n_ctx_train: int
 
 
 @dataclass(frozen=True)
@@ -135,6 +153,26 @@ class ServiceFacade:
         """The runtime and the models, as /props and `specd status` show them."""
         return self._service.engine.describe()
 
+    def facts(self) -> ModelFacts:
+        """The served model's file, size and place (see ModelFacts)."""
+        engine = self._service.engine
+        t = engine.target
+        st = t.path.stat()
+        resident = t.resident_bytes + (engine.draft.resident_bytes if engine.draft else 0)
+        return ModelFacts(
+            arch=t.gguf.arch,
+            parameters=sum(math.prod(x.shape) for x in t.gguf.tensors.values()),
+            quantization=_quantization(t.gguf.get("general.file_type"),
+                                       [x.type_name for x in t.gguf.tensors.values()
+                                        if len(x.shape) == 2]),
+            file_bytes=st.st_size, modified=st.st_mtime,
+            resident_bytes=resident if resident > 0 else st.st_size,
+            device=engine.runtime.device, n_ctx_train=t.built.hparams.n_ctx_train)
+
+    def digest(self) -> str:
+        """The served model file's sha256 (remembered from its load: a lookup)."""
+        return self._service.engine.target.gguf.content_hash()
+
     # -- requests -------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None, **render: Any) -> str:
@@ -187,6 +225,16 @@ class ServiceFacade:
     def stop(self) -> None:
         """Stop the scheduler's worker (after the last response)."""
         self._service.scheduler.stop()
+
+
+def _quantization(file_type: Any, matrix_types: list[str]) -> str:
+    """The file's type as llama.cpp names it ("Q4_K_M"), from general.file_type, else its
+    matrices' most common type."""
+    try:
+        return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except ValueError:
+        common = Counter(matrix_types).most_common(1)
+        return common[0][0].upper() if common else "unknown"
 
 
 class _StampingScheduler:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specd.daemon.serving.engine import Engine, EngineConfig
@@ -40,6 +41,17 @@ def test_the_facade_reads_the_served_model(service: Service) -> None:
     assert facade.chat_tokens(messages) == engine.chat_tokens(messages)
     c = facade.counters()
     assert (c.n_slots, c.busy_slots, c.queue_length, c.drafter) == (2, 0, 0, None)
+
+
+def test_the_facts_model_listings_give(service: Service) -> None:
+    facts = ServiceFacade(service).facts()
+    gguf = service.engine.target.gguf
+    assert facts.arch == "qwen2" and facts.device == "cpu"
+    assert facts.quantization == "Q8_0"
+    assert facts.parameters == sum(int(np.prod(t.shape)) for t in gguf.tensors.values()) > 0
+    assert facts.file_bytes == service.engine.target.path.stat().st_size
+    assert facts.resident_bytes > 0 and facts.n_ctx_train == 1024
+    assert ServiceFacade(service).digest() == gguf.content_hash()
 
 
 class _Tracker:
