@@ -1,5 +1,6 @@
 """Embeddings: OpenAI's /v1/embeddings (one pooled vector per input) and llama.cpp's
-/embeddings (each input's vectors: one pooled, or one per token)."""
+/embeddings (each input's vectors: one pooled, or one per token), over the inputs'
+embedding every dialect shares (`embed_inputs`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+
+from specd.daemon.serving.facade import Embeddings, ServiceFacade
 
 from ..jsonout import json_response
 from ..validation import BadRequest, get, json_body
@@ -23,13 +26,40 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     return await _embed(request, openai=False)
 
 
-async def _embed(request: web.Request, *, openai: bool) -> web.Response:
-    body = await json_body(request)
-    svc = served(request, body)
+def embedding_model(svc: ServiceFacade, status: int = 501) -> Embeddings:
+    """The model that embeds; where embeddings are off, an error (`status`) naming the
+    option that turns them on."""
     emb = svc.embeddings
     if emb is None:
         raise BadRequest("this daemon does not compute embeddings: start it with "
-                         "--embeddings", status=501, code="not_supported")
+                         "--embeddings", status=status, code="not_supported")
+    return emb
+
+
+async def embed_inputs(request: web.Request, svc: ServiceFacade, emb: Embeddings, value: Any,
+                       field: str, *, normalize: int = 2, truncate: bool = False
+                       ) -> tuple[list[list[int]], list[np.ndarray]]:
+    """(each input's tokens, its vectors) for `value` (`prompts`' forms). An input longer
+    than the context is a 400, or with `truncate` cut to what it holds."""
+    tok = emb.tokenizer
+    # an empty text: its start alone (llama.cpp embeds the BOS it adds)
+    start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
+    inputs = [tokens or start
+              for tokens in await off_loop(request, prompts, svc, value, field, tok)]
+    room = emb.n_ctx - 1
+    for i, tokens in enumerate(inputs):
+        if len(tokens) > room:
+            if not truncate:
+                raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "
+                                 f"context holds {room}", param=field)
+            inputs[i] = tokens[:room]
+    return inputs, await svc.embed(inputs, normalize)
+
+
+async def _embed(request: web.Request, *, openai: bool) -> web.Response:
+    body = await json_body(request)
+    svc = served(request, body)
+    emb = embedding_model(svc)
     if openai:
         check_model(request, body)
         if emb.pooling == "none":
@@ -42,16 +72,8 @@ async def _embed(request: web.Request, *, openai: bool) -> web.Response:
     field = "input" if "input" in body or openai else "content"
     if field not in body:
         raise BadRequest(f"'{field}' is required", param=field)
-    tok = emb.tokenizer
-    # an empty text: its start alone (llama.cpp embeds the BOS it adds)
-    start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
-    inputs = [tokens or start
-              for tokens in await off_loop(request, prompts, svc, body[field], field, tok)]
-    for tokens in inputs:
-        if len(tokens) > emb.n_ctx - 1:
-            raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "
-                             f"context holds {emb.n_ctx - 1}", param=field)
-    vectors = await svc.embed(inputs, get(body, "embd_normalize", int, 2, lo=-1))
+    inputs, vectors = await embed_inputs(request, svc, emb, body[field], field,
+                                         normalize=get(body, "embd_normalize", int, 2, lo=-1))
 
     def encoded(v: np.ndarray) -> Any:
         if fmt == "base64":  # as OpenAI sends it: float32, little-endian
