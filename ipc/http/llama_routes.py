@@ -10,13 +10,12 @@ from aiohttp import web
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result, Stream
 from specd.daemon.spec.generation import GenerationParams
-from specd.daemon.text.infill import DEFAULT_CHUNK_FILE, ExtraChunk, has_fim, infill_tokens
 from specd.daemon.text.tokenizer import Tokenizer
 
 from ..jsonout import dumps, json_response
 from ..validation import BadRequest, get, json_body, stop_list, token_list
 from .chat_inputs import rendered
-from .parsing import check_fits, constraint, generation_params, prompts
+from .parsing import check_fits, constraint, generation_params, infill_prompt, prompts
 from .reporting import generation_settings, llama_probs, spec_block
 from .state import off_loop, served, service
 from .streaming import collect, stream_events, submit_all, timed
@@ -42,26 +41,6 @@ async def chat_input_tokens(request: web.Request) -> web.Response:
     return json_response({"input_tokens": len(await rendered(request, "chat_tokens"))})
 
 
-def _infill_prompt(svc: ServiceFacade, body: dict[str, Any], max_tokens: int) -> list[int]:
-    """llama.cpp's /infill prompt (`daemon.infill`): extra files, then prefix, suffix and
-    prompt, trimmed to leave the context room for the completion."""
-    tok = svc.tokenizer
-    if not has_fim(tok):
-        raise BadRequest("this model's vocabulary has no FIM tokens; /infill is unavailable")
-    extra = body.get("input_extra") or []
-    # as llama.cpp checks them: a string text in each, a filename a string if given
-    if not isinstance(extra, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("text"), str)
-            and isinstance(e.get("filename", ""), str) for e in extra):
-        raise BadRequest("'input_extra' must be an array of {filename, text}: text a "
-                         "string, filename a string if given", param="input_extra")
-    chunks = [ExtraChunk(e.get("filename", DEFAULT_CHUNK_FILE), e.get("text", ""))
-              for e in extra]
-    return infill_tokens(tok, get(body, "input_prefix", str, ""),
-                         get(body, "input_suffix", str, ""), get(body, "prompt", str, ""),
-                         chunks, svc.n_ctx, max_tokens)
-
-
 async def _llama_completion(request: web.Request, *, infill: bool) -> web.StreamResponse:
     out = await _llama_run(request, await json_body(request), infill=infill)
     return json_response(out) if isinstance(out, dict | list) else out
@@ -76,7 +55,7 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
     params.post_sampling_probs = get(body, "post_sampling_probs", bool, False) and n_probs > 0
     params.logprobs = n_probs or None
     if infill:
-        prompt = await off_loop(request, _infill_prompt, svc, body, params.max_tokens)
+        prompt = await off_loop(request, infill_prompt, svc, body, params.max_tokens)
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")

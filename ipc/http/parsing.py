@@ -1,6 +1,6 @@
-"""Request parsing both dialects share: generation settings over the daemon's defaults,
-prompts (text, token ids, several), constraints, and the checks that a prompt fits and a
-model name is served."""
+"""Request parsing the dialects share: generation settings over the daemon's defaults,
+prompts (text, token ids, several; infill's), constraints, and the checks that a prompt
+fits and a model name is served."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams, RequestError
 from specd.daemon.spec.sampling import SamplerParams
 from specd.daemon.text.grammar import Grammar, GrammarError
+from specd.daemon.text.infill import DEFAULT_CHUNK_FILE, ExtraChunk, has_fim, infill_tokens
 from specd.daemon.text.tokenizer import Tokenizer
 
 from ..validation import (
@@ -178,6 +179,27 @@ def prompts(svc: ServiceFacade, value: Any, param: str = "input",
             return [one(value)]  # one input of ids (with text among them)
         return [one(x) for x in value]
     return [one(value)]
+
+
+def infill_prompt(svc: ServiceFacade, body: dict[str, Any], max_tokens: int) -> list[int]:
+    """llama.cpp's /infill prompt (`daemon.infill`): extra files, then prefix, suffix and
+    prompt, trimmed to leave the context room for the completion."""
+    tok = svc.tokenizer
+    if not has_fim(tok):
+        raise BadRequest("this model's vocabulary has no FIM tokens: infill (a prefix and "
+                         "a suffix) is unavailable")
+    extra = body.get("input_extra") or []
+    # as llama.cpp checks them: a string text in each, a filename a string if given
+    if not isinstance(extra, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("text"), str)
+            and isinstance(e.get("filename", ""), str) for e in extra):
+        raise BadRequest("'input_extra' must be an array of {filename, text}: text a "
+                         "string, filename a string if given", param="input_extra")
+    chunks = [ExtraChunk(e.get("filename", DEFAULT_CHUNK_FILE), e.get("text", ""))
+              for e in extra]
+    return infill_tokens(tok, get(body, "input_prefix", str, ""),
+                         get(body, "input_suffix", str, ""), get(body, "prompt", str, ""),
+                         chunks, svc.n_ctx, max_tokens)
 
 
 def check_fits(svc: ServiceFacade, prompt: list[int], param: str) -> None:
