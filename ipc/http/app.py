@@ -4,6 +4,7 @@ closing daemon, and the service's life with the app's."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +20,15 @@ from ..metrics import RateWindow
 from ..security import Access, Handler, cors_on_prepare, error_response, make_middlewares
 from ..service_view import LiveRequests
 from ..validation import BODY_BYTES, BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT
-from . import embeddings, llama_routes, openai_routes, responses_routes, status
+from . import (
+    embeddings,
+    llama_routes,
+    ollama_requests,
+    ollama_routes,
+    openai_routes,
+    responses_routes,
+    status,
+)
 from .responses_store import RESPONSES, ResponseStore
 from .state import (
     LIVE,
@@ -45,19 +54,27 @@ async def _give_back_memory(request: web.Request, handler: Handler) -> web.Strea
     return response
 
 
-def _busy(handler: Handler) -> Handler:
+def _busy(handler: Handler, error: Callable[[int, str], web.Response] = error_response
+          ) -> Handler:
+    """A generating route: a 503 while the daemon closes or its queue is full (`error`:
+    the dialect's error shape)."""
     async def wrapped(request: web.Request) -> web.StreamResponse:
         if request.app[LIVE].draining:
-            return error_response(503, "specd is shutting down")
+            return error(503, "specd is shutting down")
         try:
             return await handler(request)
         except QueueFull as exc:
-            return error_response(503, str(exc))
+            return error(503, str(exc))
         except RequestError as exc:
-            return error_response(400, str(exc))
+            return error(400, str(exc))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
     return wrapped
+
+
+def _ollama(handler: Handler, busy: bool = True) -> Handler:
+    """An Ollama route: every refusal in Ollama's error shape."""
+    return ollama_requests.errors(_busy(handler, ollama_requests.error) if busy else handler)
 
 
 def create_app(service: Service, *, allowed_origins: set[str] | None = None,
@@ -112,6 +129,9 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/embedding", _busy(embeddings.embeddings))
     r.add_post("/tokenize", llama_routes.tokenize)
     r.add_post("/detokenize", llama_routes.detokenize)
+    # Ollama's
+    r.add_post("/api/chat", _ollama(ollama_routes.chat))
+    r.add_post("/api/generate", _ollama(ollama_routes.generate))
     return app
 
 

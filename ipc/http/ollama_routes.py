@@ -1,0 +1,203 @@
+"""Ollama's dialect: /api/chat and /api/generate, translated into what the shared layer
+takes (ollama_requests) and answered as Ollama's JSON, or its NDJSON stream."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.serving.service import Piece, ProgressEvent, Result
+from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.text.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+
+from ..jsonout import json_response
+from ..validation import BadRequest, get, json_body, stop_list, token_list
+from .chat_inputs import chat_inputs, render
+from .ollama_requests import (
+    chat_body,
+    keep_alive,
+    no_images,
+    sampling_fields,
+    served_model,
+    timestamp,
+)
+from .parsing import (
+    check_fits,
+    constraint,
+    generation_params,
+    infill_prompt,
+    prompt_tokens,
+)
+from .state import off_loop, served
+from .streaming import NDJSON, collect, stream_events, submit_all
+
+
+def _loaded(name: str, alive: float | None, *, chat: bool) -> web.Response:
+    """Ollama's answer to a request with nothing to generate: the model is loaded (it
+    always is). An unload (keep_alive 0) is refused: specd keeps its model loaded."""
+    if alive == 0:
+        raise BadRequest("specd does not unload its model: it stays loaded while the daemon "
+                         "runs", status=501)
+    out: dict[str, Any] = {"model": name, "created_at": timestamp(), "done": True,
+                           "done_reason": "load"}
+    out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    return json_response(out)
+
+
+# -- the routes ---------------------------------------------------------------------------
+async def chat(request: web.Request) -> web.StreamResponse:
+    body = await json_body(request)
+    svc = served(request, body)
+    name = served_model(svc, body)
+    alive = keep_alive(body)
+    if not body.get("messages"):
+        return _loaded(name, alive, chat=True)
+    chat_in = chat_inputs(chat_body(body))
+    prompt = await off_loop(request, render, svc, chat_in, "chat_tokens")
+    fields, params = await _settings(request, svc, body)
+    reply = OllamaReply(name, chat=True, names=chat_in.names)
+    return await _answer(request, svc, body, fields, params, prompt, reply, chat_in.forced)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    body = await json_body(request)
+    svc = served(request, body)
+    name = served_model(svc, body)
+    alive = keep_alive(body)
+    no_images(body)
+    if get(body, "template", str, ""):
+        raise BadRequest("'template' is not supported: specd writes prompts with the model's "
+                         "own chat template (or none, with raw)", param="template")
+    text, suffix = get(body, "prompt", str, ""), get(body, "suffix", str, "")
+    context = body.get("context") or []
+    if not text and not suffix and not context:
+        return _loaded(name, alive, chat=False)
+    fields, params = await _settings(request, svc, body)
+    if suffix:  # fill in the middle, as llama.cpp's /infill
+        prompt = await off_loop(request, infill_prompt, svc,
+                                {"input_prefix": text, "input_suffix": suffix},
+                                params.max_tokens)
+    elif get(body, "raw", bool, False):
+        prompt = await off_loop(request, prompt_tokens, svc, text)
+    else:
+        system = get(body, "system", str, "")
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}]
+        prompt = await off_loop(request, render, svc, chat_inputs({"messages": messages}),
+                                "chat_tokens")
+    if context:  # an earlier answer's `context`: the conversation so far
+        prompt = token_list(context, "context", svc.tokenizer.vocab_size) + prompt
+    reply = OllamaReply(name, chat=False, context=prompt)
+    return await _answer(request, svc, body, fields, params, prompt, reply)
+
+
+async def _settings(request: web.Request, svc: ServiceFacade, body: dict[str, Any]
+                    ) -> tuple[dict[str, Any], GenerationParams]:
+    """(the request's settings as the shared parsers' fields, its generation settings)."""
+    fields = sampling_fields(body)
+    return fields, await off_loop(request, generation_params, svc, fields,
+                                  max_key="num_predict")
+
+
+async def _answer(request: web.Request, svc: ServiceFacade, body: dict[str, Any],
+                  fields: dict[str, Any], params: GenerationParams, prompt: list[int],
+                  reply: OllamaReply, forced: str | None = None) -> web.StreamResponse:
+    """The generation, whole as one JSON object or streamed as NDJSON (Ollama's default)."""
+    kw = dict(stop=stop_list(fields), grammar=await constraint(svc, fields, forced))
+    check_fits(svc, prompt, "messages" if reply.chat else "prompt")
+    if not get(body, "stream", bool, True):
+        return json_response(reply.whole((await collect(request, svc, prompt, [params],
+                                                        **kw))[0]))
+    streams = submit_all(svc, prompt, [params], **kw)  # a full queue: a 503 before any byte
+    return await stream_events(request, streams, reply, NDJSON)
+
+
+# -- the answer ---------------------------------------------------------------------------
+def _ns(ms: Any) -> int:
+    return int(round(float(ms or 0) * 1e6))
+
+
+def _ollama_call(call: ToolCall) -> dict[str, Any]:
+    """A tool call as Ollama gives it: its arguments an object, not JSON text."""
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        arguments = {}
+    return {"function": {"name": call.name,
+                         "arguments": arguments if isinstance(arguments, dict) else {}}}
+
+
+class OllamaReply:
+    """One /api/chat or /api/generate answer: whole, or as Ollama's stream of deltas ending
+    with a `done` object that carries the counts and durations (streaming.EventWriter).
+    With tool `names`, text that may be a tool call is held back; the calls come whole in
+    one object before the last. `context`: the prompt, returned with the reply's tokens
+    (generate's `context`)."""
+
+    def __init__(self, model: str, *, chat: bool, names: set[str] | None = None,
+                 context: list[int] | None = None):
+        self.model, self.chat, self.names, self.context = model, chat, names, context
+        self._tools = None if names is None else ToolCallStream(names)
+
+    def _piece(self, text: str, done: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "created_at": timestamp()}
+        out.update({"message": {"role": "assistant", "content": text}} if self.chat
+                   else {"response": text})
+        out["done"] = done
+        return out
+
+    def _calls(self, calls: list[ToolCall]) -> dict[str, Any]:
+        out = self._piece("")
+        out["message"]["tool_calls"] = [_ollama_call(c) for c in calls]
+        return out
+
+    def _done(self, r: Result, text: str = "") -> dict[str, Any]:
+        t = r.timings
+        out = {**self._piece(text, done=True),
+               "done_reason": "length" if r.finish_reason in ("length", "time_limit")
+               else "stop",
+               "total_duration": _ns(t.get("total_ms")), "load_duration": 0,
+               "prompt_eval_count": r.prompt_tokens,
+               "prompt_eval_duration": _ns(t.get("prompt_ms")),
+               "eval_count": r.completion_tokens, "eval_duration": _ns(t.get("predicted_ms"))}
+        if self.context is not None:
+            out["context"] = self.context + r.tokens
+        return out
+
+    def whole(self, r: Result) -> dict[str, Any]:
+        content, calls = ((r.text, []) if self.names is None
+                          else parse_tool_calls(r.text, self.names))
+        out = self._done(r, content or "")
+        if calls:
+            out["message"]["tool_calls"] = [_ollama_call(c) for c in calls]
+        return out
+
+    # -- streamed (streaming.EventWriter) -------------------------------------------------
+    def opening(self) -> list[Any]:
+        return []
+
+    def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
+        if isinstance(ev, ProgressEvent):
+            return []
+        text = ev.text if self._tools is None else self._tools.feed(ev.text)
+        return [self._piece(text)] if text else []
+
+    def failing(self, index: int) -> list[Any]:
+        held = self._tools.held() if self._tools is not None else ""
+        return [self._piece(held)] if held else []
+
+    def finished(self, index: int, result: Result) -> list[Any]:
+        out: list[Any] = []
+        if self._tools is not None:
+            rest, calls = self._tools.finish()
+            if rest:
+                out.append(self._piece(rest))
+            if calls:
+                out.append(self._calls(calls))
+        return out + [self._done(result)]
+
+    def closing(self) -> list[Any]:
+        return []
