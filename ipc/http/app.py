@@ -23,6 +23,7 @@ from ..validation import BODY_BYTES, BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT
 from . import (
     embeddings,
     llama_routes,
+    ollama_models,
     ollama_requests,
     ollama_routes,
     openai_routes,
@@ -132,6 +133,13 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     # Ollama's
     r.add_post("/api/chat", _ollama(ollama_routes.chat))
     r.add_post("/api/generate", _ollama(ollama_routes.generate))
+    r.add_post("/api/embed", _ollama(ollama_models.embed))
+    r.add_post("/api/embeddings", _ollama(ollama_models.embeddings))
+    r.add_get("/api/tags", _ollama(ollama_models.tags, busy=False))
+    r.add_post("/api/show", _ollama(ollama_models.show, busy=False))
+    r.add_get("/api/ps", _ollama(ollama_models.ps, busy=False))
+    r.add_get("/api/version", _ollama(ollama_models.version, busy=False))
+    r.add_post("/api/pull", _ollama(ollama_models.pull, busy=False))
     return app
 
 
