@@ -122,7 +122,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     out = []
     for m in messages:
         no_images(m)
-        msg = {k: m[k] for k in ("role", "content") if k in m}
+        # a call's message comes without content from Ollama's clients: null, as OpenAI's
+        msg = {"role": m.get("role"), "content": m.get("content")}
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):

@@ -52,11 +52,11 @@ def test_a_chat_becomes_the_openai_shaped_one_chat_inputs_reads() -> None:
     call = {"function": {"name": "get_time", "arguments": {"city": "Oslo"}}}
     body = chat_body({"think": False, "tools": [{"type": "function"}], "messages": [
         {"role": "user", "content": "time?"},
-        {"role": "assistant", "content": "", "tool_calls": [call], "thinking": "hm"},
+        {"role": "assistant", "tool_calls": [call], "thinking": "hm"},
         {"role": "tool", "content": "12:00", "tool_name": "get_time"}]})
     assert body["messages"] == [
         {"role": "user", "content": "time?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", **call}],
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", **call}],
          "reasoning_content": "hm"},
         {"role": "tool", "content": "12:00", "name": "get_time"}]
     assert body["tools"] == [{"type": "function"}]
