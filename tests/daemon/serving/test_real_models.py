@@ -18,6 +18,8 @@ from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.text.tool_calls import parse_tool_calls, tool_names
 from specd.ort_models.runner import ModelRunner
 
+from speculation_checks import assert_speculated, decode_all
+
 
 def _engine(target: str, draft: str | None = None, **kw) -> Engine:
     try:
@@ -28,14 +30,16 @@ def _engine(target: str, draft: str | None = None, **kw) -> Engine:
         raise
 
 
-def _generate(engine: Engine, prompt: list[int], *, drafter=None, **kw) -> list[int]:
+def _run(engine: Engine, prompt: list[int], *, drafter=None, **kw) -> Generation:
+    """The request decoded to its end (its tokens: `.tokens`, its rounds: `.stats`)."""
     gen = Generation(engine.target.runner, 0, prompt, GenerationParams(**kw),
                      eog=engine.eog_ids, drafter=drafter)
-    out = gen.prefill()
-    while not gen.done:
-        out += gen.step()
-    gen.close()
-    return out
+    decode_all(gen)
+    return gen
+
+
+def _generate(engine: Engine, prompt: list[int], **kw) -> list[int]:
+    return _run(engine, prompt, **kw).tokens
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +60,10 @@ def test_smollm2_self_draft_is_byte_identical(smol: Engine, n_max: int) -> None:
     prompt = smol.encode_prompt("Write a haiku about autumn leaves.", chat=True)
     want = _generate(smol, prompt, max_tokens=48, ignore_eos=True)
     drafter = DraftModelDrafter(ModelRunner(smol.target.built, n_ctx=1024))
-    got = _generate(smol, prompt, drafter=drafter, max_tokens=48, ignore_eos=True,
-                    draft=DraftParams(n_max=n_max, p_min=0.5 if n_max == 8 else 0.0))
-    assert got == want
+    got = _run(smol, prompt, drafter=drafter, max_tokens=48, ignore_eos=True,
+               draft=DraftParams(n_max=n_max, p_min=0.5 if n_max == 8 else 0.0))
+    assert got.tokens == want
+    assert_speculated(got.stats, min_first=0.9)  # the model drafting for itself
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +97,15 @@ def test_qwen_pair_speculation_is_byte_identical(qwen_pair: Engine, prompt_text:
     assert isinstance(qwen_pair.drafter, CompositeDrafter)  # spec type auto with a draft
     [model] = qwen_pair.drafter.models
     for n_max in (4, 16):
-        got = _generate(qwen_pair, prompt, drafter=model, max_tokens=64,
-                        ignore_eos=True, draft=DraftParams(n_max=n_max))
-        assert got == want, n_max
+        got = _run(qwen_pair, prompt, drafter=model, max_tokens=64,
+                   ignore_eos=True, draft=DraftParams(n_max=n_max))
+        assert got.tokens == want, n_max
+        assert_speculated(got.stats, min_first=0.5)
     # the draft model and prompt lookup, chosen per round by the adaptive controller
-    got = _generate(qwen_pair, prompt, drafter=qwen_pair.drafter, max_tokens=64,
-                    ignore_eos=True, draft=DraftParams(n_max=8), adaptive=True)
-    assert got == want
+    got = _run(qwen_pair, prompt, drafter=qwen_pair.drafter, max_tokens=64,
+               ignore_eos=True, draft=DraftParams(n_max=8), adaptive=True)
+    assert got.tokens == want
+    assert_speculated(got.stats)
 
 
 @pytest.mark.slow
@@ -108,19 +115,15 @@ def test_the_shipped_head_drafts_for_the_qwen_target_byte_identically() -> None:
     prompt = engine.encode_prompt(CODE_PROMPT, chat=True)
     want = _generate(engine, prompt, max_tokens=96, ignore_eos=True)
     # the head alone, its whole block every round: its own drafts are accepted
-    gen = Generation(engine.target.runner, 0, prompt, GenerationParams(
-        max_tokens=96, ignore_eos=True, draft=DraftParams(n_max=7), adaptive=False),
-        eog=engine.eog_ids, drafter=DFlashDrafter(engine.head))
-    got = gen.prefill()
-    while not gen.done:
-        got += gen.step()
-    gen.close()
-    assert got == want
+    gen = _run(engine, prompt, drafter=DFlashDrafter(engine.head), max_tokens=96,
+               ignore_eos=True, draft=DraftParams(n_max=7), adaptive=False)
+    assert gen.tokens == want
     assert gen.stats.mean_acceptance_length > 1.2, gen.stats.mean_acceptance_length
     # with prompt lookup in front, lengths chosen per round
-    got = _generate(engine, prompt, drafter=engine.drafter, max_tokens=96, ignore_eos=True,
-                    draft=DraftParams(n_max=8), adaptive=True)
-    assert got == want
+    got = _run(engine, prompt, drafter=engine.drafter, max_tokens=96, ignore_eos=True,
+               draft=DraftParams(n_max=8), adaptive=True)
+    assert got.tokens == want
+    assert_speculated(got.stats)
 
 
 WEATHER_TOOL = [{"type": "function", "function": {
