@@ -15,6 +15,7 @@ from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.policy import AdaptiveDraftLength
 
+from speculation_checks import assert_drafted, decode_all
 from tiny_heads import write_tiny_head
 
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
@@ -34,12 +35,13 @@ def _engine(target: Path, draft: Path | None, spec_type: str = "auto") -> Engine
 
 
 def _generate(engine: Engine, **params: object) -> list[int]:
+    """The engine's greedy output for PROMPT; where it has a drafter, the request drafted
+    (a random head's drafts are rarely accepted: only drafting is checked)."""
     params = {"draft": DraftParams(n_max=4), "max_tokens": 40, **params}
     gen = engine.start(0, PROMPT, GenerationParams(ignore_eos=True, **params))
-    out = gen.prefill()
-    while not gen.done:
-        out += gen.step()
-    gen.close()
+    out = decode_all(gen)
+    if engine.drafter is not None:
+        assert_drafted(gen.stats)
     return out
 
 
