@@ -14,7 +14,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -29,6 +29,9 @@ log = logging.getLogger("specd.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]", "localhost.localdomain"}
 IDENTITY = web.RequestKey("identity", str)  # whose request: see request_identity()
+# an error's JSON body in a dialect's shape: (status, message, code, param) -> body
+ErrorShape = Callable[[int, str, str, str | None], dict[str, Any]]
+ERROR_SHAPE: web.RequestKey[ErrorShape] = web.RequestKey("error_shape")  # not OpenAI's
 
 
 @dataclass(frozen=True)
@@ -49,15 +52,22 @@ class Access:
     hosts: frozenset[str] = field(default_factory=frozenset)
 
 
-def error_response(status: int, message: str, *, code: str = "invalid_request_error",
-                   param: str | None = None) -> web.Response:
+def openai_error(status: int, message: str, code: str, param: str | None) -> dict[str, Any]:
+    """An error body as OpenAI's API (and llama-server) send it."""
     etype = {400: "invalid_request_error", 401: "authentication_error",
              403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
              413: "invalid_request_error", 503: "server_busy"}.get(status, "server_error")
-    return json_response(
-        {"error": {"message": message, "type": etype,
-                   "code": code if status in (400, 404) else etype,
-                   "param": param}}, status=status)
+    return {"error": {"message": message, "type": etype,
+                      "code": code if status in (400, 404) else etype, "param": param}}
+
+
+def error_response(status: int, message: str, *, code: str = "invalid_request_error",
+                   param: str | None = None, request: web.Request | None = None
+                   ) -> web.Response:
+    """An error in the shape of the request's dialect (OpenAI's unless its route set
+    another, see make_middlewares' `error_shapes`)."""
+    shape = openai_error if request is None else request.get(ERROR_SHAPE, openai_error)
+    return json_response(shape(status, message, code, param), status=status)
 
 
 def host_name(host: str) -> str:
@@ -177,7 +187,8 @@ def _admit(request: web.Request, access: Access, unix: bool) -> str | web.Respon
         return f"key:{digest}" if uid is None else f"uid:{uid}"
     if access.require_token:
         return error_response(401, "missing or wrong API key or bearer token "
-                                   "(Authorization: Bearer <token>)")
+                                   "(Authorization: Bearer <token>, or X-Api-Key: <token>)",
+                              request=request)
     if uid is not None and (access.other_users or uid == _own_uid()):
         return f"uid:{uid}"
     if access.other_users or uid is None and access.token is None:
@@ -185,7 +196,7 @@ def _admit(request: web.Request, access: Access, unix: bool) -> str | web.Respon
     return error_response(401, "this daemon serves only its own OS user on TCP without "
                                "the bearer token: send Authorization: Bearer <token> (the "
                                "token file in the daemon user's state dir), or start it "
-                               "with --allow-other-users")
+                               "with --allow-other-users", request=request)
 
 
 def origin_allowed(origin: str, allowed: set[str]) -> bool:
@@ -204,29 +215,42 @@ def origin_allowed(origin: str, allowed: set[str]) -> bool:
         f"[{host}]" if ":" in host else host)
 
 
-def make_middlewares(*, allowed_origins: set[str], access: Access,
-                     check_host: bool = True) -> list[Middleware]:
+def make_middlewares(*, allowed_origins: set[str], access: Access, check_host: bool = True,
+                     error_shapes: dict[str, ErrorShape] | None = None) -> list[Middleware]:
+    """`error_shapes`: a dialect's error shape for the paths under each prefix (every
+    error a request there gets, its refusals here included)."""
+    shapes = error_shapes or {}
+
     @web.middleware
     async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        shape = next((s for prefix, s in shapes.items() if request.path == prefix
+                      or request.path.startswith(prefix + "/")), None)
+        if shape is not None:
+            request[ERROR_SHAPE] = shape
         try:
             return await handler(request)
         except BadRequest as exc:
-            return error_response(exc.status, str(exc), code=exc.code, param=exc.param)
+            return error_response(exc.status, str(exc), code=exc.code, param=exc.param,
+                                  request=request)
         except web.HTTPNotFound:
-            return error_response(404, f"no route {request.method} {request.path}")
+            return error_response(404, f"no route {request.method} {request.path}",
+                                  request=request)
         except web.HTTPMethodNotAllowed as exc:
             return error_response(405, f"method {request.method} not allowed on "
                                        f"{request.path} (allowed: "
-                                       f"{', '.join(sorted(exc.allowed_methods))})")
+                                       f"{', '.join(sorted(exc.allowed_methods))})",
+                                  request=request)
         except web.HTTPRequestEntityTooLarge as exc:
-            return error_response(413, f"request body too large: {exc.text}")
+            return error_response(413, f"request body too large: {exc.text}",
+                                  request=request)
         except web.HTTPException:
             raise
         except ConnectionResetError:
             raise
         except Exception as exc:  # the daemon survives every bad request
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+            return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                                  request=request)
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -238,7 +262,7 @@ def make_middlewares(*, allowed_origins: set[str], access: Access,
             return error_response(403, "Host header must name a loopback address "
                                        "(DNS-rebinding protection)" if not access.hosts else
                                        "Host header must name this machine (DNS-rebinding "
-                                       "protection)")
+                                       "protection)", request=request)
         if (request.method == "OPTIONS" and origin is not None
                 and origin_allowed(origin, allowed_origins)
                 and "Access-Control-Request-Method" in request.headers):
@@ -255,7 +279,7 @@ def make_middlewares(*, allowed_origins: set[str], access: Access,
             request[IDENTITY] = admitted
         if origin is not None and not origin_allowed(origin, allowed_origins):
             return error_response(403, f"cross-origin requests from {origin} are not "
-                                       "allowed (see --allow-origin)")
+                                       "allowed (see --allow-origin)", request=request)
         return await handler(request)
 
     return [errors, guard]

@@ -55,19 +55,23 @@ async def _give_back_memory(request: web.Request, handler: Handler) -> web.Strea
     return response
 
 
-def _busy(handler: Handler, error: Callable[[int, str], web.Response] = error_response
+def _busy(handler: Handler, error: Callable[[int, str], web.Response] | None = None
           ) -> Handler:
     """A generating route: a 503 while the daemon closes or its queue is full (`error`:
-    the dialect's error shape)."""
+    the dialect's error shape; default: the request's, see make_middlewares)."""
     async def wrapped(request: web.Request) -> web.StreamResponse:
+        def fail(status: int, message: str) -> web.Response:
+            return (error(status, message) if error is not None
+                    else error_response(status, message, request=request))
+
         if request.app[LIVE].draining:
-            return error(503, "specd is shutting down")
+            return fail(503, "specd is shutting down")
         try:
             return await handler(request)
         except QueueFull as exc:
-            return error(503, str(exc))
+            return fail(503, str(exc))
         except RequestError as exc:
-            return error(400, str(exc))
+            return fail(400, str(exc))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
     return wrapped
