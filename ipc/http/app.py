@@ -21,6 +21,7 @@ from ..security import Access, Handler, cors_on_prepare, error_response, make_mi
 from ..service_view import LiveRequests
 from ..validation import BODY_BYTES, BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT
 from . import (
+    anthropic_routes,
     embeddings,
     llama_routes,
     ollama_models,
@@ -93,8 +94,9 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     if access is None:
         access = Access(token=token, require_token=token is not None)
     app = web.Application(client_max_size=max_body, middlewares=[
-        _give_back_memory, *make_middlewares(allowed_origins=allowed_origins or set(),
-                                             access=access)])
+        _give_back_memory, *make_middlewares(
+            allowed_origins=allowed_origins or set(), access=access,
+            error_shapes={"/v1/messages": anthropic_routes.error_body})])
     app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
     app[SERVICE] = ServiceFacade(service)
     app[MAX_BODY] = max_body
@@ -123,6 +125,9 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/v1/embeddings", _busy(embeddings.embeddings_oai))
     r.add_post("/v1/responses", _busy(responses_routes.responses))
     r.add_post("/responses", _busy(responses_routes.responses))
+    # Anthropic's (its errors in its shape: make_middlewares' error_shapes)
+    r.add_post("/v1/messages", _busy(anthropic_routes.messages))
+    r.add_post("/v1/messages/count_tokens", anthropic_routes.count_tokens)
     # llama.cpp's
     r.add_post("/apply-template", llama_routes.apply_template)
     r.add_post("/chat/completions/input_tokens", llama_routes.chat_input_tokens)

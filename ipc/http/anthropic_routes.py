@@ -1,0 +1,188 @@
+"""Anthropic's dialect: /v1/messages and /v1/messages/count_tokens, as Claude Code
+(through ANTHROPIC_BASE_URL) and the anthropic SDK speak it. The request is read as a
+chat request (anthropic_inputs) and runs as one; the answer is Anthropic's message
+object, or its stream of named events, and errors come in Anthropic's shape.
+
+The model's reasoning is not told apart from its answer anywhere in specd yet, so a
+template that thinks writes its thinking in the text block (no `thinking` blocks)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.serving.service import Piece, ProgressEvent, Result
+from specd.daemon.text.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+
+from ..jsonout import json_response
+from ..validation import get, json_body, stop_list
+from .anthropic_inputs import chat_body, max_tokens, sampling_body, stop_body
+from .chat_inputs import chat_inputs, render
+from .parsing import check_fits, check_model, constraint, generation_params
+from .state import off_loop, served, service
+from .streaming import Event, collect, stream_events, submit_all
+
+# Anthropic's error types by HTTP status (a 4xx not named: invalid_request_error)
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_body(status: int, message: str, code: str, param: str | None) -> dict[str, Any]:
+    """An error as Anthropic's API sends it (security.ErrorShape)."""
+    etype = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": etype, "message": message}}
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    body = await json_body(request)
+    svc = served(request, body)
+    check_model(request, body)
+    limit = max_tokens(body)
+    chat = chat_inputs(chat_body(body))
+    prompt = await off_loop(request, render, svc, chat, "chat_tokens")
+    params = await off_loop(request, generation_params, svc,
+                            sampling_body(body, max_tokens=limit), max_key="max_tokens")
+    stop = stop_list(stop_body(body))
+    grammar = await constraint(svc, {}, chat.forced)
+    check_fits(svc, prompt, "messages")
+    reply = _Reply(svc, names=chat.names, prompt_tokens=len(prompt))
+    if not get(body, "stream", bool, False):
+        results = await collect(request, svc, prompt, [params], stop=stop, grammar=grammar)
+        return json_response(reply.whole(results[0]))
+    streams = submit_all(svc, prompt, [params], stop=stop, grammar=grammar)
+    return await stream_events(request, streams, reply)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """How many tokens the request's prompt is, rendered as /v1/messages renders it."""
+    body = await json_body(request)
+    check_model(request, body)
+    chat = chat_inputs(chat_body(body))
+    prompt = await off_loop(request, render, service(request), chat, "chat_tokens")
+    return json_response({"input_tokens": len(prompt)})
+
+
+def _stop(r: Result, called: bool) -> dict[str, Any]:
+    """The message's stop_reason and stop_sequence."""
+    if called:
+        reason = "tool_use"
+    elif r.stopping_word:
+        reason = "stop_sequence"
+    elif r.finish_reason in ("length", "time_limit"):
+        reason = "max_tokens"
+    else:
+        reason = "end_turn"
+    return {"stop_reason": reason, "stop_sequence": r.stopping_word or None}
+
+
+def _usage(r: Result) -> dict[str, Any]:
+    """Anthropic's usage: input_tokens are the prompt's tokens not read from the cache
+    (a slot's cached prefix counts as cache_read_input_tokens)."""
+    return {"input_tokens": r.prompt_tokens - r.cached_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": r.cached_tokens,
+            "output_tokens": r.completion_tokens}
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    """A call as a tool_use block: its input an object (arguments that are not one, as
+    models rarely write them, under "value")."""
+    args = json.loads(call.arguments)
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
+            "name": call.name, "input": args if isinstance(args, dict) else {"value": args}}
+
+
+class _Reply:
+    """One request's message, whole or as Anthropic streams it (streaming.EventWriter):
+    message_start; each block's content_block_start, its deltas and content_block_stop
+    (text as it comes, then each tool_use with its input as one input_json_delta);
+    message_delta with the stop reason and usage; message_stop. With tool `names`, text
+    that may be a call is held back (ToolCallStream) and the calls come at the end."""
+
+    def __init__(self, svc: ServiceFacade, *, names: set[str] | None, prompt_tokens: int):
+        self.names, self.prompt_tokens = names, prompt_tokens
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.model = svc.model_name
+        self._tools: ToolCallStream | None = None
+        self._open: int | None = None  # the index of the text block being streamed
+        self._blocks = 0  # blocks started so far
+
+    def _message(self, content: list[dict[str, Any]], stop: dict[str, Any],
+                 usage: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, **stop, "usage": usage}
+
+    # -- whole ----------------------------------------------------------------------------
+    def whole(self, r: Result) -> dict[str, Any]:
+        content, calls = ((r.text, []) if self.names is None
+                          else parse_tool_calls(r.text, self.names))
+        blocks = [{"type": "text", "text": content}] if content else []
+        return self._message(blocks + [_tool_use(c) for c in calls], _stop(r, bool(calls)),
+                             _usage(r))
+
+    # -- streamed -------------------------------------------------------------------------
+    @staticmethod
+    def _event(name: str, **fields: Any) -> Event:
+        return Event(name, {"type": name, **fields})
+
+    def _text(self, text: str) -> list[Any]:
+        """The events carrying `text`: the text block opened first, if it is not."""
+        if not text:
+            return []
+        out = []
+        if self._open is None:
+            self._open, self._blocks = self._blocks, self._blocks + 1
+            out.append(self._event("content_block_start", index=self._open,
+                                   content_block={"type": "text", "text": ""}))
+        return out + [self._event("content_block_delta", index=self._open,
+                                  delta={"type": "text_delta", "text": text})]
+
+    def _close_text(self) -> list[Any]:
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        return [self._event("content_block_stop", index=index)]
+
+    def opening(self) -> list[Any]:
+        self._tools = None if self.names is None else ToolCallStream(self.names)
+        start = self._message([], {"stop_reason": None, "stop_sequence": None},
+                              {"input_tokens": self.prompt_tokens, "output_tokens": 0})
+        return [self._event("message_start", message=start)]
+
+    def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
+        if isinstance(ev, ProgressEvent):
+            return []
+        return self._text(ev.text if self._tools is None else self._tools.feed(ev.text))
+
+    def failing(self, index: int) -> list[Any]:
+        return self._text(self._tools.held() if self._tools is not None else "") + (
+            self._close_text())
+
+    def finished(self, index: int, result: Result) -> list[Any]:
+        out: list[Any] = []
+        calls: list[ToolCall] = []
+        if self._tools is not None:
+            rest, calls = self._tools.finish()
+            out += self._text(rest)
+        out += self._close_text()
+        for call in calls:
+            block, self._blocks = _tool_use(call), self._blocks + 1
+            i = self._blocks - 1
+            out += [self._event("content_block_start", index=i,
+                                content_block={**block, "input": {}}),
+                    self._event("content_block_delta", index=i, delta={
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(block["input"], ensure_ascii=False)}),
+                    self._event("content_block_stop", index=i)]
+        return out + [self._event("message_delta", delta=_stop(result, bool(calls)),
+                                  usage=_usage(result)),
+                      self._event("message_stop")]
+
+    def closing(self) -> list[Any]:
+        return []
+
+    def error(self, message: str, status: int) -> list[Any]:
+        return [Event("error", error_body(status, message, "", None))]
