@@ -105,10 +105,11 @@ def render_chat(
     try:
         try:
             return compiled.render(**variables)
-        except TypeError:
+        except (TypeError, jinja2.exceptions.UndefinedError):
             # `content: null` (an assistant turn with tool calls) where the template joins
-            # content as a string (SmolLM2's, ChatML ones): again with "" for it, as
-            # templates that test `content is none` got None first
+            # content as a string (SmolLM2's, ChatML ones) or calls a string's method on
+            # it (Qwen3's `content.lstrip()`): again with "" for it, as templates that
+            # test `content is none` got None first
             nulls = [m for m in variables["messages"] if m.get("content", "") is None]
             if not nulls:
                 raise

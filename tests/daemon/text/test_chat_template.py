@@ -88,6 +88,9 @@ def test_null_content_where_the_template_joins_strings() -> None:
                 {"role": "tool", "content": "sunny"}]
     out = render_chat(CHATML_FALLBACK, messages)
     assert "<|im_start|>assistant\n<|im_end|>" in out and "sunny" in out
+    # a string's method called on it, as Qwen3's template does
+    stripped = "{% for m in messages %}[{{ m.content.lstrip() }}]{% endfor %}"
+    assert render_chat(stripped, messages) == "[weather?][][sunny]"
     with pytest.raises(ValueError, match="TypeError"):  # other type errors still surface
         render_chat("{{ messages[0].content + 1 }}", messages)
 
