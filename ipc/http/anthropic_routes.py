@@ -24,7 +24,7 @@ from .anthropic_inputs import chat_body, max_tokens, sampling_body, stop_body
 from .chat_inputs import chat_inputs, render
 from .parsing import check_fits, check_model, constraint, generation_params
 from .state import off_loop, served, service
-from .streaming import Event, collect, stream_events, submit_all
+from .streaming import Named, collect, stream_events, submit_all
 
 # Anthropic's error types by HTTP status (a 4xx not named: invalid_request_error)
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -125,8 +125,8 @@ class _Reply:
 
     # -- streamed -------------------------------------------------------------------------
     @staticmethod
-    def _event(name: str, **fields: Any) -> Event:
-        return Event(name, {"type": name, **fields})
+    def _event(name: str, **fields: Any) -> Named:
+        return Named(name, {"type": name, **fields})
 
     def _text(self, text: str) -> list[Any]:
         """The events carrying `text`: the text block opened first, if it is not."""
@@ -185,4 +185,4 @@ class _Reply:
         return []
 
     def error(self, message: str, status: int) -> list[Any]:
-        return [Event("error", error_body(status, message, "", None))]
+        return [Named("error", error_body(status, message, "", None))]
