@@ -4,7 +4,6 @@ closing daemon, and the service's life with the app's."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -56,31 +55,21 @@ async def _give_back_memory(request: web.Request, handler: Handler) -> web.Strea
     return response
 
 
-def _busy(handler: Handler, error: Callable[[int, str], web.Response] | None = None
-          ) -> Handler:
-    """A generating route: a 503 while the daemon closes or its queue is full (`error`:
-    the dialect's error shape; default: the request's, see make_middlewares)."""
+def _busy(handler: Handler) -> Handler:
+    """A generating route: a 503 while the daemon closes or its queue is full, in the
+    request's dialect's error shape (make_middlewares' `error_shapes`)."""
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        def fail(status: int, message: str) -> web.Response:
-            return (error(status, message) if error is not None
-                    else error_response(status, message, request=request))
-
         if request.app[LIVE].draining:
-            return fail(503, "specd is shutting down")
+            return error_response(503, "specd is shutting down", request=request)
         try:
             return await handler(request)
         except QueueFull as exc:
-            return fail(503, str(exc))
+            return error_response(503, str(exc), request=request)
         except RequestError as exc:
-            return fail(400, str(exc))
+            return error_response(400, str(exc), request=request)
         except (ConnectionResetError, asyncio.CancelledError):
             raise
     return wrapped
-
-
-def _ollama(handler: Handler, busy: bool = True) -> Handler:
-    """An Ollama route: every refusal in Ollama's error shape."""
-    return ollama_requests.errors(_busy(handler, ollama_requests.error) if busy else handler)
 
 
 def create_app(service: Service, *, allowed_origins: set[str] | None = None,
@@ -96,7 +85,8 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     app = web.Application(client_max_size=max_body, middlewares=[
         _give_back_memory, *make_middlewares(
             allowed_origins=allowed_origins or set(), access=access,
-            error_shapes={"/v1/messages": anthropic_routes.error_body})])
+            error_shapes={"/v1/messages": anthropic_routes.error_body,
+                          "/api": ollama_requests.error_body})])
     app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
     app[SERVICE] = ServiceFacade(service)
     app[MAX_BODY] = max_body
@@ -140,15 +130,15 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/tokenize", llama_routes.tokenize)
     r.add_post("/detokenize", llama_routes.detokenize)
     # Ollama's
-    r.add_post("/api/chat", _ollama(ollama_routes.chat))
-    r.add_post("/api/generate", _ollama(ollama_routes.generate))
-    r.add_post("/api/embed", _ollama(ollama_models.embed))
-    r.add_post("/api/embeddings", _ollama(ollama_models.embeddings))
-    r.add_get("/api/tags", _ollama(ollama_models.tags, busy=False))
-    r.add_post("/api/show", _ollama(ollama_models.show, busy=False))
-    r.add_get("/api/ps", _ollama(ollama_models.ps, busy=False))
-    r.add_get("/api/version", _ollama(ollama_models.version, busy=False))
-    r.add_post("/api/pull", _ollama(ollama_models.pull, busy=False))
+    r.add_post("/api/chat", _busy(ollama_routes.chat))
+    r.add_post("/api/generate", _busy(ollama_routes.generate))
+    r.add_post("/api/embed", _busy(ollama_models.embed))
+    r.add_post("/api/embeddings", _busy(ollama_models.embeddings))
+    r.add_get("/api/tags", ollama_models.tags)
+    r.add_post("/api/show", ollama_models.show)
+    r.add_get("/api/ps", ollama_models.ps)
+    r.add_get("/api/version", ollama_models.version)
+    r.add_post("/api/pull", ollama_models.pull)
     return app
 
 

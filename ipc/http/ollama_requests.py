@@ -9,12 +9,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from aiohttp import web
-
 from specd.daemon.serving.facade import ServiceFacade
 
-from ..jsonout import json_response
-from ..security import Handler
 from ..validation import BadRequest, get
 
 # Ollama's options the shared parser reads under the same names
@@ -28,19 +24,9 @@ _SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0
 
 
 # -- what Ollama's routes share -----------------------------------------------------------
-def error(status: int, message: str, **_: Any) -> web.Response:
-    """Ollama's error: {"error": message}."""
-    return json_response({"error": message}, status=status)
-
-
-def errors(handler: Handler) -> Handler:
-    """The handler's refusals in Ollama's error shape."""
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except BadRequest as exc:
-            return error(exc.status, str(exc))
-    return wrapped
+def error_body(status: int, message: str, code: str, param: str | None) -> dict[str, Any]:
+    """Ollama's error: {"error": message} (make_middlewares' error shape for /api)."""
+    return {"error": message}
 
 
 def served_model(svc: ServiceFacade, body: dict[str, Any]) -> str:
