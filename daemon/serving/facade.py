@@ -24,7 +24,7 @@ from specd.daemon.text.grammar import Grammar
 from specd.daemon.text.tokenizer import Tokenizer
 
 from .scheduler import PassCounts, Request, Scheduler
-from .service import Piece, ProgressEvent, Result, Service, Stream
+from .service import Piece, ProgressEvent, Result, Service, TextStream
 
 # what a model answers to besides its own names (clients send these for "the model")
 GENERIC_NAMES = ("specd", "default")
@@ -192,7 +192,7 @@ class ServiceFacade:
         """RequestError unless the prompt fits the context."""
         self._service.check_prompt(prompt)
 
-    def submit(self, prompt: list[int], params: GenerationParams, **kw: Any) -> Stream:
+    def submit(self, prompt: list[int], params: GenerationParams, **kw: Any) -> TextStream:
         """Queue a request (Service.submit): QueueFull or RequestError before any output;
         cancel the returned Stream to stop it."""
         return self._service.submit(prompt, params, **kw)

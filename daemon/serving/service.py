@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -71,6 +71,26 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class TextStream(Protocol):
+    """A submitted request's output as the protocol layers take it: iterated once for
+    Pieces (and ProgressEvents) and one final Result; `cancel()` stops it. A Stream (the
+    local engine) or an upstream server's answer (upstream.UpstreamStream)."""
+
+    @property
+    def slot(self) -> int | None:
+        """The slot that runs it (None: none yet, or not run here)."""
+        ...
+
+    async def started(self) -> None:
+        """Wait until the generation has begun: a failure to begin raises here, while a
+        response can still say so with its status."""
+        ...
+
+    def cancel(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[Piece | ProgressEvent | Result]: ...
 
 
 class IndentLimit:
@@ -243,6 +263,13 @@ class Stream:
 
     def cancel(self) -> None:
         self.req.cancel()
+
+    @property
+    def slot(self) -> int | None:
+        return self.req.slot
+
+    async def started(self) -> None:
+        """(queued already: a local request's failures come in its Result)"""
 
     def _on_progress(self, cache: int, processed: int, total: int) -> None:
         """(worker thread) Prompt processing reached `processed` of `total` tokens."""

@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from specd.daemon.serving.facade import ServiceFacade
-from specd.daemon.serving.service import Piece, ProgressEvent, Result, Stream
+from specd.daemon.serving.service import Piece, ProgressEvent, Result, TextStream
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.text.tokenizer import Tokenizer
 
@@ -105,7 +105,7 @@ class _Reply:
         self.svc, self.prompt, self.params, self.stop = svc, prompt, params, stop
         self.stream, self.n_probs, self.fields = stream, n_probs, fields
         self.return_tokens = return_tokens
-        self.running: Stream | None = None  # streamed: the request (its slot, once it has one)
+        self.running: TextStream | None = None  # streamed: the request (its slot, once it has one)
         self._n_predicted = 0
         self._held: dict[str, Any] | None = None  # with n_probs: the last token's event
 
@@ -141,7 +141,7 @@ class _Reply:
                 "tokens_predicted": self._n_predicted, "tokens_evaluated": len(self.prompt)}
 
     def _slot(self) -> int:
-        slot = None if self.running is None else self.running.req.slot
+        slot = None if self.running is None else self.running.slot
         return -1 if slot is None else slot
 
     def _release(self) -> list[Any]:

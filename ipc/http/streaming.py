@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from specd.daemon.serving.facade import ServiceFacade
-from specd.daemon.serving.service import Piece, ProgressEvent, Result, Stream
+from specd.daemon.serving.service import Piece, ProgressEvent, Result, TextStream
 from specd.daemon.spec.generation import GenerationParams
 
 from ..jsonout import dumps
@@ -125,10 +125,10 @@ async def _collect_one(request: web.Request, svc: ServiceFacade, prompt: list[in
 
 
 def submit_all(svc: ServiceFacade, prompt: list[int], choices: list[GenerationParams],
-               **kw: Any) -> list[Stream]:
+               **kw: Any) -> list[TextStream]:
     """Each choice queued before the response starts, so that a full queue is still a
     503 the client can retry; should one fail, those queued are cancelled."""
-    streams: list[Stream] = []
+    streams: list[TextStream] = []
     try:
         for params in choices:
             streams.append(svc.submit(prompt, params, **kw))
@@ -139,12 +139,14 @@ def submit_all(svc: ServiceFacade, prompt: list[int], choices: list[GenerationPa
     return streams
 
 
-async def stream_events(request: web.Request, streams: list[Stream], writer: EventWriter,
+async def stream_events(request: web.Request, streams: list[TextStream], writer: EventWriter,
                         framing: Framing = SSE) -> web.StreamResponse:
     """The streams' events, shaped by `writer`, framed by `framing`. A failure after the
     stream began is an error event, never a normal finish; the streams are cancelled when
     this ends (a no-op for those finished)."""
     try:
+        for stream in streams:  # (an upstream that cannot answer is still a status)
+            await stream.started()
         resp = await framing.start(request)
         send = framing.send
         await send(resp, writer.opening())
@@ -174,7 +176,7 @@ def timed(timings: dict[str, Any] | None) -> dict[str, Any]:
     return {} if timings is None else {"timings": timings}
 
 
-async def _merged(streams: list[Stream]
+async def _merged(streams: list[TextStream]
                   ) -> AsyncIterator[tuple[int, Piece | ProgressEvent | Result]]:
     """(index, event) of several streams as the events come."""
     if len(streams) == 1:
@@ -183,7 +185,7 @@ async def _merged(streams: list[Stream]
         return
     queue: asyncio.Queue[tuple[int, Piece | ProgressEvent | Result | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: Stream) -> None:
+    async def pump(i: int, stream: TextStream) -> None:
         try:
             async for ev in stream:
                 await queue.put((i, ev))

@@ -38,6 +38,9 @@ class _Stream:
     def cancel(self) -> None:
         self.cancelled = True
 
+    async def started(self) -> None:
+        pass
+
 
 class _Writer:
     """Names each event it is given, and holds text back to show `failing`."""
