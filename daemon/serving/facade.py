@@ -2,7 +2,8 @@
 
 The served model's names and sizes, the request defaults, chat rendering, constraints,
 submitting and embedding, the slots and the counters /metrics shows. ipc reads nothing
-of the engine or the scheduler but through this, so they can change behind it.
+of the engine or the scheduler but through this, so they can change behind it. A request
+naming an upstream's model (`--upstream`) gets that model's facade (for_model).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -25,6 +26,7 @@ from specd.daemon.text.tokenizer import Tokenizer
 
 from .scheduler import PassCounts, Request, Scheduler
 from .service import Piece, ProgressEvent, Result, Service, TextStream
+from .upstream import UpstreamClient
 
 # what a model answers to besides its own names (clients send these for "the model")
 GENERIC_NAMES = ("specd", "default")
@@ -79,8 +81,9 @@ class RequestTracker(Protocol):
 class ServiceFacade:
     """One Service as a protocol layer sees it."""
 
-    def __init__(self, service: Service):
+    def __init__(self, service: Service, upstreams: Mapping[str, UpstreamClient] | None = None):
         self._service = service
+        self._upstreams = dict(upstreams or {})
 
     def for_sender(self, identity: str, tracker: RequestTracker) -> ServiceFacade:
         """The same service for one sender: its requests stamped with `identity` (a
@@ -88,7 +91,27 @@ class ServiceFacade:
         view = copy.copy(self._service)
         view.scheduler = cast(Scheduler, _StampingScheduler(self._service.scheduler,
                                                             identity, tracker))
-        return ServiceFacade(view)
+        return ServiceFacade(view, self._upstreams)
+
+    def for_model(self, name: Any) -> ServiceFacade:
+        """The facade of the model a request names: an upstream's (with or without
+        Ollama's ":latest"), else this one (any other name is the local model's)."""
+        if isinstance(name, str) and self._upstreams:
+            client = self._upstreams.get(name) or self._upstreams.get(
+                name.removesuffix(":latest"))
+            if client is not None:
+                from .upstream_facade import UpstreamFacade  # (it builds on this module)
+                return UpstreamFacade(self._service, client)
+        return self
+
+    @property
+    def upstream_names(self) -> list[str]:
+        """The models served by forwarding (`--upstream`)."""
+        return sorted(self._upstreams)
+
+    async def close_upstreams(self) -> None:
+        for client in self._upstreams.values():
+            await client.close()
 
     # -- the served model -----------------------------------------------------------------
     @property
