@@ -12,6 +12,7 @@ from aiohttp import web
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.scheduler import QueueFull
 from specd.daemon.serving.service import Service
+from specd.daemon.serving.upstream import UpstreamClient, UpstreamError, UpstreamSpec
 from specd.daemon.spec.generation import RequestError
 from specd.memory_fit.rss import trim_heap
 
@@ -56,8 +57,9 @@ async def _give_back_memory(request: web.Request, handler: Handler) -> web.Strea
 
 
 def _busy(handler: Handler) -> Handler:
-    """A generating route: a 503 while the daemon closes or its queue is full, in the
-    request's dialect's error shape (make_middlewares' `error_shapes`)."""
+    """A generating route: a 503 while the daemon closes or its queue is full, an
+    upstream's failure with its status, in the request's dialect's error shape
+    (make_middlewares' `error_shapes`)."""
     async def wrapped(request: web.Request) -> web.StreamResponse:
         if request.app[LIVE].draining:
             return error_response(503, "specd is shutting down", request=request)
@@ -67,6 +69,8 @@ def _busy(handler: Handler) -> Handler:
             return error_response(503, str(exc), request=request)
         except RequestError as exc:
             return error_response(400, str(exc), request=request)
+        except UpstreamError as exc:
+            return error_response(exc.status, str(exc), request=request)
         except (ConnectionResetError, asyncio.CancelledError):
             raise
     return wrapped
@@ -76,10 +80,12 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
                token: str | None = None, access: Access | None = None,
                max_body: int = 8 << 20, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                memory_plan: dict[str, Any] | None = None,
-               strict_model_name: bool = False) -> web.Application:
-    """The API over `service`. `access` says who may use TCP (`token` alone: a token
-    every TCP client must send). Closing the app (its runner's cleanup) cancels the
-    generations in flight and stops the service's scheduler."""
+               strict_model_name: bool = False,
+               upstreams: list[UpstreamSpec] | None = None) -> web.Application:
+    """The API over `service`, and the models of `upstreams` forwarded to their servers.
+    `access` says who may use TCP (`token` alone: a token every TCP client must send).
+    Closing the app (its runner's cleanup) cancels the generations in flight and stops
+    the service's scheduler."""
     if access is None:
         access = Access(token=token, require_token=token is not None)
     app = web.Application(client_max_size=max_body, middlewares=[
@@ -88,7 +94,10 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
             error_shapes={"/v1/messages": anthropic_routes.error_body,
                           "/api": ollama_requests.error_body})])
     app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
-    app[SERVICE] = ServiceFacade(service)
+    app[SERVICE] = facade = ServiceFacade(service, {u.name: UpstreamClient(u)
+                                                    for u in upstreams or []})
+    if clash := sorted(set(facade.upstream_names) & facade.model_names):
+        raise ValueError(f"--upstream {clash[0]}: the local model answers to that name")
     app[MAX_BODY] = max_body
     app[BODY_TIMEOUT] = body_timeout
     app[MEMORY_PLAN] = memory_plan
@@ -152,4 +161,5 @@ async def _stop_service(app: web.Application) -> None:
     """After the last response: the scheduler's worker stops while the event loop still
     runs, so no callback reaches a closed loop."""
     app[PREP].shutdown(wait=False, cancel_futures=True)
+    await app[SERVICE].close_upstreams()
     await asyncio.get_running_loop().run_in_executor(None, app[SERVICE].stop)

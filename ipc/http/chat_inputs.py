@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.serving.upstream_facade import UpstreamFacade
 from specd.daemon.text.tool_calls import check_tools, forced_call_grammar, tool_names
 
 from ..validation import BadRequest, check_text_bytes, check_tools_size, get, json_body, texts_in
@@ -26,6 +27,8 @@ class ChatInputs:
     forced: str | None  # a grammar making the reply calls (tool_choice)
     # continue_final_message / add_generation_prompt, template_kwargs where given
     render: dict[str, Any]
+    choice: Any = None  # tool_choice, as given (an upstream applies it)
+    parallel: bool = True  # parallel_tool_calls
 
 
 def tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True
@@ -69,8 +72,8 @@ def chat_inputs(body: dict[str, Any]) -> ChatInputs:
         check_tools(tools or [])
     except ValueError as exc:
         raise BadRequest(str(exc), param="tools") from None
-    names, forced = tool_choice(tools, body.get("tool_choice"),
-                                get(body, "parallel_tool_calls", bool, True))
+    parallel = get(body, "parallel_tool_calls", bool, True)
+    names, forced = tool_choice(tools, body.get("tool_choice"), parallel)
     if names is None:  # tool_choice none: the model is not told of tools either
         tools = None
     # a final assistant message is continued (prefill), as llama-server does, unless
@@ -97,13 +100,18 @@ def chat_inputs(body: dict[str, Any]) -> ChatInputs:
     if effort is not None:
         render["template_kwargs"] = {**(kwargs or {}), **(
             {"enable_thinking": False} if effort == "none" else {"reasoning_effort": effort})}
-    return ChatInputs(messages, tools or None, names, forced, render)
+    return ChatInputs(messages, tools or None, names, forced, render,
+                      body.get("tool_choice"), parallel)
 
 
 def render(svc: ServiceFacade, chat: ChatInputs, how: str) -> Any:
     """The chat's prompt, rendered by the service's `how` ("render_chat": the text,
     "chat_tokens": its token ids); a template error, or more text than the context can
-    hold, is a 400."""
+    hold, is a 400. An upstream's model takes the chat as messages (its template renders
+    them): its "chat_tokens" are a ChatPrompt."""
+    if isinstance(svc, UpstreamFacade) and how == "chat_tokens":
+        return svc.chat_prompt(chat.messages, chat.tools, chat.choice, chat.parallel,
+                               chat.render)
     check_text_bytes(texts_in(chat.messages) + texts_in(chat.tools or [])
                      + texts_in(chat.render.get("template_kwargs") or {}),
                      prompt_byte_limit(svc), "messages")

@@ -62,8 +62,16 @@ def _card(svc: ServiceFacade) -> tuple[ModelFacts, dict[str, Any]]:
 
 
 async def tags(request: web.Request) -> web.Response:
-    f, card = await off_loop(request, _card, service(request))
-    return json_response({"models": [{**card, "modified_at": timestamp(f.modified)}]})
+    svc = service(request)
+    f, card = await off_loop(request, _card, svc)
+    # a model served by forwarding (--upstream): its name, nothing known of its file
+    upstream = [{"name": (listed := n if ":" in n else f"{n}:latest"), "model": listed,
+                 "size": 0, "digest": "", "modified_at": timestamp(svc.started),
+                 "details": {"parent_model": "", "format": "", "family": "upstream",
+                             "families": ["upstream"], "parameter_size": "",
+                             "quantization_level": ""}} for n in svc.upstream_names]
+    return json_response({"models": [{**card, "modified_at": timestamp(f.modified)},
+                                     *upstream]})
 
 
 async def ps(request: web.Request) -> web.Response:

@@ -90,7 +90,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                 "chat_tokens")
     if context:  # an earlier answer's `context`: the conversation so far
         prompt = token_list(context, "context", svc.tokenizer.vocab_size) + prompt
-    reply = OllamaReply(name, chat=False, context=prompt)
+    # (a forwarded chat has no token ids to return)
+    reply = OllamaReply(name, chat=False, context=prompt if isinstance(prompt, list) else None)
     return await _answer(request, svc, body, fields, params, prompt, reply)
 
 

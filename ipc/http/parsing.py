@@ -10,6 +10,8 @@ from typing import Any
 from aiohttp import web
 
 from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.serving.upstream import OutputFormat
+from specd.daemon.serving.upstream_facade import UpstreamFacade
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams, RequestError
 from specd.daemon.spec.sampling import SamplerParams
@@ -95,7 +97,8 @@ def check_model(request: web.Request, body: dict[str, Any]) -> None:
     does: clients hard-code "gpt-3.5-turbo" or send "" (llama.vim), and responses name
     the model that answered. `--strict-model-name` makes an unknown name a 404."""
     model = get(body, "model", str, None)
-    if not model or not request.app[STRICT_MODEL_NAME]:
+    if not model or not request.app[STRICT_MODEL_NAME] or model in service(
+            request).upstream_names:
         return
     known_model(service(request), model)
 
@@ -213,9 +216,13 @@ def check_fits(svc: ServiceFacade, prompt: list[int], param: str) -> None:
 
 # -- constraints --------------------------------------------------------------------------
 async def constraint(svc: ServiceFacade, body: dict[str, Any], forced: str | None = None
-                     ) -> Grammar | None:
+                     ) -> Grammar | OutputFormat | None:
     """OpenAI `response_format`, or the native `json_schema` / `grammar` / `regex` fields;
-    or `forced`, the grammar of the tool calls tool_choice demands (alone)."""
+    or `forced`, the grammar of the tool calls tool_choice demands (alone). For an
+    upstream's model: the JSON format it is asked for (it applies tool_choice itself)."""
+    if isinstance(svc, UpstreamFacade):
+        requested = _requested(body)
+        return None if requested is None else svc.output_format(*requested[:2])
     grammar = await _requested_constraint(svc, body)
     if forced is None:
         return grammar
@@ -230,6 +237,19 @@ async def constraint(svc: ServiceFacade, body: dict[str, Any], forced: str | Non
 
 
 async def _requested_constraint(svc: ServiceFacade, body: dict[str, Any]) -> Grammar | None:
+    requested = _requested(body)
+    if requested is None:
+        return None
+    kind, spec, param = requested
+    try:
+        return await svc.compile_constraint(kind, spec)
+    except GrammarError as exc:
+        raise BadRequest(str(exc), param=param) from None
+
+
+def _requested(body: dict[str, Any]) -> tuple[str, Any, str | None] | None:
+    """(the constraint's kind, its spec, what a 400 names) of the request's one
+    constraint, checked; None where it has none."""
     kind, spec = None, None
     rf = body.get("response_format")
     if rf is not None:
@@ -262,7 +282,4 @@ async def _requested_constraint(svc: ServiceFacade, body: dict[str, Any]) -> Gra
         return None
     check_constraint_size(spec, "response_format" if rf is not None else
                           next(f for f in ("json_schema", "grammar", "regex") if f in body))
-    try:
-        return await svc.compile_constraint(kind, spec)
-    except GrammarError as exc:
-        raise BadRequest(str(exc), param="response_format" if rf else None) from None
+    return kind, spec, "response_format" if rf else None

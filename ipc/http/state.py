@@ -48,10 +48,12 @@ def service(request: web.Request) -> ServiceFacade:
 
 
 def served(request: web.Request, body: dict[str, Any]) -> ServiceFacade:
-    """The service as this request's sender uses it: its prompt cache is the sender's own
-    (narrowed by the request's `cache_key`), and shutdown can cancel its generation."""
+    """The service as this request's sender uses it, for the model it names (an
+    upstream's, where it names one): its prompt cache is the sender's own (narrowed by
+    the request's `cache_key`), and shutdown can cancel its generation."""
     identity = cache_identity(request.get(IDENTITY, ""), cache_key(body))
-    return service(request).for_sender(identity, request.app[LIVE])
+    return service(request).for_model(body.get("model") or body.get("name")).for_sender(
+        identity, request.app[LIVE])
 
 
 async def off_loop(request: web.Request, fn: Callable[..., T], *args: Any, **kw: Any) -> T:

@@ -24,15 +24,27 @@ def _model_card(svc: ServiceFacade) -> dict[str, Any]:
             "object": "model", "created": int(svc.started), "owned_by": "specd"}
 
 
+def _upstream_card(svc: ServiceFacade, name: str) -> dict[str, Any]:
+    """A model served by forwarding (`--upstream`; its address is not told)."""
+    return {"id": name, "aliases": [], "tags": ["upstream"], "object": "model",
+            "created": int(svc.started), "owned_by": "upstream"}
+
+
 async def models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_model_card(service(request))]})
+    svc = service(request)
+    return json_response({"object": "list", "data": [
+        _model_card(svc), *(_upstream_card(svc, n) for n in svc.upstream_names)]})
 
 
 async def model(request: web.Request) -> web.Response:
-    """GET /v1/models/{id}: the served model under any name it answers to, else a 404
-    (a lookup says what is there, whatever a completion request would accept)."""
+    """GET /v1/models/{id}: the served model under any name it answers to, or an
+    upstream's, else a 404 (a lookup says what is there, whatever a completion request
+    would accept)."""
     svc = service(request)
-    known_model(svc, request.match_info["model_id"])
+    name = request.match_info["model_id"]
+    if name in svc.upstream_names:
+        return json_response(_upstream_card(svc, name))
+    known_model(svc, name)
     return json_response(_model_card(svc))
 
 
