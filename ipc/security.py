@@ -131,6 +131,25 @@ def _read_private_token(path: Path) -> str:
     return token
 
 
+def read_secret_file(path: Path, what: str) -> str:
+    """A secret kept in a file of one's own (an upstream's token): refused if the file
+    is missing, another user's, readable by others or empty. The secret is never in a
+    message."""
+    if not path.is_file():
+        raise TokenFileError(f"{what}: no file {path}")
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise TokenFileError(f"{what}: {path} belongs to uid {st.st_uid}, not to this user")
+    mode = stat.S_IMODE(st.st_mode)
+    if os.name == "posix" and mode & 0o077:
+        raise TokenFileError(f"{what}: {path} may be read by other users (mode "
+                             f"{mode:04o}): `chmod 600 {path}`")
+    secret = path.read_text().strip()
+    if not secret:
+        raise TokenFileError(f"{what}: {path} is empty")
+    return secret
+
+
 def cache_identity(base: str, cache_key: str | None) -> str:
     """A request's prompt-cache identity: who sent it, narrowed by the client's own
     `cache_key` (a key never widens it to another user's cache)."""

@@ -15,6 +15,7 @@ from .options import build_progress, int_at_least, settle_draft, split_drafter
 
 if TYPE_CHECKING:
     from specd.daemon.control.log_file import LogRotation
+    from specd.daemon.serving.upstream import UpstreamSpec
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +80,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
                    help="how embeddings pool the tokens' states (default: the model's own, "
                    "else mean; none: one vector per token, /embeddings only)")
+    p.add_argument("--upstream", action="append", default=[], metavar="NAME=URL",
+                   help="serve model NAME by forwarding to the OpenAI-compatible server at "
+                   "URL (vLLM, SGLang, llama-server; repeatable): a request naming NAME, in "
+                   "any dialect, goes there")
+    p.add_argument("--upstream-token-file", action="append", default=[],
+                   metavar="NAME=PATH",
+                   help="the bearer token upstream NAME requires, read from a file only "
+                   "you can read (repeatable)")
     p.add_argument("--no-fit", action="store_true",
                    help="use -c and --slots as given instead of the measured memory plan")
 
@@ -177,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
                        allow_other_users=args.allow_other_users,
                        max_connections=args.max_connections)
     access = serve_access(scfg)
+    forwarded = upstreams(args)
     check_free(scfg)  # before minutes of loading
     settle_draft(args)
     memory_plan = plan_memory(args)
@@ -190,7 +200,11 @@ def run(args: argparse.Namespace) -> int:
           + (f", head {d['head']['name']}" if "head" in d else "")
           + f", n_ctx {d['n_ctx']}, slots {d['slots']}", file=sys.stderr, flush=True)
     app = create_app(service, allowed_origins=scfg.allowed_origins, access=access,
-                     memory_plan=memory_plan, strict_model_name=args.strict_model_name)
+                     memory_plan=memory_plan, strict_model_name=args.strict_model_name,
+                     upstreams=forwarded)
+    for u in forwarded:
+        print(f"specd: model {u.name} forwarded to {u.url}"
+              + (" (with a token)" if u.token else ""), file=sys.stderr)
     rotation = _log_rotation(args)
     try:
         asyncio.run(serve_forever(app, scfg))
@@ -221,6 +235,27 @@ def chat_template_options(args: argparse.Namespace) -> tuple[str | None, dict[st
     if args.reasoning != "auto":
         kwargs["enable_thinking"] = args.reasoning == "on"
     return template, kwargs
+
+
+def upstreams(args: argparse.Namespace) -> list[UpstreamSpec]:
+    """--upstream's models, each with its --upstream-token-file's token."""
+    from specd.daemon.serving.upstream import UpstreamSpec
+    from specd.ipc.security import read_secret_file
+
+    tokens: dict[str, str] = {}
+    for spec in args.upstream_token_file:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--upstream-token-file {spec!r}: expected NAME=PATH")
+        tokens[name.strip()] = read_secret_file(Path(path.strip()).expanduser(),
+                                                f"--upstream-token-file {name.strip()}")
+    out = [UpstreamSpec.parse(spec) for spec in args.upstream]
+    names = [u.name for u in out]
+    if len(set(names)) < len(names):
+        raise ValueError("--upstream: a NAME is given twice")
+    if unknown := sorted(tokens.keys() - set(names)):
+        raise ValueError(f"--upstream-token-file {unknown[0]}: no --upstream of that name")
+    return [UpstreamSpec(u.name, u.url, tokens.get(u.name)) for u in out]
 
 
 def api_keys(args: argparse.Namespace) -> frozenset[str]:
