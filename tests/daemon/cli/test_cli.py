@@ -229,6 +229,33 @@ def test_serve_takes_api_keys_from_the_flag_and_a_file(tmp_path) -> None:
     assert api_keys(parser.parse_args(["serve"])) == frozenset()
 
 
+def test_serve_upstreams(tmp_path) -> None:
+    from specd.daemon.cli.main import build_parser
+    from specd.daemon.cli.serve import upstreams
+
+    token = tmp_path / "big.token"
+    token.write_text("tok-123\n")
+    token.chmod(0o600)
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--upstream", "big=http://gpu:8000", "--upstream",
+                              "small=http://cpu:8080/v1", "--upstream-token-file",
+                              f"big={token}"])
+    big, small = upstreams(args)
+    assert (big.name, big.url, big.token) == ("big", "http://gpu:8000", "tok-123")
+    assert small.token is None and "tok-123" not in repr(big)
+    assert upstreams(parser.parse_args(["serve"])) == []
+    token.chmod(0o644)  # readable by others: refused, the token not in the message
+    with pytest.raises(ValueError, match="chmod 600") as err:
+        upstreams(args)
+    assert "tok-123" not in str(err.value)
+    for bad, says in ((["--upstream", "big=http://a", "--upstream", "big=http://b"], "twice"),
+                      (["--upstream-token-file", f"other={token}"], "no --upstream"),
+                      (["--upstream", "big"], "NAME=URL")):
+        token.chmod(0o600)
+        with pytest.raises(ValueError, match=says):
+            upstreams(parser.parse_args(["serve", *bad]))
+
+
 def test_serve_chat_template_options(tmp_path) -> None:
     from specd.daemon.cli.main import build_parser
     from specd.daemon.cli.serve import chat_template_options
