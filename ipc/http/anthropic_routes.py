@@ -16,6 +16,7 @@ from aiohttp import web
 
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
+from specd.daemon.serving.upstream_facade import UpstreamFacade
 from specd.daemon.text.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 from ..jsonout import json_response
@@ -23,7 +24,7 @@ from ..validation import get, json_body, stop_list
 from .anthropic_inputs import chat_body, max_tokens, sampling_body, stop_body
 from .chat_inputs import chat_inputs, render
 from .parsing import check_fits, check_model, constraint, generation_params
-from .state import off_loop, served, service
+from .state import off_loop, served
 from .streaming import Named, collect, stream_events, submit_all
 
 # Anthropic's error types by HTTP status (a 4xx not named: invalid_request_error)
@@ -49,7 +50,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     stop = stop_list(stop_body(body))
     grammar = await constraint(svc, {}, chat.forced)
     check_fits(svc, prompt, "messages")
-    reply = _Reply(svc, names=chat.names, prompt_tokens=len(prompt))
+    # an upstream's model counts its prompt itself: known once it answers
+    reply = _Reply(svc, names=chat.names,
+                   prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
     if not get(body, "stream", bool, False):
         results = await collect(request, svc, prompt, [params], stop=stop, grammar=grammar)
         return json_response(reply.whole(results[0]))
@@ -60,9 +63,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """How many tokens the request's prompt is, rendered as /v1/messages renders it."""
     body = await json_body(request)
+    svc = served(request, body)
     check_model(request, body)
+    if isinstance(svc, UpstreamFacade):
+        svc.unsupported("count_tokens")
     chat = chat_inputs(chat_body(body))
-    prompt = await off_loop(request, render, service(request), chat, "chat_tokens")
+    prompt = await off_loop(request, render, svc, chat, "chat_tokens")
     return json_response({"input_tokens": len(prompt)})
 
 

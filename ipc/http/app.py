@@ -126,7 +126,7 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/responses", _busy(responses_routes.responses))
     # Anthropic's (its errors in its shape: make_middlewares' error_shapes)
     r.add_post("/v1/messages", _busy(anthropic_routes.messages))
-    r.add_post("/v1/messages/count_tokens", anthropic_routes.count_tokens)
+    r.add_post("/v1/messages/count_tokens", _busy(anthropic_routes.count_tokens))
     # llama.cpp's
     r.add_post("/apply-template", llama_routes.apply_template)
     r.add_post("/chat/completions/input_tokens", llama_routes.chat_input_tokens)

@@ -40,6 +40,9 @@ class _Stream:
     def cancel(self) -> None:
         pass
 
+    async def started(self) -> None:
+        pass
+
 
 def _result(text: str, reason: str = "stop", *, word: str = "", error: str | None = None
             ) -> Result:

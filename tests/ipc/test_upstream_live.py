@@ -23,6 +23,7 @@ from llama_cpp_oracle import missing
 
 openai = pytest.importorskip("openai")
 ollama = pytest.importorskip("ollama")
+anthropic = pytest.importorskip("anthropic")
 
 TOKEN = "upstream-secret-4f1c9e"
 # a small chat model from the store (`specd models pull NAME`), the first found
@@ -135,6 +136,22 @@ def test_openai_responses(server: LiveServer, expected: str) -> None:
                                          max_output_tokens=N, temperature=0)
     assert r.output_text == expected and r.usage.input_tokens > 0
     assert r.usage.output_tokens > 0
+
+
+def test_anthropic_messages_whole_and_streamed(server: LiveServer, expected: str) -> None:
+    client = anthropic.Anthropic(base_url=server.base_url, api_key=server.token or "none",
+                                 max_retries=0)
+    r = client.messages.create(model="big", messages=ASK, max_tokens=N,
+                               extra_body={"temperature": 0})
+    assert r.content[0].text == expected and r.stop_reason in ("end_turn", "max_tokens")
+    assert r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= N
+    with client.messages.stream(model="big", messages=ASK, max_tokens=N,
+                                extra_body={"temperature": 0}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == expected and final.usage.output_tokens == r.usage.output_tokens
+    with pytest.raises(anthropic.BadRequestError, match="count_tokens is not supported"):
+        client.messages.count_tokens(model="big", messages=ASK)
 
 
 def test_refusals_and_a_down_upstream(server: LiveServer) -> None:
