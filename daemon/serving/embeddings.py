@@ -19,7 +19,8 @@ from specd.daemon.text.tokenizer import Tokenizer
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.quant import dense_float32
-from specd.ort_models.runner import ModelRunner
+
+from .loaded_model import LoadedModel
 
 POOLINGS = ("mean", "cls", "last", "none")
 # llama.cpp's `{arch}.pooling_type` values
@@ -85,11 +86,11 @@ class EmbeddingHead:
 
 @dataclass
 class Embedder:
-    """A runner whose graph outputs the head's layer, and the tokenizer of its model.
-    `own`: a model of its own (its sequence 0, beside the target's slots); else the
-    target's runner, evaluating in the slot a request is given."""
+    """A model whose graph outputs the head's layer (its runner while it is loaded), and
+    the tokenizer of its model. `own`: a model of its own (its sequence 0, beside the
+    target's slots); else the target, evaluating in the slot a request is given."""
 
-    runner: ModelRunner
+    model: LoadedModel
     tokenizer: Tokenizer
     head: EmbeddingHead
     own: bool
@@ -100,12 +101,12 @@ class Embedder:
 
     @property
     def n_ctx(self) -> int:
-        return self.runner.n_ctx
+        return self.model.n_ctx
 
     def embed(self, seq: int, tokens: list[int], normalize_p: int = 2) -> np.ndarray:
         """The embedding of `tokens`, evaluated from position 0 of sequence `seq` (its KV
         then holds them): [E] pooled, or [n_tokens, E] with pooling "none"."""
         h = self.head
-        _, features = self.runner.prefill_with_features(seq, tokens, 0, [h.layer])
+        _, features = self.model.runner.prefill_with_features(seq, tokens, 0, [h.layer])
         states = output_norm(features[h.layer], h.norm, h.eps)  # [n, E]
         return normalize(pool(states, h.pooling), normalize_p if h.pooling != "none" else -1)

@@ -7,6 +7,7 @@ go through `Engine.start()`.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,18 +40,19 @@ from specd.daemon.spec.policy import PolicyMemory
 from specd.daemon.text.chat_template import render_chat
 from specd.daemon.text.grammar import GrammarState
 from specd.daemon.text.tokenizer import Tokenizer
-from specd.memory_fit.rss import rss_bytes
+from specd.memory_fit.rss import rss_bytes, trim_heap
 from specd.ort_models import native_ops
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.head_runner import HeadRunner, load_or_build_head
 from specd.ort_models.heads import HeadFormatError, HeadParams, head_kind, read_head
-from specd.ort_models.model_cache import BuiltModel, load_or_build
+from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.providers import RuntimeChoice, choose_runtime
 from specd.ort_models.runner import ModelRunner
 from specd.ort_models.shared_initializers import share_with_target, shares_on
 
 from .embeddings import Embedder, EmbeddingHead
+from .loaded_model import LoadedModel
 
 log = logging.getLogger("specd.engine")
 
@@ -119,21 +121,6 @@ def template_defaults() -> dict[str, Any]:
     now = datetime.now()
     return {"enable_thinking": True, "date_string": now.strftime("%d %b %Y"),
             "datetime": now.strftime("%b %d %Y")}
-
-
-@dataclass
-class LoadedModel:
-    path: Path
-    gguf: GGUFFile
-    built: BuiltModel
-    runner: ModelRunner
-    # RSS growth while its session (weights, KV buffers) was created; the target's also
-    # counts the tokenizer
-    resident_bytes: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.gguf.name
 
 
 class Engine:
@@ -210,36 +197,76 @@ class Engine:
                                                 device=self.runtime.device)
             except ValueError as exc:  # a head kind or feature not built yet
                 raise EngineError(str(exc)) from None
-        target_built = load_or_build(target_path, target_options, bp("target"))
-        shared = (None if built_head is None or not shares_on(self.runtime.device) else
-                  share_with_target(((g, built_head.model_path(g)) for g in built_head.graphs),
-                                    target_built.model_path))
-        self.target = self._load(target_path, tgt_file, target_built,
-                                 initializers=None if shared is None else shared.arrays)
-        self.target.resident_bytes += max(tokenizer_bytes, 0)
-        self.n_ctx = self.target.runner.n_ctx
-        if cfg.n_ctx > self.n_ctx:  # said out loud when the context was asked for
-            say = log.info if cfg.n_ctx == DEFAULT_N_CTX else log.warning
-            say("warning: a context of %d tokens was asked for; %s was trained for %d, so "
-                "each sequence gets %d", cfg.n_ctx, target_path.name,
-                self.target.built.hparams.n_ctx_train, self.n_ctx)
+        self._built_head = built_head
+        self.target = LoadedModel(target_path, tgt_file,
+                                  load_or_build(target_path, target_options, bp("target")),
+                                  n_seq=cfg.slots)
         self.draft: LoadedModel | None = None
         if draft_path is not None and d_file is not None and draft_options is not None:
-            self.draft = self._load(draft_path, d_file, load_or_build(
-                draft_path, draft_options, bp("draft")), exact=False)
+            self.draft = LoadedModel(draft_path, d_file, load_or_build(
+                draft_path, draft_options, bp("draft")), exact=False, n_seq=cfg.slots)
+        # the sessions below are there while the engine is loaded (load / unload)
         self.head: HeadRunner | None = None
-        if built_head is not None:
-            self.head = HeadRunner(built_head, n_ctx=self.n_ctx, n_seq=cfg.slots,
-                                   threads=cfg.threads, runtime=self.runtime, shared=shared)
-        self.drafter: Drafter | None = make_drafter(self.spec_type, self.drafter_inputs())
+        self.drafter: Drafter | None = None
         # each request's draft policy starts from the last finished one's estimates
         self.policy_memory = PolicyMemory()
         self.embedding: LoadedModel | None = None  # a model of its own for embeddings
         self.embedder: Embedder | None = None
         if target_head is not None:
-            self.embedder = Embedder(self.target.runner, self.tokenizer, target_head, False)
+            self.embedder = Embedder(self.target, self.tokenizer, target_head, False)
         elif cfg.embedding_model is not None:
-            self.embedder = self._load_embedder(cfg.embedding_model, progress, bp)
+            self.embedder = self._embedding_model(cfg.embedding_model, progress, bp)
+        self.loaded = False
+        self.load()
+        self.target.resident_bytes += max(tokenizer_bytes, 0)
+        self.n_ctx = self.target.n_ctx
+        if cfg.n_ctx > self.n_ctx:  # said out loud when the context was asked for
+            say = log.info if cfg.n_ctx == DEFAULT_N_CTX else log.warning
+            say("warning: a context of %d tokens was asked for; %s was trained for %d, so "
+                "each sequence gets %d", cfg.n_ctx, target_path.name,
+                self.target.built.hparams.n_ctx_train, self.n_ctx)
+        # what the drafter is called and whether it drafts, known while unloaded too
+        self.drafter_name = None if self.drafter is None else self.drafter.name
+        self.copies_prefixes = self.drafter is None or not self.drafter.target_layers
+
+    # -- loading and unloading ------------------------------------------------------------
+    def load(self) -> None:
+        """Open the models' sessions from their built graphs (no rebuild) and make the
+        drafter: the same configuration every time, so output is the same after an
+        unload. On failure nothing stays open."""
+        if self.loaded:
+            return
+        try:
+            head = self._built_head
+            shared = (None if head is None or not shares_on(self.runtime.device) else
+                      share_with_target(((g, head.model_path(g)) for g in head.graphs),
+                                        self.target.built.model_path))
+            self._open(self.target, None if shared is None else shared.arrays)
+            if self.draft is not None:
+                self._open(self.draft)
+            if head is not None:
+                self.head = HeadRunner(head, n_ctx=self.target.n_ctx, n_seq=self.cfg.slots,
+                                       threads=self.cfg.threads, runtime=self.runtime,
+                                       shared=shared)
+            self.drafter = make_drafter(self.spec_type, self.drafter_inputs())
+            if self.embedding is not None:
+                self._open(self.embedding)
+        except BaseException:
+            self.unload()
+            raise
+        self.loaded = True
+
+    def unload(self) -> None:
+        """Drop every session, KV cache and the drafter (its per-sequence state with
+        them), and give the freed memory back to the system. Only while no request
+        runs: the caller (the scheduler's worker) makes sure of that."""
+        self.drafter, self.head = None, None
+        for m in (self.target, self.draft, self.embedding):
+            if m is not None:
+                m.session = None
+        self.loaded = False
+        gc.collect()  # sessions caught in reference cycles go now, not at some later pass
+        trim_heap()
 
     def _draft_files(self, progress: Progress | None
                      ) -> list[tuple[Path, GGUFFile, str | None]]:
@@ -301,10 +328,10 @@ class Engine:
         except ValueError as exc:
             raise EngineError(str(exc)) from None
 
-    def _load_embedder(self, name: str, progress: Progress | None,
-                       bp: Callable[[str], Progress | None]) -> Embedder:
+    def _embedding_model(self, name: str, progress: Progress | None,
+                         bp: Callable[[str], Progress | None]) -> Embedder:
         """The embedding model of its own: its graph with its last hidden state out, one
-        sequence, and its tokenizer."""
+        sequence, and its tokenizer (its session opens with the others: load)."""
         path = self._resolve(name, progress)
         f = GGUFFile(path)
         head = self._embedding_head(f)
@@ -312,28 +339,30 @@ class Engine:
             options = embedding_options(self.runtime.device, head.layer)
         except BuildError as exc:
             raise EngineError(str(exc)) from None
-        self.embedding = self._load(path, f, load_or_build(path, options, bp("embedding model")),
-                                    n_seq=1)
-        return Embedder(self.embedding.runner, Tokenizer.from_metadata(f.metadata), head, True)
+        self.embedding = LoadedModel(path, f, load_or_build(path, options,
+                                                            bp("embedding model")))
+        return Embedder(self.embedding, Tokenizer.from_metadata(f.metadata), head, True)
 
     @property
     def pooling(self) -> str | None:
         """How embeddings pool the tokens' states (None: embeddings are off)."""
         return None if self.embedder is None else self.embedder.pooling
 
-    def _load(self, path: Path, f: GGUFFile, built: BuiltModel, exact: bool = True,
-              n_seq: int | None = None, initializers: dict[str, np.ndarray] | None = None
-              ) -> LoadedModel:
-        """The built graph's runner. exact: a verified row must equal a single step bit for
-        bit (the target's runner makes its calls' shapes so); a draft's rows need not, and
-        run their own shapes. initializers: weights its session shares with a head's
-        (shared_initializers.py)."""
+    def _open(self, m: LoadedModel,
+              initializers: dict[str, np.ndarray] | None = None) -> None:
+        """The model's runner from its built graph. exact: a verified row must equal a
+        single step bit for bit (the target's runner makes its calls' shapes so); a
+        draft's rows need not, and run their own shapes. initializers: weights its session
+        shares with a head's (shared_initializers.py)."""
         before = rss_bytes()  # after any build: its freed scratch is not the model's
-        runner = ModelRunner(built, n_ctx=self.cfg.n_ctx, n_seq=n_seq or self.cfg.slots,
+        first = m.min_rows is None
+        m.opened(ModelRunner(m.built, n_ctx=self.cfg.n_ctx, n_seq=m.n_seq,
                              threads=self.cfg.threads, runtime=self.runtime,
-                             spinning=self.cfg.spin, row_block=None if exact else 1,
-                             min_rows=None if exact else 1, initializers=initializers)
-        return LoadedModel(path, f, built, runner, max(rss_bytes() - before, 0))
+                             spinning=self.cfg.spin, row_block=None if m.exact else 1,
+                             min_rows=m.min_rows if not first else None if m.exact else 1,
+                             initializers=initializers))
+        if first:
+            m.resident_bytes = max(rss_bytes() - before, 0)
 
     # -- requests -------------------------------------------------------------------------
     @property
@@ -413,20 +442,23 @@ class Engine:
             "spec_type": self.spec_type,
             "n_ctx": self.n_ctx,
             "slots": self.cfg.slots,
+            "loaded": self.loaded,
         }
         if self.draft is not None:
             d["draft"] = {"name": self.draft.name, "path": str(self.draft.path),
-                          "arch": self.draft.built.hparams.arch, "n_ctx": self.draft.runner.n_ctx,
+                          "arch": self.draft.built.hparams.arch, "n_ctx": self.draft.n_ctx,
                           "quant": resolve_draft_quant(self.cfg.draft_quant,
                                                        self.runtime.device),
                           "vocab": self.draft.built.options.logits_width(
                               self.draft.built.hparams.n_vocab)}
-        if self.head is not None:
-            head = self.head.built.head
+        if self._built_head is not None:
+            built = self._built_head
+            head = built.head
             d["head" if self.draft is not None else "draft"] = {
-                "name": self.head.built.head_path.name,
-                "path": str(self.head.built.head_path), "arch": head.arch,
+                "name": built.head_path.name,
+                "path": str(built.head_path), "arch": head.arch,
                 "kind": head.kind, "n_layer": head.n_layer,
                 "target_layers": list(head.target_layers),
-                "block_size": head.block_size, "n_ctx": self.head.n_ctx}
+                "block_size": head.block_size,
+                "n_ctx": min(self.n_ctx, built.target.n_ctx_train)}
         return d

@@ -180,7 +180,10 @@ class Generation:
             if missing:
                 raise ValueError(f"drafter {drafter.name} reads the target's layers "
                                  f"{sorted(missing)}, which its graph does not output")
-        self.target, self.seq, self.params = target, seq, params
+        # the runner, let go at close (an unloaded model's memory is not kept by a
+        # finished request whose result is still being sent)
+        self._target: ModelRunner | None = target
+        self.seq, self.params = seq, params
         self.prompt = list(prompt)
         self.eog = set() if params.ignore_eos else set(eog)
         self.drafter = drafter
@@ -719,11 +722,19 @@ class Generation:
         if self.finish_reason is None:
             self.finish_reason = reason
 
+    @property
+    def target(self) -> ModelRunner:
+        if self._target is None:
+            raise RuntimeError("the generation is closed")
+        return self._target
+
     def close(self) -> None:
+        """End the sequence with the drafter, and let go of the target's runner."""
         if self.drafter is not None and self._memory is not None:
             self._memory.keep(self.drafter.name, self.policy)
         self._memory = None
         drafter = self.drafter or self._failed_drafter
+        self._target = None
         if drafter is not None:
             try:
                 drafter.end(self.seq)
