@@ -24,7 +24,7 @@ from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
 from specd.daemon.text.tokenizer import Tokenizer
 
-from .scheduler import PassCounts, Request, Scheduler
+from .scheduler import PassCounts, Request, Residency, Scheduler
 from .service import Piece, ProgressEvent, Result, Service, TextStream
 from .upstream import UpstreamClient
 
@@ -192,6 +192,20 @@ class ServiceFacade:
             resident_bytes=resident if resident > 0 else st.st_size,
             device=engine.runtime.device, n_ctx_train=t.built.hparams.n_ctx_train)
 
+    def residency(self) -> Residency:
+        """Whether the model is loaded now, and until when (it unloads once idle for its
+        keep-alive)."""
+        return self._service.scheduler.residency()
+
+    async def load(self, keep_alive: float | None = None) -> None:
+        """Load the model if it is not, kept for `keep_alive` seconds once idle (< 0:
+        forever; None: the daemon's --keep-alive); RuntimeError if it cannot load."""
+        await self._service.load(keep_alive)
+
+    def unload(self) -> None:
+        """Unload the model as soon as nothing runs (at once if nothing does)."""
+        self._service.scheduler.set_keep_alive(0)
+
     def digest(self) -> str:
         """The served model file's sha256 (remembered from its load: a lookup)."""
         return self._service.engine.target.gguf.content_hash()
@@ -224,8 +238,9 @@ class ServiceFacade:
                  **kw: Any) -> AsyncIterator[Piece | ProgressEvent | Result]:
         return self._service.generate(prompt, params, **kw)
 
-    async def embed(self, inputs: list[list[int]], normalize_p: int = 2) -> list[np.ndarray]:
-        return await self._service.embed(inputs, normalize_p)
+    async def embed(self, inputs: list[list[int]], normalize_p: int = 2, *,
+                    keep_alive: float | None = None) -> list[np.ndarray]:
+        return await self._service.embed(inputs, normalize_p, keep_alive=keep_alive)
 
     # -- slots and counters ---------------------------------------------------------------
     @property
@@ -237,13 +252,13 @@ class ServiceFacade:
 
     def counters(self) -> Counters:
         sch = self._service.scheduler
-        drafter = self._service.engine.drafter
+        drafter = self._service.engine.drafter_name
         return Counters(totals=sch.totals, passes=sch.counts,
                         requests_total=sch.requests_total,
                         requests_failed=sch.requests_failed, queue_length=sch.queue_length,
                         busy_slots=sum(1 for s in sch.slots if s.request is not None),
                         n_slots=len(sch.slots),
-                        drafter=None if drafter is None else drafter.name)
+                        drafter=drafter)
 
     def stop(self) -> None:
         """Stop the scheduler's worker (after the last response)."""

@@ -18,15 +18,23 @@ ort_models/graph_builder/), so a request's output does not depend on what else r
 On CUDA that holds for decoding and verify blocks (one fixed call shape), not across
 prefill chunkings: a prompt whose prefix was reused is prefilled in other chunks than a
 fresh one, and ORT's CUDA kernels may round those rows differently (ort_models/runner.py).
+
+The worker also owns whether the engine is loaded. Once nothing has run, waited or been
+held for the keep-alive (the latest request's own, else the scheduler's), it unloads the
+engine (its sessions, KV caches, drafter) and forgets the slots' cached prefixes; the next
+request or hold loads it again before anything runs. Running requests are never cut: the
+model unloads only while idle.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from specd.daemon.spec.batch_policy import BatchDraftPlanner
@@ -39,6 +47,7 @@ from specd.daemon.spec.generation import (
 from specd.daemon.spec.round import BatchRound
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
+from specd.memory_fit.rss import rss_bytes
 
 from .engine import Engine
 
@@ -48,6 +57,16 @@ log = logging.getLogger("specd.scheduler")
 # a request waits for a slot still evaluating a prompt that shares this many more tokens
 # with its own, to copy that KV rather than evaluate the same prefix twice
 SHARED_PREFIX_WAIT = 32
+NEVER = -1.0  # a keep-alive under 0: the model stays loaded
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Whether the engine is loaded, and until when (Unix time; inf: no unload planned;
+    while requests run, the keep-alive counted from now)."""
+
+    loaded: bool
+    expires_at: float | None
 
 
 class QueueFull(Exception):
@@ -88,6 +107,9 @@ class Request:
     error: str | None = None
     cancelled: bool = False
     t_submit: float = field(default_factory=time.monotonic)
+    # how long the model stays loaded once idle after it (seconds; < 0: forever; None:
+    # the scheduler's default); the latest request's counts
+    keep_alive: float | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -111,8 +133,19 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, *, max_queue: int = 64, prefill_chunk: int = 256):
+    def __init__(self, engine: Engine, *, max_queue: int = 64, prefill_chunk: int = 256,
+                 keep_alive: float = NEVER):
+        """keep_alive: seconds the engine stays loaded once idle, where a request names
+        none (< 0: forever; 0: unloaded as soon as idle)."""
         self.engine = engine
+        self.keep_alive = keep_alive
+        self._alive_s = keep_alive  # the latest request's keep-alive, or the default
+        self._idle_since = time.monotonic()  # when the last request or hold ended
+        self._holds = 0  # blocks that need the engine loaded (hold)
+        self._load_wanted = False  # a hold waits for a load
+        self._loads = 0  # load attempts finished
+        self._load_error: str | None = None  # the last attempt's failure
+        self._unloading = False
         self.slots = [Slot(i) for i in range(engine.cfg.slots)]
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
@@ -128,7 +161,9 @@ class Scheduler:
         self._last_prompts_only = False  # the last step ran prompt chunks alone
         # plans the drafts of a step several decoding slots share (one slot: its own policy)
         self.planner = BatchDraftPlanner()
-        self.round = BatchRound(engine.target.runner, self.planner)
+        self.round: BatchRound | None = None  # over the engine's runner while loaded
+        if engine.loaded:
+            self.round = BatchRound(engine.target.runner, self.planner)
         self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
         self._thread.start()
 
@@ -140,15 +175,70 @@ class Scheduler:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
             req.id = self._next_id
             self._next_id += 1
+            self._keep_for(req.keep_alive)
             self.queue.append(req)
-            self._lock.notify()
+            self._lock.notify_all()
         return req
 
     def stop(self) -> None:
         with self._lock:
             self._stop = True
-            self._lock.notify()
+            self._lock.notify_all()
         self._thread.join(timeout=10)
+
+    def set_keep_alive(self, keep_alive: float | None) -> None:
+        """A keep-alive with nothing to run (Ollama's empty request): how long the engine
+        stays loaded once idle from now on (0: unloaded as soon as nothing runs)."""
+        with self._lock:
+            self._keep_for(keep_alive)
+            self._lock.notify_all()
+
+    @contextmanager
+    def hold(self, keep_alive: float | None = None) -> Iterator[None]:
+        """The engine loaded (by the worker, if it was not) and kept loaded for the block:
+        work that runs beside the scheduler (an embedding model's requests), or a load
+        request. RuntimeError when the load fails or the scheduler stops."""
+        with self._lock:
+            self._keep_for(keep_alive)
+            self._holds += 1
+            try:
+                start = self._loads
+                while not self.engine.loaded or self._unloading:
+                    if self._stop:
+                        raise RuntimeError("specd is shutting down")
+                    if self._loads > start and self._load_error:
+                        raise RuntimeError(self._load_error)
+                    self._load_wanted = True
+                    self._lock.notify_all()
+                    self._lock.wait()
+            except BaseException:
+                self._release()
+                raise
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._release()
+
+    def _release(self) -> None:
+        """A hold ends (the caller holds the lock)."""
+        self._holds -= 1
+        self._idle_since = time.monotonic()
+        self._lock.notify_all()
+
+    def _keep_for(self, keep_alive: float | None) -> None:
+        """The engine's keep-alive from now on (the caller holds the lock)."""
+        self._alive_s = self.keep_alive if keep_alive is None else keep_alive
+
+    def residency(self) -> Residency:
+        """Whether the engine is loaded and until when (see Residency)."""
+        with self._lock:
+            if not self.engine.loaded:
+                return Residency(False, None)
+            if self._alive_s < 0:
+                return Residency(True, math.inf)
+            since = time.monotonic() if self._busy() else self._idle_since
+            return Residency(True, time.time() + since + self._alive_s - time.monotonic())
 
     def count_prompts(self, lengths: list[int], seconds: float) -> None:
         """Prompts evaluated outside a Generation (embedding inputs, a pass each) join
@@ -177,7 +267,7 @@ class Scheduler:
                 "n_generated": 0 if r is None or r.gen is None else len(r.gen.tokens),
                 # llama-server's
                 "is_processing": r is not None, "n_ctx": self.engine.n_ctx,
-                "speculative": self.engine.drafter is not None,
+                "speculative": self.engine.drafter_name is not None,
             })
         return out
 
@@ -232,8 +322,7 @@ class Scheduler:
         """Whether a prompt's prefix may be copied from another slot: not where the
         drafter keeps a context of the target's features per slot (a head's cache), which
         the copy would leave behind."""
-        drafter = self.engine.drafter
-        return drafter is None or not drafter.target_layers
+        return self.engine.copies_prefixes
 
     def _waits_for_prefix(self, req: Request) -> bool:
         """Whether the request is better off waiting a step: another slot of its identity
@@ -294,19 +383,95 @@ class Scheduler:
                 slot.request = req
                 req.slot = slot.index
 
+    def _busy(self) -> bool:
+        """Requests running or queued, or a hold open (the caller holds the lock)."""
+        return bool(self.queue) or self._holds > 0 or any(
+            s.request is not None for s in self.slots)
+
+    def _has_work(self) -> bool:
+        """Requests to run, or a load to do (the caller holds the lock)."""
+        return bool(self.queue) or self._load_wanted or any(
+            s.request is not None for s in self.slots)
+
+    def _expiry(self) -> float | None:
+        """When the idle engine unloads (monotonic; None: not while it is busy or kept
+        forever; the caller holds the lock)."""
+        if not self.engine.loaded or self._alive_s < 0 or self._busy():
+            return None
+        return self._idle_since + self._alive_s
+
     def _run(self) -> None:
         while True:
+            unload = False
             with self._lock:
-                while not self._stop and not self.queue and all(
-                        s.request is None for s in self.slots):
-                    self._lock.wait()
+                while not self._stop and not self._has_work():
+                    expiry = self._expiry()
+                    wait = None if expiry is None else expiry - time.monotonic()
+                    if wait is not None and wait <= 0:
+                        unload = True
+                        break
+                    self._lock.wait(wait)
                 if self._stop:
                     return
             try:
+                if unload:
+                    self._unload()
+                    continue
+                if not self.engine.loaded and not self._load():
+                    continue
                 self._admit()
                 self._step()
             except Exception:  # the worker must outlive any bug
                 log.exception("scheduler round failed")
+
+    def _unload(self) -> None:
+        """Release the idle engine's sessions; the slots' KV, and so their cached
+        prefixes, go with them."""
+        before = rss_bytes()
+        with self._lock:  # a request or hold may have come since the wait ended
+            expiry = self._expiry()
+            if expiry is None or expiry > time.monotonic():
+                return
+            self._unloading = True
+            for slot in self.slots:
+                slot.cached, slot.identity = [], ""
+        try:
+            self.round = None
+            self.engine.unload()
+        finally:
+            with self._lock:
+                self._unloading = False
+                self._lock.notify_all()
+        log.info("unloaded %s after %.0f s idle (RSS %.0f -> %.0f MB)",
+                 self.engine.model_name, time.monotonic() - self._idle_since,
+                 before / 1e6, rss_bytes() / 1e6)
+
+    def _load(self) -> bool:
+        """Load the engine for the requests or holds waiting (from the graph cache);
+        on failure the queued requests fail with its message. Whether it loaded."""
+        t0 = time.monotonic()
+        with self._lock:
+            self._load_wanted = False
+        try:
+            self.engine.load()
+            self.round = BatchRound(self.engine.target.runner, self.planner)
+            error = None
+        except Exception as exc:
+            log.exception("loading %s failed", self.engine.model_name)
+            error = f"the model could not be loaded: {exc}"
+        with self._lock:
+            self._loads += 1
+            self._load_error = error
+            self._idle_since = time.monotonic()
+            if error is not None:
+                failed, self.queue = list(self.queue), deque()
+                for req in failed:
+                    req.error = error
+                    self._finish(req, None)
+            self._lock.notify_all()
+        if error is None:
+            log.info("loaded %s in %.1f s", self.engine.model_name, time.monotonic() - t0)
+        return error is None
 
     def _step(self) -> None:
         """One step of every active slot: its round, or its next prompt chunk within the
@@ -338,6 +503,7 @@ class Scheduler:
             self._settle(slot)
         if not stepping:
             return
+        assert self.round is not None  # loaded: requests run only then
         report = self.round.step([self._gen(s) for s in stepping], self.prefill_chunk)
         if report.target_calls:
             self.counts.passes += 1
@@ -399,6 +565,7 @@ class Scheduler:
             slot.request = None
             self._used += 1
             slot.last_used = self._used
+        self._idle_since = time.monotonic()
         if req.gen is not None:
             try:
                 req.gen.close()

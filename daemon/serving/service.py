@@ -151,20 +151,33 @@ class Service:
     def submit(self, prompt: list[int], params: GenerationParams, *,
                stop: list[str] | None = None, cache_prompt: bool = True,
                t_max_ms: float | None = None, grammar: Grammar | None = None,
-               n_indent: int = 0, progress: bool = False, timings: bool = False) -> Stream:
+               n_indent: int = 0, progress: bool = False, timings: bool = False,
+               keep_alive: float | None = None) -> Stream:
         """Queue a request (RequestError if the prompt does not fit, QueueFull if the queue
         is), before anything is sent to the client; iterate the Stream for its output
         (with `progress`, ProgressEvents as the prompt is evaluated; with `timings`, each
-        event carries the request's timings so far)."""
+        event carries the request's timings so far). keep_alive: how long the model stays
+        loaded once idle after it (Request.keep_alive)."""
         self.check_prompt(prompt)
         return Stream(self, prompt, params, stop=stop, cache_prompt=cache_prompt,
                       t_max_ms=t_max_ms, grammar=grammar, n_indent=n_indent,
-                      progress=progress, timings=timings)
+                      progress=progress, timings=timings, keep_alive=keep_alive)
 
-    async def embed(self, inputs: list[list[int]], normalize_p: int = 2) -> list[np.ndarray]:
+    async def load(self, keep_alive: float | None = None) -> None:
+        """Load the model if it is not (a request with nothing to generate), and keep it
+        for `keep_alive` once idle; RuntimeError if it cannot be loaded."""
+        def wait() -> None:
+            with self.scheduler.hold(keep_alive):
+                pass
+
+        await asyncio.to_thread(wait)
+
+    async def embed(self, inputs: list[list[int]], normalize_p: int = 2, *,
+                    keep_alive: float | None = None) -> list[np.ndarray]:
         """Each input's embedding (Engine.embed): from the target, computed on the
         scheduler's worker in a slot it takes like a request (QueueFull when the queue is
-        full); from an embedding model of its own, on a thread, one request at a time."""
+        full); from an embedding model of its own, on a thread, one request at a time,
+        the models kept loaded meanwhile."""
         if not inputs or not all(inputs):
             raise ValueError("nothing to embed")
         embedder = self.engine.embedder
@@ -173,7 +186,7 @@ class Service:
                 check_prompt_fits(tokens, embedder.n_ctx)
 
             def run() -> list[np.ndarray]:
-                with self._embedding:
+                with self.scheduler.hold(keep_alive), self._embedding:
                     t0 = time.perf_counter()
                     out = [self.engine.embed(0, tokens, normalize_p) for tokens in inputs]
                     self.scheduler.count_prompts([len(t) for t in inputs],
@@ -201,7 +214,7 @@ class Service:
 
         req = Request(prompt=list(inputs[0]), params=GenerationParams(max_tokens=0),
                       on_tokens=lambda tokens: None, on_done=finished, cache_prompt=False,
-                      task=task)
+                      task=task, keep_alive=keep_alive)
         self.scheduler.submit(req)
         try:
             r = await done
@@ -235,7 +248,7 @@ class Stream:
     def __init__(self, svc: Service, prompt: list[int], params: GenerationParams, *,
                  stop: list[str] | None, cache_prompt: bool, t_max_ms: float | None,
                  grammar: Grammar | None, n_indent: int = 0, progress: bool = False,
-                 timings: bool = False):
+                 timings: bool = False, keep_alive: float | None = None):
         self.svc, self.prompt = svc, prompt
         self._timings = timings
         self._loop = asyncio.get_running_loop()
@@ -254,7 +267,7 @@ class Stream:
         self._indent = IndentLimit(n_indent) if n_indent > 0 else None
         self.req = Request(
             prompt=prompt, params=params, cache_prompt=cache_prompt, grammar=grammar,
-            on_tokens=self._on_tokens,
+            on_tokens=self._on_tokens, keep_alive=keep_alive,
             on_prompt_progress=self._on_progress if progress else None,
             on_done=lambda r: self._loop.call_soon_threadsafe(
                 self._events.put_nowait, ("done", r)),
