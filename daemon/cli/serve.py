@@ -88,8 +88,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    metavar="NAME=PATH",
                    help="the bearer token upstream NAME requires, read from a file only "
                    "you can read (repeatable)")
+    p.add_argument("--keep-alive", type=duration, default=DEFAULT_KEEP_ALIVE,
+                   metavar="DURATION",
+                   help="unload the model (its memory back to the system) once no request "
+                   "has run for this long; the next request reloads it from the graph "
+                   "cache. Seconds or a duration such as 5m or 1h (default "
+                   f"{DEFAULT_KEEP_ALIVE}, as Ollama's); 0: as soon as idle; negative: "
+                   "never. An Ollama request's keep_alive overrides it")
     p.add_argument("--no-fit", action="store_true",
                    help="use -c and --slots as given instead of the measured memory plan")
+
+
+DEFAULT_KEEP_ALIVE = "5m"
+
+
+def duration(text: str) -> float:
+    """--keep-alive's value in seconds (durations.parse_duration)."""
+    from specd.daemon.serving.durations import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def plan_memory(args: argparse.Namespace) -> dict | None:
@@ -163,7 +183,8 @@ def build_service(args: argparse.Namespace):
     cfg.chat_template, cfg.template_kwargs = chat_template_options(args)
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     return Service(engine, Scheduler(engine, max_queue=args.queue,
-                                     prefill_chunk=args.batch_size))
+                                     prefill_chunk=args.batch_size,
+                                     keep_alive=args.keep_alive))
 
 
 def run(args: argparse.Namespace) -> int:

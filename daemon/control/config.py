@@ -23,6 +23,7 @@ KEYS: dict[str, type] = {
     "slots": int,
     "n_ctx": int,
     "threads": int,
+    "keep_alive": str,  # a duration: seconds, or such as "5m" (serve's --keep-alive)
 }
 
 # the values `specd serve` accepts for them (checked when set, not at the next start)
@@ -61,6 +62,13 @@ def coerce(key: str, value: Any) -> str | int:
         return number
     if not isinstance(value, str):
         raise ConfigError(f"{key} must be a string, not {value!r}")
+    if key == "keep_alive":
+        from specd.daemon.serving.durations import parse_duration
+
+        try:
+            parse_duration(value)
+        except ValueError as exc:
+            raise ConfigError(f"keep_alive: {exc}") from None
     if key == "spec_type":
         from specd.daemon.drafters.registry import SPEC_TYPES
 

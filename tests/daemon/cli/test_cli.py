@@ -216,6 +216,17 @@ def test_sampled_requests_draft_probabilistically_unless_told_not_to() -> None:
     assert not params_from_args(off).draft.probabilistic
 
 
+def test_serve_keep_alive_reads_durations() -> None:
+    from specd.daemon.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).keep_alive == 300.0  # Ollama's 5 minutes
+    for given, seconds in (("0", 0.0), ("-1", -1.0), ("90s", 90.0), ("1h", 3600.0)):
+        assert parser.parse_args(["serve", "--keep-alive", given]).keep_alive == seconds
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--keep-alive", "soon"])
+
+
 def test_serve_takes_api_keys_from_the_flag_and_a_file(tmp_path) -> None:
     from specd.daemon.cli.main import build_parser
     from specd.daemon.cli.serve import api_keys

@@ -92,6 +92,10 @@ def test_config_file_and_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatc
         config_mod.set_value("spec_type", "bogus")
     config_mod.set_value("spec_type", "draft+ngram")
     config_mod.set_value("spec_type", None)
+    config_mod.set_value("keep_alive", "1h30m")  # serve's --keep-alive
+    with pytest.raises(config_mod.ConfigError, match="keep_alive: not a duration"):
+        config_mod.set_value("keep_alive", "soon")
+    config_mod.set_value("keep_alive", None)
     monkeypatch.setenv("SPECD_SLOTS", "x")
     with pytest.raises(config_mod.ConfigError, match="SPECD_SLOTS"):
         config_mod.load_config()
