@@ -260,7 +260,8 @@ def format_status(st: sc.Status) -> str:
         rows.append(("error", st.error))
     s = st.snapshot
     if s is not None:
-        rows.append(("target", s.target))
+        rows.append(("target", s.target + ("" if s.props.get("loaded", True)
+                                          else " (unloaded while idle)")))
         if s.draft:
             rows.append(("draft", s.draft))
         rows.append(("spec type", s.spec_type))

@@ -75,12 +75,18 @@ async def tags(request: web.Request) -> web.Response:
 
 
 async def ps(request: web.Request) -> web.Response:
+    """The loaded models: the served one unless it was unloaded while idle, with when
+    its keep-alive unloads it."""
     svc = service(request)
+    residency = svc.residency()
+    if not residency.loaded or residency.expires_at is None:
+        return json_response({"models": []})
     f, card = await off_loop(request, _card, svc)
+    expires = min(residency.expires_at, time.time() + FOREVER_S)
     return json_response({"models": [{
         **card, "size": f.resident_bytes,
         "size_vram": 0 if f.device == "cpu" else f.resident_bytes,
-        "expires_at": timestamp(time.time() + FOREVER_S), "context_length": svc.n_ctx}]})
+        "expires_at": timestamp(expires), "context_length": svc.n_ctx}]})
 
 
 async def version(request: web.Request) -> web.Response:

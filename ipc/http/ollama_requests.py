@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
-import re
 import time
 from datetime import UTC, datetime
 from typing import Any
 
+from specd.daemon.serving.durations import parse_duration
 from specd.daemon.serving.facade import ServiceFacade
 
 from ..validation import BadRequest, get
@@ -19,8 +19,6 @@ SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "seed", "repeat_pe
                     "stop")
 # samplers specd does not have: accepted only at the value that turns them off
 NEUTRAL_OPTIONS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 # -- what Ollama's routes share -----------------------------------------------------------
@@ -47,23 +45,17 @@ def timestamp(t: float | None = None) -> str:
 
 
 def keep_alive(body: dict[str, Any]) -> float | None:
-    """`keep_alive` in seconds (negative: forever), from a number of seconds or a Go
-    duration ("5m", "1h30m", "-1"). Read to check it and to tell an unload request."""
+    """`keep_alive` in seconds (negative: forever; 0: unload once idle), from a number of
+    seconds or a Go duration ("5m", "1h30m", "-1"); None where the request sets none
+    (the daemon's --keep-alive)."""
     value = body.get("keep_alive")
     if value is None:
         return None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        text = value.strip()
-        sign = -1.0 if text.startswith("-") else 1.0
-        text = text.lstrip("+-")
+    if isinstance(value, int | float | str):
         try:
-            return sign * float(text)
+            return parse_duration(value)
         except ValueError:
-            parts = _DURATION.findall(text)
-            if parts and "".join(n + u for n, u in parts) == text:
-                return sign * sum(float(n) * _SECONDS[u] for n, u in parts)
+            pass
     raise BadRequest("'keep_alive' must be a number of seconds or a duration such as "
                      "\"5m\"", param="keep_alive")
 

@@ -35,14 +35,19 @@ from .state import off_loop, served
 from .streaming import NDJSON, collect, stream_events, submit_all
 
 
-def _loaded(name: str, alive: float | None, *, chat: bool) -> web.Response:
-    """Ollama's answer to a request with nothing to generate: the model is loaded (it
-    always is). An unload (keep_alive 0) is refused: specd keeps its model loaded."""
+async def _loaded(svc: ServiceFacade, name: str, alive: float | None, *,
+                  chat: bool) -> web.Response:
+    """Ollama's answer to a request with nothing to generate: the model loaded and kept
+    for `alive` once idle, or with keep_alive 0 unloaded (once nothing runs on it)."""
     if alive == 0:
-        raise BadRequest("specd does not unload its model: it stays loaded while the daemon "
-                         "runs", status=501)
+        svc.unload()
+    else:
+        try:
+            await svc.load(alive)
+        except RuntimeError as exc:
+            raise BadRequest(str(exc), status=500) from None
     out: dict[str, Any] = {"model": name, "created_at": timestamp(), "done": True,
-                           "done_reason": "load"}
+                           "done_reason": "unload" if alive == 0 else "load"}
     out.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
     return json_response(out)
 
@@ -54,12 +59,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     name = served_model(svc, body)
     alive = keep_alive(body)
     if not body.get("messages"):
-        return _loaded(name, alive, chat=True)
+        return await _loaded(svc, name, alive, chat=True)
     chat_in = chat_inputs(chat_body(body))
     prompt = await off_loop(request, render, svc, chat_in, "chat_tokens")
     fields, params = await _settings(request, svc, body)
     reply = OllamaReply(name, chat=True, names=chat_in.names)
-    return await _answer(request, svc, body, fields, params, prompt, reply, chat_in.forced)
+    return await _answer(request, svc, body, fields, params, prompt, reply, chat_in.forced,
+                         keep_alive=alive)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -74,7 +80,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     text, suffix = get(body, "prompt", str, ""), get(body, "suffix", str, "")
     context = body.get("context") or []
     if not text and not suffix and not context:
-        return _loaded(name, alive, chat=False)
+        return await _loaded(svc, name, alive, chat=False)
     fields, params = await _settings(request, svc, body)
     if suffix:  # fill in the middle, as llama.cpp's /infill
         prompt = await off_loop(request, infill_prompt, svc,
@@ -92,7 +98,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         prompt = token_list(context, "context", svc.tokenizer.vocab_size) + prompt
     # (a forwarded chat has no token ids to return)
     reply = OllamaReply(name, chat=False, context=prompt if isinstance(prompt, list) else None)
-    return await _answer(request, svc, body, fields, params, prompt, reply)
+    return await _answer(request, svc, body, fields, params, prompt, reply, keep_alive=alive)
 
 
 async def _settings(request: web.Request, svc: ServiceFacade, body: dict[str, Any]
@@ -105,9 +111,12 @@ async def _settings(request: web.Request, svc: ServiceFacade, body: dict[str, An
 
 async def _answer(request: web.Request, svc: ServiceFacade, body: dict[str, Any],
                   fields: dict[str, Any], params: GenerationParams, prompt: list[int],
-                  reply: OllamaReply, forced: str | None = None) -> web.StreamResponse:
-    """The generation, whole as one JSON object or streamed as NDJSON (Ollama's default)."""
-    kw = dict(stop=stop_list(fields), grammar=await constraint(svc, fields, forced))
+                  reply: OllamaReply, forced: str | None = None, *,
+                  keep_alive: float | None = None) -> web.StreamResponse:
+    """The generation, whole as one JSON object or streamed as NDJSON (Ollama's default);
+    the model stays loaded for `keep_alive` once idle after it."""
+    kw = dict(stop=stop_list(fields), grammar=await constraint(svc, fields, forced),
+              keep_alive=keep_alive)
     check_fits(svc, prompt, "messages" if reply.chat else "prompt")
     if not get(body, "stream", bool, True):
         return json_response(reply.whole((await collect(request, svc, prompt, [params],

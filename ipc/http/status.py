@@ -20,8 +20,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _model_card(svc: ServiceFacade) -> dict[str, Any]:
+    """The served model; its status, loaded or unloaded while idle, as llama-server's
+    router lists a model's."""
+    loaded = svc.residency().loaded
     return {"id": svc.model_name, "aliases": svc.aliases, "tags": svc.tags,
-            "object": "model", "created": int(svc.started), "owned_by": "specd"}
+            "object": "model", "created": int(svc.started), "owned_by": "specd",
+            "status": {"value": "loaded" if loaded else "unloaded"}}
 
 
 def _upstream_card(svc: ServiceFacade, name: str) -> dict[str, Any]:
@@ -54,6 +58,8 @@ async def props(request: web.Request) -> web.Response:
     d = svc.defaults
     tok = svc.tokenizer
     info.update({"total_slots": svc.n_slots, "n_ctx": svc.n_ctx,
+                 # unloaded after --keep-alive idle (llama-server's sleeping)
+                 "is_sleeping": not info["loaded"],
                  "memory_plan": request.app.get(MEMORY_PLAN),
                  # llama-server's: the model's path and name, its template and tokens
                  "model_path": str(svc.model_path),

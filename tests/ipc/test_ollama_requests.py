@@ -76,7 +76,7 @@ def test_keep_alive_reads_seconds_and_go_durations(value: Any, seconds: float | 
     assert keep_alive({"keep_alive": value}) == seconds
 
 
-@pytest.mark.parametrize("value", ["soon", "5 minutes", True, [1]])
+@pytest.mark.parametrize("value", ["soon", "5 minutes", True, [1], "NaN", float("inf")])
 def test_a_bad_keep_alive_is_refused(value: Any) -> None:
     with pytest.raises(BadRequest, match="keep_alive"):
         keep_alive({"keep_alive": value})

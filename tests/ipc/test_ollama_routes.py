@@ -162,7 +162,6 @@ def test_load_requests_and_refusals_in_ollamas_shape(server: LiveServer) -> None
     assert status == 200 and out["done_reason"] == "load" and out["message"]["content"] == ""
     for path, body, code, words in (
             ("/api/chat", {"model": "gpt-9", "messages": []}, 404, "model 'gpt-9' not found"),
-            ("/api/generate", {"model": name, "keep_alive": 0}, 501, "does not unload"),
             ("/api/generate", {"model": name, "prompt": "x", "template": "{{ .Prompt }}"},
              400, "'template' is not supported"),
             ("/api/generate", {"model": name, "prompt": "x", "images": ["iVBOR"]}, 400,

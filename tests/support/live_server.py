@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from specd.daemon.serving.engine import Engine, EngineConfig
-from specd.daemon.serving.scheduler import Scheduler
+from specd.daemon.serving.scheduler import NEVER, Scheduler
 from specd.daemon.serving.service import Service
 from specd.ipc.http.app import create_app
 from specd.ipc.server import ServeConfig, resolve_token, start_server
@@ -56,10 +56,12 @@ def call(port: int, method: str, path: str, body: Any = None, *,
 @contextlib.contextmanager
 def live_server(cfg: EngineConfig, tmp: Path, *, require_token: bool = False,
                 allowed_origins: set[str] | None = None, max_queue: int = 64,
-                max_body: int = 8 << 20, **app_options: Any) -> Iterator[LiveServer]:
-    """`app_options`: more of create_app's keywords (strict_model_name, ...)."""
+                max_body: int = 8 << 20, keep_alive: float = NEVER,
+                **app_options: Any) -> Iterator[LiveServer]:
+    """`app_options`: more of create_app's keywords (strict_model_name, ...);
+    `keep_alive`: the scheduler's (default: the model stays loaded)."""
     engine = Engine(cfg)
-    scheduler = Scheduler(engine, max_queue=max_queue)
+    scheduler = Scheduler(engine, max_queue=max_queue, keep_alive=keep_alive)
     service = Service(engine, scheduler)
     sock = tmp / "specd.sock"
     scfg = ServeConfig(port=0, socket_path=sock, require_token=require_token,

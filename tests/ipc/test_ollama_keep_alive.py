@@ -1,0 +1,94 @@
+"""Ollama's keep_alive through the official `ollama` client against a live server: an
+unload request, /api/ps before and after, a request's keep_alive, and the other
+dialects' view of an unloaded model."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import pytest
+
+from specd.daemon.serving.engine import EngineConfig
+
+from live_server import LiveServer, live_server
+
+ollama = pytest.importorskip("ollama")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory, tmp_path_factory):
+    path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
+    tmp = tmp_path_factory.mktemp("ollama-keep-alive")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECD_STATE_DIR", str(tmp / "state"))
+    cfg = EngineConfig(target=str(path), spec_type="ngram", n_ctx=512, slots=2)
+    with live_server(cfg, tmp, keep_alive=300) as srv:
+        yield srv
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer):
+    headers = {"Authorization": f"Bearer {server.token}"} if server.token else None
+    return ollama.Client(host=server.base_url, headers=headers)
+
+
+def _unloaded(client) -> bool:
+    return not client.ps().models
+
+
+def _wait(cond, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cond()
+
+
+def test_keep_alive_0_unloads_and_the_next_request_reloads(client, server: LiveServer
+                                                           ) -> None:
+    model = client.list().models[0].model
+    ask = {"model": model, "prompt": "hello", "options": {"num_predict": 8, "temperature": 0}}
+    before = client.generate(**ask).response
+    [loaded] = client.ps().models
+    left = (loaded.expires_at - datetime.now(UTC)).total_seconds()
+    assert loaded.model == model and 250 < left <= 300  # --keep-alive's 5 minutes
+    out = client.generate(model=model, keep_alive=0)  # Ollama's unload request
+    assert out.done and out.done_reason == "unload"
+    _wait(lambda: _unloaded(client))
+    assert client.list().models  # still listed: loaded again on use
+    _, card = server.request("GET", "/v1/models")
+    assert card["data"][0]["status"]["value"] == "unloaded"
+    _, props = server.request("GET", "/props")
+    assert props["loaded"] is False and props["is_sleeping"] is True
+    assert client.generate(**ask).response == before  # reloaded, the same greedy text
+    [again] = client.ps().models
+    assert again.model == model
+    _, card = server.request("GET", "/v1/models")
+    assert card["data"][0]["status"]["value"] == "loaded"
+
+
+def test_a_load_request_keeps_the_model_for_its_keep_alive(client) -> None:
+    model = client.list().models[0].model
+    out = client.chat(model=model, messages=[], keep_alive="1h")  # Ollama's load request
+    assert out.done_reason == "load"
+    [loaded] = client.ps().models
+    assert 3500 < (loaded.expires_at - datetime.now(UTC)).total_seconds() <= 3600
+    client.generate(model=model, prompt="hi", options={"num_predict": 2}, keep_alive=0.2)
+    _wait(lambda: _unloaded(client))  # that request's keep_alive: 0.2 s once idle
+    client.chat(model=model, messages=[], keep_alive=-1)
+    [forever] = client.ps().models
+    assert forever.expires_at.year > 2200  # never unloaded
+
+
+def test_a_stream_running_when_unload_is_asked_runs_to_its_end(client) -> None:
+    model = client.list().models[0].model
+    ask = {"model": model, "prompt": "count", "stream": True,
+           "options": {"num_predict": 64, "temperature": 0}}
+    parts = client.generate(**ask)
+    first = next(parts)
+    assert client.generate(model=model, keep_alive=0).done_reason == "unload"
+    rest = list(parts)
+    assert rest[-1].done and rest[-1].eval_count == 64 and rest[-1].done_reason == "length"
+    assert not first.done
+    _wait(lambda: _unloaded(client))
