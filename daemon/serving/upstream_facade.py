@@ -18,6 +18,7 @@ from specd.daemon.text.grammar import Grammar
 from specd.daemon.text.tokenizer import Tokenizer
 
 from .facade import Embeddings, ModelFacts, RequestTracker, ServiceFacade
+from .scheduler import Residency
 from .service import Piece, ProgressEvent, Result, Service, TextStream
 from .upstream import (
     NEUTRAL,
@@ -151,5 +152,16 @@ class UpstreamFacade(ServiceFacade):
         finally:
             stream.cancel()
 
-    async def embed(self, inputs: list[list[int]], normalize_p: int = 2) -> NoReturn:
+    async def embed(self, inputs: list[list[int]], normalize_p: int = 2, *,
+                    keep_alive: float | None = None) -> NoReturn:
         self.unsupported("embeddings")
+
+    # the upstream's model is loaded and unloaded by the upstream, never by this daemon
+    def residency(self) -> Residency:
+        return Residency(loaded=True, expires_at=float("inf"))
+
+    async def load(self, keep_alive: float | None = None) -> None:
+        pass
+
+    def unload(self) -> None:
+        self.unsupported("unloading")
