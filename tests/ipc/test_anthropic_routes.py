@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from aiohttp import web
@@ -19,29 +18,13 @@ from specd.ipc.http.state import LIVE
 from specd.ipc.http.streaming import stream_events
 from specd.ipc.service_view import LiveRequests
 
+from scripted_stream import ScriptedStream
+
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 class _Svc:
     model_name = "tiny"
-
-
-class _Stream:
-    def __init__(self, events: list[Piece | Result]):
-        self.events = events
-
-    async def _run(self) -> AsyncIterator[Piece | Result]:
-        for ev in self.events:
-            yield ev
-
-    def __aiter__(self) -> AsyncIterator[Piece | Result]:
-        return self._run()
-
-    def cancel(self) -> None:
-        pass
-
-    async def started(self) -> None:
-        pass
 
 
 def _result(text: str, reason: str = "stop", *, word: str = "", error: str | None = None
@@ -60,7 +43,7 @@ def _sse(pieces: list[str], result: Result, names: set[str] | None = None
     events: list[Piece | Result] = [Piece(p, [1]) for p in pieces] + [result]
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await stream_events(request, [cast(Stream, _Stream(events))], _reply(names))
+        return await stream_events(request, [cast(Stream, ScriptedStream(events))], _reply(names))
 
     async def run() -> str:
         app = web.Application()

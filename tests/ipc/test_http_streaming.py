@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import pytest
@@ -23,23 +22,7 @@ from specd.ipc.http.state import LIVE
 from specd.ipc.http.streaming import NDJSON, Framing, stream_events, submit_all
 from specd.ipc.service_view import LiveRequests
 
-
-class _Stream:
-    def __init__(self, events: list[Piece | Result]):
-        self.events, self.cancelled = events, False
-
-    async def _run(self) -> AsyncIterator[Piece | Result]:
-        for ev in self.events:
-            yield ev
-
-    def __aiter__(self) -> AsyncIterator[Piece | Result]:
-        return self._run()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    async def started(self) -> None:
-        pass
+from scripted_stream import ScriptedStream
 
 
 class _Writer:
@@ -67,7 +50,7 @@ def _result(error: str | None = None) -> Result:
                   completion_tokens=2, cached_tokens=0, stats=SpecStats(), error=error)
 
 
-def _body(streams: list[_Stream], writer: Any = None, framing: Framing | None = None
+def _body(streams: list[ScriptedStream], writer: Any = None, framing: Framing | None = None
           ) -> tuple[str, str]:
     """(content type, body) of the response stream_events sends for `streams`."""
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -85,21 +68,21 @@ def _body(streams: list[_Stream], writer: Any = None, framing: Framing | None = 
     return asyncio.run(run())
 
 
-def _raw(streams: list[_Stream], writer: Any) -> str:
+def _raw(streams: list[ScriptedStream], writer: Any) -> str:
     """The SSE response's text."""
     content_type, body = _body(streams, writer)
     assert content_type == "text/event-stream"
     return body
 
 
-def _sse(streams: list[_Stream]) -> list[Any]:
+def _sse(streams: list[ScriptedStream]) -> list[Any]:
     """The data lines of the SSE response stream_events sends for `streams`."""
     lines = [line[len("data: "):] for line in _raw(streams, _Writer()).split("\n\n") if line]
     return [line if line == "[DONE]" else json.loads(line) for line in lines]
 
 
 def test_the_writers_payloads_come_in_order_and_the_streams_end_cancelled() -> None:
-    streams = [_Stream([Piece("a", [1]), Piece("b", [2]), _result()])]
+    streams = [ScriptedStream([Piece("a", [1]), Piece("b", [2]), _result()])]
     assert _sse(streams) == [{"open": True}, {"text": "a", "index": 0},
                              {"text": "b", "index": 0}, {"finish": "stop", "index": 0},
                              "[DONE]"]
@@ -107,7 +90,8 @@ def test_the_writers_payloads_come_in_order_and_the_streams_end_cancelled() -> N
 
 
 def test_a_failed_generation_is_an_error_event_after_what_was_held() -> None:
-    streams = [_Stream([Piece("a", [1]), _result("boom")]), _Stream([Piece("x", [3])])]
+    streams = [ScriptedStream([Piece("a", [1]), _result("boom")]),
+               ScriptedStream([Piece("x", [3])])]
     out = _sse(streams)
     assert out[-2:] == [{"held": 0}, {"error": {"code": 500, "message": "boom",
                                                 "type": "server_error"}}]
@@ -123,21 +107,21 @@ def test_named_payloads_get_event_lines_and_a_writer_can_shape_its_error() -> No
         def error(self, message: str, code: int) -> list[Any]:
             return [streaming.Named("failed", {"why": message, "code": code})]
 
-    ok = _raw([_Stream([Piece("a", [1]), _result()])], Named())
+    ok = _raw([ScriptedStream([Piece("a", [1]), _result()])], Named())
     assert 'event: delta\ndata: {"text":"a"}\n\n' in ok
-    failed = _raw([_Stream([Piece("a", [1]), _result("boom")])], Named())
+    failed = _raw([ScriptedStream([Piece("a", [1]), _result("boom")])], Named())
     assert failed.endswith('event: failed\ndata: {"why":"boom","code":500}\n\n')
     assert '"error"' not in failed
 
 
 def test_a_full_queue_cancels_the_choices_already_queued() -> None:
-    queued: list[_Stream] = []
+    queued: list[ScriptedStream] = []
 
     class Service:
-        def submit(self, prompt: list[int], params: GenerationParams, **kw: Any) -> _Stream:
+        def submit(self, prompt: list[int], params: GenerationParams, **kw: Any) -> ScriptedStream:
             if len(queued) == 2:
                 raise QueueFull("the queue is full")
-            queued.append(_Stream([]))
+            queued.append(ScriptedStream([]))
             return queued[-1]
 
     with pytest.raises(QueueFull):
@@ -146,7 +130,7 @@ def test_a_full_queue_cancels_the_choices_already_queued() -> None:
 
 
 def test_ndjson_framing_is_one_object_a_line_and_an_error_in_ollamas_shape() -> None:
-    content_type, body = _body([_Stream([Piece("a", [1]), _result("boom")])],
+    content_type, body = _body([ScriptedStream([Piece("a", [1]), _result("boom")])],
                                framing=NDJSON)
     assert content_type == "application/x-ndjson"
     assert body.endswith("\n") and "data:" not in body
