@@ -104,7 +104,7 @@ class TrayApp:
 
     # -- actions ---------------------------------------------------------------------------
     def act(self, action: str) -> None:
-        if action in ("start", "stop", "restart"):
+        if action in ("start", "stop", "restart", "load", "unload"):
             threading.Thread(target=self._run_cli, args=(action,), daemon=True).start()
         elif action == "open_log":
             open_path(sc.log_path())

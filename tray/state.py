@@ -52,7 +52,8 @@ Observation = DaemonSnapshot | Starting | BaseException | None
 
 
 def _info_lines(s: DaemonSnapshot) -> list[MenuItem]:
-    lines = [MenuItem(f"Target: {s.target}", enabled=False),
+    lines = [MenuItem(f"Target: {s.target}" + ("" if s.loaded else " (unloaded while idle)"),
+                      enabled=False),
              MenuItem(f"Draft: {s.draft}" if s.draft else "Draft: none", enabled=False),
              MenuItem(f"Speculation: {s.spec_type}", enabled=False)]
     states = s.slot_states()
@@ -67,14 +68,18 @@ def _info_lines(s: DaemonSnapshot) -> list[MenuItem]:
 
 
 def _menu(head: list[MenuItem], *, start: bool, stop: bool, restart: bool,
-          default: str) -> list[MenuItem]:
+          default: str, loaded: bool | None = None) -> list[MenuItem]:
     """The information lines, the controls this state allows, then the common items;
-    `default` is the action a click on the icon runs."""
+    `default` is the action a click on the icon runs; `loaded`: whether the running
+    daemon's model is loaded (None: no daemon answering)."""
     def item(text: str, action: str, enabled: bool = True) -> MenuItem:
         return MenuItem(text, action, enabled=enabled, default=action == default)
 
+    model = ([] if loaded is None else
+             [item("Unload model", "unload") if loaded else item("Load model", "load")])
     return [*head, SEPARATOR, item("Start", "start", start), item("Stop", "stop", stop),
-            item("Restart", "restart", restart), SEPARATOR, item("Open log", "open_log"),
+            item("Restart", "restart", restart), *model, SEPARATOR,
+            item("Open log", "open_log"),
             item("Open config", "open_config"), SEPARATOR, item("Quit tray", "quit")]
 
 
@@ -101,4 +106,5 @@ def view(obs: Observation) -> TrayView:
     if obs.metrics.get("specd_draft_tokens_total", 0) > 0:
         title += f", acceptance {obs.acceptance:.2f}"
     return TrayView(state, title, _menu(_info_lines(obs), start=False, stop=True,
-                                        restart=True, default="open_log"))
+                                        restart=True, default="open_log",
+                                        loaded=obs.loaded))

@@ -1,4 +1,4 @@
-"""`specd start|stop|restart|status|config|install-service|uninstall-service`.
+"""`specd start|stop|restart|status|load|unload|config|install-service|uninstall-service`.
 
 Exit codes follow systemctl: 0 ok, 1 error, 3 not running (`status`, `stop`).
 `start` takes the options of `serve`; options not given come from `specd config`
@@ -122,6 +122,13 @@ def add_service_commands(sub: argparse._SubParsersAction, add_model_args: AddArg
     ss.add_argument("--json", action="store_true", help="machine-readable")
     ss.set_defaults(func=_status)
 
+    for verb, what in (("load", "load the running daemon's model now (it unloads once "
+                                "idle for its --keep-alive)"),
+                       ("unload", "unload the running daemon's model once nothing runs: its "
+                                  "memory back to the system; the next request reloads it")):
+        lu = sub.add_parser(verb, help=f"{what} (exit 3: not running)")
+        lu.set_defaults(func=lambda a, verb=verb: _load_or_unload(verb))
+
     cf = sub.add_parser("config", help="show or change the defaults for `start` and services")
     csub = cf.add_subparsers(dest="config_command", metavar="ACTION")
     cshow = csub.add_parser("show", help="the effective values (default action)")
@@ -244,6 +251,20 @@ def _stop(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _load_or_unload(verb: str) -> int:
+    """POST /models/load or /models/unload to the running daemon (llama-server's router
+    routes)."""
+    try:
+        sc.client_for().post(f"/models/{verb}", {})
+    except sc.DaemonUnavailable:
+        print("specd: the daemon is not running", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    except (sc.DaemonError, OSError) as exc:
+        return _err(str(exc))
+    print("model loaded" if verb == "load" else "model unloading (once nothing runs)")
+    return EXIT_OK
+
+
 # -- status -------------------------------------------------------------------------------
 def format_status(st: sc.Status) -> str:
     if not st.running:
@@ -260,8 +281,7 @@ def format_status(st: sc.Status) -> str:
         rows.append(("error", st.error))
     s = st.snapshot
     if s is not None:
-        rows.append(("target", s.target + ("" if s.props.get("loaded", True)
-                                          else " (unloaded while idle)")))
+        rows.append(("target", s.target + ("" if s.loaded else " (unloaded while idle)")))
         if s.draft:
             rows.append(("draft", s.draft))
         rows.append(("spec type", s.spec_type))

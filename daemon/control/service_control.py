@@ -399,6 +399,11 @@ class DaemonSnapshot:
     def acceptance(self) -> float:
         return self.metrics.get("specd_mean_acceptance_length", 0.0)
 
+    @property
+    def loaded(self) -> bool:
+        """The model is loaded (not unloaded while idle for its keep-alive)."""
+        return bool(self.props.get("loaded", True))
+
     def slot_states(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for s in self.slots:

@@ -1,4 +1,6 @@
-"""What the daemon serves and how it runs: /health, /v1/models, /props, /slots, /metrics."""
+"""What the daemon serves and how it runs: /health, /v1/models, /props, /slots, /metrics;
+and llama-server's router routes that load and unload it, /models/load and
+/models/unload."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from specd.daemon.serving.facade import ServiceFacade
 
 from ..jsonout import json_response
 from ..metrics import render_metrics
+from ..validation import BadRequest, get, json_body
 from .parsing import known_model
 from .reporting import generation_settings
 from .state import MEMORY_PLAN, RATES, SYSTEM_FINGERPRINT, service
@@ -50,6 +53,42 @@ async def model(request: web.Request) -> web.Response:
         return json_response(_upstream_card(svc, name))
     known_model(svc, name)
     return json_response(_model_card(svc))
+
+
+async def _named_local_model(request: web.Request) -> ServiceFacade:
+    """The served model the body's `model` names (none or "": the served one), as
+    llama-server's router routes take it; an upstream's is not this daemon's to load."""
+    svc = service(request)
+    body = await json_body(request)
+    name = get(body, "model", str, "") or svc.model_name
+    if name in svc.upstream_names:
+        raise BadRequest(f"model {name!r} is served by an upstream server (--upstream): it "
+                         "is loaded and unloaded there")
+    known_model(svc, name)
+    return svc
+
+
+async def load_model(request: web.Request) -> web.Response:
+    """POST /models/load: load the model now (kept for the daemon's --keep-alive once
+    idle); a 400 where it is loaded already, as llama-server's router answers."""
+    svc = await _named_local_model(request)
+    if svc.residency().loaded:
+        raise BadRequest("model is already running")
+    try:
+        await svc.load()
+    except RuntimeError as exc:
+        raise BadRequest(f"the model could not load: {exc}", status=500) from None
+    return json_response({"success": True})
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    """POST /models/unload: unload the model as soon as nothing runs (at once where
+    nothing does); a 400 where it is not loaded."""
+    svc = await _named_local_model(request)
+    if not svc.residency().loaded:
+        raise BadRequest("model is not running")
+    svc.unload()
+    return json_response({"success": True})
 
 
 async def props(request: web.Request) -> web.Response:

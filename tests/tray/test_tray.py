@@ -87,8 +87,16 @@ def test_idle_with_draft() -> None:
     assert texts(v)[:6] == ["Target: t-1.5b", "Draft: d-0.5b", "Speculation: draft",
                             "Slots: 0/2 busy", "Speed: 12.3 tokens/s",
                             "Acceptance: 2.50 tokens/round"]
-    assert v.actions() == ["stop", "restart", "open_log", "open_config", "quit"]
+    assert v.actions() == ["stop", "restart", "unload", "open_log", "open_config", "quit"]
     assert all(not i.enabled for i in v.items[:6])  # information lines
+
+
+def test_a_model_unloaded_while_idle_offers_to_load() -> None:
+    s = snap()
+    s.props["loaded"] = False
+    v = ts.view(s)
+    assert texts(v)[0] == "Target: t-1.5b (unloaded while idle)"
+    assert v.actions() == ["stop", "restart", "load", "open_log", "open_config", "quit"]
 
 
 @pytest.mark.parametrize("states", [("generating", "idle"), ("prefill", "idle"),

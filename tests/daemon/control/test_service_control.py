@@ -265,6 +265,16 @@ def test_start_status_request_restart_stop(env: dict[str, str], tiny: Path) -> N
     assert r.returncode == 0, r.stderr
     new_pid = sc.read_pid()
     assert json.loads(cli(env, "status", "--json").stdout)["props"]["slots"] == 1
+    # the model unloaded and loaded again, as the tray's item asks (llama-server's routes)
+    r = cli(env, "unload")
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 30
+    while "(unloaded while idle)" not in cli(env, "status").stdout:
+        assert time.monotonic() < deadline, "the model did not unload"
+        time.sleep(0.2)
+    r = cli(env, "load")
+    assert r.returncode == 0 and "model loaded" in r.stdout, r.stderr
+    assert json.loads(cli(env, "status", "--json").stdout)["props"]["loaded"] is True
 
     t1 = time.monotonic()
     r = cli(env, "stop")
@@ -277,6 +287,8 @@ def test_start_status_request_restart_stop(env: dict[str, str], tiny: Path) -> N
     assert r.returncode == 3 and "not running" in r.stderr
     r = cli(env, "status")
     assert r.returncode == 3 and "not running" in r.stdout
+    r = cli(env, "unload")
+    assert r.returncode == 3 and "not running" in r.stderr
     assert started_in < 120
 
 
