@@ -138,8 +138,11 @@ def _json(text: str) -> Any:
         return _NOT_JSON
 
 
-def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a whole reply; no calls: (text, [])."""
+def parse_tool_calls(text: str, names: set[str] | None) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a whole reply; no calls: (text, []), as where the request
+    offered no tools (`names` None)."""
+    if names is None:
+        return text, []
     start = text.find(OPEN)
     if start >= 0:
         calls = [_call(_json(m.group(1).strip())) for m in _BLOCK.finditer(text, start)]

@@ -123,8 +123,7 @@ class _Reply:
 
     # -- whole ----------------------------------------------------------------------------
     def whole(self, r: Result) -> dict[str, Any]:
-        content, calls = ((r.text, []) if self.names is None
-                          else parse_tool_calls(r.text, self.names))
+        content, calls = parse_tool_calls(r.text, self.names)
         blocks = [{"type": "text", "text": content}] if content else []
         return self._message(blocks + [_tool_use(c) for c in calls], _stop(r, bool(calls)),
                              _usage(r))

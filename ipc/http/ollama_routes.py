@@ -178,8 +178,7 @@ class OllamaReply:
         return out
 
     def whole(self, r: Result) -> dict[str, Any]:
-        content, calls = ((r.text, []) if self.names is None
-                          else parse_tool_calls(r.text, self.names))
+        content, calls = parse_tool_calls(r.text, self.names)
         out = self._done(r, content or "")
         if calls:
             out["message"]["tool_calls"] = [_ollama_call(c) for c in calls]

@@ -172,8 +172,7 @@ class _Reply:
                 choice["logprobs"] = openai_logprobs(self.svc, r.logprobs, r.texts, 0,
                                                      chat=self.chat, post=self.post)
             if self.chat:
-                content, calls = ((r.text, []) if self.names is None
-                                  else parse_tool_calls(r.text, self.names))
+                content, calls = parse_tool_calls(r.text, self.names)
                 choice["message"] = {"role": "assistant", "content": content}
                 if calls:
                     choice["message"]["tool_calls"] = [c.as_openai() for c in calls]

@@ -79,8 +79,7 @@ class ResponseReply:
     # -- whole ----------------------------------------------------------------------------
     def whole(self, r: Result) -> dict[str, Any]:
         status = _status(r)
-        content, calls = ((r.text, []) if self.names is None
-                          else parse_tool_calls(r.text, self.names))
+        content, calls = parse_tool_calls(r.text, self.names)
         output = [] if content is None and calls else [
             _message(new_id("msg"), content or "", status)]
         output += [_call(new_id("fc"), c, "completed") for c in calls]

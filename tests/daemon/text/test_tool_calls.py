@@ -85,6 +85,9 @@ def test_a_bare_json_call_only_for_a_declared_tool() -> None:
     other = '{"name": "Ada", "arguments": {}}'  # JSON the user may have asked for
     assert parse_tool_calls(other, NAMES) == (other, [])
     assert parse_tool_calls("plain answer", NAMES) == ("plain answer", [])
+    # a request that offered no tools: a call-shaped reply is its text
+    assert parse_tool_calls(' {"name": "get_time", "parameters": {}}', None) == (
+        ' {"name": "get_time", "parameters": {}}', [])
 
 
 def test_a_call_in_a_json_block_as_qwen_coder_answers() -> None:
