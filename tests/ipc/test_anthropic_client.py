@@ -10,7 +10,7 @@ import pytest
 
 from specd.daemon.serving.engine import EngineConfig
 
-from live_server import LiveServer, live_server
+from live_server import LiveServer, live_server, live_server_in
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -31,13 +31,9 @@ def tiny_path(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_path, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("anthropic")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECD_STATE_DIR", str(tmp / "state"))
     cfg = EngineConfig(target=str(tiny_path), spec_type="ngram", n_ctx=512, slots=1)
-    with live_server(cfg, tmp) as srv:
+    with live_server_in(tmp_path_factory, "anthropic", cfg) as srv:
         yield srv
-    mp.undo()
 
 
 @pytest.fixture(scope="module")

@@ -9,19 +9,15 @@ import pytest
 
 from specd.daemon.serving.engine import EngineConfig
 
-from live_server import LiveServer, live_server
+from live_server import LiveServer, live_server_in
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, tmp_path_factory):
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
-    tmp = tmp_path_factory.mktemp("model-load-routes")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECD_STATE_DIR", str(tmp / "state"))
     cfg = EngineConfig(target=str(path), spec_type="ngram", n_ctx=512, slots=2)
-    with live_server(cfg, tmp, keep_alive=300) as srv:
+    with live_server_in(tmp_path_factory, "model-load-routes", cfg, keep_alive=300) as srv:
         yield srv
-    mp.undo()
 
 
 def _loaded(server: LiveServer, want: bool, within: float = 20.0) -> bool:

@@ -11,7 +11,7 @@ import pytest
 
 from specd.daemon.serving.engine import EngineConfig
 
-from live_server import LiveServer, live_server
+from live_server import LiveServer, live_server_in
 
 ollama = pytest.importorskip("ollama")
 
@@ -19,13 +19,9 @@ ollama = pytest.importorskip("ollama")
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, tmp_path_factory):
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
-    tmp = tmp_path_factory.mktemp("ollama-keep-alive")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECD_STATE_DIR", str(tmp / "state"))
     cfg = EngineConfig(target=str(path), spec_type="ngram", n_ctx=512, slots=2)
-    with live_server(cfg, tmp, keep_alive=300) as srv:
+    with live_server_in(tmp_path_factory, "ollama-keep-alive", cfg, keep_alive=300) as srv:
         yield srv
-    mp.undo()
 
 
 @pytest.fixture(scope="module")

@@ -15,20 +15,16 @@ from specd.daemon.models.store import ModelStoreError
 from specd.daemon.serving.engine import EngineConfig
 from specd.ipc.http import ollama_models
 
-from live_server import LiveServer, live_server
+from live_server import LiveServer, live_server, live_server_in
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, tmp_path_factory):
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
-    tmp = tmp_path_factory.mktemp("ollama-models")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECD_STATE_DIR", str(tmp / "state"))
     cfg = EngineConfig(target=str(path), spec_type="none", n_ctx=256, slots=1,
                        embeddings=True)
-    with live_server(cfg, tmp) as srv:
+    with live_server_in(tmp_path_factory, "ollama-models", cfg) as srv:
         yield srv
-    mp.undo()
 
 
 def test_tags_and_ps_list_the_served_model(server: LiveServer) -> None:

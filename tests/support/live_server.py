@@ -11,13 +11,16 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.serving.scheduler import NEVER, Scheduler
 from specd.daemon.serving.service import Service
 from specd.ipc.http.app import create_app
 from specd.ipc.server import ServeConfig, resolve_token, start_server
+
+if TYPE_CHECKING:  # the benchmarks import this module without pytest
+    import pytest
 
 
 class LiveServer:
@@ -74,6 +77,20 @@ def live_server(cfg: EngineConfig, tmp: Path, *, require_token: bool = False,
             yield LiveServer(service, srv.port, sock, token)
     finally:
         scheduler.stop()
+
+
+@contextlib.contextmanager
+def live_server_in(tmp_path_factory: pytest.TempPathFactory, name: str, cfg: EngineConfig,
+                   **kw: Any) -> Iterator[LiveServer]:
+    """live_server (`kw`: its options) in a fresh folder `name`, the daemon's state dir in
+    it: a module-scoped server fixture's body."""
+    import pytest
+
+    tmp = tmp_path_factory.mktemp(name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECD_STATE_DIR", str(tmp / "state"))
+        with live_server(cfg, tmp, **kw) as srv:
+            yield srv
 
 
 @contextlib.contextmanager
