@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import logging
 import sys
@@ -88,6 +89,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    metavar="NAME=PATH",
                    help="the bearer token upstream NAME requires, read from a file only "
                    "you can read (repeatable)")
+    p.add_argument("--models", action="append", default=[], metavar="MODEL[,MODEL...]",
+                   help="more local models served by name (catalog names or GGUF paths; "
+                   "repeatable): each is loaded on the first request naming it, with the "
+                   "drafter measured fastest for it, and -m's model serves any other name")
+    p.add_argument("--models-max", type=int_at_least(1), default=1, metavar="N",
+                   help="most local models loaded at once (default 1): loading another "
+                   "first unloads the one used longest ago, once its requests end")
     p.add_argument("--keep-alive", type=duration, default=DEFAULT_KEEP_ALIVE,
                    metavar="DURATION",
                    help="unload the model (its memory back to the system) once no request "
@@ -170,6 +178,27 @@ def _names(value: str | None) -> list[str]:
     return sorted({n.strip() for n in (value or "").split(",") if n.strip()})
 
 
+def served_models(args: argparse.Namespace, first: Any) -> Any:
+    """The daemon's local models: `first` (-m's, built) and those of --models, each built
+    on its first request from a copy of `args` (taken before -m's draft was settled)
+    naming it, with its own drafter and memory plan."""
+    from specd.daemon.serving.served_models import ServedModels
+
+    base = copy.copy(args)
+
+    def build(ref: str) -> Any:
+        a = copy.copy(base)
+        a.model, a.draft, a.spec_type = ref, None, "auto"
+        # what -m's model alone was given: its drafter, names, template, embedding model
+        a.alias = a.tags = a.chat_template_file = a.embedding_model = None
+        settle_draft(a)
+        plan_memory(a)
+        return build_service(a)
+
+    refs = [ref.strip() for spec in args.models for ref in spec.split(",") if ref.strip()]
+    return ServedModels(first, refs, build, max_loaded=args.models_max)
+
+
 def build_service(args: argparse.Namespace):
     from specd.daemon.models.store import ProgressBar
     from specd.daemon.serving.engine import Engine
@@ -189,6 +218,7 @@ def build_service(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from specd.ipc.http.app import create_app
+    from specd.ipc.http.state import SERVICE
     from specd.ipc.server import (
         ServeConfig,
         check_free,
@@ -209,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     access = serve_access(scfg)
     forwarded = upstreams(args)
     check_free(scfg)  # before minutes of loading
+    given = copy.copy(args)  # before -m's drafter and plan: what --models' models start from
     settle_draft(args)
     memory_plan = plan_memory(args)
     service = build_service(args)
@@ -222,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
           + f", n_ctx {d['n_ctx']}, slots {d['slots']}", file=sys.stderr, flush=True)
     app = create_app(service, allowed_origins=scfg.allowed_origins, access=access,
                      memory_plan=memory_plan, strict_model_name=args.strict_model_name,
-                     upstreams=forwarded)
+                     upstreams=forwarded, models=served_models(given, service))
     for u in forwarded:
         print(f"specd: model {u.name} forwarded to {u.url}"
               + (" (with a token)" if u.token else ""), file=sys.stderr)
@@ -232,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        service.scheduler.stop()
+        app[SERVICE].stop()
         if rotation is not None:
             rotation.stop()
     return 0

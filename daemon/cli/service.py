@@ -127,7 +127,9 @@ def add_service_commands(sub: argparse._SubParsersAction, add_model_args: AddArg
                        ("unload", "unload the running daemon's model once nothing runs: its "
                                   "memory back to the system; the next request reloads it")):
         lu = sub.add_parser(verb, help=f"{what} (exit 3: not running)")
-        lu.set_defaults(func=lambda a, verb=verb: _load_or_unload(verb))
+        lu.add_argument("model", nargs="?", default="",
+                        help="which of its models (serve --models), by name (default: -m's)")
+        lu.set_defaults(func=lambda a, verb=verb: _load_or_unload(verb, a.model))
 
     cf = sub.add_parser("config", help="show or change the defaults for `start` and services")
     csub = cf.add_subparsers(dest="config_command", metavar="ACTION")
@@ -251,17 +253,18 @@ def _stop(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load_or_unload(verb: str) -> int:
+def _load_or_unload(verb: str, model: str) -> int:
     """POST /models/load or /models/unload to the running daemon (llama-server's router
-    routes)."""
+    routes) for `model` ("": the one it started with)."""
     try:
-        sc.client_for().post(f"/models/{verb}", {})
+        sc.client_for().post(f"/models/{verb}", {"model": model})
     except sc.DaemonUnavailable:
         print("specd: the daemon is not running", file=sys.stderr)
         return EXIT_NOT_RUNNING
     except (sc.DaemonError, OSError) as exc:
         return _err(str(exc))
-    print("model loaded" if verb == "load" else "model unloading (once nothing runs)")
+    what = f"model {model}" if model else "model"
+    print(f"{what} loaded" if verb == "load" else f"{what} unloading (once nothing runs)")
     return EXIT_OK
 
 

@@ -3,7 +3,8 @@
 The served model's names and sizes, the request defaults, chat rendering, constraints,
 submitting and embedding, the slots and the counters /metrics shows. ipc reads nothing
 of the engine or the scheduler but through this, so they can change behind it. A request
-naming an upstream's model (`--upstream`) gets that model's facade (for_model).
+naming another local model (`--models`) or an upstream's (`--upstream`) gets that model's
+facade (for_model).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from specd.daemon.text.grammar import Grammar
 from specd.daemon.text.tokenizer import Tokenizer
 
 from .scheduler import PassCounts, Request, Residency, Scheduler
+from .served_models import ServedModels
 from .service import Piece, ProgressEvent, Result, Service, TextStream
 from .upstream import UpstreamClient
 
@@ -81,9 +83,11 @@ class RequestTracker(Protocol):
 class ServiceFacade:
     """One Service as a protocol layer sees it."""
 
-    def __init__(self, service: Service, upstreams: Mapping[str, UpstreamClient] | None = None):
+    def __init__(self, service: Service, upstreams: Mapping[str, UpstreamClient] | None = None,
+                 models: ServedModels | None = None):
         self._service = service
         self._upstreams = dict(upstreams or {})
+        self._models = models if models is not None else ServedModels(service, (), None)
 
     def for_sender(self, identity: str, tracker: RequestTracker) -> ServiceFacade:
         """The same service for one sender: its requests stamped with `identity` (a
@@ -91,18 +95,57 @@ class ServiceFacade:
         view = copy.copy(self._service)
         view.scheduler = cast(Scheduler, _StampingScheduler(self._service.scheduler,
                                                             identity, tracker))
-        return ServiceFacade(view, self._upstreams)
+        return ServiceFacade(view, self._upstreams, self._models)
 
-    def for_model(self, name: Any) -> ServiceFacade:
-        """The facade of the model a request names: an upstream's (with or without
-        Ollama's ":latest"), else this one (any other name is the local model's)."""
+    async def for_model(self, name: Any) -> ServiceFacade:
+        """The facade of the model a request names (with or without Ollama's ":latest"):
+        an upstream's, else a local one's, built and loaded if it is not (any other name,
+        or none, is the first local model's, as llama-server serves any name).
+        ModelUnavailable where a local model cannot be built or made room for."""
         if isinstance(name, str) and self._upstreams:
             client = self._upstreams.get(name) or self._upstreams.get(
                 name.removesuffix(":latest"))
             if client is not None:
                 from .upstream_facade import UpstreamFacade  # (it builds on this module)
                 return UpstreamFacade(self._service, client)
-        return self
+        model = (self._models.find(name) if isinstance(name, str) else None) \
+            or self._models.first
+        if len(self._models.models) == 1:
+            return self
+        return ServiceFacade(await self._models.ready(model), self._upstreams, self._models)
+
+    def local_models(self) -> list[tuple[str, ServiceFacade | None]]:
+        """Each local model's name as listings give it and, where it is built, its facade
+        (the first model first; `--models` adds the others, built on their first use)."""
+        return [(m.listed_name, None if m.service is None
+                 else ServiceFacade(m.service, self._upstreams, self._models))
+                for m in self._models.models]
+
+    def local_model(self, name: str) -> tuple[str, ServiceFacade | None] | None:
+        """The local model `name` names (this one's names included): its listed name and,
+        where it is built, its facade; None where no local model answers to `name`."""
+        if name in self.model_names:
+            return self.model_name, self
+        model = self._models.find(name)
+        if model is None:
+            return None
+        return model.listed_name, None if model.service is None else ServiceFacade(
+            model.service, self._upstreams, self._models)
+
+    async def local_model_ready(self, name: str) -> ServiceFacade:
+        """The facade of the local model `name` names, built and made room for (see
+        for_model); KeyError where no local model answers to `name`."""
+        if name in self.model_names:
+            return await self.for_model(self.model_name)
+        model = self._models.find(name)
+        if model is None:
+            raise KeyError(name)
+        return ServiceFacade(await self._models.ready(model), self._upstreams, self._models)
+
+    @property
+    def served_names(self) -> frozenset[str]:
+        """Every name a local model answers to (model_names: this model's)."""
+        return self.model_names | self._models.names()
 
     @property
     def upstream_names(self) -> list[str]:
@@ -261,8 +304,8 @@ class ServiceFacade:
                         drafter=drafter)
 
     def stop(self) -> None:
-        """Stop the scheduler's worker (after the last response)."""
-        self._service.scheduler.stop()
+        """Stop the schedulers' workers, every local model's (after the last response)."""
+        self._models.stop()
 
 
 def _quantization(file_type: Any, matrix_types: list[str]) -> str:

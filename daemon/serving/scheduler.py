@@ -193,6 +193,20 @@ class Scheduler:
             self._keep_for(keep_alive)
             self._lock.notify_all()
 
+    def release(self, timeout: float) -> bool:
+        """Unload the engine as soon as nothing runs, and wait for it (at most `timeout`
+        seconds): whether it is unloaded. The next request loads it again."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._keep_for(0)
+            self._lock.notify_all()
+            while self.engine.loaded or self._unloading:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop:
+                    return False
+                self._lock.wait(left)
+        return True
+
     @contextmanager
     def hold(self, keep_alive: float | None = None) -> Iterator[None]:
         """The engine loaded (by the worker, if it was not) and kept loaded for the block:

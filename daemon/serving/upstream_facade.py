@@ -54,6 +54,10 @@ class UpstreamFacade(ServiceFacade):
         return frozenset({self.client.name})
 
     @property
+    def served_names(self) -> frozenset[str]:
+        return self.model_names
+
+    @property
     def aliases(self) -> list[str]:
         return []
 

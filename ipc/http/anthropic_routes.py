@@ -40,7 +40,7 @@ def error_body(status: int, message: str, code: str, param: str | None) -> dict[
 
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
-    svc = served(request, body)
+    svc = await served(request, body)
     check_model(request, body)
     limit = max_tokens(body)
     chat = chat_inputs(chat_body(body))
@@ -63,7 +63,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """How many tokens the request's prompt is, rendered as /v1/messages renders it."""
     body = await json_body(request)
-    svc = served(request, body)
+    svc = await served(request, body)
     check_model(request, body)
     if isinstance(svc, UpstreamFacade):
         svc.unsupported("count_tokens")

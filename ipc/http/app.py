@@ -11,6 +11,7 @@ from aiohttp import web
 
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.scheduler import QueueFull
+from specd.daemon.serving.served_models import ModelUnavailable, ServedModels
 from specd.daemon.serving.service import Service
 from specd.daemon.serving.upstream import UpstreamClient, UpstreamError, UpstreamSpec
 from specd.daemon.spec.generation import RequestError
@@ -57,15 +58,15 @@ async def _give_back_memory(request: web.Request, handler: Handler) -> web.Strea
 
 
 def _busy(handler: Handler) -> Handler:
-    """A generating route: a 503 while the daemon closes or its queue is full, an
-    upstream's failure with its status, in the request's dialect's error shape
-    (make_middlewares' `error_shapes`)."""
+    """A generating route: a 503 while the daemon closes, its queue is full or the model
+    named cannot load, an upstream's failure with its status, in the request's dialect's
+    error shape (make_middlewares' `error_shapes`)."""
     async def wrapped(request: web.Request) -> web.StreamResponse:
         if request.app[LIVE].draining:
             return error_response(503, "specd is shutting down", request=request)
         try:
             return await handler(request)
-        except QueueFull as exc:
+        except (QueueFull, ModelUnavailable) as exc:
             return error_response(503, str(exc), request=request)
         except RequestError as exc:
             return error_response(400, str(exc), request=request)
@@ -81,13 +82,17 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
                max_body: int = 8 << 20, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                memory_plan: dict[str, Any] | None = None,
                strict_model_name: bool = False,
-               upstreams: list[UpstreamSpec] | None = None) -> web.Application:
-    """The API over `service`, and the models of `upstreams` forwarded to their servers.
+               upstreams: list[UpstreamSpec] | None = None,
+               models: ServedModels | None = None) -> web.Application:
+    """The API over `service` (and the other local models of `models`, whose first is
+    `service`), and the models of `upstreams` forwarded to their servers.
     `access` says who may use TCP (`token` alone: a token every TCP client must send).
     Closing the app (its runner's cleanup) cancels the generations in flight and stops
     the service's scheduler."""
     if access is None:
         access = Access(token=token, require_token=token is not None)
+    if models is not None and models.first.service is not service:
+        raise ValueError("create_app: the first of `models` must be `service`")
     app = web.Application(client_max_size=max_body, middlewares=[
         _give_back_memory, *make_middlewares(
             allowed_origins=allowed_origins or set(), access=access,
@@ -95,8 +100,8 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
                           "/api": ollama_requests.error_body})])
     app.on_response_prepare.append(cors_on_prepare(allowed_origins or set()))
     app[SERVICE] = facade = ServiceFacade(service, {u.name: UpstreamClient(u)
-                                                    for u in upstreams or []})
-    if clash := sorted(set(facade.upstream_names) & facade.model_names):
+                                                    for u in upstreams or []}, models)
+    if clash := sorted(set(facade.upstream_names) & facade.served_names):
         raise ValueError(f"--upstream {clash[0]}: the local model answers to that name")
     app[MAX_BODY] = max_body
     app[BODY_TIMEOUT] = body_timeout
@@ -146,7 +151,7 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/api/embed", _busy(ollama_models.embed))
     r.add_post("/api/embeddings", _busy(ollama_models.embeddings))
     r.add_get("/api/tags", ollama_models.tags)
-    r.add_post("/api/show", ollama_models.show)
+    r.add_post("/api/show", _busy(ollama_models.show))
     r.add_get("/api/ps", ollama_models.ps)
     r.add_get("/api/version", ollama_models.version)
     r.add_post("/api/pull", ollama_models.pull)

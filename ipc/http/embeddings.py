@@ -58,7 +58,7 @@ async def embed_inputs(request: web.Request, svc: ServiceFacade, emb: Embeddings
 
 async def _embed(request: web.Request, *, openai: bool) -> web.Response:
     body = await json_body(request)
-    svc = served(request, body)
+    svc = await served(request, body)
     emb = embedding_model(svc)
     if openai:
         check_model(request, body)

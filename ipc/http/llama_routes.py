@@ -49,7 +49,7 @@ async def _llama_completion(request: web.Request, *, infill: bool) -> web.Stream
 async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
                      ) -> dict[str, Any] | list[dict[str, Any]] | web.StreamResponse:
     """One /completion or /infill request: its response's JSON, or the stream it sent."""
-    svc = served(request, body)
+    svc = await served(request, body)
     params = await off_loop(request, generation_params, svc, body, max_key="n_predict")
     n_probs = get(body, "n_probs", int, 0, lo=0, hi=MAX_N_PROBS)
     params.post_sampling_probs = get(body, "post_sampling_probs", bool, False) and n_probs > 0

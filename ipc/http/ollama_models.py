@@ -61,32 +61,45 @@ def _card(svc: ServiceFacade) -> tuple[ModelFacts, dict[str, Any]]:
                "digest": svc.digest(), "details": _details(f)}
 
 
+def _bare_card(name: str, family: str, modified: float) -> dict[str, Any]:
+    """A model listed by name only: an upstream's (nothing known here of its file), or a
+    local model of --models not built yet."""
+    listed = name if ":" in name else f"{name}:latest"
+    return {"name": listed, "model": listed, "size": 0, "digest": "",
+            "modified_at": timestamp(modified),
+            "details": {"parent_model": "", "format": "", "family": family,
+                        "families": [family], "parameter_size": "",
+                        "quantization_level": ""}}
+
+
 async def tags(request: web.Request) -> web.Response:
     svc = service(request)
-    f, card = await off_loop(request, _card, svc)
-    # a model served by forwarding (--upstream): its name, nothing known of its file
-    upstream = [{"name": (listed := n if ":" in n else f"{n}:latest"), "model": listed,
-                 "size": 0, "digest": "", "modified_at": timestamp(svc.started),
-                 "details": {"parent_model": "", "format": "", "family": "upstream",
-                             "families": ["upstream"], "parameter_size": "",
-                             "quantization_level": ""}} for n in svc.upstream_names]
-    return json_response({"models": [{**card, "modified_at": timestamp(f.modified)},
-                                     *upstream]})
+    listed: list[dict[str, Any]] = []
+    for name, facade in svc.local_models():
+        if facade is None:
+            listed.append(_bare_card(name, "", svc.started))
+        else:
+            f, card = await off_loop(request, _card, facade)
+            listed.append({**card, "modified_at": timestamp(f.modified)})
+    listed += [_bare_card(n, "upstream", svc.started) for n in svc.upstream_names]
+    return json_response({"models": listed})
 
 
 async def ps(request: web.Request) -> web.Response:
-    """The loaded models: the served one unless it was unloaded while idle, with when
-    its keep-alive unloads it."""
-    svc = service(request)
-    residency = svc.residency()
-    if not residency.loaded or residency.expires_at is None:
-        return json_response({"models": []})
-    f, card = await off_loop(request, _card, svc)
-    expires = min(residency.expires_at, time.time() + FOREVER_S)
-    return json_response({"models": [{
-        **card, "size": f.resident_bytes,
-        "size_vram": 0 if f.device == "cpu" else f.resident_bytes,
-        "expires_at": timestamp(expires), "context_length": svc.n_ctx}]})
+    """The loaded models: each local one unless it was unloaded (while idle, or to make
+    room for another), with when its keep-alive unloads it."""
+    loaded: list[dict[str, Any]] = []
+    for _, facade in service(request).local_models():
+        residency = None if facade is None else facade.residency()
+        if facade is None or residency is None or not residency.loaded \
+                or residency.expires_at is None:
+            continue
+        f, card = await off_loop(request, _card, facade)
+        expires = min(residency.expires_at, time.time() + FOREVER_S)
+        loaded.append({**card, "size": f.resident_bytes,
+                       "size_vram": 0 if f.device == "cpu" else f.resident_bytes,
+                       "expires_at": timestamp(expires), "context_length": facade.n_ctx})
+    return json_response({"models": loaded})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -94,9 +107,11 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def show(request: web.Request) -> web.Response:
+    """The model the body names (built and loaded first, where it is one of --models
+    no request has named yet)."""
     body = await json_body(request)
-    svc = service(request)
-    served_model(svc, body)
+    served_model(service(request), body)
+    svc = await served(request, body)
     f = await off_loop(request, svc.facts)
     capabilities = ["completion"]
     if "tools" in svc.chat_template:  # the template writes the tools it is given
@@ -127,7 +142,7 @@ async def embed(request: web.Request) -> web.Response:
     """/api/embed: each input's pooled vector, unit length (`dimensions`: its first ones,
     made unit length again)."""
     body = await json_body(request)
-    svc = served(request, body)
+    svc = await served(request, body)
     name = served_model(svc, body)
     emb = embedding_model(svc, status=400)
     if emb.pooling == "none":
@@ -153,7 +168,7 @@ async def embed(request: web.Request) -> web.Response:
 async def embeddings(request: web.Request) -> web.Response:
     """/api/embeddings, the older route: one prompt's vector, not normalized."""
     body = await json_body(request)
-    svc = served(request, body)
+    svc = await served(request, body)
     served_model(svc, body)
     emb = embedding_model(svc, status=400)
     prompt = get(body, "prompt", str, "")

@@ -29,11 +29,11 @@ def error_body(status: int, message: str, code: str, param: str | None) -> dict[
 
 def served_model(svc: ServiceFacade, body: dict[str, Any]) -> str:
     """The model the request names (`model`, or older clients' `name`), as it named it;
-    a 404 unless the served model answers to it (with or without Ollama's ":latest")."""
+    a 404 unless a local model answers to it (with or without Ollama's ":latest")."""
     name = body.get("model") or body.get("name")
     if not isinstance(name, str) or not name:
         raise BadRequest("model is required", param="model")
-    if name not in svc.model_names and name.removesuffix(":latest") not in svc.model_names:
+    if name not in svc.served_names and name.removesuffix(":latest") not in svc.served_names:
         raise BadRequest(f"model '{name}' not found", status=404, param="model")
     return name
 

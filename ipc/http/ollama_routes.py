@@ -55,7 +55,7 @@ async def _loaded(svc: ServiceFacade, name: str, alive: float | None, *,
 # -- the routes ---------------------------------------------------------------------------
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
-    svc = served(request, body)
+    svc = await served(request, body)
     name = served_model(svc, body)
     alive = keep_alive(body)
     if not body.get("messages"):
@@ -70,7 +70,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
-    svc = served(request, body)
+    svc = await served(request, body)
     name = served_model(svc, body)
     alive = keep_alive(body)
     no_images(body)

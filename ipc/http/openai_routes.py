@@ -83,7 +83,7 @@ def _nth_choice(params: GenerationParams, i: int) -> GenerationParams:
 
 async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     body = await json_body(request)
-    svc = served(request, body)
+    svc = await served(request, body)
     check_model(request, body)
     unsupported(body, () if chat else ("echo", "suffix", "best_of"))
     names: set[str] | None = None  # the request's tools, when calls are parsed

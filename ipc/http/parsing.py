@@ -104,11 +104,11 @@ def check_model(request: web.Request, body: dict[str, Any]) -> None:
 
 
 def known_model(svc: ServiceFacade, name: str) -> None:
-    """A 404 unless `name` is one the served model answers to."""
-    if name not in svc.model_names:
-        raise BadRequest(f"unknown model {name!r}; this daemon serves "
-                         f"{svc.model_name!r}", status=404, code="model_not_found",
-                         param="model")
+    """A 404 unless `name` is one a local model answers to."""
+    if name not in svc.served_names:
+        served = ", ".join(repr(n) for n, _ in svc.local_models())
+        raise BadRequest(f"unknown model {name!r}; this daemon serves {served}",
+                         status=404, code="model_not_found", param="model")
 
 
 # -- prompts ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from .streaming import collect, stream_events, submit_all
 
 async def responses(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
-    svc = served(request, body)
+    svc = await served(request, body)
     check_model(request, body)
     unsupported(body, ("background", "conversation", "prompt"))
     store = request.app[RESPONSES]

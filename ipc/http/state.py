@@ -47,13 +47,15 @@ def service(request: web.Request) -> ServiceFacade:
     return request.app[SERVICE]
 
 
-def served(request: web.Request, body: dict[str, Any]) -> ServiceFacade:
-    """The service as this request's sender uses it, for the model it names (an
-    upstream's, where it names one): its prompt cache is the sender's own (narrowed by
-    the request's `cache_key`), and shutdown can cancel its generation."""
+async def served(request: web.Request, body: dict[str, Any]) -> ServiceFacade:
+    """The service as this request's sender uses it, for the model it names (another
+    local model's, built and made room for first, or an upstream's, where it names one;
+    ModelUnavailable where that fails): its
+    prompt cache is the sender's own (narrowed by the request's `cache_key`), and
+    shutdown can cancel its generation."""
     identity = cache_identity(request.get(IDENTITY, ""), cache_key(body))
-    return service(request).for_model(body.get("model") or body.get("name")).for_sender(
-        identity, request.app[LIVE])
+    model = await service(request).for_model(body.get("model") or body.get("name"))
+    return model.for_sender(identity, request.app[LIVE])
 
 
 async def off_loop(request: web.Request, fn: Callable[..., T], *args: Any, **kw: Any) -> T:

@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.serving.served_models import ModelUnavailable
 
 from ..jsonout import json_response
 from ..metrics import render_metrics
@@ -23,12 +24,19 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _model_card(svc: ServiceFacade) -> dict[str, Any]:
-    """The served model; its status, loaded or unloaded while idle, as llama-server's
+    """A built local model; its status, loaded or unloaded while idle, as llama-server's
     router lists a model's."""
     loaded = svc.residency().loaded
     return {"id": svc.model_name, "aliases": svc.aliases, "tags": svc.tags,
             "object": "model", "created": int(svc.started), "owned_by": "specd",
             "status": {"value": "loaded" if loaded else "unloaded"}}
+
+
+def _unbuilt_card(svc: ServiceFacade, name: str) -> dict[str, Any]:
+    """A local model of `--models` no request has named yet (it loads on the first)."""
+    return {"id": name, "aliases": [], "tags": [], "object": "model",
+            "created": int(svc.started), "owned_by": "specd",
+            "status": {"value": "unloaded"}}
 
 
 def _upstream_card(svc: ServiceFacade, name: str) -> dict[str, Any]:
@@ -37,14 +45,19 @@ def _upstream_card(svc: ServiceFacade, name: str) -> dict[str, Any]:
             "created": int(svc.started), "owned_by": "upstream"}
 
 
+def _local_card(svc: ServiceFacade, name: str, facade: ServiceFacade | None) -> dict[str, Any]:
+    return _unbuilt_card(svc, name) if facade is None else _model_card(facade)
+
+
 async def models(request: web.Request) -> web.Response:
     svc = service(request)
     return json_response({"object": "list", "data": [
-        _model_card(svc), *(_upstream_card(svc, n) for n in svc.upstream_names)]})
+        *(_local_card(svc, n, f) for n, f in svc.local_models()),
+        *(_upstream_card(svc, n) for n in svc.upstream_names)]})
 
 
 async def model(request: web.Request) -> web.Response:
-    """GET /v1/models/{id}: the served model under any name it answers to, or an
+    """GET /v1/models/{id}: a local model under any name it answers to, or an
     upstream's, else a 404 (a lookup says what is there, whatever a completion request
     would accept)."""
     svc = service(request)
@@ -52,12 +65,15 @@ async def model(request: web.Request) -> web.Response:
     if name in svc.upstream_names:
         return json_response(_upstream_card(svc, name))
     known_model(svc, name)
-    return json_response(_model_card(svc))
+    found = svc.local_model(name)
+    assert found is not None  # (known_model: a local model answers to it)
+    return json_response(_local_card(svc, *found))
 
 
-async def _named_local_model(request: web.Request) -> ServiceFacade:
-    """The served model the body's `model` names (none or "": the served one), as
-    llama-server's router routes take it; an upstream's is not this daemon's to load."""
+async def _named_local_model(request: web.Request, *, build: bool) -> ServiceFacade | None:
+    """The local model the body's `model` names (none or "": the first), as
+    llama-server's router routes take it, built and made room for where `build` (else
+    None where it is not built); an upstream's is not this daemon's to load."""
     svc = service(request)
     body = await json_body(request)
     name = get(body, "model", str, "") or svc.model_name
@@ -65,17 +81,25 @@ async def _named_local_model(request: web.Request) -> ServiceFacade:
         raise BadRequest(f"model {name!r} is served by an upstream server (--upstream): it "
                          "is loaded and unloaded there")
     known_model(svc, name)
-    return svc
+    if not build:
+        found = svc.local_model(name)
+        return None if found is None else found[1]
+    try:
+        return await svc.local_model_ready(name)
+    except ModelUnavailable as exc:
+        raise BadRequest(str(exc), status=503) from None
 
 
 async def load_model(request: web.Request) -> web.Response:
     """POST /models/load: load the model now (kept for the daemon's --keep-alive once
     idle); a 400 where it is loaded already, as llama-server's router answers."""
-    svc = await _named_local_model(request)
-    if svc.residency().loaded:
+    built = await _named_local_model(request, build=False)
+    if built is not None and built.residency().loaded:
         raise BadRequest("model is already running")
+    loaded = await _named_local_model(request, build=True)
+    assert loaded is not None
     try:
-        await svc.load()
+        await loaded.load()
     except RuntimeError as exc:
         raise BadRequest(f"the model could not load: {exc}", status=500) from None
     return json_response({"success": True})
@@ -84,8 +108,8 @@ async def load_model(request: web.Request) -> web.Response:
 async def unload_model(request: web.Request) -> web.Response:
     """POST /models/unload: unload the model as soon as nothing runs (at once where
     nothing does); a 400 where it is not loaded."""
-    svc = await _named_local_model(request)
-    if not svc.residency().loaded:
+    svc = await _named_local_model(request, build=False)
+    if svc is None or not svc.residency().loaded:
         raise BadRequest("model is not running")
     svc.unload()
     return json_response({"success": True})

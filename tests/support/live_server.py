@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.serving.scheduler import NEVER, Scheduler
+from specd.daemon.serving.served_models import ServedModels
 from specd.daemon.serving.service import Service
 from specd.ipc.http.app import create_app
 from specd.ipc.server import ServeConfig, resolve_token, start_server
@@ -60,12 +61,17 @@ def call(port: int, method: str, path: str, body: Any = None, *,
 def live_server(cfg: EngineConfig, tmp: Path, *, require_token: bool = False,
                 allowed_origins: set[str] | None = None, max_queue: int = 64,
                 max_body: int = 8 << 20, keep_alive: float = NEVER,
+                models: Callable[[Service], ServedModels] | None = None,
                 **app_options: Any) -> Iterator[LiveServer]:
     """`app_options`: more of create_app's keywords (strict_model_name, ...);
-    `keep_alive`: the scheduler's (default: the model stays loaded)."""
+    `keep_alive`: the scheduler's (default: the model stays loaded); `models`: the
+    local models served by name, made from the first (`cfg`'s) service."""
     engine = Engine(cfg)
     scheduler = Scheduler(engine, max_queue=max_queue, keep_alive=keep_alive)
     service = Service(engine, scheduler)
+    served = None if models is None else models(service)
+    if served is not None:
+        app_options["models"] = served
     sock = tmp / "specd.sock"
     scfg = ServeConfig(port=0, socket_path=sock, require_token=require_token,
                        allowed_origins=allowed_origins or set())
@@ -76,6 +82,8 @@ def live_server(cfg: EngineConfig, tmp: Path, *, require_token: bool = False,
         with serving(app, scfg) as (srv, _):
             yield LiveServer(service, srv.port, sock, token)
     finally:
+        if served is not None:
+            served.stop()
         scheduler.stop()
 
 

@@ -1,0 +1,124 @@
+"""Several local models served by name (`specd serve -m A --models B`): B is built by the
+CLI's own builder on the first request naming it, at most --models-max load at once, and
+the listings, the router routes and the official clients see both. A real server on
+loopback with two tiny models of different architectures."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import ollama
+import openai
+import pytest
+
+from specd.daemon.cli.main import build_parser
+from specd.daemon.cli.serve import served_models
+from specd.daemon.serving.engine import EngineConfig
+from specd.daemon.serving.served_models import ServedModels
+
+from live_server import LiveServer, live_server_in
+
+A, B = "tiny-qwen2-Q8_0", "tiny-llama-Q8_0"  # the files' general.name
+
+
+@pytest.fixture(scope="module")
+def files(tiny_model_factory) -> tuple[Path, Path]:
+    return (tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024),
+            tiny_model_factory(arch="llama", weight_type="Q8_0", seed=7, context_length=1024))
+
+
+@pytest.fixture(scope="module")
+def server(files, tmp_path_factory):
+    a, b = files
+    missing = a.parent / "not-there.gguf"
+    args = build_parser().parse_args([
+        "serve", "-m", str(a), "--models", f"{b},{missing}", "--models-max", "1",
+        "--no-fit", "-c", "512", "--slots", "1", "-t", "1"])
+    cfg = EngineConfig(target=str(a), spec_type="ngram", n_ctx=512, slots=1)
+    with live_server_in(tmp_path_factory, "served-models", cfg, keep_alive=300,
+                        models=lambda first: served_models(args, first)) as srv:
+        yield srv
+
+
+def _statuses(server: LiveServer) -> dict[str, str]:
+    status, out = server.request("GET", "/v1/models")
+    assert status == 200, out
+    return {m["id"]: m["status"]["value"] for m in out["data"]}
+
+
+def _wait_status(server: LiveServer, want: dict[str, str], within: float = 20.0) -> bool:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if {k: v for k, v in _statuses(server).items() if k in want} == want:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _complete(server: LiveServer, model: str | None) -> tuple[str, list[int]]:
+    status, out = server.request("POST", "/completion", {
+        "model": model, "prompt": "hello there", "n_predict": 6, "temperature": 0,
+        "ignore_eos": True, "return_tokens": True})
+    assert status == 200, out
+    return out["model"], out["tokens"]
+
+
+def test_each_model_answers_by_name_one_loaded_at_a_time(server: LiveServer, files) -> None:
+    b_file = files[1]
+    # before any request names it, B is listed by its file's name, unloaded
+    assert _statuses(server) == {A: "loaded", b_file.stem: "unloaded",
+                                 "not-there": "unloaded"}
+    name_a, want_a = _complete(server, None)
+    assert name_a == A
+    name_b, want_b = _complete(server, b_file.stem)  # built now, by the CLI's builder
+    assert name_b == B and want_b != want_a
+    # --models-max 1: A unloaded to make room
+    assert _statuses(server) == {A: "unloaded", B: "loaded", "not-there": "unloaded"}
+    assert _complete(server, B) == (B, want_b)  # by its own name once built
+    assert _complete(server, A) == (A, want_a)  # A back, B out, answers as before
+    assert _wait_status(server, {A: "loaded", B: "unloaded"})
+    assert _complete(server, "gpt-4o-mini")[0] == A  # any other name: the first model
+
+
+def test_router_routes_load_and_unload_by_name(server: LiveServer) -> None:
+    _complete(server, B)
+    assert server.request("POST", "/models/load", {"model": B})[0] == 400  # running
+    assert server.request("POST", "/models/unload", {"model": B}) == (200, {"success": True})
+    assert _wait_status(server, {B: "unloaded"})
+    assert server.request("POST", "/models/load", {"model": A}) == (200, {"success": True})
+    assert _statuses(server)[A] == "loaded"
+    status, out = server.request("POST", "/models/load", {"model": "no-such-model"})
+    assert status == 404 and "this daemon serves" in out["error"]["message"]
+
+
+def test_a_model_that_cannot_load_is_a_503_and_the_rest_serve(server: LiveServer) -> None:
+    status, out = server.request("POST", "/completion", {
+        "model": "not-there", "prompt": "hi", "n_predict": 2})
+    assert status == 503 and "not-there" in out["error"]["message"], out
+    assert _complete(server, A)[0] == A
+
+
+def test_official_clients_list_and_use_both(server: LiveServer, files) -> None:
+    oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.token or "none")
+    ids = {m.id for m in oai.models.list().data}
+    assert {A} <= ids and (B in ids or files[1].stem in ids)
+    for model in (B, A):
+        out = oai.chat.completions.create(model=model, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "hi"}])
+        assert out.model == model and out.choices[0].message.content is not None
+    client = ollama.Client(host=server.base_url,
+                           headers={"Authorization": f"Bearer {server.token}"}
+                           if server.token else None)
+    assert {A + ":latest", B + ":latest"} <= {m.model for m in client.list().models}
+    reply = client.chat(model=B + ":latest", messages=[{"role": "user", "content": "hi"}],
+                        options={"num_predict": 3, "temperature": 0})
+    assert reply.model == B + ":latest"
+    assert [m.model for m in client.ps().models] == [B + ":latest"]  # A made room
+
+
+def test_two_models_answering_to_one_name_are_refused(server: LiveServer, files) -> None:
+    first = server.service
+    with pytest.raises(ValueError, match="names both"):
+        ServedModels(first, [str(files[1]), str(files[1].with_name("x") / files[1].name)],
+                     lambda ref: first)
