@@ -74,6 +74,10 @@ class Call:
     rows: Sequence[int] | None = None
     layers: tuple[int, ...] = ()
     sample: SampleSpec | None = None
+    # [len(tokens), n_embd]: the rows' embeddings in place of the tokens' (an image's
+    # projected tokens; `tokens` then only counts them), run by the runner's embeddings
+    # graph (`attach_embeddings`)
+    embeds: np.ndarray | None = None
 
 
 @dataclass
@@ -241,6 +245,10 @@ class ModelRunner:
         # binding per sequence slot, bound to its buffers
         inputs = {i.name for i in self.session.get_inputs()}
         self.packs_sequences = "segments" in inputs
+        # the graph's rows are embeddings (graph_builder's embeddings_input), not ids
+        self.takes_embeddings = "input_embeds" in inputs
+        # the graph that runs calls carrying embeddings, over this runner's KV cache
+        self.embeddings_runner: ModelRunner | None = None
         # the graph decides tokens itself for calls that carry a SampleSpec
         self.samples = "sample_plan" in inputs
         # per binding, the arrays last bound as the sampler's inputs (kept alive with it)
@@ -319,7 +327,25 @@ class ModelRunner:
             self._bindings.append(self.session.io_binding())
         self._n_seq += 1
         self._kv_version = -1  # bound at the next call
+        if self.embeddings_runner is not None:
+            self.embeddings_runner.add_sequence()
         return seq
+
+    def attach_embeddings(self, built: BuiltModel,
+                          initializers: Mapping[str, np.ndarray] | None = None
+                          ) -> ModelRunner:
+        """Open `built`, this model's graph taking embeddings as its rows
+        (BuildOptions.embeddings_input), over this runner's KV cache: calls that carry
+        embeddings (an image's) run there, the others here. initializers: this graph's
+        weights to share (shared_initializers.same_named)."""
+        if not built.options.embeddings_input or built.hparams != self.hp:
+            raise ValueError(f"{built.folder.name} is not {self.built.folder.name}'s model "
+                             "taking embeddings")
+        self.embeddings_runner = ModelRunner(
+            built, n_ctx=self.n_ctx, n_seq=self.n_seq, threads=self.threads,
+            runtime=self.runtime, row_block=1, min_rows=1, kv=self.kv,
+            initializers=initializers)
+        return self.embeddings_runner
 
     def copy_prefix(self, src: int, dst: int, n: int, src_len: int) -> bool:
         """Give sequence `dst` the KV of positions 0..n-1 of sequence `src` (which holds
@@ -359,13 +385,37 @@ class ModelRunner:
         exactly as in its call alone; else one call after another."""
         if len({c.seq for c in calls}) < len(calls):
             raise ValueError("a batch holds one call per sequence")
+        if any(c.embeds is not None for c in calls) and not self.takes_embeddings:
+            return self._with_embeddings(calls)
         for c in calls:
             self._check_layers(c.layers)
             if c.sample is not None:
                 self._check_sample(c)
+            self._check_embeds(c)
         if self.packs_sequences and len(calls) > 1:
             return self._pass(calls)
         return [self._pass([c])[0] for c in calls]
+
+    def _with_embeddings(self, calls: Sequence[Call]) -> list[CallOutput]:
+        """The calls carrying embeddings on the embeddings graph, each alone, the others
+        here together; their outputs in the calls' order."""
+        emb = self.embeddings_runner
+        if emb is None:
+            raise ValueError(f"{self.built.folder.name} takes no embeddings: no graph "
+                             "taking them is attached (attach_embeddings)")
+        text = [c for c in calls if c.embeds is None]
+        done = iter(self.forward_batch(text) if text else [])
+        return [emb.forward_batch([c])[0] if c.embeds is not None else next(done)
+                for c in calls]
+
+    def _check_embeds(self, call: Call) -> None:
+        if not self.takes_embeddings:
+            return
+        e = call.embeds
+        if e is None or e.shape != (len(call.tokens), self.hp.n_embd):
+            raise ValueError(f"{self.built.folder.name} takes embeddings [{len(call.tokens)}, "
+                             f"{self.hp.n_embd}] for a call of {len(call.tokens)} rows, got "
+                             f"{None if e is None else list(e.shape)}")
 
     def _check_sample(self, call: Call) -> None:
         assert call.sample is not None
@@ -413,7 +463,15 @@ class ModelRunner:
         width = max(len(ids) if filled else n_logits, self.min_rows)
         logits_rows += [logits_rows[-1] if logits_rows else len(ids) - 1] * (width - n_logits)
         b = self._binding(calls[0].seq)
-        b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
+        if self.takes_embeddings:  # [rows, n_embd], filler rows repeat the last
+            embeds = [np.asarray(c.embeds, dtype=np.float32) for c in calls]
+            rows_e = np.concatenate(embeds) if len(embeds) > 1 else embeds[0]
+            if len(rows_e) < len(ids):
+                rows_e = np.concatenate([rows_e, np.repeat(rows_e[-1:], len(ids) - len(rows_e),
+                                                           axis=0)])
+            b.bind_cpu_input("input_embeds", np.ascontiguousarray(rows_e))
+        else:
+            b.bind_cpu_input("input_ids", np.asarray(ids, dtype=np.int64))
         if self.packs_sequences:
             b.bind_cpu_input("segments", np.asarray(segments, dtype=np.int64))
         else:

@@ -5,7 +5,9 @@ A head's block and step graphs read the target's token embedding table (the anch
 and drafted tokens' rows); the head builder writes it as `token_embd.weight.exact.*`,
 the same arrays the target graph holds as `token_embd.weight.*`. Where the bytes are
 equal (checked, not assumed), ONNX Runtime gets one array per name through
-`SessionOptions.add_initializer`, and loads neither copy from its graph's file.
+`SessionOptions.add_initializer`, and loads neither copy from its graph's file. The
+target's graph taking embeddings (an image's rows) shares every weight with the target's
+graph the same way, by name (`same_named`).
 """
 
 from __future__ import annotations
@@ -123,3 +125,12 @@ def add_initializers(options: object, arrays: Mapping[str, np.ndarray],
         value = ort.OrtValue.ortvalue_from_numpy(array)
         keep.append(value)
         options.add_initializer(name, value)  # type: ignore[attr-defined]
+
+
+def same_named(graph_model: Path, target_model: Path) -> dict[str, np.ndarray]:
+    """The initializers of `graph_model` that are byte-for-byte the target graph's of the
+    same name (a second graph built from the same file: the one taking embeddings), each
+    mapped from the target's weights file, for the second session to take in place."""
+    target = external_tensors(target_model)
+    return {name: target[name].map() for name, tensor in external_tensors(graph_model).items()
+            if name in target and tensor.bytes_equal(target[name])}

@@ -19,6 +19,10 @@ outputs
     hidden_l     float32 [S, n_embd] residual stream after layer l (optional)
   sampler=True adds the SampleTokens node after the logits, with its inputs sample_* and
   outputs sampled_* (their contract: ort_models/sampling_op.py)
+  embeddings_input=True instead: input_embeds float32 [S, n_embd] in place of input_ids,
+    the rows as they are (an image's projected tokens, llama.cpp's embeddings batch); with
+    causal=False each row sees its whole call's rows (gemma3's images). A graph of its
+    own, run beside the text graph over its KV cache (ModelRunner.attach_embeddings)
 
 Batch invariance: every op computes a row the same way whatever S is, so a verified row
 equals a single-token step bit for bit. MatMulNBits (accuracy_level 4) and prepacked

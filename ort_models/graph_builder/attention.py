@@ -115,14 +115,18 @@ def kv_cache_io(c: BuildContext, i: int) -> None:
         g.output(name, kv_type, shape)
 
 
-def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True) -> AttentionInputs:
+def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True,
+                     block_end: bool = False) -> AttentionInputs:
     """The new tokens' positions, the rotary tables (rope.cos, rope.sin) and what the
     graph's kind of attention needs besides, from the graph inputs `ids` ([S], or [S, *]:
     its rows are the new tokens), `position` and `attn_len` (native: `segments`).
     causal=False (exact or native attention): every new row attends to all `attn_len` keys
-    (native: its segment's), later rows of its block included."""
+    (native: its segment's), later rows of its block included. block_end (`ids` [S, *]):
+    exact attention masks the keys past the block's last row, and a sliding-window layer
+    the keys a window back from each row (a row's view is then the native kernel's)."""
     g, hp = c.g, c.hp
-    s_len = g.op("Shape", [ids]) if causal else g.op("Shape", [ids], end=1)  # [1]
+    rows_2d = not causal or block_end
+    s_len = g.op("Shape", [ids], end=1) if rows_2d else g.op("Shape", [ids])  # [1]
     if not causal and c.options.attention not in ("exact", "native"):
         raise ValueError("attention over a whole block (not causal) is written out or "
                          "specd's: attention 'exact' or 'native', not "
@@ -143,8 +147,15 @@ def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True) -> Atten
         io.qpad = g.const(np.zeros((nkv, 1, hp.head_dim), np.float32), np.float32)
         t_len = g.op("Concat", [g.const([nkv, 1]), "attn_len"], axis=0)
         io.ppad = g.op("ConstantOfShape", [t_len], value=_f32_tensor(0.0))
+    swa = hp.sliding_window and any(hp.is_swa(i) for i in range(hp.n_layer))
+    if block_end and not causal:
+        io.causal = False
+        io.mask = _causal_mask(g, s_len, whole_block=True)
+        if swa:
+            io.mask_swa = _causal_mask(g, s_len, hp.sliding_window, whole_block=True)
+        return io
     io.mask = _causal_mask(g, s_len) if causal else g.const(0.0, np.float32)
-    if hp.sliding_window and any(hp.is_swa(i) for i in range(hp.n_layer)):
+    if swa:
         io.mask_swa = _causal_mask(g, s_len, hp.sliding_window)
     return io
 
@@ -304,13 +315,19 @@ def _exact_attention(c: BuildContext, i: int, q3: str, k3: str, v: str,
     return g.op("Reshape", [out, g.const([-1, hp.n_head * hd])])
 
 
-def _causal_mask(g: GraphWriter, s_len: str, window: int = 0) -> str:
+def _causal_mask(g: GraphWriter, s_len: str, window: int = 0, *,
+                 whole_block: bool = False) -> str:
     """[S, T] additive mask: 0 where key t <= position p of row s (and, with a window,
-    t > p - window: the query and the window - 1 keys before it), -inf elsewhere."""
+    t > p - window: the query and the window - 1 keys before it), -inf elsewhere.
+    whole_block: t up to the block's last position instead of p (a block not causal
+    within itself), the window still counted back from p."""
     t = g.op("Range", [g.const(0), g.op("Squeeze", ["attn_len", g.const([0])]), g.const(1)])
     rows = g.op("Range", [g.const(0), g.op("Squeeze", [s_len, g.const([0])]), g.const(1)])
     row_pos = g.op("Unsqueeze", [g.op("Add", [rows, "position"]), g.const([1])])  # [S, 1]
-    allowed = g.op("LessOrEqual", [t, row_pos])  # [S, T]
+    if whole_block:  # [1, T]: every key before the block's end
+        allowed = g.op("Less", [t, g.op("Add", ["position", s_len])])
+    else:
+        allowed = g.op("LessOrEqual", [t, row_pos])  # [S, T]
     if window:
         recent = g.op("Greater", [t, g.op("Sub", [row_pos, g.const(window)])])
         allowed = g.op("And", [allowed, recent])

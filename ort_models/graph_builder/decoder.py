@@ -23,18 +23,24 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
                 progress: Progress | None = None) -> None:
     """Write the decoder graph of the GGUF model `f` into `g`."""
     c = BuildContext(g, hp, f, options, progress, total=hp.n_layer + 2)
-    ids = g.input("input_ids", I64, ["S"])
+    if options.embeddings_input:  # an image's rows: [S, E], not scaled (llama.cpp scales
+        ids = g.input("input_embeds", F32, ["S", hp.n_embd])  # token rows only)
+    else:
+        ids = g.input("input_ids", I64, ["S"])
     if options.attention == "native":  # the rows of B sequences: (slot, position, rows)
         g.input("segments", I64, ["B", 3])
     else:
         g.input("position", I64, [1])
         g.input("attn_len", I64, [1])
     g.input("logits_rows", I64, ["R"])
-    io = attention_inputs(c, ids)
-
-    x = embedding(c, ids)  # [S, E] residual stream
-    if hp.embedding_scale is not None:
-        x = g.op("Mul", [x, g.const(hp.embedding_scale, np.float32)])
+    if options.embeddings_input:
+        io = attention_inputs(c, ids, causal=options.causal, block_end=True)
+        x = ids  # [S, E] residual stream
+    else:
+        io = attention_inputs(c, ids)
+        x = embedding(c, ids)  # [S, E] residual stream
+        if hp.embedding_scale is not None:
+            x = g.op("Mul", [x, g.const(hp.embedding_scale, np.float32)])
     c.tick("embedding")
     delta: str | None = None  # the block output not yet added to x
     for i in range(hp.n_layer):

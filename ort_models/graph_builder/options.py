@@ -55,6 +55,12 @@ class BuildOptions:
     # SampleTokens and TokenLogprobs nodes after the logits (specd's kernels): the calls of
     # a pass may have their tokens and logprobs decided in the graph (sampling_op)
     sampler: bool = False
+    # the rows come in as embeddings (graph input `input_embeds` [S, n_embd], an image's
+    # projected tokens) in place of token ids; `causal` False: the rows of a call see each
+    # other whole (llama.cpp's non-causal image batches, gemma3). The text graph's bytes
+    # are those of the defaults, so this is a graph of its own beside it
+    embeddings_input: bool = False
+    causal: bool = True
 
     def __post_init__(self) -> None:
         if self.vocab_rows < 0:
@@ -75,6 +81,11 @@ class BuildOptions:
         if self.sampler and not self.uses_native:
             raise ValueError("sampler needs specd's kernels (kernels='gguf' or "
                              "attention='native')")
+        if not self.causal and not self.embeddings_input:
+            raise ValueError("causal=False is for embeddings graphs (embeddings_input=True)")
+        if self.embeddings_input and (self.sampler or self.attention == "fused"):
+            raise ValueError("an embeddings graph has no sampler and attends written out or "
+                             "with specd's kernel (attention 'exact' or 'native')")
         if self.requant == "q4k" and self.kernels != "gguf":
             raise ValueError("requant 'q4k' makes Q4_K blocks for GgufMatMul: it needs "
                              "kernels='gguf'")
@@ -88,8 +99,9 @@ class BuildOptions:
         kv = "_kv16" if self.kv_dtype == "f16" else ""
         vr = f"_v{self.vocab_rows}" if self.vocab_rows else ""
         sm = "_smp2" if self.sampler else ""
+        em = ("_emb" + ("" if self.causal else "nc")) if self.embeddings_input else ""
         return (f"h{layers}_p{self.max_positions}_a{self.accuracy_level}{rq}{at}{kn}{kv}{vr}"
-                f"{sm}")
+                f"{sm}{em}")
 
     def logits_width(self, n_vocab: int) -> int:
         """Ids the graph's logits cover."""

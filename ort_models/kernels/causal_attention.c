@@ -76,6 +76,9 @@ typedef struct {
   /* CachedAttention, else NULL: row r's last key position (its own, or not causal its
      segment's last row's) and the cache slot its keys are in */
   const size_t *row_pos, *row_slot;
+  /* not causal with a window, else NULL: row r's first key position (the window measured
+     back from the row's own position, as llama.cpp masks a sliding window) */
+  const size_t *row_first;
 } Job;
 
 /* w[0..padded) <- exp(w - max) over the first n_keys (0 past them); returns their sum */
@@ -170,7 +173,7 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx, void (*task)(void
   CHECK(g_api->KernelContext_GetOutput(ctx, 0, qd, 2, &y_val));
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
   Job job = {q, k, v, y, (size_t)at->heads, (size_t)(at->heads / at->kv_heads), (size_t)hd,
-             (size_t)kd[2], (size_t)pos[0], at->scale, (size_t)at->window, NULL, NULL};
+             (size_t)kd[2], (size_t)pos[0], at->scale, (size_t)at->window, NULL, NULL, NULL};
   specd_parallel_for(task, &job, (size_t)qd[0] * (size_t)at->kv_heads);
   return NULL;
 }
@@ -234,7 +237,9 @@ const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F
  *               window (optional, 0): as CausalAttention's,
  *               causal (optional, 1): 0 = each row of a segment attends to every key of
  *               its sequence up to the segment's last row (pos+rows-1), its later rows
- *               included (a drafter head's block, not causal within itself); no window
+ *               included (a drafter head's block, an image's embeddings: not causal
+ *               within itself); with a window, a row at p sees no key at or before
+ *               p - window (llama.cpp's sliding-window mask, whatever the causality)
  *
  * The rotation of x at a row is, per pair (a, b) and angle i, a*cos - b*sin and
  * b*cos + a*sin in float32 without fused multiply-adds (dims past rd pass through); an
@@ -419,7 +424,7 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   const size_t rd = (size_t)cd->rotary_dim, half = rd / 2, rows = (size_t)s_len;
   /* rotated queries [S, H*hd], one rotated key row, and each row's position and slot */
   float *qr_rows = (float *)malloc((rows * heads * d + kvh * d) * sizeof(float));
-  size_t *row_pos = (size_t *)malloc(2 * rows * sizeof(size_t));
+  size_t *row_pos = (size_t *)malloc(3 * rows * sizeof(size_t));
   if (!qr_rows || !row_pos) {
     free(qr_rows);
     free(row_pos);
@@ -427,6 +432,7 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
     return g_api->CreateStatus(ORT_FAIL, "CachedAttention: out of memory");
   }
   size_t *row_slot = row_pos + rows;
+  size_t *row_first = !cd->causal && at->window ? row_pos + 2 * rows : NULL;
   float *krow = qr_rows + rows * heads * d;
   /* where row s's q, k and v start, and the distance between rows, in floats */
   const size_t q_stride = (size_t)qd[1], k_stride = (size_t)kw, v_stride = (size_t)vw;
@@ -439,6 +445,7 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
       const size_t p = (size_t)(seg[i].pos + j), slot = (size_t)seg[i].slot;
       /* the last key the row sees: itself, or not causal the segment's last row */
       row_pos[s] = cd->causal ? p : (size_t)(seg[i].pos + seg[i].rows - 1);
+      if (row_first) row_first[s] = p + 1 > (size_t)at->window ? p + 1 - (size_t)at->window : 0;
       row_slot[s] = slot;
       rotate(q + s * q_stride, qr_rows + s * heads * d, heads, d, rd, (int)cd->interleaved,
              cs + p * half, sn + p * half);
@@ -457,7 +464,7 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
       }
     }
   Job job = {qr_rows, pres_k, pres_v, y, heads, heads / kvh, d, (size_t)n_ctx, 0,
-             at->scale, (size_t)at->window, row_pos, row_slot};
+             at->scale, (size_t)at->window, row_pos, row_slot, row_first};
   specd_parallel_for(f16 ? run_task_f16 : run_task_f32, &job, rows * kvh);
   free(qr_rows);
   free(row_pos);
@@ -486,9 +493,6 @@ static OrtStatus *create_cached(const OrtApi *api, const OrtKernelInfo *info, vo
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: window must be >= 0");
   if (cd.causal != 0 && cd.causal != 1)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: causal must be 0 or 1");
-  if (!cd.causal && cd.at.window)
-    return api->CreateStatus(ORT_INVALID_ARGUMENT,
-                             "CachedAttention: a window needs causal attention");
   if (cd.packed < 0 || cd.packed > 2)
     return api->CreateStatus(ORT_INVALID_ARGUMENT, "CachedAttention: packed must be 0, 1 or 2");
   if (cd.at.heads <= 0 || cd.at.kv_heads <= 0 || cd.at.heads % cd.at.kv_heads)

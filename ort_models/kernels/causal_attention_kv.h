@@ -102,7 +102,8 @@ static void CAT(run_task_, KV)(void *p, size_t task) {
      where the run reaches the cache's end and goes on from row 0 */
   const size_t upto = (job->row_pos ? job->row_pos[row] : job->pos + row) + 1;
   const size_t slot = job->row_slot ? job->row_slot[row] : 0;
-  const size_t first = job->window && upto > job->window ? upto - job->window : 0;
+  const size_t first = job->row_first ? job->row_first[row]
+                       : job->window && upto > job->window ? upto - job->window : 0;
   const size_t n_keys = upto - first, start = first % job->n_ctx;
   const size_t run = n_keys < job->n_ctx - start ? n_keys : job->n_ctx - start;
   const float *q = job->q + (row * job->heads + kvh * g_n) * hd; /* heads kvh*G .. +G-1 */

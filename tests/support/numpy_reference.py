@@ -23,6 +23,8 @@ Reads the file with `gguf.GGUFReader`, dequantizes every tensor with
   layer global, default 6) see their own key and the window - 1 before it, and rotate with
   {arch}.rope.freq_base_swa (default 10000); logits soft-capped where
   {arch}.final_logit_softcapping is set.
+* rows given as embeddings (`step_embeddings`, an image's): not scaled; not causal where
+  asked (each row sees the whole block, a sliding window still counted from the row).
 
 Nothing from specd is imported.
 """
@@ -173,17 +175,36 @@ class ReferenceModel:
             return np.zeros((0, self.vocab_size), dtype=np.float64)
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError("token id out of range")
+        x = self.weights["token_embd.weight"][ids] * self.embed_scale  # [T, n_embd]
+        return self._layers(x, cache, layer_inputs, causal=True)
+
+    def step_embeddings(self, embeddings: np.ndarray, cache: KVCache, *, causal: bool = True,
+                        layer_inputs: dict[int, np.ndarray] | None = None) -> np.ndarray:
+        """Run rows given as embeddings [T, n_embd] (an image's) at positions
+        cache.length.., as llama.cpp decodes an embeddings batch: the rows enter the
+        residual stream as they are (gemma's sqrt(n_embd) scales token rows only).
+        causal False (llama.cpp's non-causal image batches, gemma3): each row sees every
+        key up to the block's last, a sliding-window layer still none at or before its own
+        position - window. Logits [T, vocab]."""
+        x = np.asarray(embeddings, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != self.n_embd or not len(x):
+            raise ValueError(f"embeddings must be [T >= 1, {self.n_embd}], got {x.shape}")
+        return self._layers(x, cache, layer_inputs, causal=causal)
+
+    def _layers(self, x: np.ndarray, cache: KVCache, layer_inputs: dict[int, np.ndarray] | None,
+                *, causal: bool) -> np.ndarray:
+        """The layers and the output head over the new rows x [T, n_embd]."""
         start = cache.length
-        n_new = ids.size
+        n_new = x.shape[0]
         positions = np.arange(start, start + n_new)
         hd, nh, nkv = self.head_dim, self.n_head, self.n_head_kv
         group = nh // nkv
         scale = 1.0 / np.sqrt(float(hd))
-        # causal mask over [new queries, all keys]
+        # causal mask over [new queries, all keys] (not causal: the block's keys all seen)
         key_pos = np.arange(start + n_new)
-        mask = key_pos[None, :] > positions[:, None]  # True = masked
+        seen_to = positions[:, None] if causal else np.full((n_new, 1), start + n_new - 1)
+        mask = key_pos[None, :] > seen_to  # True = masked
 
-        x = self.weights["token_embd.weight"][ids] * self.embed_scale  # [T, n_embd]
         first = not cache.keys
         for layer in range(self.n_layer):
             if layer_inputs is not None:
