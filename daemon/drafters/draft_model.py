@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specd.daemon.spec.drafter import DraftEvidence, DraftRequest, Features
+from specd.daemon.spec.media import text_ids
 from specd.daemon.spec.sampling import Sampler
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
@@ -82,8 +83,10 @@ class DraftModelDrafter(ModelBackedDrafter[_SeqState, ModelRunner]):
 
     def _ids(self, tokens: Sequence[int]) -> list[int]:
         """Token ids as the draft can embed them: a target id past the draft's vocabulary
-        (compat allows sizes to differ a little) becomes id 0. Only proposals change."""
-        return [t if t < self._n_vocab else 0 for t in tokens]
+        (compat allows sizes to differ a little) becomes id 0, and so does an image's
+        placeholder (media.text_ids: the draft has no vision; the text around the image
+        keeps its positions). Only proposals change."""
+        return [t if t < self._n_vocab else 0 for t in text_ids(tokens)]
 
     def _logits(self, rows: np.ndarray) -> np.ndarray:
         return rows[..., : self.vocab_limit] if self.vocab_limit else rows

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specd.daemon.spec.drafter import DraftRequest, Features, head_input_rows
+from specd.daemon.spec.media import text_ids
 from specd.daemon.spec.sampling import Sampler
 from specd.ort_models.head_runner import HeadRunner, StepCall, StepOutput
 
@@ -103,7 +104,9 @@ class Eagle3Drafter(ModelBackedDrafter[_SeqState, HeadRunner]):
             return
         if start + 1 < first:
             raise RuntimeError(f"the head's pairs end at {start}, the tokens start at {first}")
-        ids = tokens[start + 1 - first:end + 1 - first]  # the tokens at start+1..end
+        # the tokens at start+1..end; an image's positions pair with a text id (the head
+        # embeds ids, and the image's own rows are the target's, through g)
+        ids = text_ids(tokens[start + 1 - first:end + 1 - first])
         self.runner.pair(seq, ids, st.g[start:end], start)
         st.written = end
 

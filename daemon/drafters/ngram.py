@@ -21,6 +21,7 @@ from specd.daemon.spec.drafter import (
     PerSequenceDrafter,
     Proposal,
 )
+from specd.daemon.spec.media import is_placeholder
 
 
 @dataclass
@@ -84,7 +85,10 @@ class NgramDrafter(PerSequenceDrafter):
             follow = h.at(start + n, start + n + n_max)
             if len(follow) < n_max and start + n + len(follow) == h.end:
                 follow.append(last)  # the match runs up to the newest token
-            return Proposal(follow, evidence=DraftEvidence(lookup_match=n))
+            # the text only: what followed up to an image (a placeholder is no token)
+            cut = next((i for i, t in enumerate(follow) if is_placeholder(t)), len(follow))
+            return Proposal(follow[:cut], evidence=DraftEvidence(lookup_match=n)) if cut else (
+                Proposal([]))
         return Proposal([])
 
     def propose_one(self, request: DraftRequest) -> Proposal:

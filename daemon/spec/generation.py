@@ -34,6 +34,14 @@ from .coupling import CoupledSampler
 from .drafter import Drafter, DraftParams, DraftRequest, Features, Proposal
 from .graph_sampling import BONUS_CANDIDATES, block_result, sample_spec, sparse_q
 from .logprobs import LogprobRecorder
+from .media import (
+    PromptImage,
+    check_images,
+    image_at,
+    is_placeholder,
+    next_image_start,
+    outside_images,
+)
 from .policy import (
     AdaptiveDraftLength,
     DraftPolicy,
@@ -81,6 +89,35 @@ def check_prompt_fits(prompt: Sequence[int], n_ctx: int) -> None:
     if len(prompt) > room:
         raise RequestError(f"the prompt is {len(prompt)} tokens long but the context "
                            f"holds {n_ctx}: at most {room} prompt tokens fit")
+
+
+def _causal_images(target: ModelRunner) -> bool:
+    """Whether the target's image rows are causal (gemma3's see the whole image)."""
+    emb = target.embeddings_runner
+    return emb is None or emb.built.options.causal
+
+
+def check_prompt_images(target: ModelRunner, prompt: Sequence[int],
+                        images: Sequence[PromptImage]) -> None:
+    """RequestError unless the target takes these images: a graph taking embeddings of
+    its width, each image at its placeholders, and an image not causal within itself
+    no longer than one call."""
+    emb = target.embeddings_runner
+    if emb is None:
+        raise RequestError(f"{target.built.gguf_path.name} takes no images: start it with "
+                           "--mmproj, the vision projector of its family")
+    try:
+        check_images(prompt, images)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    for im in images:
+        if im.embeddings.shape[1] != target.hp.n_embd:
+            raise RequestError(f"an image's embeddings are {im.embeddings.shape[1]} wide, "
+                               f"the model's {target.hp.n_embd}: the projector does not fit "
+                               "the model")
+        if not _causal_images(target) and im.chunk.n_tokens > emb.max_call_rows:
+            raise RequestError(f"an image of {im.chunk.n_tokens} tokens exceeds the "
+                               f"{emb.max_call_rows} rows one call evaluates")
 
 
 @dataclass
@@ -168,11 +205,17 @@ class Generation:
                  params: GenerationParams, *, eog: set[int], drafter: Drafter | None = None,
                  reuse: int = 0, grammar: GrammarState | None = None,
                  on_prompt_progress: PromptProgress | None = None,
-                 memory: PolicyMemory | None = None):
+                 memory: PolicyMemory | None = None,
+                 images: Sequence[PromptImage] = ()):
         """on_prompt_progress: told the prompt's progress (called on the caller's thread);
         memory: an adaptive policy starts from the last finished request's of the same
-        drafter, and is kept there when this one closes."""
+        drafter, and is kept there when this one closes; images: the prompt's images, at
+        their placeholders (media.py), evaluated from their embeddings."""
         check_prompt_fits(prompt, target.n_ctx)
+        self.images = tuple(images)
+        if self.images or any(is_placeholder(t) for t in prompt):
+            check_prompt_images(target, prompt, self.images)
+            reuse = outside_images(self.images, reuse)
         params.sampling.validate()
         params.draft.validate()
         if drafter is not None and drafter.target_layers:
@@ -299,7 +342,7 @@ class Generation:
         if self.prefilled:
             raise RuntimeError("the prompt is already evaluated")
         if self._cursor is None:
-            self._cursor = min(self._reuse, len(self.prompt) - 1)
+            self._cursor = outside_images(self.images, min(self._reuse, len(self.prompt) - 1))
             if self._on_progress is not None:
                 self._on_progress(self._cursor, self._cursor, len(self.prompt))
         start = self._cursor
@@ -309,6 +352,13 @@ class Generation:
             boundary = cut - cut % ATTN_BUCKET
             end = boundary if boundary > start else cut
         end = min(end, start - start % ATTN_BUCKET + ATTN_BUCKET)
+        image = image_at(self.images, start)
+        if image is not None:  # its rows from its embeddings: whole where not causal
+            end = image.end if not _causal_images(self.target) else min(end, image.end)
+            self._pending = _PrefillChunk(end)
+            return Call(self.seq, self.prompt[start:end], start, None, self._layers,
+                        embeds=image.embeddings[start - image.start:end - image.start])
+        end = min(end, next_image_start(self.images, start) or end)
         self._pending = _PrefillChunk(end)
         last = end == len(self.prompt) and self.params.max_tokens > 0
         return Call(self.seq, self.prompt[start:end], start, None, self._layers,

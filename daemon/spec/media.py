@@ -1,0 +1,134 @@
+"""Images in a prompt: token runs and image chunks, as one token list and the images beside.
+
+A prompt is a sequence of segments, token runs and images (`ImageChunk`: the encoder's
+rows [n_tokens, n_embd] and the sha256 of the image file). `assemble` flattens them into
+the prompt's token list, in which each image's positions hold a placeholder id derived
+from its digest (negative: no token has it), and the images at their positions
+(`PromptImage`). So everything that compares prompts as token lists (the slots' prefix
+cache) tells two images apart by their bytes, and sees the same screenshot as the same
+prefix; everything that embeds ids (a draft model, a head's pairs) maps the placeholders
+to a text id first (`text_ids`), and prompt lookup never proposes one.
+
+Positions are 1-D here: an image of n tokens occupies n positions (llama.cpp's n_pos for
+every projector but M-RoPE's), so a token's position is its index in the list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# a placeholder's id: minus one minus the digest's first 60 bits (never a token id)
+_DIGEST_HEX = 15
+
+
+@dataclass(frozen=True)
+class ImageChunk:
+    """An image as the target takes it: its projected tokens and the file's sha256."""
+
+    embeddings: np.ndarray  # [n_tokens, n_embd] float32
+    digest: str
+
+    def __post_init__(self) -> None:
+        e = self.embeddings
+        if e.ndim != 2 or not len(e):
+            raise ValueError(f"an image's embeddings are [n_tokens >= 1, n_embd], got "
+                             f"{list(e.shape)}")
+        if len(self.digest) < _DIGEST_HEX:
+            raise ValueError(f"an image's digest is a sha256 hex string, got {self.digest!r}")
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.embeddings.shape[0])
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image of a prompt: its chunk at prompt positions start .. start + n_tokens - 1."""
+
+    start: int
+    chunk: ImageChunk
+
+    @property
+    def end(self) -> int:
+        return self.start + self.chunk.n_tokens
+
+    @property
+    def embeddings(self) -> np.ndarray:
+        return self.chunk.embeddings
+
+    @property
+    def digest(self) -> str:
+        return self.chunk.digest
+
+
+Segment = Sequence[int] | ImageChunk
+
+
+def placeholder_id(digest: str) -> int:
+    """The id an image's positions hold in a prompt's token list (negative)."""
+    return -1 - int(digest[:_DIGEST_HEX], 16)
+
+
+def is_placeholder(token: int) -> bool:
+    return token < 0
+
+
+def assemble(segments: Sequence[Segment]) -> tuple[list[int], tuple[PromptImage, ...]]:
+    """The prompt's token list (placeholders at the images' positions) and its images."""
+    tokens: list[int] = []
+    images: list[PromptImage] = []
+    for seg in segments:
+        if isinstance(seg, ImageChunk):
+            images.append(PromptImage(len(tokens), seg))
+            tokens.extend([placeholder_id(seg.digest)] * seg.n_tokens)
+        else:
+            tokens.extend(int(t) for t in seg)
+    return tokens, tuple(images)
+
+
+def check_images(prompt: Sequence[int], images: Sequence[PromptImage]) -> None:
+    """The images must lie in order in the prompt, each over its own placeholders, and
+    every placeholder must belong to an image (ValueError naming the first that does not)."""
+    covered = 0
+    for im in images:
+        if im.start < covered or im.end > len(prompt):
+            raise ValueError(f"an image at positions {im.start}..{im.end - 1} overlaps another "
+                             f"or runs past the prompt's {len(prompt)} tokens")
+        want = placeholder_id(im.digest)
+        if any(t != want for t in prompt[im.start:im.end]):
+            raise ValueError(f"the prompt's positions {im.start}..{im.end - 1} do not hold the "
+                             "image's placeholders")
+        covered = im.end
+    n_held = sum(im.chunk.n_tokens for im in images)
+    if sum(1 for t in prompt if is_placeholder(t)) != n_held:
+        raise ValueError("the prompt holds image placeholders no image is given for")
+
+
+def image_at(images: Sequence[PromptImage], pos: int) -> PromptImage | None:
+    """The image covering prompt position `pos` (None: a token's position)."""
+    for im in images:
+        if im.start <= pos < im.end:
+            return im
+    return None
+
+
+def next_image_start(images: Sequence[PromptImage], pos: int) -> int | None:
+    """The first position after `pos` where an image starts (None: none)."""
+    return next((im.start for im in images if im.start > pos), None)
+
+
+def outside_images(images: Sequence[PromptImage], n: int) -> int:
+    """The largest k <= n that does not cut an image: a prefix of the prompt holds each
+    image whole or not at all (an image's KV is computed by one call)."""
+    im = image_at(images, n)
+    return n if im is None or im.start == n else im.start
+
+
+def text_ids(tokens: Sequence[int], substitute: int = 0) -> list[int]:
+    """The tokens with every image placeholder replaced by `substitute`: ids a model
+    without the image's embeddings can take, keeping the positions (llama.cpp's draft
+    model gets rows of zeros there for the same reason)."""
+    return [substitute if t < 0 else t for t in tokens]
