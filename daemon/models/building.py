@@ -96,6 +96,19 @@ def build_options(role: str, draft_quant: str = "auto", device: str = "cpu",
                         vocab_rows=draft_vocab, sampler=native)
 
 
+# architectures whose image rows see the whole image (llama.cpp's
+# mtmd_decode_use_non_causal: Gemma 3's projector); every other's are causal
+IMAGE_ROWS_NOT_CAUSAL = frozenset({"gemma3"})
+
+
+def image_options(target: BuildOptions, arch: str) -> BuildOptions:
+    """The options of the target's graph taking an image's rows as embeddings, beside its
+    text graph (`target`: that graph's options): the same weights, kernels, attention and
+    feature layers; no token decision (an image never ends a prompt a chat renders)."""
+    return dataclasses.replace(target, embeddings_input=True, sampler=False,
+                               causal=arch not in IMAGE_ROWS_NOT_CAUSAL)
+
+
 def embedding_options(device: str, layer: int) -> BuildOptions:
     """Graph options of an embedding model of its own: a target's, outputting the hidden
     state of `layer`, with no token decision after its logits (it never generates)."""

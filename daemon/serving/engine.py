@@ -30,12 +30,14 @@ from specd.daemon.models.building import (
     BuildError,
     build_options,
     embedding_options,
+    image_options,
     resolve_draft_quant,
 )
 from specd.daemon.models.compat import draft_incompatibilities, head_incompatibilities
 from specd.daemon.models.store import resolve_model
 from specd.daemon.spec.drafter import Drafter
 from specd.daemon.spec.generation import Generation, GenerationParams, PromptProgress
+from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.policy import PolicyMemory
 from specd.daemon.text.chat_template import render_chat
 from specd.daemon.text.grammar import GrammarState
@@ -49,7 +51,7 @@ from specd.ort_models.heads import HeadFormatError, HeadParams, head_kind, read_
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.providers import RuntimeChoice, choose_runtime
 from specd.ort_models.runner import ModelRunner
-from specd.ort_models.shared_initializers import share_with_target, shares_on
+from specd.ort_models.shared_initializers import same_named, share_with_target, shares_on
 
 from .embeddings import Embedder, EmbeddingHead
 from .loaded_model import LoadedModel
@@ -96,6 +98,9 @@ class EngineConfig:
     pooling: str | None = None  # None: the GGUF's pooling type, else "mean"
     # embeddings from this model instead of the target (a GGUF path or catalog name)
     embedding_model: str | None = None
+    # the target takes images: its graph taking embeddings is built beside its text graph
+    # (an image's rows come from the vision projector named by --mmproj)
+    images: bool = False
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
     # the names the served model answers to and is listed as (llama-server's --alias:
@@ -201,6 +206,10 @@ class Engine:
         self.target = LoadedModel(target_path, tgt_file,
                                   load_or_build(target_path, target_options, bp("target")),
                                   n_seq=cfg.slots)
+        # the target's graph taking an image's rows (None: the model takes no images)
+        self._built_images = (load_or_build(target_path, image_options(
+            self.target.built.options, tgt_file.arch), bp("target (images)"))
+            if cfg.images else None)
         self.draft: LoadedModel | None = None
         if draft_path is not None and d_file is not None and draft_options is not None:
             self.draft = LoadedModel(draft_path, d_file, load_or_build(
@@ -242,6 +251,11 @@ class Engine:
                       share_with_target(((g, head.model_path(g)) for g in head.graphs),
                                         self.target.built.model_path))
             self._open(self.target, None if shared is None else shared.arrays)
+            if self._built_images is not None:
+                images = self._built_images
+                self.target.runner.attach_embeddings(images, same_named(
+                    images.model_path, self.target.built.model_path)
+                    if shares_on(self.runtime.device) else None)
             if self.draft is not None:
                 self._open(self.draft)
             if head is not None:
@@ -417,12 +431,19 @@ class Engine:
             return self.chat_tokens([{"role": "user", "content": text}])
         return self.tokenizer.encode(text, parse_special=True)
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether prompts may hold images (the target's graph taking them is built)."""
+        return self._built_images is not None
+
     def start(self, seq: int, prompt: Sequence[int], params: GenerationParams,
               reuse: int = 0, grammar: GrammarState | None = None,
-              on_prompt_progress: PromptProgress | None = None) -> Generation:
+              on_prompt_progress: PromptProgress | None = None,
+              images: Sequence[PromptImage] = ()) -> Generation:
         return Generation(self.target.runner, seq, prompt, params, eog=self.eog_ids,
                           drafter=self.drafter, reuse=reuse, grammar=grammar,
-                          on_prompt_progress=on_prompt_progress, memory=self.policy_memory)
+                          on_prompt_progress=on_prompt_progress, memory=self.policy_memory,
+                          images=images)
 
     def embed(self, seq: int, tokens: Sequence[int], normalize_p: int = 2) -> np.ndarray:
         """The embedding of `tokens` (Embedder.embed; `seq`: the target's slot, where the

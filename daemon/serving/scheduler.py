@@ -44,6 +44,7 @@ from specd.daemon.spec.generation import (
     PromptProgress,
     RequestError,
 )
+from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.round import BatchRound
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
@@ -97,6 +98,9 @@ class Request:
     grammar: Grammar | None = None  # compiled constraint; a fresh state per request
     # told the prompt's progress (cached, processed, total tokens) on the worker thread
     on_prompt_progress: PromptProgress | None = None
+    # the prompt's images, at their placeholders in `prompt` (spec/media.py): the slots'
+    # prefixes tell images apart by their placeholders, derived from each image's bytes
+    images: tuple[PromptImage, ...] = ()
     # instead of generating: run this with the slot's index on the worker thread, once;
     # it returns (its result, the tokens the slot's KV then holds) (embeddings)
     task: Callable[[int], tuple[object, list[int]]] | None = None
@@ -382,7 +386,7 @@ class Scheduler:
                     req.gen = self.engine.start(
                         slot.index, req.prompt, req.params, reuse=reuse,
                         grammar=None if req.grammar is None else req.grammar.start(),
-                        on_prompt_progress=req.on_prompt_progress)
+                        on_prompt_progress=req.on_prompt_progress, images=req.images)
                 except (RequestError, ValueError) as exc:
                     req.error = str(exc)
                     self._finish(req, None)
@@ -392,7 +396,7 @@ class Scheduler:
                     req.error = f"internal error: {exc}"
                     self._finish(req, None)
                     continue
-                slot.cached = list(req.prompt[:reuse])
+                slot.cached = list(req.prompt[:req.gen.reused])
                 slot.identity = req.identity
                 slot.request = req
                 req.slot = slot.index

@@ -11,13 +11,14 @@ import asyncio
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from specd.daemon.spec.generation import GenerationParams, check_prompt_fits
+from specd.daemon.spec.generation import GenerationParams, RequestError, check_prompt_fits
+from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.sampling import TokenLogprob
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.detokenize import IncrementalDetokenizer
@@ -152,16 +153,21 @@ class Service:
                stop: list[str] | None = None, cache_prompt: bool = True,
                t_max_ms: float | None = None, grammar: Grammar | None = None,
                n_indent: int = 0, progress: bool = False, timings: bool = False,
-               keep_alive: float | None = None) -> Stream:
+               keep_alive: float | None = None, images: Sequence[PromptImage] = ()
+               ) -> Stream:
         """Queue a request (RequestError if the prompt does not fit, QueueFull if the queue
         is), before anything is sent to the client; iterate the Stream for its output
         (with `progress`, ProgressEvents as the prompt is evaluated; with `timings`, each
         event carries the request's timings so far). keep_alive: how long the model stays
         loaded once idle after it (Request.keep_alive)."""
         self.check_prompt(prompt)
+        if images and not self.engine.takes_images:
+            raise RequestError(f"{self.engine.model_name} takes no images: start it with "
+                               "--mmproj, the vision projector of its family")
         return Stream(self, prompt, params, stop=stop, cache_prompt=cache_prompt,
                       t_max_ms=t_max_ms, grammar=grammar, n_indent=n_indent,
-                      progress=progress, timings=timings, keep_alive=keep_alive)
+                      progress=progress, timings=timings, keep_alive=keep_alive,
+                      images=tuple(images))
 
     async def load(self, keep_alive: float | None = None) -> None:
         """Load the model if it is not (a request with nothing to generate), and keep it
@@ -248,7 +254,8 @@ class Stream:
     def __init__(self, svc: Service, prompt: list[int], params: GenerationParams, *,
                  stop: list[str] | None, cache_prompt: bool, t_max_ms: float | None,
                  grammar: Grammar | None, n_indent: int = 0, progress: bool = False,
-                 timings: bool = False, keep_alive: float | None = None):
+                 timings: bool = False, keep_alive: float | None = None,
+                 images: tuple[PromptImage, ...] = ()):
         self.svc, self.prompt = svc, prompt
         self._timings = timings
         self._loop = asyncio.get_running_loop()
@@ -267,7 +274,7 @@ class Stream:
         self._indent = IndentLimit(n_indent) if n_indent > 0 else None
         self.req = Request(
             prompt=prompt, params=params, cache_prompt=cache_prompt, grammar=grammar,
-            on_tokens=self._on_tokens, keep_alive=keep_alive,
+            on_tokens=self._on_tokens, keep_alive=keep_alive, images=images,
             on_prompt_progress=self._on_progress if progress else None,
             on_done=lambda r: self._loop.call_soon_threadsafe(
                 self._events.put_nowait, ("done", r)),

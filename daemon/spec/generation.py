@@ -289,6 +289,11 @@ class Generation:
         return self.finish_reason is not None
 
     @property
+    def reused(self) -> int:
+        """Prompt tokens whose KV an earlier request left (never part of an image)."""
+        return self._reuse
+
+    @property
     def all_tokens(self) -> list[int]:
         return self.prompt + self.tokens
 

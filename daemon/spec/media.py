@@ -15,13 +15,15 @@ every projector but M-RoPE's), so a token's position is its index in the list.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-# a placeholder's id: minus one minus the digest's first 60 bits (never a token id)
-_DIGEST_HEX = 15
+# a placeholder's id: minus one minus 60 bits of a hash of the whole digest (never a
+# token id; images differing anywhere in their bytes get different ones)
+_PLACEHOLDER_BITS = 60
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,8 @@ class ImageChunk:
         if e.ndim != 2 or not len(e):
             raise ValueError(f"an image's embeddings are [n_tokens >= 1, n_embd], got "
                              f"{list(e.shape)}")
-        if len(self.digest) < _DIGEST_HEX:
-            raise ValueError(f"an image's digest is a sha256 hex string, got {self.digest!r}")
+        if not self.digest:
+            raise ValueError("an image needs its digest (the sha256 of its file)")
 
     @property
     def n_tokens(self) -> int:
@@ -69,7 +71,8 @@ Segment = Sequence[int] | ImageChunk
 
 def placeholder_id(digest: str) -> int:
     """The id an image's positions hold in a prompt's token list (negative)."""
-    return -1 - int(digest[:_DIGEST_HEX], 16)
+    h = hashlib.blake2b(digest.encode(), digest_size=8).digest()
+    return -1 - (int.from_bytes(h, "little") >> (64 - _PLACEHOLDER_BITS))
 
 
 def is_placeholder(token: int) -> bool:
