@@ -218,6 +218,12 @@ def _admit(request: web.Request, access: Access, unix: bool) -> str | web.Respon
                                "with --allow-other-users", request=request)
 
 
+def is_own_user(identity: str) -> bool:
+    """Whether a request's identity (`_admit`'s) is the daemon's own OS user."""
+    uid = _own_uid()
+    return uid is not None and identity == f"uid:{uid}"
+
+
 def origin_allowed(origin: str, allowed: set[str]) -> bool:
     """Whether a browser Origin may call the API: one of `allowed`, or, where "localhost"
     is, any loopback origin whatever its port (llama-server's --cors-origins localhost)."""

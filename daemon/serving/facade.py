@@ -192,6 +192,12 @@ class ServiceFacade:
         return self._service.started
 
     @property
+    def takes_images(self) -> bool:
+        """Whether its prompts may hold images: a vision projector (--mmproj) encodes
+        them into the target's graph taking embeddings."""
+        return self._service.engine.takes_images
+
+    @property
     def n_ctx(self) -> int:
         return self._service.engine.n_ctx
 

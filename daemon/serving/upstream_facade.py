@@ -74,6 +74,10 @@ class UpstreamFacade(ServiceFacade):
         return ""
 
     @property
+    def takes_images(self) -> bool:
+        return False  # the chat is forwarded as text messages
+
+    @property
     def n_ctx(self) -> int:
         self.unsupported("a context size known here")
 

@@ -3,7 +3,7 @@ them; and the rendering itself, bounded by what the context can hold."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -12,7 +12,9 @@ from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.upstream_facade import UpstreamFacade
 from specd.daemon.text.tool_calls import check_tools, forced_call_grammar, tool_names
 
+from ..security import IDENTITY, is_own_user
 from ..validation import BadRequest, check_text_bytes, check_tools_size, get, json_body, texts_in
+from .media_inputs import chat_images
 from .parsing import prompt_byte_limit
 from .state import off_loop, service
 
@@ -29,6 +31,8 @@ class ChatInputs:
     render: dict[str, Any]
     choice: Any = None  # tool_choice, as given (an upstream applies it)
     parallel: bool = True  # parallel_tool_calls
+    # the images' file bytes, in the order of their media markers in `messages`
+    images: list[bytes] = field(default_factory=list)
 
 
 def tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool = True
@@ -57,12 +61,14 @@ def tool_choice(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool 
     return names, forced_call_grammar(tools or [], name, parallel)
 
 
-def chat_inputs(body: dict[str, Any]) -> ChatInputs:
+def chat_inputs(body: dict[str, Any], *, own_user: bool = False) -> ChatInputs:
+    """own_user: the caller is the daemon's own OS user (its images may be local files)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise BadRequest("'messages' must be a non-empty array of {role, content}",
                          param="messages")
+    messages, images = chat_images(messages, own_user=own_user)
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
@@ -101,7 +107,7 @@ def chat_inputs(body: dict[str, Any]) -> ChatInputs:
         render["template_kwargs"] = {**(kwargs or {}), **(
             {"enable_thinking": False} if effort == "none" else {"reasoning_effort": effort})}
     return ChatInputs(messages, tools or None, names, forced, render,
-                      body.get("tool_choice"), parallel)
+                      body.get("tool_choice"), parallel, images)
 
 
 def render(svc: ServiceFacade, chat: ChatInputs, how: str) -> Any:
@@ -109,6 +115,9 @@ def render(svc: ServiceFacade, chat: ChatInputs, how: str) -> Any:
     "chat_tokens": its token ids); a template error, or more text than the context can
     hold, is a 400. An upstream's model takes the chat as messages (its template renders
     them): its "chat_tokens" are a ChatPrompt."""
+    if chat.images and not svc.takes_images:
+        raise BadRequest(f"{svc.model_name} takes no images: start it with --mmproj, the "
+                         "vision projector of its family", param="messages")
     if isinstance(svc, UpstreamFacade) and how == "chat_tokens":
         return svc.chat_prompt(chat.messages, chat.tools, chat.choice, chat.parallel,
                                chat.render)
@@ -123,5 +132,6 @@ def render(svc: ServiceFacade, chat: ChatInputs, how: str) -> Any:
 
 async def rendered(request: web.Request, how: str) -> Any:
     """The chat request's prompt (see render), prepared off the event loop."""
-    chat = chat_inputs(await json_body(request))
+    chat = chat_inputs(await json_body(request),
+                       own_user=is_own_user(request.get(IDENTITY, "")))
     return await off_loop(request, render, service(request), chat, how)

@@ -4,6 +4,7 @@ CORS, /infill trimming."""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import re
@@ -258,10 +259,17 @@ def test_chat_prompts_get_one_bos_and_the_tools(tiny_path, tmp_path) -> None:
         status, out = srv.request("POST", "/v1/chat/completions", chat)
         assert with_tools == out["usage"]["prompt_tokens"] + len(
             tok.encode("|get_weather", add_bos=False))
-        status, out = srv.request("POST", "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": [{"type": "image_url",
-                                                       "image_url": {"url": "x"}}]}]})
-        assert status == 400 and "image_url" in out["error"]["message"]
+        # an image for a model without a vision projector: a 400 naming --mmproj; a
+        # remote URL: a 400 saying the daemon fetches nothing; the server stays up
+        png = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
+        for url, why in ((png, "--mmproj"), ("https://example.com/a.png", "not fetched")):
+            status, out = srv.request("POST", "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": url}}]}]})
+            assert status == 400 and why in out["error"]["message"], out
+        status, _ = srv.request("POST", "/v1/chat/completions", chat)
+        assert status == 200
         status, out = srv.request("POST", "/v1/chat/completions", {**chat, "tools": "no"})
         assert status == 400 and out["error"]["param"] == "tools"
 

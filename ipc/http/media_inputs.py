@@ -1,0 +1,106 @@
+"""Images a chat request carries, as llama-server reads them: each image content part
+becomes the media marker in the message's text and its file's bytes are kept in order,
+for the model's vision projector to encode (the marker is where the image's tokens go).
+
+Where an image may come from:
+- a data URL (`data:image/png;base64,...`), anywhere;
+- a local file (an absolute path or a `file://` URL), only for a caller who is the
+  daemon's own OS user (ipc/security.py knows the caller): others cannot make the daemon
+  read its user's files;
+- never a remote http(s) URL: the daemon fetches nothing (a 400 that says to send the
+  image as a data URL).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from pathlib import Path
+from typing import Any
+
+from ..validation import BadRequest
+
+MEDIA_MARKER = "<__media__>"  # llama-server's default marker, as mtmd splits text at it
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one image file's bytes, whatever its source
+
+
+def image_bytes(url: str, *, own_user: bool, param: str) -> bytes:
+    """The bytes of the image `url` names (the rules: the module docstring)."""
+    if url.startswith(("http://", "https://")):
+        raise BadRequest("remote image URLs are not fetched (the daemon fetches nothing): "
+                         "send the image as a data URL, data:image/png;base64,...",
+                         param=param)
+    if url.startswith("data:"):
+        head, sep, payload = url.partition(",")
+        if not sep or not head.startswith("data:image/") or not head.endswith(";base64"):
+            raise BadRequest("an image data URL must be data:image/<type>;base64,<data>",
+                             param=param)
+        return decode_base64(payload, param)
+    path = url.removeprefix("file://")
+    if not Path(path).is_absolute():
+        raise BadRequest("an image URL must be a data URL or, for the daemon's own user, "
+                         "an absolute file path", param=param)
+    if not own_user:
+        raise BadRequest("local image files are read only for the daemon's own OS user: "
+                         "send the image as a data URL", param=param)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as exc:
+        raise BadRequest(f"cannot read the image file {path}: {exc.strerror}",
+                         param=param) from None
+    return _sized(data, param)
+
+
+def decode_base64(payload: str, param: str) -> bytes:
+    """Base64 image data (a 400 naming `param` where it is not base64)."""
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise BadRequest(f"an image is larger than {MAX_IMAGE_BYTES} bytes", param=param)
+    try:
+        return _sized(base64.b64decode(payload, validate=True), param)
+    except (binascii.Error, ValueError):
+        raise BadRequest("the image data is not valid base64", param=param) from None
+
+
+def _sized(data: bytes, param: str) -> bytes:
+    if not data:
+        raise BadRequest("an image is empty", param=param)
+    if len(data) > MAX_IMAGE_BYTES:
+        raise BadRequest(f"an image is larger than {MAX_IMAGE_BYTES} bytes", param=param)
+    return data
+
+
+def chat_images(messages: list[dict[str, Any]], *, own_user: bool
+                ) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages with every `image_url` part made the media marker, and the images'
+    bytes in the order their markers come. A message's parts holding an image are
+    joined into one text as llama-server joins them: newlines between text parts, none
+    before or after a marker. Messages without images are left as they are."""
+    out: list[dict[str, Any]] = []
+    images: list[bytes] = []
+    for i, m in enumerate(messages):
+        parts = m.get("content")
+        if not isinstance(parts, list) or not any(
+                isinstance(p, dict) and p.get("type") == "image_url" for p in parts):
+            out.append(m)
+            continue
+        text, last_marker = "", False
+        for j, p in enumerate(parts):
+            kind = p.get("type") if isinstance(p, dict) else None
+            where = f"messages[{i}].content[{j}]"
+            if kind == "image_url":
+                spec = p.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                if not isinstance(url, str):
+                    raise BadRequest("an image_url part needs image_url.url", param=where)
+                images.append(image_bytes(url, own_user=own_user, param=where))
+                text += MEDIA_MARKER
+                last_marker = True
+            elif kind == "text" and isinstance(p.get("text"), str):
+                text += ("\n" if text and not last_marker else "") + p["text"]
+                last_marker = False
+            else:
+                raise BadRequest(f"a content part of type {kind!r} is not supported "
+                                 "(text and image_url parts)", param=where)
+        out.append({**m, "content": text})
+    return out, images
