@@ -93,6 +93,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="more local models served by name (catalog names or GGUF paths; "
                    "repeatable): each is loaded on the first request naming it, with the "
                    "drafter measured fastest for it, and -m's model serves any other name")
+    p.add_argument("--no-store-models", action="store_true",
+                   help="serve by name only -m's model and --models' (default: every "
+                   "model pulled into the store too, each loaded on first use)")
     p.add_argument("--models-max", type=int_at_least(1), default=1, metavar="N",
                    help="most local models loaded at once (default 1): loading another "
                    "first unloads the one used longest ago, once its requests end")
@@ -179,9 +182,10 @@ def _names(value: str | None) -> list[str]:
 
 
 def served_models(args: argparse.Namespace, first: Any) -> Any:
-    """The daemon's local models: `first` (-m's, built) and those of --models, each built
-    on its first request from a copy of `args` (taken before -m's draft was settled)
-    naming it, with its own drafter and memory plan."""
+    """The daemon's local models: `first` (-m's, built), those of --models and the store's
+    (unless --no-store-models), each built on its first request from a copy of `args`
+    (taken before -m's draft was settled) naming it, with its own drafter and memory
+    plan."""
     from specd.daemon.serving.served_models import ServedModels
 
     base = copy.copy(args)
@@ -196,7 +200,19 @@ def served_models(args: argparse.Namespace, first: Any) -> Any:
         return build_service(a)
 
     refs = [ref.strip() for spec in args.models for ref in spec.split(",") if ref.strip()]
-    return ServedModels(first, refs, build, max_loaded=args.models_max)
+    served = ServedModels(first, refs, build, max_loaded=args.models_max)
+    if not args.no_store_models:
+        served.add_missing(store_targets())
+    return served
+
+
+def store_targets() -> list[str]:
+    """The catalog models pulled into the store that run as a target (not heads)."""
+    from specd.daemon.models.catalog import CATALOG
+    from specd.daemon.models.store import list_local
+
+    return [name for name, _, _ in list_local()
+            if CATALOG[name].runnable and CATALOG[name].head_for is None]
 
 
 def build_service(args: argparse.Namespace):

@@ -1,6 +1,6 @@
-"""The local models a daemon serves by name: the one it starts with, and those of
-`--models`, each built into a Service of its own (engine, scheduler, slots) on the first
-request that names it.
+"""The local models a daemon serves by name: the one it starts with, those of `--models`
+and the store's, each built into a Service of its own (engine, scheduler, slots) on the
+first request that names it.
 
 At most `max_loaded` of them are loaded at once: before one loads, the one used longest
 ago unloads (once its running requests finish), so their memory plans never overlap.
@@ -81,6 +81,12 @@ class ServedModels:
                     raise ValueError(f"--models: {name!r} names both {seen[name]} and {m.ref}")
         if len(self.models) > 1 and build is None:
             raise ValueError("more than one model and nothing to build them with")
+
+    def add_missing(self, refs: Iterable[str]) -> None:
+        """Serve `refs` too, but those a model already answers to."""
+        for ref in refs:
+            if self.find(ref) is None:
+                self.models.append(ServedModel(ref))
 
     def find(self, name: str) -> ServedModel | None:
         """The model `name` (with or without Ollama's ":latest") names, if one does."""

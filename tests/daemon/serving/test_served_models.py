@@ -5,6 +5,7 @@ loopback with two tiny models of different architectures."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def server(files, tmp_path_factory):
     missing = a.parent / "not-there.gguf"
     args = build_parser().parse_args([
         "serve", "-m", str(a), "--models", f"{b},{missing}", "--models-max", "1",
-        "--no-fit", "-c", "512", "--slots", "1", "-t", "1"])
+        "--no-store-models", "--no-fit", "-c", "512", "--slots", "1", "-t", "1"])
     cfg = EngineConfig(target=str(a), spec_type="ngram", n_ctx=512, slots=1)
     with live_server_in(tmp_path_factory, "served-models", cfg, keep_alive=300,
                         models=lambda first: served_models(args, first)) as srv:
@@ -97,6 +98,32 @@ def test_a_model_that_cannot_load_is_a_503_and_the_rest_serve(server: LiveServer
         "model": "not-there", "prompt": "hi", "n_predict": 2})
     assert status == 503 and "not-there" in out["error"]["message"], out
     assert _complete(server, A)[0] == A
+
+
+def test_a_running_stream_ends_before_its_model_makes_room(server: LiveServer,
+                                                           files) -> None:
+    """B waits for A's running stream to finish whole; A unloads only then."""
+    _complete(server, A)
+    oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.token or "none")
+    stream = oai.completions.create(model=A, prompt="once", max_tokens=400, temperature=0,
+                                    stream=True, extra_body={"ignore_eos": True})
+    finish = None
+    chunks = iter(stream)
+    next(chunks)  # A is running now
+    answers: list[tuple[str, float]] = []
+    asked_b = threading.Thread(target=lambda: answers.append((
+        _complete(server, files[1].stem)[0], time.monotonic())))
+    b_sent = time.monotonic()
+    asked_b.start()
+    for chunk in chunks:
+        finish = chunk.choices[0].finish_reason or finish
+    a_done = time.monotonic()
+    asked_b.join(timeout=120)
+    assert finish == "length"  # not cut
+    assert b_sent < a_done  # B was asked for while A ran
+    assert answers and answers[0][0] == B
+    assert answers[0][1] > a_done  # and answered once A's stream had ended
+    assert _statuses(server)[A] == "unloaded"
 
 
 def test_official_clients_list_and_use_both(server: LiveServer, files) -> None:
