@@ -23,7 +23,16 @@ from specd.daemon.control import config as config_mod
 from specd.daemon.control import service_control as sc
 from specd.ipc.client import DaemonUnavailable
 
-from .state import SEPARATOR, IconState, MenuItem, Observation, Starting, TrayView, view
+from .state import (
+    SEPARATOR,
+    UNLOAD_ONE,
+    IconState,
+    MenuItem,
+    Observation,
+    Starting,
+    TrayView,
+    view,
+)
 
 ICON_SIZE = 64
 COLORS: dict[IconState, tuple[int, int, int]] = {
@@ -106,6 +115,9 @@ class TrayApp:
     def act(self, action: str) -> None:
         if action in ("start", "stop", "restart", "load", "unload"):
             threading.Thread(target=self._run_cli, args=(action,), daemon=True).start()
+        elif action.startswith(UNLOAD_ONE):  # another of the daemon's models
+            threading.Thread(target=self._run_cli, args=("unload", action[len(UNLOAD_ONE):]),
+                             daemon=True).start()
         elif action == "open_log":
             open_path(sc.log_path())
         elif action == "open_config":
@@ -119,8 +131,8 @@ class TrayApp:
             if self._icon is not None:
                 self._icon.stop()
 
-    def _run_cli(self, action: str) -> None:
-        r = subprocess.run(_cli(action), capture_output=True, text=True, check=False,
+    def _run_cli(self, action: str, *args: str) -> None:
+        r = subprocess.run(_cli(action, *args), capture_output=True, text=True, check=False,
                            stdin=subprocess.DEVNULL)
         lines = (r.stderr or r.stdout).strip().splitlines()
         # a failed start prints its summary first and the daemon's log tail after it,

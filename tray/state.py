@@ -31,6 +31,7 @@ class MenuItem:
 
 
 SEPARATOR = MenuItem("-", None, enabled=False)
+UNLOAD_ONE = "unload:"  # an action's prefix: unload the model named after it
 
 
 @dataclass
@@ -55,7 +56,9 @@ def _info_lines(s: DaemonSnapshot) -> list[MenuItem]:
     lines = [MenuItem(f"Target: {s.target}" + ("" if s.loaded else " (unloaded while idle)"),
                       enabled=False),
              MenuItem(f"Draft: {s.draft}" if s.draft else "Draft: none", enabled=False),
-             MenuItem(f"Speculation: {s.spec_type}", enabled=False)]
+             MenuItem(f"Speculation: {s.spec_type}", enabled=False),
+             *(MenuItem(f"Model: {name}" + ("" if up else " (unloaded)"), enabled=False)
+               for name, up in s.local_models()[1:])]
     states = s.slot_states()
     busy = states.get("generating", 0) + states.get("prefill", 0)
     lines.append(MenuItem(f"Slots: {busy}/{len(s.slots)} busy", enabled=False))
@@ -68,15 +71,18 @@ def _info_lines(s: DaemonSnapshot) -> list[MenuItem]:
 
 
 def _menu(head: list[MenuItem], *, start: bool, stop: bool, restart: bool,
-          default: str, loaded: bool | None = None) -> list[MenuItem]:
+          default: str, loaded: bool | None = None,
+          others: tuple[str, ...] = ()) -> list[MenuItem]:
     """The information lines, the controls this state allows, then the common items;
     `default` is the action a click on the icon runs; `loaded`: whether the running
-    daemon's model is loaded (None: no daemon answering)."""
+    daemon's model is loaded (None: no daemon answering); `others`: its other models
+    loaded now (serve --models), each offered for unloading."""
     def item(text: str, action: str, enabled: bool = True) -> MenuItem:
         return MenuItem(text, action, enabled=enabled, default=action == default)
 
     model = ([] if loaded is None else
              [item("Unload model", "unload") if loaded else item("Load model", "load")])
+    model += [item(f"Unload {name}", f"{UNLOAD_ONE}{name}") for name in others]
     return [*head, SEPARATOR, item("Start", "start", start), item("Stop", "stop", stop),
             item("Restart", "restart", restart), *model, SEPARATOR,
             item("Open log", "open_log"),
@@ -105,6 +111,7 @@ def view(obs: Observation) -> TrayView:
         title += f", {obs.tokens_per_second:.1f} tok/s"
     if obs.metrics.get("specd_draft_tokens_total", 0) > 0:
         title += f", acceptance {obs.acceptance:.2f}"
+    others = tuple(name for name, up in obs.local_models()[1:] if up)
     return TrayView(state, title, _menu(_info_lines(obs), start=False, stop=True,
                                         restart=True, default="open_log",
-                                        loaded=obs.loaded))
+                                        loaded=obs.loaded, others=others))

@@ -285,6 +285,9 @@ def format_status(st: sc.Status) -> str:
     s = st.snapshot
     if s is not None:
         rows.append(("target", s.target + ("" if s.loaded else " (unloaded while idle)")))
+        if len(local := s.local_models()) > 1:  # serve --models, or the store's
+            rows.append(("models", ", ".join(f"{name} ({'loaded' if up else 'unloaded'})"
+                                             for name, up in local)))
         if s.draft:
             rows.append(("draft", s.draft))
         rows.append(("spec type", s.spec_type))

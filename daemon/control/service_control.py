@@ -370,11 +370,18 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 @dataclass
 class DaemonSnapshot:
-    """What the daemon says about itself: /props, /slots and /metrics."""
+    """What the daemon says about itself: /props, /slots and /metrics (of the model it
+    started with), and /v1/models (every model it serves, loaded or not)."""
 
     props: dict[str, Any]
     slots: list[dict[str, Any]]
     metrics: dict[str, float]
+    models: list[dict[str, Any]] = field(default_factory=list)
+
+    def local_models(self) -> list[tuple[str, bool]]:
+        """(name, loaded) of each local model (not an --upstream's), the first first."""
+        return [(str(m.get("id")), (m.get("status") or {}).get("value") == "loaded")
+                for m in self.models if m.get("owned_by") != "upstream"]
 
     @property
     def target(self) -> str:
@@ -416,7 +423,8 @@ class DaemonSnapshot:
         return any(s.get("state") in ("prefill", "generating") for s in self.slots)
 
     def to_json(self) -> dict[str, Any]:
-        return {"props": self.props, "slots": self.slots, "metrics": self.metrics}
+        return {"props": self.props, "slots": self.slots, "metrics": self.metrics,
+                "models": self.models}
 
 
 def fetch_snapshot(client: Client) -> DaemonSnapshot:
@@ -424,10 +432,13 @@ def fetch_snapshot(client: Client) -> DaemonSnapshot:
     props = client.get("/props")
     slots = client.get("/slots")
     metrics = client.get("/metrics")
+    models = client.get("/v1/models")
     if not isinstance(props, dict) or not isinstance(slots, list):
         raise DaemonError(500, "unexpected /props or /slots reply")
+    listed = models.get("data") if isinstance(models, dict) else None
     return DaemonSnapshot(props, slots, parse_metrics(metrics if isinstance(metrics, str)
-                                                      else ""))
+                                                      else ""),
+                          [m for m in listed or [] if isinstance(m, dict)])
 
 
 @dataclass

@@ -99,6 +99,19 @@ def test_a_model_unloaded_while_idle_offers_to_load() -> None:
     assert v.actions() == ["stop", "restart", "load", "open_log", "open_config", "quit"]
 
 
+def test_the_other_models_are_shown_and_the_loaded_ones_offered_for_unloading() -> None:
+    s = snap()
+    s.models.extend([{"id": "t-1.5b", "owned_by": "specd", "status": {"value": "loaded"}},
+                     {"id": "chat-3b", "owned_by": "specd", "status": {"value": "loaded"}},
+                     {"id": "coder-7b", "owned_by": "specd",
+                      "status": {"value": "unloaded"}},
+                     {"id": "big", "owned_by": "upstream"}])
+    v = ts.view(s)
+    assert texts(v)[3:5] == ["Model: chat-3b", "Model: coder-7b (unloaded)"]
+    assert v.actions() == ["stop", "restart", "unload", "unload:chat-3b", "open_log",
+                           "open_config", "quit"]
+
+
 @pytest.mark.parametrize("states", [("generating", "idle"), ("prefill", "idle"),
                                     ("generating", "prefill")])
 def test_generating(states: tuple[str, ...]) -> None:
@@ -133,6 +146,13 @@ def test_app_refresh_and_actions(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     monkeypatch.setattr(app, "open_path", opened.append)
     a.act("open_config")
     assert opened == [tmp_path / "config" / "config.toml"] and opened[0].is_file()
+    ran: list[list[str]] = []
+    monkeypatch.setattr(app.subprocess, "run", lambda argv, **kw: ran.append(argv) or
+                        subprocess.CompletedProcess(argv, 0, "", ""))
+    a._wake.clear()
+    a.act("unload:chat-3b")  # the CLI, on a thread, which wakes the poller when done
+    assert a._wake.wait(10)
+    assert ran == [app._cli("unload", "chat-3b")] and ran[0][-2:] == ["unload", "chat-3b"]
 
 
 def test_poll_without_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

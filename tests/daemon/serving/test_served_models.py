@@ -93,6 +93,22 @@ def test_router_routes_load_and_unload_by_name(server: LiveServer) -> None:
     assert status == 404 and "this daemon serves" in out["error"]["message"]
 
 
+def test_the_cli_unloads_a_model_by_name(server: LiveServer, files,
+                                         monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`specd unload NAME` (what the tray's item runs) and `specd status` over the
+    daemon's socket."""
+    from specd.daemon.cli.main import main
+
+    monkeypatch.setenv("SPECD_RUNTIME_DIR", str(server.socket_path.parent))
+    _complete(server, files[1].stem)
+    assert main(["status"]) == 0
+    assert f"models:     {A} (unloaded), {B} (loaded), not-there (unloaded)" in \
+        capsys.readouterr().out
+    assert main(["unload", B]) == 0
+    assert f"model {B} unloading" in capsys.readouterr().out
+    assert _wait_status(server, {B: "unloaded"})
+
+
 def test_a_model_that_cannot_load_is_a_503_and_the_rest_serve(server: LiveServer) -> None:
     status, out = server.request("POST", "/completion", {
         "model": "not-there", "prompt": "hi", "n_predict": 2})
