@@ -1,18 +1,20 @@
 """Reading GGUF files: metadata, tensors and a content hash, with clear errors.
 
 Everything that opens a GGUF goes through `GGUFFile`, so a corrupt or truncated file
-fails in one place with one message naming the file and the key or tensor at fault.
+fails in one place with one message naming the file and the key or tensor at fault. A
+model split in parts (llama-gguf-split's `*-00001-of-0000N.gguf`) is opened by its first
+part and read whole: `gguf_split.py`.
 
-The header is checked before anything is allocated by what it says: every count and
-length against the bytes left in the file; the alignment a power of two; each tensor of
-at most four dimensions, none zero, of a known type whose blocks divide its rows, its
-data at an aligned offset, inside the file, overlapping no other tensor's. The metadata
-specd reads besides the hyper-parameters (the alignment, the tokenizer's keys) must have
-the types llama.cpp reads, and a BPE vocabulary's merges must join tokens of the
-vocabulary into tokens of it. A model's tensors against its hyper-parameters, and that
-each tensor's data starts where the one before ends (as llama.cpp's loader requires),
-are checked in `tensor_checks.py`: after the shapes, since a shape that disagrees with
-the metadata is the clearer message.
+Each file's header is checked (`read_part`) before anything is allocated by what it
+says: every count and length against the bytes left in the file; the alignment a power
+of two; each tensor of at most four dimensions, none zero, of a known type whose blocks
+divide its rows, its data at an aligned offset, inside the file, overlapping no other
+tensor's. The metadata specd reads besides the hyper-parameters (the alignment, the split
+and tokenizer keys) must have the types llama.cpp reads, and a BPE vocabulary's merges
+must join tokens of the vocabulary into tokens of it. A model's tensors against its
+hyper-parameters, and that each tensor's data starts where the one before ends (as
+llama.cpp's loader requires), are checked in `tensor_checks.py`: after the shapes, since
+a shape that disagrees with the metadata is the clearer message.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # numpy order: (rows, cols) == (ne1, ne0)
     data: np.ndarray  # the tensor's raw bytes, uint8, memory-mapped
     offset: int = 0  # where its data starts, from the start of the file's data section
+    part: int = 0  # the file holding it: its index in GGUFFile.parts (0 unless split)
 
 
 class _Cursor:
@@ -143,128 +146,164 @@ def _pad(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
-class GGUFFile:
-    """A GGUF file opened read-only (memory-mapped), its header checked (module doc).
+@dataclass(frozen=True)
+class GGUFPart:
+    """One file's header, checked (module doc): a whole model, or one part of a split
+    model (`gguf_split.py`), whose parts after the first hold only their split keys."""
 
-    The header is parsed here rather than by gguf's own reader, which builds a numpy view
-    per vocabulary string (slow for large vocabularies). The gguf package supplies the
-    type tables.
+    path: Path
+    size: int  # the file's bytes
+    metadata: dict[str, Any]
+    # each key's GGUF value type, and an array's item type (None for other values)
+    value_types: dict[str, tuple[int, int | None]]
+    tensors: dict[str, TensorInfo]
+    header_size: int  # the header's own bytes
+    alignment: int
+    data_start: int  # where the data section starts
+
+
+def read_part(path: Path, index: int = 0) -> GGUFPart:
+    """The checked header of the GGUF file at `path` (part `index` of its model), its
+    tensors memory-mapped. The header is parsed here rather than by gguf's own reader,
+    which builds a numpy view per vocabulary string (slow for large vocabularies); the
+    gguf package supplies the type tables."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such GGUF file")
+    size = path.stat().st_size
+    if size < 24:
+        raise GGUFError(f"{path}: not a readable GGUF file (only {size} bytes)")
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(buf, path)
+    if bytes(cur.take(4)) != b"GGUF":
+        raise GGUFError(f"{path}: not a readable GGUF file (bad magic bytes)")
+    version = cur.scalar("I")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: unsupported GGUF version {version}")
+    n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
+    if n_tensors * _MIN_TENSOR_INFO_BYTES + n_kv * _MIN_KV_BYTES > cur.left():
+        raise GGUFError(f"{path}: not a readable GGUF file (corrupt header counts: "
+                        f"{n_tensors:,} tensors and {n_kv:,} metadata keys cannot fit "
+                        f"in {size:,} bytes)")
+    metadata: dict[str, Any] = {}
+    value_types: dict[str, tuple[int, int | None]] = {}
+    for i in range(n_kv):
+        cur.what = f"metadata entry #{i}"
+        key = cur.string()
+        cur.what = f"metadata key {_shown(key)}"
+        if key in metadata:
+            raise cur.error("appears twice")
+        vtype = cur.scalar("I")
+        etype = (struct.unpack_from("<I", cur.mv, cur.pos)[0]
+                 if vtype == _ARRAY and cur.left() >= 4 else None)
+        metadata[key] = _value(cur, vtype)
+        value_types[key] = (vtype, etype)
+    infos = []
+    for i in range(n_tensors):
+        cur.what = f"tensor info #{i}"
+        n_name = struct.unpack_from("<Q", cur.mv, cur.pos)[0] if cur.left() >= 8 else 0
+        name = cur.string()
+        cur.what = f"tensor {_shown(name)}"
+        if n_name >= MAX_NAME:
+            raise cur.error(f"name of {n_name:,} bytes (GGUF allows {MAX_NAME - 1})")
+        n_dims = cur.scalar("I")
+        if n_dims > MAX_DIMS:
+            raise cur.error(f"has {n_dims} dimensions (GGUF allows {MAX_DIMS})")
+        dims = [cur.scalar("Q") for _ in range(n_dims)]
+        if any(not 0 < d < 1 << 63 for d in dims):
+            raise cur.error(f"has dimensions {dims}; each must be at least 1 (and below "
+                            f"2**63)")
+        infos.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
+    cur.what = "the header"
+    _check_key_types(path, value_types)
+    align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if align < 1 or align & (align - 1):
+        raise GGUFError(f"{path}: general.alignment must be a power of two, got {align}")
+    data_start = _pad(cur.pos, align)
+    tensors: dict[str, TensorInfo] = {}
+    for name, dims, ggml_type, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(ggml_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise GGUFError(f"{path}: tensor {name!r} has unknown GGUF type id "
+                            f"{ggml_type}") from None
+        if name in tensors:
+            raise GGUFError(f"{path}: tensor {name!r} appears twice")
+        row = dims[0] if dims else 1
+        if row % block:
+            raise GGUFError(f"{path}: tensor {name!r} has rows of {row:,} values, "
+                            f"not whole {qtype.name} blocks of {block}")
+        if offset % align:
+            raise GGUFError(f"{path}: tensor {name!r} has data offset {offset:,}, "
+                            f"not a multiple of the alignment {align}")
+        n_bytes = math.prod(dims) // block * type_size
+        start = data_start + offset
+        if start + n_bytes > size:
+            raise GGUFError(
+                f"{path}: truncated file: tensor {name!r} needs bytes up to "
+                f"{start + n_bytes:,} but the file has {size:,}")
+        tensors[name] = TensorInfo(
+            name=name, ggml_type=ggml_type, type_name=qtype.name,
+            shape=tuple(int(d) for d in reversed(dims)), data=buf[start:start + n_bytes],
+            offset=offset, part=index)
+    by_start = sorted(tensors.values(), key=lambda t: t.offset)
+    for a, b in zip(by_start, by_start[1:], strict=False):
+        if b.offset < a.offset + a.data.size:
+            raise GGUFError(f"{path}: tensor {b.name!r} (data at offset "
+                            f"{b.offset:,}) overlaps the data of tensor {a.name!r} "
+                            f"(offset {a.offset:,}, {a.data.size:,} bytes)")
+    return GGUFPart(path, size, metadata, value_types, tensors, cur.pos, align, data_start)
+
+
+def _check_key_types(path: Path, value_types: dict[str, tuple[int, int | None]]) -> None:
+    """The keys read outside the hyper-parameters have the types llama.cpp reads."""
+    for key, (vtype, etype) in value_types.items():
+        want = _expected_type(key)
+        if want is None:
+            continue
+        kind, scalar_types, item_types = want
+        ok = (vtype in scalar_types if item_types is None
+              else vtype == _ARRAY and etype in item_types)
+        if not ok:
+            got = (f"an array of {_TYPE_NAMES.get(etype or 0, etype)}" if vtype == _ARRAY
+                   else _TYPE_NAMES.get(vtype, str(vtype)))
+            raise GGUFError(f"{path}: metadata key {key!r} must be {kind}, got {got}")
+
+
+class GGUFFile:
+    """A GGUF model opened read-only (memory-mapped), its header checked (module doc).
+
+    A split model (`name-00001-of-0000N.gguf`, llama.cpp's llama-gguf-split) is opened
+    by its first part, as llama.cpp opens it: the metadata are the first part's, the
+    tensors all parts' (`gguf_split.py` finds and checks the others). `path` is the file
+    opened, `parts` every file of the model.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from .gguf_split import SPLIT_COUNT, other_parts
 
         self.path = Path(path)
-        if not self.path.is_file():
-            raise GGUFError(f"{self.path}: no such GGUF file")
-        size = self.path.stat().st_size
-        if size < 24:
-            raise GGUFError(f"{self.path}: not a readable GGUF file (only {size} bytes)")
-        buf = np.memmap(self.path, dtype=np.uint8, mode="r")
-        cur = _Cursor(buf, self.path)
-        if bytes(cur.take(4)) != b"GGUF":
-            raise GGUFError(f"{self.path}: not a readable GGUF file (bad magic bytes)")
-        version = cur.scalar("I")
-        if version not in (2, 3):
-            raise GGUFError(f"{self.path}: unsupported GGUF version {version}")
-        n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
-        if n_tensors * _MIN_TENSOR_INFO_BYTES + n_kv * _MIN_KV_BYTES > cur.left():
-            raise GGUFError(f"{self.path}: not a readable GGUF file (corrupt header counts: "
-                            f"{n_tensors:,} tensors and {n_kv:,} metadata keys cannot fit "
-                            f"in {size:,} bytes)")
-        self.metadata: dict[str, Any] = {}
-        # each key's GGUF value type, and an array's item type (None for other values)
-        self.value_types: dict[str, tuple[int, int | None]] = {}
-        for i in range(n_kv):
-            cur.what = f"metadata entry #{i}"
-            key = cur.string()
-            cur.what = f"metadata key {_shown(key)}"
-            if key in self.metadata:
-                raise cur.error("appears twice")
-            vtype = cur.scalar("I")
-            etype = (struct.unpack_from("<I", cur.mv, cur.pos)[0]
-                     if vtype == _ARRAY and cur.left() >= 4 else None)
-            self.metadata[key] = _value(cur, vtype)
-            self.value_types[key] = (vtype, etype)
-        infos = []
-        for i in range(n_tensors):
-            cur.what = f"tensor info #{i}"
-            n_name = struct.unpack_from("<Q", cur.mv, cur.pos)[0] if cur.left() >= 8 else 0
-            name = cur.string()
-            cur.what = f"tensor {_shown(name)}"
-            if n_name >= MAX_NAME:
-                raise cur.error(f"name of {n_name:,} bytes (GGUF allows {MAX_NAME - 1})")
-            n_dims = cur.scalar("I")
-            if n_dims > MAX_DIMS:
-                raise cur.error(f"has {n_dims} dimensions (GGUF allows {MAX_DIMS})")
-            dims = [cur.scalar("Q") for _ in range(n_dims)]
-            if any(not 0 < d < 1 << 63 for d in dims):
-                raise cur.error(f"has dimensions {dims}; each must be at least 1 (and below "
-                                f"2**63)")
-            infos.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
-        cur.what = "the header"
+        first = read_part(self.path)
+        self.parts = [first]
+        if first.metadata.get(SPLIT_COUNT, 0) > 1:
+            self.parts += other_parts(first)
+        self.metadata: dict[str, Any] = first.metadata
+        self.value_types = first.value_types
         if "general.architecture" not in self.metadata:
             raise GGUFError(f"{self.path}: GGUF file has no general.architecture key")
-        self._check_key_types()
-        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if align < 1 or align & (align - 1):
-            raise GGUFError(f"{self.path}: general.alignment must be a power of two, "
-                            f"got {align}")
-        data_start = _pad(cur.pos, align)
-        # the header's own bytes, the alignment, where the data section starts
-        self.header_size, self.alignment, self.data_start = cur.pos, align, data_start
+        # the (first) file's header size, alignment and where its data section starts
+        self.header_size, self.alignment = first.header_size, first.alignment
+        self.data_start = first.data_start
         self.tensors: dict[str, TensorInfo] = {}
-        for name, dims, ggml_type, offset in infos:
-            try:
-                qtype = GGMLQuantizationType(ggml_type)
-                block, type_size = GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
-                raise GGUFError(f"{self.path}: tensor {name!r} has unknown GGUF type id "
-                                f"{ggml_type}") from None
-            if name in self.tensors:
-                raise GGUFError(f"{self.path}: tensor {name!r} appears twice")
-            row = dims[0] if dims else 1
-            if row % block:
-                raise GGUFError(f"{self.path}: tensor {name!r} has rows of {row:,} values, "
-                                f"not whole {qtype.name} blocks of {block}")
-            if offset % align:
-                raise GGUFError(f"{self.path}: tensor {name!r} has data offset {offset:,}, "
-                                f"not a multiple of the alignment {align}")
-            n_bytes = math.prod(dims) // block * type_size
-            start = data_start + offset
-            if start + n_bytes > size:
-                raise GGUFError(
-                    f"{self.path}: truncated file: tensor {name!r} needs bytes up to "
-                    f"{start + n_bytes:,} but the file has {size:,}")
-            self.tensors[name] = TensorInfo(
-                name=name, ggml_type=ggml_type, type_name=qtype.name,
-                shape=tuple(int(d) for d in reversed(dims)), data=buf[start:start + n_bytes],
-                offset=offset)
-        by_start = sorted(self.tensors.values(), key=lambda t: t.offset)
-        for a, b in zip(by_start, by_start[1:], strict=False):
-            if b.offset < a.offset + a.data.size:
-                raise GGUFError(f"{self.path}: tensor {b.name!r} (data at offset "
-                                f"{b.offset:,}) overlaps the data of tensor {a.name!r} "
-                                f"(offset {a.offset:,}, {a.data.size:,} bytes)")
+        for part in self.parts:  # gguf_split checked that no name is in two parts
+            self.tensors.update(part.tensors)
         layers = self.metadata.get(f"{self.arch}.block_count")
         if isinstance(layers, int) and layers > len(self.tensors):  # each layer has tensors
             raise GGUFError(f"{self.path}: {self.arch}.block_count is {layers:,}, but the "
                             f"file holds only {len(self.tensors)} tensors")
         self._check_tokenizer()
-
-    def _check_key_types(self) -> None:
-        """The keys read outside the hyper-parameters have the types llama.cpp reads."""
-        for key, (vtype, etype) in self.value_types.items():
-            want = _expected_type(key)
-            if want is None:
-                continue
-            kind, scalar_types, item_types = want
-            ok = (vtype in scalar_types if item_types is None
-                  else vtype == _ARRAY and etype in item_types)
-            if not ok:
-                got = (f"an array of {_TYPE_NAMES.get(etype or 0, etype)}" if vtype == _ARRAY
-                       else _TYPE_NAMES.get(vtype, str(vtype)))
-                raise GGUFError(f"{self.path}: metadata key {key!r} must be {kind}, got {got}")
 
     def _check_tokenizer(self) -> None:
         """The vocabulary's parallel arrays have its length; a BPE vocabulary's merges
@@ -319,8 +358,21 @@ class GGUFFile:
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors
 
+    @property
+    def file_bytes(self) -> int:
+        """The bytes of the model's files (all parts of a split model)."""
+        return sum(part.size for part in self.parts)
+
+    def part_path(self, t: TensorInfo) -> Path:
+        """The file holding tensor `t` (for messages naming it)."""
+        return self.parts[t.part].path
+
     def content_hash(self) -> str:
-        return content_hash(self.path)
+        """The model's sha256: its file's, or for a split model one over its parts'."""
+        if len(self.parts) == 1:
+            return _remembered_sha256(self.path)
+        digests = " ".join(_remembered_sha256(part.path) for part in self.parts)
+        return hashlib.sha256(f"split {digests}".encode()).hexdigest()
 
     def bytes_read_per_token(self) -> int:
         """Tensor bytes a decode step reads as the file lays them out: all but the
@@ -344,6 +396,9 @@ _A_FLAG: _KeyType = ("a bool", _INTEGER_TYPES | {7}, None)
 _KEY_TYPES: dict[str, _KeyType] = {
     "general.architecture": _A_STRING,
     "general.alignment": _AN_INTEGER,
+    "split.no": _AN_INTEGER,
+    "split.count": _AN_INTEGER,
+    "split.tensors.count": _AN_INTEGER,
     "tokenizer.ggml.model": _A_STRING,
     "tokenizer.ggml.pre": _A_STRING,
     "tokenizer.chat_template": _A_STRING,
@@ -413,6 +468,17 @@ def bad_merge(tokens: list[str], merges: list[str]) -> str | None:
 
 
 def content_hash(path: str | os.PathLike[str]) -> str:
+    """The sha256 of the model at `path` (GGUFFile.content_hash): a file named as a part
+    of a split model is opened to find its other parts; any other file is hashed alone,
+    without parsing it."""
+    from .gguf_split import named_as_part
+
+    if named_as_part(Path(path)):
+        return GGUFFile(path).content_hash()
+    return _remembered_sha256(path)
+
+
+def _remembered_sha256(path: str | os.PathLike[str]) -> str:
     """sha256 of a file, remembered per (path, size, mtime) so big files hash once."""
     p = Path(path).resolve()
     key = _hash_key(p)
@@ -425,7 +491,7 @@ def content_hash(path: str | os.PathLike[str]) -> str:
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """sha256 of a file's bytes, read in 16 MiB chunks (no index: see content_hash)."""
+    """sha256 of a file's bytes, read in 16 MiB chunks (no index: see _remembered_sha256)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):

@@ -18,7 +18,8 @@ a session created (rather than at the first token, inside ONNX Runtime):
   context_length × rope_dim × 4 bytes, allowed up to the file's own size (at least
   64 MiB), so a corrupt context_length cannot make a build allocate without bound;
 * float hyper-parameters are finite;
-* the tensors' data follow each other in order, as llama.cpp's loader requires.
+* the tensors' data follow each other in order in each file, as llama.cpp's loader
+  requires.
 
 `check_values` looks at the weights themselves (NaN or infinite floats and block scales),
 which costs a pass over the file, so it runs only before a build.
@@ -32,7 +33,7 @@ import re
 import numpy as np
 
 from .arch import HParams
-from .gguf_file import GGUFError, GGUFFile, TensorInfo
+from .gguf_file import GGUFError, GGUFFile, GGUFPart, TensorInfo
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROPE_TABLE_FLOOR_BYTES = 64 << 20  # rotary tables always allowed this much
@@ -57,28 +58,34 @@ def check_model(f: GGUFFile, hp: HParams) -> None:
 
 
 def check_layout(f: GGUFFile) -> None:
-    """Each tensor's data starts where the one before it (in the tensor infos' order) ends,
-    padded to the alignment, as llama.cpp's loader requires, and the last one's ends the
-    file (but for its padding): a tensor whose type or dimensions were changed, or a
-    header whose size or alignment was, would otherwise read bytes it was never written
-    as (with the shapes checked, what differs is then a type or the data's start)."""
+    """In each file of the model, each tensor's data starts where the one before it (in
+    the tensor infos' order) ends, padded to the alignment, as llama.cpp's loader
+    requires, and the last one's ends the file (but for its padding): a tensor whose type
+    or dimensions were changed, or a header whose size or alignment was, would otherwise
+    read bytes it was never written as (with the shapes checked, what differs is then a
+    type or the data's start)."""
+    for part in f.parts:
+        _check_part_layout(part)
+
+
+def _check_part_layout(part: GGUFPart) -> None:
     end, before = 0, None
-    for t in f.tensors.values():
+    for t in part.tensors.values():
         if t.offset != end:
             what = ("the first tensor's data" if before is None
                     else f"tensor {before.name!r} ({before.type_name}, "
                          f"{list(before.shape)}) takes {before.data.size:,} bytes, but "
                          "the next tensor's data")
             raise GGUFError(
-                f"{f.path}: {what} ({t.name!r}) starts at offset {t.offset:,}, not "
+                f"{part.path}: {what} ({t.name!r}) starts at offset {t.offset:,}, not "
                 f"{end:,}: a tensor's type or dimensions do not match its data")
-        end = t.offset + -(-t.data.size // f.alignment) * f.alignment
+        end = t.offset + -(-t.data.size // part.alignment) * part.alignment
         before = t
     if before is not None:
-        after = f.path.stat().st_size - (f.data_start + before.offset + before.data.size)
-        if after >= f.alignment:
+        after = part.size - (part.data_start + before.offset + before.data.size)
+        if after >= part.alignment:
             raise GGUFError(
-                f"{f.path}: the file goes on {after:,} bytes past the end of its last "
+                f"{part.path}: the file goes on {after:,} bytes past the end of its last "
                 f"tensor's data ({before.name!r}): its header's size or alignment, or the "
                 f"last tensor's type, does not match the data")
 
@@ -112,7 +119,7 @@ def _check_numbers(f: GGUFFile, hp: HParams) -> None:
 
 def _check_context(f: GGUFFile, hp: HParams) -> None:
     table_bytes = hp.n_ctx_train * hp.rope_dim * 4  # cos and sin, rope_dim / 2 each, f32
-    size = f.path.stat().st_size
+    size = f.file_bytes
     if table_bytes > max(size, ROPE_TABLE_FLOOR_BYTES):
         raise GGUFError(
             f"{f.path}: {hp.arch}.context_length {hp.n_ctx_train:,} is not credible: its "
@@ -150,12 +157,12 @@ def _check_vector(f: GGUFFile, hp: HParams, t: TensorInfo) -> None:
     if len(t.shape) != 1 or t.shape[0] not in lengths:
         want = " or ".join(f"[{n}]" for n in dict.fromkeys(lengths))
         raise GGUFError(
-            f"{f.path}: tensor {t.name} is {list(t.shape)}, but the metadata (embedding_length "
-            f"{hp.n_embd}, heads {hp.n_head}/{hp.n_head_kv}, head dim {hp.head_dim}) implies "
-            f"{want}")
+            f"{f.part_path(t)}: tensor {t.name} is {list(t.shape)}, but the metadata "
+            f"(embedding_length {hp.n_embd}, heads {hp.n_head}/{hp.n_head_kv}, head dim "
+            f"{hp.head_dim}) implies {want}")
     if t.type_name not in FLOAT_TYPES:
-        raise GGUFError(f"{f.path}: tensor {t.name} is stored as {t.type_name}; specd reads "
-                        f"vectors (norms, biases) as {', '.join(FLOAT_TYPES)}")
+        raise GGUFError(f"{f.part_path(t)}: tensor {t.name} is stored as {t.type_name}; "
+                        f"specd reads vectors (norms, biases) as {', '.join(FLOAT_TYPES)}")
 
 
 def _check_vocabulary(f: GGUFFile, hp: HParams) -> None:
@@ -183,7 +190,7 @@ def check_values(f: GGUFFile) -> None:
     and every block's scales: a pass over the file, made before a build."""
     for t in f.tensors.values():
         if not _finite(t):
-            raise GGUFError(f"{f.path}: tensor {t.name} holds NaN or infinite values "
+            raise GGUFError(f"{f.part_path(t)}: tensor {t.name} holds NaN or infinite values "
                             f"(a damaged file?)")
 
 

@@ -134,9 +134,10 @@ def check_shapes(f: GGUFFile, hp: HParams) -> None:
                  f"blk.{i}.ffn_down": (hp.n_embd, hp.n_ff)}
     for name, shape in want.items():
         if f.has_tensor(name + ".weight"):
-            got = tuple(int(d) for d in f.tensor(name + ".weight").shape)
-            if got != shape:
-                raise GGUFError(f"{f.path}: tensor {name}.weight is {list(got)}, but the "
+            t = f.tensor(name + ".weight")
+            got = tuple(int(d) for d in t.shape)
+            if got != shape:  # named with the file holding it (a split model's part)
+                raise GGUFError(f"{f.part_path(t)}: tensor {name}.weight is {list(got)}, but the "
                                 f"metadata (embedding_length {hp.n_embd}, heads "
                                 f"{hp.n_head}/{hp.n_head_kv}, head dim {hp.head_dim}, "
                                 f"feed_forward_length {hp.n_ff}) implies {list(shape)}")
