@@ -194,7 +194,8 @@ def model_info(path: object) -> dict[str, object]:
                  "head_dim": f.arch_key("attention.key_length", None),
                  "context_length": f.arch_key("context_length", None)}
     return {
-        "path": str(f.path), "name": f.name, "architecture": f.arch,
+        "path": str(f.path), "files": [str(part.path) for part in f.parts],
+        "file_bytes": f.file_bytes, "name": f.name, "architecture": f.arch,
         "runnable": f.arch in READERS, **shape,
         "tensor_types": dict(types.most_common()),
         "vocab": {"type": f.get("tokenizer.ggml.model"), "pre": f.get("tokenizer.ggml.pre"),
@@ -221,7 +222,10 @@ def _models_info(args: argparse.Namespace) -> int:
     else:
         v = info["vocab"]
         assert isinstance(v, dict)
-        print(f"{info['name']}  ({info['path']})")
+        files = info["files"]
+        assert isinstance(files, list)
+        split = f", {len(files)} parts" if len(files) > 1 else ""
+        print(f"{info['name']}  ({info['path']}{split}, {info['file_bytes']:,} bytes)")
         print(f"  architecture   {info['architecture']}: {info['layers']} layers, embedding "
               f"{info['embedding']}, {info['heads']} heads / {info['kv_heads']} kv, head dim "
               f"{info['head_dim']}, trained context {info['context_length']}"

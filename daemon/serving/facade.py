@@ -51,8 +51,8 @@ class ModelFacts:
     arch: str
     parameters: int  # weights, counted in elements
     quantization: str  # llama.cpp's name for the file's type ("Q4_K_M")
-    file_bytes: int
-    modified: float  # the file's mtime (Unix time)
+    file_bytes: int  # all its files' (the parts of a split model)
+    modified: float  # the (first) file's mtime (Unix time)
     resident_bytes: int  # memory the loaded models took (the target's and drafter's)
     device: str  # "cpu" / "cuda:N"
     n_ctx_train: int
@@ -230,6 +230,7 @@ class ServiceFacade:
         engine = self._service.engine
         t = engine.target
         st = t.path.stat()
+        size = t.gguf.file_bytes  # all parts of a split model
         resident = t.resident_bytes + (engine.draft.resident_bytes if engine.draft else 0)
         return ModelFacts(
             arch=t.gguf.arch,
@@ -237,8 +238,8 @@ class ServiceFacade:
             quantization=_quantization(t.gguf.get("general.file_type"),
                                        [x.type_name for x in t.gguf.tensors.values()
                                         if len(x.shape) == 2]),
-            file_bytes=st.st_size, modified=st.st_mtime,
-            resident_bytes=resident if resident > 0 else st.st_size,
+            file_bytes=size, modified=st.st_mtime,
+            resident_bytes=resident if resident > 0 else size,
             device=engine.runtime.device, n_ctx_train=t.built.hparams.n_ctx_train)
 
     def residency(self) -> Residency:

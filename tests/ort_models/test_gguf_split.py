@@ -1,10 +1,11 @@
 """Split GGUF models (`*-00001-of-0000N.gguf`): a model split by llama.cpp's own
 llama-gguf-split (skipped where it is not built) loads in specd from its first part and
-gives the single file's logits; damaged parts, written
+gives the single file's logits, `models info` and memory plan; damaged parts, written
 here part by part, each give one GGUFError naming the file at fault."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from specd.daemon.models.building import build_options
+from specd.daemon.cli.main import model_info
+from specd.daemon.models.building import build_options, fit_models
+from specd.memory_fit.probes import FakeProbe
 from specd.ort_models.gguf_file import GGUFError, GGUFFile, content_hash
 from specd.ort_models.gguf_split import split_path
 from specd.ort_models.model_cache import load_or_build
@@ -129,6 +132,38 @@ def test_llama_cpp_split_gives_the_single_files_logits(
     assert np.array_equal(got, want)
     built = load_or_build(first, build_options("target"))
     assert built.gguf_sha256 == f.content_hash()  # its graphs keyed by all parts' bytes
+
+
+def test_split_models_info_and_memory_fit_equal_the_single_files(
+        tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
+    """`models info` reads the split model whole (files and bytes: all parts); memory fit
+    builds the same graph from it (byte for byte) and plans the same context and KV."""
+    single = tiny_model_factory(**SMALL_MODEL, context_length=1024)
+    first = split_by_llama_cpp(single, tmp_path / "split", "--split-max-tensors", "10")
+    parts = sorted(first.parent.glob("model-*.gguf"))
+    info, want = model_info(first), model_info(single)
+    assert info["files"] == [str(p) for p in parts]
+    assert info["file_bytes"] == sum(p.stat().st_size for p in parts)
+    ignored = ("path", "files", "file_bytes")
+    assert {k: v for k, v in info.items() if k not in ignored} == {
+        k: v for k, v in want.items() if k not in ignored}
+    r = subprocess.run([sys.executable, "-m", "specd.daemon.cli", "models", "info",
+                        str(first), "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == json.loads(json.dumps(info))
+
+    probe = FakeProbe(total=64 << 30, free=64 << 30)
+    plans = [fit_models(str(p), device="cpu", threads=1, max_ctx=1024, margin_bytes=0,
+                        probe=probe) for p in (single, first)]
+    (plan_single, costs_single), (plan_split, costs_split) = plans
+    for a, b in zip(plan_single.rows, plan_split.rows, strict=True):
+        assert (a.role, a.kv_bytes_per_token, a.kv_bytes) == (b.role, b.kv_bytes_per_token,
+                                                             b.kv_bytes)
+    assert (plan_split.n_ctx, plan_split.slots) == (plan_single.n_ctx, plan_single.slots)
+    assert costs_split[0].n_ctx_train == costs_single[0].n_ctx_train == 1024
+    graphs = [load_or_build(p, build_options("target")) for p in (single, first)]
+    for name in ("model.onnx", "weights.bin"):  # what the plan measured: the same session
+        assert (graphs[0].folder / name).read_bytes() == (graphs[1].folder / name).read_bytes()
 
 
 def test_a_later_part_is_refused_naming_the_first(tiny_model_factory: Callable[..., Path],
