@@ -6,6 +6,7 @@ here part by part, each give one GGUFError naming the file at fault."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -35,23 +36,19 @@ MB_MODEL: dict[str, Any] = {"arch": "qwen2", "weight_type": "F16", "n_layer": 4,
 SMALL_MODEL: dict[str, Any] = {"arch": "qwen2", "weight_type": "Q8_0", "seed": 4}
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))  # graphs, hashes
 
 
 def split_by_llama_cpp(src: Path, out: Path, *args: str) -> Path:
-    """`src` split by llama-gguf-split with `args` into `out`; the first part's path."""
+    """`src` split by llama-gguf-split with `args` into `out` (at least two parts); the
+    first part's path. Skips where llama-gguf-split is not built."""
     if reason := llama_cpp_oracle.missing(SPLIT_TOOL):
         pytest.skip(reason)
-    out.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([str(llama_cpp_oracle.bin_dir() / SPLIT_TOOL), "--split", *args,
-                        str(src), str(out / "model")], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    parts = sorted(out.glob("model-*-of-*.gguf"))
-    assert len(parts) > 1, r.stdout
-    return parts[0]
+    first = llama_cpp_oracle.split_gguf(src, out, *args)
+    assert not first.name.endswith("-00001-of-00001.gguf"), "llama-gguf-split wrote one file"
+    return first
 
 
 def write_parts(src: Path, prefix: Path, groups: Sequence[Sequence[str]], *,
@@ -116,6 +113,7 @@ def logits(path: Path) -> np.ndarray:
     (SMALL_MODEL, ["--split-max-tensors", "7"]),
     (MB_MODEL, ["--split-max-size", "1M"]),
 ], ids=["max-tensors", "max-size"])
+@pytest.mark.usefixtures("own_cache")
 def test_llama_cpp_split_gives_the_single_files_logits(
         tiny_model_factory: Callable[..., Path], tmp_path: Path, model: dict[str, Any],
         args: list[str]) -> None:
@@ -134,6 +132,7 @@ def test_llama_cpp_split_gives_the_single_files_logits(
     assert built.gguf_sha256 == f.content_hash()  # its graphs keyed by all parts' bytes
 
 
+@pytest.mark.usefixtures("own_cache")
 def test_split_models_info_and_memory_fit_equal_the_single_files(
         tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
     """`models info` reads the split model whole (files and bytes: all parts); memory fit
@@ -166,6 +165,7 @@ def test_split_models_info_and_memory_fit_equal_the_single_files(
         assert (graphs[0].folder / name).read_bytes() == (graphs[1].folder / name).read_bytes()
 
 
+@pytest.mark.usefixtures("own_cache")
 def test_a_later_part_is_refused_naming_the_first(tiny_model_factory: Callable[..., Path],
                                                   tmp_path: Path) -> None:
     """As llama.cpp: a model is opened by its first part, which names the others."""
@@ -182,6 +182,7 @@ def test_a_later_part_is_refused_naming_the_first(tiny_model_factory: Callable[.
 
 # ------------------------------------------------------------------------- damaged parts
 
+@pytest.mark.usefixtures("own_cache")
 def test_parts_written_here_load_as_the_single_file(tiny_model_factory: Callable[..., Path],
                                                     tmp_path: Path) -> None:
     """The writer the damaged cases below start from gives a good split when undamaged."""
@@ -251,6 +252,7 @@ DAMAGE = ["missing part", "wrong split.no", "wrong split.count", "no split.no",
 
 
 @pytest.mark.parametrize("case", DAMAGE)
+@pytest.mark.usefixtures("own_cache")
 def test_a_damaged_split_is_refused_naming_the_file(tiny_model_factory: Callable[..., Path],
                                                     tmp_path: Path, case: str) -> None:
     single = tiny_model_factory(**SMALL_MODEL)
@@ -262,3 +264,40 @@ def test_a_damaged_split_is_refused_naming_the_file(tiny_model_factory: Callable
     assert str(err.value).startswith(message), str(err.value)
     assert not (tmp_path / "cache" / "graphs").exists() or not any(
         (tmp_path / "cache" / "graphs").iterdir())  # refused before anything was built
+
+
+# ------------------------------------------------------------------------- a real model
+
+@pytest.mark.slow
+def test_a_split_copy_of_the_1_5b_target_decodes_as_the_single_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Qwen2.5-Coder 1.5B target split by llama-gguf-split in parts of at most 300 MB
+    decodes a chat prompt greedily to the single file's 32 tokens (the engine's own
+    target graph, loaded from the first part)."""
+    from conftest import fetched_model
+
+    from specd.daemon.serving.engine import Engine, EngineConfig
+    from specd.daemon.spec.generation import Generation, GenerationParams
+
+    from speculation_checks import decode_all
+
+    if reason := llama_cpp_oracle.missing(SPLIT_TOOL):
+        pytest.skip(reason)
+    single = fetched_model("qwen2.5-coder-1.5b-instruct")
+    first = split_by_llama_cpp(single, tmp_path / "split", "--split-max-size", "300M")
+
+    def greedy(path: Path) -> list[int]:
+        engine = Engine(EngineConfig(target=str(path), n_ctx=1024))
+        prompt = engine.encode_prompt("Write a Python function that reverses a list.",
+                                      chat=True)
+        gen = Generation(engine.target.runner, 0, prompt,
+                         GenerationParams(max_tokens=32, ignore_eos=True), eog=engine.eog_ids)
+        return decode_all(gen)
+
+    want = greedy(single)  # its graphs where the other slow tests keep them
+    assert len(GGUFFile(first).parts) >= 4
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))  # the copy's: removed
+    try:
+        assert greedy(first) == want
+    finally:
+        shutil.rmtree(tmp_path)  # gigabytes: a split copy and its built graphs

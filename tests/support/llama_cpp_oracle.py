@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specd.daemon.benchmark.llama_cpp import bin_dir, missing
 
-__all__ = ["bin_dir", "missing", "speculative_rounds", "greedy_completion",
+__all__ = ["bin_dir", "missing", "split_gguf", "speculative_rounds", "greedy_completion",
            "greedy_with_logprobs", "greedy_with_margins", "agreed_until_near_tie"]
 
 _CANDIDATE = re.compile(r"draft candidate\s+(\d+), pos\s+\d+:\s+(\d+) \(\s*([0-9.]+)\)")
@@ -28,6 +28,19 @@ class Round:
     @property
     def drafts(self) -> list[int]:
         return [c[0][0] for c in self.candidates]
+
+
+def split_gguf(src: Path, out: Path, *args: str) -> Path:
+    """`src` split by llama-gguf-split (`args`: --split-max-tensors N or --split-max-size
+    N(M|G)) into `out` as `model-0000i-of-0000n.gguf`; the first part's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([str(bin_dir() / "llama-gguf-split"), "--split", *args, str(src),
+                        str(out / "model")], capture_output=True, text=True, timeout=600)
+    parts = sorted(out.glob("model-*-of-*.gguf"))
+    if r.returncode != 0 or not parts:
+        raise RuntimeError(f"llama-gguf-split exited {r.returncode}: "
+                           f"{(r.stdout + r.stderr)[-2000:]}")
+    return parts[0]
 
 
 def speculative_rounds(target: Path, draft: Path, prompt: str, *, spec_type: str,
