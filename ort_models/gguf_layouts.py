@@ -26,7 +26,7 @@ from functools import partial
 
 import numpy as np
 
-from .quant import QK_K, k_scale_min
+from .quant import EXPERT_TYPE_IDS, QK_K, k_scale_min
 
 GROUP = 16  # rows per group (kernels/gguf_matmul.c's GROUP)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
@@ -131,3 +131,21 @@ def regroup(type_name: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
     K-quant rows hold ceil(k / 256) superblocks (zero-padded past the product's K = k),
     Q4_0 / Q4_1 rows their k / 32 blocks."""
     return REGROUP[type_name](raw, n, k)
+
+
+
+def expert_rows(type_name: str, rows: np.ndarray, k: int) -> np.ndarray:
+    """A 3-D expert tensor as GgufExperts' W [n_expert, ceil(N/16), group bytes]: `rows`
+    [n_expert, N, row_bytes] uint8 (the GGUF's rows) or, for float types, float32
+    [n_expert, N, K]. Q4_0 / Q4_1 / Q4_K / Q6_K experts are each regrouped as GgufMatMul
+    reads them; Q8_0, MXFP4 and float32 rows stay as they are, 16 rows a group (the last
+    group padded with zero rows)."""
+    n_expert, n = rows.shape[:2]
+    if type_name in REGROUP:
+        return np.stack([regroup(type_name, rows[e], n, k) for e in range(n_expert)])
+    if type_name not in EXPERT_TYPE_IDS:
+        raise ValueError(f"experts of type {type_name} are not read (supported: "
+                         f"{', '.join(EXPERT_TYPE_IDS)})")
+    flat = np.ascontiguousarray(rows).view(np.uint8).reshape(n_expert, n, -1)
+    flat = np.pad(flat, ((0, 0), (0, -n % GROUP), (0, 0)))  # [n_expert, N16, row bytes]
+    return np.ascontiguousarray(flat.reshape(n_expert, -1, GROUP * flat.shape[2]))

@@ -37,7 +37,7 @@ log = logging.getLogger("specd.native")
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 SOURCES = ("specd_ops.c", "thread_pool.c", "gguf_matmul.c", "causal_attention.c",
-           "swiglu.c", "sample_tokens.c", "token_logprobs.c")
+           "swiglu.c", "sample_tokens.c", "token_logprobs.c", "moe_router.c")
 HEADERS = tuple(sorted(p.name for p in KERNEL_DIR.glob("*.h")))  # all in the build hash
 DOMAIN = "specd"
 # GGUF tensor types GgufMatMul reads (name -> ggml type id)

@@ -186,6 +186,10 @@ _QUANT = {
     "Q6_K": (_q6_k, QK_K),
 }
 DENSE_TYPES = ("F32", "F16", "BF16")
+# 3-D expert tensors: the types specd's GgufExperts kernel reads, with the ggml type id it
+# reads each as (F16 / BF16 experts are widened to float32 rows, exactly)
+EXPERT_TYPE_IDS = {"F32": 0, "F16": 0, "BF16": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8,
+                   "Q4_K": 12, "Q6_K": 14, "MXFP4": 39}
 SUPPORTED_TYPES = tuple(_QUANT) + DENSE_TYPES
 
 
@@ -308,11 +312,14 @@ def requant_block_size(kind: str, k: int) -> int:
 
 
 def check_supported(t: TensorInfo, where: object = "") -> None:
-    """UnsupportedTensorType unless specd reads `t`'s type; `where` (the file) leads the
+    """UnsupportedTensorType unless specd reads `t`'s type (a 3-D tensor holds experts,
+    which specd's GgufExperts kernel reads: EXPERT_TYPE_IDS); `where` (the file) leads the
     message."""
-    if t.type_name not in SUPPORTED_TYPES:
+    experts = len(t.shape) == 3
+    supported = tuple(EXPERT_TYPE_IDS) if experts else SUPPORTED_TYPES
+    if t.type_name not in supported:
         raise UnsupportedTensorType(
             (f"{where}: " if where else "")
-            + f"tensor {t.name!r} has GGUF type {t.type_name}, which specd does not support "
-            f"(supported: {', '.join(SUPPORTED_TYPES)})"
+            + f"tensor {t.name!r} has GGUF type {t.type_name}, which specd does not support"
+            + (" for experts" if experts else "") + f" (supported: {', '.join(supported)})"
         )

@@ -6,8 +6,9 @@ with its tensors fails with one line naming the tensor or key, before a graph is
 a session created (rather than at the first token, inside ONNX Runtime):
 
 * every tensor the decoder reads is there: the embeddings, the final norm, and each
-  layer's norms, attention and feed-forward matrices, the q/k/v biases (`qkv_bias`), the
-  q/k norms (`qk_norm`) and the output norms (`post_norms`);
+  layer's norms, attention and feed-forward matrices (a mixture of experts' router and
+  3-D experts, with their biases where the architecture has them), the q/k/v biases
+  (`qkv_bias`), the q/k norms (`qk_norm`) and the output norms (`post_norms`);
 * vectors (norms, biases) are float tensors of the right length: n_embd for the layer
   and output norms, head_dim for per-head q/k norms (also n_head·head_dim or
   n_kv·head_dim where the architecture does not read them per head, as llama.cpp's
@@ -40,8 +41,11 @@ ROPE_TABLE_FLOOR_BYTES = 64 << 20  # rotary tables always allowed this much
 # norms every layer has, and those an architecture flag adds (length n_embd)
 LAYER_NORMS = ("attn_norm", "ffn_norm")
 POST_NORMS = ("post_attention_norm", "post_ffw_norm")
-LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                  "ffn_down")
+ATTENTION_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output")
+FFN_MATRICES = ("ffn_gate", "ffn_up", "ffn_down")
+LAYER_MATRICES = ATTENTION_MATRICES + FFN_MATRICES
+# a mixture of experts' router and 3-D experts, in place of the dense FFN matrices
+MOE_MATRICES = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _VECTOR = re.compile(r"(?:blk\.\d+\.)?(\w+?)\.(weight|bias)$")
 
 
@@ -95,12 +99,15 @@ def required_tensors(hp: HParams) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight"]
     if not hp.tied_embeddings:
         names.append("output.weight")
-    per_layer = [*LAYER_NORMS, *LAYER_MATRICES]
+    per_layer = [*LAYER_NORMS, *ATTENTION_MATRICES,
+                 *(FFN_MATRICES if hp.moe is None else MOE_MATRICES)]
     if getattr(hp, "post_norms", False):
         per_layer += POST_NORMS
     if hp.qk_norm:
         per_layer += ["attn_q_norm", "attn_k_norm"]
     layer_names = [f"{n}.weight" for n in per_layer]
+    if hp.moe is not None and hp.moe.biases:
+        layer_names += [f"{n}.bias" for n in MOE_MATRICES]
     if hp.qkv_bias:
         layer_names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     for i in range(hp.n_layer):
@@ -149,6 +156,9 @@ def _check_vector(f: GGUFFile, hp: HParams, t: TensorInfo) -> None:
     lengths: tuple[int, ...] | None
     if part == "bias":  # a bias has its matrix's (or norm's) rows
         weight = f.tensors.get(t.name[: -len("bias")] + "weight")
+        if weight is not None and len(weight.shape) == 3:  # experts': one row each
+            _check_expert_bias(f, t, weight)
+            return
         lengths = None if weight is None else (weight.shape[0],)
     else:
         lengths = _vector_lengths(hp, kind)
@@ -163,6 +173,16 @@ def _check_vector(f: GGUFFile, hp: HParams, t: TensorInfo) -> None:
     if t.type_name not in FLOAT_TYPES:
         raise GGUFError(f"{f.part_path(t)}: tensor {t.name} is stored as {t.type_name}; "
                         f"specd reads vectors (norms, biases) as {', '.join(FLOAT_TYPES)}")
+
+
+def _check_expert_bias(f: GGUFFile, t: TensorInfo, weight: TensorInfo) -> None:
+    """The bias of 3-D experts [n_expert, N, K] is [n_expert, N], a float type."""
+    if t.shape != weight.shape[:2]:
+        raise GGUFError(f"{f.path}: tensor {t.name} is {list(t.shape)}, but its experts "
+                        f"{weight.name} ({list(weight.shape)}) imply {list(weight.shape[:2])}")
+    if t.type_name not in FLOAT_TYPES:
+        raise GGUFError(f"{f.path}: tensor {t.name} is stored as {t.type_name}; specd reads "
+                        f"biases as {', '.join(FLOAT_TYPES)}")
 
 
 def _check_vocabulary(f: GGUFFile, hp: HParams) -> None:

@@ -4,14 +4,15 @@ from collections.abc import Callable
 
 from specd.ort_models.gguf_file import GGUFError, GGUFFile
 
-from . import gemma3, llama, qwen2, qwen3
-from .base import HParams
+from . import gemma3, llama, qwen2, qwen3, qwen3moe
+from .base import HParams, MoeParams
 
 READERS: dict[str, Callable[[GGUFFile], HParams]] = {
     "gemma3": gemma3.read_hparams,
     "llama": llama.read_hparams,
     "qwen2": qwen2.read_hparams,
     "qwen3": qwen3.read_hparams,
+    "qwen3moe": qwen3moe.read_hparams,
 }
 
 
@@ -25,4 +26,4 @@ def read_hparams(f: GGUFFile) -> HParams:
     return reader(f)
 
 
-__all__ = ["HParams", "READERS", "read_hparams"]
+__all__ = ["HParams", "MoeParams", "READERS", "read_hparams"]

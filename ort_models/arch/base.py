@@ -13,6 +13,22 @@ from specd.ort_models.gguf_file import GGUFError, GGUFFile
 
 
 @dataclass(frozen=True)
+class MoeParams:
+    """A mixture-of-experts feed-forward block: a router picks `n_used` of `n_expert`
+    gated experts per token (as llama.cpp's build_moe_ffn)."""
+
+    n_expert: int
+    n_used: int  # experts a token wakes (top-k)
+    n_ff: int  # an expert's hidden width
+    gating: str = "softmax"  # "softmax": top-k of softmax(logits); "softmax_weight":
+    # top-k of the logits, then a softmax over those k (gpt-oss)
+    norm: bool = False  # the chosen weights divided by their sum
+    scale: float = 0.0  # the weights times this (0: not scaled)
+    act: str = "silu"  # "silu": silu(gate) * up; "swiglu_oai": gpt-oss's clamped variant
+    biases: bool = False  # the router and the experts have biases (gpt-oss)
+
+
+@dataclass(frozen=True)
 class HParams:
     arch: str
     n_layer: int
@@ -39,10 +55,13 @@ class HParams:
     post_norms: bool = False  # RMSNorm of the attention and FFN outputs before each residual
     ffn_act: str = "silu"  # gated FFN activation: "silu" or "gelu" (tanh approximation)
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    moe: MoeParams | None = None  # a mixture-of-experts FFN in every layer (None: dense)
 
     def __post_init__(self) -> None:
         # a tuple however it was given (a meta.json round trip gives a list)
         object.__setattr__(self, "swa_layers", tuple(self.swa_layers))
+        if isinstance(self.moe, dict):  # a meta.json round trip gives a dict
+            object.__setattr__(self, "moe", MoeParams(**self.moe))
 
     @property
     def group_size(self) -> int:
@@ -101,7 +120,9 @@ def read_common(f: GGUFFile, *, rope_interleaved: bool, **flags: object) -> HPar
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
-        n_ff=_count(f, "feed_forward_length", f.require("feed_forward_length")),
+        n_ff=_count(f, "feed_forward_length",
+                     f.arch_key("feed_forward_length", 0) if flags.get("moe") else
+                     f.require("feed_forward_length"), lo=0 if flags.get("moe") else 1),
         n_vocab=n_vocab,
         n_ctx_train=_count(f, "context_length", f.arch_key("context_length", 2048)),
         rms_eps=_real(f, "attention.layer_norm_rms_epsilon",
@@ -116,6 +137,32 @@ def read_common(f: GGUFFile, *, rope_interleaved: bool, **flags: object) -> HPar
     return hp
 
 
+def read_moe(f: GGUFFile, **kinds: object) -> MoeParams:
+    """The mixture-of-experts keys: expert_count, expert_used_count, the experts' width
+    (expert_feed_forward_length, one value or the same in every layer), and
+    expert_weights_scale where present; `kinds` sets the router's and experts' kind."""
+    n_expert = _count(f, "expert_count", f.require("expert_count"))
+    n_used = _count(f, "expert_used_count", f.require("expert_used_count"))
+    if n_used > n_expert:
+        raise GGUFError(f"{f.path}: {f.arch}.expert_used_count {n_used} exceeds "
+                        f"expert_count {n_expert}")
+    width = f.arch_key("expert_feed_forward_length", None)
+    if width is None:  # llama.cpp: n_ff / n_used where the key is absent
+        width = _count(f, "feed_forward_length", f.require("feed_forward_length")) // n_used
+    if isinstance(width, list):
+        if len(set(width)) != 1:
+            raise GGUFError(f"{f.path}: {f.arch}.expert_feed_forward_length differs between "
+                            f"layers ({sorted(set(width))}); specd reads one width")
+        width = width[0]
+    scale = f.arch_key("expert_weights_scale", 0.0)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale < 0:
+        raise GGUFError(f"{f.path}: {f.arch}.expert_weights_scale must be a number >= 0, "
+                        f"got {scale!r}")
+    return MoeParams(n_expert=n_expert, n_used=n_used,
+                     n_ff=_count(f, "expert_feed_forward_length", width),
+                     scale=float(scale), **kinds)  # type: ignore[arg-type]
+
+
 def check_shapes(f: GGUFFile, hp: HParams) -> None:
     """Every layer's matrices must have the shapes the metadata implies, and the rotary
     width must fit the head (a file whose metadata disagrees with its tensors would
@@ -123,7 +170,7 @@ def check_shapes(f: GGUFFile, hp: HParams) -> None:
     if hp.rope_dim % 2 or hp.rope_dim > hp.head_dim:
         raise GGUFError(f"{f.path}: {hp.arch}.rope.dimension_count is {hp.rope_dim}; it must "
                         f"be even and at most the head dimension {hp.head_dim}")
-    want = {"token_embd": (hp.n_vocab, hp.n_embd)}
+    want: dict[str, tuple[int, ...]] = {"token_embd": (hp.n_vocab, hp.n_embd)}
     for i in range(hp.n_layer):
         want |= {f"blk.{i}.attn_q": (hp.n_head * hp.head_dim, hp.n_embd),
                  f"blk.{i}.attn_k": (hp.n_head_kv * hp.head_dim, hp.n_embd),
@@ -132,6 +179,13 @@ def check_shapes(f: GGUFFile, hp: HParams) -> None:
                  f"blk.{i}.ffn_gate": (hp.n_ff, hp.n_embd),
                  f"blk.{i}.ffn_up": (hp.n_ff, hp.n_embd),
                  f"blk.{i}.ffn_down": (hp.n_embd, hp.n_ff)}
+    if hp.moe is not None:
+        m = hp.moe
+        for i in range(hp.n_layer):
+            want |= {f"blk.{i}.ffn_gate_inp": (m.n_expert, hp.n_embd),
+                     f"blk.{i}.ffn_gate_exps": (m.n_expert, m.n_ff, hp.n_embd),
+                     f"blk.{i}.ffn_up_exps": (m.n_expert, m.n_ff, hp.n_embd),
+                     f"blk.{i}.ffn_down_exps": (m.n_expert, hp.n_embd, m.n_ff)}
     for name, shape in want.items():
         if f.has_tensor(name + ".weight"):
             t = f.tensor(name + ".weight")

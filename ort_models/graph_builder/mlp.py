@@ -9,6 +9,7 @@ from specd.ort_models.native_ops import DOMAIN as NATIVE
 
 from .context import BuildContext
 from .linear import linear, linears, stacked_linear
+from .moe import moe_ffn
 from .pending import Activation, Pending
 from .weights import matrix
 
@@ -44,5 +45,8 @@ def gated_ffn(c: BuildContext, h: Activation, p: str) -> Activation:
 
 
 def feed_forward(c: BuildContext, h: Activation, p: str) -> str:
-    """The block `p`'s feed-forward output [S, n_embd] for its normed input h."""
+    """The block `p`'s feed-forward output [S, n_embd] for its normed input h (a mixture
+    of experts where the model has one: moe.py)."""
+    if c.hp.moe is not None:
+        return moe_ffn(c, h, p)
     return linear(c, gated_ffn(c, h, p), p + "ffn_down.weight")

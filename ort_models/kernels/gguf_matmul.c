@@ -71,6 +71,7 @@ typedef struct {
   int16_t *sum32;
   size_t k;
   int trim; /* Q4_K: sub-blocks of 32 missing from the last superblock of each row group */
+  const float *x; /* GgufExperts' F32 weights: A's float rows [M, K] instead */
 } Act;
 
 /* x [k_in] -> k (a multiple of 256, >= k_in) quantized values, zeros past k_in */
@@ -471,3 +472,6 @@ static const ONNXTensorElementDataType OUTPUTS[] = {ONNX_TENSOR_ELEMENT_DATA_TYP
                                                     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
                                                     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
 const SpecdOpDef specd_gguf_matmul = {"GgufMatMul", 5, INPUTS, create, compute, 3, OUTPUTS, 2, 1};
+
+#include "gguf_experts.h"
+

@@ -161,7 +161,8 @@ static void ORT_API_CALL destroy_any(void *kernel) {
 static const SpecdOpDef *const DEFS[] = {&specd_gguf_matmul, &specd_causal_attention,
                                           &specd_causal_attention_f16, &specd_cached_attention,
                                           &specd_cached_attention_f16, &specd_swiglu,
-                                          &specd_sample_tokens, &specd_token_logprobs};
+                                          &specd_sample_tokens, &specd_token_logprobs,
+                                          &specd_gguf_experts, &specd_moe_router};
 enum { N_OPS = sizeof DEFS / sizeof DEFS[0] };
 static Op g_ops[N_OPS];
 static OrtCustomOpDomain *g_domain;

@@ -37,6 +37,10 @@ int specd_pool_threads(void);
  * on every path and at every offset. */
 void specd_swiglu_row(const float *g, const float *u, float *y, size_t n);
 
+/* sum_i w[i] * x[i], i < n, in a fixed order (moe_router.c): 8 lanes over the values in
+ * order, lane l += w * x (no FMA), then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) */
+float specd_dot_f32(const float *w, const float *x, size_t n);
+
 #define CHECK(expr)          \
   do {                       \
     OrtStatus *st_ = (expr); \
@@ -64,5 +68,7 @@ extern const SpecdOpDef specd_cached_attention_f16;
 extern const SpecdOpDef specd_swiglu;
 extern const SpecdOpDef specd_sample_tokens;
 extern const SpecdOpDef specd_token_logprobs;
+extern const SpecdOpDef specd_gguf_experts;
+extern const SpecdOpDef specd_moe_router;
 
 #endif

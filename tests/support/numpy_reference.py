@@ -119,18 +119,21 @@ class KVCache:
 class ReferenceModel:
     """float64 oracle for a GGUF file (see the module docstring for the semantics)."""
 
+    arches: tuple[str, ...] = SUPPORTED_ARCHES  # a subclass reads more
+    neox_arches: tuple[str, ...] = ("qwen2", "qwen3", "gemma3")
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.metadata, self.weights, self.tensor_types = read_gguf(self.path)
 
         md = self.metadata
         arch = md["general.architecture"]
-        if arch not in SUPPORTED_ARCHES:
+        if arch not in self.arches:
             raise ValueError(f"reference model does not support architecture {arch!r}")
         self.arch: str = arch
         self.n_layer = int(md[f"{arch}.block_count"])
         self.n_embd = int(md[f"{arch}.embedding_length"])
-        self.n_ff = int(md[f"{arch}.feed_forward_length"])
+        self.n_ff = int(md.get(f"{arch}.feed_forward_length", 0))
         self.n_head = int(md[f"{arch}.attention.head_count"])
         self.n_head_kv = int(md.get(f"{arch}.attention.head_count_kv", self.n_head))
         self.head_dim = int(md.get(f"{arch}.attention.key_length", self.n_embd // self.n_head))
@@ -140,7 +143,7 @@ class ReferenceModel:
         self.n_rot = int(md.get(f"{arch}.rope.dimension_count", self.head_dim))
         self.eps = float(md[f"{arch}.attention.layer_norm_rms_epsilon"])
         self.rope_base = float(md.get(f"{arch}.rope.freq_base", 10000.0))
-        self.neox = arch in ("qwen2", "qwen3", "gemma3")
+        self.neox = arch in self.neox_arches
         self.vocab_size = int(self.weights["token_embd.weight"].shape[0])
         # gemma3 (as llama.cpp runs it): embeddings times sqrt(n_embd), norms of the
         # attention and FFN outputs, GELU (tanh), sliding-window layers with their own rope
@@ -251,9 +254,7 @@ class ReferenceModel:
             x = x + a
 
             h = rms_norm(x, w[p + "ffn_norm.weight"], self.eps)
-            gate = h @ w[p + "ffn_gate.weight"].T
-            up = h @ w[p + "ffn_up.weight"].T
-            f = (self.act(gate) * up) @ w[p + "ffn_down.weight"].T
+            f = self.feed_forward(layer, h)
             if p + "post_ffw_norm.weight" in w:
                 f = rms_norm(f, w[p + "post_ffw_norm.weight"], self.eps)
             x = x + f
@@ -265,6 +266,14 @@ class ReferenceModel:
         if self.softcap:
             logits = self.softcap * np.tanh(logits / self.softcap)
         return logits
+
+    def feed_forward(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """Layer `layer`'s feed-forward output for its normed input h [T, n_embd] (a
+        subclass replaces it: tiny_moe.ReferenceMoeModel)."""
+        w, p = self.weights, f"blk.{layer}."
+        gate = h @ w[p + "ffn_gate.weight"].T
+        up = h @ w[p + "ffn_up.weight"].T
+        return (self.act(gate) * up) @ w[p + "ffn_down.weight"].T
 
     def forward(self, tokens: list[int] | np.ndarray) -> np.ndarray:
         """Full causal forward from position 0: logits [len(tokens), vocab] float64."""

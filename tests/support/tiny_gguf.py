@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -527,7 +527,10 @@ def _write(
     arch_name: str | None = None,
     type_overrides: dict[str, str] | None = None,
     drop: Sequence[str] = (),
+    extra: Callable[[GGUFWriter], None] | None = None,
 ) -> Path:
+    """Write `cfg`'s model (arch_name: the architecture key written instead; drop: tensors
+    left out; extra: called with the writer after the tensors, to add keys and tensors)."""
     arch = arch_name or cfg.arch
     path.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(path), arch)
@@ -577,6 +580,8 @@ def _write(
             continue
         data, raw_dtype = _tensor_data(spec, seed, cfg.n_embd, perturb)
         w.add_tensor(spec.name, data, raw_dtype=raw_dtype)
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
