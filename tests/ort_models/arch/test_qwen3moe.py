@@ -24,6 +24,7 @@ from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
+import tiny_hf_moe
 from tiny_moe import ReferenceMoeModel, write_dense_twin, write_tiny_qwen3moe
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None,
@@ -205,3 +206,39 @@ def _assert_agrees(path: Path, theirs: list[tuple[int, dict[int, float]]], tol: 
             assert int(np.argmax(picks[i])) == token, i
             clear += 1
     assert clear >= 2
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Hugging Face Qwen3-MoE checkpoint, converted by llama.cpp's own
+    convert_hf_to_gguf.py (float32)."""
+    if reason := tiny_hf_moe.skip_reason():
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("hf_qwen3moe")
+    return tiny_hf_moe.convert(tiny_hf_moe.write_checkpoint(root / "hf"), root / "m.gguf")
+
+
+def test_a_converted_checkpoint_matches_the_reference(converted: Path) -> None:
+    """llama.cpp's converter's file (its key names, 3-D expert layout and types) reads as
+    the reference reads it: logits within float32 rounding."""
+    hp = read_hparams(GGUFFile(converted))
+    assert hp.arch == "qwen3moe" and hp.moe is not None and hp.moe.n_expert == 8
+    ref = ReferenceMoeModel(converted)
+    want = ref.forward(PROMPT)
+    got = ModelRunner(load_or_build(converted, NATIVE_F32), n_ctx=256).forward(
+        0, PROMPT, 0, list(range(len(PROMPT))))
+    assert np.abs(got - want).max() / np.abs(want).max() < 2e-4
+
+
+def test_a_converted_checkpoint_decodes_as_llama_cpp_does(converted: Path) -> None:
+    """llama-server on the converter's file: specd's log probabilities agree within its
+    rounding, and greedy continuations agree up to specd's first near tie."""
+    if reason := llama_cpp_oracle.missing("llama-server"):
+        pytest.skip(reason)
+    theirs = llama_cpp_oracle.greedy_with_logprobs(converted, PROMPT, 16)
+    _assert_agrees(converted, theirs, 0.05)
+    ours, margins = llama_cpp_oracle.greedy_with_margins(
+        ModelRunner(load_or_build(converted, build_options("target")), n_ctx=256), PROMPT, 24)
+    greedy = llama_cpp_oracle.greedy_completion(converted, PROMPT, 24)
+    # float32 experts and matrices (an f16 KV cache): a near tie is one within 0.05
+    assert llama_cpp_oracle.agreed_until_near_tie(ours, margins, greedy, near=0.05) >= 8
