@@ -1,4 +1,24 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the plugin that counts the external oracles' tests.
+
+External oracles: tests that check specd against something outside the project, which a
+machine may lack, skip saying why where it is missing. Each such test carries its group's
+marker, so that a run can say how many of them ran and fail where they did not:
+
+    @pytest.mark.llama_cpp_oracle   # runs a llama.cpp binary (tests/support/llama_cpp_oracle.py)
+    @pytest.mark.needs_torch        # imports torch (specd train-draft's tests)
+    @pytest.mark.needs_transformers # compares with Hugging Face transformers
+
+(on a test, a class, or a whole module as `pytestmark = pytest.mark.llama_cpp_oracle`; a
+test may carry several). The test still skips by itself where its oracle is missing (for
+llama.cpp: `if reason := llama_cpp_oracle.missing("llama-server"): pytest.skip(reason)`).
+
+Every run ends with a line per group: how many of its tests ran, passed and skipped.
+SPECD_REQUIRE_ORACLES=1 (or a comma list of group names) makes the groups required, as
+.ci/run and `installers/quickstart.py test` set it: a skipped test of a required group
+fails, and so does a required group of which no test ran in a run of the whole suite (a
+module that skips at import, as test_training.py does without torch, collects no test).
+The plugin: tests/support/oracle_groups.py.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +32,8 @@ from typing import Any
 import pytest
 
 from tiny_gguf import write_tiny_gguf
+
+pytest_plugins = ["oracle_groups"]
 
 # The suite checks the CPU path, also where a GPU is (ORT's CUDA kernels multiply in TF32
 # and pick algorithms by shape; the reference tolerances and batch-invariance tests here
@@ -66,3 +88,4 @@ def fetched_model(name: str) -> Path:
         return resolve_model(name)
     except ModelStoreError as exc:
         pytest.skip(f"{name} could not be downloaded: {exc}")
+

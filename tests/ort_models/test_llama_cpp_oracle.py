@@ -25,6 +25,8 @@ from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
 
+pytestmark = pytest.mark.llama_cpp_oracle
+
 K_DIMS = {"n_embd": 256, "n_ff": 512}
 GEMMA3 = {"sliding_window": 5, "swa_pattern": 2, "final_softcap": 30.0}
 CASES: list[tuple[str, str, dict[str, Any]]] = [

@@ -14,6 +14,8 @@ from specd.daemon.benchmark.peer import MODES, LlamaServerPeer
 
 from tiny_heads import write_tiny_head
 
+pytestmark = pytest.mark.llama_cpp_oracle
+
 PROMPT = [5, 17, 42, 100, 7, 3, 99, 12, 5, 17, 42, 100, 7, 3, 99, 12]
 
 

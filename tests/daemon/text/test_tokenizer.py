@@ -400,6 +400,7 @@ def _oracle_module() -> Any:
 
 
 @pytest.mark.real
+@pytest.mark.needs_transformers
 @pytest.mark.parametrize("name", GOLDEN_MODELS)
 def test_live_against_transformers(name: str) -> None:
     if importlib.util.find_spec("transformers") is None:

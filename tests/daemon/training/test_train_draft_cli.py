@@ -30,6 +30,7 @@ def test_missing_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
         require_torch()
 
 
+@pytest.mark.needs_torch
 def test_a_short_run_writes_a_head(tmp_path: Path, tiny_model_factory: Callable[..., Path],
                                    capsys: pytest.CaptureFixture[str]) -> None:
     try:

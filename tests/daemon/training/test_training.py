@@ -45,6 +45,7 @@ from specd.ort_models.runner import ModelRunner
 
 import tiny_gguf
 
+pytestmark = pytest.mark.needs_torch
 BLOCK = 4
 STEPS = 400
 # float32: the same numbers on every CPU (bfloat16 autocast is on where a CPU has it)
@@ -236,6 +237,7 @@ def test_a_work_folder_is_not_reused_by_accident(trained: Trained, tmp_path: Pat
                              settings=SETTINGS, resume=True, gamma=3.0), verbose=False)
 
 
+@pytest.mark.llama_cpp_oracle
 def test_llama_cpp_drafts_with_the_written_heads(trained: Trained) -> None:
     """llama.cpp itself (where bench/build_llama_cpp.sh built it) loads the written heads
     and speculates with them on held-out prompts: the trained head's drafts are accepted,
@@ -288,6 +290,7 @@ def _drafts_by_anchor(target: ModelRunner, drafter: Drafter, prompt: list[int],
     return text, drafts
 
 
+@pytest.mark.llama_cpp_oracle
 def test_llama_cpp_drafts_what_specd_drafts_after_every_kind_of_round(trained: Trained
                                                                       ) -> None:
     """From the same verified context llama.cpp's drafts with the trained head are specd's

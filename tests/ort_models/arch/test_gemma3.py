@@ -148,6 +148,7 @@ def _check_lossless(target: Any, draft: Any, prompt: list[int], n_ctx: int,
     assert got == want
 
 
+@pytest.mark.llama_cpp_oracle
 def test_greedy_continuation_equals_llama_cpps(tiny_model_factory: Callable[..., Path]
                                                ) -> None:
     """llama.cpp (llama-server, float32 KV cache) and specd continue a prompt that crosses
@@ -165,6 +166,7 @@ def test_greedy_continuation_equals_llama_cpps(tiny_model_factory: Callable[...,
 
 
 @pytest.mark.real
+@pytest.mark.llama_cpp_oracle
 def test_gemma_3_270m_continues_as_llama_cpp_does() -> None:
     """Gemma 3 270M (Q4_K_M): specd's greedy continuation of a fixed prompt on the target's
     CPU graph equals llama.cpp's up to specd's first near tie within 64 tokens (here, all
