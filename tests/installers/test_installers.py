@@ -168,19 +168,9 @@ def test_unknown_platform() -> None:
         t.render("plan9")
 
 
-def _cli_has(command: str) -> bool:
-    from specd.daemon.cli import main as cli
-
-    sub = next(a for a in cli.build_parser()._actions
-               if a.__class__.__name__ == "_SubParsersAction")
-    return command in sub.choices
-
-
 def test_cli_install_service_no_enable(dirs: Path) -> None:
     if sys.platform != "linux":
         pytest.skip("checks the Linux (systemd) file layout")
-    if not _cli_has("install-service"):
-        pytest.skip("`specd install-service` is not wired into daemon/cli/main.py")
     env = {**os.environ, "HOME": str(dirs)}
     env.pop("XDG_CONFIG_HOME", None)
     cli = [sys.executable, "-m", "specd.daemon.cli"]
@@ -274,27 +264,65 @@ def test_quickstart_demo_takes_more_options() -> None:
     assert qs.specd_args(["models", "list"]) == (["models", "list"], False)
 
 
-def test_quickstart_tries_torch_once_and_says_why_it_failed(
+def test_quickstart_tries_the_oracle_packages_once_and_says_which_tests_skip(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """This venv's pip, offline (no index): an installed package's group is there, one that
+    cannot be installed says why and that its tests skip; the next run does not try again."""
     qs = _quickstart()
-    monkeypatch.setattr(qs, "VENV", tmp_path)
-    calls: list[list[str]] = []
+    monkeypatch.setattr(qs, "VENV", Path(sys.prefix))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    packages = {"pytest": "group_a", "specd_no_such_module": "group_b"}
+    stamp = tmp_path / "tried"
+    assert qs.ensure_oracle_packages(packages, stamp) == {"group_a"}
+    err = capsys.readouterr().err
+    assert "installing specd_no_such_module from the package index" in err
+    assert "pip could not install them (ERROR: No matching distribution found" in err
+    assert "specd_no_such_module is not installed, so the group_b tests skip" in err
+    assert stamp.read_text() == "specd_no_such_module"
+    assert qs.ensure_oracle_packages(packages, stamp) == {"group_a"}
+    err = capsys.readouterr().err
+    assert "installing" not in err and "the group_b tests skip" in err
 
-    def fail(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
 
-    monkeypatch.setattr(qs.subprocess, "run", fail)
-    qs.ensure_torch()
-    # is torch there; the CPU build from the configured indexes; then from PyTorch's
-    assert calls[0][-2:] == ["-c", "import torch"]
-    assert calls[1][-1] == qs.TORCH_CPU
-    assert calls[2][-3:] == [qs.TORCH_CPU, "--extra-index-url", qs.TORCH_CPU_INDEX]
-    assert "(ERROR: No matching distribution); the training tests skip" in \
-        capsys.readouterr().err
-    qs.ensure_torch()  # tried: not again
-    assert len(calls) == 3
+def test_quickstart_requires_the_groups_it_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    qs = _quickstart()
+    monkeypatch.delenv(qs.REQUIRE_ENV, raising=False)
+    assert qs.test_env({"needs_torch", "llama_cpp_oracle"})[qs.REQUIRE_ENV] == \
+        "llama_cpp_oracle,needs_torch"
+    assert qs.test_env(set())[qs.REQUIRE_ENV] == "0"
+    monkeypatch.setenv(qs.REQUIRE_ENV, "1")  # .ci/run's: every group
+    assert qs.test_env(set())[qs.REQUIRE_ENV] == "1"
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
+                    reason="needs cmake and a C++ compiler")
+def test_quickstart_says_before_the_tests_where_llama_cpp_did_not_build(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A source that does not compile (a stand-in for llama.cpp's): the build's error, then
+    that the oracle tests skip and how to have them; SPECD_SKIP_LLAMA_CPP=1 builds nothing."""
+    qs = _quickstart()
+    monkeypatch.setattr(qs, "VENV", Path(sys.prefix))
+    monkeypatch.delenv("SPECD_LLAMA_CPP_BIN", raising=False)
+    monkeypatch.setenv("SPECD_LLAMA_CPP_DIR", str(tmp_path))
+    src = tmp_path / "src" / "llama.cpp"
+    src.mkdir(parents=True)
+    (src / "main.cpp").write_text("int main() { return not C++; }\n")
+    (src / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.14)\nproject(standin CXX)\n"
+        "add_executable(llama-server main.cpp)\n")
+    monkeypatch.setenv("SPECD_SKIP_LLAMA_CPP", "1")
+    assert not qs.ensure_llama_cpp()
+    assert "SPECD_SKIP_LLAMA_CPP=1: llama.cpp is not built, so the llama_cpp_oracle tests " \
+        "skip" in capsys.readouterr().err
+    assert not (tmp_path / "build").exists()
+    monkeypatch.delenv("SPECD_SKIP_LLAMA_CPP")
+    assert not qs.ensure_llama_cpp()
+    err = capsys.readouterr().err  # the build's own lines come from its process
+    assert "building llama.cpp for the llama_cpp_oracle tests" in err
+    assert "llama.cpp was not built (above: why), so the llama_cpp_oracle tests skip" in err
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="symlinks need a privilege there")
