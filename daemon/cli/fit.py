@@ -9,7 +9,7 @@ import math
 import sys
 from typing import Any
 
-from specd.daemon.control.config import RANGES
+from specd.daemon.control.config import DEFAULT_SLOTS, RANGES
 from specd.daemon.models.building import fit_models
 from specd.memory_fit.measure import MeasureError
 from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError
@@ -42,8 +42,8 @@ def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="draft GGUF path or catalog name (a draft model or a drafter head; "
                         "given twice, a head and a draft model, planned together)")
     add_draft_build_args(p)
-    p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=1,
-                   help="parallel sequences (default 1)")
+    p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=DEFAULT_SLOTS,
+                   help=f"parallel sequences (default {DEFAULT_SLOTS}, as specd serve's)")
     p.add_argument("--device", default="auto",
                    help="auto, cpu or cuda:N (default auto: $SPECD_DEVICE if set, else CUDA "
                    "where onnxruntime-gpu finds a GPU)")

@@ -23,14 +23,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from specd.ipc.server import DEFAULT_PORT
 
     p.add_argument("--host", default="127.0.0.1", help="TCP address (default 127.0.0.1)")
-    from specd.daemon.control.config import RANGES  # the bounds `specd config set` checks too
+    # the bounds `specd config set` checks too
+    from specd.daemon.control.config import DEFAULT_SLOTS, RANGES
 
     p.add_argument("--port", type=int_at_least(*RANGES["port"]), default=DEFAULT_PORT,
                    help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
     p.add_argument("--socket", default=None, help="Unix socket path (default: runtime dir)")
     p.add_argument("--no-socket", action="store_true", help="TCP only")
-    p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=2,
-                   help="parallel sequences (default 2)")
+    p.add_argument("--slots", type=int_at_least(*RANGES["slots"]), default=DEFAULT_SLOTS,
+                   help=f"parallel sequences (default {DEFAULT_SLOTS})")
     p.add_argument("-b", "--batch-size", type=int_at_least(1), default=256,
                    help="most prompt tokens one pass evaluates (prompt chunks; default 256)")
     p.add_argument("--queue", type=int_at_least(1), default=64,

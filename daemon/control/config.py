@@ -26,6 +26,8 @@ KEYS: dict[str, type] = {
     "keep_alive": str,  # a duration: seconds, or such as "5m" (serve's --keep-alive)
 }
 
+# parallel sequences `specd serve` starts and `specd fit` plans, unless --slots says
+DEFAULT_SLOTS = 2
 # the values `specd serve` accepts for them (checked when set, not at the next start)
 RANGES: dict[str, tuple[int, int | None]] = {"port": (0, 65535), "slots": (1, 64),
                                              "n_ctx": (1, None), "threads": (1, None)}

@@ -216,6 +216,17 @@ def test_sampled_requests_draft_probabilistically_unless_told_not_to() -> None:
     assert not params_from_args(off).draft.probabilistic
 
 
+def test_fit_plans_the_slots_serve_starts() -> None:
+    """`specd fit` with no --slots plans what `specd serve` with none would start."""
+    from specd.daemon.cli.main import build_parser
+    from specd.daemon.control.config import DEFAULT_SLOTS
+
+    parser = build_parser()
+    assert parser.parse_args(["fit"]).slots == parser.parse_args(["serve"]).slots \
+        == DEFAULT_SLOTS == 2
+    assert parser.parse_args(["fit", "--slots", "3"]).slots == 3
+
+
 def test_serve_keep_alive_reads_durations() -> None:
     from specd.daemon.cli.main import build_parser
 
