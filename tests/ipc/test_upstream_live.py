@@ -9,9 +9,9 @@ import json
 import logging
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from conftest import fetched_model
 
 from specd.daemon.benchmark.llama_server import LlamaServer
 from specd.daemon.cli.main import build_parser
@@ -25,10 +25,10 @@ openai = pytest.importorskip("openai")
 ollama = pytest.importorskip("ollama")
 anthropic = pytest.importorskip("anthropic")
 
+pytestmark = pytest.mark.llama_cpp_oracle
+
 TOKEN = "upstream-secret-4f1c9e"
-# a small chat model from the store (`specd models pull NAME`), the first found
-MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
-STORE = Path("~/.local/share/specd/models").expanduser()
+MODEL = "smollm2-135m-instruct"  # a small chat model, fetched into the store
 ASK = [{"role": "user", "content": "Name a colour."}]
 N = 8
 
@@ -46,11 +46,7 @@ class _Records(logging.Handler):
 def upstream() -> Iterator[LlamaServer]:
     if reason := missing("llama-server"):
         pytest.skip(reason)
-    found = [STORE / f"{m}.gguf" for m in MODELS if (STORE / f"{m}.gguf").is_file()]
-    if not found:
-        pytest.skip(f"no chat model in {STORE} ({' or '.join(MODELS)}: "
-                    "`specd models pull smollm2-135m-instruct`)")
-    with LlamaServer(found[0], threads=2, n_ctx=1024,
+    with LlamaServer(fetched_model(MODEL), threads=2, n_ctx=1024,
                      args=["--api-key", TOKEN, "-np", "1", "--no-warmup"]) as server:
         yield server
 

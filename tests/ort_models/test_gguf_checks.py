@@ -357,16 +357,18 @@ def test_duplicate_keys_and_long_names_are_refused(tiny, tmp_path) -> None:
 
 @pytest.mark.real
 def test_the_catalog_models_on_disk_pass_every_check() -> None:
-    """The real files there are (no download here): their headers, shapes and layout."""
+    """The catalog's real files in the store (SmolLM2 fetched if it is not there yet): their
+    headers, shapes and layout."""
+    from conftest import fetched_model
+
     from specd.daemon.models.catalog import CATALOG
     from specd.daemon.models.store import model_path
     from specd.ort_models.arch import READERS
     from specd.ort_models.tensor_checks import check_model
 
-    found = [model_path(n) for n in CATALOG if model_path(n).is_file()]
-    if not found:
-        pytest.skip("no catalog model downloaded")
-    for path in found:
+    smol = fetched_model("smollm2-135m-instruct")
+    found = {smol, *(model_path(n) for n in CATALOG if model_path(n).is_file())}
+    for path in sorted(found):
         f = GGUFFile(path)
         if f.arch in READERS:
             from specd.ort_models.arch import read_hparams

@@ -25,18 +25,6 @@ CLI = [sys.executable, "-m", "specd.daemon.cli"]
 NAME = "tiny-qwen2-Q8_0"  # general.name of the tiny model
 
 
-def _cli_has(command: str) -> bool:
-    from specd.daemon.cli import main as cli
-
-    sub = next(a for a in cli.build_parser()._actions
-               if a.__class__.__name__ == "_SubParsersAction")
-    return command in sub.choices
-
-
-needs_wiring = pytest.mark.skipif(not _cli_has("start"),
-                                  reason="`specd start` is not wired into daemon/cli/main.py")
-
-
 @pytest.fixture
 def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     """Private state/runtime/config dirs (the cache stays shared: built graphs are reused).
@@ -145,7 +133,6 @@ def test_start_argv_from_options_and_config(env: dict[str, str], tmp_path: Path,
 
 
 # -- pid files ----------------------------------------------------------------------------
-@needs_wiring
 @pytest.mark.parametrize("content", ["pytest", "dead", "garbage"])
 def test_stale_pid_file(env: dict[str, str], content: str) -> None:
     if content == "pytest":  # alive, but not a specd daemon
@@ -204,7 +191,6 @@ def test_pid_reused_by_a_process_we_may_not_inspect(env: dict[str, str],
         proc.wait()
 
 
-@needs_wiring
 def test_failed_start_reports_the_log(env: dict[str, str], tmp_path: Path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all")
@@ -217,7 +203,6 @@ def test_failed_start_reports_the_log(env: dict[str, str], tmp_path: Path) -> No
 
 
 # -- the real thing -----------------------------------------------------------------------
-@needs_wiring
 def test_start_status_request_restart_stop(env: dict[str, str], tiny: Path) -> None:
     from specd.ipc.client import Client
 
@@ -292,7 +277,6 @@ def test_start_status_request_restart_stop(env: dict[str, str], tiny: Path) -> N
     assert started_in < 120
 
 
-@needs_wiring
 def test_start_refuses_when_a_foreground_serve_answers(env: dict[str, str],
                                                        tiny: Path) -> None:
     sock = Path(env["SPECD_RUNTIME_DIR"]) / "specd.sock"
@@ -363,7 +347,6 @@ def test_sigterm_does_not_wait_for_idle_keep_alive_connections(env: dict[str, st
             proc.wait()
 
 
-@needs_wiring
 def test_status_learns_the_port_a_start_stopped_waiting_for(env: dict[str, str],
                                                             tiny: Path) -> None:
     """A TCP-only start on any free port that gave up waiting (--wait 0) leaves the port

@@ -390,11 +390,9 @@ def test_a_damaged_catalog_model_stops_specd_generate(tmp_path):
     import os
     import sys
 
-    from specd.daemon.models.store import model_path as real_path
+    from conftest import fetched_model
 
-    src = real_path("smollm2-135m-instruct")
-    if not src.is_file():
-        pytest.skip("SmolLM2 is not downloaded")
+    src = fetched_model("smollm2-135m-instruct")
     data = tmp_path / "data"
     (data / "models").mkdir(parents=True)
     dst = data / "models" / "smollm2-135m-instruct.gguf"

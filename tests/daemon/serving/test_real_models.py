@@ -11,7 +11,6 @@ import pytest
 from specd.daemon.drafters.composite import CompositeDrafter
 from specd.daemon.drafters.dflash import DFlashDrafter
 from specd.daemon.drafters.draft_model import DraftModelDrafter
-from specd.daemon.models.store import ModelStoreError
 from specd.daemon.serving.engine import Engine, EngineConfig
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
@@ -22,12 +21,14 @@ from speculation_checks import assert_speculated, decode_all
 
 
 def _engine(target: str, draft: str | None = None, **kw) -> Engine:
-    try:
-        return Engine(EngineConfig(target=target, draft=draft, **kw))
-    except Exception as exc:
-        if isinstance(exc.__cause__, ModelStoreError) or "pip" in str(exc):
-            pytest.skip(f"model not available: {exc}")
-        raise
+    """An engine on catalog models, fetched first (the test skips only where they cannot be
+    downloaded); any error building it fails the test."""
+    from conftest import fetched_model
+
+    for name in (target, draft):
+        if name is not None:
+            fetched_model(name)
+    return Engine(EngineConfig(target=target, draft=draft, **kw))
 
 
 def _run(engine: Engine, prompt: list[int], *, drafter=None, **kw) -> Generation:
