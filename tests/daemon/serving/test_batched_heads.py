@@ -15,11 +15,13 @@ from specd.daemon.serving.scheduler import Scheduler
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
+from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import compile_constraint
 from specd.ort_models import native_ops
 from specd.ort_models.head_runner import HeadRunner
 
 from scheduler_streams import Stream, solo
+from speculation_checks import assert_drafted
 from tiny_heads import write_tiny_head
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
@@ -138,3 +140,8 @@ def test_slots_drafting_with_a_head_and_a_draft_model_equal_target_only(
     used = {name for s in streams if s.req.gen is not None
             for name in s.req.gen.stats.source_calls}
     assert used == {"dflash", "draft"}
+    total = SpecStats()
+    for s in streams:
+        assert s.req.gen is not None
+        total.merge(s.req.gen.stats)
+    assert_drafted(total)  # a random head's and another seed's drafts: rarely accepted

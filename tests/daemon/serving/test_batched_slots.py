@@ -92,12 +92,15 @@ def test_streams_in_one_pass_equal_their_solo_runs(scheduler: Scheduler, engine:
         scheduler.submit(s.req)
     assert [s.result() for s in streams] == want
     assert max(sizes) == 4  # all four streams shared passes
-    if draft is not None:
-        assert max(draft_sizes) >= 2  # and so did their drafts
-        total = SpecStats()
-        for s in streams:
-            assert s.req.gen is not None
-            total.merge(s.req.gen.stats)
+    total = SpecStats()
+    for s in streams:
+        assert s.req.gen is not None
+        total.merge(s.req.gen.stats)
+    if engine.drafter is None:  # "none": every round a plain step, no draft pass
+        assert total.rounds == 0 and total.drafted == 0, total.as_dict()
+        assert total.draft_lengths == {0: total.decoded_tokens}, total.as_dict()
+    else:
+        assert draft is not None and max(draft_sizes) >= 2  # their drafts shared passes
         assert_speculated(total)
 
 
@@ -209,6 +212,11 @@ def test_adaptive_streams_planned_as_a_step_equal_their_solo_runs(
         scheduler.submit(s.req)
     assert [s.result() for s in streams] == want
     assert max(len(c) for c in planned) == 4  # steps of four were planned
+    total = SpecStats()
+    for s in streams:
+        assert s.req.gen is not None
+        total.merge(s.req.gen.stats)
+    assert_speculated(total)
 
 
 def test_streams_drafting_to_any_step_plan_equal_their_solo_runs(

@@ -238,7 +238,7 @@ def test_adaptive_is_byte_identical(models) -> None:
     got, gen = run(target, draft_drafter(draft), max_tokens=64, ignore_eos=True,
                    draft=DraftParams(n_max=8), adaptive=True)
     assert got == want
-    assert sum(gen.stats.draft_lengths.values()) > 0
+    assert_speculated(gen.stats)
 
 
 def test_sampled_with_greedy_verification_equals_target_only(models) -> None:
@@ -246,9 +246,10 @@ def test_sampled_with_greedy_verification_equals_target_only(models) -> None:
     target, draft = models
     sp = SamplerParams(temperature=0.9, top_k=40, seed=11)
     want, _ = run(target, max_tokens=48, ignore_eos=True, sampling=sp)
-    got, _ = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True, sampling=sp,
-                 draft=DraftParams(n_max=4, probabilistic=False))
+    got, gen = run(target, draft_drafter(draft), max_tokens=48, ignore_eos=True,
+                   sampling=sp, draft=DraftParams(n_max=4, probabilistic=False))
     assert got == want
+    assert_speculated(gen.stats)
 
 
 def test_rejection_sampling_seeded_runs_repeat(models) -> None:
@@ -448,9 +449,10 @@ def test_speculation_across_a_bucket_boundary_is_exact(models) -> None:
     rng = np.random.default_rng(4)
     prompt = rng.integers(3, 340, size=240).tolist()
     want, _ = run(target, prompt=prompt, max_tokens=40, ignore_eos=True)
-    got, _ = run(target, draft_drafter(draft), prompt=prompt, max_tokens=40, ignore_eos=True,
-                 draft=DraftParams(n_max=16))
+    got, gen = run(target, draft_drafter(draft), prompt=prompt, max_tokens=40,
+                   ignore_eos=True, draft=DraftParams(n_max=16))
     assert got == want
+    assert_speculated(gen.stats)
 
 
 def test_oversize_prompt_is_a_request_error(models) -> None:
@@ -466,6 +468,7 @@ def test_n_min_skips_short_drafts(models) -> None:
                    draft=DraftParams(n_max=4, n_min=3, p_min=0.6))
     assert got == want
     assert all(n == 0 or n >= 3 for n in gen.stats.draft_lengths)
+    assert_speculated(gen.stats)
 
 
 def test_draft_model_reuses_its_cached_prefix(models) -> None:
@@ -482,10 +485,11 @@ def test_draft_model_reuses_its_cached_prefix(models) -> None:
     drafter.runner.prefill = counting  # type: ignore[method-assign]
     longer = PROMPT + first[:8]
     want, _ = run(target, prompt=longer, max_tokens=24, ignore_eos=True)
-    got, _ = run(target, drafter, prompt=longer, max_tokens=24, ignore_eos=True,
-                 draft=DraftParams(n_max=4))
+    got, gen = run(target, drafter, prompt=longer, max_tokens=24, ignore_eos=True,
+                   draft=DraftParams(n_max=4))
     assert got == want
     assert calls and calls[0] < len(longer)
+    assert_speculated(gen.stats)
 
 
 def test_target_only_rounds_keep_the_drafts_cache(models) -> None:

@@ -18,7 +18,6 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -33,6 +32,7 @@ from specd.daemon.spec.sampling import (
     mask_logits,
     softmax,
 )
+from specd.daemon.spec.stats import SpecStats
 from specd.daemon.spec.verify import verify_greedy, verify_rejection
 from specd.daemon.text import grammar as grammar_mod
 from specd.daemon.text.grammar import (
@@ -47,21 +47,18 @@ from specd.daemon.text.tokenizer import Tokenizer
 from specd.ort_models.gguf_file import GGUFFile
 
 from chi_square import FAIL_P, PASS_P, chi2_pvalue
+from speculation_checks import assert_speculated
 
 TINY_LOGITS = 384  # the tiny vocabulary has 352 ids; the "model" has more logits rows
-
-SMOLLM2 = Path("~/.local/share/specd/models/smollm2-135m-instruct.gguf").expanduser()
-
 
 # -- fixtures ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def smol_tok() -> Tokenizer:
-    if not SMOLLM2.is_file():
-        pytest.skip(f"{SMOLLM2} is not in the model store; "
-                    "`specd models pull smollm2-135m-instruct`")
-    return Tokenizer.from_metadata(GGUFFile(SMOLLM2).metadata)
+    from conftest import fetched_model
+
+    return Tokenizer.from_metadata(GGUFFile(fetched_model("smollm2-135m-instruct")).metadata)
 
 
 @pytest.fixture(scope="module", params=["tiny", "smollm2"])
@@ -116,8 +113,10 @@ def generate(
     n_draft: int = 4,
     max_tokens: int = 400,
     probabilistic: bool = False,
+    stats: SpecStats | None = None,
 ) -> tuple[list[int], str]:
-    """Constrained speculative decoding from an empty prompt: (tokens, finish reason)."""
+    """Constrained speculative decoding from an empty prompt: (tokens, finish reason);
+    each round's drafted and accepted counts go to `stats`."""
     t_seed, d_seed = derive_seeds(params.seed)
     sampler = Sampler(params, seed=t_seed)
     draft_sampler = Sampler(SamplerParams(temperature=params.temperature or 1.0), seed=d_seed)
@@ -145,6 +144,8 @@ def generate(
             result = verify_rejection(rows, drafts, np.stack(q_rows), sampler, state)
         else:
             result = verify_greedy(rows, drafts, sampler, state)
+        if stats is not None:
+            stats.record_round(len(drafts), result.n_accepted)
         for t in result.tokens:
             out.append(t)
             if t in tok.eot_ids:
@@ -483,7 +484,13 @@ def test_greedy_with_draft_equals_greedy_without(
     assert plain_reason == "stop"
     for scale in (0.3, 3.0):  # a draft that mostly agrees, and one that mostly does not
         draft = RandomLM(n_vocab, seed=12, scale=scale, base=target)
-        assert generate(tok, grammar, target, draft, params, n_draft=n_draft) == (plain, "stop")
+        stats = SpecStats()
+        assert generate(tok, grammar, target, draft, params, n_draft=n_draft,
+                        stats=stats) == (plain, "stop")
+        if scale < 1:
+            assert_speculated(stats)
+        else:  # drafted, and rejected at some position
+            assert stats.rounds > 0 and stats.accepted < stats.drafted, stats.as_dict()
 
 
 def test_unconstrained_draft_is_corrected_by_the_grammar(tiny_tok: Tokenizer) -> None:
@@ -512,7 +519,10 @@ def test_sampled_greedy_verify_equals_sampling_without_draft(tiny_tok: Tokenizer
         params = SamplerParams(temperature=1.0, seed=seed)
         plain = generate(tiny_tok, grammar, target, None, params)
         draft = RandomLM(TINY_LOGITS, seed=4, scale=0.5, base=target)
-        assert generate(tiny_tok, grammar, target, draft, params, n_draft=4) == plain
+        stats = SpecStats()
+        assert generate(tiny_tok, grammar, target, draft, params, n_draft=4,
+                        stats=stats) == plain
+        assert_speculated(stats)
 
 
 # -- distribution exactness of constrained rejection sampling ------------------------------------
