@@ -22,7 +22,7 @@ from specd.ort_models import native_ops
 from specd.ort_models.runner import Call, CallOutput, ModelRunner
 
 from scheduler_streams import Stream, solo
-from speculation_checks import assert_speculated
+from speculation_checks import assert_drafted, assert_speculated
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None, reason="specd's kernels are off")
 
@@ -216,7 +216,8 @@ def test_adaptive_streams_planned_as_a_step_equal_their_solo_runs(
     for s in streams:
         assert s.req.gen is not None
         total.merge(s.req.gen.stats)
-    assert_speculated(total)
+    # on tiny models the plan is plain steps but for its probes, which draft
+    assert_drafted(total)
 
 
 def test_streams_drafting_to_any_step_plan_equal_their_solo_runs(
