@@ -109,6 +109,7 @@ def logits(path: Path) -> np.ndarray:
 
 # ----------------------------------------------------------------------- llama.cpp's splits
 
+@pytest.mark.llama_cpp_oracle
 @pytest.mark.parametrize("model, args", [
     (SMALL_MODEL, ["--split-max-tensors", "7"]),
     (MB_MODEL, ["--split-max-size", "1M"]),
@@ -132,6 +133,7 @@ def test_llama_cpp_split_gives_the_single_files_logits(
     assert built.gguf_sha256 == f.content_hash()  # its graphs keyed by all parts' bytes
 
 
+@pytest.mark.llama_cpp_oracle
 @pytest.mark.usefixtures("own_cache")
 def test_split_models_info_and_memory_fit_equal_the_single_files(
         tiny_model_factory: Callable[..., Path], tmp_path: Path) -> None:
@@ -165,6 +167,7 @@ def test_split_models_info_and_memory_fit_equal_the_single_files(
         assert (graphs[0].folder / name).read_bytes() == (graphs[1].folder / name).read_bytes()
 
 
+@pytest.mark.llama_cpp_oracle
 @pytest.mark.usefixtures("own_cache")
 def test_a_later_part_is_refused_naming_the_first(tiny_model_factory: Callable[..., Path],
                                                   tmp_path: Path) -> None:
@@ -268,6 +271,7 @@ def test_a_damaged_split_is_refused_naming_the_file(tiny_model_factory: Callable
 
 # ------------------------------------------------------------------------- a real model
 
+@pytest.mark.llama_cpp_oracle
 @pytest.mark.slow
 def test_a_split_copy_of_the_1_5b_target_decodes_as_the_single_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -169,6 +169,7 @@ def test_prompt_lookup_is_lossless(moe_file) -> None:
     assert gen.stats.drafted > 0 and gen.stats.accepted > 0, gen.stats.as_dict()
 
 
+@pytest.mark.llama_cpp_oracle
 def test_logits_along_llama_cpps_greedy_path(moe_file) -> None:
     """llama-server (float32 KV cache) decodes a tiny qwen3moe file of specd's writer:
     specd's log probabilities of llama.cpp's likely tokens agree within llama.cpp's
@@ -218,6 +219,8 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_hf_moe.convert(tiny_hf_moe.write_checkpoint(root / "hf"), root / "m.gguf")
 
 
+@pytest.mark.needs_torch
+@pytest.mark.needs_transformers
 def test_a_converted_checkpoint_matches_the_reference(converted: Path) -> None:
     """llama.cpp's converter's file (its key names, 3-D expert layout and types) reads as
     the reference reads it: logits within float32 rounding."""
@@ -230,6 +233,9 @@ def test_a_converted_checkpoint_matches_the_reference(converted: Path) -> None:
     assert np.abs(got - want).max() / np.abs(want).max() < 2e-4
 
 
+@pytest.mark.llama_cpp_oracle
+@pytest.mark.needs_torch
+@pytest.mark.needs_transformers
 def test_a_converted_checkpoint_decodes_as_llama_cpp_does(converted: Path) -> None:
     """llama-server on the converter's file: specd's log probabilities agree within its
     rounding, and greedy continuations agree up to specd's first near tie."""
