@@ -11,8 +11,9 @@ also as stb_image does when it asks for three channels.
 `resize` is llama.cpp's `img_tool::resize` (mtmd-image.cpp): a Pillow-compatible
 separable resampler (bilinear, bicubic with a = -0.5, Lanczos-3; fixed-point weights of
 22 bits) and, unless asked for no padding, an aspect-preserving fit centred on a black
-canvas. llama.cpp ported that resampler from Pillow, so Pillow's own `Image.resize`
-gives the same bytes (tests/support/numpy_vision.py holds an independent port).
+canvas. llama.cpp ported that resampler from Pillow, so Pillow's `Image.resize` of one
+axis gives the same bytes as its pass of that axis (tests/support/numpy_vision.py holds
+an independent port of both passes).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> DecodedI
         raise ImageError(f"the image is larger than the {max_pixels:,} pixels specd "
                          f"accepts") from None
     except (OSError, ValueError, SyntaxError) as exc:  # Pillow's header errors
-        raise ImageError(f"the image's header is corrupt: {exc}") from None
+        raise ImageError(f"the image is truncated or its header is corrupt: {exc}") from None
     with img:
         if img.format not in FORMATS:
             raise ImageError(f"unsupported image format {img.format} (specd reads PNG, JPEG "
@@ -89,13 +90,17 @@ def _resample(name: str) -> int:
 
 
 def resample(rgb: np.ndarray, width: int, height: int, algo: str) -> np.ndarray:
-    """`rgb` [H, W, 3] uint8 resized to [height, width, 3] by Pillow's resampler
-    (llama.cpp's `resize_pillow`): no padding."""
+    """`rgb` [H, W, 3] uint8 resized to [height, width, 3] by Pillow's resampler, as
+    llama.cpp's `resize_pillow` does: no padding."""
     from PIL import Image
 
-    if (rgb.shape[1], rgb.shape[0]) == (width, height):
-        return rgb
-    img = Image.fromarray(rgb, "RGB").resize((width, height), _resample(algo))
+    img = Image.fromarray(rgb, "RGB")
+    # one axis at a time, horizontal first as llama.cpp does (Pillow picks its own order
+    # when both change, which rounds the intermediate differently)
+    if img.width != width:
+        img = img.resize((width, img.height), _resample(algo))
+    if img.height != height:
+        img = img.resize((width, height), _resample(algo))
     return np.asarray(img, dtype=np.uint8)
 
 
