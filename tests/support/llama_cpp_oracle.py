@@ -9,10 +9,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from specd.daemon.benchmark.llama_cpp import bin_dir, missing
 
 __all__ = ["bin_dir", "missing", "split_gguf", "speculative_rounds", "greedy_completion",
-           "greedy_with_logprobs", "greedy_with_margins", "agreed_until_near_tie"]
+           "greedy_with_logprobs", "greedy_with_margins", "agreed_until_near_tie",
+           "mtmd_image_embeddings"]
 
 _CANDIDATE = re.compile(r"draft candidate\s+(\d+), pos\s+\d+:\s+(\d+) \(\s*([0-9.]+)\)")
 _ACCEPTED = re.compile(
@@ -109,8 +112,6 @@ def greedy_with_margins(runner: object, prompt: list[int], n: int
                         ) -> tuple[list[int], list[float]]:
     """specd's greedy continuation (a ModelRunner, one token a call) and each step's top-1
     minus top-2 logit."""
-    import numpy as np
-
     tokens: list[int] = []
     margins: list[float] = []
     logits = runner.prefill(0, prompt)  # type: ignore[attr-defined]
@@ -130,3 +131,35 @@ def agreed_until_near_tie(ours: list[int], margins: list[float], theirs: list[in
     clear = next((i for i, m in enumerate(margins) if m < near), len(margins))
     assert ours[:clear] == theirs[:clear], (clear, ours[:clear], theirs[:clear])
     return clear
+
+
+@dataclass
+class MtmdEncoding:
+    embeddings: np.ndarray  # [n_tokens, n_embd] float32
+    encode_ms: float  # llama.cpp's own time for the image batch
+
+
+def mtmd_image_embeddings(text: Path, mmproj: Path, image: Path, *, chat_template: str = "",
+                          threads: int = 2) -> MtmdEncoding:
+    """llama.cpp's embeddings of `image` through `mmproj`, as llama-mtmd-cli encodes it
+    before the text model (MTMD_DEBUG_EMBEDDINGS dumps them: [n_tokens, n_embd] int32s,
+    then the floats), and the encode time it logs."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp) / "embeddings.bin"
+        cmd = [str(bin_dir() / "llama-mtmd-cli"), "-m", str(text), "--mmproj", str(mmproj),
+               "--image", str(image), "-p", "describe", "-n", "1", "--temp", "0",
+               "-t", str(threads)] + (["--chat-template", chat_template] if chat_template
+                                      else [])
+        r = subprocess.run(cmd, capture_output=True, timeout=300,
+                           env={**os.environ, "MTMD_DEBUG_EMBEDDINGS": str(dump)})
+        log = (r.stdout + r.stderr).decode("utf-8", errors="replace")
+        if r.returncode != 0 or not dump.is_file():
+            raise RuntimeError(f"llama-mtmd-cli exited {r.returncode}: {log[-2000:]}")
+        raw = np.fromfile(dump, dtype=np.int32)
+    n_tokens, n_embd = int(raw[0]), int(raw[1])
+    m = re.search(r"batch encoding done in (\d+) ms", log)
+    return MtmdEncoding(raw[2:].view(np.float32).reshape(n_tokens, n_embd).copy(),
+                        float(m.group(1)) if m else float("nan"))
