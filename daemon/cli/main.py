@@ -30,6 +30,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "one predicted faster (head+draft); left out, a catalog target gets "
                         "the drafter measured fastest beside it, where one was; none: no "
                         "draft")
+    p.add_argument("-mm", "--mmproj", default=None,
+                   help="multimodal projector GGUF (path or catalog name) for images in the "
+                        "context; left out: the catalog's for the model, else an mmproj*.gguf "
+                        "beside the model file that fits it; none: no images")
     add_draft_build_args(p)
     add_spin_arg(p)
     from specd.daemon.drafters.registry import SPEC_TYPES

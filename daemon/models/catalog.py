@@ -25,6 +25,8 @@ class CatalogEntry:
     """The file's name in specd's package data (``wheels`` is empty): nothing to pull."""
     head_for: str | None = None
     """A drafter head: the catalog target it drafts for (its arch is the head's kind)."""
+    mmproj: str | None = None
+    """A vision-language target: the catalog name of its multimodal projector."""
 
     @property
     def runnable(self) -> bool:
