@@ -3,7 +3,8 @@
 A round for a batch of sequences (spec/round.py), with `last` each one's newest token (at
 position `pos`, not yet evaluated by the target):
 
-    offer = drafter.offer(seq, last, pos, n_max)       # a free proposal, if it has one
+    offers = drafter.offers(seq, last, pos, n_max)     # free proposals, the policy
+                                                       # picks one (pick_offer)
     proposals = source.propose([DraftRequest(seq, last, pos, n, params), ...])
       # or a model's proposals, for every sequence drafting with that source (one of
       # `model_sources`) at once: a pass per draft step for those still drafting
@@ -72,8 +73,11 @@ class DraftParams:
 class DraftEvidence:
     """What a proposal teaches the draft-length policy; verification never reads it."""
 
-    # > 0: found by prompt lookup (no model ran), continuing a context n-gram this long
+    # > 0: found by a free source (no model ran), continuing a context n-gram this long
     lookup_match: int = 0
+    # the free source that found it: "" prompt lookup, else its name ("history"); the
+    # policy keeps each source's acceptance apart
+    lookup_source: str = ""
     # seconds of each proposal step, if the drafter timed them (the first step also feeds
     # the tokens the draft had not seen yet)
     step_seconds: tuple[float, ...] = ()
@@ -172,6 +176,13 @@ class Drafter(ABC):
         """A proposal found without running a model (prompt lookup), offered before the
         round decides how to draft; None: the drafter has no free source."""
         return None
+
+    def offers(self, seq: int, last: int, pos: int, n_max: int) -> list[Proposal]:
+        """Every free source's proposal (`offer`'s, and those of sources put in front of
+        the drafter: history); the round's policy picks one (`DraftPolicy.pick_offer`).
+        Empty: the drafter has no free source."""
+        offer = self.offer(seq, last, pos, n_max)
+        return [] if offer is None else [offer]
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest],

@@ -562,15 +562,17 @@ class Generation:
         return RoundPlan(min(n, len(offer.tokens)), True, plan.source), offer
 
     def _offer(self, n_max: int) -> Proposal | None:
-        """The drafter's free offer of up to n_max tokens for this round (asked once a
-        round: the step's plan may have weighed it already)."""
+        """The free offer of up to n_max tokens this round weighs: of the drafter's free
+        sources' offers, the one its policy picks (asked once a round: the step's plan
+        may have weighed it already)."""
         assert self.drafter is not None and self._last is not None
         if self._offered is None or self._offered[0] != self._pos:
             try:
-                offer = self.drafter.offer(self.seq, self._last, self._pos, n_max)
+                offers = self.drafter.offers(self.seq, self._last, self._pos, n_max)
             except Exception as exc:
                 self._drafter_failed(exc, "offering")
                 return None
+            offer = self.policy.pick_offer(offers)
             self._offered = (self._pos, offer)
         offer = self._offered[1]
         return None if offer is None else offer.truncate(n_max)
@@ -738,11 +740,13 @@ class Generation:
                  verify_s: float) -> None:
         """Statistics and the policy learn from the round."""
         proposal = proposed.proposal
-        self.stats.record_round(len(proposal.tokens), result.n_accepted, proposal.is_lookup)
+        self.stats.record_round(len(proposal.tokens), result.n_accepted, proposal.is_lookup,
+                                proposal.evidence.lookup_source)
         self.policy.observe(RoundRecord(
             n_drafted=len(proposal.tokens), n_accepted=result.n_accepted,
             emitted=result.tokens, seconds=seconds, verify_seconds=verify_s,
             model_call=proposed.model_call, lookup_match=proposal.evidence.lookup_match,
+            lookup_source=proposal.evidence.lookup_source,
             accept_probs=result.accept_probs, offer_next=proposed.offer_next,
             bonus_probs=result.bonus_probs, last_bonus_probs=self._bonus_p))
         self._bonus_p = result.bonus_probs  # the next draft's guess for the bonus meets it

@@ -91,6 +91,7 @@ class RoundRecord:
     verify_seconds: float  # the target's pass over n_drafted + 1 tokens
     model_call: ModelCall | None = None  # None: no model ran (a plain step or an offer)
     lookup_match: int = 0  # > 0: the round verified a lookup offer continuing this match
+    lookup_source: str = ""  # the free source of that offer ("": prompt lookup)
     # per verified position up to the first rejection, the probability it was accepted
     accept_probs: Sequence[float] = ()
     offer_next: int | None = None  # the offer's token after those verified, all accepted
@@ -109,6 +110,11 @@ class DraftPolicy(ABC):
     def plan(self, limit: int, offer: Proposal | None, runs_model: bool) -> RoundPlan:
         """The round's plan, drafting at most `limit` tokens. `offer`: the drafter's free
         proposal (None: it has no free source); `runs_model`: its `draft()` runs a model."""
+
+    def pick_offer(self, offers: Sequence[Proposal]) -> Proposal | None:
+        """The free offer a round weighs, of those its free sources made (None: it has no
+        free source): the longest."""
+        return max(offers, key=lambda o: len(o.tokens), default=None)
 
     def observe(self, record: RoundRecord) -> None:
         """Learn from a finished round."""
@@ -357,17 +363,18 @@ class AdaptiveDraftLength(DraftPolicy):
         traits = self.sources or (SourceTraits(self.one_pass, self.catch_up_limit),)
         self._models = [_ModelSource(t, _Acceptance(n, self.decay, self.prior_accept),
                                      CostLine(self.decay)) for t in traits]
-        self._lookups: dict[int, _Acceptance] = {}  # match length -> its offers' acceptance
+        # (free source, match length) -> its offers' acceptance
+        self._lookups: dict[tuple[str, int], _Acceptance] = {}
 
-    def _acceptance(self, lookup: int, source: int = 0) -> _Acceptance:
-        """Acceptance of model source `source` (lookup 0) or of lookups matching that many
-        tokens."""
+    def _acceptance(self, lookup: int, source: int = 0, free: str = "") -> _Acceptance:
+        """Acceptance of model source `source` (lookup 0) or of free source `free`'s offers
+        matching `lookup` tokens."""
         if lookup <= 0:
             return self._models[source].acceptance
-        acc = self._lookups.get(lookup)
+        acc = self._lookups.get((free, lookup))
         if acc is None:
-            acc = self._lookups[lookup] = _Acceptance(max(self.n_max, 0), self.decay,
-                                                      LOOKUP_PRIOR)
+            acc = self._lookups[(free, lookup)] = _Acceptance(max(self.n_max, 0), self.decay,
+                                                              LOOKUP_PRIOR)
         return acc
 
     @property
@@ -388,8 +395,8 @@ class AdaptiveDraftLength(DraftPolicy):
         self._verify = earlier._verify.carried()
         for mine, theirs in zip(self._models, earlier._models, strict=True):
             mine.carry_from(theirs)
-        for match, acc in earlier._lookups.items():
-            self._acceptance(match).carry_from(acc)
+        for (free, match), acc in earlier._lookups.items():
+            self._acceptance(match, free=free).carry_from(acc)
         self._rest_plain = earlier._rest_plain
         self._rest_drafting = earlier._rest_drafting
         self._rest_lookup = earlier._rest_lookup
@@ -440,23 +447,25 @@ class AdaptiveDraftLength(DraftPolicy):
                 self._probe_overhead += seconds - n_emitted / self._probe_rate
 
     def observe_acceptance(self, n_drafted: int, n_accepted: int, lookup: int = 0,
-                           probs: Sequence[float] = (), source: int = 0) -> None:
+                           probs: Sequence[float] = (), source: int = 0, free: str = ""
+                           ) -> None:
         """The target accepted n_accepted of n_drafted tokens from model source `source`
         (lookup 0) or from a lookup offer continuing a match of `lookup` context tokens;
         `probs`: the probability each position up to the first rejection was accepted with
         (`VerifyResult.accept_probs`; at temperature > 0 they estimate acceptance with
-        less noise than the outcomes, drawn from them)."""
-        self._acceptance(lookup, source).observe(n_drafted, n_accepted, probs)
+        less noise than the outcomes, drawn from them); `free`: the offer's free source."""
+        self._acceptance(lookup, source, free).observe(n_drafted, n_accepted, probs)
 
-    def observe_position(self, i: int, hit: float, lookup: int = 0, source: int = 0) -> None:
+    def observe_position(self, i: int, hit: float, lookup: int = 0, source: int = 0,
+                         free: str = "") -> None:
         """A guess at draft position i (0-based), given the positions before it accepted,
         checked without verifying it: a draft's teacher-forced rows, or the guess after a
         fully accepted round for the target's bonus token. Rounds only reach the lengths
         they draft, so without these the acceptance of the next position is a prior
         that is rarely tested. `hit`: whether the guess was right, or (a sampled target)
-        the probability it would have been accepted. `lookup`, `source` as in
+        the probability it would have been accepted. `lookup`, `source`, `free` as in
         `observe_acceptance`."""
-        self._acceptance(lookup, source).observe_at(i, hit)
+        self._acceptance(lookup, source, free).observe_at(i, hit)
 
     # -- estimates ------------------------------------------------------------------------
     @property
@@ -468,10 +477,10 @@ class AdaptiveDraftLength(DraftPolicy):
         """Estimated conditional acceptance per draft position of model source `source`."""
         return self._models[source].acceptance.rates()
 
-    def accept_lookup(self, match: int) -> list[float]:
-        """Estimated conditional acceptance per position of lookup offers continuing a
-        match of `match` context tokens."""
-        return self._acceptance(max(match, 1)).rates()
+    def accept_lookup(self, match: int, free: str = "") -> list[float]:
+        """Estimated conditional acceptance per position of free source `free`'s offers
+        continuing a match of `match` context tokens."""
+        return self._acceptance(max(match, 1), free=free).rates()
 
     def verify_cost(self, s: int) -> float | None:
         """Fitted seconds for a target pass over s tokens (None before any data)."""
@@ -520,15 +529,15 @@ class AdaptiveDraftLength(DraftPolicy):
         return (self.expected_tokens(n, source)
                 / (draft + (self.verify_cost(n + 1) or t1) + rest))
 
-    def lookup_rate(self, n: int, match: int) -> float | None:
-        """Predicted tokens per second of verifying n tokens of a lookup offer continuing a
-        match of `match` context tokens."""
+    def lookup_rate(self, n: int, match: int, free: str = "") -> float | None:
+        """Predicted tokens per second of verifying n tokens of free source `free`'s offer
+        continuing a match of `match` context tokens."""
         t1 = self.verify_cost(1)
         if t1 is None:
             return None
         rest = next((r for r in (self._rest_lookup, self._rest_drafting, self._rest_plain)
                      if r is not None), 0.0)
-        expected = self._acceptance(max(match, 1)).expected_tokens(n)
+        expected = self._acceptance(max(match, 1), free=free).expected_tokens(n)
         return expected / ((self.verify_cost(n + 1) or t1) + rest)
 
     @property
@@ -616,20 +625,20 @@ class AdaptiveDraftLength(DraftPolicy):
                 return s
         return None
 
-    def choose_source(self, limit: int, offered: int, match: int, *, model: bool = True
-                      ) -> tuple[int, bool]:
+    def choose_source(self, limit: int, offered: int, match: int, *, model: bool = True,
+                      free: str = "") -> tuple[int, bool]:
         """(tokens to verify, from the lookup offer?) for a round where a lookup offers
         `offered` tokens continuing a match of `match` context tokens, at no cost: the
         offer's best length when it is predicted faster than the model's choice (a
         plain step included; its source: the last `choose_model`'s), else
         `choose(limit)`'s; without a draft `model`, faster than a plain step, else
-        (0, False)."""
+        (0, False). `free`: the offer's free source."""
         n, source = self.choose_model(limit) if model else (0, 0)
         if offered <= 0 or self.verify_cost(1) is None:
             return n, False
         best_m, best_rate = 0, 0.0
         for m in range(self.shortest, min(offered, limit, self.n_max) + 1):
-            r = self.lookup_rate(m, match) or 0.0
+            r = self.lookup_rate(m, match, free) or 0.0
             if r > best_rate * SWITCH_MARGIN:
                 best_m, best_rate = m, r
         other = (self.rate(0) if self._probing or not model else self.rate(n, source)) or 0.0
@@ -641,7 +650,22 @@ class AdaptiveDraftLength(DraftPolicy):
             self._models[source].idle_rounds = self.probe_every
         return best_m, True
 
+    def best_offer_rate(self, offer: Proposal, limit: int) -> float:
+        """Predicted tokens per second of verifying the offer's best length (0: none)."""
+        ev = offer.evidence
+        longest = min(len(offer.tokens), limit, self.n_max)
+        return max((self.lookup_rate(m, ev.lookup_match, ev.lookup_source) or 0.0
+                    for m in range(self.shortest, longest + 1)), default=0.0)
+
     # -- the round's interface --------------------------------------------------------------
+    def pick_offer(self, offers: Sequence[Proposal]) -> Proposal | None:
+        """The free offer predicted fastest at its best length (each free source's
+        acceptance per match length kept apart); before the target pass is timed, the
+        longest."""
+        if self.verify_cost(1) is None:
+            return super().pick_offer(offers)
+        return max(offers, key=lambda o: self.best_offer_rate(o, self.n_max), default=None)
+
     def outlook(self, limit: int, offer: Proposal | None
                 ) -> tuple[list[float], int, list[float]] | None:
         if self.rate(0) is None:
@@ -656,7 +680,8 @@ class AdaptiveDraftLength(DraftPolicy):
 
         lookup: list[float] = []
         if offer is not None and offer.tokens:
-            lookup = curve(self._acceptance(max(offer.evidence.lookup_match, 1)),
+            ev = offer.evidence
+            lookup = curve(self._acceptance(max(ev.lookup_match, 1), free=ev.lookup_source),
                            min(len(offer.tokens), limit))
         return curve(self._models[s].acceptance, limit), s, lookup
 
@@ -664,8 +689,9 @@ class AdaptiveDraftLength(DraftPolicy):
         if offer is None:
             n, source = self.choose_model(limit)
             return RoundPlan(n, source=source)
-        n, take = self.choose_source(limit, len(offer.tokens), offer.evidence.lookup_match,
-                                     model=runs_model)
+        ev = offer.evidence
+        n, take = self.choose_source(limit, len(offer.tokens), ev.lookup_match,
+                                     model=runs_model, free=ev.lookup_source)
         return RoundPlan(n, take, self._chosen)
 
     def observe(self, record: RoundRecord) -> None:
@@ -678,7 +704,7 @@ class AdaptiveDraftLength(DraftPolicy):
         self.observe_verify(r.n_drafted + 1, r.verify_seconds)
         if r.n_drafted:
             self.observe_acceptance(r.n_drafted, r.n_accepted, r.lookup_match, r.accept_probs,
-                                    source)
+                                    source, free=r.lookup_source)
             nxt = r.offer_next
             if r.lookup_match and nxt is not None and r.n_accepted == r.n_drafted < len(r.emitted):
                 # the offer's next token against the bonus: the probability the target gave
@@ -686,7 +712,7 @@ class AdaptiveDraftLength(DraftPolicy):
                 p = r.bonus_probs
                 hit = (float(p[nxt]) if p is not None and nxt < p.shape[0]
                        else float(r.emitted[r.n_accepted] == nxt))
-                self.observe_position(r.n_accepted, hit, r.lookup_match)
+                self.observe_position(r.n_accepted, hit, r.lookup_match, free=r.lookup_source)
         self.observe_round(r.n_drafted, len(r.emitted), r.seconds, r.draft_seconds,
                            r.lookup_match > 0, source)
 

@@ -17,6 +17,10 @@ class SpecStats:
     draft_lengths: dict[int, int] = field(default_factory=dict)  # n -> rounds drafted n
     lookup_rounds: int = 0  # rounds whose draft came from a prompt lookup (no model ran)
     lookup_accepted: int = 0  # drafts of those rounds the target accepted
+    # of those, the rounds and accepted drafts of each free source other than prompt
+    # lookup ("history")
+    offer_rounds: dict[str, int] = field(default_factory=dict)
+    offer_accepted: dict[str, int] = field(default_factory=dict)
     # model calls per source (a drafter's name: "draft", "dflash", ...), where a drafter
     # of several sources chose one per round
     source_calls: dict[str, int] = field(default_factory=dict)
@@ -33,13 +37,19 @@ class SpecStats:
     decode_s: float = 0.0
     valid: bool = True  # False after synthetic acceptance
 
-    def record_round(self, n_drafted: int, n_accepted: int, lookup: bool = False) -> None:
+    def record_round(self, n_drafted: int, n_accepted: int, lookup: bool = False,
+                     free: str = "") -> None:
+        """A verified round; `lookup`: its draft was a free offer, from free source `free`
+        ("": prompt lookup)."""
         self.draft_lengths[n_drafted] = self.draft_lengths.get(n_drafted, 0) + 1
         if n_drafted == 0:
             return
         if lookup:
             self.lookup_rounds += 1
             self.lookup_accepted += n_accepted
+            if free:
+                self.offer_rounds[free] = self.offer_rounds.get(free, 0) + 1
+                self.offer_accepted[free] = self.offer_accepted.get(free, 0) + n_accepted
         self.rounds += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
@@ -101,7 +111,9 @@ class SpecStats:
         for n, c in other.draft_lengths.items():
             self.draft_lengths[n] = self.draft_lengths.get(n, 0) + c
         for counts, more in ((self.source_calls, other.source_calls),
-                             (self.drafter_failures, other.drafter_failures)):
+                             (self.drafter_failures, other.drafter_failures),
+                             (self.offer_rounds, other.offer_rounds),
+                             (self.offer_accepted, other.offer_accepted)):
             for name, c in more.items():
                 counts[name] = counts.get(name, 0) + c
         self.valid = self.valid and other.valid
@@ -114,6 +126,8 @@ class SpecStats:
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
             "draft_lengths": dict(sorted(self.draft_lengths.items())),
             "lookup_rounds": self.lookup_rounds, "lookup_accepted": self.lookup_accepted,
+            "offer_rounds": dict(sorted(self.offer_rounds.items())),
+            "offer_accepted": dict(sorted(self.offer_accepted.items())),
             "source_calls": dict(sorted(self.source_calls.items())),
             "drafter_failures": dict(sorted(self.drafter_failures.items())),
             "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),

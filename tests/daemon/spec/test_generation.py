@@ -198,8 +198,8 @@ def test_a_sampled_lookups_next_token_counts_its_target_probability(models, monk
     assert a is not None
     seen: list[float] = []
     pos = a.observe_position
-    a.observe_position = lambda i, hit, lookup=0: (  # type: ignore[method-assign]
-        seen.append(float(hit)) if lookup else None, pos(i, hit, lookup))
+    a.observe_position = lambda i, hit, lookup=0, **kw: (  # type: ignore[method-assign]
+        seen.append(float(hit)) if lookup else None, pos(i, hit, lookup, **kw))
     out = gen.prefill()
     while not gen.done:
         out += gen.step()
@@ -576,11 +576,11 @@ def test_sampled_rounds_feed_the_controller_acceptance_probabilities(models, mon
     a = gen.policy
     assert a is not None
     acc, pos = a.observe_acceptance, a.observe_position
-    a.observe_acceptance = lambda n, k, lookup=0, probs=(), source=0: (  # type: ignore[method-assign]
+    a.observe_acceptance = lambda n, k, lookup=0, probs=(), source=0, **kw: (  # type: ignore[method-assign]
         seen.extend(("round", i, x) for i, x in enumerate(probs)),
-        acc(n, k, lookup, probs, source))
-    a.observe_position = lambda i, hit, lookup=0, source=0: (  # type: ignore[method-assign]
-        seen.append(("bonus", i, float(hit))), pos(i, hit, lookup, source))
+        acc(n, k, lookup, probs, source, **kw))
+    a.observe_position = lambda i, hit, lookup=0, source=0, **kw: (  # type: ignore[method-assign]
+        seen.append(("bonus", i, float(hit))), pos(i, hit, lookup, source, **kw))
     gen.prefill()
     while not gen.done:
         gen.step()

@@ -2,6 +2,7 @@
 
 import pytest
 
+from specd.daemon.spec.drafter import DraftEvidence, Proposal
 from specd.daemon.spec.policy import AdaptiveDraftLength
 
 
@@ -248,6 +249,29 @@ def test_a_lookup_offer_loses_to_a_better_model() -> None:
         a.observe_acceptance(4, 1, lookup=2)
     n, lookup = a.choose_source(8, 4, 2)
     assert n == 8 and not lookup
+
+
+def test_the_offer_predicted_fastest_is_picked_each_sources_acceptance_apart() -> None:
+    """Two free sources offer at once (prompt lookup, history): the policy weighs the one
+    predicted faster at its best length, from each source's own acceptance per match."""
+    a = AdaptiveDraftLength(n_max=8)
+    lookup = Proposal([1, 2, 3, 4], evidence=DraftEvidence(lookup_match=2))
+    history = Proposal([5, 6, 7], evidence=DraftEvidence(lookup_match=4,
+                                                         lookup_source="history"))
+    assert a.pick_offer([lookup, history]) is lookup  # nothing timed yet: the longest
+    assert a.pick_offer([]) is None
+    _warm(a, 0.07, 0.012, 0.035)
+    for _ in range(50):
+        a.observe_acceptance(4, 0, lookup=2)  # prompt lookup's offers fail
+        a.observe_acceptance(4, 4, lookup=4, free="history")  # history's hold
+    assert a.pick_offer([lookup, history]) is history
+    assert a.accept_lookup(4, free="history")[0] > 0.9 and a.accept_lookup(4)[0] == 0.5
+    # the same match length of prompt lookup keeps its own evidence
+    for _ in range(50):
+        a.observe_acceptance(4, 4, lookup=2)
+        a.observe_acceptance(3, 0, lookup=4, free="history")
+    assert a.pick_offer([history, lookup]) is lookup
+    assert a.plan(8, lookup, runs_model=False).take_offer
 
 
 def test_rejected_lookups_are_not_verified() -> None:
