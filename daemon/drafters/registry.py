@@ -5,7 +5,9 @@ drafters: `auto` resolves by the draft file (`-md`): a head (its kind recognised
 metadata, `ort_models.heads.head_kind`) to its type (`draft-dflash`, `draft-dspark`,
 `draft-dflash2`, `draft-eagle3`), a draft model to `draft+ngram`, a head and a draft model
 (two draft files) to `head+draft`, no draft to `none`. Prompt lookup offers its proposals
-in front of a model or a head.
+in front of a model or a head. Where the engine keeps a history (`DrafterInputs.history`),
+every drafter gets the history source's offer beside its own (history.py `WithHistory`);
+`none` stays target-only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .composite import CompositeDrafter
 from .dflash import DFlash2Drafter, DFlashDrafter
 from .draft_model import DraftModelDrafter
 from .eagle3 import Eagle3Drafter
+from .history import HistoryDrafter, WithHistory
 from .ngram import NgramDrafter
 from .synthetic import SyntheticDrafter
 
@@ -44,6 +47,8 @@ class DrafterInputs:
     synthetic_mean: float | None = None
     synthetic_seed: int = 0
     n_max: int = 8  # the longest draft (synthetic rates for a mean length)
+    # the history source, offered in front of the drafter (None: no history)
+    history: HistoryDrafter | None = None
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,15 @@ def resolve_spec_type(spec_type: str, draft: str | None, draft_kind: str | None 
 
 
 def make_drafter(spec_type: str, inputs: DrafterInputs) -> Drafter | None:
-    """The drafter of a resolved spec type (None for `none`)."""
+    """The drafter of a resolved spec type (None for `none`), with the history source in
+    front where `inputs` has one (not for a drafter that decides acceptance itself)."""
+    drafter = _make_drafter(spec_type, inputs)
+    if drafter is None or inputs.history is None or drafter.decides_acceptance:
+        return drafter
+    return WithHistory(drafter, inputs.history)
+
+
+def _make_drafter(spec_type: str, inputs: DrafterInputs) -> Drafter | None:
     if spec_type == "none":
         return None
     spec = SPEC_TYPE_REGISTRY.get(spec_type)
