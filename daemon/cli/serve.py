@@ -107,6 +107,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "cache. Seconds or a duration such as 5m or 1h (default "
                    f"{DEFAULT_KEEP_ALIVE}, as Ollama's); 0: as soon as idle; negative: "
                    "never. An Ollama request's keep_alive overrides it")
+    p.add_argument("--history", action=argparse.BooleanOptionalAction, default=True,
+                   help="draft from each user's own earlier requests (their prompts and "
+                   "outputs, kept per user and cache key, never drafting for another); "
+                   "--no-history: off, nothing kept (default on)")
+    p.add_argument("--history-tokens", type=int_at_least(1 << 10), default=None,
+                   metavar="N", help="tokens of history kept per user, the oldest dropped "
+                   "(16 bytes each at most; default 4194304)")
+    p.add_argument("--history-file", default=None, metavar="PATH",
+                   help="keep the history across restarts in this file, which must lie "
+                   "under the state dir and be readable by you alone (mode 0600); "
+                   "default: in memory only")
     p.add_argument("--no-fit", action="store_true",
                    help="use -c and --slots as given instead of the measured memory plan")
 
@@ -227,6 +238,9 @@ def build_service(args: argparse.Namespace):
     cfg.pooling, cfg.embedding_model = args.pooling, args.embedding_model
     cfg.aliases, cfg.tags = _names(args.alias), _names(args.tags)
     cfg.chat_template, cfg.template_kwargs = chat_template_options(args)
+    cfg.history, cfg.history_file = args.history, args.history_file
+    if args.history_tokens is not None:
+        cfg.history_tokens = args.history_tokens
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
     return Service(engine, Scheduler(engine, max_queue=args.queue,
                                      prefill_chunk=args.batch_size,

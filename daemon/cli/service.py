@@ -23,7 +23,7 @@ from specd.daemon.training.progress import duration
 EXIT_OK, EXIT_ERROR, EXIT_NOT_RUNNING = 0, 1, 3
 AddArgs = Callable[[argparse.ArgumentParser], None]
 # options of `start`/`restart` that are not passed on to `serve`
-_PATH_DESTS = ("model", "draft", "socket")
+_PATH_DESTS = ("model", "draft", "socket", "history_file")
 
 
 def _err(msg: str) -> int:
@@ -130,6 +130,12 @@ def add_service_commands(sub: argparse._SubParsersAction, add_model_args: AddArg
         lu.add_argument("model", nargs="?", default="",
                         help="which of its models (serve --models), by name (default: -m's)")
         lu.set_defaults(func=lambda a, verb=verb: _load_or_unload(verb, a.model))
+
+    ca = sub.add_parser("cache", help="the running daemon's caches of your requests")
+    casub = ca.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+    cc = casub.add_parser("clear", help="forget your history (what history speculation "
+                          "drafts from) and your cached prompts (exit 3: not running)")
+    cc.set_defaults(func=lambda a: _clear_cache())
 
     cf = sub.add_parser("config", help="show or change the defaults for `start` and services")
     csub = cf.add_subparsers(dest="config_command", metavar="ACTION")
@@ -265,6 +271,21 @@ def _load_or_unload(verb: str, model: str) -> int:
         return _err(str(exc))
     what = f"model {model}" if model else "model"
     print(f"{what} loaded" if verb == "load" else f"{what} unloading (once nothing runs)")
+    return EXIT_OK
+
+
+def _clear_cache() -> int:
+    """POST /cache/clear to the running daemon: it forgets this user's history and cached
+    prompts."""
+    try:
+        got = sc.client_for().post("/cache/clear", {})
+    except sc.DaemonUnavailable:
+        print("specd: the daemon is not running", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    except (sc.DaemonError, OSError) as exc:
+        return _err(str(exc))
+    print(f"cleared {got.get('history_tokens', 0)} tokens of history and "
+          f"{got.get('slots', 0)} cached prompts")
     return EXIT_OK
 
 

@@ -24,7 +24,10 @@ KEYS: dict[str, type] = {
     "n_ctx": int,
     "threads": int,
     "keep_alive": str,  # a duration: seconds, or such as "5m" (serve's --keep-alive)
+    "history": bool,  # speculation from each user's history (false: serve's --no-history)
+    "history_file": str,  # serve's --history-file: a 0600 file under the state dir
 }
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
 # parallel sequences `specd serve` starts and `specd fit` plans, unless --slots says
 DEFAULT_SLOTS = 2
@@ -49,6 +52,13 @@ def coerce(key: str, value: Any) -> str | int:
     if key not in KEYS:
         raise ConfigError(f"unknown config key {key!r} (known: {', '.join(KEYS)})")
     typ = KEYS[key]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word in _TRUE + _FALSE:
+            return word in _TRUE
+        raise ConfigError(f"{key} must be true or false, not {value!r}")
     if typ is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be an integer, not {value!r}")
@@ -114,6 +124,8 @@ def load_config(path: Path | None = None) -> dict[str, str | int]:
 
 
 def _toml_value(value: str | int) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
     escaped = (value.replace("\\", "\\\\").replace('"', '\\"')

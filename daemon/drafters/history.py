@@ -212,6 +212,16 @@ class HistoryDrafter(Drafter):
             s.own = s.own.resized(2 * s.own.capacity)
         s.own.append(tokens)
 
+    def context(self, seq: int) -> np.ndarray:
+        """The sequence's tokens its own index holds (its prompt and what it grew by)."""
+        s = self._seqs.get(seq)
+        return np.zeros(0, np.int32) if s is None else s.own.live_tokens()
+
+    def identity(self, seq: int) -> str | None:
+        """Whose history the sequence drafts from (None: none)."""
+        s = self._seqs.get(seq)
+        return None if s is None else s.identity
+
     def offer(self, seq: int, last: int, pos: int, n_max: int) -> Proposal:
         """The most frequent continuation after the longest match of the context's tail
         (its newest tokens, then `last`), in the identity's history and the request."""

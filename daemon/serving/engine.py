@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from specd.daemon.drafters.history import DEFAULT_MAX_TOKENS, HistoryDrafter, HistoryStore
 from specd.daemon.drafters.registry import (
     MODEL_SPEC_TYPES,
     DrafterInputs,
@@ -54,6 +55,7 @@ from specd.ort_models.runner import ModelRunner
 from specd.ort_models.shared_initializers import same_named, share_with_target, shares_on
 
 from .embeddings import Embedder, EmbeddingHead
+from .history_file import HistoryFile, HistoryFileError
 from .loaded_model import LoadedModel
 
 log = logging.getLogger("specd.engine")
@@ -111,6 +113,11 @@ class EngineConfig:
     # chat render gets unless its request sets them (--chat-template-kwargs, --reasoning)
     chat_template: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # speculation from each identity's history (drafters/history.py): its bound in tokens
+    # per principal, and the 0600 file under the state dir it is kept in (None: memory)
+    history: bool = False
+    history_tokens: int = DEFAULT_MAX_TOKENS
+    history_file: str | None = None
 
 
 # variables a chat render sets itself: template kwargs may not replace them
@@ -217,6 +224,8 @@ class Engine:
         # the sessions below are there while the engine is loaded (load / unload)
         self.head: HeadRunner | None = None
         self.drafter: Drafter | None = None
+        self.history, self.history_file = self._history()
+        self._history_source: HistoryDrafter | None = None  # the drafter's, while loaded
         # each request's draft policy starts from the last finished one's estimates
         self.policy_memory = PolicyMemory()
         self.embedding: LoadedModel | None = None  # a model of its own for embeddings
@@ -262,7 +271,9 @@ class Engine:
                 self.head = HeadRunner(head, n_ctx=self.target.n_ctx, n_seq=self.cfg.slots,
                                        threads=self.cfg.threads, runtime=self.runtime,
                                        shared=shared)
-            self.drafter = make_drafter(self.spec_type, self.drafter_inputs())
+            inputs = self.drafter_inputs()
+            self.drafter = make_drafter(self.spec_type, inputs)
+            self._history_source = inputs.history if self.drafter is not None else None
             if self.embedding is not None:
                 self._open(self.embedding)
         except BaseException:
@@ -274,7 +285,7 @@ class Engine:
         """Drop every session, KV cache and the drafter (its per-sequence state with
         them), and give the freed memory back to the system. Only while no request
         runs: the caller (the scheduler's worker) makes sure of that."""
-        self.drafter, self.head = None, None
+        self.drafter, self.head, self._history_source = None, None, None
         for m in (self.target, self.draft, self.embedding):
             if m is not None:
                 m.session = None
@@ -327,7 +338,47 @@ class Engine:
             target_vocab=self.target.built.hparams.n_vocab, ngram_min=cfg.ngram_min,
             ngram_max=cfg.ngram_max, synthetic_rates=cfg.synthetic_rates,
             synthetic_mean=cfg.synthetic_mean, synthetic_seed=cfg.synthetic_seed,
-            n_max=cfg.defaults.draft.n_max)
+            n_max=cfg.defaults.draft.n_max,
+            history=HistoryDrafter(self.history) if cfg.history else None)
+
+    def _history(self) -> tuple[HistoryStore, HistoryFile | None]:
+        """The identities' history (with history off, empty for good: nothing is added to
+        it), and the file it is kept in, loaded."""
+        cfg = self.cfg
+        if not cfg.history:
+            if cfg.history_file is not None:
+                raise EngineError("--history-file keeps the history, which --no-history "
+                                  "turns off")
+            return HistoryStore(), None
+        try:
+            store = HistoryStore(cfg.history_tokens)
+            if cfg.history_file is None:
+                return store, None
+            kept = HistoryFile(cfg.history_file)
+            n = kept.load(store)
+        except (HistoryFileError, ValueError) as exc:
+            raise EngineError(str(exc)) from None
+        log.info("history: %d tokens read from %s", n, kept.path)
+        return store, kept
+
+    def remember(self, identity: str, tokens: Sequence[int]) -> None:
+        """A finished request's tokens (prompt and output) join its identity's history
+        (nothing where history is off)."""
+        if self.cfg.history and tokens:
+            self.history.add(identity, tokens)
+
+    def save_history(self, *, only_if_due: bool = False) -> None:
+        """Write the history to its file (where it has one): now, or if a periodic save
+        is due."""
+        if self.history_file is None:
+            return
+        try:
+            if only_if_due:
+                self.history_file.save_if_due(self.history)
+            else:
+                self.history_file.save(self.history)
+        except OSError as exc:
+            log.error("history: could not save %s: %s", self.history_file.path, exc)
 
     def _resolve(self, name: str | None, progress: Progress | None) -> Path:
         assert name is not None
@@ -439,7 +490,12 @@ class Engine:
     def start(self, seq: int, prompt: Sequence[int], params: GenerationParams,
               reuse: int = 0, grammar: GrammarState | None = None,
               on_prompt_progress: PromptProgress | None = None,
-              images: Sequence[PromptImage] = ()) -> Generation:
+              images: Sequence[PromptImage] = (),
+              identity: str | None = None) -> Generation:
+        """A request's generation on slot `seq`, its prompt holding `images`; `identity`:
+        whose history it drafts from (None: the request's own tokens only)."""
+        if self._history_source is not None:
+            self._history_source.bind(seq, identity)
         return Generation(self.target.runner, seq, prompt, params, eog=self.eog_ids,
                           drafter=self.drafter, reuse=reuse, grammar=grammar,
                           on_prompt_progress=on_prompt_progress, memory=self.policy_memory,
@@ -464,6 +520,9 @@ class Engine:
             "n_ctx": self.n_ctx,
             "slots": self.cfg.slots,
             "loaded": self.loaded,
+            "history": None if not self.cfg.history else {
+                "max_tokens": self.history.max_tokens,
+                "file": None if self.history_file is None else str(self.history_file.path)},
         }
         if self.draft is not None:
             d["draft"] = {"name": self.draft.name, "path": str(self.draft.path),

@@ -20,6 +20,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 from gguf import LlamaFileType
 
+from specd.daemon.drafters.history import principal_of
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
@@ -255,6 +256,11 @@ class ServiceFacade:
     def unload(self) -> None:
         """Unload the model as soon as nothing runs (at once if nothing does)."""
         self._service.scheduler.set_keep_alive(0)
+
+    def clear_cache(self, identity: str) -> tuple[int, int]:
+        """Forget what the sender `identity` (before any cache key) left behind: its
+        history and its idle slots' cached prompts; (tokens of history, slots)."""
+        return self._service.scheduler.clear_cache(principal_of(identity))
 
     def digest(self) -> str:
         """The served model file's sha256 (remembered from its load: a lookup)."""

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from specd.daemon.drafters.history import principal_of
 from specd.daemon.spec.batch_policy import BatchDraftPlanner
 from specd.daemon.spec.generation import (
     Generation,
@@ -189,6 +190,17 @@ class Scheduler:
             self._stop = True
             self._lock.notify_all()
         self._thread.join(timeout=10)
+        self.engine.save_history()
+
+    def clear_cache(self, principal: str) -> tuple[int, int]:
+        """Forget what `principal` (an identity before any cache key) left behind: its
+        history, and the prompts idle slots cache for it. (tokens of history, slots)"""
+        with self._lock:
+            slots = [s for s in self.slots
+                     if s.request is None and s.cached and principal_of(s.identity) == principal]
+            for s in slots:
+                s.cached, s.identity = [], ""
+        return self.engine.history.clear(principal), len(slots)
 
     def set_keep_alive(self, keep_alive: float | None) -> None:
         """A keep-alive with nothing to run (Ollama's empty request): how long the engine
@@ -386,7 +398,8 @@ class Scheduler:
                     req.gen = self.engine.start(
                         slot.index, req.prompt, req.params, reuse=reuse,
                         grammar=None if req.grammar is None else req.grammar.start(),
-                        on_prompt_progress=req.on_prompt_progress, images=req.images)
+                        on_prompt_progress=req.on_prompt_progress, images=req.images,
+                        identity=req.identity)
                 except (RequestError, ValueError) as exc:
                     req.error = str(exc)
                     self._finish(req, None)
@@ -439,6 +452,7 @@ class Scheduler:
                     continue
                 self._admit()
                 self._step()
+                self.engine.save_history(only_if_due=True)
             except Exception:  # the worker must outlive any bug
                 log.exception("scheduler round failed")
 
@@ -591,6 +605,8 @@ class Scheduler:
                 log.error("request %d failed at its end", req.id, exc_info=exc)
                 req.error = req.error or f"internal error: {exc}"
             self.totals.merge(req.gen.stats)
+            if req.error is None:
+                self.engine.remember(req.identity, req.gen.all_tokens)
         self.requests_total += 1
         if req.error:
             self.requests_failed += 1

@@ -143,6 +143,7 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/embedding", _busy(embeddings.embeddings))
     r.add_post("/models/load", status.load_model)
     r.add_post("/models/unload", status.unload_model)
+    r.add_post("/cache/clear", status.clear_cache)
     r.add_post("/tokenize", llama_routes.tokenize)
     r.add_post("/detokenize", llama_routes.detokenize)
     # Ollama's

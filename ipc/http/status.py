@@ -1,6 +1,6 @@
 """What the daemon serves and how it runs: /health, /v1/models, /props, /slots, /metrics;
-and llama-server's router routes that load and unload it, /models/load and
-/models/unload."""
+llama-server's router routes that load and unload it, /models/load and /models/unload;
+and /cache/clear, which forgets what the caller's requests left behind."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from specd.daemon.serving.served_models import ModelUnavailable
 
 from ..jsonout import json_response
 from ..metrics import render_metrics
+from ..security import IDENTITY
 from ..validation import BadRequest, get, json_body
 from .parsing import known_model
 from .reporting import generation_settings
@@ -113,6 +114,13 @@ async def unload_model(request: web.Request) -> web.Response:
         raise BadRequest("model is not running")
     svc.unload()
     return json_response({"success": True})
+
+
+async def clear_cache(request: web.Request) -> web.Response:
+    """POST /cache/clear (`specd cache clear`): forget the caller's history (every cache
+    key of theirs) and the prompts idle slots cache for them; another user's stay."""
+    history, slots = service(request).clear_cache(request.get(IDENTITY, ""))
+    return json_response({"success": True, "history_tokens": history, "slots": slots})
 
 
 async def props(request: web.Request) -> web.Response:
