@@ -13,20 +13,25 @@ import numpy as np
 
 from specd.daemon.benchmark.llama_cpp import bin_dir, missing
 
-__all__ = ["bin_dir", "missing", "split_gguf", "speculative_rounds", "greedy_completion",
-           "greedy_with_logprobs", "greedy_with_margins", "agreed_until_near_tie",
-           "mtmd_image_embeddings"]
+__all__ = ["bin_dir", "missing", "split_gguf", "speculative_rounds", "speculative_run",
+           "greedy_completion", "greedy_with_logprobs", "greedy_with_margins",
+           "agreed_until_near_tie", "mtmd_image_embeddings"]
 
 _CANDIDATE = re.compile(r"draft candidate\s+(\d+), pos\s+\d+:\s+(\d+) \(\s*([0-9.]+)\)")
+_DRAFTED = re.compile(r"called impl .*, hist size = (\d+),")
 _ACCEPTED = re.compile(
     r"accepted (\d+)/(\d+) draft tokens(?:, the last target token is: \((\d+)\))?")
 
 
 @dataclass
 class Round:
-    candidates: list[list[tuple[int, float]]]  # per drafted position: its top (id, p), best first
+    # per drafted position: its top (id, p), best first (empty where the drafter logs none:
+    # DFlash2 walks its lattice without logging candidates)
+    candidates: list[list[tuple[int, float]]]
     accepted: int
     last: int = -1  # the target's token after the accepted drafts (-1: not in the log)
+    n_drafted: int = -1  # tokens the target verified after `last` (-1: not in the log)
+    pos: int = -1  # position of the round's first verified token (-1: not in the log)
 
     @property
     def drafts(self) -> list[int]:
@@ -46,32 +51,55 @@ def split_gguf(src: Path, out: Path, *args: str) -> Path:
     return parts[0]
 
 
+@dataclass
+class SpeculativeRun:
+    rounds: list[Round]
+    output: bytes  # what llama-speculative-simple printed: the prompt's pieces, then the text's
+
+
 def speculative_rounds(target: Path, draft: Path, prompt: str, *, spec_type: str,
                        n_predict: int, n_max: int, threads: int = 2) -> list[Round]:
-    """Greedy speculative decoding by llama-speculative-simple (float32 KV caches): each
-    round's drafted positions with their top candidates and probabilities under the
-    draft's top-10 sampler (from its debug log), and how many the target accepted."""
+    """Greedy speculative decoding by llama-speculative-simple (float32 KV caches and
+    attention): each round's drafted positions with their top candidates and probabilities
+    under the draft's top-10 sampler (from its debug log), and how many the target
+    accepted."""
+    return speculative_run(target, draft, prompt, spec_type=spec_type, n_predict=n_predict,
+                           n_max=n_max, threads=threads).rounds
+
+
+def speculative_run(target: Path, draft: Path, prompt: str, *, spec_type: str,
+                    n_predict: int, n_max: int, threads: int = 2) -> SpeculativeRun:
+    """`speculative_rounds`, each round with the position it drafted at (its debug log's
+    history size), the number of drafts the target verified (a drafter logs candidates for
+    its whole block, then the draft is cut to the token budget) and its last token; and
+    the printed text. Flash attention is off: llama.cpp's CPU flash attention rounds to
+    float16 (a random head's drafts then move by up to ~0.04 logits), its plain attention
+    computes in float32."""
     cmd = [str(bin_dir() / "llama-speculative-simple"), "-m", str(target), "-md", str(draft),
            "--spec-type", spec_type, "--spec-draft-n-max", str(n_max),
            "--spec-draft-p-min", "0", "-p", prompt, "-n", str(n_predict), "--temp", "0",
            "-lv", "5", "-t", str(threads), "-c", "256",
-           "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32"]
+           "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32", "-fa", "off"]
     r = subprocess.run(cmd, capture_output=True, timeout=300)
     log = (r.stdout + r.stderr).decode("utf-8", errors="replace")
     if r.returncode != 0:
         raise RuntimeError(f"llama-speculative-simple exited {r.returncode}: {log[-2000:]}")
     rounds: list[Round] = []
     positions: list[list[tuple[int, float]]] = []
-    for line in log.splitlines():
+    pos = -1
+    for line in r.stderr.decode("utf-8", errors="replace").splitlines():
         if m := _CANDIDATE.search(line):
             if m.group(1) == "0":
                 positions.append([])
             positions[-1].append((int(m.group(2)), float(m.group(3))))
+        elif m := _DRAFTED.search(line):
+            pos = int(m.group(1))
         elif m := _ACCEPTED.search(line):
-            rounds.append(Round(positions, int(m.group(1)),
-                                int(m.group(3)) if m.group(3) else -1))
-            positions = []
-    return rounds
+            n = int(m.group(2))
+            rounds.append(Round(positions[:n], int(m.group(1)),
+                                int(m.group(3)) if m.group(3) else -1, n, pos))
+            positions, pos = [], -1
+    return SpeculativeRun(rounds, r.stdout)
 
 
 def greedy_completion(model: Path, prompt: list[int], n_predict: int, *, threads: int = 2,

@@ -474,11 +474,12 @@ class ReferenceDFlash:
         full[:, self.d2t.reshape(-1)] = logits
         return full
 
-    def markov_block(self, tokens: list[int], pos: int, rows: list[int]
-                     ) -> tuple[np.ndarray, np.ndarray | None]:
+    def markov_block(self, tokens: list[int], pos: int, rows: list[int],
+                     chain: list[int] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """DSpark: logits [R, target vocab] of the block's `rows`, each biased by
         markov_w2 @ markov_w1[prev] with prev the block's first token, then the argmax of the
-        previous row's biased logits; and the rows' confidences [R] (None without a
+        previous row's biased logits (`chain`: the target ids chosen at the rows instead,
+        prev of row r + 1 being chain[r]); and the rows' confidences [R] (None without a
         confidence head): sigmoid(conf_proj @ [normed hidden ; markov_w1[prev]] + bias)."""
         w = self.weights
         hidden = self._hidden(tokens, pos)[rows]  # [R, E] after output_norm
@@ -494,6 +495,8 @@ class ReferenceDFlash:
                 conf.append(1.0 / (1.0 + np.exp(-z[0])))
             best = int(np.argmax(col))
             prev = best if self.d2t is None else int(self.d2t.reshape(-1)[best])
+            if chain is not None and r < len(chain):
+                prev = chain[r]
         return self._to_target(np.stack(logits)), np.array(conf) if conf else None
 
     def _hidden(self, tokens: list[int], pos: int) -> np.ndarray:
