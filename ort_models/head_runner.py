@@ -155,7 +155,7 @@ def load_or_build_head(head_path: str | Path, target_path: str | Path,
     head, target = read_head(head_file), read_hparams(target_file)
     missing = unsupported(head)
     if missing:
-        raise ValueError(f"{Path(head_path).name}: specd does not run this head yet: "
+        raise ValueError(f"{Path(head_path).name}: specd does not run this head: "
                          + "; ".join(missing))
     if kernels is None:
         kernels = native_ops.kernels_for(device)

@@ -155,8 +155,8 @@ def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True,
             io.mask_swa = _causal_mask(g, s_len, hp.sliding_window, whole_block=True)
         return io
     io.mask = _causal_mask(g, s_len) if causal else g.const(0.0, np.float32)
-    if swa:
-        io.mask_swa = _causal_mask(g, s_len, hp.sliding_window)
+    if swa:  # (a drafter head's block, not causal: every key up to its end, in the window)
+        io.mask_swa = _causal_mask(g, s_len, hp.sliding_window, whole_block=not causal)
     return io
 
 

@@ -42,6 +42,7 @@ from specd.ort_models.onnx_writer import GraphWriter
 
 from .attention import (
     AttentionInputs,
+    attention,
     attention_inputs,
     rotate,
     write_kv_rows,
@@ -52,6 +53,7 @@ from .decoder import decoder_layer, embedding
 from .dflash2 import dflash2_layer, output_transforms, selector_lattice
 from .dspark import markov_chain
 from .linear import linear
+from .mlp import feed_forward
 from .norms import add_norm, head_norm, rms_norm
 from .options import ACCURACY_LEVEL, F32, I64, BuildOptions, Progress
 from .pending import materialize
@@ -68,7 +70,12 @@ def head_hparams(head: HeadParams, target: HParams) -> HParams:
                    n_head=head.n_head, n_head_kv=head.n_head_kv, head_dim=head.head_dim,
                    n_ff=head.n_ff, n_vocab=target.n_vocab, n_ctx_train=head.n_ctx_train,
                    rms_eps=head.rms_eps, rope_base=head.rope_base, rope_dim=head.rope_dim,
-                   rope_interleaved=head.rope_interleaved, qk_norm=head.kind != "eagle3")
+                   rope_interleaved=head.rope_interleaved, qk_norm=head.kind != "eagle3",
+                   # llama.cpp's dflash graph: one rope for every layer, sliding or not
+                   sliding_window=head.sliding_window,
+                   swa_layers=head.sliding_window_pattern,
+                   embedding_scale=head.embedding_scale,
+                   attention_scale=head.attention_scale, ffn_act=head.hidden_act)
 
 
 def packs_sequences(head: HeadParams, kernels: str) -> bool:
@@ -77,8 +84,10 @@ def packs_sequences(head: HeadParams, kernels: str) -> bool:
     calls of several sequences in one pass: where specd's kernels run (kernels "gguf") and
     the head_dim is whole lanes. Where a block's rows interact, each block restarts at
     its own first rows: DSpark's Markov chain and DFlash2's lattice at `row_anchors`,
-    DFlash2's convolutions at `block_rows`."""
-    return kernels == "gguf" and head.head_dim % 8 == 0
+    DFlash2's convolutions at `block_rows`. Not a head with sliding-window layers: the
+    block's rows see the block after them, which specd's attention does not do within a
+    window."""
+    return kernels == "gguf" and head.head_dim % 8 == 0 and not head.sliding_window
 
 
 def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
@@ -96,27 +105,36 @@ def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
                         sampler=sampler)
 
 
+# optional tensors of a DFlash-family layer these graphs build (llama.cpp's dflash graph)
+LAYER_EXTRAS = ("post_attention_norm.weight", "post_ffw_norm.weight",
+                "layer_output_scale.weight")
+
+
 def unsupported(head: HeadParams) -> list[str]:
-    """What a head uses that these graphs do not build yet (empty: buildable)."""
+    """What a head uses that these graphs do not build (empty: buildable), each naming the
+    feature, and where llama.cpp's graph for the kind does not read it either."""
     out = []
+    eagle = head.kind == "eagle3"
     if head.rope_scaling not in (None, "none"):
         out.append(f"rope scaling {head.rope_scaling}")
     if head.rope_sections:
         out.append("M-RoPE sections")
     if head.shared_kv:
         out.append("layers without attn_v (V shared with K)")
-    if head.hidden_act != "silu":
-        out.append(f"activation {head.hidden_act}")
-    if head.sliding_window:
-        out.append("sliding-window attention")
-    for name, value in (("embedding scale", head.embedding_scale),
-                        ("attention scale", head.attention_scale),
-                        ("attention value scale", head.attention_value_scale)):
-        if value is not None:
-            out.append(name)
-    extras = [name for name in head.extra_tensors if name not in BUILT_EXTRAS]
+    if eagle:  # llama.cpp's eagle3 graph reads none of these: silu, 1/sqrt(hd), full attention
+        out += [f"{name} (llama.cpp's eagle3 graph has none)" for name, value in (
+            ("sliding-window attention", head.sliding_window),
+            ("embedding scale", head.embedding_scale),
+            ("attention scale", head.attention_scale),
+            ("attention value scale", head.attention_value_scale)) if value]
+    elif head.kind == "dflash2" and head.attention_value_scale is not None:
+        out.append("attention value scale in a DFlash2 head")
+    built = BUILT_EXTRAS if eagle else BUILT_EXTRAS + LAYER_EXTRAS
+    extras = [name for name in head.extra_tensors if not name.endswith(built)]
+    if head.kind == "dflash2":  # its layers (graph_builder/dflash2.py) have none of these
+        extras += [name for name in head.extra_tensors if name.endswith(LAYER_EXTRAS)]
     if extras:
-        out.append("tensors " + ", ".join(extras))
+        out.append("tensors " + ", ".join(sorted(extras)))
     return out
 
 
@@ -172,6 +190,8 @@ def build_block_graph(head_file: GGUFFile, head: HeadParams, target_file: GGUFFi
     row_anchors = g.input("row_anchors", I64, ["R"]) if packed else None
     block_rows = g.input("block_rows", I64, ["S"]) if packed and head.kind == "dflash2" else None
     x = embedding(c if head.has_token_embd else tc, ids)  # [S, E]
+    if head.embedding_scale is not None:  # (Gemma targets' embeddings, shared unscaled)
+        x = g.op("Mul", [x, g.const(head.embedding_scale, np.float32)])
     c.tick("embedding")
     normed = _layers_and_norm(c, head, x, io, block_rows)  # [R, E] the rows read, output-normed
     logits = lm_head(c if head.has_output else tc, normed)  # [R, draft vocab]
@@ -214,8 +234,11 @@ def _layers_and_norm(c: BuildContext, head: HeadParams, x: str, io: AttentionInp
         rows = g.op("Gather", [x, "logits_rows"], axis=0)  # [R, E]
         return rms_norm(c, rows, c.vector("output_norm.weight"))
     delta: str | None = None
+    extras = head.attention_value_scale is not None or any(
+        name.endswith(LAYER_EXTRAS) for name in head.extra_tensors)
     for i in range(head.n_layer):
-        x, delta = decoder_layer(c, i, x, delta, io)
+        x, delta = (_layer_with_extras(c, head, i, x, delta, io) if extras
+                    else decoder_layer(c, i, x, delta, io))
         c.shared.clear()
         c.tick(f"layer {i + 1}/{head.n_layer}")
     assert delta is not None
@@ -223,6 +246,29 @@ def _layers_and_norm(c: BuildContext, head: HeadParams, x: str, io: AttentionInp
     rows_d = g.op("Gather", [delta, "logits_rows"], axis=0)
     _, h = add_norm(c, rows_x, rows_d, "output_norm.weight", keep_sum=False)
     return materialize(c, h)
+
+
+def _layer_with_extras(c: BuildContext, head: HeadParams, i: int, x: str, delta: str | None,
+                       io: AttentionInputs) -> tuple[str, str]:
+    """`decoder_layer` with what llama.cpp's dflash layer adds where the head has it: the
+    attention output scaled (attention.value_scale), the attention and FFN outputs
+    RMSNorm'd before their residual adds (each where its post-norm tensor is), the layer's
+    output scaled (layer_output_scale). Returns (x, delta) as decoder_layer does."""
+    g, p = c.g, f"blk.{i}."
+    x, h = add_norm(c, x, delta, p + "attn_norm.weight")
+    a = attention(c, i, h, io)  # [S, E]
+    if head.attention_value_scale is not None:
+        a = g.op("Mul", [a, g.const(head.attention_value_scale, np.float32)])
+    if c.f.has_tensor(p + "post_attention_norm.weight"):
+        a = rms_norm(c, a, c.vector(p + "post_attention_norm.weight"))
+    x, h = add_norm(c, x, a, p + "ffn_norm.weight")
+    f = feed_forward(c, h, p)
+    if c.f.has_tensor(p + "post_ffw_norm.weight"):
+        f = rms_norm(c, f, c.vector(p + "post_ffw_norm.weight"))
+    if not c.f.has_tensor(p + "layer_output_scale.weight"):
+        return x, f
+    scale = c.vector(p + "layer_output_scale.weight")  # [1]: (x + f) * scale, left as a pair
+    return g.op("Mul", [x, scale]), g.op("Mul", [f, scale])
 
 
 def lm_head(c: BuildContext, h: str) -> str:

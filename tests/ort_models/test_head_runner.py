@@ -13,7 +13,7 @@ import pytest
 from specd.ort_models.head_runner import HeadRunner, load_or_build_head
 
 from numpy_reference import ReferenceDFlash, ReferenceEagle3, ReferenceModel
-from tiny_heads import write_tiny_head
+from tiny_heads import gemma_features, write_tiny_head
 
 PROMPT = [348, 20, 31, 42, 53, 64, 75, 86, 97, 108, 119, 130]
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -140,6 +140,81 @@ def test_non_finite_features_are_clamped(target_path: Path, tmp_path: Path) -> N
     k = runner.kv.layers(0)[0][0][0, :, :4]
     assert np.isfinite(k).all()
     np.testing.assert_allclose(k, ref.keys[0][:, :4], **TOL)
+
+
+# what llama.cpp's dflash layers read for heads of Gemma targets (a window of 5 keys: the
+# block's rows at 12..15 see part of the 12-token context)
+GEMMA = {
+    "embedding-scale": gemma_features(),
+    "sliding-window": gemma_features(sliding_window=5),
+    "sliding-window-all": gemma_features(sliding_window=5, pattern=[True, True]),
+    "gelu": gemma_features(gelu=True),
+    "attention-scales": gemma_features(attention_scale=0.3, value_scale=0.7),
+    "post-norms-output-scale": gemma_features(post_norms=True, output_scale=0.9),
+    "gemma3-like": gemma_features(sliding_window=5, gelu=True, post_norms=True),
+}
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dflash2"])
+@pytest.mark.parametrize("name", list(GEMMA))
+def test_heads_of_gemma_targets_match_the_reference(target_path: Path, tmp_path: Path,
+                                                    name: str, kind: str) -> None:
+    """A head with an embedding scale, sliding-window layers, GELU, attention and value
+    scales, post-norms and an output scale: its block as the reference computes it (a
+    DFlash2 head's layers take the first four; the others it refuses, naming them)."""
+    features = GEMMA[name]
+    if kind == "dflash2" and ("value_scale" in str(features) or features["tensors"]):
+        path = write_tiny_head(tmp_path / "head.gguf", kind=kind, seed=5, **features)
+        with pytest.raises(ValueError, match="DFlash2|post_attention_norm|output_scale"):
+            load_or_build_head(path, target_path, accuracy_level=1, kernels="ort")
+        return
+    runner, ref, block, n = _injected(*_pair(target_path, tmp_path, kind=kind, **features))
+    rows = [1, 2, 3]
+    got = runner.block(0, block, n, rows)
+    if kind == "dflash2":
+        cand, scores = ref.lattice(block, n, rows)
+        assert got.candidates is not None and got.scores is not None
+        np.testing.assert_array_equal(got.candidates, cand)
+        np.testing.assert_allclose(got.scores, scores, **TOL)
+        return
+    want = (ref.block(block, n)[rows] if kind == "dflash"
+            else ref.markov_block(block, n, rows)[0])
+    np.testing.assert_allclose(got.logits, want, **TOL)
+    # the features change the logits: not the plain head's
+    plain = ReferenceDFlash(write_tiny_head(tmp_path / "plain.gguf", kind=kind, seed=5),
+                            ReferenceModel(target_path), n_ctx=runner.n_ctx)
+    plain.inject(_features(plain, ReferenceModel(target_path), PROMPT), np.arange(n))
+    assert not np.allclose(plain.block(block, n)[rows], ref.block(block, n)[rows], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["embedding-scale", "attention-scales",
+                                  "post-norms-output-scale", "sliding-window"])
+def test_specd_kernels_run_heads_of_gemma_targets(tiny_model_factory: Callable[..., Path],
+                                                  tmp_path: Path, name: str) -> None:
+    """Where specd's kernels run, a head with those features packs its blocks on specd's
+    attention (not one with a sliding window: its rows see the block after them), and its
+    logits stay the reference's within the error of 8-bit activations."""
+    from specd.ort_models import native_ops
+    from specd.ort_models.graph_builder.dflash import packs_sequences
+
+    if native_ops.library() is None:
+        pytest.skip(f"specd's kernels are off: {native_ops.unavailable_reason()}")
+    target = tiny_model_factory(arch="qwen3", weight_type="Q4_0", seed=3, context_length=512)
+    path = write_tiny_head(tmp_path / "head.gguf", seed=5, weight_type="Q4_0", **GEMMA[name])
+    built = load_or_build_head(path, target, kernels="gguf", requant="")
+    assert packs_sequences(built.head, "gguf") == (name != "sliding-window")
+    runner = HeadRunner(built, n_ctx=512)
+    ref_target = ReferenceModel(target)
+    ref = ReferenceDFlash(path, ref_target, n_ctx=runner.n_ctx)
+    features = _features(ref, ref_target, PROMPT)
+    runner.inject(0, features.astype(np.float32), 0)
+    ref.inject(features, np.arange(len(PROMPT)))
+    mask = runner.built.head.mask_token_id
+    block = [PROMPT[-1], mask, mask]
+    got = runner.block(0, block, len(PROMPT), [0, 1, 2]).logits
+    want = ref.block(block, len(PROMPT))
+    assert np.abs(got - want).mean() < 0.05 * want.std()
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.999
 
 
 def test_specd_kernels_run_the_heads_products(tiny_model_factory: Callable[..., Path],

@@ -416,6 +416,15 @@ class ReferenceDFlash:
     else its token_embd, else the target's; d2t scatters reduced-vocabulary logits to
     target ids (-inf elsewhere). Token embeddings: the head's, else the target's. RoPE is
     NEOX, as for qwen3.
+
+    What llama.cpp's dflash layers add where the head has it (Gemma targets' heads): the
+    block's embeddings times dflash.embedding_scale; q.k times dflash.attention.scale
+    instead of 1/sqrt(head_dim); sliding-window layers (dflash.attention.sliding_window
+    and its per-layer pattern) where a row sees no key window or more positions before it
+    (later ones in the block still); GELU (tanh) where dflash.hidden_activation says
+    gelu; the attention output times dflash.attention.value_scale; post_attention_norm /
+    post_ffw_norm RMSNorm the attention / FFN output before its residual add; the layer's
+    output times layer_output_scale.
     """
 
     def __init__(self, path: str | Path, target: ReferenceModel, n_ctx: int = 512):
@@ -430,6 +439,15 @@ class ReferenceDFlash:
         self.eps = float(md["dflash.attention.layer_norm_rms_epsilon"])
         self.rope_base = float(md.get("dflash.rope.freq_base", 10000.0))
         self.causal = bool(md.get("dflash.attention.causal", False))
+        self.embed_scale = float(md.get("dflash.embedding_scale", 1.0))
+        self.attn_scale = float(md.get("dflash.attention.scale", 0.0)) or (
+            1.0 / np.sqrt(float(self.head_dim)))
+        self.value_scale = float(md.get("dflash.attention.value_scale", 1.0))
+        self.window = int(md.get("dflash.attention.sliding_window", 0))
+        self.swa = ([bool(x) for x in md["dflash.attention.sliding_window_pattern"]]
+                    if self.window else [False] * self.n_layer)
+        self.act = gelu_tanh if str(md.get("dflash.hidden_activation", "silu")).startswith(
+            "gelu") else silu
         self.target_layers = [int(x) for x in md["dflash.target_layers"]]
         self.target = target
         self.embed = w.get("token_embd.weight", target.weights["token_embd.weight"])
@@ -507,7 +525,8 @@ class ReferenceDFlash:
         group, hd = self.n_head // self.n_head_kv, self.head_dim
         masked = (np.arange(end)[None, :] > positions[:, None]) if self.causal else (
             np.zeros((n, end), bool))
-        x = self.embed[np.asarray(tokens)]
+        old = positions[:, None] - np.arange(end)[None, :] >= self.window  # [B, end]
+        x = self.embed[np.asarray(tokens)] * self.embed_scale
         conv = self._conv if "blk.0.attn_conv_base" in w else None
         for layer in range(self.n_layer):
             p = f"blk.{layer}."
@@ -521,20 +540,29 @@ class ReferenceDFlash:
             self._kv(h, layer, positions)
             keys = np.repeat(self.keys[layer][:, :end], group, axis=0)  # [H, end, hd]
             vals = np.repeat(self.values[layer][:, :end], group, axis=0)
-            scores = q @ keys.transpose(0, 2, 1) / np.sqrt(float(hd))  # [H, B, end]
-            scores = np.where(masked[None], -np.inf, scores)
+            scores = q @ keys.transpose(0, 2, 1) * self.attn_scale  # [H, B, end]
+            hidden = masked | old if self.swa[layer] else masked
+            scores = np.where(hidden[None], -np.inf, scores)
             probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)
             attn = (probs @ vals).transpose(1, 0, 2).reshape(n, self.n_head * hd)
-            a = attn @ w[p + "attn_output.weight"].T
-            x = x + (a if conv is None else conv(a, dyn, w[p + "attn_conv_base"], 1))
+            a = attn @ w[p + "attn_output.weight"].T * self.value_scale
+            a = a if conv is None else conv(a, dyn, w[p + "attn_conv_base"], 1)
+            if p + "post_attention_norm.weight" in w:
+                a = rms_norm(a, w[p + "post_attention_norm.weight"], self.eps)
+            x = x + a
             h = rms_norm(x, w[p + "ffn_norm.weight"], self.eps)
             if conv is not None:
                 dyn = h @ w[p + "ffn_conv_proj.weight"].T
                 h = conv(h, dyn, w[p + "ffn_conv_base"], 0)
-            f = (silu(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)
+            f = (self.act(h @ w[p + "ffn_gate.weight"].T) * (h @ w[p + "ffn_up.weight"].T)
                  ) @ w[p + "ffn_down.weight"].T
-            x = x + (f if conv is None else conv(f, dyn, w[p + "ffn_conv_base"], 1))
+            f = f if conv is None else conv(f, dyn, w[p + "ffn_conv_base"], 1)
+            if p + "post_ffw_norm.weight" in w:
+                f = rms_norm(f, w[p + "post_ffw_norm.weight"], self.eps)
+            x = x + f
+            if p + "layer_output_scale.weight" in w:
+                x = x * w[p + "layer_output_scale.weight"].reshape(-1)[0]
         return rms_norm(x, w["output_norm.weight"], self.eps)
 
     def _conv(self, h: np.ndarray, dyn: np.ndarray, base: np.ndarray, side: int

@@ -248,3 +248,41 @@ def _put(w: GGUFWriter, key: str, value: Any) -> None:
         w.add_string(key, value)
     else:
         w.add_array(key, list(value))
+
+
+def gemma_features(*, seed: int = 0, n_layer: int = 2, n_embd: int = 64,
+                   embedding_scale: float | None = 8.0, sliding_window: int = 0,
+                   pattern: Sequence[bool] | None = None, gelu: bool = False,
+                   attention_scale: float | None = None, value_scale: float | None = None,
+                   post_norms: bool = False, output_scale: float | None = None
+                   ) -> dict[str, Any]:
+    """`write_tiny_head`'s meta and tensors for what llama.cpp's dflash layers read for
+    heads of Gemma targets (keys as conversion/qwen.py and specd's convert-draft write
+    them): an embedding scale (Gemma's sqrt(n_embd), by default 8 = sqrt(64)), a sliding
+    window over the layers `pattern` marks (default: every other one, the first), GELU,
+    an attention scale and value scale, post-attention and post-FFN norms, a layer output
+    scale. Pass as write_tiny_head(..., **gemma_features(...))."""
+    meta: dict[str, Any] = {}
+    if embedding_scale is not None:
+        meta["dflash.embedding_scale"] = embedding_scale
+    if sliding_window:
+        meta["dflash.attention.sliding_window"] = sliding_window
+        meta["dflash.attention.sliding_window_pattern"] = list(
+            pattern if pattern is not None else [i % 2 == 0 for i in range(n_layer)])
+    if gelu:
+        meta["dflash.hidden_activation"] = "gelu_pytorch_tanh"
+    if attention_scale is not None:
+        meta["dflash.attention.scale"] = attention_scale
+    if value_scale is not None:
+        meta["dflash.attention.value_scale"] = value_scale
+    tensors: dict[str, np.ndarray] = {}
+    rng = _name_seed(seed, "gemma_features", 0)
+    for i in range(n_layer):
+        if post_norms:
+            for name in ("post_attention_norm", "post_ffw_norm"):
+                tensors[f"blk.{i}.{name}.weight"] = (
+                    1.0 + 0.1 * rng.standard_normal(n_embd)).astype(np.float32)
+        if output_scale is not None:
+            tensors[f"blk.{i}.layer_output_scale.weight"] = np.array([output_scale],
+                                                                     np.float32)
+    return {"meta": meta, "tensors": tensors}

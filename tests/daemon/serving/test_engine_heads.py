@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specd.daemon.serving.engine import Engine, EngineConfig, EngineError
@@ -134,11 +135,18 @@ def test_heads_that_do_not_fit_or_run_are_refused(files: tuple[Path, Path],
     wide = write_tiny_head(tmp_path / "wide.gguf", n_embd=96, target_hidden_size=96)
     with pytest.raises(EngineError, match="cannot draft for"):
         _engine(target, wide)
-    swa = write_tiny_head(tmp_path / "swa.gguf", meta={
-        "dflash.attention.sliding_window": 8,
-        "dflash.attention.sliding_window_pattern": [True, False]})
-    with pytest.raises(EngineError, match="does not run this head yet: sliding-window"):
-        _engine(target, swa)
+    sinks = write_tiny_head(tmp_path / "sinks.gguf", tensors={
+        f"blk.{i}.attn_sinks.weight": np.zeros(4, np.float32) for i in range(2)})
+    with pytest.raises(EngineError, match="does not run this head: tensors "
+                                          "blk.0.attn_sinks.weight, blk.1.attn_sinks.weight"):
+        _engine(target, sinks)
+    # what llama.cpp's eagle3 graph has not either
+    scaled = write_tiny_head(tmp_path / "scaled.gguf", kind="eagle3", meta={
+        "eagle3.embedding_scale": 8.0, "eagle3.attention.sliding_window": 8,
+        "eagle3.attention.sliding_window_pattern": [True]})
+    with pytest.raises(EngineError, match=r"sliding-window attention \(llama.cpp's eagle3 "
+                                          r"graph has none\); embedding scale"):
+        _engine(target, scaled)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash2", "eagle3"])
