@@ -287,6 +287,18 @@ def _skip_to_common_start(ref: ReferenceHead, tokens: list[int], ours: list[Spec
     return i, j, ties
 
 
+def check_drafts_against_reference(target: Path, head: Path, tokens: list[int],
+                                   rounds: Sequence[SpecdRound]) -> list[str]:
+    """Asserts every round's drafts follow the float64 reference from that round's context
+    (`tokens`: the prompt and the generated tokens): each the reference's top pick, or
+    the second of a near tie. Returns the near ties."""
+    ref = ReferenceHead(target, head, read_head(GGUFFile(head)))
+    ties: list[str] = []
+    for r in rounds:
+        ties += _check_chain(ref, tokens[: r.pos + 1], r.drafts, 0, f"round at {r.pos}")
+    return ties
+
+
 def compare_decodes(target: Path, head: Path, text: str, *, n_predict: int, n_max: int
                     ) -> Comparison:
     """specd's and llama.cpp's greedy speculative decodes of `text`, compared (module

@@ -15,7 +15,7 @@ import pytest
 import llama_cpp_oracle
 from head_decode_oracle import compare_decodes
 from tiny_gguf import write_tiny_gguf
-from tiny_heads import write_tiny_head
+from tiny_heads import gemma_features, write_tiny_head
 
 TEXT = "hello world, this is a test"
 N_PREDICT = 32
@@ -27,6 +27,16 @@ HEADS: dict[str, dict[str, Any]] = {
     "dspark-bonus-anchor": {"kind": "dspark", "target_layers": (1, 3),
                             "sample_from_anchor": False, "confidence_head": False},
     "eagle3": {"kind": "eagle3", "target_layers": (1, 2, 3)},
+    # what heads of Gemma targets use (llama.cpp cannot draft for a gemma3 target: its
+    # gemma3 graph does not expose the layer inputs a head reads, so the target is llama)
+    "dflash-gemma": {"kind": "dflash", "target_layers": (1, 3),
+                     **gemma_features(sliding_window=5)},
+    "dspark-gemma": {"kind": "dspark", "target_layers": (1, 3),
+                     **gemma_features(sliding_window=5, gelu=True, post_norms=True,
+                                      attention_scale=0.3, value_scale=0.7,
+                                      output_scale=0.9)},
+    "dflash2-gemma": {"kind": "dflash2", "target_layers": (1, 3),
+                      **gemma_features(sliding_window=5, gelu=True, attention_scale=0.3)},
 }
 VOCABS: dict[str, dict[str, Any]] = {"full": {}, "d2t": {"draft_vocab": 100}}
 

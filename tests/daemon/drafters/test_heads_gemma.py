@@ -1,0 +1,87 @@
+"""A DFlash head for a tiny gemma3 target, as specd's convert-draft writes it for Gemma
+targets (the embedding scale sqrt(n_embd) of the target's shared embeddings) with
+sliding-window layers, GELU and post-norms: specd drafts with it, every draft is the
+float64 reference's (tests/support/head_decode_oracle.py), and the greedy text is the
+target's alone, on ONNX Runtime's float32 products and on specd's own kernels (Q4_K).
+llama.cpp cannot be the oracle here: at build 11434 its gemma3 graph does not expose the
+layer inputs a head reads (test_heads_llama_cpp.py runs such heads on a llama target)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specd.daemon.drafters.registry import HEAD_DRAFTERS
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.text.tokenizer import Tokenizer
+from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.graph_builder import BuildOptions
+from specd.ort_models.head_runner import HeadRunner, load_or_build_head
+from specd.ort_models.heads import read_head
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+from head_decode_oracle import check_drafts_against_reference, specd_decode
+from tiny_gguf import write_tiny_gguf
+from tiny_heads import gemma_features, write_tiny_head
+
+TEXT = "hello world, this is a test"
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("gemma")
+    target = write_tiny_gguf(d / "target.gguf", arch="gemma3", weight_type="F32", seed=3,
+                             n_layer=4, sliding_window=6, swa_pattern=2, context_length=512)
+    head = write_tiny_head(d / "head.gguf", kind="dflash", seed=5, target_arch="gemma3",
+                           weight_type="F32", target_layers=(1, 3),
+                           **gemma_features(embedding_scale=64 ** 0.5, sliding_window=5,
+                                            gelu=True, post_norms=True))
+    return target, head
+
+
+def _target_only(target: Path, prompt: list[int], eog: set[int]) -> list[int]:
+    gen = Generation(ModelRunner(load_or_build(target, BuildOptions()), n_ctx=256), 0, prompt,
+                     GenerationParams(max_tokens=N_TOKENS), eog=eog)
+    tokens = gen.prefill()
+    while not gen.done:
+        tokens += gen.step()
+    return tokens
+
+
+def test_a_gemma3_targets_head_drafts_the_references_drafts(pair: tuple[Path, Path]) -> None:
+    target, head = pair
+    tok = Tokenizer.from_metadata(GGUFFile(target).metadata)
+    prompt = tok.encode(TEXT)
+    eog = {t for t in range(tok.vocab_size) if tok.is_eog(t)}
+    tokens, rounds = specd_decode(target, head, prompt, max_tokens=N_TOKENS, n_max=3, eog=eog)
+    assert len(rounds) >= 8 and all(len(r.drafts) == 3 for r in rounds[:-2])
+    ties = check_drafts_against_reference(target, head, prompt + tokens, rounds)
+    assert len(ties) <= 1, ties
+    assert tokens == _target_only(target, prompt, eog)
+
+
+def test_a_gemma3_targets_head_on_specds_kernels_keeps_the_text(pair: tuple[Path, Path]
+                                                                ) -> None:
+    """The serving path: the head's matrices re-quantized to Q4_K where specd's kernels
+    run (its drafts then near the reference's, not equal); the text stays the target's."""
+    target, head = pair
+    tok = Tokenizer.from_metadata(GGUFFile(target).metadata)
+    prompt = tok.encode(TEXT)
+    eog = {t for t in range(tok.vocab_size) if tok.is_eog(t)}
+    params = read_head(GGUFFile(head))
+    built = load_or_build(target, BuildOptions(hidden_layers=tuple(sorted(set(
+        params.hidden_layers)))))
+    drafter = HEAD_DRAFTERS[params.kind](HeadRunner(load_or_build_head(head, target),
+                                                    n_ctx=256))
+    gen = Generation(ModelRunner(built, n_ctx=256), 0, prompt, GenerationParams(
+        max_tokens=N_TOKENS, draft=DraftParams(n_max=3), adaptive=False), eog=eog,
+        drafter=drafter)
+    tokens = gen.prefill()
+    while not gen.done:
+        tokens += gen.step()
+    assert gen.stats.drafted >= 3 * 8, gen.stats
+    assert tokens == _target_only(target, prompt, eog)
