@@ -15,7 +15,7 @@ from specd.ort_models.onnx_writer import MS, GraphWriter
 
 from .context import BuildContext
 from .linear import grouped_linears, linear, linears, split
-from .norms import head_norm
+from .norms import head_norm, rms_norm
 from .options import F16, F32, I64
 from .pending import Activation
 
@@ -169,6 +169,9 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
     p = f"blk.{i}."
     names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
     kv_cache_io(c, i)
+    if not c.f.has_tensor(names[2]):  # a drafter head's layer without attn_v
+        return linear(c, _attention_shared_kv(c, i, h, io, names[:2]),
+                      p + "attn_output.weight")
     if c.options.attention == "native" and not hp.qk_norm:
         # CachedAttention reads q, k and v out of the stacked products, no Split between
         return linear(c, _cached_attention(c, i, grouped_linears(c, h, names), io.causal),
@@ -195,6 +198,36 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
         else:
             out = _exact_attention(c, i, q3, k3, v, io)
     return linear(c, out, p + "attn_output.weight")
+
+
+def shared_value(c: BuildContext, k: str) -> str:
+    """The values of a layer without attn_v, from its key product k [S, Hkv*hd] before
+    its norm and rotary (llama.cpp's dflash layers): each head's RMSNorm, unweighted."""
+    g, hp = c.g, c.hp
+    name = "shared_kv.ones"
+    ones = name if g.has(name) else g.weight(name, np.ones(hp.head_dim, np.float32))
+    y = rms_norm(c, g.op("Reshape", [k, g.const([0, hp.n_head_kv, hp.head_dim])]), ones)
+    return g.op("Reshape", [y, g.const([0, hp.n_head_kv * hp.head_dim])])
+
+
+def _attention_shared_kv(c: BuildContext, i: int, h: Activation, io: AttentionInputs,
+                         names: list[str]) -> str:
+    """Written-out attention of a layer whose values are its keys (`shared_value`) ->
+    [S, H*hd]."""
+    if c.options.attention != "exact":
+        raise ValueError(f"blk.{i} has no attn_v: its shared K/V attention is written out "
+                         f"(attention 'exact'), not {c.options.attention!r}")
+    g, hp = c.g, c.hp
+    p = f"blk.{i}."
+    q, k = linears(c, h, names)  # [S, H*hd], [S, Hkv*hd]
+    v = shared_value(c, k)
+    if hp.qk_norm:
+        q = head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
+        k = head_norm(c, k, hp.n_head_kv, p + "attn_k_norm.weight")
+    table = rope_table(hp, i)
+    q3, k3 = (rotate(c, g.op("Unsqueeze", [t, g.const([0])]), io.pos_ids, n, table)
+              for t, n in ((q, hp.n_head), (k, hp.n_head_kv)))
+    return _exact_attention(c, i, q3, k3, v, io)
 
 
 def _fused_attention(c: BuildContext, i: int, q3: str, k3: str, v3: str, io: AttentionInputs,
@@ -303,7 +336,11 @@ def _exact_attention(c: BuildContext, i: int, q3: str, k3: str, v: str,
         scores = g.op("Slice", [scores, g.const([0]), io.s_len, g.const([1])])
     s4 = g.op("Reshape", [scores, io.shape4])  # [Hkv, G, S, T]
     mask = io.mask_swa if hp.is_swa(i) else io.mask
-    probs = g.op("Softmax", [g.op("Add", [s4, mask])], axis=-1)
+    sinks = f"blk.{i}.attn_sinks.weight"
+    if c.f.has_tensor(sinks):  # a drafter head's: one more logit per head in the softmax
+        probs = _softmax_with_sinks(c, g.op("Add", [s4, mask]), sinks)
+    else:
+        probs = g.op("Softmax", [g.op("Add", [s4, mask])], axis=-1)
     probs = g.op("Reshape", [probs, io.shape3])  # [Hkv, G*S, T]
     if grp == 1:
         probs = g.op("Concat", [probs, io.ppad], axis=1)
@@ -313,6 +350,19 @@ def _exact_attention(c: BuildContext, i: int, q3: str, k3: str, v: str,
     out = g.op("Transpose", [g.op("Reshape", [out, g.const([nkv, grp, -1, hd])])],
                perm=[2, 0, 1, 3])  # [S, Hkv, G, hd]
     return g.op("Reshape", [out, g.const([-1, hp.n_head * hd])])
+
+
+def _softmax_with_sinks(c: BuildContext, scores: str, sinks: str) -> str:
+    """Softmax over the keys of scores [Hkv, G, S, T] with each query head's sink logit
+    (`sinks` [H], query head h = kv head * G + g) in its denominator, as llama.cpp's
+    soft_max with sinks: exp(s - m) / (sum exp(s - m) + exp(sink - m))."""
+    g, hp = c.g, c.hp
+    sink = g.op("Reshape", [c.vector(sinks), g.const([hp.n_head_kv, hp.group_size, 1, 1])])
+    shape = g.op("Concat", [g.op("Shape", [scores], end=3), g.const([1])], axis=0)
+    both = g.op("Concat", [scores, g.op("Expand", [sink, shape])], axis=-1)  # [.., T + 1]
+    probs = g.op("Softmax", [both], axis=-1)
+    return g.op("Slice", [probs, g.const([0]), g.op("Shape", [scores], start=3),
+                          g.const([3])])  # [Hkv, G, S, T]
 
 
 def _causal_mask(g: GraphWriter, s_len: str, window: int = 0, *,

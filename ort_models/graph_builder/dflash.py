@@ -45,6 +45,7 @@ from .attention import (
     attention,
     attention_inputs,
     rotate,
+    shared_value,
     write_kv_rows,
     written_rows_positions,
 )
@@ -84,10 +85,12 @@ def packs_sequences(head: HeadParams, kernels: str) -> bool:
     calls of several sequences in one pass: where specd's kernels run (kernels "gguf") and
     the head_dim is whole lanes. Where a block's rows interact, each block restarts at
     its own first rows: DSpark's Markov chain and DFlash2's lattice at `row_anchors`,
-    DFlash2's convolutions at `block_rows`. Not a head with sliding-window layers: the
+    DFlash2's convolutions at `block_rows`. Not a head with sliding-window layers (the
     block's rows see the block after them, which specd's attention does not do within a
-    window."""
-    return kernels == "gguf" and head.head_dim % 8 == 0 and not head.sliding_window
+    window), nor one whose layers share K as V or have attention sinks (written out)."""
+    return (kernels == "gguf" and head.head_dim % 8 == 0 and not head.sliding_window
+            and not head.shared_kv
+            and not any(name.endswith(ATTENTION_EXTRAS) for name in head.extra_tensors))
 
 
 def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
@@ -105,7 +108,9 @@ def head_options(target: HParams, accuracy_level: int = ACCURACY_LEVEL,
                         sampler=sampler)
 
 
-# optional tensors of a DFlash-family layer these graphs build (llama.cpp's dflash graph)
+# optional tensors of a DFlash-family layer these graphs build (llama.cpp's dflash graph):
+# in its attention (every kind), and around it (DFlash and DSpark layers)
+ATTENTION_EXTRAS = ("attn_sinks.weight",)
 LAYER_EXTRAS = ("post_attention_norm.weight", "post_ffw_norm.weight",
                 "layer_output_scale.weight")
 
@@ -119,8 +124,6 @@ def unsupported(head: HeadParams) -> list[str]:
         out.append(f"rope scaling {head.rope_scaling}")
     if head.rope_sections:
         out.append("M-RoPE sections")
-    if head.shared_kv:
-        out.append("layers without attn_v (V shared with K)")
     if eagle:  # llama.cpp's eagle3 graph reads none of these: silu, 1/sqrt(hd), full attention
         out += [f"{name} (llama.cpp's eagle3 graph has none)" for name, value in (
             ("sliding-window attention", head.sliding_window),
@@ -129,7 +132,7 @@ def unsupported(head: HeadParams) -> list[str]:
             ("attention value scale", head.attention_value_scale)) if value]
     elif head.kind == "dflash2" and head.attention_value_scale is not None:
         out.append("attention value scale in a DFlash2 head")
-    built = BUILT_EXTRAS if eagle else BUILT_EXTRAS + LAYER_EXTRAS
+    built = BUILT_EXTRAS if eagle else BUILT_EXTRAS + ATTENTION_EXTRAS + LAYER_EXTRAS
     extras = [name for name in head.extra_tensors if not name.endswith(built)]
     if head.kind == "dflash2":  # its layers (graph_builder/dflash2.py) have none of these
         extras += [name for name in head.extra_tensors if name.endswith(LAYER_EXTRAS)]
@@ -156,9 +159,11 @@ def build_injection_graph(head_file: GGUFFile, head: HeadParams, target: HParams
     nkv = c.hp.n_head_kv
     for i in range(head.n_layer):
         p = f"blk.{i}."
-        k = head_norm(c, linear(c, fused, p + "attn_k.weight"), nkv, p + "attn_k_norm.weight")
+        kp = linear(c, fused, p + "attn_k.weight")  # [S, Hkv*hd]
+        k = head_norm(c, kp, nkv, p + "attn_k_norm.weight")
         k3 = rotate(c, g.op("Unsqueeze", [k, g.const([0])]), pos_ids, nkv)  # [1, S, Hkv*hd]
-        v = linear(c, fused, p + "attn_v.weight")  # [S, Hkv*hd]
+        v = (linear(c, fused, p + "attn_v.weight") if head_file.has_tensor(p + "attn_v.weight")
+             else shared_value(c, kp))  # [S, Hkv*hd]
         write_kv_rows(c, i, k3, v, packed)
         c.shared.clear()
         c.tick(f"layer {i + 1}/{head.n_layer}")

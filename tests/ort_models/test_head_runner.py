@@ -152,6 +152,10 @@ GEMMA = {
     "attention-scales": gemma_features(attention_scale=0.3, value_scale=0.7),
     "post-norms-output-scale": gemma_features(post_norms=True, output_scale=0.9),
     "gemma3-like": gemma_features(sliding_window=5, gelu=True, post_norms=True),
+    "shared-kv": gemma_features(shared_kv=True),
+    "attention-sinks": gemma_features(sinks=True),
+    "gemma4-like": gemma_features(sliding_window=5, shared_kv=True, sinks=True,
+                                  post_norms=True, output_scale=0.9),
 }
 
 
@@ -163,7 +167,8 @@ def test_heads_of_gemma_targets_match_the_reference(target_path: Path, tmp_path:
     scales, post-norms and an output scale: its block as the reference computes it (a
     DFlash2 head's layers take the first four; the others it refuses, naming them)."""
     features = GEMMA[name]
-    if kind == "dflash2" and ("value_scale" in str(features) or features["tensors"]):
+    if kind == "dflash2" and ("value_scale" in str(features) or any(
+            "post_" in name or "output_scale" in name for name in features["tensors"])):
         path = write_tiny_head(tmp_path / "head.gguf", kind=kind, seed=5, **features)
         with pytest.raises(ValueError, match="DFlash2|post_attention_norm|output_scale"):
             load_or_build_head(path, target_path, accuracy_level=1, kernels="ort")
@@ -188,11 +193,12 @@ def test_heads_of_gemma_targets_match_the_reference(target_path: Path, tmp_path:
 
 
 @pytest.mark.parametrize("name", ["embedding-scale", "attention-scales",
-                                  "post-norms-output-scale", "sliding-window"])
+                                  "post-norms-output-scale", "sliding-window", "shared-kv",
+                                  "attention-sinks"])
 def test_specd_kernels_run_heads_of_gemma_targets(tiny_model_factory: Callable[..., Path],
                                                   tmp_path: Path, name: str) -> None:
     """Where specd's kernels run, a head with those features packs its blocks on specd's
-    attention (not one with a sliding window: its rows see the block after them), and its
+    attention (not one with a sliding window, shared K/V or sinks: written out), and its
     logits stay the reference's within the error of 8-bit activations."""
     from specd.ort_models import native_ops
     from specd.ort_models.graph_builder.dflash import packs_sequences
@@ -202,7 +208,8 @@ def test_specd_kernels_run_heads_of_gemma_targets(tiny_model_factory: Callable[.
     target = tiny_model_factory(arch="qwen3", weight_type="Q4_0", seed=3, context_length=512)
     path = write_tiny_head(tmp_path / "head.gguf", seed=5, weight_type="Q4_0", **GEMMA[name])
     built = load_or_build_head(path, target, kernels="gguf", requant="")
-    assert packs_sequences(built.head, "gguf") == (name != "sliding-window")
+    written_out = ("sliding-window", "shared-kv", "attention-sinks")
+    assert packs_sequences(built.head, "gguf") == (name not in written_out)
     runner = HeadRunner(built, n_ctx=512)
     ref_target = ReferenceModel(target)
     ref = ReferenceDFlash(path, ref_target, n_ctx=runner.n_ctx)

@@ -424,7 +424,9 @@ class ReferenceDFlash:
     (later ones in the block still); GELU (tanh) where dflash.hidden_activation says
     gelu; the attention output times dflash.attention.value_scale; post_attention_norm /
     post_ffw_norm RMSNorm the attention / FFN output before its residual add; the layer's
-    output times layer_output_scale.
+    output times layer_output_scale; a layer without attn_v takes its values from its key
+    product, each head RMSNorm'd (unweighted), before the key's norm and rotary; attention
+    sinks (attn_sinks, one per head) add exp(sink) to the softmax's denominator.
     """
 
     def __init__(self, path: str | Path, target: ReferenceModel, n_ctx: int = 512):
@@ -466,7 +468,8 @@ class ReferenceDFlash:
         p, w = f"blk.{layer}.", self.weights
         n = h.shape[0]
         k = (h @ w[p + "attn_k.weight"].T).reshape(n, self.n_head_kv, self.head_dim)
-        v = (h @ w[p + "attn_v.weight"].T).reshape(n, self.n_head_kv, self.head_dim)
+        v = ((h @ w[p + "attn_v.weight"].T).reshape(n, self.n_head_kv, self.head_dim)
+             if p + "attn_v.weight" in w else rms_norm(k, 1.0, self.eps))  # shared K/V
         k = rms_norm(k, w[p + "attn_k_norm.weight"], self.eps).transpose(1, 0, 2)
         k = rope(k, positions, self.n_rot, self.rope_base, neox=True)  # [Hkv, T, hd]
         self.keys[layer][:, positions] = k
@@ -543,8 +546,11 @@ class ReferenceDFlash:
             scores = q @ keys.transpose(0, 2, 1) * self.attn_scale  # [H, B, end]
             hidden = masked | old if self.swa[layer] else masked
             scores = np.where(hidden[None], -np.inf, scores)
-            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            probs /= probs.sum(axis=-1, keepdims=True)
+            # attention sinks: one more logit per head in the softmax's denominator
+            sink = w.get(p + "attn_sinks.weight", np.full(self.n_head, -np.inf))
+            top = np.maximum(scores.max(axis=-1, keepdims=True), sink[:, None, None])
+            probs = np.exp(scores - top)
+            probs /= probs.sum(axis=-1, keepdims=True) + np.exp(sink[:, None, None] - top)
             attn = (probs @ vals).transpose(1, 0, 2).reshape(n, self.n_head * hd)
             a = attn @ w[p + "attn_output.weight"].T * self.value_scale
             a = a if conv is None else conv(a, dyn, w[p + "attn_conv_base"], 1)

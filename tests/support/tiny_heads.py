@@ -254,14 +254,15 @@ def gemma_features(*, seed: int = 0, n_layer: int = 2, n_embd: int = 64,
                    embedding_scale: float | None = 8.0, sliding_window: int = 0,
                    pattern: Sequence[bool] | None = None, gelu: bool = False,
                    attention_scale: float | None = None, value_scale: float | None = None,
-                   post_norms: bool = False, output_scale: float | None = None
-                   ) -> dict[str, Any]:
+                   post_norms: bool = False, output_scale: float | None = None,
+                   shared_kv: bool = False, sinks: bool = False) -> dict[str, Any]:
     """`write_tiny_head`'s meta and tensors for what llama.cpp's dflash layers read for
     heads of Gemma targets (keys as conversion/qwen.py and specd's convert-draft write
     them): an embedding scale (Gemma's sqrt(n_embd), by default 8 = sqrt(64)), a sliding
     window over the layers `pattern` marks (default: every other one, the first), GELU,
     an attention scale and value scale, post-attention and post-FFN norms, a layer output
-    scale. Pass as write_tiny_head(..., **gemma_features(...))."""
+    scale, layers without attn_v (K shared as V), attention sinks (4 heads). Pass as
+    write_tiny_head(..., **gemma_features(...))."""
     meta: dict[str, Any] = {}
     if embedding_scale is not None:
         meta["dflash.embedding_scale"] = embedding_scale
@@ -285,4 +286,7 @@ def gemma_features(*, seed: int = 0, n_layer: int = 2, n_embd: int = 64,
         if output_scale is not None:
             tensors[f"blk.{i}.layer_output_scale.weight"] = np.array([output_scale],
                                                                      np.float32)
-    return {"meta": meta, "tensors": tensors}
+        if sinks:
+            tensors[f"blk.{i}.attn_sinks.weight"] = rng.standard_normal(4).astype(np.float32)
+    drop = [f"blk.{i}.attn_v.weight" for i in range(n_layer)] if shared_kv else []
+    return {"meta": meta, "tensors": tensors, "drop": drop}

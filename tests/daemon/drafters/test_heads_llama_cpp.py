@@ -36,7 +36,11 @@ HEADS: dict[str, dict[str, Any]] = {
                                       attention_scale=0.3, value_scale=0.7,
                                       output_scale=0.9)},
     "dflash2-gemma": {"kind": "dflash2", "target_layers": (1, 3),
-                      **gemma_features(sliding_window=5, gelu=True, attention_scale=0.3)},
+                      **gemma_features(sliding_window=5, gelu=True, attention_scale=0.3,
+                                       shared_kv=True, sinks=True)},
+    "dflash-gemma4": {"kind": "dflash", "target_layers": (1, 3),
+                      **gemma_features(sliding_window=5, shared_kv=True, sinks=True,
+                                       post_norms=True, output_scale=0.9)},
 }
 VOCABS: dict[str, dict[str, Any]] = {"full": {}, "d2t": {"draft_vocab": 100}}
 
