@@ -80,14 +80,32 @@ def speculative_run(target: Path, draft: Path, prompt: str, *, spec_type: str,
            "--spec-draft-p-min", "0", "-p", prompt, "-n", str(n_predict), "--temp", "0",
            "-lv", "5", "-t", str(threads), "-c", "256",
            "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32", "-fa", "off"]
-    r = subprocess.run(cmd, capture_output=True, timeout=300)
-    log = (r.stdout + r.stderr).decode("utf-8", errors="replace")
-    if r.returncode != 0:
-        raise RuntimeError(f"llama-speculative-simple exited {r.returncode}: {log[-2000:]}")
+    # its logger sometimes loses the last lines of both streams at exit: run it again
+    # where the closing counts are missing or disagree with the rounds
+    for _ in range(_ATTEMPTS):
+        r = subprocess.run(cmd, capture_output=True, timeout=300)
+        log = (r.stdout + r.stderr).decode("utf-8", errors="replace")
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-speculative-simple exited {r.returncode}: "
+                               f"{log[-2000:]}")
+        run = _parse_run(r.stdout, r.stderr)
+        if (m := _TOTALS.search(log)) and (int(m.group(1)), int(m.group(2))) == (
+                sum(x.accepted + 1 for x in run.rounds), sum(x.n_drafted for x in run.rounds)):
+            return run
+    raise RuntimeError(f"llama-speculative-simple's log ended early {_ATTEMPTS} times: "
+                       f"{log[-2000:]}")
+
+
+_ATTEMPTS = 4
+_TOTALS = re.compile(r"n_predict = (\d+)\n.*n_drafted = (\d+)", re.DOTALL)
+
+
+def _parse_run(stdout: bytes, stderr: bytes) -> SpeculativeRun:
+    """The rounds in llama-speculative-simple's debug log, and its printed text."""
     rounds: list[Round] = []
     positions: list[list[tuple[int, float]]] = []
     pos = -1
-    for line in r.stderr.decode("utf-8", errors="replace").splitlines():
+    for line in stderr.decode("utf-8", errors="replace").splitlines():
         if m := _CANDIDATE.search(line):
             if m.group(1) == "0":
                 positions.append([])
@@ -99,7 +117,7 @@ def speculative_run(target: Path, draft: Path, prompt: str, *, spec_type: str,
             rounds.append(Round(positions[:n], int(m.group(1)),
                                 int(m.group(3)) if m.group(3) else -1, n, pos))
             positions, pos = [], -1
-    return SpeculativeRun(rounds, r.stdout)
+    return SpeculativeRun(rounds, stdout)
 
 
 def greedy_completion(model: Path, prompt: list[int], n_predict: int, *, threads: int = 2,
