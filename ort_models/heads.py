@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .gguf_file import GGUFError, GGUFFile, TensorInfo
+from .quant import dense_float32
 
 KINDS = ("dflash", "dflash2", "dspark", "eagle3")
 DEFAULT_BLOCK_SIZE = 16  # what llama.cpp drafts with where dflash.block_size is absent
@@ -51,6 +52,7 @@ class HeadParams:
     rope_sections: tuple[int, ...]  # M-RoPE sections as written (drafts for M-RoPE targets)
     rope_scaling: str | None  # {arch}.rope.scaling.type
     rope_scaling_factor: float | None
+    rope_freq_factors: tuple[float, ...]  # rope_freqs.weight: one per rotated pair (or ())
     hidden_act: str  # "silu" | "gelu"
     causal: bool  # attention within the drafted block (dflash family default: not causal)
     shared_kv: bool  # layers without attn_v use K as V (llama.cpp's optional attn_v)
@@ -239,6 +241,9 @@ def read_head(f: GGUFFile) -> HeadParams:
     p["shared_kv"] = _layers(t, kind, p)
     p |= _vocabulary(m, t, kind, p)
     t.check_all_used()
+    freqs = f.tensors.get("rope_freqs.weight")
+    p["rope_freq_factors"] = () if freqs is None else tuple(
+        float(x) for x in dense_float32(freqs).reshape(-1))
     extras = sorted(name for name in t.used if _is_extra(name))
     return HeadParams(kind=kind, arch=f.arch, extra_tensors=tuple(extras), **p)
 

@@ -56,12 +56,17 @@ class HParams:
     ffn_act: str = "silu"  # gated FFN activation: "silu" or "gelu" (tanh approximation)
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     moe: MoeParams | None = None  # a mixture-of-experts FFN in every layer (None: dense)
+    # rotary angles p * rope_freq_scale * base^(-2i/rope_dim) / rope_freq_factors[i]
+    # (linear rope scaling: 1 / its factor; rope_freqs.weight: one factor per pair)
+    rope_freq_scale: float = 1.0
+    rope_freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         # a tuple however it was given (a meta.json round trip gives a list)
         object.__setattr__(self, "swa_layers", tuple(self.swa_layers))
         if isinstance(self.moe, dict):  # a meta.json round trip gives a dict
             object.__setattr__(self, "moe", MoeParams(**self.moe))
+        object.__setattr__(self, "rope_freq_factors", tuple(self.rope_freq_factors))
 
     @property
     def group_size(self) -> int:

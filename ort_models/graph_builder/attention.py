@@ -44,6 +44,10 @@ def rope_tables(hp: HParams, max_pos: int, base: float | None = None
     default the model's)."""
     base = hp.rope_base if base is None else base
     inv = base ** (-np.arange(0, hp.rope_dim, 2, dtype=np.float64) / hp.rope_dim)
+    if hp.rope_freq_factors:  # rope_freqs.weight (a drafter head's)
+        inv = inv / np.asarray(hp.rope_freq_factors, np.float64)
+    if hp.rope_freq_scale != 1.0:  # linear rope scaling (a drafter head's)
+        inv = inv * hp.rope_freq_scale
     ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # [P, rot/2]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 

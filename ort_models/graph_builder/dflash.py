@@ -60,7 +60,7 @@ from .options import ACCURACY_LEVEL, F32, I64, BuildOptions, Progress
 from .pending import materialize
 from .sampling import sample_tokens
 
-BUILT_EXTRAS = ("conf_proj.bias",)  # optional tensors these graphs build
+BUILT_EXTRAS = ("conf_proj.bias", "rope_freqs.weight")  # optional tensors these graphs build
 FEATURE_LIMIT = 65504.0  # non-finite or huge target features are clamped to float16's range
 
 
@@ -76,7 +76,10 @@ def head_hparams(head: HeadParams, target: HParams) -> HParams:
                    sliding_window=head.sliding_window,
                    swa_layers=head.sliding_window_pattern,
                    embedding_scale=head.embedding_scale,
-                   attention_scale=head.attention_scale, ffn_act=head.hidden_act)
+                   attention_scale=head.attention_scale, ffn_act=head.hidden_act,
+                   rope_freq_scale=1.0 / head.rope_scaling_factor if (
+                       head.rope_scaling == "linear" and head.rope_scaling_factor) else 1.0,
+                   rope_freq_factors=head.rope_freq_factors)
 
 
 def packs_sequences(head: HeadParams, kernels: str) -> bool:
@@ -120,7 +123,7 @@ def unsupported(head: HeadParams) -> list[str]:
     feature, and where llama.cpp's graph for the kind does not read it either."""
     out = []
     eagle = head.kind == "eagle3"
-    if head.rope_scaling not in (None, "none"):
+    if head.rope_scaling not in (None, "none", "linear"):
         out.append(f"rope scaling {head.rope_scaling}")
     if head.rope_sections:
         out.append("M-RoPE sections")

@@ -156,6 +156,8 @@ GEMMA = {
     "attention-sinks": gemma_features(sinks=True),
     "gemma4-like": gemma_features(sliding_window=5, shared_kv=True, sinks=True,
                                   post_norms=True, output_scale=0.9),
+    "rope-linear": gemma_features(rope_linear=8.0),
+    "rope-freqs": gemma_features(rope_freqs=True),
 }
 
 
@@ -299,9 +301,12 @@ def test_eagle3_encoder_and_steps_match_the_reference(target_path: Path, tmp_pat
                   target_path)
 
 
-def test_the_eagle3_head_converted_by_llama_cpp_matches_the_reference(target_path: Path
-                                                                      ) -> None:
-    _check_eagle3(Path(__file__).resolve().parents[1] / "fixtures" / "heads" / "eagle3.gguf",
+@pytest.mark.parametrize("name", ["eagle3", "eagle3-llama3"])
+def test_the_eagle3_heads_converted_by_llama_cpp_match_the_reference(target_path: Path,
+                                                                     name: str) -> None:
+    """eagle3-llama3: Llama 3.1's rope scaling, as the converter writes it
+    (rope_freqs.weight), and norm_before_residual."""
+    _check_eagle3(Path(__file__).resolve().parents[1] / "fixtures" / "heads" / f"{name}.gguf",
                   target_path)
 
 

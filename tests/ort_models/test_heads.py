@@ -25,6 +25,7 @@ DFLASH = HeadParams(
     kind="dflash", arch="dflash", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16,
     n_ff=128, n_ctx_train=512, rms_eps=float(np.float32(1e-6)), rope_base=1e6, rope_dim=16,
     rope_interleaved=False, rope_sections=(), rope_scaling=None, rope_scaling_factor=None,
+    rope_freq_factors=(),
     hidden_act="silu", causal=False, shared_kv=False, sliding_window=0,
     sliding_window_pattern=(), embedding_scale=None, attention_scale=None,
     attention_value_scale=None, logit_scale=None, final_logit_softcapping=None,

@@ -77,10 +77,16 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(ms + eps) * w
 
 
-def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, neox: bool) -> np.ndarray:
-    """Rotate x [..., T, head_dim] at integer `positions` [T] (llama.cpp NORM or NEOX)."""
+def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, neox: bool,
+         freq_scale: float = 1.0, factors: np.ndarray | None = None) -> np.ndarray:
+    """Rotate x [..., T, head_dim] at integer `positions` [T] (llama.cpp NORM or NEOX);
+    freq_scale: linear rope scaling's 1 / factor; factors [half]: rope_freqs.weight, each
+    pair's frequency divided by its factor."""
     half = n_rot // 2
     inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / n_rot)  # [half]
+    if factors is not None:
+        inv_freq = inv_freq / np.asarray(factors, np.float64).reshape(-1)
+    inv_freq = inv_freq * freq_scale
     theta = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
     cos, sin = np.cos(theta), np.sin(theta)
     out = x.copy()
@@ -405,6 +411,13 @@ def _gguf_matmul_q4(x: np.ndarray, blocks: Any) -> np.ndarray:
 # ---------------------------------------------------------------------------------------
 
 
+def _linear_rope_scale(md: dict[str, Any], arch: str) -> float:
+    """1 / {arch}.rope.scaling.factor where the scaling is linear, else 1."""
+    factor = md.get(f"{arch}.rope.scaling.factor")
+    linear = md.get(f"{arch}.rope.scaling.type", "linear") == "linear"
+    return 1.0 / float(factor) if linear and factor else 1.0
+
+
 class ReferenceDFlash:
     """float64 oracle of a DFlash, DSpark or DFlash2 head drafting for `target`.
 
@@ -426,7 +439,9 @@ class ReferenceDFlash:
     post_ffw_norm RMSNorm the attention / FFN output before its residual add; the layer's
     output times layer_output_scale; a layer without attn_v takes its values from its key
     product, each head RMSNorm'd (unweighted), before the key's norm and rotary; attention
-    sinks (attn_sinks, one per head) add exp(sink) to the softmax's denominator.
+    sinks (attn_sinks, one per head) add exp(sink) to the softmax's denominator; linear
+    rope scaling (dflash.rope.scaling.factor) and rope_freqs.weight scale the rotary
+    frequencies.
     """
 
     def __init__(self, path: str | Path, target: ReferenceModel, n_ctx: int = 512):
@@ -440,6 +455,8 @@ class ReferenceDFlash:
         self.n_rot = int(md.get("dflash.rope.dimension_count", self.head_dim))
         self.eps = float(md["dflash.attention.layer_norm_rms_epsilon"])
         self.rope_base = float(md.get("dflash.rope.freq_base", 10000.0))
+        self.rope_scale = _linear_rope_scale(md, "dflash")
+        self.rope_factors = w.get("rope_freqs.weight")
         self.causal = bool(md.get("dflash.attention.causal", False))
         self.embed_scale = float(md.get("dflash.embedding_scale", 1.0))
         self.attn_scale = float(md.get("dflash.attention.scale", 0.0)) or (
@@ -471,7 +488,8 @@ class ReferenceDFlash:
         v = ((h @ w[p + "attn_v.weight"].T).reshape(n, self.n_head_kv, self.head_dim)
              if p + "attn_v.weight" in w else rms_norm(k, 1.0, self.eps))  # shared K/V
         k = rms_norm(k, w[p + "attn_k_norm.weight"], self.eps).transpose(1, 0, 2)
-        k = rope(k, positions, self.n_rot, self.rope_base, neox=True)  # [Hkv, T, hd]
+        k = rope(k, positions, self.n_rot, self.rope_base, True, self.rope_scale,
+                 self.rope_factors)  # [Hkv, T, hd]
         self.keys[layer][:, positions] = k
         self.values[layer][:, positions] = v.transpose(1, 0, 2)
 
@@ -539,7 +557,8 @@ class ReferenceDFlash:
                 h = conv(h, dyn, w[p + "attn_conv_base"], 0)
             q = (h @ w[p + "attn_q.weight"].T).reshape(n, self.n_head, hd)
             q = rms_norm(q, w[p + "attn_q_norm.weight"], self.eps).transpose(1, 0, 2)
-            q = rope(q, positions, self.n_rot, self.rope_base, neox=True)  # [H, B, hd]
+            q = rope(q, positions, self.n_rot, self.rope_base, True, self.rope_scale,
+                     self.rope_factors)  # [H, B, hd]
             self._kv(h, layer, positions)
             keys = np.repeat(self.keys[layer][:, :end], group, axis=0)  # [H, end, hd]
             vals = np.repeat(self.values[layer][:, :end], group, axis=0)
@@ -636,6 +655,8 @@ class ReferenceEagle3:
         self.n_rot = int(md.get("eagle3.rope.dimension_count", self.head_dim))
         self.eps = float(md["eagle3.attention.layer_norm_rms_epsilon"])
         self.rope_base = float(md.get("eagle3.rope.freq_base", 10000.0))
+        self.rope_scale = _linear_rope_scale(md, "eagle3")
+        self.rope_factors = w.get("rope_freqs.weight")
         self.norm_before_residual = bool(md.get("eagle3.norm_before_residual", False))
         self.norm_before_fc = bool(md.get("eagle3.norm_before_fc", False))
         self.target_layers = [int(x) for x in md["eagle3.target_layers"]]
@@ -669,8 +690,10 @@ class ReferenceEagle3:
         q = (x @ w[p + "attn_q.weight"].T).reshape(n, self.n_head, hd).transpose(1, 0, 2)
         k = (x @ w[p + "attn_k.weight"].T).reshape(n, self.n_head_kv, hd).transpose(1, 0, 2)
         v = (x @ w[p + "attn_v.weight"].T).reshape(n, self.n_head_kv, hd).transpose(1, 0, 2)
-        q = rope(q, positions, self.n_rot, self.rope_base, neox=False)
-        self.keys[:, positions] = rope(k, positions, self.n_rot, self.rope_base, neox=False)
+        q = rope(q, positions, self.n_rot, self.rope_base, False, self.rope_scale,
+                 self.rope_factors)
+        self.keys[:, positions] = rope(k, positions, self.n_rot, self.rope_base, False,
+                                       self.rope_scale, self.rope_factors)
         self.values[:, positions] = v
         end = int(positions.max()) + 1
         keys = np.repeat(self.keys[:, :end], group, axis=0)  # [H, end, hd]

@@ -255,14 +255,17 @@ def gemma_features(*, seed: int = 0, n_layer: int = 2, n_embd: int = 64,
                    pattern: Sequence[bool] | None = None, gelu: bool = False,
                    attention_scale: float | None = None, value_scale: float | None = None,
                    post_norms: bool = False, output_scale: float | None = None,
-                   shared_kv: bool = False, sinks: bool = False) -> dict[str, Any]:
+                   shared_kv: bool = False, sinks: bool = False,
+                   rope_linear: float | None = None, rope_freqs: bool = False,
+                   head_dim: int = 16) -> dict[str, Any]:
     """`write_tiny_head`'s meta and tensors for what llama.cpp's dflash layers read for
     heads of Gemma targets (keys as conversion/qwen.py and specd's convert-draft write
     them): an embedding scale (Gemma's sqrt(n_embd), by default 8 = sqrt(64)), a sliding
     window over the layers `pattern` marks (default: every other one, the first), GELU,
     an attention scale and value scale, post-attention and post-FFN norms, a layer output
-    scale, layers without attn_v (K shared as V), attention sinks (4 heads). Pass as
-    write_tiny_head(..., **gemma_features(...))."""
+    scale, layers without attn_v (K shared as V), attention sinks (4 heads), linear rope
+    scaling by `rope_linear`, rope frequency factors (rope_freqs.weight, head_dim / 2).
+    Pass as write_tiny_head(..., **gemma_features(...))."""
     meta: dict[str, Any] = {}
     if embedding_scale is not None:
         meta["dflash.embedding_scale"] = embedding_scale
@@ -276,8 +279,13 @@ def gemma_features(*, seed: int = 0, n_layer: int = 2, n_embd: int = 64,
         meta["dflash.attention.scale"] = attention_scale
     if value_scale is not None:
         meta["dflash.attention.value_scale"] = value_scale
+    if rope_linear is not None:
+        meta["dflash.rope.scaling.type"] = "linear"
+        meta["dflash.rope.scaling.factor"] = rope_linear
     tensors: dict[str, np.ndarray] = {}
     rng = _name_seed(seed, "gemma_features", 0)
+    if rope_freqs:
+        tensors["rope_freqs.weight"] = np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32)
     for i in range(n_layer):
         if post_norms:
             for name in ("post_attention_norm", "post_ffw_norm"):

@@ -41,6 +41,11 @@ HEADS: dict[str, dict[str, Any]] = {
     "dflash-gemma4": {"kind": "dflash", "target_layers": (1, 3),
                       **gemma_features(sliding_window=5, shared_kv=True, sinks=True,
                                        post_norms=True, output_scale=0.9)},
+    # linear rope scaling and rope frequency factors (Llama 3.1's, as rope_freqs.weight)
+    "dflash-rope": {"kind": "dflash", "target_layers": (1, 3),
+                    **gemma_features(embedding_scale=None, rope_linear=8.0, rope_freqs=True)},
+    "eagle3-rope-freqs": {"kind": "eagle3", "target_layers": (1, 2, 3),
+                          **gemma_features(embedding_scale=None, rope_freqs=True)},
 }
 VOCABS: dict[str, dict[str, Any]] = {"full": {}, "d2t": {"draft_vocab": 100}}
 

@@ -8,7 +8,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from specd.daemon.serving.engine import Engine, EngineConfig, EngineError
@@ -135,12 +134,12 @@ def test_heads_that_do_not_fit_or_run_are_refused(files: tuple[Path, Path],
     wide = write_tiny_head(tmp_path / "wide.gguf", n_embd=96, target_hidden_size=96)
     with pytest.raises(EngineError, match="cannot draft for"):
         _engine(target, wide)
-    scaled_rope = write_tiny_head(tmp_path / "rope.gguf", meta={
-        "dflash.rope.scaling.type": "linear", "dflash.rope.scaling.factor": 4.0}, tensors={
-        "rope_freqs.weight": np.ones(8, np.float32)})
-    with pytest.raises(EngineError, match="does not run this head: rope scaling linear; "
-                                          "tensors rope_freqs.weight"):
-        _engine(target, scaled_rope)
+    yarn = write_tiny_head(tmp_path / "yarn.gguf", meta={
+        "dflash.rope.scaling.type": "yarn", "dflash.rope.scaling.factor": 4.0,
+        "dflash.rope.dimension_sections": [8, 0, 0, 0]})
+    with pytest.raises(EngineError, match="does not run this head: rope scaling yarn; "
+                                          "M-RoPE sections"):
+        _engine(target, yarn)
     # what llama.cpp's eagle3 graph has not either
     scaled = write_tiny_head(tmp_path / "scaled.gguf", kind="eagle3", meta={
         "eagle3.embedding_scale": 8.0, "eagle3.attention.sliding_window": 8,
