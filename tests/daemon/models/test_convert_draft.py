@@ -268,3 +268,31 @@ def test_not_a_checkpoint(tmp_path: Path, target: Path) -> None:
     with pytest.raises(ConvertError, match="no model\\*.safetensors files"):
         convert_draft(ck, target, tmp_path / "out.gguf")
     shutil.rmtree(ck)
+
+
+def test_a_head_converted_for_a_gemma3_target_runs_as_the_reference(tmp_path: Path) -> None:
+    """convert-draft gives a head for a Gemma target the target's embedding scale
+    (sqrt(n_embd): the head shares the target's embeddings, which Gemma scales in its
+    forward pass); specd builds such a head, and its block is the reference's."""
+    from specd.ort_models.head_runner import HeadRunner, load_or_build_head
+
+    from numpy_reference import ReferenceDFlash, ReferenceModel
+
+    gemma = write_tiny_gguf(tmp_path / "gemma3.gguf", arch="gemma3", weight_type="F32",
+                            seed=3, sliding_window=6, swa_pattern=2, context_length=512)
+    out = tmp_path / "head.gguf"
+    convert_draft(hf.dflash(tmp_path / "checkpoints"), gemma, out, "f32")
+    assert read_head(GGUFFile(out)).embedding_scale == 8.0
+    runner = HeadRunner(load_or_build_head(out, gemma, accuracy_level=1, kernels="ort"),
+                        n_ctx=64)
+    ref_target = ReferenceModel(gemma)
+    ref = ReferenceDFlash(out, ref_target, n_ctx=64)
+    prompt = [2, 20, 31, 42, 53, 64, 75, 86]
+    inputs: dict[int, np.ndarray] = {}
+    ref_target.step(prompt, ref_target.new_cache(), inputs)
+    features = ref.features(inputs)  # [T, 2E]
+    runner.inject(0, features.astype(np.float32), 0)
+    ref.inject(features, np.arange(len(prompt)))
+    block = [prompt[-1]] + [hf.MASK_TOKEN] * 3
+    got = runner.block(0, block, len(prompt), [1, 2, 3]).logits
+    np.testing.assert_allclose(got, ref.block(block, len(prompt))[1:], rtol=1e-4, atol=1e-4)
