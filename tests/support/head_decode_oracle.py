@@ -83,17 +83,18 @@ class SpecdRound:
 
 @dataclass
 class Comparison:
-    """What was compared: rounds in step, their drafted tokens, near ties, rounds skipped
-    to resynchronise (per side), and the tokens each side drafted and had accepted."""
+    """What was compared: rounds in step (with their drafts and accepted counts), near
+    ties, rounds skipped to resynchronise (per side), the text's tokens."""
 
     kind: str
     rounds: int = 0
-    drafts: int = 0
+    drafted: int = 0  # specd's drafted tokens in the rounds compared
+    drafts_compared: int = 0  # of which compared with llama.cpp's, token by token
+    accepted: int = 0  # specd's drafts the target accepted in those rounds
+    accepted_counts: list[int] = field(default_factory=list)  # per round compared
     near_ties: list[str] = field(default_factory=list)
     skipped: tuple[int, int] = (0, 0)  # (specd's, llama.cpp's)
-    drafted: int = 0  # specd's drafted tokens in the compared rounds
-    accepted: int = 0  # of which the target accepted
-    text_tokens: int = 0  # tokens of the text compared
+    text_tokens: int = 0  # tokens of the text compared (the first one's and llama.cpp's)
 
 
 def specd_decode(target: Path, head: Path, prompt: list[int], *, max_tokens: int, n_max: int,
@@ -348,9 +349,10 @@ def compare_decodes(target: Path, head: Path, text: str, *, n_predict: int, n_ma
         ties = _compare_round(ref, full, a, b, chained)
         result.near_ties += ties
         result.rounds += 1
-        result.drafts += len(a.drafts)
         result.drafted += len(a.drafts)
+        result.drafts_compared += len(b.candidates)
         result.accepted += a.accepted
+        result.accepted_counts.append(a.accepted)
         i, j = i + 1, j + 1
         if a.accepted != b.accepted:  # resynchronise on the next start both share
             i2, j2, more = _skip_to_common_start(ref, full, mine, theirs, i, j)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -528,9 +528,11 @@ def _write(
     type_overrides: dict[str, str] | None = None,
     drop: Sequence[str] = (),
     extra: Callable[[GGUFWriter], None] | None = None,
+    tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write `cfg`'s model (arch_name: the architecture key written instead; drop: tensors
-    left out; extra: called with the writer after the tensors, to add keys and tensors)."""
+    left out; extra: called with the writer after the tensors, to add keys and tensors;
+    tensors: given float32 values for tensors of those names)."""
     arch = arch_name or cfg.arch
     path.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(path), arch)
@@ -573,6 +575,9 @@ def _write(
     overrides = type_overrides or {}
     for spec in specs:
         if spec.name in drop:
+            continue
+        if tensors is not None and spec.name in tensors:  # given values (float32)
+            w.add_tensor(spec.name, np.ascontiguousarray(tensors[spec.name], np.float32))
             continue
         if spec.name in overrides:
             raw = _unsupported_raw(spec, overrides[spec.name], seed)
@@ -662,6 +667,7 @@ def write_tiny_gguf(
     swa_pattern: int | list[bool] | None = None,
     rope_freq_base_swa: float | None = None,
     final_softcap: float | None = None,
+    tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write a tiny random model and return its path (fim: add Qwen's FIM specials;
     rope_dim: partial rotary, the first rope_dim dims of each head rotated; value_type:
@@ -670,6 +676,7 @@ def write_tiny_gguf(
     gemma3 (q/k norms, post-attention and post-FFN norms, tied): sliding_window (0: none),
     swa_pattern (a period or one bool a layer, written as given; None: not written, so
     Gemma 3's default applies), rope_freq_base_swa and final_softcap (None: not written).
+    tensors: given float32 values for tensors of those names (written as F32).
 
     `weight_type` is used for every 2-D matmul weight and, unless `embed_type` /
     `output_type` say otherwise, for token_embd.weight / output.weight.  Norm weights use
@@ -692,7 +699,7 @@ def write_tiny_gguf(
         cfg = dataclasses.replace(cfg, value_type=value_type)
     cfg = dataclasses.replace(cfg, sliding_window=sliding_window, swa_pattern=swa_pattern,
                               rope_freq_base_swa=rope_freq_base_swa, final_softcap=final_softcap)
-    return _write(Path(path), cfg, seed=seed, perturb=perturb)
+    return _write(Path(path), cfg, seed=seed, perturb=perturb, tensors=tensors)
 
 
 # ---------------------------------------------------------------------------------------
