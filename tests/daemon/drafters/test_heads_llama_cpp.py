@@ -19,6 +19,8 @@ from head_decode_oracle import compare_decodes
 from tiny_gguf import build_vocab, write_tiny_gguf
 from tiny_heads import gemma_features, write_tiny_head
 
+pytestmark = pytest.mark.llama_cpp_oracle
+
 TEXT = "hello world, this is a test"
 N_PREDICT = 32
 N_MAX = 3
