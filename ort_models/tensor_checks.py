@@ -8,7 +8,8 @@ a session created (rather than at the first token, inside ONNX Runtime):
 * every tensor the decoder reads is there: the embeddings, the final norm, and each
   layer's norms, attention and feed-forward matrices (a mixture of experts' router and
   3-D experts, with their biases where the architecture has them), the q/k/v biases
-  (`qkv_bias`), the q/k norms (`qk_norm`) and the output norms (`post_norms`);
+  (`qkv_bias`), the q/k norms (`qk_norm`), the output norms (`post_norms`) and the
+  attention gate (`attn_gate`);
 * vectors (norms, biases) are float tensors of the right length: n_embd for the layer
   and output norms, head_dim for per-head q/k norms (also n_head·head_dim or
   n_kv·head_dim where the architecture does not read them per head, as llama.cpp's
@@ -105,6 +106,8 @@ def required_tensors(hp: HParams) -> list[str]:
         per_layer += POST_NORMS
     if hp.qk_norm:
         per_layer += ["attn_q_norm", "attn_k_norm"]
+    if hp.attn_gate:
+        per_layer.append("attn_gate")
     layer_names = [f"{n}.weight" for n in per_layer]
     if hp.moe is not None and hp.moe.biases:
         layer_names += [f"{n}.bias" for n in MOE_MATRICES]
@@ -119,7 +122,8 @@ def _check_numbers(f: GGUFFile, hp: HParams) -> None:
     for what, value in (("attention.layer_norm_rms_epsilon", hp.rms_eps),
                         ("rope.freq_base", hp.rope_base),
                         ("rope.freq_base_swa", getattr(hp, "rope_base_swa", None)),
-                        ("final_logit_softcapping", getattr(hp, "final_softcap", None))):
+                        ("final_logit_softcapping", getattr(hp, "final_softcap", None)),
+                        ("logit_scale", hp.logit_scale)):
         if value is not None and not math.isfinite(value):
             raise GGUFError(f"{f.path}: {hp.arch}.{what} must be a finite number, got {value}")
 

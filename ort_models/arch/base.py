@@ -60,6 +60,12 @@ class HParams:
     # (linear rope scaling: 1 / its factor; rope_freqs.weight: one factor per pair)
     rope_freq_scale: float = 1.0
     rope_freq_factors: tuple[float, ...] = ()
+    # muse-glimmer's mechanisms (llama.cpp's src/models/muse-glimmer.cpp)
+    embedding_norm: bool = False  # the token embeddings RMS-normed (no weight) first
+    rope_swa_only: bool = False  # RoPE on the sliding-window layers only, global ones NoPE
+    attn_gate: bool = False  # sigmoid(attn_gate @ h) times the attention, before its output
+    post_norm_eps: float | None = None  # the post-norms' eps where it is not rms_eps
+    logit_scale: float | None = None  # logits times this, before any soft-capping
 
     def __post_init__(self) -> None:
         # a tuple however it was given (a meta.json round trip gives a list)
@@ -80,6 +86,10 @@ class HParams:
     def is_swa(self, layer: int) -> bool:
         """Whether `layer` attends over the sliding window only."""
         return bool(self.sliding_window) and self.swa_layers[layer]
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether `layer` rotates its queries and keys."""
+        return not self.rope_swa_only or self.is_swa(layer)
 
     def rope_base_of(self, layer: int) -> float:
         """`layer`'s rope base."""

@@ -40,10 +40,12 @@ def read_hparams(f: GGUFFile) -> HParams:
         attention_scale=1.0 / math.sqrt(hp.n_embd / hp.n_head) if n_layer == 62 else None)
 
 
-def swa_pattern(f: GGUFFile, n_layer: int) -> tuple[bool, ...]:
-    """Per layer, whether it slides: the file's array, or its period (default 6)."""
+def swa_pattern(f: GGUFFile, n_layer: int, default: int = DEFAULT_PATTERN
+                ) -> tuple[bool, ...]:
+    """Per layer, whether it slides: the file's array, or its period (default: gemma3's 6;
+    as llama.cpp's `load_swa_pattern`)."""
     key = f"{f.arch}.attention.sliding_window_pattern"
-    raw = f.metadata.get(key, DEFAULT_PATTERN)
+    raw = f.metadata.get(key, default)
     if isinstance(raw, list):
         if len(raw) != n_layer or not all(isinstance(x, bool) for x in raw):
             raise GGUFError(f"{f.path}: {key} must be {n_layer} booleans, one a layer")

@@ -82,15 +82,25 @@ def rotary_tables(c: BuildContext) -> None:
     g, hp = c.g, c.hp
     max_pos = c.options.max_positions or hp.n_ctx_train
     bases = {"rope": hp.rope_base} | {rope_table(hp, i): hp.rope_base_of(i)
-                                       for i in range(hp.n_layer)}
+                                       for i in range(hp.n_layer) if hp.uses_rope(i)}
     for name, base in bases.items():
         cos, sin = rope_tables(hp, max_pos, base)
         g.weight(f"{name}.cos", cos)
         g.weight(f"{name}.sin", sin)
+    if not all(hp.uses_rope(i) for i in range(hp.n_layer)):
+        # layers without RoPE (specd's attention rotates 0 dims): empty tables [P, 0]
+        empty = g.const(np.zeros((max_pos, 0), np.float32), np.float32)
+        for part in ("cos", "sin"):
+            g.op("Identity", [empty], out=[f"{NOPE}.{part}"])
+
+
+NOPE = "nope"  # the empty rotary tables of layers without RoPE
 
 
 def rope_table(hp: HParams, layer: int) -> str:
     """The name of the rotary tables `layer` reads (their .cos and .sin)."""
+    if not hp.uses_rope(layer):
+        return NOPE
     return "rope_swa" if hp.rope_base_of(layer) != hp.rope_base else "rope"
 
 
@@ -180,28 +190,39 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
         # CachedAttention reads q, k and v out of the stacked products, no Split between
         return linear(c, _cached_attention(c, i, grouped_linears(c, h, names), io.causal),
                       p + "attn_output.weight")
-    q, k, v = linears(c, h, names)  # [S, H*hd], [S, Hkv*hd], [S, Hkv*hd]
+    gate_names = [p + "attn_gate.weight"] if hp.attn_gate else []
+    # [S, H*hd], [S, Hkv*hd], [S, Hkv*hd] (and the gate's [S, H*hd])
+    q, k, v, *gate = linears(c, h, names + gate_names)
     if hp.qk_norm:
         q = head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
         k = head_norm(c, k, nkv, p + "attn_k_norm.weight")
     if c.options.attention == "native":
-        return linear(c, _cached_attention(c, i, [(q, names[:1]), (k, names[1:2]),
-                                                  (v, names[2:])], io.causal),
-                      p + "attn_output.weight")
+        out = _cached_attention(c, i, [(q, names[:1]), (k, names[1:2]), (v, names[2:])],
+                                io.causal)
+        return linear(c, gated(c, out, gate), p + "attn_output.weight")
     q3, k3 = (g.op("Unsqueeze", [t, g.const([0])]) for t in (q, k))  # [1, S, *]
     fused = c.options.attention == "fused"
     v3 = g.op("Unsqueeze", [v, g.const([0])]) if fused else ""
-    if fused and hp.rope_dim == hd:
+    if fused and hp.rope_dim == hd and hp.uses_rope(i):
         out = _fused_attention(c, i, q3, k3, v3, io, rotary=True)
     else:
-        table = rope_table(hp, i)
-        q3 = rotate(c, q3, io.pos_ids, hp.n_head, table)  # [1, S, H*hd]
-        k3 = rotate(c, k3, io.pos_ids, nkv, table)
+        if hp.uses_rope(i):
+            table = rope_table(hp, i)
+            q3 = rotate(c, q3, io.pos_ids, hp.n_head, table)  # [1, S, H*hd]
+            k3 = rotate(c, k3, io.pos_ids, nkv, table)
         if fused:
             out = _fused_attention(c, i, q3, k3, v3, io, rotary=False)
         else:
             out = _exact_attention(c, i, q3, k3, v, io)
-    return linear(c, out, p + "attn_output.weight")
+    return linear(c, gated(c, out, gate), p + "attn_output.weight")
+
+
+def gated(c: BuildContext, out: str, gate: list[str]) -> str:
+    """The attention output [S, H*hd] times sigmoid of the gate's product (muse-glimmer's
+    output gate), or as it is where the model has none (`gate` empty)."""
+    if not gate:
+        return out
+    return c.g.op("Mul", [out, c.g.op("Sigmoid", [gate[0]])])
 
 
 def shared_value(c: BuildContext, k: str) -> str:
@@ -313,7 +334,7 @@ def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[st
                           f"{table}.cos", f"{table}.sin"], 3, domain=NATIVE,
                      out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                      num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
-                     scale=hp.attn_scale, rotary_dim=hp.rope_dim,
+                     scale=hp.attn_scale, rotary_dim=hp.rope_dim if hp.uses_rope(i) else 0,
                      interleaved=int(hp.rope_interleaved), **optional)
     return out
 

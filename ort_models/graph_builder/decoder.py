@@ -41,6 +41,8 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
         x = embedding(c, ids)  # [S, E] residual stream
         if hp.embedding_scale is not None:
             x = g.op("Mul", [x, g.const(hp.embedding_scale, np.float32)])
+    if hp.embedding_norm:  # muse-glimmer: an RMS norm without a weight, of every row
+        x = rms_norm(c, x, g.const(np.ones(hp.n_embd, np.float32), np.float32))
     c.tick("embedding")
     delta: str | None = None  # the block output not yet added to x
     for i in range(hp.n_layer):
@@ -76,12 +78,13 @@ def decoder_layer(c: BuildContext, i: int, x: str, delta: str | None, io: Attent
     p = f"blk.{i}."
     x, h = add_norm(c, x, delta, p + "attn_norm.weight")
     a = attention(c, i, h, io)
+    eps = c.hp.post_norm_eps
     if c.hp.post_norms:  # gemma: the attention and FFN outputs normed before each residual
-        a = rms_norm(c, a, c.vector(p + "post_attention_norm.weight"))
+        a = rms_norm(c, a, c.vector(p + "post_attention_norm.weight"), eps)
     x, h = add_norm(c, x, a, p + "ffn_norm.weight")
     f = feed_forward(c, h, p)
     if c.hp.post_norms:
-        f = rms_norm(c, f, c.vector(p + "post_ffw_norm.weight"))
+        f = rms_norm(c, f, c.vector(p + "post_ffw_norm.weight"), eps)
     return x, f
 
 
@@ -99,6 +102,8 @@ def logits_head(c: BuildContext, x: str, delta: str) -> str:
         c.shared[head] = matrix(c, out_name).first_rows(width)
         out_name = head
     logits = linear(c, h, out_name)  # [R, width]
+    if hp.logit_scale is not None:  # muse-glimmer's output multiplier
+        logits = g.op("Mul", [logits, g.const(hp.logit_scale, np.float32)])
     if hp.final_softcap is not None:  # cap * tanh(logits / cap)
         cap = g.const(hp.final_softcap, np.float32)
         logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])

@@ -13,10 +13,11 @@ from .context import BuildContext
 from .pending import Activation, Pending
 
 
-def rms_norm(c: BuildContext, x: str, weight: str) -> str:
-    """RMSNorm of x over its last axis, scaled by the initializer `weight`."""
-    return c.g.op("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=c.hp.rms_eps,
-                  stash_type=1)
+def rms_norm(c: BuildContext, x: str, weight: str, eps: float | None = None) -> str:
+    """RMSNorm of x over its last axis, scaled by the initializer `weight` (eps: the
+    model's rms eps unless given)."""
+    return c.g.op("SimplifiedLayerNormalization", [x, weight], axis=-1,
+                  epsilon=c.hp.rms_eps if eps is None else eps, stash_type=1)
 
 
 def head_norm(c: BuildContext, x: str, n_heads: int, weight: str) -> str:
