@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from numpy_muse_glimmer import MuseGlimmerReference
-from tiny_muse_glimmer import write_tiny_muse_glimmer
 
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
@@ -29,7 +27,9 @@ from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
+from numpy_muse_glimmer import MuseGlimmerReference
 from speculation_checks import assert_speculated, decode_all
+from tiny_muse_glimmer import write_tiny_muse_glimmer
 
 PROMPT = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128, 9, 33]  # longer than the window
 NATIVE = BuildOptions(kernels="gguf", attention="native", kv_dtype="f16")

@@ -1,0 +1,65 @@
+"""Tiny random Hugging Face muse-glimmer checkpoints (transformers'
+`MuseGlimmerForConditionalGeneration`, a small vision tower beside the text model, as the
+released checkpoints have one), for llama.cpp's converter to turn into GGUF files.
+
+Random weights with magnitudes that give a tiny model decided greedy choices: matrices of
+std gain / sqrt(fan_in), the zero-centred layer norms (the converter adds 1) and the final
+norm jittered by 0.1, the output matrix of std 3 / sqrt(hidden). Needs torch.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llama_cpp_convert import write_tokenizer
+
+TEXT: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "sliding_window": 5, "rms_norm_eps": 1e-5, "final_logit_softcapping": 30.0,
+    "qk_scale_factor": 3.87, "output_multiplier": 1.5, "max_position_embeddings": 512,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+VISION: dict[str, Any] = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4,
+    "merge_size": 2, "max_position_embeddings": 16,
+}
+
+
+def _values(name: str, shape: tuple[int, ...], seed: int, hidden: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    z = rng.standard_normal(shape)
+    if name.endswith("layernorm.weight"):  # centred: the model uses 1 + weight
+        return 0.1 * z
+    if len(shape) == 1:
+        return 1.0 + 0.1 * z
+    if name.endswith("lm_head.weight"):
+        return 3.0 / np.sqrt(hidden) * z
+    gain = 5.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+    return gain / np.sqrt(shape[-1]) * z
+
+
+def write_checkpoint(folder: Path, *, seed: int = 0, **text: Any) -> Path:
+    """A checkpoint with its tokenizer in `folder` (text: TEXT's keys overridden)."""
+    import torch
+    from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
+
+    n_tokens = write_tokenizer(folder)
+    vocab = -(-n_tokens // 32) * 32
+    cfg = MuseGlimmerConfig(
+        text_config={**TEXT, **text, "vocab_size": vocab, "eos_token_id": 2, "bos_token_id": 0},
+        vision_config=VISION, out_hidden_size=64, projector_hidden_size=64,
+        image_token_id=vocab - 1, video_token_id=vocab - 2)
+    torch.manual_seed(seed)
+    model = MuseGlimmerForConditionalGeneration(cfg).eval()
+    hidden = cfg.text_config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(_values(name, tuple(p.shape), seed, hidden)))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
