@@ -40,6 +40,7 @@ from specd.daemon.spec.drafter import Drafter
 from specd.daemon.spec.generation import Generation, GenerationParams, PromptProgress
 from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.policy import PolicyMemory
+from specd.daemon.text.chat_formats import chat_format
 from specd.daemon.text.chat_template import render_chat
 from specd.daemon.text.grammar import GrammarState
 from specd.daemon.text.tokenizer import Tokenizer
@@ -187,6 +188,11 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(tgt_file.metadata)
         self.chat_template: str | None = (cfg.chat_template
                                           or tgt_file.get("tokenizer.chat_template"))
+        # a template with a reply format of its own: its control tokens stay in the text
+        self.chat_format = chat_format(self.chat_template)
+        self.preserved_ids = frozenset() if self.chat_format is None else frozenset(
+            i for t in self.chat_format.preserved_tokens
+            if (i := self.tokenizer.token_to_id(t)) is not None)
         tokenizer_bytes = rss_bytes() - before_tokenizer
         bp = build_progress or (lambda label: None)
         try:

@@ -265,7 +265,9 @@ class Stream:
         # the worker thread's, until the "done" event (after which only the loop reads)
         # control tokens (<|im_start|>, <|fim_middle|>, ...) add no text, as in llama.cpp's
         # server; user-defined ones such as Qwen's <tool_call> stay
-        self._detok = IncrementalDetokenizer(svc.tokenizer, skip_special=True)
+        # (but a chat format's preserved tokens, which its reply parser reads)
+        self._detok = IncrementalDetokenizer(svc.tokenizer, skip_special=True,
+                                             keep=svc.engine.preserved_ids)
         self._matcher = StopMatcher(stop or [])
         self._eog = svc.engine.eog_ids
         self._n_out = 0  # tokens streamed: all of them, or up to the one ending a stop string

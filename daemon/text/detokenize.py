@@ -24,12 +24,15 @@ class IncrementalDetokenizer:
     """`push(id)` per generated token, `flush()` at the end.
 
     skip_special: control tokens (`<|im_end|>`, EOS, ...) add no text, like
-    `decode(ids, skip_special=True)`.
+    `decode(ids, skip_special=True)`, but for those in `keep` (a chat format's preserved
+    tokens, which its reply parser reads).
     """
 
-    def __init__(self, tokenizer: _Vocabulary, *, skip_special: bool = False) -> None:
+    def __init__(self, tokenizer: _Vocabulary, *, skip_special: bool = False,
+                 keep: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
+        self._keep = keep
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._strip_space = tokenizer.strips_leading_space
         self._started = False
@@ -38,7 +41,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """The text that token `token_id` completes ('' while a character is unfinished)."""
         self._ids.append(token_id)
-        if self._skip_special and self._tokenizer.is_control(token_id):
+        if (self._skip_special and self._tokenizer.is_control(token_id)
+                and token_id not in self._keep):
             return ""
         data = self._tokenizer.token_bytes(token_id)
         if not data:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -14,6 +14,7 @@ from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.sampling import TokenLogprob
+from specd.daemon.text.chat_formats import ChatFormat, ParsedReply, chat_format
 from specd.daemon.text.tool_calls import ToolCallStream, parse_tool_calls
 
 from ..jsonout import json_response
@@ -88,9 +89,10 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     unsupported(body, () if chat else ("echo", "suffix", "best_of"))
     names: set[str] | None = None  # the request's tools, when calls are parsed
     forced: str | None = None  # a grammar making the reply calls (tool_choice)
+    tools: list[dict[str, Any]] | None = None
     if chat:
         chat_in = chat_inputs(body)
-        names, forced = chat_in.names, chat_in.forced
+        names, forced, tools = chat_in.names, chat_in.forced, chat_in.tools
         prompt = await off_loop(request, render, svc, chat_in, "chat_tokens")
     else:
         if "prompt" not in body:
@@ -110,7 +112,9 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     n = get(body, "n", int, 1, lo=1, hi=MAX_CHOICES)
     choices = [params if i == 0 else _nth_choice(params, i) for i in range(n)]
     reply = _Reply(svc, chat=chat, names=names, logprobs=params.logprobs is not None,
-                   post=params.post_sampling_probs)
+                   post=params.post_sampling_probs,
+                   reading=_ReplyReading(chat_format(svc.chat_template), tools)
+                   if chat else None)
     if not get(body, "stream", bool, False):
         results = await collect(request, svc, prompt, choices, stop=stop, grammar=grammar)
         return json_response(reply.whole(results))
@@ -123,12 +127,29 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     return await stream_events(request, streams, reply)
 
 
+@dataclass
+class _ReplyReading:
+    """A chat format with a reply parser of its own (chat_formats), and the request's
+    tools it reads calls of (None: none offered)."""
+
+    fmt: ChatFormat | None
+    tools: list[dict[str, Any]] | None
+
+    def parse(self, text: str, names: set[str] | None) -> ParsedReply:
+        """The reply's reasoning, content and calls (of `names`' tools)."""
+        if self.fmt is not None:
+            return self.fmt.parse(text, self.tools if names is not None else None)
+        content, calls = parse_tool_calls(text, names)
+        return ParsedReply(content, None, calls)
+
+
 class _ChoiceState:
     """One streamed choice: tool-call text held back, logprobs not yet sent."""
 
-    def __init__(self, index: int, names: set[str] | None):
+    def __init__(self, index: int, names: set[str] | None, whole: bool = False):
         self.index = index
-        self.tools = None if names is None else ToolCallStream(names)
+        self.whole = whole  # held to its end: its chat format parses the reply whole
+        self.tools = None if names is None or whole else ToolCallStream(names)
         self.logprobs: list[TokenLogprob] = []  # of tokens no chunk has carried yet
         self.texts: list[str] = []
         self.offset = 0  # the text sent so far (completions' text_offset)
@@ -147,8 +168,9 @@ class _Reply:
     post-sampling probabilities (`openai_logprobs`)."""
 
     def __init__(self, svc: ServiceFacade, *, chat: bool, names: set[str] | None,
-                 logprobs: bool, post: bool):
+                 logprobs: bool, post: bool, reading: _ReplyReading | None = None):
         self.svc, self.chat, self.names = svc, chat, names
+        self.reading = reading or _ReplyReading(None, None)
         self.logprobs, self.post = logprobs, post
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -172,10 +194,12 @@ class _Reply:
                 choice["logprobs"] = openai_logprobs(self.svc, r.logprobs, r.texts, 0,
                                                      chat=self.chat, post=self.post)
             if self.chat:
-                content, calls = parse_tool_calls(r.text, self.names)
-                choice["message"] = {"role": "assistant", "content": content}
-                if calls:
-                    choice["message"]["tool_calls"] = [c.as_openai() for c in calls]
+                parsed = self.reading.parse(r.text, self.names)
+                choice["message"] = {"role": "assistant", "content": parsed.content}
+                if parsed.reasoning is not None:
+                    choice["message"]["reasoning_content"] = parsed.reasoning
+                if parsed.calls:
+                    choice["message"]["tool_calls"] = [c.as_openai() for c in parsed.calls]
                     choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = r.text
@@ -201,7 +225,8 @@ class _Reply:
         return self._head("chat.completion.chunk" if self.chat else "text_completion", [c])
 
     def opening(self) -> list[Any]:
-        self._states = [_ChoiceState(i, self.names) for i in range(self.n_streams)]
+        whole = self.reading.fmt is not None
+        self._states = [_ChoiceState(i, self.names, whole) for i in range(self.n_streams)]
         return [self._chunk(st, "", first=True) for st in self._states] if self.chat else []
 
     def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
@@ -211,6 +236,8 @@ class _Reply:
                      **timed(ev.timings)}]
         st.logprobs.extend(ev.logprobs)
         st.texts.extend(ev.texts)
+        if st.whole:  # sent when the reply is complete and parsed
+            return []
         text = ev.text if st.tools is None else st.tools.feed(ev.text)
         return [{**self._chunk(st, text), **timed(ev.timings)}] if text else []
 
@@ -224,7 +251,21 @@ class _Reply:
         self._results.append(result)
         out: list[Any] = []
         finish = _finish(result.finish_reason)
-        if st.tools is not None:
+        if st.whole:
+            parsed = self.reading.parse(result.text, self.names)
+            if parsed.reasoning is not None:
+                thought = self._chunk(st, None)
+                thought["choices"][0]["delta"] = {"reasoning_content": parsed.reasoning}
+                out.append(thought)
+            if parsed.content:
+                out.append(self._chunk(st, parsed.content))
+            if parsed.calls:
+                called = self._chunk(st, None)
+                called["choices"][0]["delta"] = {
+                    "tool_calls": [c.as_openai(k) for k, c in enumerate(parsed.calls)]}
+                out.append(called)
+                finish["finish_reason"] = "tool_calls"
+        elif st.tools is not None:
             rest, calls = st.tools.finish()
             if rest:
                 out.append(self._chunk(st, rest))

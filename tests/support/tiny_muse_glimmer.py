@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gguf import GGUFWriter
+from gguf import GGUFWriter, TokenType
 
 from tiny_gguf import (
     _FILE_TYPES,
@@ -59,14 +59,22 @@ def write_tiny_muse_glimmer(
     logit_scale: float = 0.75, final_softcap: float | None = 30.0,
     rope_freq_base: float = 10000.0, rms_eps: float = 1e-5, context_length: int = 512,
     perturb: float | None = None, chat_template: str | None = None,
+    specials: tuple[str, ...] = (),
 ) -> Path:
     """Write a tiny random muse-glimmer model and return its path. swa_pattern: one bool a
     layer (default: the converter's `layer_types` default, every 4th layer counted back
     from the last global), or a period written as a scalar; final_softcap None: the key
-    left out (llama.cpp then caps at 30)."""
+    left out (llama.cpp then caps at 30); specials: control tokens added to the
+    vocabulary (in place of padding rows; "<|eot|>" among them is the end-of-turn token),
+    as the chat format's <|start|>, <|message|>, <|eom|> and <|eot|>."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    vocab = build_vocab("qwen3")
+    vocab = build_vocab("qwen3", 384 if specials else None)
+    if specials:
+        first = vocab.tokens.index("[PAD350]")
+        for k, text in enumerate(specials):
+            vocab.tokens[first + k] = text
+            vocab.token_types[first + k] = int(TokenType.CONTROL)
     if swa_pattern is None:
         swa_pattern = [(n_layer - 1 - i) % 4 != 0 for i in range(n_layer)]
     w = GGUFWriter(str(path), ARCH)
@@ -93,6 +101,8 @@ def write_tiny_muse_glimmer(
     if weight_type not in ("F32", "F16", "BF16"):
         w.add_quantization_version(2)
     add_tokenizer(w, vocab)
+    if "<|eot|>" in specials:
+        w.add_eot_token_id(vocab.tokens.index("<|eot|>"))
     if chat_template is not None:  # in place of tiny_gguf's ChatML
         del w.kv_data[0]["tokenizer.chat_template"]
         w.add_chat_template(chat_template)
