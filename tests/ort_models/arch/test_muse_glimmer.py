@@ -187,6 +187,7 @@ def test_greedy_with_prompt_lookup_is_target_only(muse_factory: Callable[..., Pa
     assert got == want
 
 
+@pytest.mark.llama_cpp_oracle
 def test_logits_along_llama_cpps_greedy_path(muse_factory: Callable[..., Path]) -> None:
     """llama-server (float32 KV cache) decoding the test writer's file greedily: specd's
     float32 log probabilities of llama.cpp's likely tokens agree within its rounding, and

@@ -39,6 +39,8 @@ def _specd_logits(path: Path, tokens: list[int]) -> np.ndarray:
     return r.forward(0, tokens, 0, list(range(len(tokens))))
 
 
+@pytest.mark.needs_torch
+@pytest.mark.needs_transformers
 def test_logits_are_transformers(converted: tuple[Path, Path]) -> None:
     """The converted file on specd computes what transformers computes from the
     checkpoint (float32 both; the sliding window crossed, the NoPE global layer seen)."""
@@ -54,6 +56,9 @@ def test_logits_are_transformers(converted: tuple[Path, Path]) -> None:
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
+@pytest.mark.llama_cpp_oracle
+@pytest.mark.needs_torch
+@pytest.mark.needs_transformers
 def test_greedy_continuation_is_llama_cpps(converted: tuple[Path, Path]) -> None:
     """llama-server on the same file: specd's log probabilities of its likely tokens
     along its greedy path agree within its float32 rounding, and the continuations are

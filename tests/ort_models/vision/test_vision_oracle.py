@@ -23,6 +23,10 @@ from specd.ort_models.vision import load_vision_encoder
 
 from llama_cpp_oracle import missing, mtmd_image_embeddings
 
+# llama-mtmd-cli's embeddings of checkpoints llama.cpp's converter wrote (torch, transformers)
+pytestmark = [pytest.mark.llama_cpp_oracle, pytest.mark.needs_torch,
+              pytest.mark.needs_transformers]
+
 CHAT_TEMPLATE = {"gemma3": "gemma", "qwen25vl": ""}  # the tiny gemma has none of its own
 TOLERANCE = 2e-3  # of the embeddings' largest magnitude
 
