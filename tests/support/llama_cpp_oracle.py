@@ -96,7 +96,7 @@ def speculative_run(target: Path, draft: Path, prompt: str, *, spec_type: str,
                        f"{log[-2000:]}")
 
 
-_ATTEMPTS = 4
+_ATTEMPTS = 8
 _TOTALS = re.compile(r"n_predict = (\d+)\n.*n_drafted = (\d+)", re.DOTALL)
 
 
