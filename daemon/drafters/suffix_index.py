@@ -131,8 +131,11 @@ class SuffixIndex:
         self.append(tokens)
 
     def append(self, tokens: Sequence[int] | np.ndarray) -> None:
-        """Tokens continuing the newest document (SEP starts another)."""
-        new = np.asarray(tokens, dtype=np.int32)  # [n]
+        """Tokens continuing the newest document (SEP starts another). An image's
+        placeholders (negative ids, spec/media.py) are held as SEP: text never matches
+        across an image, and no continuation proposes one."""
+        new = np.asarray(tokens, dtype=np.int64)  # [n]
+        new = np.where(new < 0, SEP, new).astype(np.int32)
         if new.size == 0:
             return
         if new.size > self.capacity:  # only the newest fit

@@ -126,3 +126,16 @@ def test_appending_in_pieces_equals_appending_at_once() -> None:
         tail = np.asarray(toks[start:start + 6])
         a, b = whole.candidates(tail, 4), pieces.candidates(tail, 4)
         assert a.match.tolist() == b.match.tolist() and a.follow.tolist() == b.follow.tolist()
+
+
+def test_an_images_placeholders_end_a_match_and_are_never_proposed() -> None:
+    """A prompt holding an image (placeholders: 60-bit negative ids, spec/media.py) is
+    held with separators there: the text before the image continues only up to it, and
+    text after it matches on its own."""
+    from specd.daemon.spec.media import placeholder_id
+
+    image = [placeholder_id("ab" * 32)] * 3
+    ix = SuffixIndex(256)
+    ix.add_document([1, 2, 3, 4, 5, 6, 7, 8, *image, 9, 10, 11, 12, 13, 14, 15, 16])
+    assert _lookup(ix, [1, 2, 3, 4, 5]) == [6, 7, 8]
+    assert _lookup(ix, [9, 10, 11, 12]) == [13, 14, 15, 16]
