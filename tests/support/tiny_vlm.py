@@ -8,6 +8,11 @@ for the projector (float32, so llama.cpp computes in float32 too) and once for t
 model (f16), which llama-mtmd-cli needs beside it. Needs torch, transformers and
 sentencepiece (the converter imports it for Qwen2-VL), and llama.cpp's source tree.
 
+transformers 5 writes Gemma's tokenizer as a BPE one, which the converter names
+`granite-embed-multi-311m` (a Gemma 4 pre-tokenizer specd does not read); the gemma3 text
+model takes the source GGUF's own SentencePiece tokenizer instead (the same ids), so
+specd and llama.cpp tokenize its prompts alike.
+
 Families: "gemma3" (Gemma3ForConditionalGeneration: SigLIP 56-pixel images of 4 × 4
 patches pooled 2 × 2), "qwen25vl" (Qwen2_5_VLForConditionalGeneration: a depth-4 tower,
 windows of 112 pixels as llama.cpp uses, every second block global).
@@ -145,6 +150,32 @@ def convert(checkpoint: Path, out: Path, *, mmproj: bool, outtype: str) -> None:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {r.stderr[-2000:]}")
 
 
+def take_tokenizer(path: Path, source: Path) -> None:
+    """`path` rewritten with `source`'s tokenizer.ggml.* keys in place of its own."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    def fields(r: GGUFReader, tokenizer: bool) -> list[tuple[str, object]]:
+        """r's keys: the tokenizer's, or all the others."""
+        return [(name, f) for name, f in r.fields.items() if not name.startswith("GGUF.")
+                and name != "general.architecture"
+                and name.startswith("tokenizer.ggml.") == tokenizer]
+
+    r, src = GGUFReader(path), GGUFReader(source)
+    tmp = path.with_suffix(".tmp")
+    w = GGUFWriter(tmp, str(r.fields["general.architecture"].contents()))
+    for name, f in fields(r, False) + fields(src, True):
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None  # type: ignore[attr-defined]
+        w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)  # type: ignore[attr-defined]
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())),
+                     raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+
+
 def convert_tiny_vlm(family: str, root: Path, *, text: bool = True) -> TinyVlm:
     """root/<family>-text.gguf and root/<family>-mmproj.gguf from a fresh checkpoint
     (text=False: the projector only)."""
@@ -154,4 +185,6 @@ def convert_tiny_vlm(family: str, root: Path, *, text: bool = True) -> TinyVlm:
     convert(checkpoint, vlm.mmproj, mmproj=True, outtype="f32")
     if text:
         convert(checkpoint, vlm.text, mmproj=False, outtype="f16")
+        if family == "gemma3":
+            take_tokenizer(vlm.text, MODELS / TOKENIZER_GGUF[family])
     return vlm
