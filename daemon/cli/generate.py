@@ -50,7 +50,7 @@ def engine_config_from_args(args: argparse.Namespace, *, slots: int = 1):
         ngram_max=args.spec_ngram_max, synthetic_rates=rates,
         synthetic_mean=args.spec_synthetic_mean, fetch=not args.no_fetch,
         draft_quant=args.draft_quant, draft_vocab=args.draft_vocab, spin=args.spin,
-        defaults=params_from_args(args))
+        mmproj=getattr(args, "mmproj", None) or "auto", defaults=params_from_args(args))
 
 
 def _prompt_text(args: argparse.Namespace) -> tuple[str, bool]:

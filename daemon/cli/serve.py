@@ -159,7 +159,8 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
                              threads=args.threads, fetch=not args.no_fetch,
                              draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                              build_progress=build_progress,
-                             progress=ProgressBar(), embedding_model=args.embedding_model)
+                             progress=ProgressBar(), embedding_model=args.embedding_model,
+                             mmproj=getattr(args, "mmproj", None) or "auto")
         return plan
 
     also = getattr(args, "also_draft", None)
@@ -207,6 +208,7 @@ def served_models(args: argparse.Namespace, first: Any) -> Any:
         a.model, a.draft, a.spec_type = ref, None, "auto"
         # what -m's model alone was given: its drafter, names, template, embedding model
         a.alias = a.tags = a.chat_template_file = a.embedding_model = None
+        a.mmproj = None  # its own projector: the catalog's, or one beside its file
         settle_draft(a)
         plan_memory(a)
         return build_service(a)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -35,9 +36,15 @@ from specd.daemon.models.building import (
     resolve_draft_quant,
 )
 from specd.daemon.models.compat import draft_incompatibilities, head_incompatibilities
+from specd.daemon.models.mmproj import NO_MMPROJ, find_mmproj
 from specd.daemon.models.store import resolve_model
 from specd.daemon.spec.drafter import Drafter
-from specd.daemon.spec.generation import Generation, GenerationParams, PromptProgress
+from specd.daemon.spec.generation import (
+    Generation,
+    GenerationParams,
+    PromptProgress,
+    RequestError,
+)
 from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.policy import PolicyMemory
 from specd.daemon.text.chat_formats import chat_format
@@ -51,12 +58,15 @@ from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.head_runner import HeadRunner, load_or_build_head
 from specd.ort_models.heads import HeadFormatError, HeadParams, head_kind, read_head
 from specd.ort_models.model_cache import load_or_build
-from specd.ort_models.providers import RuntimeChoice, choose_runtime
+from specd.ort_models.providers import RuntimeChoice, choose_runtime, session_providers
 from specd.ort_models.runner import ModelRunner
 from specd.ort_models.shared_initializers import same_named, share_with_target, shares_on
+from specd.ort_models.vision import load_vision_encoder
+from specd.ort_models.vision.encoder import read_checked
 
 from .embeddings import Embedder, EmbeddingHead
 from .history_file import HistoryFile, HistoryFileError
+from .image_prompts import ImagePrompter
 from .loaded_model import LoadedModel
 
 log = logging.getLogger("specd.engine")
@@ -102,8 +112,12 @@ class EngineConfig:
     # embeddings from this model instead of the target (a GGUF path or catalog name)
     embedding_model: str | None = None
     # the target takes images: its graph taking embeddings is built beside its text graph
-    # (an image's rows come from the vision projector named by --mmproj)
+    # (an image's rows come from the vision projector, `mmproj`; set where one is found)
     images: bool = False
+    # the vision projector (mmproj GGUF: a path or catalog name) encoding images for the
+    # target; "auto": the catalog's for the model, else one beside its file that fits
+    # (models/mmproj.py); None or "none": no images from files
+    mmproj: str | None = None
     fetch: bool = True
     defaults: GenerationParams = field(default_factory=GenerationParams)
     # the names the served model answers to and is listed as (llama-server's --alias:
@@ -219,10 +233,14 @@ class Engine:
         self.target = LoadedModel(target_path, tgt_file,
                                   load_or_build(target_path, target_options, bp("target")),
                                   n_seq=cfg.slots)
+        # the vision projector encoding images, checked against the target (None: none)
+        self.mmproj_path = self._mmproj(target_path, tgt_file)
+        self.images: ImagePrompter | None = None  # its encoder's session, while loaded
+        self._images_lock = threading.Lock()
         # the target's graph taking an image's rows (None: the model takes no images)
         self._built_images = (load_or_build(target_path, image_options(
             self.target.built.options, tgt_file.arch), bp("target (images)"))
-            if cfg.images else None)
+            if cfg.images or self.mmproj_path is not None else None)
         self.draft: LoadedModel | None = None
         if draft_path is not None and d_file is not None and draft_options is not None:
             self.draft = LoadedModel(draft_path, d_file, load_or_build(
@@ -282,6 +300,8 @@ class Engine:
             self._history_source = inputs.history if self.drafter is not None else None
             if self.embedding is not None:
                 self._open(self.embedding)
+            if self.mmproj_path is not None:
+                self._image_prompter()
         except BaseException:
             self.unload()
             raise
@@ -292,6 +312,7 @@ class Engine:
         them), and give the freed memory back to the system. Only while no request
         runs: the caller (the scheduler's worker) makes sure of that."""
         self.drafter, self.head, self._history_source = None, None, None
+        self.images = None
         for m in (self.target, self.draft, self.embedding):
             if m is not None:
                 m.session = None
@@ -386,6 +407,28 @@ class Engine:
         except OSError as exc:
             log.error("history: could not save %s: %s", self.history_file.path, exc)
 
+    def _mmproj(self, target_path: Path, tgt_file: GGUFFile) -> Path | None:
+        """The vision projector of cfg.mmproj, read and checked, its projection the
+        target's width (EngineError naming the problem); None where there is none."""
+        asked = self.cfg.mmproj
+        if asked is None or asked == NO_MMPROJ:
+            return None
+        try:
+            path = find_mmproj(self.cfg.target, target_path,
+                               None if asked == "auto" else asked, fetch=self.cfg.fetch)
+            if path is None:
+                return None
+            _, family, hp = read_checked(path)
+        except Exception as exc:  # store and GGUF errors name the file and the problem
+            raise EngineError(f"--mmproj: {exc}") from None
+        width = read_hparams(tgt_file).n_embd
+        if hp.projection_dim != width:
+            raise EngineError(f"--mmproj {path.name} projects to {hp.projection_dim} "
+                              f"dimensions, {target_path.name} embeds {width}: it is not "
+                              "this model's projector")
+        log.info("vision: %s (%s projector)", path.name, family.projector)
+        return path
+
     def _resolve(self, name: str | None, progress: Progress | None) -> Path:
         assert name is not None
         try:
@@ -468,6 +511,12 @@ class Engine:
                            eos_token=tok.token_text(tok.eos_id)
                            if tok.eos_id is not None else "", tools=tools, **extra)
 
+    def _add_bos(self, text: str) -> bool | None:
+        """BOS before `text` as the file says (None), unless the text (a template that
+        writes `{{ bos_token }}` itself) begins with it already (False)."""
+        bos = self._bos_text()
+        return None if not (bos and text.startswith(bos)) else False
+
     def chat_tokens(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None, *,
                     add_generation_prompt: bool = True,
@@ -478,9 +527,28 @@ class Engine:
         text = self.render_chat(messages, tools, add_generation_prompt=add_generation_prompt,
                                 continue_final_message=continue_final_message,
                                 template_kwargs=template_kwargs)
-        bos = self._bos_text()
-        add_bos = None if not (bos and text.startswith(bos)) else False
-        return self.tokenizer.encode(text, add_bos=add_bos, parse_special=True)
+        return self.tokenizer.encode(text, add_bos=self._add_bos(text), parse_special=True)
+
+    def image_prompt(self, text: str, images: Sequence[bytes]
+                     ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """A prompt's text (a rendered chat or a raw prompt) holding a media marker per
+        image, and the images' file bytes: its tokens and image chunks (ImagePrompter;
+        RequestError for a bad image or a marker count that does not match). Runs the
+        vision encoder: call it off the event loop."""
+        if self.mmproj_path is None:
+            raise RequestError(f"{self.model_name} takes no images: start it with "
+                               "--mmproj, the vision projector of its family")
+        return self._image_prompter().prompt(text, images, add_bos=self._add_bos(text))
+
+    def _image_prompter(self) -> ImagePrompter:
+        """The vision encoder's prompter, its session opened if it is not (at load, or
+        for a request's images while the engine is unloaded; unload drops it)."""
+        assert self.mmproj_path is not None
+        with self._images_lock:
+            if self.images is None:
+                self.images = ImagePrompter(self.tokenizer, load_vision_encoder(
+                    self.mmproj_path, session_providers(self.runtime.device)))
+            return self.images
 
     def encode_prompt(self, text: str, *, chat: bool = False) -> list[int]:
         """Raw text (BOS as the file says, specials parsed) or a rendered chat prompt."""
@@ -492,6 +560,11 @@ class Engine:
     def takes_images(self) -> bool:
         """Whether prompts may hold images (the target's graph taking them is built)."""
         return self._built_images is not None
+
+    @property
+    def reads_image_files(self) -> bool:
+        """Whether images may come as files: a vision projector encodes them."""
+        return self.mmproj_path is not None
 
     def start(self, seq: int, prompt: Sequence[int], params: GenerationParams,
               reuse: int = 0, grammar: GrammarState | None = None,

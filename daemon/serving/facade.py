@@ -22,6 +22,7 @@ from gguf import LlamaFileType
 
 from specd.daemon.drafters.history import principal_of
 from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.stats import SpecStats
 from specd.daemon.text.grammar import Grammar
 from specd.daemon.text.tokenizer import Tokenizer
@@ -196,7 +197,7 @@ class ServiceFacade:
     def takes_images(self) -> bool:
         """Whether its prompts may hold images: a vision projector (--mmproj) encodes
         them into the target's graph taking embeddings."""
-        return self._service.engine.takes_images
+        return self._service.engine.reads_image_files
 
     @property
     def n_ctx(self) -> int:
@@ -276,6 +277,13 @@ class ServiceFacade:
                     tools: list[dict[str, Any]] | None = None, **render: Any) -> list[int]:
         """The rendered chat as token ids (Engine.chat_tokens)."""
         return self._service.engine.chat_tokens(messages, tools, **render)
+
+    def image_prompt(self, text: str, images: list[bytes]
+                     ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """A prompt's text with a media marker per image, and the images' bytes: its
+        tokens and images (Engine.image_prompt: RequestError for a bad image). Runs the
+        vision encoder: call it off the event loop."""
+        return self._service.engine.image_prompt(text, images)
 
     async def compile_constraint(self, kind: str, spec: Any, *,
                                  bound_numbers: bool | None = None) -> Grammar:

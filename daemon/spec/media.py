@@ -9,6 +9,9 @@ cache) tells two images apart by their bytes, and sees the same screenshot as th
 prefix; everything that embeds ids (a draft model, a head's pairs) maps the placeholders
 to a text id first (`text_ids`), and prompt lookup never proposes one.
 
+In text, an image's place is the media marker (`MEDIA_MARKER`, llama-server's default):
+the APIs write one per image into the prompt's text, and the engine splits the text there.
+
 Positions are 1-D here: an image of n tokens occupies n positions (llama.cpp's n_pos for
 every projector but M-RoPE's), so a token's position is its index in the list.
 """
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+MEDIA_MARKER = "<__media__>"  # where an image goes in a prompt's text (mtmd splits at it)
 # a placeholder's id: minus one minus 60 bits of a hash of the whole digest (never a
 # token id; images differing anywhere in their bytes get different ones)
 _PLACEHOLDER_BITS = 60
@@ -128,6 +132,22 @@ def outside_images(images: Sequence[PromptImage], n: int) -> int:
     image whole or not at all (an image's KV is computed by one call)."""
     im = image_at(images, n)
     return n if im is None or im.start == n else im.start
+
+
+def text_runs(tokens: Sequence[int]) -> list[list[int] | None]:
+    """The prompt as its token runs, None for each image (its run of placeholders)."""
+    out: list[list[int] | None] = []
+    prev: int | None = None
+    for t in tokens:
+        if is_placeholder(t):
+            if t != prev:
+                out.append(None)
+        elif out and out[-1] is not None:
+            out[-1].append(t)  # type: ignore[union-attr]
+        else:
+            out.append([t])
+        prev = t
+    return out
 
 
 def text_ids(tokens: Sequence[int], substitute: int = 0) -> list[int]:

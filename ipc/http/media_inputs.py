@@ -2,6 +2,11 @@
 becomes the media marker in the message's text and its file's bytes are kept in order,
 for the model's vision projector to encode (the marker is where the image's tokens go).
 
+Each dialect hands its images over as OpenAI image_url parts (`image_part`): Anthropic's
+base64 image blocks, Ollama's `images`, Responses' input_image parts. llama-server's
+`/completion` takes a prompt string holding the markers and `multimodal_data`, a list
+of base64 files (`multimodal_prompt`). `image_prompt` has the service encode them.
+
 Where an image may come from:
 - a data URL (`data:image/png;base64,...`), anywhere;
 - a local file (an absolute path or a `file://` URL), only for a caller who is the
@@ -18,9 +23,12 @@ import binascii
 from pathlib import Path
 from typing import Any
 
+from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.spec.generation import RequestError
+from specd.daemon.spec.media import MEDIA_MARKER, PromptImage
+
 from ..validation import BadRequest
 
-MEDIA_MARKER = "<__media__>"  # llama-server's default marker, as mtmd splits text at it
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one image file's bytes, whatever its source
 
 
@@ -104,3 +112,46 @@ def chat_images(messages: list[dict[str, Any]], *, own_user: bool
                                  "(text and image_url parts)", param=where)
         out.append({**m, "content": text})
     return out, images
+
+
+def image_part(url: str) -> dict[str, Any]:
+    """An image as OpenAI's image_url content part (what chat_images reads)."""
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def base64_image_part(data: Any, media_type: Any, param: str) -> dict[str, Any]:
+    """Base64 image data (Anthropic's source, Ollama's images) as an image_url part."""
+    if not isinstance(data, str) or not data:
+        raise BadRequest("an image needs its base64 'data'", param=param)
+    mime = media_type if isinstance(media_type, str) and media_type.startswith("image/") \
+        else "image/png"
+    return image_part(f"data:{mime};base64,{data}")
+
+
+def multimodal_prompt(value: Any, param: str = "prompt") -> tuple[str, list[bytes]] | None:
+    """llama-server's {prompt_string, multimodal_data: [base64 or data URL, ...]}: its
+    text (a media marker per image) and the images' bytes; None for any other prompt."""
+    if not isinstance(value, dict) or "multimodal_data" not in value:
+        return None
+    text, files = value.get("prompt_string"), value["multimodal_data"]
+    if not isinstance(text, str):
+        raise BadRequest("a prompt with 'multimodal_data' needs 'prompt_string', its text "
+                         f"holding a {MEDIA_MARKER} marker per file", param=param)
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise BadRequest("'multimodal_data' must be an array of base64 strings", param=param)
+    return text, [image_bytes(f, own_user=False, param=param) if f.startswith("data:")
+                  else decode_base64(f, param) for f in files]
+
+
+def image_prompt(svc: ServiceFacade, text: str, images: list[bytes], param: str
+                 ) -> tuple[list[int], tuple[PromptImage, ...]]:
+    """The prompt of `text` (a media marker per image) and the images, encoded by the
+    service's vision projector; a 400 naming `param` for a model without one, a bad
+    image or a marker count that does not match. Runs the encoder: off the event loop."""
+    if not svc.takes_images:
+        raise BadRequest(f"{svc.model_name} takes no images: start it with --mmproj, the "
+                         "vision projector of its family", param=param)
+    try:
+        return svc.image_prompt(text, images)
+    except RequestError as exc:
+        raise BadRequest(str(exc), param=param) from None

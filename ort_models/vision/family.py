@@ -33,6 +33,9 @@ class VisionFamily(ABC):
     """A vision tower and projector: its keys, tensors, preprocessing and graph."""
 
     projector: ClassVar[str]  # clip.projector_type
+    # the text mtmd puts around an image's tokens (tokenized with specials parsed)
+    image_begin: ClassVar[str] = ""
+    image_end: ClassVar[str] = ""
 
     @abstractmethod
     def read_hparams(self, f: GGUFFile) -> VisionHParams:

@@ -25,6 +25,8 @@ from .vit_graph import VisionGraph
 
 class Gemma3Vision(VisionFamily):
     projector: ClassVar[str] = "gemma3"
+    image_begin: ClassVar[str] = "<start_of_image>"
+    image_end: ClassVar[str] = "<end_of_image>"
 
     def read_hparams(self, f: GGUFFile) -> VisionHParams:
         hp = read_vision_hparams(f, n_merge=4)

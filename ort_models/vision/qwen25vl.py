@@ -43,6 +43,8 @@ WINDOW_MASK, ROPE_COS, ROPE_SIN = "window_mask", "rope_cos", "rope_sin"
 
 class Qwen25VLVision(VisionFamily):
     projector: ClassVar[str] = "qwen2.5vl_merger"
+    image_begin: ClassVar[str] = "<|vision_start|>"
+    image_end: ClassVar[str] = "<|vision_end|>"
 
     def read_hparams(self, f: GGUFFile) -> VisionHParams:
         if "clip.vision.n_wa_pattern" not in f.metadata:
