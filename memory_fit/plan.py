@@ -37,7 +37,7 @@ class FitError(Exception):
 
 @dataclass(frozen=True)
 class ModelRow:
-    role: str  # "target" / "draft" / "embedding"
+    role: str  # "target" / "draft" / "embedding" / "vision"
     name: str
     weights_bytes: int  # counted: 0 when shared with the target
     kv_bytes_per_token: int  # per sequence
@@ -162,7 +162,8 @@ def _configs(slots: int, has_draft: bool, on_fail: Sequence[str]) -> list[tuple[
 
 
 def _rows(target: ModelCost, second: ModelCost | None, n_ctx: int, slots: int,
-          shares: bool, beside: ModelCost | None = None) -> list[ModelRow]:
+          shares: bool, beside: ModelCost | None = None, vision: ModelCost | None = None
+          ) -> list[ModelRow]:
     rows = [ModelRow("target", target.name, target.weights_bytes, target.kv_bytes_per_token,
                      target.kv_bytes(n_ctx, slots), target.workspace_bytes_at(n_ctx),
                      host_bytes=target.metadata_bytes + target.tokenizer_bytes)]
@@ -177,6 +178,9 @@ def _rows(target: ModelCost, second: ModelCost | None, n_ctx: int, slots: int,
                              beside.kv_bytes_per_token, beside.kv_bytes(own, 1),
                              beside.workspace_bytes_at(own),
                              host_bytes=beside.metadata_bytes + beside.tokenizer_bytes))
+    if vision is not None:  # no cache: its weights and one image's activations
+        rows.append(ModelRow("vision", vision.name, vision.weights_bytes, 0, 0,
+                             vision.workspace_bytes_at(0), host_bytes=vision.metadata_bytes))
     return rows
 
 
@@ -192,10 +196,11 @@ def _load_peak(costs: Sequence[ModelCost], rows: Sequence[ModelRow], runtime: in
 
 
 def _need(target: ModelCost, other: ModelCost | None, n_ctx: int, slots: int,
-          shares: bool, beside: ModelCost | None = None) -> tuple[int, list[ModelRow], int]:
+          shares: bool, beside: ModelCost | None = None, vision: ModelCost | None = None
+          ) -> tuple[int, list[ModelRow], int]:
     """(peak bytes, rows, load peak) of one candidate; every call recomputes each model."""
-    rows = _rows(target, other, n_ctx, slots, shares, beside)
-    costs = [c for c in (target, other, beside) if c is not None]
+    rows = _rows(target, other, n_ctx, slots, shares, beside, vision)
+    costs = [c for c in (target, other, beside, vision) if c is not None]
     runtime = max(c.runtime_bytes for c in costs)
     load = _load_peak(costs, rows, runtime)
     return max(runtime + sum(r.total_bytes for r in rows), load), rows, load
@@ -218,11 +223,13 @@ def fit(target: ModelCost, second: ModelCost | None = None, *, probe: MemoryProb
         slots: int = 1, margin_bytes: int = DEFAULT_MARGIN_BYTES,
         min_ctx: int = DEFAULT_MIN_CTX, max_ctx: int | None = None,
         shares_target_weights: bool = False,
-        on_fail: Sequence[str] = ON_FAIL_STEPS, beside: ModelCost | None = None) -> Plan:
+        on_fail: Sequence[str] = ON_FAIL_STEPS, beside: ModelCost | None = None,
+        vision: ModelCost | None = None) -> Plan:
     """The largest context (then the most slots, then the draft) that fits `probe`'s free
     memory minus `margin_bytes`. max_ctx defaults to the models' trained context. `beside`:
     a model always loaded with them, one sequence at the same context (the embedding
-    model), whose bytes every configuration counts."""
+    model), whose bytes every configuration counts; `vision`: the vision encoder
+    (vision_cost), counted the same way."""
     if slots < 1:
         raise ValueError(f"slots must be >= 1, not {slots}")
     for step in on_fail:
@@ -241,20 +248,22 @@ def fit(target: ModelCost, second: ModelCost | None = None, *, probe: MemoryProb
         chosen = None
         for n in range(hi, lo - 1, -ATTN_BUCKET):  # largest first; the need grows with n
             total, rows, load = _need(target, other, n, n_slots, shares_target_weights,
-                                      beside)
+                                      beside, vision)
             if total <= budget:
                 chosen = (n, rows, load)
                 break
         what = f"{n_slots} slot{'s' if n_slots > 1 else ''}" + (" + draft" if other else "")
         if chosen is None:
-            total = _need(target, other, lo, n_slots, shares_target_weights, beside)[0]
+            total = _need(target, other, lo, n_slots, shares_target_weights, beside,
+                          vision)[0]
             if other is not None:
                 failures.append(f"{what} needs {fmt_bytes(total)} at n_ctx {lo}")
             if smallest_need is None or total < smallest_need[0]:
                 smallest_need = (total, f"{what} at n_ctx {lo}")
             continue
         n, rows, load = chosen
-        runtime = max(c.runtime_bytes for c in (target, other, beside) if c is not None)
+        runtime = max(c.runtime_bytes for c in (target, other, beside, vision)
+                      if c is not None)
         if lo_asked > hi:
             warnings.append(f"context capped at {hi}, below the {min_ctx} asked for at least: "
                             "the models' trained context or the largest context asked is "

@@ -135,13 +135,18 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                build_progress: BuildProgress | None = None, draft_quant: str = "auto",
                draft_vocab: int = DRAFT_VOCAB_ROWS, progress: Any = None,
                embedding_model: str | os.PathLike[str] | None = None,
-               also_draft: str | os.PathLike[str] | None = None
+               also_draft: str | os.PathLike[str] | None = None,
+               mmproj: str | None = None
                ) -> tuple[Plan, list[ModelCost]]:
     """Resolve, build, measure and fit target (+ draft, + an embedding model of its own,
     counted beside them); returns the plan and the costs (the embedding model's last).
     `also_draft`: a second draft file loaded with `draft` (a head beside a draft model),
-    planned with it as one draft."""
+    planned with it as one draft. `mmproj`: the vision projector as EngineConfig.mmproj
+    names it, its encoder counted beside them (vision_cost)."""
     from specd.daemon.models.store import resolve_model
+    from specd.memory_fit.vision import vision_cost
+
+    from .mmproj import NO_MMPROJ, find_mmproj
 
     dev = resolve_device(device)
     free = FakeProbe.snapshot(probe or probe_for(dev))  # before anything is loaded
@@ -171,8 +176,12 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
         layer = read_hparams(GGUFFile(path)).n_layer - 1  # its last layer (EmbeddingHead)
         built = built_model(path, bp("embedding model"), embedding_options(dev, layer))
         beside = measure(built, dev, threads=threads, use_cache=use_cache)
+    mm_path = (None if mmproj in (None, NO_MMPROJ) else find_mmproj(
+        target, target_path, None if mmproj == "auto" else mmproj, fetch=fetch))
+    vision = None if mm_path is None else vision_cost(mm_path)
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
-               margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx, beside=beside)
+               margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx, beside=beside,
+               vision=vision)
     return plan, costs + ([beside] if beside is not None else [])
 
 

@@ -609,3 +609,30 @@ def test_the_measuring_child_ends_with_a_killed_parent(tiny_cost: tuple[Any, Mod
             parent.wait()
         if child is not None and child.is_running():
             child.kill()
+
+
+def test_the_vision_encoder_is_counted_beside_the_others() -> None:
+    """--mmproj: the encoder's built weights and the activations of its largest image
+    count in every configuration (no KV: it runs one image at a time), so the context
+    gives up room for it."""
+
+    from specd.memory_fit.vision import max_patches, vision_cost
+    from specd.ort_models.vision.encoder import read_checked
+
+    mmproj = Path(__file__).parents[1] / "fixtures" / "vision" / "gemma3-mmproj.gguf"
+    vision = vision_cost(mmproj)
+    hp = read_checked(mmproj)[2]
+    n = max_patches(hp)
+    assert n == (hp.image_size // hp.patch_size) ** 2
+    assert vision.weights_bytes > 0 and vision.kv_bytes_per_token == 0
+    assert vision.workspace_bytes_at(0) >= 4 * hp.n_head * n * n
+    plan = fit(TARGET, DRAFT, probe=probe(60 * GiB), slots=2, margin_bytes=MARGIN,
+               vision=vision)
+    v = plan.rows[-1]
+    assert (v.role, v.kv_bytes) == ("vision", 0)
+    assert plan.total_bytes == steady(plan.n_ctx, 2, TARGET, DRAFT) + v.total_bytes
+    need_8k = steady(8192, 1, TARGET, DRAFT)
+    big = dataclasses.replace(vision, weights_bytes=512 * MiB)
+    squeezed = fit(TARGET, DRAFT, probe=probe(need_8k + MARGIN + 1000), margin_bytes=MARGIN,
+                   vision=big)
+    assert squeezed.n_ctx < 8192 and "vision" in squeezed.table()
