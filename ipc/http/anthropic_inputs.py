@@ -9,9 +9,8 @@ import json
 from typing import Any
 
 from ..validation import BadRequest, get
+from .media_inputs import base64_image_part, image_part
 
-IMAGES_UNSUPPORTED = ("image input is not supported yet: specd serves text-only models "
-                      "(an 'image' block)")
 # the sampling settings a request may give; the fields read nowhere here (metadata,
 # service_tier, cache_control on blocks, ...) change nothing that specd does
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
@@ -94,7 +93,8 @@ def chat_messages(message: Any, i: int) -> list[dict[str, Any]]:
     blocks = [_block(b, f"{where}.content[{k}]") for k, b in enumerate(content)]
     if role == "user":
         tools = [_tool_message(b, where) for b in blocks if b["type"] == "tool_result"]
-        parts = [_text_part(b, where) for b in blocks if b["type"] != "tool_result"]
+        parts = [_image_part(b, where) if b["type"] == "image" else _text_part(b, where)
+                 for b in blocks if b["type"] != "tool_result"]
         return tools + ([{"role": "user", "content": parts}] if parts or not tools else [])
     out: dict[str, Any] = {"role": "assistant", "content": None}
     texts = [_text_part(b, where) for b in blocks if b["type"] == "text"]
@@ -119,9 +119,21 @@ def chat_messages(message: Any, i: int) -> list[dict[str, Any]]:
 def _block(block: Any, where: str) -> dict[str, Any]:
     if not isinstance(block, dict) or not isinstance(block.get("type"), str):
         raise BadRequest(f"{where}: a content block needs a 'type'", param="messages")
-    if block["type"] == "image":
-        raise BadRequest(f"{where}: {IMAGES_UNSUPPORTED}", param="messages")
     return block
+
+
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block as OpenAI's image_url part: a base64 source as a data URL, a url
+    source as the URL (refused where remote: the daemon fetches nothing)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        assert isinstance(source, dict)
+        return base64_image_part(source.get("data"), source.get("media_type"), where)
+    if kind == "url" and isinstance(source, dict) and isinstance(source.get("url"), str):
+        return image_part(source["url"])
+    raise BadRequest(f"{where}: an image block's source must be {{type: base64, "
+                     "media_type, data}}", param="messages")
 
 
 def _text_part(block: Any, where: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from specd.daemon.text.tool_calls import ToolCall, ToolCallStream, parse_tool_ca
 from ..jsonout import json_response
 from ..validation import get, json_body, stop_list
 from .anthropic_inputs import chat_body, max_tokens, sampling_body, stop_body
-from .chat_inputs import chat_inputs, render
+from .chat_inputs import chat_inputs, chat_prompt
 from .parsing import check_fits, check_model, constraint, generation_params
 from .state import off_loop, served
 from .streaming import Named, collect, stream_events, submit_all
@@ -44,7 +44,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     check_model(request, body)
     limit = max_tokens(body)
     chat = chat_inputs(chat_body(body))
-    prompt = await off_loop(request, render, svc, chat, "chat_tokens")
+    prompt, images = await off_loop(request, chat_prompt, svc, chat)
     params = await off_loop(request, generation_params, svc,
                             sampling_body(body, max_tokens=limit), max_key="max_tokens")
     stop = stop_list(stop_body(body))
@@ -54,9 +54,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     reply = _Reply(svc, names=chat.names,
                    prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
     if not get(body, "stream", bool, False):
-        results = await collect(request, svc, prompt, [params], stop=stop, grammar=grammar)
+        results = await collect(request, svc, prompt, [params], stop=stop, grammar=grammar,
+                                images=images)
         return json_response(reply.whole(results[0]))
-    streams = submit_all(svc, prompt, [params], stop=stop, grammar=grammar)
+    streams = submit_all(svc, prompt, [params], stop=stop, grammar=grammar, images=images)
     return await stream_events(request, streams, reply)
 
 
@@ -68,7 +69,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     if isinstance(svc, UpstreamFacade):
         svc.unsupported("count_tokens")
     chat = chat_inputs(chat_body(body))
-    prompt = await off_loop(request, render, svc, chat, "chat_tokens")
+    prompt, _ = await off_loop(request, chat_prompt, svc, chat)
     return json_response({"input_tokens": len(prompt)})
 
 

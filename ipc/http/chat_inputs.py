@@ -10,11 +10,12 @@ from aiohttp import web
 
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.upstream_facade import UpstreamFacade
+from specd.daemon.spec.media import PromptImage
 from specd.daemon.text.tool_calls import check_tools, forced_call_grammar, tool_names
 
 from ..security import IDENTITY, is_own_user
 from ..validation import BadRequest, check_text_bytes, check_tools_size, get, json_body, texts_in
-from .media_inputs import chat_images
+from .media_inputs import chat_images, image_prompt
 from .parsing import prompt_byte_limit
 from .state import off_loop, service
 
@@ -130,8 +131,20 @@ def render(svc: ServiceFacade, chat: ChatInputs, how: str) -> Any:
         raise BadRequest(f"chat template: {exc}") from None
 
 
+def chat_prompt(svc: ServiceFacade, chat: ChatInputs) -> tuple[Any, tuple[PromptImage, ...]]:
+    """The chat's prompt as `render(svc, chat, "chat_tokens")` gives it, and its images:
+    with images, the rendered text split at their media markers and the images encoded
+    (ServiceFacade.image_prompt; a bad image is a 400). Runs the vision encoder: call it
+    off the event loop."""
+    if not chat.images:
+        return render(svc, chat, "chat_tokens"), ()
+    return image_prompt(svc, render(svc, chat, "render_chat"), chat.images, "messages")
+
+
 async def rendered(request: web.Request, how: str) -> Any:
     """The chat request's prompt (see render), prepared off the event loop."""
     chat = chat_inputs(await json_body(request),
                        own_user=is_own_user(request.get(IDENTITY, "")))
+    if how == "chat_tokens":  # (the images' tokens counted too)
+        return (await off_loop(request, chat_prompt, service(request), chat))[0]
     return await off_loop(request, render, service(request), chat, how)

@@ -10,12 +10,21 @@ from aiohttp import web
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result, TextStream
 from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.media import MEDIA_MARKER, PromptImage, text_runs
 from specd.daemon.text.tokenizer import Tokenizer
 
 from ..jsonout import dumps, json_response
 from ..validation import BadRequest, get, json_body, stop_list, token_list
 from .chat_inputs import rendered
-from .parsing import check_fits, constraint, generation_params, infill_prompt, prompts
+from .media_inputs import image_prompt, multimodal_prompt
+from .parsing import (
+    check_fits,
+    check_prompt_bytes,
+    constraint,
+    generation_params,
+    infill_prompt,
+    prompts,
+)
 from .reporting import generation_settings, llama_probs, spec_block
 from .state import off_loop, served, service
 from .streaming import collect, stream_events, submit_all, timed
@@ -52,6 +61,7 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
     svc = await served(request, body)
     params = await off_loop(request, generation_params, svc, body, max_key="n_predict")
     n_probs = get(body, "n_probs", int, 0, lo=0, hi=MAX_N_PROBS)
+    images: tuple[PromptImage, ...] = ()  # the prompt's, at their placeholders
     params.post_sampling_probs = get(body, "post_sampling_probs", bool, False) and n_probs > 0
     params.logprobs = n_probs or None
     if infill:
@@ -59,7 +69,13 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
-        several = await off_loop(request, prompts, svc, body["prompt"], "prompt")
+        media = multimodal_prompt(body["prompt"])
+        if media is not None:  # a prompt string with a media marker per file
+            check_prompt_bytes(svc, media[0], "prompt")
+            prompt, images = await off_loop(request, image_prompt, svc, *media, "prompt")
+            several = [prompt]
+        else:
+            several = await off_loop(request, prompts, svc, body["prompt"], "prompt")
         if len(several) > 1:  # one completion each, a list of results
             if get(body, "stream", bool, False):
                 raise BadRequest("streaming several prompts is not supported; send them "
@@ -76,7 +92,7 @@ async def _llama_run(request: web.Request, body: dict[str, Any], *, infill: bool
     cache_prompt = get(body, "cache_prompt", bool, True)
     t_max = get(body, "t_max_predict_ms", (int, float), None, lo=0)
     check_fits(svc, prompt, "prompt")
-    kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max,
+    kw = dict(stop=stop, cache_prompt=cache_prompt, t_max_ms=t_max, images=images,
               grammar=await constraint(svc, body),
               n_indent=get(body, "n_indent", int, 0, lo=0),  # editor plugins (llama.vim)
               progress=stream and get(body, "return_progress", bool, False),
@@ -119,7 +135,9 @@ class _Reply:
                 "generation_settings": generation_settings(
                     self.svc, self.params, stop=self.stop, stream=stream,
                     n_probs=self.n_probs, post_sampling_probs=post),
-                "prompt": self.svc.tokenizer.decode(self.prompt),
+                "prompt": "".join(MEDIA_MARKER if run is None else
+                                  self.svc.tokenizer.decode(run)
+                                  for run in text_runs(self.prompt)),
                 "has_new_line": "\n" in r.text, "truncated": False,
                 "stop_type": {"stop": "eos" if not r.stopping_word else "word",
                               "length": "limit", "time_limit": "limit"}.get(

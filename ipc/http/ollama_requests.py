@@ -12,6 +12,7 @@ from specd.daemon.serving.durations import parse_duration
 from specd.daemon.serving.facade import ServiceFacade
 
 from ..validation import BadRequest, get
+from .media_inputs import base64_image_part
 
 # Ollama's options the shared parser reads under the same names
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "seed", "repeat_penalty",
@@ -85,10 +86,20 @@ def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def no_images(item: dict[str, Any]) -> None:
-    if item.get("images"):
-        raise BadRequest("images are not supported yet: specd's models read text only",
-                         param="images")
+def image_parts(item: dict[str, Any], param: str) -> list[dict[str, Any]]:
+    """A message's (or /api/generate's) `images`, base64 files, as image_url parts."""
+    images = item.get("images") or []
+    if not isinstance(images, list):
+        raise BadRequest("'images' must be an array of base64 strings", param=param)
+    return [base64_image_part(data, None, param) for data in images]
+
+
+def with_images(content: Any, images: list[dict[str, Any]]) -> Any:
+    """A message's content with its images before its text (as Ollama places them)."""
+    if not images:
+        return content
+    text = content if isinstance(content, str) else ""
+    return [*images, *([{"type": "text", "text": text}] if text else [])]
 
 
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -98,10 +109,10 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise BadRequest("'messages' must be an array of {role, content}", param="messages")
     out = []
-    for m in messages:
-        no_images(m)
+    for i, m in enumerate(messages):
         # a call's message comes without content from Ollama's clients: null, as OpenAI's
-        msg = {"role": m.get("role"), "content": m.get("content")}
+        msg = {"role": m.get("role"), "content": with_images(
+            m.get("content"), image_parts(m, f"messages[{i}].images"))}
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):

@@ -11,18 +11,21 @@ from aiohttp import web
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.media import MEDIA_MARKER, PromptImage
 from specd.daemon.text.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 from ..jsonout import json_response
 from ..validation import BadRequest, get, json_body, stop_list, token_list
-from .chat_inputs import chat_inputs, render
+from .chat_inputs import chat_inputs, chat_prompt
+from .media_inputs import chat_images, image_prompt
 from .ollama_requests import (
     chat_body,
+    image_parts,
     keep_alive,
-    no_images,
     sampling_fields,
     served_model,
     timestamp,
+    with_images,
 )
 from .parsing import (
     check_fits,
@@ -61,11 +64,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if not body.get("messages"):
         return await _loaded(svc, name, alive, chat=True)
     chat_in = chat_inputs(chat_body(body))
-    prompt = await off_loop(request, render, svc, chat_in, "chat_tokens")
+    prompt, images = await off_loop(request, chat_prompt, svc, chat_in)
     fields, params = await _settings(request, svc, body)
     reply = OllamaReply(name, chat=True, names=chat_in.names)
     return await _answer(request, svc, body, fields, params, prompt, reply, chat_in.forced,
-                         keep_alive=alive)
+                         keep_alive=alive, images=images)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -73,7 +76,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     svc = await served(request, body)
     name = served_model(svc, body)
     alive = keep_alive(body)
-    no_images(body)
+    images = image_parts(body, "images")
     if get(body, "template", str, ""):
         raise BadRequest("'template' is not supported: specd writes prompts with the model's "
                          "own chat template (or none, with raw)", param="template")
@@ -82,23 +85,34 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not text and not suffix and not context:
         return await _loaded(svc, name, alive, chat=False)
     fields, params = await _settings(request, svc, body)
+    held: tuple[PromptImage, ...] = ()  # the prompt's images, at their placeholders
+    if images and (suffix or context):
+        raise BadRequest("'images' go with a prompt, not with 'suffix' or 'context'",
+                         param="images")
     if suffix:  # fill in the middle, as llama.cpp's /infill
         prompt = await off_loop(request, infill_prompt, svc,
                                 {"input_prefix": text, "input_suffix": suffix},
                                 params.max_tokens)
     elif get(body, "raw", bool, False):
-        prompt = await off_loop(request, prompt_tokens, svc, text)
+        if images:  # the images first, each at its marker, then the text
+            _, files = chat_images([{"role": "user", "content": images}], own_user=False)
+            prompt, held = await off_loop(request, image_prompt, svc,
+                                          MEDIA_MARKER * len(files) + text, files, "images")
+        else:
+            prompt = await off_loop(request, prompt_tokens, svc, text)
     else:
         system = get(body, "system", str, "")
         messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": text}]
-        prompt = await off_loop(request, render, svc, chat_inputs({"messages": messages}),
-                                "chat_tokens")
+            {"role": "user", "content": with_images(text, images)}]
+        prompt, held = await off_loop(request, chat_prompt, svc,
+                                      chat_inputs({"messages": messages}))
     if context:  # an earlier answer's `context`: the conversation so far
         prompt = token_list(context, "context", svc.tokenizer.vocab_size) + prompt
-    # (a forwarded chat has no token ids to return)
-    reply = OllamaReply(name, chat=False, context=prompt if isinstance(prompt, list) else None)
-    return await _answer(request, svc, body, fields, params, prompt, reply, keep_alive=alive)
+    # (a forwarded chat, or one holding images, has no token ids to return)
+    reply = OllamaReply(name, chat=False, context=prompt if isinstance(prompt, list)
+                        and not held else None)
+    return await _answer(request, svc, body, fields, params, prompt, reply, keep_alive=alive,
+                         images=held)
 
 
 async def _settings(request: web.Request, svc: ServiceFacade, body: dict[str, Any]
@@ -112,11 +126,12 @@ async def _settings(request: web.Request, svc: ServiceFacade, body: dict[str, An
 async def _answer(request: web.Request, svc: ServiceFacade, body: dict[str, Any],
                   fields: dict[str, Any], params: GenerationParams, prompt: list[int],
                   reply: OllamaReply, forced: str | None = None, *,
-                  keep_alive: float | None = None) -> web.StreamResponse:
+                  keep_alive: float | None = None, images: tuple[PromptImage, ...] = ()
+                  ) -> web.StreamResponse:
     """The generation, whole as one JSON object or streamed as NDJSON (Ollama's default);
-    the model stays loaded for `keep_alive` once idle after it."""
+    the model stays loaded for `keep_alive` once idle after it; `images`: the prompt's."""
     kw = dict(stop=stop_list(fields), grammar=await constraint(svc, fields, forced),
-              keep_alive=keep_alive)
+              keep_alive=keep_alive, images=images)
     check_fits(svc, prompt, "messages" if reply.chat else "prompt")
     if not get(body, "stream", bool, True):
         return json_response(reply.whole((await collect(request, svc, prompt, [params],

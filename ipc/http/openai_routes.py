@@ -13,13 +13,15 @@ from aiohttp import web
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.spec.generation import GenerationParams
+from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.sampling import TokenLogprob
 from specd.daemon.text.chat_formats import ChatFormat, ParsedReply, chat_format
 from specd.daemon.text.tool_calls import ToolCallStream, parse_tool_calls
 
 from ..jsonout import json_response
+from ..security import IDENTITY, is_own_user
 from ..validation import BadRequest, get, json_body, stop_list
-from .chat_inputs import chat_inputs, render
+from .chat_inputs import chat_inputs, chat_prompt
 from .parsing import (
     check_fits,
     check_model,
@@ -90,10 +92,11 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     names: set[str] | None = None  # the request's tools, when calls are parsed
     forced: str | None = None  # a grammar making the reply calls (tool_choice)
     tools: list[dict[str, Any]] | None = None
+    images: tuple[PromptImage, ...] = ()  # the prompt's, at their placeholders
     if chat:
-        chat_in = chat_inputs(body)
+        chat_in = chat_inputs(body, own_user=is_own_user(request.get(IDENTITY, "")))
         names, forced, tools = chat_in.names, chat_in.forced, chat_in.tools
-        prompt = await off_loop(request, render, svc, chat_in, "chat_tokens")
+        prompt, images = await off_loop(request, chat_prompt, svc, chat_in)
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
@@ -116,11 +119,12 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
                    reading=_ReplyReading(chat_format(svc.chat_template), tools)
                    if chat else None)
     if not get(body, "stream", bool, False):
-        results = await collect(request, svc, prompt, choices, stop=stop, grammar=grammar)
+        results = await collect(request, svc, prompt, choices, stop=stop, grammar=grammar,
+                                images=images)
         return json_response(reply.whole(results))
     options = body.get("stream_options")
     reply.include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    streams = submit_all(svc, prompt, choices, stop=stop, grammar=grammar,
+    streams = submit_all(svc, prompt, choices, stop=stop, grammar=grammar, images=images,
                          progress=get(body, "return_progress", bool, False),
                          timings=get(body, "timings_per_token", bool, False))
     reply.n_streams = len(streams)

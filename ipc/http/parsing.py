@@ -151,8 +151,8 @@ def prompts(svc: ServiceFacade, value: Any, param: str = "input",
     def one(item: Any) -> list[int]:
         if isinstance(item, dict):
             if "multimodal_data" in item:
-                raise BadRequest("this model reads text only ('multimodal_data')",
-                                 param=param)
+                raise BadRequest("'multimodal_data' is read by /completion (one prompt), "
+                                 "not here", param=param)
             if isinstance(item.get("prompt_string"), str):
                 item = item["prompt_string"]
             elif isinstance(item.get("content"), list) and all(

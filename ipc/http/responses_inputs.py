@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..validation import BadRequest, get
+from .media_inputs import image_part
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -64,9 +65,17 @@ def _content(value: Any, where: str) -> str | list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     for i, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_image", "input_file", "input_audio"):
-            raise BadRequest(f"'{where}[{i}]': {kind} parts are not supported yet (this "
-                             "model reads text only)", param=f"{where}[{i}]")
+        if kind == "input_image":  # its image_url (a data URL: the daemon fetches nothing)
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise BadRequest(f"'{where}[{i}]': an input_image part needs an 'image_url' "
+                                 "(a data URL; file_id is not supported)",
+                                 param=f"{where}[{i}]")
+            parts.append(image_part(url))
+            continue
+        if kind in ("input_file", "input_audio"):
+            raise BadRequest(f"'{where}[{i}]': {kind} parts are not supported (text and "
+                             "input_image parts are)", param=f"{where}[{i}]")
         text = part.get("refusal") if kind == "refusal" else (
             part.get("text") if kind in TEXT_PARTS else None)
         if not isinstance(part, dict) or not isinstance(text, str):

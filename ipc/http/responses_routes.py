@@ -10,9 +10,9 @@ from typing import Any
 from aiohttp import web
 
 from ..jsonout import json_response
-from ..security import IDENTITY
+from ..security import IDENTITY, is_own_user
 from ..validation import BadRequest, get, json_body
-from .chat_inputs import chat_inputs, render
+from .chat_inputs import chat_inputs, chat_prompt
 from .parsing import check_fits, check_model, constraint, generation_params, unsupported
 from .responses_inputs import chat_request, input_items, renamed
 from .responses_output import ResponseReply, new_id
@@ -43,8 +43,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
         raise BadRequest("'metadata' must be an object", param="metadata")
     try:
         chat, items = chat_request(body, history)
-        chat_in = chat_inputs(chat)
-        prompt = await off_loop(request, render, svc, chat_in, "chat_tokens")
+        chat_in = chat_inputs(chat, own_user=is_own_user(identity))
+        prompt, images = await off_loop(request, chat_prompt, svc, chat_in)
         grammar = await constraint(svc, chat, chat_in.forced)
     except BadRequest as exc:
         raise renamed(exc) from None
@@ -71,9 +71,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     reply = ResponseReply(rid, svc.model_name, echo, names=chat_in.names,
                           keep=kept if keep else None)
     if not get(body, "stream", bool, False):
-        [result] = await collect(request, svc, prompt, [params], grammar=grammar)
+        [result] = await collect(request, svc, prompt, [params], grammar=grammar,
+                                 images=images)
         return json_response(reply.whole(result))
-    streams = submit_all(svc, prompt, [params], grammar=grammar,
+    streams = submit_all(svc, prompt, [params], grammar=grammar, images=images,
                          progress=get(body, "return_progress", bool, False),
                          timings=get(body, "timings_per_token", bool, False))
     return await stream_events(request, streams, reply)

@@ -138,7 +138,7 @@ async def props(request: web.Request) -> web.Response:
                  "chat_template": svc.chat_template,
                  "bos_token": "" if tok.bos_id is None else tok.token_text(tok.bos_id),
                  "eos_token": "" if tok.eos_id is None else tok.token_text(tok.eos_id),
-                 "modalities": {"vision": False, "video": False, "audio": False},
+                 "modalities": {"vision": svc.takes_images, "video": False, "audio": False},
                  "build_info": SYSTEM_FINGERPRINT,
                  "default_generation_settings": {
                      "n_ctx": svc.n_ctx, "params": generation_settings(svc, d),

@@ -133,7 +133,7 @@ def test_errors_come_in_anthropics_shape(client, server) -> None:
         "type": "invalid_request_error", "message": "'max_tokens' is required"}}
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "iVBORw0KGgo="}}
-    with pytest.raises(anthropic.BadRequestError, match="image input is not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="takes no images: start it with --mmproj"):
         client.messages.create(max_tokens=5, model="specd", messages=[
             {"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}])
     status, body = server.request("GET", "/v1/messages")

@@ -115,11 +115,10 @@ def test_thinking_switches_the_templates_thinking() -> None:
     ({"messages": [{"role": "system", "content": "x"}]}, "'user' or 'assistant'"),
     ({"messages": [{"role": "user", "content": 3}]}, "string or an array"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
-     "image input is not supported yet"),
+        "type": "file", "file_id": "f"}}]}]}, "source must be {type: base64"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                                  "content": [{"type": "image"}]}]}]},
-     "image input is not supported yet"),
+     "'image' blocks are not supported here"),
     ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, "'document'"),
     ({"messages": [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]}, "'input' object"),

@@ -554,7 +554,7 @@ def test_completion_prompt_shapes_as_llama_server_reads_them(tiny_path, tmp_path
         assert status == 400 and "several prompts" in out["error"]["message"]
         status, out = srv.request("POST", "/completion", {
             **base, "prompt": {"prompt_string": "x", "multimodal_data": ["AAAA"]}})
-        assert status == 400 and "text only" in out["error"]["message"]
+        assert status == 400 and "takes no images" in out["error"]["message"]
         status, out = srv.request("POST", "/v1/chat/completions", {"messages": [
             {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
             {"role": "assistant", "content": "c"}]})

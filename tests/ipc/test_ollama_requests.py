@@ -64,9 +64,13 @@ def test_a_chat_becomes_the_openai_shaped_one_chat_inputs_reads() -> None:
     assert chat_body({"messages": [], "think": "high"})["reasoning_effort"] == "high"
 
 
-def test_images_are_a_clear_400() -> None:
-    with pytest.raises(BadRequest, match="images are not supported yet"):
-        chat_body({"messages": [{"role": "user", "content": "x", "images": ["iVBOR"]}]})
+def test_images_become_image_parts_before_the_text() -> None:
+    chat = chat_body({"messages": [{"role": "user", "content": "x", "images": ["iVBOR"]}]})
+    assert chat["messages"][0]["content"] == [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBOR"}},
+        {"type": "text", "text": "x"}]
+    with pytest.raises(BadRequest, match="'images' must be an array"):
+        chat_body({"messages": [{"role": "user", "content": "x", "images": "iVBOR"}]})
 
 
 @pytest.mark.parametrize("value, seconds", [

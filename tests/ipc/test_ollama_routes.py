@@ -164,8 +164,8 @@ def test_load_requests_and_refusals_in_ollamas_shape(server: LiveServer) -> None
             ("/api/chat", {"model": "gpt-9", "messages": []}, 404, "model 'gpt-9' not found"),
             ("/api/generate", {"model": name, "prompt": "x", "template": "{{ .Prompt }}"},
              400, "'template' is not supported"),
-            ("/api/generate", {"model": name, "prompt": "x", "images": ["iVBOR"]}, 400,
-             "images are not supported yet"),
+            ("/api/generate", {"model": name, "prompt": "x", "images": ["iVBORw0KGgo="]}, 400,
+             "takes no images"),
             ("/api/chat", {"model": name, "messages": [{"role": "user", "content": "x"}],
                            "options": {"temperature": "hot"}}, 400, "temperature")):
         status, out = server.request("POST", path, body)

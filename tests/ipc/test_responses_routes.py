@@ -155,9 +155,9 @@ def test_a_stored_response_is_its_callers_alone(client, server: LiveServer) -> N
 
 
 def test_bad_requests_name_their_field(client) -> None:
-    image = {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+    image = {"role": "user", "content": [{"type": "input_image", "file_id": "x"}]}
     for kw, param, match in (
-            ({"input": [image]}, "input[0].content[0]", "not supported yet"),
+            ({"input": [image]}, "input[0].content[0]", "needs an 'image_url'"),
             ({"input": 5}, "input", "must be a string"),
             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type",
              "function tools only"),

@@ -154,6 +154,44 @@ def greedy_with_logprobs(model: Path, prompt: list[int], n_predict: int, *, n_pr
     return result
 
 
+def mtmd_greedy(text: Path, mmproj: Path, prompt: str, images: list[bytes], n_predict: int,
+                *, threads: int = 2, n_ctx: int = 512) -> tuple[list[int], list[float]]:
+    """llama-server's (--mmproj) greedy tokens after a prompt string holding a media
+    marker per image (its /completion's multimodal_data), and each step's top-1 minus
+    top-2 log probability (the logit margin). llama-server's marker is random unless
+    LLAMA_MEDIA_MARKER names one: it is set to specd's (llama-server's old default)."""
+    import base64
+    import os
+
+    from specd.daemon.benchmark.llama_server import LlamaServer
+    from specd.daemon.spec.media import MEDIA_MARKER
+
+    before = os.environ.get("LLAMA_MEDIA_MARKER")
+    os.environ["LLAMA_MEDIA_MARKER"] = MEDIA_MARKER
+    try:
+        server = LlamaServer(text, threads=threads, n_ctx=n_ctx,
+                             args=["--mmproj", str(mmproj), "-np", "1", "-ctk", "f32",
+                                   "-ctv", "f32", "--no-warmup"])
+    finally:
+        if before is None:
+            del os.environ["LLAMA_MEDIA_MARKER"]
+        else:
+            os.environ["LLAMA_MEDIA_MARKER"] = before
+    with server:
+        out = server.post("/completion", {
+            "prompt": {"prompt_string": prompt,
+                       "multimodal_data": [base64.b64encode(b).decode() for b in images]},
+            "n_predict": n_predict, "temperature": 0, "top_k": 1, "return_tokens": True,
+            "cache_prompt": False, "ignore_eos": True, "n_probs": 2,
+            "post_sampling_probs": False})
+    tokens = [int(t) for t in out["tokens"]]
+    margins = []
+    for p in out.get("completion_probabilities") or []:
+        top = sorted((float(c["logprob"]) for c in p["top_logprobs"]), reverse=True)
+        margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    return tokens, margins[:len(tokens)] + [0.0] * (len(tokens) - len(margins))
+
+
 def greedy_with_margins(runner: object, prompt: list[int], n: int
                         ) -> tuple[list[int], list[float]]:
     """specd's greedy continuation (a ModelRunner, one token a call) and each step's top-1

@@ -20,9 +20,11 @@ windows of 112 pixels as llama.cpp uses, every second block global).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,4 +189,19 @@ def convert_tiny_vlm(family: str, root: Path, *, text: bool = True) -> TinyVlm:
         convert(checkpoint, vlm.text, mmproj=False, outtype="f16")
         if family == "gemma3":
             take_tokenizer(vlm.text, MODELS / TOKENIZER_GGUF[family])
+    return vlm
+
+
+def cached_tiny_vlm(family: str) -> TinyVlm:
+    """The family's tiny VLM, made once per machine: kept under the temp dir by this
+    module's hash (a change here makes them anew)."""
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    root = Path(tempfile.gettempdir()) / f"specd-tiny-vlm-{digest}"
+    vlm = TinyVlm(root / f"{family}-text.gguf", root / f"{family}-mmproj.gguf")
+    if not (vlm.text.is_file() and vlm.mmproj.is_file()):
+        scratch = Path(tempfile.mkdtemp(prefix="tiny-vlm-", dir=tempfile.gettempdir()))
+        made = convert_tiny_vlm(family, scratch)
+        root.mkdir(exist_ok=True)
+        made.mmproj.replace(vlm.mmproj)
+        made.text.replace(vlm.text)
     return vlm

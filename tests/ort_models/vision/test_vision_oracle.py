@@ -9,9 +9,7 @@ and transformers to make the checkpoints."""
 
 from __future__ import annotations
 
-import hashlib
 import io
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,19 +35,7 @@ def tiny_vlms() -> dict[str, tiny_vlm.TinyVlm]:
     why = missing("llama-mtmd-cli") or tiny_vlm.missing()
     if why:
         pytest.skip(why)
-    digest = hashlib.sha256(Path(tiny_vlm.__file__).read_bytes()).hexdigest()[:16]
-    root = Path(tempfile.gettempdir()) / f"specd-tiny-vlm-{digest}"
-    out = {}
-    for family in tiny_vlm.BUILDERS:
-        vlm = tiny_vlm.TinyVlm(root / f"{family}-text.gguf", root / f"{family}-mmproj.gguf")
-        if not (vlm.text.is_file() and vlm.mmproj.is_file()):
-            scratch = Path(tempfile.mkdtemp(prefix="tiny-vlm-", dir=tempfile.gettempdir()))
-            made = tiny_vlm.convert_tiny_vlm(family, scratch)
-            root.mkdir(exist_ok=True)
-            made.mmproj.replace(vlm.mmproj)
-            made.text.replace(vlm.text)
-        out[family] = vlm
-    return out
+    return {family: tiny_vlm.cached_tiny_vlm(family) for family in tiny_vlm.BUILDERS}
 
 
 def write_png(path: Path, width: int, height: int, seed: int) -> Path:
