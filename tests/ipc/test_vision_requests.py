@@ -170,3 +170,85 @@ def test_greedy_after_an_image_is_llama_servers(server: LiveServer, vlm: tiny_vl
     parted = next((i for i, (a, b) in enumerate(zip(got, theirs, strict=True)) if a != b), n)
     assert parted == n or margins[parted] < NEAR_TIE, (parted, margins, got, theirs)
     assert parted >= 8, (parted, got, theirs)
+
+
+def test_every_dialect_takes_an_image(server: LiveServer) -> None:
+    """The same image through Anthropic's base64 block, Ollama's images (chat and
+    generate), Responses' input_image and /completion's multimodal_data: each answers,
+    counting the image's tokens; /props says vision."""
+    data = png(seed=21)
+    b64 = base64.b64encode(data).decode()
+    status, out = server.request("POST", "/v1/messages", {
+        "model": "specd", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64}},
+            {"type": "text", "text": "What is this?"}]}]})
+    assert status == 200 and out["usage"]["input_tokens"] > N_IMAGE + 2, out
+    status, out = server.request("POST", "/v1/messages", {
+        "model": "specd", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://x.org/a.png"}}]}]})
+    assert status == 400 and "data URL" in out["error"]["message"], out
+    for path, body in (("/api/chat", {"messages": [
+            {"role": "user", "content": "What is this?", "images": [b64]}]}),
+            ("/api/generate", {"prompt": "What is this?", "images": [b64]}),
+            ("/api/generate", {"prompt": "What is this?", "images": [b64], "raw": True})):
+        status, out = server.request("POST", path, {"model": "specd", "stream": False,
+                                                    "options": {"num_predict": 4}, **body})
+        assert status == 200 and out["prompt_eval_count"] > N_IMAGE + 2, (path, out)
+    status, out = server.request("POST", "/v1/responses", {
+        "model": "specd", "max_output_tokens": 4, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is this?"},
+            {"type": "input_image", "image_url": data_url(data)}]}]})
+    assert status == 200 and out["usage"]["input_tokens"] > N_IMAGE + 2, out
+    status, out = server.request("POST", "/completion", {
+        "prompt": {"prompt_string": f"What is this: {MEDIA_MARKER}\n",
+                   "multimodal_data": [b64]}, "n_predict": 4})
+    assert status == 200 and out["tokens_evaluated"] > N_IMAGE + 2, out
+    assert MEDIA_MARKER in out["prompt"]
+    status, props = server.request("GET", "/props")
+    assert status == 200 and props["modalities"]["vision"] is True
+
+
+@pytest.mark.parametrize("prompt, files, says", [
+    (f"What is this: {MEDIA_MARKER}\n", ["malformed"], "base64"),
+    ("What is this:\n", [""], "empty"),
+    ("What is this:\n", [base64.b64encode(png()).decode()], "media markers"),
+    (f"{MEDIA_MARKER}{MEDIA_MARKER}", [base64.b64encode(png()).decode()], "media markers"),
+    (f"What is this: {MEDIA_MARKER}\n", [base64.b64encode(b"<html>").decode()],
+     "not an image"),
+])
+def test_multimodal_data_errors_are_400s(server: LiveServer, prompt: str, files: list[str],
+                                         says: str) -> None:
+    """llama-server's test_vision_completion error cases (malformed data, an empty
+    string, markers that do not match the files, data that is not an image)."""
+    status, out = server.request("POST", "/completion", {
+        "prompt": {"prompt_string": prompt, "multimodal_data": files}, "n_predict": 2})
+    assert status == 400 and says in out["error"]["message"], out
+
+
+@pytest.mark.parametrize("spec_type, draft", [("ngram", False), ("draft", True)])
+def test_speculation_after_an_image_is_the_targets(vlm: tiny_vlm.TinyVlm, spec_type: str,
+                                                   draft: bool) -> None:
+    """Greedy output of an image prompt through the engine is byte-identical with and
+    without prompt lookup and with a draft model (the text model itself, without
+    vision: it gets the text around the image), and rounds were drafted."""
+    from specd.daemon.spec.drafter import DraftParams
+    from specd.daemon.spec.generation import GenerationParams
+
+    from speculation_checks import assert_drafted, decode_all
+
+    def run(spec: str, md: str | None) -> tuple[list[int], Any]:
+        engine = Engine(EngineConfig(target=str(vlm.text), mmproj=str(vlm.mmproj),
+                                     spec_type=spec, draft=md, n_ctx=512, fetch=False))
+        text = "Say it again and again: red blue red blue red blue " + MEDIA_MARKER
+        prompt, images = engine.image_prompt(text * 2, [png(seed=5), png(seed=6)])
+        gen = engine.start(0, prompt, GenerationParams(max_tokens=48, ignore_eos=True,
+                                                       draft=DraftParams(n_max=3),
+                                                       adaptive=False),
+                           images=images)
+        return decode_all(gen), gen.stats
+
+    want, _ = run("none", None)
+    got, stats = run(spec_type, str(vlm.text) if draft else None)
+    assert got == want
+    assert_drafted(stats)
