@@ -48,6 +48,18 @@ def model_for(repo: str | None, hf_file: str | None, model: str | None) -> str:
     return QWEN_SMALL if "infill" in name or "qwen" in name else SMOL
 
 
+def tiny_vlm(repo: str | None) -> tuple[str, str] | None:
+    """The tiny gemma3 VLM's text model and mmproj (tests/support/tiny_vlm.py, made by
+    the test suite) standing in for tinygemma3, where one is made (None: none)."""
+    if "gemma3" not in (repo or "").lower():
+        return None
+    made = sorted(Path(tempfile.gettempdir()).glob("specd-tiny-vlm-*/gemma3-text.gguf"),
+                  key=lambda p: p.stat().st_mtime)
+    if not made:
+        return None
+    return str(made[-1]), str(made[-1].with_name("gemma3-mmproj.gguf"))
+
+
 def translate(argv: list[str]) -> list[str]:
     out: list[str] = []
     repo = hf_file = model = draft = None
@@ -90,7 +102,8 @@ def translate(argv: list[str]) -> list[str]:
     if "-c" in out and "--slots" in out:
         at = out.index("-c") + 1
         out[at] = str(max(int(out[at]) // int(out[out.index("--slots") + 1]), 1))
-    out += ["-m", model_for(repo, hf_file, model)]
+    vlm = tiny_vlm(repo)
+    out += ["-m", vlm[0], "-mm", vlm[1]] if vlm else ["-m", model_for(repo, hf_file, model)]
     if "--spec-synthetic-rates" in out or "--spec-synthetic-mean" in out:
         # llama.cpp's synthetic acceptance rides on its draft; specd's is a spec type of
         # its own, needing no draft model
