@@ -143,7 +143,7 @@ def text_runs(tokens: Sequence[int]) -> list[list[int] | None]:
             if t != prev:
                 out.append(None)
         elif out and out[-1] is not None:
-            out[-1].append(t)  # type: ignore[union-attr]
+            out[-1].append(t)
         else:
             out.append([t])
         prev = t
