@@ -79,11 +79,16 @@ typedef struct {
   /* not causal with a window, else NULL: row r's first key position (the window measured
      back from the row's own position, as llama.cpp masks a sliding window) */
   const size_t *row_first;
+  /* CachedAttention with sinks, else NULL: per query head, a logit that joins every
+     row's softmax without a value (gpt-oss's attention sinks) */
+  const float *sinks;
 } Job;
 
-/* w[0..padded) <- exp(w - max) over the first n_keys (0 past them); returns their sum */
-static float softmax_weights(float *w, size_t n_keys, size_t padded) {
-  float mx = -INFINITY;
+/* w[0..padded) <- exp(w - max) over the first n_keys (0 past them); returns their sum.
+ * With a sink logit (not NULL): the max is over the keys and the sink, and the sum adds
+ * exp(sink - max) after the keys' (a softmax over one more column that has no value). */
+static float softmax_weights(float *w, size_t n_keys, size_t padded, const float *sink) {
+  float mx = sink ? *sink : -INFINITY;
   for (size_t t = 0; t < n_keys; t++) mx = w[t] > mx ? w[t] : mx;
   for (size_t t = n_keys; t < padded; t++) w[t] = -INFINITY;
   float l[LANES] = {0};
@@ -102,7 +107,7 @@ static float softmax_weights(float *w, size_t n_keys, size_t padded) {
       l[i] = l[i] + w[t + i];
     }
 #endif
-  return lanes_sum(l);
+  return sink ? lanes_sum(l) + exp_scalar(*sink - mx) : lanes_sum(l);
 }
 
 /* Whether S rows from `pos` fit the cache of n_ctx rows: every position below it, or with a
@@ -173,7 +178,8 @@ static OrtStatus *compute(void *kernel, OrtKernelContext *ctx, void (*task)(void
   CHECK(g_api->KernelContext_GetOutput(ctx, 0, qd, 2, &y_val));
   CHECK(g_api->GetTensorMutableData(y_val, (void **)&y));
   Job job = {q, k, v, y, (size_t)at->heads, (size_t)(at->heads / at->kv_heads), (size_t)hd,
-             (size_t)kd[2], (size_t)pos[0], at->scale, (size_t)at->window, NULL, NULL, NULL};
+             (size_t)kd[2], (size_t)pos[0], at->scale, (size_t)at->window, NULL, NULL, NULL,
+             NULL};
   specd_parallel_for(task, &job, (size_t)qd[0] * (size_t)at->kv_heads);
   return NULL;
 }
@@ -225,6 +231,9 @@ const SpecdOpDef specd_causal_attention_f16 = {"CausalAttentionF16", 4, INPUTS_F
  *                                  are that sequence's tokens at pos .. pos+rows-1 and
  *                                  attend over its own cache slot only
  *   cos, sin float32 [P, rd/2]     rotary tables (P > pos+S-1)
+ *   sinks    float32 [H]           optional: a logit per query head that joins each
+ *                                  softmax's max and sum with no value (gpt-oss's
+ *                                  attention sinks: llama.cpp's soft_max sinks)
  *   Y        float32 [S, H*hd]
  *   present_key, present_value     the caches with rows pos .. pos+S-1 written; in place
  *                                  where they are bound to the past buffers (specd's
@@ -361,8 +370,10 @@ static Segment *read_segments(const OrtValue *pos_val, int64_t s_len, int64_t n_
 static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
   const Cached *cd = (const Cached *)kernel;
   const Attn *at = &cd->at;
-  const OrtValue *in[8];
-  for (size_t i = 0; i < 8; i++) CHECK(g_api->KernelContext_GetInput(ctx, i, &in[i]));
+  const OrtValue *in[9] = {NULL};
+  size_t n_in = 0;
+  CHECK(g_api->KernelContext_GetInputCount(ctx, &n_in));
+  for (size_t i = 0; i < 9 && i < n_in; i++) CHECK(g_api->KernelContext_GetInput(ctx, i, &in[i]));
   int64_t qd[8], kd[8], vd[8], ckd[8], cvd[8], cosd[8], sind[8];
   size_t qr, kr, vr, ckr, cvr, cosr, sinr;
   CHECK(specd_tensor_shape(in[0], qd, &qr));
@@ -392,6 +403,15 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
       sind[0] != cosd[0])
     return specd_fail("CachedAttention: cos and sin are not [positions, rotary_dim/2] "
                       "covering position + S");
+  const float *sinks = NULL;
+  if (in[8]) { /* optional */
+    int64_t sd[8];
+    size_t sr;
+    CHECK(specd_tensor_shape(in[8], sd, &sr));
+    if (sr != 1 || sd[0] != at->heads)
+      return specd_fail("CachedAttention: sinks is not [num_heads]");
+    CHECK(g_api->GetTensorMutableData((OrtValue *)in[8], (void **)&sinks));
+  }
   const int64_t n_ctx = ckd[2];
   size_t n_seg = 0;
   const char *err = NULL;
@@ -464,7 +484,7 @@ static OrtStatus *compute_cached(void *kernel, OrtKernelContext *ctx, int f16) {
       }
     }
   Job job = {qr_rows, pres_k, pres_v, y, heads, heads / kvh, d, (size_t)n_ctx, 0,
-             at->scale, (size_t)at->window, row_pos, row_slot, row_first};
+             at->scale, (size_t)at->window, row_pos, row_slot, row_first, sinks};
   specd_parallel_for(f16 ? run_task_f16 : run_task_f32, &job, rows * kvh);
   free(qr_rows);
   free(row_pos);
@@ -507,12 +527,14 @@ static OrtStatus *create_cached(const OrtApi *api, const OrtKernelInfo *info, vo
 #define F32 ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
 #define F16 ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
 #define I64 ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
-static const ONNXTensorElementDataType CACHED_IN[] = {F32, F32, F32, F32, F32, I64, F32, F32};
+static const ONNXTensorElementDataType CACHED_IN[] = {F32, F32, F32, F32, F32,
+                                                      I64, F32, F32, F32};
 static const ONNXTensorElementDataType CACHED_OUT[] = {F32, F32, F32};
-static const ONNXTensorElementDataType CACHED_IN_F16[] = {F32, F32, F32, F16, F16, I64, F32, F32};
+static const ONNXTensorElementDataType CACHED_IN_F16[] = {F32, F32, F32, F16, F16,
+                                                          I64, F32, F32, F32};
 static const ONNXTensorElementDataType CACHED_OUT_F16[] = {F32, F16, F16};
-const SpecdOpDef specd_cached_attention = {"CachedAttention", 8, CACHED_IN, create_cached,
-                                           compute_cached_f32, 3, CACHED_OUT};
-const SpecdOpDef specd_cached_attention_f16 = {"CachedAttentionF16", 8, CACHED_IN_F16,
+const SpecdOpDef specd_cached_attention = {"CachedAttention", 9, CACHED_IN, create_cached,
+                                           compute_cached_f32, 3, CACHED_OUT, 8};
+const SpecdOpDef specd_cached_attention_f16 = {"CachedAttentionF16", 9, CACHED_IN_F16,
                                                create_cached, compute_cached_f16, 3,
-                                               CACHED_OUT_F16};
+                                               CACHED_OUT_F16, 8};

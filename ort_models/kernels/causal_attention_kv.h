@@ -158,7 +158,9 @@ static void CAT(run_task_, KV)(void *p, size_t task) {
     for (size_t g = 0; g < g_n; g++)
       w[g * padded + t] = CAT(dot_, KV)(q + g * hd, kt, hd) * job->scale;
   }
-  for (size_t g = 0; g < g_n; g++) sum[g] = softmax_weights(w + g * padded, n_keys, padded);
+  const float *sink = job->sinks ? job->sinks + kvh * g_n : NULL; /* this group's heads */
+  for (size_t g = 0; g < g_n; g++)
+    sum[g] = softmax_weights(w + g * padded, n_keys, padded, sink ? sink + g : NULL);
   size_t d_done = 0; /* values past it go through the plain loop below */
 #if SPECD_AVX2
   for (; d_done + 4 * LANES <= hd; d_done += 4 * LANES)

@@ -588,13 +588,15 @@ def test_attention_refuses_a_block_past_the_cache() -> None:
 
 def _cached_session(heads: int, kv_heads: int, hd: int, rd: int, interleaved: int,
                     f16: bool, lib: Path | None = None, packed: int = 0,
-                    segments: bool = False) -> ort.InferenceSession:
+                    segments: bool = False, sinks: bool = False) -> ort.InferenceSession:
     """packed 1: q holds q then k (k names q too); 2: q, k, v (k and v name q).
-    segments: `pos` is [B, 3] (slot, pos, rows) over caches of several slots."""
+    segments: `pos` is [B, 3] (slot, pos, rows) over caches of several slots.
+    sinks: the optional input `sinks` [heads]."""
     kv_type = TensorProto.FLOAT16 if f16 else TensorProto.FLOAT
     qkv = ["q", "q", "v"] if packed == 1 else ["q", "q", "q"] if packed == 2 else ["q", "k", "v"]
     node = helper.make_node("CachedAttentionF16" if f16 else "CachedAttention",
-                            [*qkv, "pk", "pv", "pos", "cos", "sin"], ["Y", "K", "V"],
+                            [*qkv, "pk", "pv", "pos", "cos", "sin", *(["sinks"] if sinks else [])],
+                            ["Y", "K", "V"],
                             domain="specd", num_heads=heads, kv_num_heads=kv_heads,
                             scale=1.0 / np.sqrt(hd), rotary_dim=rd, interleaved=interleaved,
                             **({"packed": packed} if packed else {}))
@@ -608,7 +610,8 @@ def _cached_session(heads: int, kv_heads: int, hd: int, rd: int, interleaved: in
          helper.make_tensor_value_info("pv", kv_type, cache),
          helper.make_tensor_value_info("pos", TensorProto.INT64, ["B", 3] if segments else [1]),
          helper.make_tensor_value_info("cos", TensorProto.FLOAT, ["P", rd // 2]),
-         helper.make_tensor_value_info("sin", TensorProto.FLOAT, ["P", rd // 2])],
+         helper.make_tensor_value_info("sin", TensorProto.FLOAT, ["P", rd // 2])] + (
+         [helper.make_tensor_value_info("sinks", TensorProto.FLOAT, ["H"])] if sinks else []),
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", heads * hd]),
          helper.make_tensor_value_info("K", kv_type, cache),
          helper.make_tensor_value_info("V", kv_type, cache)])
@@ -713,6 +716,54 @@ def test_cached_attention_packs_sequences_each_over_its_own_cache(f16: bool) -> 
                                              "cache": "exceeds the cache"}[name]):
             packed.run(None, {**proj, "pk": caches[0], "pv": caches[1],
                               "pos": np.array(seg), "cos": cos, "sin": sin})
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
+def test_cached_attention_sinks_join_each_softmax(portable: tuple[str, Path], f16: bool
+                                                  ) -> None:
+    """A sink logit per query head (gpt-oss): softmax over the scores and the sink, the
+    sink's share given to no value, as float64 computes it within float32 rounding; the
+    rows of a block equal single rows, and the portable build the native one, bit for
+    bit; a sinks tensor of the wrong length is named."""
+    rng = np.random.default_rng(21 + f16)
+    heads, kv, hd, n_ctx, rd, pos, s = 6, 2, 32, 64, 32, 10, 4
+    ang = np.arange(n_ctx)[:, None] * 10000.0 ** (-np.arange(0, rd, 2) / rd)[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    dt = np.float16 if f16 else np.float32
+    sinks = rng.normal(0, 2, heads).astype(np.float32)
+    feed = {"q": rng.normal(0, 1, (s, heads * hd)).astype(np.float32),
+            "k": rng.normal(0, 1, (s, kv * hd)).astype(np.float32),
+            "v": rng.normal(0, 1, (s, kv * hd)).astype(np.float32),
+            "pk": rng.normal(0, 1, (1, kv, n_ctx, hd)).astype(dt),
+            "pv": rng.normal(0, 1, (1, kv, n_ctx, hd)).astype(dt),
+            "pos": np.array([pos]), "cos": cos, "sin": sin, "sinks": sinks}
+    sess = _cached_session(heads, kv, hd, rd, 0, f16, sinks=True)
+    y, pk, pv = sess.run(None, feed)
+    q = _rotate(feed["q"], heads, hd, rd, 0, cos[pos:pos + s], sin[pos:pos + s])
+    keys, vals = pk[0].astype(np.float64), pv[0].astype(np.float64)  # [kv, n_ctx, hd]
+    for r in range(s):
+        for h in range(heads):
+            t = pos + r + 1
+            sc = keys[h // (heads // kv), :t] @ q[r, h * hd:(h + 1) * hd] / np.sqrt(hd)
+            top = max(sc.max(), sinks[h])
+            e = np.exp(sc - top)
+            want = e @ vals[h // (heads // kv), :t] / (e.sum() + np.exp(sinks[h] - top))
+            np.testing.assert_allclose(y[r, h * hd:(h + 1) * hd], want, atol=2e-5)
+    plain = _cached_session(heads, kv, hd, rd, 0, f16).run(
+        None, {n: v for n, v in feed.items() if n != "sinks"})[0]
+    assert np.abs(plain - y).max() > 1e-2  # the sinks take their share
+    singles = []
+    for r in range(s):
+        one = {**feed, "q": feed["q"][r:r + 1], "k": feed["k"][r:r + 1],
+               "v": feed["v"][r:r + 1], "pos": np.array([pos + r])}
+        out, feed["pk"], feed["pv"] = sess.run(None, one)
+        singles.append(out)
+    np.testing.assert_array_equal(np.concatenate(singles), y)
+    portable_y = _cached_session(heads, kv, hd, rd, 0, f16, portable[1], sinks=True).run(
+        None, feed | {"pos": np.array([pos])})[0]
+    np.testing.assert_array_equal(portable_y, y)
+    with pytest.raises(Exception, match=r"sinks is not \[num_heads\]"):
+        sess.run(None, feed | {"sinks": sinks[:-1]})
 
 
 def test_cached_attention_names_a_short_rotary_table() -> None:
