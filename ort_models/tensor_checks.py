@@ -8,8 +8,9 @@ a session created (rather than at the first token, inside ONNX Runtime):
 * every tensor the decoder reads is there: the embeddings, the final norm, and each
   layer's norms, attention and feed-forward matrices (a mixture of experts' router and
   3-D experts, with their biases where the architecture has them), the q/k/v biases
-  (`qkv_bias`), the q/k norms (`qk_norm`), the output norms (`post_norms`) and the
-  attention gate (`attn_gate`);
+  (`qkv_bias`), the output product's (`attn_out_bias`), the q/k norms (`qk_norm`), the
+  output norms (`post_norms`), the attention gate (`attn_gate`) and sinks (`attn_sinks`,
+  one logit per head);
 * vectors (norms, biases) are float tensors of the right length: n_embd for the layer
   and output norms, head_dim for per-head q/k norms (also n_head·head_dim or
   n_kv·head_dim where the architecture does not read them per head, as llama.cpp's
@@ -100,7 +101,7 @@ def required_tensors(hp: HParams) -> list[str]:
     names = ["token_embd.weight", "output_norm.weight"]
     if not hp.tied_embeddings:
         names.append("output.weight")
-    per_layer = [*LAYER_NORMS, *ATTENTION_MATRICES,
+    per_layer = ["attn_norm", hp.ffn_norm, *ATTENTION_MATRICES,
                  *(FFN_MATRICES if hp.moe is None else MOE_MATRICES)]
     if getattr(hp, "post_norms", False):
         per_layer += POST_NORMS
@@ -108,11 +109,15 @@ def required_tensors(hp: HParams) -> list[str]:
         per_layer += ["attn_q_norm", "attn_k_norm"]
     if hp.attn_gate:
         per_layer.append("attn_gate")
+    if hp.attn_sinks:
+        per_layer.append("attn_sinks")
     layer_names = [f"{n}.weight" for n in per_layer]
     if hp.moe is not None and hp.moe.biases:
         layer_names += [f"{n}.bias" for n in MOE_MATRICES]
     if hp.qkv_bias:
         layer_names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    if hp.attn_out_bias:
+        layer_names.append("attn_output.bias")
     for i in range(hp.n_layer):
         names += [f"blk.{i}.{n}" for n in layer_names]
     return names
@@ -144,6 +149,8 @@ def _vector_lengths(hp: HParams, kind: str) -> tuple[int, ...] | None:
         return None  # matrices (read_hparams checks them) and tables of their own
     if kind in (*LAYER_NORMS, *POST_NORMS, "output_norm"):
         return (hp.n_embd,)
+    if kind == "attn_sinks":
+        return (hp.n_head,)
     if kind in ("attn_q_norm", "attn_k_norm"):
         heads = hp.n_head if kind == "attn_q_norm" else hp.n_head_kv
         return (hp.head_dim,) if hp.qk_norm else (hp.head_dim, heads * hp.head_dim)

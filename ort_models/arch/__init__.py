@@ -4,11 +4,12 @@ from collections.abc import Callable
 
 from specd.ort_models.gguf_file import GGUFError, GGUFFile
 
-from . import gemma3, llama, muse_glimmer, qwen2, qwen3, qwen3moe
+from . import gemma3, gpt_oss, llama, muse_glimmer, qwen2, qwen3, qwen3moe
 from .base import HParams, MoeParams
 
 READERS: dict[str, Callable[[GGUFFile], HParams]] = {
     "gemma3": gemma3.read_hparams,
+    "gpt-oss": gpt_oss.read_hparams,
     "llama": llama.read_hparams,
     "muse-glimmer": muse_glimmer.read_hparams,
     "qwen2": qwen2.read_hparams,

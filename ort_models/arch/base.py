@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from specd.ort_models.gguf_file import GGUFError, GGUFFile
 
+from .rope_scaling import RopeScaling, read_rope_scaling
+
 
 @dataclass(frozen=True)
 class MoeParams:
@@ -44,6 +46,7 @@ class HParams:
     rope_dim: int
     rope_interleaved: bool  # llama.cpp NORM rope (adjacent pairs); False = NEOX (half split)
     qkv_bias: bool = False  # qwen2
+    attn_out_bias: bool = False  # gpt-oss: the attention output product has a bias
     qk_norm: bool = False  # qwen3: per-head RMSNorm of q and k before RoPE
     tied_embeddings: bool = False
     # gemma3's mechanisms, each a shared building block the next architecture reuses
@@ -66,6 +69,10 @@ class HParams:
     attn_gate: bool = False  # sigmoid(attn_gate @ h) times the attention, before its output
     post_norm_eps: float | None = None  # the post-norms' eps where it is not rms_eps
     logit_scale: float | None = None  # logits times this, before any soft-capping
+    rope_scaling: RopeScaling | None = None  # linear or YaRN (rope_scaling.py); None: none
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's sum
+    ffn_norm: str = "ffn_norm"  # the FFN input norm's tensor stem (gpt-oss:
+    # post_attention_norm, read as the norm of the residual after attention)
 
     def __post_init__(self) -> None:
         # a tuple however it was given (a meta.json round trip gives a list)
@@ -73,6 +80,8 @@ class HParams:
         if isinstance(self.moe, dict):  # a meta.json round trip gives a dict
             object.__setattr__(self, "moe", MoeParams(**self.moe))
         object.__setattr__(self, "rope_freq_factors", tuple(self.rope_freq_factors))
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
     @property
     def group_size(self) -> int:
@@ -128,6 +137,7 @@ def read_common(f: GGUFFile, *, rope_interleaved: bool, **flags: object) -> HPar
         raise GGUFError(f"{f.path}: head_count {n_head} not a multiple of kv {n_head_kv}")
     embd = f.tensor("token_embd.weight")
     n_vocab = int(embd.shape[0])
+    n_ctx_train = _count(f, "context_length", f.arch_key("context_length", 2048))
     hp = HParams(
         arch=f.arch,
         n_layer=_count(f, "block_count", f.require("block_count")),
@@ -139,13 +149,14 @@ def read_common(f: GGUFFile, *, rope_interleaved: bool, **flags: object) -> HPar
                      f.arch_key("feed_forward_length", 0) if flags.get("moe") else
                      f.require("feed_forward_length"), lo=0 if flags.get("moe") else 1),
         n_vocab=n_vocab,
-        n_ctx_train=_count(f, "context_length", f.arch_key("context_length", 2048)),
+        n_ctx_train=n_ctx_train,
         rms_eps=_real(f, "attention.layer_norm_rms_epsilon",
                       f.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_base=_real(f, "rope.freq_base", f.arch_key("rope.freq_base", 10000.0)),
         rope_dim=_count(f, "rope.dimension_count", f.arch_key("rope.dimension_count", head_dim)),
         rope_interleaved=rope_interleaved,
         tied_embeddings=not f.has_tensor("output.weight"),
+        rope_scaling=read_rope_scaling(f, n_ctx_train),
         **flags,  # type: ignore[arg-type]
     )
     check_shapes(f, hp)

@@ -42,8 +42,8 @@ def read_hparams(f: GGUFFile) -> HParams:
 
 def swa_pattern(f: GGUFFile, n_layer: int, default: int = DEFAULT_PATTERN
                 ) -> tuple[bool, ...]:
-    """Per layer, whether it slides: the file's array, or its period (default: gemma3's 6;
-    as llama.cpp's `load_swa_pattern`)."""
+    """Per layer, whether it slides: the file's array, or its period n (every n-th layer
+    global; `default` where the file says nothing), as llama.cpp's load_swa_pattern."""
     key = f"{f.arch}.attention.sliding_window_pattern"
     raw = f.metadata.get(key, default)
     if isinstance(raw, list):

@@ -10,6 +10,7 @@ import numpy as np
 from onnx import TensorProto
 
 from specd.ort_models.arch import HParams
+from specd.ort_models.arch.rope_scaling import rope_cos_sin
 from specd.ort_models.native_ops import DOMAIN as NATIVE
 from specd.ort_models.onnx_writer import MS, GraphWriter
 
@@ -41,8 +42,10 @@ class AttentionInputs:
 def rope_tables(hp: HParams, max_pos: int, base: float | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [max_pos, rope_dim/2] float32 of the rotary angles (base: the rope base,
-    default the model's)."""
+    default the model's), scaled as the model's rope scaling says."""
     base = hp.rope_base if base is None else base
+    if hp.rope_scaling is not None:  # the GGUF's rope.scaling (YaRN, linear)
+        return rope_cos_sin(hp.rope_scaling, max_pos, hp.rope_dim, base)
     inv = base ** (-np.arange(0, hp.rope_dim, 2, dtype=np.float64) / hp.rope_dim)
     if hp.rope_freq_factors:  # rope_freqs.weight (a drafter head's)
         inv = inv / np.asarray(hp.rope_freq_factors, np.float64)
@@ -265,6 +268,8 @@ def _fused_attention(c: BuildContext, i: int, q3: str, k3: str, v3: str, io: Att
     # a sliding-window layer's query sees itself and the window - 1 keys before it: in
     # GroupQueryAttention's terms, a local window of that many keys
     window = {"local_window_size": hp.sliding_window} if hp.is_swa(i) else {}
+    if hp.attn_sinks:  # head_sink: input 11, after position_ids and attention_bias
+        extra = [*(extra or ["", ""]), "", "", _sinks(c, i)]
     out, _, _ = g.op("GroupQueryAttention", [q3, k3, v3, f"past_key_{i}", f"past_value_{i}",
                                              io.seqlens_k, io.total_len, *extra], 3,
                      domain=MS, out=[g.fresh("gqa"), f"present_key_{i}", f"present_value_{i}"],
@@ -330,13 +335,19 @@ def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[st
     optional = ({"packed": packed} if packed else {}) | (
         {"window": hp.sliding_window} if hp.is_swa(i) else {}) | (
         {} if causal else {"causal": 0})
+    sinks = [_sinks(c, i)] if hp.attn_sinks else []
     out, _, _ = g.op(op, [q, k, v, f"past_key_{i}", f"past_value_{i}", "segments",
-                          f"{table}.cos", f"{table}.sin"], 3, domain=NATIVE,
+                          f"{table}.cos", f"{table}.sin", *sinks], 3, domain=NATIVE,
                      out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                      num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
                      scale=hp.attn_scale, rotary_dim=hp.rope_dim if hp.uses_rope(i) else 0,
                      interleaved=int(hp.rope_interleaved), **optional)
     return out
+
+
+def _sinks(c: BuildContext, i: int) -> str:
+    """Layer i's attention sinks [n_head]: a logit per query head in every softmax."""
+    return c.vector(f"blk.{i}.attn_sinks.weight")
 
 
 def _exact_attention(c: BuildContext, i: int, q3: str, k3: str, v: str,
@@ -362,7 +373,7 @@ def _exact_attention(c: BuildContext, i: int, q3: str, k3: str, v: str,
     s4 = g.op("Reshape", [scores, io.shape4])  # [Hkv, G, S, T]
     mask = io.mask_swa if hp.is_swa(i) else io.mask
     sinks = f"blk.{i}.attn_sinks.weight"
-    if c.f.has_tensor(sinks):  # a drafter head's: one more logit per head in the softmax
+    if c.f.has_tensor(sinks):  # one more logit per head in the softmax (gpt-oss, heads)
         probs = _softmax_with_sinks(c, g.op("Add", [s4, mask]), sinks)
     else:
         probs = g.op("Softmax", [g.op("Add", [s4, mask])], axis=-1)

@@ -81,7 +81,7 @@ def decoder_layer(c: BuildContext, i: int, x: str, delta: str | None, io: Attent
     eps = c.hp.post_norm_eps
     if c.hp.post_norms:  # gemma: the attention and FFN outputs normed before each residual
         a = rms_norm(c, a, c.vector(p + "post_attention_norm.weight"), eps)
-    x, h = add_norm(c, x, a, p + "ffn_norm.weight")
+    x, h = add_norm(c, x, a, p + c.hp.ffn_norm + ".weight")
     f = feed_forward(c, h, p)
     if c.hp.post_norms:
         f = rms_norm(c, f, c.vector(p + "post_ffw_norm.weight"), eps)

@@ -88,7 +88,13 @@ def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, neox: bo
         inv_freq = inv_freq / np.asarray(factors, np.float64).reshape(-1)
     inv_freq = inv_freq * freq_scale
     theta = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
-    cos, sin = np.cos(theta), np.sin(theta)
+    return rotate(x, np.cos(theta), np.sin(theta), n_rot, neox)
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool
+           ) -> np.ndarray:
+    """x [..., T, head_dim] with its first n_rot dims rotated by cos, sin [T, n_rot/2]."""
+    half = n_rot // 2
     out = x.copy()
     if neox:
         a, b = x[..., :half], x[..., half:n_rot]
@@ -127,6 +133,8 @@ class ReferenceModel:
 
     arches: tuple[str, ...] = SUPPORTED_ARCHES  # a subclass reads more
     neox_arches: tuple[str, ...] = ("qwen2", "qwen3", "gemma3")
+    swa_arches: tuple[str, ...] = ("gemma3",)  # read the sliding window
+    swa_period = 6  # the sliding-window pattern's period where the file gives none
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -156,8 +164,11 @@ class ReferenceModel:
         # base (every 6th layer global unless the file says), final soft-capping
         gemma = arch == "gemma3"
         self.embed_scale = float(np.sqrt(self.n_embd)) if gemma else 1.0
-        self.window = int(md.get(f"{arch}.attention.sliding_window", 0)) if gemma else 0
-        pattern = md.get(f"{arch}.attention.sliding_window_pattern", 6)
+        self.post_norms = gemma
+        self.ffn_norm = "ffn_norm"  # the FFN input norm's stem (a subclass may rename it)
+        self.window = (int(md.get(f"{arch}.attention.sliding_window", 0))
+                       if arch in self.swa_arches else 0)
+        pattern = md.get(f"{arch}.attention.sliding_window_pattern", self.swa_period)
         self.swa = ([bool(x) for x in pattern] if isinstance(pattern, list) else
                     [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1
                      for i in range(self.n_layer)]) if self.window else [False] * self.n_layer
@@ -235,8 +246,8 @@ class ReferenceModel:
                 q = rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
                 k = rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
             base = self.rope_base_swa if self.swa[layer] else self.rope_base
-            q = rope(q, positions, self.n_rot, base, self.neox)
-            k = rope(k, positions, self.n_rot, base, self.neox)
+            q = self.rope(q, positions, base)
+            k = self.rope(k, positions, base)
             if first:
                 cache.keys.append(k)
                 cache.values.append(v)
@@ -250,16 +261,24 @@ class ReferenceModel:
             if self.swa[layer]:  # a query sees itself and the window - 1 keys before it
                 masked = mask | (positions[:, None] - key_pos[None, :] >= self.window)
             scores = np.where(masked[None], -np.inf, scores)
-            scores = scores - scores.max(axis=-1, keepdims=True)
-            probs = np.exp(scores)
-            probs = probs / probs.sum(axis=-1, keepdims=True)
+            top = scores.max(axis=-1, keepdims=True)  # [nh, T, 1]
+            sinks = w.get(p + "attn_sinks.weight")  # [nh]: a column with no value
+            if sinks is not None:
+                top = np.maximum(top, sinks[:, None, None])
+            probs = np.exp(scores - top)
+            total = probs.sum(axis=-1, keepdims=True)
+            if sinks is not None:
+                total = total + np.exp(sinks[:, None, None] - top)
+            probs = probs / total
             attn = (probs @ vals).transpose(1, 0, 2).reshape(n_new, nh * hd)
             a = attn @ w[p + "attn_output.weight"].T
-            if p + "post_attention_norm.weight" in w:
+            if p + "attn_output.bias" in w:
+                a = a + w[p + "attn_output.bias"]
+            if self.post_norms:
                 a = rms_norm(a, w[p + "post_attention_norm.weight"], self.eps)
             x = x + a
 
-            h = rms_norm(x, w[p + "ffn_norm.weight"], self.eps)
+            h = rms_norm(x, w[p + self.ffn_norm + ".weight"], self.eps)
             f = self.feed_forward(layer, h)
             if p + "post_ffw_norm.weight" in w:
                 f = rms_norm(f, w[p + "post_ffw_norm.weight"], self.eps)
@@ -272,6 +291,10 @@ class ReferenceModel:
         if self.softcap:
             logits = self.softcap * np.tanh(logits / self.softcap)
         return logits
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+        """x [..., T, head_dim] rotated at `positions` (a subclass scales the angles)."""
+        return rope(x, positions, self.n_rot, base, self.neox)
 
     def feed_forward(self, layer: int, h: np.ndarray) -> np.ndarray:
         """Layer `layer`'s feed-forward output for its normed input h [T, n_embd] (a

@@ -1,6 +1,6 @@
-"""A tiny random Hugging Face Qwen3-MoE checkpoint (transformers' Qwen3MoeForCausalLM,
-torch's random init at a fixed seed) converted to GGUF by llama.cpp's own
-convert_hf_to_gguf.py, as a user's file comes to be.
+"""Tiny random Hugging Face Qwen3-MoE and gpt-oss checkpoints (transformers'
+Qwen3MoeForCausalLM and GptOssForCausalLM, torch's random init at a fixed seed) converted
+to GGUF by llama.cpp's own convert_hf_to_gguf.py, as a user's file comes to be.
 
 The checkpoint's tokenizer is tiny_gguf's byte-level BPE vocabulary (tokenizer.json). The
 converter names a BPE pre-tokenizer by hashing how the tokenizer splits a fixed text and
@@ -79,6 +79,36 @@ def write_checkpoint(root: Path, *, seed: int = 0, n_expert: int = 8, n_used: in
     with torch.no_grad():  # sharper routers, so each token's top experts stand apart
         for layer in model.model.layers:
             layer.mlp.gate.weight.mul_(4.0)
+    model.save_pretrained(root, safe_serialization=True)
+    return root
+
+
+def write_gpt_oss_checkpoint(root: Path, *, seed: int = 0, n_expert: int = 8, n_used: int = 2,
+                             n_ff_exp: int = 32, n_layer: int = 2) -> Path:
+    """save_pretrained of a random GptOssForCausalLM (float32, its experts unquantized)
+    with the tiny tokenizer: YaRN (factor 32 from 256 positions), a window of 8 on the
+    sliding layers, sinks of the scores' size, sharper routers."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(root)
+    cfg = GptOssConfig(
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=n_ff_exp,
+        num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=n_expert, num_experts_per_tok=n_used, sliding_window=8,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        initializer_range=0.2, layer_types=["sliding_attention", "full_attention"] * (
+            n_layer // 2) + ["sliding_attention"] * (n_layer % 2),
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                         "original_max_position_embeddings": 256})
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.router.weight.mul_(4.0)
+            layer.self_attn.sinks.normal_(0.0, 1.0)
     model.save_pretrained(root, safe_serialization=True)
     return root
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from numpy_reference import ReferenceModel, silu
+from numpy_reference import ReferenceModel, rotate, silu
 from tiny_gguf import (
     KQUANT_TYPES,
     RESIDUAL_GAIN,
@@ -188,3 +188,144 @@ class ReferenceMoeModel(ReferenceModel):
             for e, wt in zip(ids[t], weights[t], strict=True):
                 out[t] += wt * self.expert(layer, int(e), h[t])
         return out
+
+
+# ---------------------------------------------------------------------------------------
+# gpt-oss
+# ---------------------------------------------------------------------------------------
+
+SINK_STD = 1.0  # the sinks' logits: of the scores' size, so they take a real share
+
+
+def write_tiny_gpt_oss(path: str | Path, *, expert_type: str = "MXFP4",
+                       weight_type: str = "Q8_0", seed: int = 0, n_layer: int = 2,
+                       n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+                       n_expert: int = 8, n_used: int = 2, n_ff_exp: int = 32,
+                       context_length: int = 8192, sliding_window: int = 8,
+                       yarn: tuple[float, int] | None = (32.0, 256),
+                       rope_freq_base: float = 150000.0,
+                       chat_template: str | None = None, drop: tuple[str, ...] = ()
+                       ) -> Path:
+    """A tiny random gpt-oss model as llama.cpp lays it out: qwen2's attention tensors
+    (q/k/v biases) plus the output's bias and a sink logit per head, the FFN's input norm
+    named post_attention_norm, the sliding window on even layers (the default pattern),
+    YaRN rope scaling (factor, original context) where `yarn` is given, and in every
+    layer a biased router and biased experts of `expert_type` (drop: those of its vectors
+    left out)."""
+    if expert_type not in EXPERT_TYPES:
+        raise ValueError(f"unsupported expert_type {expert_type!r}; choose from "
+                         f"{', '.join(EXPERT_TYPES)}")
+    cfg = _make_config("qwen2", weight_type, n_layer, n_embd, n_head, n_head_kv, None,
+                       n_ff_exp, None, False, None, None, "F32", context_length, 1e-5,
+                       rope_freq_base)
+    arch = "gpt-oss"
+
+    def extra(w: GGUFWriter) -> None:
+        w.add_uint32(f"{arch}.expert_count", n_expert)
+        w.add_uint32(f"{arch}.expert_used_count", n_used)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", n_ff_exp)
+        w.add_uint32(f"{arch}.attention.sliding_window", sliding_window)
+        if yarn is not None:
+            w.add_string(f"{arch}.rope.scaling.type", "yarn")
+            w.add_float32(f"{arch}.rope.scaling.factor", yarn[0])
+            w.add_uint32(f"{arch}.rope.scaling.original_context_length", yarn[1])
+        if chat_template is not None:
+            w.add_string("tokenizer.chat_template", chat_template)
+        add_experts(w, n_layer=n_layer, n_embd=n_embd, n_expert=n_expert, n_ff_exp=n_ff_exp,
+                    expert_type=expert_type, seed=seed)
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            vectors = {p + "post_attention_norm.weight": 1.0 + 0.1 * _normal(seed, p + "pan",
+                                                                             (n_embd,)),
+                       p + "attn_output.bias": 0.2 * _normal(seed, p + "ob", (n_embd,)),
+                       p + "attn_sinks.weight": SINK_STD * _normal(seed, p + "sk", (n_head,)),
+                       p + "ffn_gate_inp.bias": 0.5 * _normal(seed, p + "rb", (n_expert,)),
+                       p + "ffn_gate_exps.bias": 0.2 * _normal(seed, p + "gb",
+                                                               (n_expert, n_ff_exp)),
+                       p + "ffn_up_exps.bias": 0.2 * _normal(seed, p + "ub",
+                                                             (n_expert, n_ff_exp)),
+                       p + "ffn_down_exps.bias": 0.2 * _normal(seed, p + "db",
+                                                               (n_expert, n_embd))}
+            for name, value in vectors.items():
+                if name not in drop:
+                    w.add_tensor(name, value.astype(np.float32))
+
+    dense = _dense_ffn(n_layer) + [f"blk.{i}.ffn_norm.weight" for i in range(n_layer)]
+    return _write(Path(path), cfg, seed=seed, perturb=None, arch_name=arch, drop=dense,
+                  extra=extra)
+
+
+def _normal(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    return _name_seed(seed, name, 0).standard_normal(shape)
+
+
+def yarn_cos_sin(positions: np.ndarray, n_rot: int, base: float, factor: float,
+                 n_ctx_orig: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [T, n_rot/2] of llama.cpp's YaRN (ggml's rope_yarn with llama.cpp's
+    defaults: beta_fast 32, beta_slow 1, extrapolation 1; the magnitude 1 + 0.1 ln factor,
+    the attention factor cancelling get_mscale), in float64."""
+    half = n_rot // 2
+
+    def corr_dim(beta: float) -> float:
+        return n_rot * np.log(n_ctx_orig / (beta * 2 * np.pi)) / (2 * np.log(base))
+
+    lo = max(0.0, float(np.floor(corr_dim(32.0))))
+    hi = min(n_rot - 1.0, float(np.ceil(corr_dim(1.0))))
+    i = np.arange(half, dtype=np.float64)
+    extrap = positions.astype(np.float64)[:, None] * base ** (-2.0 * i / n_rot)  # [T, half]
+    ramp = 1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0)
+    theta = extrap / factor * (1.0 - ramp) + extrap * ramp
+    m = 1.0 + 0.1 * np.log(factor)
+    return np.cos(theta) * m, np.sin(theta) * m
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0
+               ) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU (ggml_swiglu_oai)."""
+    x = np.minimum(gate, limit)
+    return x / (1.0 + np.exp(-alpha * x)) * (np.clip(up, -limit, limit) + 1.0)
+
+
+class ReferenceGptOssModel(ReferenceMoeModel):
+    """float64 oracle of a gpt-oss file, as llama.cpp's openai-moe graph: the base
+    reference's attention with q/k/v and output biases, sinks (a logit per head joining
+    each softmax), sliding windows on the layers the pattern says (period 2 by default),
+    YaRN where the file scales its rope; the FFN's input norm post_attention_norm; the
+    router's logits plus its bias, their top k, a softmax over those k; each expert's
+    gate and up plus their biases through the clamped SwiGLU, down plus its bias."""
+
+    arches = ("gpt-oss",)
+    neox_arches = ("gpt-oss",)
+    swa_arches = ("gpt-oss",)
+    swa_period = 2
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        md, a = self.metadata, self.arch
+        self.ffn_norm = "post_attention_norm"
+        self.rope_base_swa = float(md.get(f"{a}.rope.freq_base_swa", self.rope_base))
+        self.yarn = (float(md[f"{a}.rope.scaling.factor"]),
+                     int(md.get(f"{a}.rope.scaling.original_context_length",
+                                md[f"{a}.context_length"]))
+                     ) if md.get(f"{a}.rope.scaling.type") == "yarn" else None
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+        if self.yarn is None:
+            return super().rope(x, positions, base)
+        cos, sin = yarn_cos_sin(positions, self.n_rot, base, *self.yarn)
+        return rotate(x, cos, sin, self.n_rot, self.neox)
+
+    def route(self, layer: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        p = f"blk.{layer}."
+        logits = h @ self.weights[p + "ffn_gate_inp.weight"].T + self.weights[
+            p + "ffn_gate_inp.bias"]  # [T, n_expert]
+        ids = np.stack([top_k(row, self.n_used) for row in logits])
+        weights = np.stack([softmax(row[i]) for row, i in zip(logits, ids, strict=True)])
+        return ids, weights
+
+    def expert(self, layer: int, e: int, h: np.ndarray) -> np.ndarray:
+        w, p = self.weights, f"blk.{layer}."
+        gate = w[p + "ffn_gate_exps.weight"][e] @ h + w[p + "ffn_gate_exps.bias"][e]
+        up = w[p + "ffn_up_exps.weight"][e] @ h + w[p + "ffn_up_exps.bias"][e]
+        return (w[p + "ffn_down_exps.weight"][e] @ swiglu_oai(gate, up)
+                + w[p + "ffn_down_exps.bias"][e])
