@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import muse_glimmer_chat
+from . import harmony, muse_glimmer_chat
 from .muse_glimmer_chat import ParsedReply
 
 
@@ -28,6 +28,8 @@ class ChatFormat:
 FORMATS = (
     ChatFormat("muse-glimmer", muse_glimmer_chat.is_muse_glimmer_template,
                muse_glimmer_chat.PRESERVED_TOKENS, muse_glimmer_chat.parse_reply),
+    ChatFormat("harmony", harmony.is_harmony_template, harmony.PRESERVED_TOKENS,
+               harmony.parse_reply),
 )
 
 

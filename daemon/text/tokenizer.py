@@ -453,6 +453,8 @@ class Tokenizer:
         ids = {self._eos_id, _meta_id(meta, "eot_token_id", n), _meta_id(meta, "eom_token_id", n)}
         ids |= {self._fim["pad"], self._fim["rep"], self._fim["sep"]}
         ids |= {self._ids[t] for t in _EOG_TEXTS if t in self._ids}
+        if "<|return|>" in self._ids and "<|call|>" in self._ids:  # harmony (gpt-oss):
+            ids.discard(self._ids.get("<|end|>"))  # <|end|> ends a message, not the reply
         ids.discard(None)
         return frozenset(i for i in ids if i is not None)
 

@@ -118,6 +118,7 @@ class TinyVocab:
     eos_id: int
     pad_id: int
     pre: str
+    chat_template: str = CHATML_TEMPLATE
 
     def id(self, token: str) -> int:
         return self.tokens.index(token)
@@ -515,7 +516,7 @@ def add_tokenizer(w: GGUFWriter, voc: TinyVocab) -> None:
     w.add_eos_token_id(voc.eos_id)
     w.add_pad_token_id(voc.pad_id)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    w.add_chat_template(voc.chat_template)
 
 
 def _write(

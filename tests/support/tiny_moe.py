@@ -15,15 +15,17 @@ by their sum, sum over the chosen experts of weight * down(silu(gate(h)) * up(h)
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 
 from numpy_reference import ReferenceModel, rotate, silu
 from tiny_gguf import (
     KQUANT_TYPES,
     RESIDUAL_GAIN,
+    TinyVocab,
     _encode,
     _make_config,
     _name_seed,
@@ -195,6 +197,30 @@ class ReferenceMoeModel(ReferenceModel):
 # ---------------------------------------------------------------------------------------
 
 SINK_STD = 1.0  # the sinks' logits: of the scores' size, so they take a real share
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                  "<|return|>", "<|call|>")
+# a small harmony template: messages as gpt-oss's own template writes their headers, the
+# assistant's in the final channel, and the new assistant turn opened
+HARMONY_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- else -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}")
+
+
+def harmony_vocab(voc: TinyVocab) -> TinyVocab:
+    """`voc` with harmony's control tokens after its own (padded to a multiple of 32),
+    <|return|> its end of sequence, as gpt-oss's o200k_harmony vocabulary has them."""
+    tokens = [t for t in voc.tokens if not t.startswith("[PAD")] + list(HARMONY_TOKENS)
+    types = voc.token_types[:len(tokens) - len(HARMONY_TOKENS)] + [
+        int(TokenType.CONTROL)] * len(HARMONY_TOKENS)
+    while len(tokens) % 32:
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(int(TokenType.UNUSED))
+    return dataclasses.replace(voc, tokens=tokens, token_types=types,
+                               eos_id=tokens.index("<|return|>"),
+                               chat_template=HARMONY_TEMPLATE)
 
 
 def write_tiny_gpt_oss(path: str | Path, *, expert_type: str = "MXFP4",
@@ -204,20 +230,22 @@ def write_tiny_gpt_oss(path: str | Path, *, expert_type: str = "MXFP4",
                        context_length: int = 8192, sliding_window: int = 8,
                        yarn: tuple[float, int] | None = (32.0, 256),
                        rope_freq_base: float = 150000.0,
-                       chat_template: str | None = None, drop: tuple[str, ...] = ()
-                       ) -> Path:
+                       harmony: bool = False, drop: tuple[str, ...] = ()) -> Path:
     """A tiny random gpt-oss model as llama.cpp lays it out: qwen2's attention tensors
     (q/k/v biases) plus the output's bias and a sink logit per head, the FFN's input norm
     named post_attention_norm, the sliding window on even layers (the default pattern),
     YaRN rope scaling (factor, original context) where `yarn` is given, and in every
     layer a biased router and biased experts of `expert_type` (drop: those of its vectors
-    left out)."""
+    left out). harmony: the vocabulary has harmony's control tokens (`harmony_vocab`) and
+    the chat template is HARMONY_TEMPLATE."""
     if expert_type not in EXPERT_TYPES:
         raise ValueError(f"unsupported expert_type {expert_type!r}; choose from "
                          f"{', '.join(EXPERT_TYPES)}")
     cfg = _make_config("qwen2", weight_type, n_layer, n_embd, n_head, n_head_kv, None,
                        n_ff_exp, None, False, None, None, "F32", context_length, 1e-5,
                        rope_freq_base)
+    if harmony:
+        cfg = dataclasses.replace(cfg, vocab=harmony_vocab(cfg.vocab))
     arch = "gpt-oss"
 
     def extra(w: GGUFWriter) -> None:
@@ -229,8 +257,6 @@ def write_tiny_gpt_oss(path: str | Path, *, expert_type: str = "MXFP4",
             w.add_string(f"{arch}.rope.scaling.type", "yarn")
             w.add_float32(f"{arch}.rope.scaling.factor", yarn[0])
             w.add_uint32(f"{arch}.rope.scaling.original_context_length", yarn[1])
-        if chat_template is not None:
-            w.add_string("tokenizer.chat_template", chat_template)
         add_experts(w, n_layer=n_layer, n_embd=n_embd, n_expert=n_expert, n_ff_exp=n_ff_exp,
                     expert_type=expert_type, seed=seed)
         for i in range(n_layer):
