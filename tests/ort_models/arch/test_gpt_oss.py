@@ -232,6 +232,7 @@ def _assert_agrees(path: Path, theirs: list[tuple[int, dict[int, float]]], tol: 
     assert clear >= 2
 
 
+@pytest.mark.llama_cpp_oracle
 @pytest.mark.parametrize("expert_type, weight_type, tol", [
     ("F32", "F32", 0.05), ("MXFP4", "Q8_0", 1.0)])
 def test_logits_along_llama_cpps_greedy_path(oss_file, expert_type: str, weight_type: str,
@@ -264,6 +265,8 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                root / "m.gguf")
 
 
+@pytest.mark.needs_torch
+@pytest.mark.needs_transformers
 def test_a_converted_checkpoint_matches_the_reference(converted: Path) -> None:
     """llama.cpp's converter's file (its key names, gate/up split, sinks, YaRN keys) reads
     as the reference reads it: logits within float32 rounding."""
@@ -276,6 +279,9 @@ def test_a_converted_checkpoint_matches_the_reference(converted: Path) -> None:
     assert np.abs(got - want).max() / np.abs(want).max() < 2e-4
 
 
+@pytest.mark.llama_cpp_oracle
+@pytest.mark.needs_torch
+@pytest.mark.needs_transformers
 def test_a_converted_checkpoint_decodes_as_llama_cpp_does(converted: Path) -> None:
     """llama-server on the converter's file: specd's log probabilities agree within its
     rounding, and greedy continuations agree up to specd's first near tie."""
