@@ -90,10 +90,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    metavar="NAME=PATH",
                    help="the bearer token upstream NAME requires, read from a file only "
                    "you can read (repeatable)")
-    p.add_argument("--models", action="append", default=[], metavar="MODEL[,MODEL...]",
-                   help="more local models served by name (catalog names or GGUF paths; "
-                   "repeatable): each is loaded on the first request naming it, with the "
-                   "drafter measured fastest for it, and -m's model serves any other name")
+    p.add_argument("--models", action="append", default=[], metavar="[ALIAS=]MODEL,...",
+                   help="more local models served by name (catalog names or GGUF paths, "
+                   "each answering to ALIAS too where given; repeatable): each is loaded "
+                   "on the first request naming it, with the drafter measured fastest for "
+                   "it, and -m's model serves any other name")
+    p.add_argument("--no-models-autoload", action="store_true",
+                   help="load a model only when asked to (/models/load, `specd load "
+                   "NAME`); a request naming a model that is not loaded is refused")
+    p.add_argument("--start-unloaded", action="store_true",
+                   help="build -m's model's graphs at start but load it on its first "
+                   "request (or /models/load): no memory held until then")
     p.add_argument("--no-store-models", action="store_true",
                    help="serve by name only -m's model and --models' (default: every "
                    "model pulled into the store too, each loaded on first use)")
@@ -203,18 +210,20 @@ def served_models(args: argparse.Namespace, first: Any) -> Any:
 
     base = copy.copy(args)
 
-    def build(ref: str) -> Any:
+    def build(ref: str, alias: str | None) -> Any:
         a = copy.copy(base)
-        a.model, a.draft, a.spec_type = ref, None, "auto"
+        a.model, a.draft, a.spec_type, a.alias = ref, None, "auto", alias
+        a.start_unloaded = False  # built for a request: it loads now
         # what -m's model alone was given: its drafter, names, template, embedding model
-        a.alias = a.tags = a.chat_template_file = a.embedding_model = None
+        a.tags = a.chat_template_file = a.embedding_model = None
         a.mmproj = None  # its own projector: the catalog's, or one beside its file
         settle_draft(a)
         plan_memory(a)
         return build_service(a)
 
     refs = [ref.strip() for spec in args.models for ref in spec.split(",") if ref.strip()]
-    served = ServedModels(first, refs, build, max_loaded=args.models_max)
+    served = ServedModels(first, refs, build, max_loaded=args.models_max,
+                          autoload=not args.no_models_autoload)
     if not args.no_store_models:
         served.add_missing(store_targets())
     return served
@@ -244,6 +253,8 @@ def build_service(args: argparse.Namespace):
     if args.history_tokens is not None:
         cfg.history_tokens = args.history_tokens
     engine = Engine(cfg, progress=ProgressBar(), build_progress=build_progress)
+    if getattr(args, "start_unloaded", False):
+        engine.unload()  # built and measured; its sessions open on the first request
     return Service(engine, Scheduler(engine, max_queue=args.queue,
                                      prefill_chunk=args.batch_size,
                                      keep_alive=args.keep_alive))

@@ -103,13 +103,14 @@ class ServiceFacade:
         """The facade of the model a request names (with or without Ollama's ":latest"):
         an upstream's, else a local one's, built and loaded if it is not (any other name,
         or none, is the first local model's, as llama-server serves any name).
-        ModelUnavailable where a local model cannot be built or made room for."""
+        ModelUnavailable where a local model cannot be built or made room for,
+        ModelNotLoaded where it is not loaded and models load only when asked to."""
         if isinstance(name, str) and self._upstreams:
             client = self._upstreams.get(name) or self._upstreams.get(
                 name.removesuffix(":latest"))
             if client is not None:
                 from .upstream_facade import UpstreamFacade  # (it builds on this module)
-                return UpstreamFacade(self._service, client)
+                return UpstreamFacade(self._service, client, self._models)
         model = (self._models.find(name) if isinstance(name, str) else None) \
             or self._models.first
         if len(self._models.models) == 1:
@@ -135,14 +136,21 @@ class ServiceFacade:
             model.service, self._upstreams, self._models)
 
     async def local_model_ready(self, name: str) -> ServiceFacade:
-        """The facade of the local model `name` names, built and made room for (see
-        for_model); KeyError where no local model answers to `name`."""
-        if name in self.model_names:
-            return await self.for_model(self.model_name)
-        model = self._models.find(name)
+        """The facade of the local model `name` names, loaded (built first, room made for
+        it: see for_model), as an explicit load does; KeyError where no local model
+        answers to `name`."""
+        model = self._models.find(name) or (
+            self._models.first if name in self.model_names else None)
         if model is None:
             raise KeyError(name)
-        return ServiceFacade(await self._models.ready(model), self._upstreams, self._models)
+        return ServiceFacade(await self._models.ready(model, load=True), self._upstreams,
+                             self._models)
+
+    @property
+    def loading_rules(self) -> tuple[int, bool]:
+        """How many local models load at once (--models-max), and whether a request
+        loads the model it names (not --no-models-autoload)."""
+        return self._models.max_loaded, self._models.autoload
 
     @property
     def served_names(self) -> frozenset[str]:

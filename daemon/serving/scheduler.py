@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from specd.daemon.drafters.history import principal_of
@@ -151,6 +151,10 @@ class Scheduler:
         self._loads = 0  # load attempts finished
         self._load_error: str | None = None  # the last attempt's failure
         self._unloading = False
+        self._release_wanted = False  # unload once idle whatever the keep-alive (release)
+        # held while the engine loads: where several models share the memory, the room
+        # for this one is made first (served_models.py)
+        self.load_gate: Callable[[], AbstractContextManager[None]] = nullcontext
         self.slots = [Slot(i) for i in range(engine.cfg.slots)]
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
@@ -214,7 +218,7 @@ class Scheduler:
         seconds): whether it is unloaded. The next request loads it again."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            self._keep_for(0)
+            self._release_wanted = True  # kept through requests that come meanwhile
             self._lock.notify_all()
             while self.engine.loaded or self._unloading:
                 left = deadline - time.monotonic()
@@ -427,7 +431,11 @@ class Scheduler:
     def _expiry(self) -> float | None:
         """When the idle engine unloads (monotonic; None: not while it is busy or kept
         forever; the caller holds the lock)."""
-        if not self.engine.loaded or self._alive_s < 0 or self._busy():
+        if not self.engine.loaded or self._busy():
+            return None
+        if self._release_wanted:
+            return self._idle_since
+        if self._alive_s < 0:
             return None
         return self._idle_since + self._alive_s
 
@@ -472,7 +480,7 @@ class Scheduler:
             self.engine.unload()
         finally:
             with self._lock:
-                self._unloading = False
+                self._unloading = self._release_wanted = False
                 self._lock.notify_all()
         log.info("unloaded %s after %.0f s idle (RSS %.0f -> %.0f MB)",
                  self.engine.model_name, time.monotonic() - self._idle_since,
@@ -485,7 +493,8 @@ class Scheduler:
         with self._lock:
             self._load_wanted = False
         try:
-            self.engine.load()
+            with self.load_gate():
+                self.engine.load()
             self.round = BatchRound(self.engine.target.runner, self.planner)
             error = None
         except Exception as exc:

@@ -2,18 +2,22 @@
 and the store's, each built into a Service of its own (engine, scheduler, slots) on the
 first request that names it.
 
-At most `max_loaded` of them are loaded at once: before one loads, the one used longest
-ago unloads (once its running requests finish), so their memory plans never overlap.
-A built model that unloaded (this, or its keep-alive) reloads from the graph cache on its
-next request, as the one model does today.
+At most `max_loaded` of them are loaded at once: loads happen one at a time, in the
+order asked, and before one loads, the one used longest ago unloads (once its running
+requests finish), so their memory plans never overlap. A built model that unloaded (this,
+or its keep-alive) reloads from the graph cache when next asked for. With `autoload`
+off, only an explicit load (/models/load) loads a model; a request for one that is not
+loaded is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,19 +33,37 @@ class ModelUnavailable(RuntimeError):
     """A model named by a request could not be built or made room for."""
 
 
+class ModelNotLoaded(RuntimeError):
+    """A request named a model that is not loaded, and models load only when asked to
+    (autoload off)."""
+
+
 @dataclass
 class ServedModel:
-    """One local model: the name it is given by (a catalog name or a GGUF path) and,
-    once built, its Service."""
+    """One local model: the name it is given by (a catalog name or a GGUF path, and the
+    alias of `--models ALIAS=MODEL`) and, once built, its Service."""
 
     ref: str
+    alias: str | None = None
     service: Service | None = None
     last_used: float = field(default_factory=time.monotonic)
-    building: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @classmethod
+    def parse(cls, spec: str) -> ServedModel:
+        """`MODEL` or `ALIAS=MODEL`."""
+        alias, sep, ref = spec.partition("=")
+        if not sep:
+            return cls(spec)
+        if not alias.strip() or not ref.strip():
+            raise ValueError(f"--models {spec!r}: expected MODEL or ALIAS=MODEL")
+        return cls(ref.strip(), alias.strip())
 
     @property
     def listed_name(self) -> str:
-        """What listings call it: the target's name once built, else the name given."""
+        """What listings call it: its alias, else the target's name once built, else the
+        name given."""
+        if self.alias is not None:
+            return self.alias
         if self.service is not None:
             return self.service.engine.model_name
         return Path(self.ref).name.removesuffix(".gguf")
@@ -51,6 +73,8 @@ class ServedModel:
         file name and stem; once built, the target's own names too)."""
         file = Path(self.ref).name
         names = {self.ref, file, file.removesuffix(".gguf")}
+        if self.alias is not None:
+            names.add(self.alias)
         if self.service is not None:
             engine = self.service.engine
             t = engine.target
@@ -67,13 +91,17 @@ class ServedModels:
     model's Service (its memory plan fitted to what is free then); it runs on a thread."""
 
     def __init__(self, first: Service, others: Iterable[str],
-                 build: Callable[[str], Service] | None, max_loaded: int = 1):
+                 build: Callable[[str, str | None], Service] | None, max_loaded: int = 1,
+                 autoload: bool = True):
         if max_loaded < 1:
             raise ValueError("--models-max: at least 1")
-        self.first = ServedModel(first.engine.cfg.target, first)
-        self.models = [self.first, *(ServedModel(ref) for ref in others)]
+        self.first = ServedModel(first.engine.cfg.target, service=first)
+        self.models = [self.first, *(ServedModel.parse(spec) for spec in others)]
         self._build = build
         self.max_loaded = max_loaded
+        self.autoload = autoload
+        self._loading = asyncio.Lock()  # requests waiting for a load, first come first served
+        self._room = threading.Lock()  # held by the one engine loading (room_for)
         seen: dict[str, str] = {}
         for m in self.models:
             for name in m.answers_to():
@@ -81,6 +109,7 @@ class ServedModels:
                     raise ValueError(f"--models: {name!r} names both {seen[name]} and {m.ref}")
         if len(self.models) > 1 and build is None:
             raise ValueError("more than one model and nothing to build them with")
+        self._gate(self.first, first)
 
     def add_missing(self, refs: Iterable[str]) -> None:
         """Serve `refs` too, but those a model already answers to."""
@@ -103,40 +132,66 @@ class ServedModels:
     def built(self) -> list[Service]:
         return [m.service for m in self.models if m.service is not None]
 
-    async def ready(self, model: ServedModel) -> Service:
-        """`model`'s Service, built if it is not yet, after making room for it to load;
-        ModelUnavailable saying why it cannot be."""
+    async def ready(self, model: ServedModel, *, load: bool = False) -> Service:
+        """`model`'s Service, loaded (built first where it is not yet), after making room
+        for it; ModelUnavailable saying why it cannot be, ModelNotLoaded where it is not
+        loaded and only `load` (an explicit load) may load it (autoload off)."""
         model.last_used = time.monotonic()
-        async with model.building:
-            if not model.loaded:
-                await self._make_room(model)
+        if model.loaded:
+            assert model.service is not None
+            return model.service
+        if not (load or self.autoload):
+            raise ModelNotLoaded(f"model {model.listed_name!r} is not loaded; load it first "
+                                 "(POST /models/load; models load only so here)")
+        async with self._loading:  # waiters in the order they came
             if model.service is None:
-                assert self._build is not None
-                log.info("building model %s for its first request", model.ref)
-                try:
-                    model.service = await asyncio.to_thread(self._build, model.ref)
-                except Exception as exc:  # a missing file, a plan that does not fit, ...
-                    log.exception("model %s could not be built", model.ref)
-                    raise ModelUnavailable(
-                        f"model {model.ref!r} could not be loaded: {exc}") from None
+                model.service = await asyncio.to_thread(self._build_in_room, model)
+            elif not model.loaded:
+                try:  # its scheduler's worker loads it, through the gate (room_for)
+                    await model.service.load()
+                except RuntimeError as exc:
+                    raise ModelUnavailable(f"model {model.listed_name!r} could not be "
+                                           f"loaded: {exc}") from None
         return model.service
 
-    async def _make_room(self, model: ServedModel) -> None:
-        """Unload the models used longest ago until `model` may load beside the rest."""
-        while True:
-            others = [m for m in self.models if m is not model and m.loaded]
-            if len(others) < self.max_loaded:
-                return
-            oldest = min(others, key=lambda m: m.last_used)
-            assert oldest.service is not None
-            log.info("unloading %s to make room for %s (--models-max %d)",
-                     oldest.listed_name, model.listed_name, self.max_loaded)
-            scheduler = oldest.service.scheduler
-            if not await asyncio.to_thread(scheduler.release, RELEASE_WAIT_S):
+    def _build_in_room(self, model: ServedModel) -> Service:
+        """Build `model` (which loads it) once there is room, and gate its later loads."""
+        assert self._build is not None
+        with self.room_for(model):
+            log.info("building model %s for its first request", model.ref)
+            try:
+                service = self._build(model.ref, model.alias)
+            except Exception as exc:  # a missing file, a plan that does not fit, ...
+                log.exception("model %s could not be built", model.ref)
                 raise ModelUnavailable(
-                    f"model {model.listed_name!r} cannot load: {oldest.listed_name!r} is "
-                    f"still busy and at most {self.max_loaded} model(s) load at once "
-                    "(--models-max)")
+                    f"model {model.listed_name!r} could not be loaded: {exc}") from None
+        self._gate(model, service)
+        return service
+
+    def _gate(self, model: ServedModel, service: Service) -> None:
+        """Every load of `model`'s engine, whatever asks for it, makes room first."""
+        service.scheduler.load_gate = lambda: self.room_for(model)
+
+    @contextmanager
+    def room_for(self, model: ServedModel) -> Iterator[None]:
+        """Held while `model` loads (one load at a time): first the models used longest
+        ago unload, once their requests end, until it fits under max_loaded.
+        ModelUnavailable where one stays busy too long."""
+        with self._room:
+            while True:
+                others = [m for m in self.models if m is not model and m.loaded]
+                if len(others) < self.max_loaded:
+                    break
+                oldest = min(others, key=lambda m: m.last_used)
+                assert oldest.service is not None
+                log.info("unloading %s to make room for %s (--models-max %d)",
+                         oldest.listed_name, model.listed_name, self.max_loaded)
+                if not oldest.service.scheduler.release(RELEASE_WAIT_S):
+                    raise ModelUnavailable(
+                        f"model {model.listed_name!r} cannot load: {oldest.listed_name!r} is "
+                        f"still busy and at most {self.max_loaded} model(s) load at once "
+                        "(--models-max)")
+            yield
 
     def stop(self) -> None:
         """Stop every built model's scheduler."""

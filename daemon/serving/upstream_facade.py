@@ -19,6 +19,7 @@ from specd.daemon.text.tokenizer import Tokenizer
 
 from .facade import Embeddings, ModelFacts, RequestTracker, ServiceFacade
 from .scheduler import Residency
+from .served_models import ServedModels
 from .service import Piece, ProgressEvent, Result, Service, TextStream
 from .upstream import (
     NEUTRAL,
@@ -33,9 +34,9 @@ from .upstream import (
 class UpstreamFacade(ServiceFacade):
     """The model `client` serves, answering to its name."""
 
-    def __init__(self, service: Service, client: UpstreamClient):
+    def __init__(self, service: Service, client: UpstreamClient, models: ServedModels):
         self.client = client  # (before the base's checks, which ask for model_names)
-        super().__init__(service)
+        super().__init__(service, models=models)
 
     def unsupported(self, what: str) -> NoReturn:
         raise RequestError(f"model {self.client.name!r} is served by an upstream server "

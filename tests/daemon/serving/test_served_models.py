@@ -122,8 +122,9 @@ def test_a_running_stream_ends_before_its_model_makes_room(server: LiveServer,
     _complete(server, A)
     oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.token or "none")
     stream = oai.completions.create(model=A, prompt="once", max_tokens=400, temperature=0,
-                                    stream=True, extra_body={"ignore_eos": True})
-    finish = None
+                                    stream=True, stream_options={"include_usage": True},
+                                    extra_body={"ignore_eos": True})
+    finish, usage = None, None
     chunks = iter(stream)
     next(chunks)  # A is running now
     answers: list[tuple[str, float]] = []
@@ -131,15 +132,19 @@ def test_a_running_stream_ends_before_its_model_makes_room(server: LiveServer,
         _complete(server, files[1].stem)[0], time.monotonic())))
     b_sent = time.monotonic()
     asked_b.start()
+    time.sleep(0.2)  # B waits for A to make room; A meanwhile gets one more request,
+    assert _complete(server, A)[0] == A  # which must not keep A loaded past B's wait
     for chunk in chunks:
-        finish = chunk.choices[0].finish_reason or finish
+        if chunk.choices:
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
     a_done = time.monotonic()
     asked_b.join(timeout=120)
-    assert finish == "length"  # not cut
     assert b_sent < a_done  # B was asked for while A ran
-    assert answers and answers[0][0] == B
-    assert answers[0][1] > a_done  # and answered once A's stream had ended
-    assert _statuses(server)[A] == "unloaded"
+    assert finish == "length" and usage is not None and usage.completion_tokens == 400
+    assert answers and answers[0][0] == B  # and got once A had made room
+    # A's second request came while B waited: it ran, and one model is loaded now
+    assert sorted(_statuses(server).values()) == ["loaded", "unloaded", "unloaded"]
 
 
 def test_official_clients_list_and_use_both(server: LiveServer, files) -> None:
@@ -165,3 +170,76 @@ def test_two_models_answering_to_one_name_are_refused(server: LiveServer, files)
     with pytest.raises(ValueError, match="names both"):
         ServedModels(first, [str(files[1]), str(files[1].with_name("x") / files[1].name)],
                      lambda ref: first)
+
+
+@pytest.fixture(scope="module")
+def router(files, tmp_path_factory):
+    """Models loaded only when asked to, B answering to an alias (llama-server's router
+    names its models so)."""
+    a, b = files
+    args = build_parser().parse_args([
+        "serve", "-m", str(a), "--models", f"org/b-model:Q8_0={b}", "--models-max", "2",
+        "--no-models-autoload", "--no-store-models", "--no-fit", "-c", "512", "--slots",
+        "1", "-t", "1"])
+    cfg = EngineConfig(target=str(a), spec_type="ngram", n_ctx=512, slots=1)
+    with live_server_in(tmp_path_factory, "served-models-router", cfg, keep_alive=300,
+                        models=lambda first: served_models(args, first)) as srv:
+        yield srv
+
+
+def test_without_autoload_a_model_loads_only_when_asked(router: LiveServer) -> None:
+    alias = "org/b-model:Q8_0"
+    assert _statuses(router) == {A: "loaded", alias: "unloaded"}
+    status, out = router.request("POST", "/v1/chat/completions", {
+        "model": alias, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 400 and "/models/load" in out["error"]["message"], out
+    assert router.request("POST", "/models/load", {"model": alias}) == (200, {"success": True})
+    assert _statuses(router) == {A: "loaded", alias: "loaded"}  # --models-max 2
+    name, _ = _complete(router, alias)
+    assert name == alias  # its alias is what responses call it
+    status, props = router.request("GET", "/props")
+    assert (props["role"], props["max_instances"], props["models_autoload"]) == \
+        ("router", 2, False)
+
+
+def test_token_routes_use_the_named_model_and_wake_it(server: LiveServer, router: LiveServer,
+                                                       files) -> None:
+    """/tokenize and the input-token counts take the model the body names, loading it as
+    llama-server's do (a sleeping model wakes), unless models load only when asked."""
+    from specd.daemon.text.tokenizer import Tokenizer
+    from specd.ort_models.gguf_file import GGUFFile
+
+    text = "hello there"
+    want = Tokenizer.from_metadata(GGUFFile(files[1]).metadata).encode(
+        text, add_bos=False, add_eos=False)
+    _complete(server, A)  # B unloaded (--models-max 1)
+    assert _wait_status(server, {A: "loaded", B: "unloaded"})
+    status, out = server.request("POST", "/tokenize", {"model": B, "content": text})
+    assert status == 200 and out["tokens"] == want
+    assert _statuses(server)[B] == "loaded"
+    chat = {"model": A, "messages": [{"role": "user", "content": "hello"}]}
+    _, counted = server.request("POST", "/v1/chat/completions/input_tokens", chat)
+    assert _statuses(server)[A] == "loaded"
+    _, responses = server.request("POST", "/v1/responses/input_tokens",
+                                  {"model": A, "input": "hello"})
+    assert counted["input_tokens"] == responses["input_tokens"] > 0
+    alias = "org/b-model:Q8_0"  # without autoload: a 400, as a chat request gets
+    router.request("POST", "/models/unload", {"model": alias})
+    assert _wait_status(router, {alias: "unloaded"})
+    status, out = router.request("POST", "/tokenize", {"model": alias, "content": text})
+    assert status == 400 and "/models/load" in out["error"]["message"]
+
+
+def test_start_unloaded_builds_but_holds_no_session(files) -> None:
+    from specd.daemon.cli.serve import build_service
+
+    args = build_parser().parse_args([
+        "serve", "-m", str(files[0]), "--start-unloaded", "--no-fit", "-c", "512",
+        "--slots", "1", "-t", "1"])
+    args.draft, args.also_draft = None, None
+    service = build_service(args)
+    try:
+        assert not service.engine.loaded and service.engine.target.session is None
+        assert not service.scheduler.residency().loaded
+    finally:
+        service.scheduler.stop()
