@@ -64,7 +64,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """How many tokens the request's prompt is, rendered as /v1/messages renders it."""
     body = await json_body(request)
-    svc = await served(request, body)
+    svc = await served(request, body, wake=True)
     check_model(request, body)
     if isinstance(svc, UpstreamFacade):
         svc.unsupported("count_tokens")

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.scheduler import QueueFull
-from specd.daemon.serving.served_models import ModelUnavailable, ServedModels
+from specd.daemon.serving.served_models import ModelNotLoaded, ModelUnavailable, ServedModels
 from specd.daemon.serving.service import Service
 from specd.daemon.serving.upstream import UpstreamClient, UpstreamError, UpstreamSpec
 from specd.daemon.spec.generation import RequestError
@@ -68,7 +68,7 @@ def _busy(handler: Handler) -> Handler:
             return await handler(request)
         except (QueueFull, ModelUnavailable) as exc:
             return error_response(503, str(exc), request=request)
-        except RequestError as exc:
+        except (RequestError, ModelNotLoaded) as exc:
             return error_response(400, str(exc), request=request)
         except UpstreamError as exc:
             return error_response(exc.status, str(exc), request=request)
@@ -129,13 +129,14 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/v1/embeddings", _busy(embeddings.embeddings_oai))
     r.add_post("/v1/responses", _busy(responses_routes.responses))
     r.add_post("/responses", _busy(responses_routes.responses))
+    r.add_post("/v1/responses/input_tokens", _busy(responses_routes.input_tokens))
     # Anthropic's (its errors in its shape: make_middlewares' error_shapes)
     r.add_post("/v1/messages", _busy(anthropic_routes.messages))
     r.add_post("/v1/messages/count_tokens", _busy(anthropic_routes.count_tokens))
     # llama.cpp's
-    r.add_post("/apply-template", llama_routes.apply_template)
-    r.add_post("/chat/completions/input_tokens", llama_routes.chat_input_tokens)
-    r.add_post("/v1/chat/completions/input_tokens", llama_routes.chat_input_tokens)
+    r.add_post("/apply-template", _busy(llama_routes.apply_template))
+    r.add_post("/chat/completions/input_tokens", _busy(llama_routes.chat_input_tokens))
+    r.add_post("/v1/chat/completions/input_tokens", _busy(llama_routes.chat_input_tokens))
     r.add_post("/completion", _busy(llama_routes.completion))
     r.add_post("/completions", _busy(llama_routes.completion))
     r.add_post("/infill", _busy(llama_routes.infill))
@@ -144,8 +145,8 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     r.add_post("/models/load", status.load_model)
     r.add_post("/models/unload", status.unload_model)
     r.add_post("/cache/clear", status.clear_cache)
-    r.add_post("/tokenize", llama_routes.tokenize)
-    r.add_post("/detokenize", llama_routes.detokenize)
+    r.add_post("/tokenize", _busy(llama_routes.tokenize))
+    r.add_post("/detokenize", _busy(llama_routes.detokenize))
     # Ollama's
     r.add_post("/api/chat", _busy(ollama_routes.chat))
     r.add_post("/api/generate", _busy(ollama_routes.generate))

@@ -17,7 +17,7 @@ from ..security import IDENTITY, is_own_user
 from ..validation import BadRequest, check_text_bytes, check_tools_size, get, json_body, texts_in
 from .media_inputs import chat_images, image_prompt
 from .parsing import prompt_byte_limit
-from .state import off_loop, service
+from .state import off_loop, served
 
 
 @dataclass
@@ -142,9 +142,11 @@ def chat_prompt(svc: ServiceFacade, chat: ChatInputs) -> tuple[Any, tuple[Prompt
 
 
 async def rendered(request: web.Request, how: str) -> Any:
-    """The chat request's prompt (see render), prepared off the event loop."""
-    chat = chat_inputs(await json_body(request),
-                       own_user=is_own_user(request.get(IDENTITY, "")))
+    """The chat request's prompt (see render) for the model it names, prepared off the
+    event loop."""
+    body = await json_body(request)
+    chat = chat_inputs(body, own_user=is_own_user(request.get(IDENTITY, "")))
+    svc = await served(request, body, wake=True)
     if how == "chat_tokens":  # (the images' tokens counted too)
-        return (await off_loop(request, chat_prompt, service(request), chat))[0]
-    return await off_loop(request, render, service(request), chat, how)
+        return (await off_loop(request, chat_prompt, svc, chat))[0]
+    return await off_loop(request, render, svc, chat, how)

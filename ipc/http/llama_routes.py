@@ -26,7 +26,7 @@ from .parsing import (
     prompts,
 )
 from .reporting import generation_settings, llama_probs, spec_block
-from .state import off_loop, served, service
+from .state import off_loop, served
 from .streaming import collect, stream_events, submit_all, timed
 
 MAX_N_PROBS = 1000  # llama.cpp's n_probs: any number; this keeps a response's size sane
@@ -218,8 +218,8 @@ def _pick_fields(full: dict[str, Any], fields: list[str]) -> dict[str, Any]:
 
 # -- tokens -------------------------------------------------------------------------------
 async def tokenize(request: web.Request) -> web.Response:
-    svc = service(request)
     body = await json_body(request)
+    svc = await served(request, body, wake=True)
     content = get(body, "content", str, "")
     # add_special: the BOS / EOS the vocabulary adds (none where it adds none), as
     # llama.cpp's tokenizer does: the prompt a completion would evaluate
@@ -256,8 +256,8 @@ def _piece(data: bytes) -> str | list[int]:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    svc = service(request)
     body = await json_body(request)
+    svc = await served(request, body, wake=True)
     ids = await off_loop(request, token_list, body.get("tokens", []), "tokens",
                          svc.tokenizer.vocab_size)
     return json_response({"content": await off_loop(request, svc.tokenizer.decode, ids)})

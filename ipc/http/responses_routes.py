@@ -21,6 +21,24 @@ from .state import off_loop, served
 from .streaming import collect, stream_events, submit_all
 
 
+async def input_tokens(request: web.Request) -> web.Response:
+    """/v1/responses/input_tokens (llama-server's): how many tokens the request's input
+    is, rendered as /v1/responses renders it (with its previous response's)."""
+    body = await json_body(request)
+    svc = await served(request, body, wake=True)
+    check_model(request, body)
+    previous = get(body, "previous_response_id", str, None)
+    history = [] if previous is None else request.app[RESPONSES].get(
+        request.get(IDENTITY, ""), previous) or []
+    try:
+        chat_in = chat_inputs(chat_request(body, history)[0],
+                              own_user=is_own_user(request.get(IDENTITY, "")))
+        prompt, _ = await off_loop(request, chat_prompt, svc, chat_in)
+    except BadRequest as exc:
+        raise renamed(exc) from None
+    return json_response({"object": "response.input_tokens", "input_tokens": len(prompt)})
+
+
 async def responses(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     svc = await served(request, body)

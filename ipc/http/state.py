@@ -47,14 +47,17 @@ def service(request: web.Request) -> ServiceFacade:
     return request.app[SERVICE]
 
 
-async def served(request: web.Request, body: dict[str, Any]) -> ServiceFacade:
+async def served(request: web.Request, body: dict[str, Any], *,
+                 wake: bool = False) -> ServiceFacade:
     """The service as this request's sender uses it, for the model it names (another
     local model's, built and made room for first, or an upstream's, where it names one;
-    ModelUnavailable where that fails): its
-    prompt cache is the sender's own (narrowed by the request's `cache_key`), and
-    shutdown can cancel its generation."""
+    ModelUnavailable where that fails): its prompt cache is the sender's own (narrowed
+    by the request's `cache_key`), and shutdown can cancel its generation. `wake`: the
+    model loaded too, as llama-server's token counting routes wake it."""
     identity = cache_identity(request.get(IDENTITY, ""), cache_key(body))
     model = await service(request).for_model(body.get("model") or body.get("name"))
+    if wake and not model.residency().loaded:
+        await model.load()
     return model.for_sender(identity, request.app[LIVE])
 
 

@@ -144,6 +144,9 @@ async def props(request: web.Request) -> web.Response:
                      "n_ctx": svc.n_ctx, "params": generation_settings(svc, d),
                      "n_predict": d.max_tokens, "speculative.n_max": d.draft.n_max,
                      "speculative.n_min": d.draft.n_min, "speculative.p_min": d.draft.p_min}})
+    if len(svc.local_models()) > 1:  # llama-server's router: several models by name
+        most, autoload = svc.loading_rules
+        info.update({"role": "router", "max_instances": most, "models_autoload": autoload})
     return json_response(info)
 
 
