@@ -87,7 +87,7 @@ def test_a_bad_keep_alive_is_refused(value: Any) -> None:
 
 
 class _Svc:
-    model_names = frozenset({"tiny", "specd"})
+    served_names = frozenset({"tiny", "specd"})  # every local model's names
 
 
 def test_the_model_name_is_the_served_one_or_a_404_in_ollamas_words() -> None:
