@@ -6,8 +6,10 @@
 
 The tests' models are mapped to specd's: every tiny test model (stories260K and the
 like, an embedding model too) to SmolLM2-135M-Instruct, the infill model to
-Qwen2.5-Coder-0.5B-Instruct. Flags specd has no counterpart for are dropped (the ones
-that change behaviour are listed in the report of the run: bench/results/).
+Qwen2.5-Coder-0.5B-Instruct; a router (no model given) serves three by the router tests'
+names (ROUTER_MODELS), none loaded at start. Flags specd has no counterpart for are
+dropped (the ones that change behaviour are listed in the report of the run:
+bench/results/).
 """
 
 from __future__ import annotations
@@ -30,14 +32,20 @@ VALUED = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": 
           "-rea": "--reasoning",
           "--spec-synth-rates": "--spec-synthetic-rates",
           "--spec-synth-len": "--spec-synthetic-mean", "--alias": "--alias", "-a": "--alias",
-          "--tags": "--tags", "--batch-size": "-b", "-b": "-b"}
-FLAGS = {"--embedding": "--embeddings", "--embeddings": "--embeddings"}
+          "--tags": "--tags", "--batch-size": "-b", "-b": "-b",
+          "--sleep-idle-seconds": "--keep-alive", "--models-max": "--models-max"}
+FLAGS = {"--embedding": "--embeddings", "--embeddings": "--embeddings",
+         "--no-models-autoload": "--no-models-autoload"}
+# llama-server's router mode (no model given) serves the models of its cache by name, none
+# loaded at start; the router tests' three, each mapped to a model of specd's catalog
+ROUTER_MODELS = {"ggml-org/tinygemma3-GGUF:Q8_0": "gemma-3-270m",
+                 "ggml-org/test-model-stories260K:F32": SMOL,
+                 "ggml-org/test-model-stories260K-infill:F32": QWEN_SMALL}
 # llama-server flags that take a value and have no specd counterpart
 DROPPED_VALUED = {"--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ctv", "-fa",
                   "--grp-attn-n", "--grp-attn-w",
                   "--slot-save-path", "--reasoning-format", "--chat-template", "--mmproj-url",
-                  "--media-path", "--cache-ram",
-                  "--sleep-idle-seconds", "--models-dir", "--models-max", "--models-preset",
+                  "--media-path", "--cache-ram", "--models-dir", "--models-preset",
                   "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json",
                   "--lora", "--model-url"}
 
@@ -103,7 +111,14 @@ def translate(argv: list[str]) -> list[str]:
         at = out.index("-c") + 1
         out[at] = str(max(int(out[at]) // int(out[out.index("--slots") + 1]), 1))
     vlm = tiny_vlm(repo)
-    out += ["-m", vlm[0], "-mm", vlm[1]] if vlm else ["-m", model_for(repo, hf_file, model)]
+    if repo is None and hf_file is None and model is None:  # the router
+        (first, first_ref), *others = ROUTER_MODELS.items()
+        out += ["-m", first_ref, "--alias", first, "--start-unloaded", "--strict-model-name",
+                *(a for name, ref in others for a in ("--models", f"{name}={ref}"))]
+    elif vlm:
+        out += ["-m", vlm[0], "-mm", vlm[1]]
+    else:
+        out += ["-m", model_for(repo, hf_file, model)]
     if "--spec-synthetic-rates" in out or "--spec-synthetic-mean" in out:
         # llama.cpp's synthetic acceptance rides on its draft; specd's is a spec type of
         # its own, needing no draft model
@@ -114,7 +129,8 @@ def translate(argv: list[str]) -> list[str]:
         out += ["--spec-type", {"draft-simple": "draft", "ngram-simple": "ngram"}.get(
             spec_type, spec_type if spec_type in ("none", "draft", "ngram", "synthetic")
             else "ngram")]
-    return ["serve", "--no-socket", "--no-fit", *out]
+    # llama-server serves the models it is given, not specd's store
+    return ["serve", "--no-socket", "--no-fit", "--no-store-models", *out]
 
 
 def main() -> None:
