@@ -66,9 +66,12 @@ def _rotate(x: np.ndarray, heads: int, cos: np.ndarray, sin: np.ndarray) -> np.n
     return y
 
 
-def test_not_causal_rows_see_their_whole_block() -> None:
+@pytest.mark.parametrize("window", [0, 8])
+def test_not_causal_rows_see_their_whole_block(window: int) -> None:
     """Every row of the block at pos..pos+S-1 attends to keys 0..pos+S-1 (the cache's
-    earlier rows and the whole block), against softmax attention in float64."""
+    earlier rows and the whole block), against softmax attention in float64; with a
+    sliding window, as llama.cpp masks one, only keys less than `window` positions before
+    the row itself (the block's later rows stay in view)."""
     rng = np.random.default_rng(3)
     cos, sin = _tables()
     s, pos = 5, 20
@@ -78,7 +81,7 @@ def test_not_causal_rows_see_their_whole_block() -> None:
             "pk": rng.normal(0, 1, (1, KV, N_CTX, HD)).astype(np.float32),
             "pv": rng.normal(0, 1, (1, KV, N_CTX, HD)).astype(np.float32),
             "pos": np.array([pos]), "cos": cos, "sin": sin}
-    y, pk, _ = _session(0, False).run(None, feed)
+    y, pk, _ = _session(0, False, window=window).run(None, feed)
     rows = slice(pos, pos + s)
     q = _rotate(feed["q"], HEADS, cos[rows], sin[rows])  # [S, H, HD]
     keys = pk[0].astype(np.float64)[:, :pos + s]  # [Hkv, T, HD], the block's rows written
@@ -87,11 +90,14 @@ def test_not_causal_rows_see_their_whole_block() -> None:
     vals = feed["pv"][0].astype(np.float64)[:, :pos + s]
     vals[:, pos:] = feed["v"].reshape(s, KV, HD).transpose(1, 0, 2)
     for r in range(s):
+        first = 0 if not window else pos + r - window + 1  # the oldest key the row sees
         for h in range(HEADS):
-            sc = keys[h // 3] @ q[r, h] / np.sqrt(HD)  # [T]: every key of the block
+            sc = keys[h // 3, first:] @ q[r, h] / np.sqrt(HD)  # [T - first]
             w = np.exp(sc - sc.max())
-            want = (w / w.sum()) @ vals[h // 3]
+            want = (w / w.sum()) @ vals[h // 3, first:]
             np.testing.assert_allclose(y[r, h * HD:(h + 1) * HD], want, rtol=2e-5, atol=2e-6)
+    if window:
+        return
     causal = _session(1, False).run(None, feed)[0]
     np.testing.assert_array_equal(causal[-1], y[-1])  # the last row sees the same keys
     assert not np.array_equal(causal[0], y[0])
@@ -111,8 +117,3 @@ def test_not_causal_segments_each_equal_their_block_alone() -> None:
                                              "pos": np.array(segs), "cos": cos, "sin": sin})
     alone = _session(0, False)
     assert_segments_equal_alone((y, pk, pv), alone, proj, caches, segs, cos, sin)
-
-
-def test_a_window_needs_causal_attention() -> None:
-    with pytest.raises(Exception, match="window needs causal"):
-        _session(0, False, window=8)
