@@ -333,7 +333,7 @@ def test_cli_fit(tiny_cost: tuple[Any, ModelCost], capsys: pytest.CaptureFixture
 
     assert run("--json", "--margin-mb", "16") == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["n_ctx"] == 1024 and out["slots"] == 1
+    assert out["n_ctx"] == 1024 and out["slots"] == 2  # serve's default slots (DEFAULT_SLOTS)
     assert run("-md", str(built.gguf_path), "--slots", "2", "--margin-mb", "16") == 0
     assert "n_ctx 1024" in capsys.readouterr().out
     assert run("--margin-mb", str(10**9)) == 1
