@@ -79,7 +79,9 @@ def ensure_env() -> None:
 # Python packages some tests use as oracles, plain from the package index (on Linux x86-64
 # torch's wheel brings its CUDA libraries, about 5.5 GB installed; it runs on CPU), each
 # with the marker of the tests that need it (tests/conftest.py)
-ORACLE_PACKAGES = {"torch": "needs_torch", "transformers": "needs_transformers"}
+ORACLE_PACKAGES = {"torch": "needs_torch", "transformers": "needs_transformers",
+                   # the converter of the tiny vision checkpoints imports it
+                   "sentencepiece": "needs_transformers"}
 LLAMA_CPP = ROOT / "daemon" / "benchmark" / "llama_cpp.py"  # standard library only
 LLAMA_CPP_GROUP = "llama_cpp_oracle"
 REQUIRE_ENV = "SPECD_REQUIRE_ORACLES"  # tests/conftest.py: these groups must run
@@ -97,7 +99,8 @@ def ensure_oracle_packages(packages: dict[str, str] = ORACLE_PACKAGES,
                            stamp: Path | None = None) -> set[str]:
     """Install the packages the oracle tests import where absent, trying once per venv (the
     stamp, in the venv, names what was tried); returns the test groups whose package is
-    there. For each one still absent, says that its tests skip and how to install it."""
+    there (all of the group's). For each one still absent, says that its tests skip and
+    how to install it."""
     absent = _absent_modules(list(packages))
     tried = stamp or VENV / ".specd-oracles-tried"
     if absent and not (tried.is_file() and tried.read_text() == " ".join(absent)):
@@ -116,7 +119,8 @@ def ensure_oracle_packages(packages: dict[str, str] = ORACLE_PACKAGES,
         print(f"quickstart: {name} is not installed, so the {packages[name]} tests skip "
               f"(`{_bin('python')} -m pip install {name}`, then run the tests again)",
               file=sys.stderr)
-    return {group for name, group in packages.items() if name not in absent}
+    return {group for group in packages.values()
+            if all(name not in absent for name, g in packages.items() if g == group)}
 
 
 def ensure_llama_cpp() -> bool:
