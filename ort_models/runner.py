@@ -36,7 +36,7 @@ import numpy as np
 
 from . import native_ops, sampling_op
 from .arch import HParams
-from .graph_builder import ATTN_BUCKET, BuildOptions
+from .graph_builder import ATTN_BUCKET, EXPERT_IDS, BuildOptions
 from .kv_cache import KVCache
 from .model_cache import BuiltModel
 from .providers import (
@@ -90,6 +90,9 @@ class CallOutput:
     # a call alone): what the call cost, not what waiting for the others' rows did
     seconds: float = 0.0
     sampled: SampledBlock | None = None  # what the graph decided (calls with a spec)
+    # a mixture-of-experts target: the distinct (layer, expert) pairs the call's rows
+    # (filler rows too: they ran) woke in its pass, what its expert reads cost; 0: dense
+    experts_woken: int = 0
 
 
 class ContextFull(Exception):
@@ -225,6 +228,8 @@ class ModelRunner:
         # hidden-state outputs, in the order the graph lists them: (name, layer)
         self._hidden = [(o.name, int(o.name.removeprefix("hidden_")))
                         for o in self.session.get_outputs() if o.name.startswith("hidden_")]
+        # a MoE graph outputs its routers' choices (graph_builder.moe.EXPERT_IDS)
+        self._expert_ids = any(o.name == EXPERT_IDS for o in self.session.get_outputs())
         kv_dtype = np.float16 if built.options.kv_dtype == "f16" else np.float32
         # sliding-window layers on specd's attention keep a ring of their window and one
         # call's rows, where that is shorter than the context
@@ -489,6 +494,8 @@ class ModelRunner:
         if self.samples:
             sampling_op.bind(b, specs, first_rows[:-1], self.logits_width,
                              self._sampler_inputs.setdefault(id(b), {}))
+        if self._expert_ids:  # bound last: read as the last output
+            b.bind_output(EXPERT_IDS, "cpu")
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
         per_row = (time.perf_counter() - t0) / len(ids)
@@ -503,6 +510,8 @@ class ModelRunner:
         k1 = k0 + 1 + len(self._hidden)
         sampled = (sampling_op.read(outs, k1, specs, first_rows[:-1])
                    if any(s is not None for s in specs) else [None] * len(calls))
+        expert_ids = (outs[len(outs) - 1].numpy()  # [rows, L * top_k]
+                      if self._expert_ids else None)
         results, start = [], 0
         for call, (_, _, m), first, end, block, want in zip(
                 calls, segments, first_rows, first_rows[1:], sampled, wanted, strict=False):
@@ -511,9 +520,19 @@ class ModelRunner:
                 logits[first:end] if want and logits is not None  # [r, vocab]
                 else np.empty((end - first, 0), dtype=np.float32),
                 {layer: hidden[layer][start:start + n] for layer in call.layers},
-                per_row * m, block))
+                per_row * m, block,
+                0 if expert_ids is None else self.experts_woken(expert_ids[start:start + m])))
             start += m
         return results
+
+    def experts_woken(self, expert_ids: np.ndarray) -> int:
+        """The distinct (layer, expert) pairs in rows of the graph's EXPERT_IDS output
+        ([rows, n_layer * top_k]): the experts whose matrices those rows' pass read."""
+        moe = self.hp.moe
+        assert moe is not None
+        rows = expert_ids.reshape(len(expert_ids), -1, moe.n_used)  # [rows, L, top_k]
+        layer = np.arange(rows.shape[1], dtype=np.int64)[None, :, None] * moe.n_expert
+        return int(np.unique(rows + layer).size)
 
     def prefill(self, seq: int, tokens: Sequence[int], pos: int = 0,
                 chunk: int = ATTN_BUCKET) -> np.ndarray:

@@ -56,6 +56,8 @@ Modules
 """
 
 from .decoder import build_graph
+from .moe import EXPERT_IDS
 from .options import ATTN_BUCKET, BUILDER_VERSION, BuildOptions, Progress
 
-__all__ = ["ATTN_BUCKET", "BUILDER_VERSION", "BuildOptions", "Progress", "build_graph"]
+__all__ = ["ATTN_BUCKET", "BUILDER_VERSION", "EXPERT_IDS", "BuildOptions", "Progress",
+           "build_graph"]

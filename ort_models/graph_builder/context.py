@@ -28,6 +28,9 @@ class BuildContext:
     # matrices loaded for the current layer (and stacked ones made from them), by name;
     # cleared after each layer so only one layer's weights are held at a time
     shared: dict[str, Weight] = field(default_factory=dict)
+    # each mixture-of-experts layer's router ids [S, top_k], in layer order: the graph
+    # outputs them (EXPERT_IDS) so a pass can report the experts its rows woke
+    expert_ids: list[str] = field(default_factory=list)
 
     def tick(self, label: str) -> None:
         self.done += 1

@@ -13,6 +13,7 @@ from .attention import AttentionInputs, attention, attention_inputs
 from .context import BuildContext
 from .linear import linear
 from .mlp import feed_forward
+from .moe import output_expert_ids
 from .norms import add_norm, rms_norm
 from .options import F32, I64, BuildOptions, Progress
 from .sampling import sample_tokens
@@ -58,6 +59,7 @@ def build_graph(f: GGUFFile, hp: HParams, g: GraphWriter, options: BuildOptions,
     g.output("logits", F32, ["R", options.logits_width(hp.n_vocab)])
     if options.sampler:
         sample_tokens(g, "logits")
+    output_expert_ids(c)
     c.tick("output")
 
 

@@ -20,11 +20,26 @@ from specd.ort_models.native_ops import unavailable_reason
 from specd.ort_models.quant import DENSE_TYPES, EXPERT_TYPE_IDS, dense_float32
 
 from .context import BuildContext
+from .options import I64
 from .pending import Activation, materialize
 
 GATING = {"softmax": 0, "softmax_weight": 1}
 PROLOGUE = {"silu": 2, "swiglu_oai": 3}  # GgufExperts' gated prologues
 SWIGLU_OAI = {"alpha": 1.702, "limit": 7.0}  # llama.cpp's constants for gpt-oss
+# the graph output of every MoE layer's router ids side by side, [S, n_layer * top_k]
+EXPERT_IDS = "expert_ids"
+
+
+def output_expert_ids(c: BuildContext) -> None:
+    """The graph output EXPERT_IDS: each row's chosen experts in every MoE layer (layer i's
+    top_k ids at columns i * top_k ..), so a pass can tell which experts its rows woke.
+    A dense model has none."""
+    if not c.expert_ids:
+        return
+    m = c.hp.moe
+    assert m is not None
+    c.g.op("Concat", c.expert_ids, axis=1, out=[EXPERT_IDS])
+    c.g.output(EXPERT_IDS, I64, ["S", len(c.expert_ids) * m.n_used])
 
 
 def moe_ffn(c: BuildContext, h: Activation, p: str) -> str:
@@ -41,6 +56,7 @@ def moe_ffn(c: BuildContext, h: Activation, p: str) -> str:
         router.append(c.vector(p + "ffn_gate_inp.bias"))
     ids, weights = g.op("MoeRouter", router, 2, domain=NATIVE, top_k=m.n_used,
                         gating=GATING[m.gating], norm=int(m.norm), scale=float(m.scale))
+    c.expert_ids.append(ids)
     gate_up = _experts(c, x, ids, [p + "ffn_gate_exps", p + "ffn_up_exps"])  # [S, k, 2F]
     down = p + "ffn_down_exps"
     w, attrs = _expert_weight(c, [down])

@@ -13,7 +13,7 @@ from onnx import TensorProto
 
 from specd.ort_models.quant import REQUANT_KINDS
 
-BUILDER_VERSION = "14"
+BUILDER_VERSION = "15"
 # attention is computed over `attn_len` keys, a multiple of this (see the package docstring)
 ATTN_BUCKET = 256
 ACCURACY_LEVEL = 4

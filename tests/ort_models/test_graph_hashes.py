@@ -64,37 +64,37 @@ CASES = [
 GOLDEN: dict[str, tuple[str, str, str, str]] = {
     "dense-exact": (
         "4cd63f69ff541514579502826c0ce2a093aca31069d6840719d087c3fd0a5a0c",
-        "b14-hnone_p0_a4",
+        "b15-hnone_p0_a4",
         "b483804991a606041a57c153993a4bad44f52e9c724c321fa0b59db53e216f7f",
         "4bdac3663cbfe3f82a7c59ce706ab1f4b7179af5f142d3f1e7bbc9e321ca3918",
     ),
     "q4-fused-cut": (
         "4e03951af54ac8dd0019ee38cdabc7a1f84001d2e3b33f544ed04cd21729dc78",
-        "b14-hnone_p0_a4_rq4_gqa_v100",
+        "b15-hnone_p0_a4_rq4_gqa_v100",
         "f133ada667916e26abbeefd81f7dda352a02dd646d07be0001ce749e1471ded7",
         "b0521ce76ffd6b51540eb3a703ad3792532a0e98c35f4aaeca57726bd042ac30",
     ),
     "kquant-native-materialized": (
         "e9c0fd0c86cac9cc2c6d1095af1b2363daa74bfda93c45f29153cbd4563e8c97",
-        "b14-h0_p0_a4_natt_kgguf",
+        "b15-h0_p0_a4_natt_kgguf",
         "8afe1ffb62e0718286141669449c28b85d9b3d11b25288707a8843c1ac09af76",
         "c534e1ce2ea8aa45199e59cc668be2bd0c870744c0a325b1784146ebcc375c94",
     ),
     "gguf-prologues-f16": (
         "a2941371574065b6d9f0c21a72021a85c712898255a1eaeb2eb52e05129caedd",
-        "b14-hnone_p0_a4_natt_kgguf_kv16",
+        "b15-hnone_p0_a4_natt_kgguf_kv16",
         "843cceab50efee97027728d92df0deddbd664d01b82c70092aaebe628494c56c",
         "f27ba9cb4e4fbf4c25002d69b79d0035ae31da1704b464d20cac897b6aa0e2ae",
     ),
     "q4k-native-cut": (
         "d6515a907482c28cb0ed20f12c2fd9e47265e6e5a8ef97c197cce53c95924b02",
-        "b14-hnone_p0_a4_rq4k_natt_kgguf_v100",
+        "b15-hnone_p0_a4_rq4k_natt_kgguf_v100",
         "8d56ca2c4c16e46232a576dfe9158bbb44254b0891fc2f0cb69b3eea7c9eac02",
         "d42ea72a53d45c19982c542d465de0c6c76c970d24ca29d1c3305857514e86ca",
     ),
     "q4_0-gguf-exact-mha": (
         "ecefb4ed53b03e1ff25777aaf7c382e5d3bf04a62e11c341e851610040400162",
-        "b14-hnone_p0_a1_kgguf",
+        "b15-hnone_p0_a1_kgguf",
         "e08961d12dc98dd942118e09196024aa79682343e027bc48927e3009ba49d758",
         "86e0b8769578d89861ba7b4be6c732e404570c622582d779afaaef851efe567a",
     ),
@@ -127,7 +127,7 @@ def graph_hashes(path: Path, options: BuildOptions) -> tuple[str, str, str, str]
 
 
 def test_builder_version_is_the_one_the_hashes_were_taken_with() -> None:
-    assert BUILDER_VERSION == "14"
+    assert BUILDER_VERSION == "15"
 
 
 @pytest.mark.parametrize("case, kwargs, options", CASES, ids=[c[0] for c in CASES])
