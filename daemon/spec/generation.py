@@ -524,7 +524,8 @@ class Generation:
                                     self.grammar, self.target.logits_width,
                                     bonus=self.drafter is not None))
         self._commit(result, out.features if self._layers else None)
-        self._observe(pending.proposed, result, pending.seconds + seconds, seconds)
+        self._observe(pending.proposed, result, pending.seconds + seconds, seconds,
+                      out.experts_woken)
         emitted = self._emit(result.tokens, rows,
                              None if out.sampled is None else out.sampled.logprobs)
         self._grammar_finished(result.grammar_dead_end)
@@ -737,7 +738,7 @@ class Generation:
         self._pos += len(emitted)
 
     def _observe(self, proposed: _Proposed, result: VerifyResult, seconds: float,
-                 verify_s: float) -> None:
+                 verify_s: float, verify_experts: int) -> None:
         """Statistics and the policy learn from the round."""
         proposal = proposed.proposal
         self.stats.record_round(len(proposal.tokens), result.n_accepted, proposal.is_lookup,
@@ -745,6 +746,7 @@ class Generation:
         self.policy.observe(RoundRecord(
             n_drafted=len(proposal.tokens), n_accepted=result.n_accepted,
             emitted=result.tokens, seconds=seconds, verify_seconds=verify_s,
+            verify_experts=verify_experts,
             model_call=proposed.model_call, lookup_match=proposal.evidence.lookup_match,
             lookup_source=proposal.evidence.lookup_source,
             accept_probs=result.accept_probs, offer_next=proposed.offer_next,

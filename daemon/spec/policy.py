@@ -89,6 +89,9 @@ class RoundRecord:
     emitted: Sequence[int]
     seconds: float  # the whole round
     verify_seconds: float  # the target's pass over n_drafted + 1 tokens
+    # a mixture-of-experts target: the distinct (layer, expert) pairs that pass woke
+    # (CallOutput.experts_woken); 0: a dense target
+    verify_experts: int = 0
     model_call: ModelCall | None = None  # None: no model ran (a plain step or an offer)
     lookup_match: int = 0  # > 0: the round verified a lookup offer continuing this match
     lookup_source: str = ""  # the free source of that offer ("": prompt lookup)
@@ -197,6 +200,52 @@ class CostLine:
             return my * (1.0 + PRIOR_VERIFY_SLOPE * (x - mx))  # verify is nearly flat
         b = max((self.sxy / self.w - mx * my) / var, 0.0)
         return max(my + b * (x - mx), 1e-6)
+
+    def fitted(self) -> bool:
+        """Whether a line is fitted through observations at two or more sizes (not the
+        prior slope of `at`)."""
+        if self.w == 0 or len(self.at_size) < 2:
+            return False
+        mx = self.sx / self.w
+        return self.sxx / self.w - mx * mx > 1e-12
+
+
+@dataclass
+class ExpertPricing:
+    """A mixture-of-experts target's verify pass priced by the experts its rows wake: a
+    pass reads each woken expert's matrices once, so its cost follows the distinct
+    (layer, expert) pairs its rows chose, which grow with the rows as far as the rows
+    disagree. Two lines, measured per pass: the experts woken against the rows, and the
+    seconds against the experts woken; a pass of s rows is priced at the experts s rows
+    are predicted to wake. Until passes at two expert counts are seen it prices nothing
+    (the policy's line against rows stands)."""
+
+    decay: float
+    woken: CostLine = field(init=False)  # distinct (layer, expert) pairs against rows
+    seconds: CostLine = field(init=False)  # seconds against distinct pairs
+
+    def __post_init__(self) -> None:
+        self.woken, self.seconds = CostLine(self.decay), CostLine(self.decay)
+
+    def add(self, rows: int, experts: int, seconds: float) -> None:
+        self.woken.add(rows, experts)
+        self.seconds.add(experts, seconds)
+
+    def experts(self, rows: int) -> float | None:
+        """The distinct (layer, expert) pairs a pass of `rows` rows is predicted to wake."""
+        return self.woken.at(rows)
+
+    def verify_cost(self, rows: int) -> float | None:
+        """Predicted seconds of a pass over `rows` rows (None: not yet fitted)."""
+        experts = self.woken.at(rows)
+        if experts is None or not self.seconds.fitted():
+            return None
+        return self.seconds.at(round(experts))
+
+    def carried(self) -> ExpertPricing:
+        out = ExpertPricing(self.decay)
+        out.woken, out.seconds = self.woken.carried(), self.seconds.carried()
+        return out
 
 
 @dataclass
@@ -340,6 +389,7 @@ class AdaptiveDraftLength(DraftPolicy):
     # head and a draft model); empty: one source with the traits above
     sources: tuple[SourceTraits, ...] = ()
     _verify: CostLine = field(init=False)
+    _experts: ExpertPricing = field(init=False)  # a MoE target's verify, by experts woken
     _drafting_rounds: int = 0
     _idle_rounds: int = 0
     _drafting: bool = False  # the last choice drafted (not counting probes)
@@ -360,6 +410,7 @@ class AdaptiveDraftLength(DraftPolicy):
     def __post_init__(self) -> None:
         n = max(self.n_max, 0)
         self._verify = CostLine(self.decay)
+        self._experts = ExpertPricing(self.decay)
         traits = self.sources or (SourceTraits(self.one_pass, self.catch_up_limit),)
         self._models = [_ModelSource(t, _Acceptance(n, self.decay, self.prior_accept),
                                      CostLine(self.decay)) for t in traits]
@@ -393,6 +444,7 @@ class AdaptiveDraftLength(DraftPolicy):
                 [m.traits for m in earlier._models] != [m.traits for m in self._models]):
             return False
         self._verify = earlier._verify.carried()
+        self._experts = earlier._experts.carried()
         for mine, theirs in zip(self._models, earlier._models, strict=True):
             mine.carry_from(theirs)
         for (free, match), acc in earlier._lookups.items():
@@ -403,8 +455,12 @@ class AdaptiveDraftLength(DraftPolicy):
         return True
 
     # -- observations ---------------------------------------------------------------------
-    def observe_verify(self, n_tokens: int, seconds: float) -> None:
+    def observe_verify(self, n_tokens: int, seconds: float, experts: int = 0) -> None:
+        """A target pass over n_tokens rows took `seconds`, waking `experts` distinct
+        (layer, expert) pairs (a MoE target; 0: dense)."""
         self._verify.add(n_tokens, seconds)
+        if experts > 0:
+            self._experts.add(n_tokens, experts, seconds)
         self._last_verify = seconds
 
     def observe_draft(self, seconds: float, later_steps: Sequence[float] = (),
@@ -483,8 +539,15 @@ class AdaptiveDraftLength(DraftPolicy):
         return self._acceptance(max(match, 1), free=free).rates()
 
     def verify_cost(self, s: int) -> float | None:
-        """Fitted seconds for a target pass over s tokens (None before any data)."""
-        return self._verify.at(s)
+        """Fitted seconds for a target pass over s tokens (None before any data): on a
+        MoE target, by the experts s rows are predicted to wake once that is fitted."""
+        by_experts = self._experts.verify_cost(s)
+        return self._verify.at(s) if by_experts is None else by_experts
+
+    def experts_woken(self, s: int) -> float | None:
+        """Predicted distinct (layer, expert) pairs a pass of s rows wakes (None: a dense
+        target, or none seen)."""
+        return self._experts.experts(s)
 
     def draft_cost(self, n: int, source: int = 0) -> float | None:
         """Estimated seconds of a steady drafting call of `source` proposing n (None before
@@ -701,7 +764,7 @@ class AdaptiveDraftLength(DraftPolicy):
         source = 0 if r.model_call is None else r.model_call.source
         if r.model_call is not None:
             self._observe_model_call(r.model_call, r.last_bonus_probs)
-        self.observe_verify(r.n_drafted + 1, r.verify_seconds)
+        self.observe_verify(r.n_drafted + 1, r.verify_seconds, r.verify_experts)
         if r.n_drafted:
             self.observe_acceptance(r.n_drafted, r.n_accepted, r.lookup_match, r.accept_probs,
                                     source, free=r.lookup_source)
