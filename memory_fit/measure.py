@@ -4,6 +4,8 @@
   creation on CPU (the device's used-memory delta on CUDA). A throw-away one-node session
   is created first so that ORT's environment (and on CUDA the context) is not billed to
   the model; on CUDA that one-time cost is recorded as `runtime_bytes`.
+  Weights read in place become resident when first read; a mixture of experts counts all
+  of them, since the rows measured may not wake every expert and a request's may.
 * KV: from the hyper-parameters, layers x kv heads x head dim x 2 (K, V) x 2 or 4 bytes
   (the graph's f16 / f32 cache) per token per sequence; the runner's buffers are
   [1, n_kv, kv_len, head_dim], where kv_len exceeds n_ctx only on CUDA, by the fixed call
@@ -373,14 +375,18 @@ def measure_in_process(built: BuiltModel, device: str, threads: int,
     # weights a session maps from weights.bin rather than copies (specd's kernels read
     # their initializers in place) become resident in that first run, not at load: count
     # them as weights, not as workspace (the total is the same either way)
-    lazy = 0
+    touched = lazy = 0
     if device == "cpu":
-        lazy = max(0, min(built.weights_bytes - (r1 - r0), used.now() - r2))
+        unread = max(0, built.weights_bytes - (r1 - r0))
+        touched = min(unread, max(0, used.now() - r2))
+        # a mixture of experts reads an expert only when a row wakes it, and over a
+        # request's rows every expert may be: all of them count, woken by this chunk or not
+        lazy = unread if hp.moe is not None else touched
     pts = []
     for ctx in ctxs:
         # the chunk at positions ctx-256 .. ctx-1 attends over ctx keys (attn_len = ctx)
         peak = used.peak_of(partial(runner.forward, 0, tokens, ctx - ATTN_BUCKET))
-        pts.append((ctx, max(0, peak - r2 - lazy)))
+        pts.append((ctx, max(0, peak - r2 - touched)))
     # last, so the session and its runs see a heap without freed blocks to reuse
     host = _HostCost(Path(built.gguf_path)) if device == "cpu" else None  # RAM = the device
     ring = ring_rows(hp, built.options, runner.max_call_rows)
