@@ -34,11 +34,35 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("tool_choice") is not None:
         out["tool_choice"], parallel = tool_choice(body["tool_choice"])
         out["parallel_tool_calls"] = parallel
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
-        # extended thinking asked for or turned off: the template's switch (Qwen3's)
-        out["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+    kwargs = body.get("chat_template_kwargs")  # passed through, as llama-server does
+    if kwargs is not None:
+        out["chat_template_kwargs"] = kwargs
+    enable = thinking_switch(body.get("thinking"))
+    if enable is not None:
+        out["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}),
+                                       "enable_thinking": enable}
     return out
+
+
+# `thinking` types: whether each turns the template's thinking on (None: the template's
+# default, as where the model decides how much to think)
+THINKING_TYPES: dict[str, bool | None] = {
+    "enabled": True, "disabled": False, "adaptive": None, "between_tools": None}
+
+
+def thinking_switch(thinking: Any) -> bool | None:
+    """The template's `enable_thinking` that `thinking` asks for (None: left to the
+    template). `budget_tokens` is checked but not enforced: the reply's length is bounded
+    by max_tokens alone."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in THINKING_TYPES:
+        raise BadRequest("'thinking' must be {type: enabled, budget_tokens}, {type: "
+                         "disabled}, {type: adaptive} or {type: between_tools}",
+                         param="thinking")
+    get(thinking, "budget_tokens", int, None, lo=0)
+    return THINKING_TYPES[kind]
 
 
 def sampling_body(body: dict[str, Any], *, max_tokens: int) -> dict[str, Any]:

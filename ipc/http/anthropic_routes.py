@@ -3,8 +3,9 @@
 chat request (anthropic_inputs) and runs as one; the answer is Anthropic's message
 object, or its stream of named events, and errors come in Anthropic's shape.
 
-The model's reasoning is not told apart from its answer anywhere in specd yet, so a
-template that thinks writes its thinking in the text block (no `thinking` blocks)."""
+Where the template's chat format tells the model's reasoning apart (reply_reading), the
+reasoning comes first as a `thinking` block, its `signature` empty (nothing local signs
+it; a client passes it back and it is read as the assistant's reasoning)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ from aiohttp import web
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.serving.upstream_facade import UpstreamFacade
-from specd.daemon.text.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from specd.daemon.text.chat_formats import ParsedReply
+from specd.daemon.text.tool_calls import ToolCall, ToolCallStream
 
 from ..jsonout import json_response
 from ..validation import get, json_body, stop_list
 from .anthropic_inputs import chat_body, max_tokens, sampling_body, stop_body
 from .chat_inputs import chat_inputs, chat_prompt
 from .parsing import check_fits, check_model, constraint, generation_params
+from .reply_reading import ReplyReading
 from .state import off_loop, served
 from .streaming import Named, collect, stream_events, submit_all
 
@@ -48,10 +51,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     params = await off_loop(request, generation_params, svc,
                             sampling_body(body, max_tokens=limit), max_key="max_tokens")
     stop = stop_list(stop_body(body))
-    grammar = await constraint(svc, {}, chat.forced)
+    # llama.cpp's own constraint fields (grammar, json_schema, ...) as its routes take them
+    grammar = await constraint(svc, body, chat.forced)
     check_fits(svc, prompt, "messages")
     # an upstream's model counts its prompt itself: known once it answers
     reply = _Reply(svc, names=chat.names,
+                   reading=ReplyReading.of(svc.chat_template, chat.tools),
                    prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
     if not get(body, "stream", bool, False):
         results = await collect(request, svc, prompt, [params], stop=stop, grammar=grammar,
@@ -94,6 +99,11 @@ def _usage(r: Result) -> dict[str, Any]:
             "output_tokens": r.completion_tokens}
 
 
+def _thinking(reasoning: str) -> dict[str, Any]:
+    """A thinking block (its signature empty: nothing local signs it)."""
+    return {"type": "thinking", "thinking": reasoning, "signature": ""}
+
+
 def _tool_use(call: ToolCall) -> dict[str, Any]:
     """A call as a tool_use block: its input an object (arguments that are not one, as
     models rarely write them, under "value")."""
@@ -105,12 +115,15 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
 class _Reply:
     """One request's message, whole or as Anthropic streams it (streaming.EventWriter):
     message_start; each block's content_block_start, its deltas and content_block_stop
-    (text as it comes, then each tool_use with its input as one input_json_delta);
-    message_delta with the stop reason and usage; message_stop. With tool `names`, text
-    that may be a call is held back (ToolCallStream) and the calls come at the end."""
+    (thinking first, then text as it comes, then each tool_use with its input as one
+    input_json_delta); message_delta with the stop reason and usage; message_stop. With
+    tool `names`, text that may be a call is held back (ToolCallStream) and the calls come
+    at the end; a reply its chat format reads whole is held to its end."""
 
-    def __init__(self, svc: ServiceFacade, *, names: set[str] | None, prompt_tokens: int):
+    def __init__(self, svc: ServiceFacade, *, names: set[str] | None, prompt_tokens: int,
+                 reading: ReplyReading | None = None):
         self.names, self.prompt_tokens = names, prompt_tokens
+        self.reading = reading or ReplyReading(None, None)
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model = svc.model_name
         self._tools: ToolCallStream | None = None
@@ -124,15 +137,21 @@ class _Reply:
 
     # -- whole ----------------------------------------------------------------------------
     def whole(self, r: Result) -> dict[str, Any]:
-        content, calls = parse_tool_calls(r.text, self.names)
-        blocks = [{"type": "text", "text": content}] if content else []
-        return self._message(blocks + [_tool_use(c) for c in calls], _stop(r, bool(calls)),
-                             _usage(r))
+        parsed = self.reading.parse(r.text, self.names)
+        blocks = [_thinking(parsed.reasoning)] if parsed.reasoning else []
+        blocks += [{"type": "text", "text": parsed.content}] if parsed.content else []
+        return self._message(blocks + [_tool_use(c) for c in parsed.calls],
+                             _stop(r, bool(parsed.calls)), _usage(r))
 
     # -- streamed -------------------------------------------------------------------------
     @staticmethod
     def _event(name: str, **fields: Any) -> Named:
         return Named(name, {"type": name, **fields})
+
+    def _start(self, block: dict[str, Any]) -> tuple[int, Named]:
+        """A new block's index and its content_block_start."""
+        index, self._blocks = self._blocks, self._blocks + 1
+        return index, self._event("content_block_start", index=index, content_block=block)
 
     def _text(self, text: str) -> list[Any]:
         """The events carrying `text`: the text block opened first, if it is not."""
@@ -140,9 +159,8 @@ class _Reply:
             return []
         out = []
         if self._open is None:
-            self._open, self._blocks = self._blocks, self._blocks + 1
-            out.append(self._event("content_block_start", index=self._open,
-                                   content_block={"type": "text", "text": ""}))
+            self._open, start = self._start({"type": "text", "text": ""})
+            out.append(start)
         return out + [self._event("content_block_delta", index=self._open,
                                   delta={"type": "text_delta", "text": text})]
 
@@ -152,15 +170,28 @@ class _Reply:
         index, self._open = self._open, None
         return [self._event("content_block_stop", index=index)]
 
+    def _thought(self, reasoning: str) -> list[Any]:
+        """A thinking block as Anthropic streams one: its text as a thinking_delta, its
+        signature as a signature_delta just before its content_block_stop."""
+        block = _thinking("")
+        index, start = self._start(block)
+        return [start,
+                self._event("content_block_delta", index=index,
+                            delta={"type": "thinking_delta", "thinking": reasoning}),
+                self._event("content_block_delta", index=index,
+                            delta={"type": "signature_delta", "signature": block["signature"]}),
+                self._event("content_block_stop", index=index)]
+
     def opening(self) -> list[Any]:
-        self._tools = None if self.names is None else ToolCallStream(self.names)
+        held = self.names is None or self.reading.whole
+        self._tools = None if held else ToolCallStream(self.names or set())
         start = self._message([], {"stop_reason": None, "stop_sequence": None},
                               {"input_tokens": self.prompt_tokens, "output_tokens": 0})
         return [self._event("message_start", message=start)]
 
     def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
-        if isinstance(ev, ProgressEvent):
-            return []
+        if isinstance(ev, ProgressEvent) or self.reading.whole:
+            return []  # (a reply read whole is sent when it is complete)
         return self._text(ev.text if self._tools is None else self._tools.feed(ev.text))
 
     def failing(self, index: int) -> list[Any]:
@@ -169,21 +200,23 @@ class _Reply:
 
     def finished(self, index: int, result: Result) -> list[Any]:
         out: list[Any] = []
-        calls: list[ToolCall] = []
-        if self._tools is not None:
-            rest, calls = self._tools.finish()
-            out += self._text(rest)
-        out += self._close_text()
-        for call in calls:
-            block, self._blocks = _tool_use(call), self._blocks + 1
-            i = self._blocks - 1
-            out += [self._event("content_block_start", index=i,
-                                content_block={**block, "input": {}}),
+        if self.reading.whole:
+            parsed = self.reading.parse(result.text, self.names)
+        else:
+            rest, calls = self._tools.finish() if self._tools is not None else ("", [])
+            parsed = ParsedReply(rest, None, calls)
+        if parsed.reasoning:
+            out += self._thought(parsed.reasoning)
+        out += self._text(parsed.content or "") + self._close_text()
+        for call in parsed.calls:
+            block = _tool_use(call)
+            i, start = self._start({**block, "input": {}})
+            out += [start,
                     self._event("content_block_delta", index=i, delta={
                         "type": "input_json_delta",
                         "partial_json": json.dumps(block["input"], ensure_ascii=False)}),
                     self._event("content_block_stop", index=i)]
-        return out + [self._event("message_delta", delta=_stop(result, bool(calls)),
+        return out + [self._event("message_delta", delta=_stop(result, bool(parsed.calls)),
                                   usage=_usage(result)),
                       self._event("message_stop")]
 

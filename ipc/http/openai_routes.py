@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -15,8 +15,7 @@ from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.sampling import TokenLogprob
-from specd.daemon.text.chat_formats import ChatFormat, ParsedReply, chat_format
-from specd.daemon.text.tool_calls import ToolCallStream, parse_tool_calls
+from specd.daemon.text.tool_calls import ToolCallStream
 
 from ..jsonout import json_response
 from ..security import IDENTITY, is_own_user
@@ -30,6 +29,7 @@ from .parsing import (
     prompt_tokens,
     unsupported,
 )
+from .reply_reading import ReplyReading
 from .reporting import openai_logprobs, spec_block
 from .state import SYSTEM_FINGERPRINT, off_loop, served
 from .streaming import collect, stream_events, submit_all, timed
@@ -116,7 +116,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     choices = [params if i == 0 else _nth_choice(params, i) for i in range(n)]
     reply = _Reply(svc, chat=chat, names=names, logprobs=params.logprobs is not None,
                    post=params.post_sampling_probs,
-                   reading=_ReplyReading(chat_format(svc.chat_template), tools)
+                   reading=ReplyReading.of(svc.chat_template, tools)
                    if chat else None)
     if not get(body, "stream", bool, False):
         results = await collect(request, svc, prompt, choices, stop=stop, grammar=grammar,
@@ -129,22 +129,6 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
                          timings=get(body, "timings_per_token", bool, False))
     reply.n_streams = len(streams)
     return await stream_events(request, streams, reply)
-
-
-@dataclass
-class _ReplyReading:
-    """A chat format with a reply parser of its own (chat_formats), and the request's
-    tools it reads calls of (None: none offered)."""
-
-    fmt: ChatFormat | None
-    tools: list[dict[str, Any]] | None
-
-    def parse(self, text: str, names: set[str] | None) -> ParsedReply:
-        """The reply's reasoning, content and calls (of `names`' tools)."""
-        if self.fmt is not None:
-            return self.fmt.parse(text, self.tools if names is not None else None)
-        content, calls = parse_tool_calls(text, names)
-        return ParsedReply(content, None, calls)
 
 
 class _ChoiceState:
@@ -172,9 +156,9 @@ class _Reply:
     post-sampling probabilities (`openai_logprobs`)."""
 
     def __init__(self, svc: ServiceFacade, *, chat: bool, names: set[str] | None,
-                 logprobs: bool, post: bool, reading: _ReplyReading | None = None):
+                 logprobs: bool, post: bool, reading: ReplyReading | None = None):
         self.svc, self.chat, self.names = svc, chat, names
-        self.reading = reading or _ReplyReading(None, None)
+        self.reading = reading or ReplyReading(None, None)
         self.logprobs, self.post = logprobs, post
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -229,7 +213,7 @@ class _Reply:
         return self._head("chat.completion.chunk" if self.chat else "text_completion", [c])
 
     def opening(self) -> list[Any]:
-        whole = self.reading.fmt is not None
+        whole = self.reading.whole
         self._states = [_ChoiceState(i, self.names, whole) for i in range(self.n_streams)]
         return [self._chunk(st, "", first=True) for st in self._states] if self.chat else []
 
