@@ -37,10 +37,12 @@ def embedding_model(svc: ServiceFacade, status: int = 501) -> Embeddings:
 
 
 async def embed_inputs(request: web.Request, svc: ServiceFacade, emb: Embeddings, value: Any,
-                       field: str, *, normalize: int = 2, truncate: bool = False
+                       field: str, *, normalize: int = 2, truncate: bool = False,
+                       keep_alive: float | None = None
                        ) -> tuple[list[list[int]], list[np.ndarray]]:
     """(each input's tokens, its vectors) for `value` (`prompts`' forms). An input longer
-    than the context is a 400, or with `truncate` cut to what it holds."""
+    than the context is a 400, or with `truncate` cut to what it holds; the model stays
+    loaded for `keep_alive` once idle after it (None: the daemon's --keep-alive)."""
     tok = emb.tokenizer
     # an empty text: its start alone (llama.cpp embeds the BOS it adds)
     start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
@@ -53,7 +55,7 @@ async def embed_inputs(request: web.Request, svc: ServiceFacade, emb: Embeddings
                 raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "
                                  f"context holds {room}", param=field)
             inputs[i] = tokens[:room]
-    return inputs, await svc.embed(inputs, normalize)
+    return inputs, await svc.embed(inputs, normalize, keep_alive=keep_alive)
 
 
 async def _embed(request: web.Request, *, openai: bool) -> web.Response:

@@ -20,7 +20,7 @@ from specd.daemon.text.infill import has_fim
 from ..jsonout import json_response
 from ..validation import BadRequest, get, json_body
 from .embeddings import embed_inputs, embedding_model
-from .ollama_requests import served_model, timestamp
+from .ollama_requests import keep_alive, served_model, timestamp
 from .state import SYSTEM_FINGERPRINT, off_loop, served, service
 from .streaming import NDJSON
 
@@ -140,10 +140,11 @@ async def show(request: web.Request) -> web.Response:
 # -- embeddings ---------------------------------------------------------------------------
 async def embed(request: web.Request) -> web.Response:
     """/api/embed: each input's pooled vector, unit length (`dimensions`: its first ones,
-    made unit length again)."""
+    made unit length again); the model kept loaded for the request's `keep_alive`."""
     body = await json_body(request)
     svc = await served(request, body)
     name = served_model(svc, body)
+    alive = keep_alive(body)
     emb = embedding_model(svc, status=400)
     if emb.pooling == "none":
         raise BadRequest("pooling 'none' gives a vector per token, which /api/embed cannot "
@@ -153,7 +154,8 @@ async def embed(request: web.Request) -> web.Response:
     dims = get(body, "dimensions", int, None, lo=1)
     t0 = time.perf_counter()
     inputs, vectors = await embed_inputs(request, svc, emb, body["input"], "input",
-                                         truncate=get(body, "truncate", bool, True))
+                                         truncate=get(body, "truncate", bool, True),
+                                         keep_alive=alive)
     out = []
     for v in vectors:
         v = np.asarray(v, dtype=np.float32)[:dims]
@@ -166,16 +168,18 @@ async def embed(request: web.Request) -> web.Response:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    """/api/embeddings, the older route: one prompt's vector, not normalized."""
+    """/api/embeddings, the older route: one prompt's vector, not normalized; the model
+    kept loaded for the request's `keep_alive`."""
     body = await json_body(request)
     svc = await served(request, body)
     served_model(svc, body)
+    alive = keep_alive(body)
     emb = embedding_model(svc, status=400)
     prompt = get(body, "prompt", str, "")
     if not prompt:
         return json_response({"embedding": []})
     _, vectors = await embed_inputs(request, svc, emb, prompt, "prompt", normalize=-1,
-                                    truncate=True)
+                                    truncate=True, keep_alive=alive)
     return json_response({"embedding": np.asarray(vectors[0], dtype=np.float32).tolist()})
 
 

@@ -1,6 +1,6 @@
 """Ollama's keep_alive through the official `ollama` client against a live server: an
-unload request, /api/ps before and after, a request's keep_alive, and the other
-dialects' view of an unloaded model."""
+unload request, /api/ps before and after, a request's keep_alive (generating or
+embedding), and the other dialects' view of an unloaded model."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ ollama = pytest.importorskip("ollama")
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, tmp_path_factory):
     path = tiny_model_factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
-    cfg = EngineConfig(target=str(path), spec_type="ngram", n_ctx=512, slots=2)
+    cfg = EngineConfig(target=str(path), spec_type="ngram", n_ctx=512, slots=2,
+                       embeddings=True)
     with live_server_in(tmp_path_factory, "ollama-keep-alive", cfg, keep_alive=300) as srv:
         yield srv
 
@@ -88,3 +89,34 @@ def test_a_stream_running_when_unload_is_asked_runs_to_its_end(client) -> None:
     assert rest[-1].done and rest[-1].eval_count == 64 and rest[-1].done_reason == "length"
     assert not first.done
     _wait(lambda: _unloaded(client))
+
+
+def _expires_in(client) -> float:
+    [loaded] = client.ps().models
+    return (loaded.expires_at - datetime.now(UTC)).total_seconds()
+
+
+def test_embedding_requests_take_keep_alive(client) -> None:
+    model = client.list().models[0].model
+    vector = client.embed(model=model, input="a cat", keep_alive="1h").embeddings[0]
+    assert 3500 < _expires_in(client) <= 3600
+    client.embed(model=model, input="a cat", keep_alive=0.2)
+    _wait(lambda: _unloaded(client))  # 0.2 s once idle after it
+    old = client.embeddings(model=model, prompt="a cat", keep_alive="2h").embedding
+    assert 7100 < _expires_in(client) <= 7200  # the older route's keep_alive too
+    client.embeddings(model=model, prompt="a cat", keep_alive=0)
+    _wait(lambda: _unloaded(client))
+    # reloaded on use: the same vectors (/api/embed's unit length, /api/embeddings' raw)
+    again = client.embed(model=model, input="a cat").embeddings[0]
+    assert again == pytest.approx(vector, abs=1e-5)
+    assert len(old) == len(vector)
+    assert 250 < _expires_in(client) <= 300  # none given: --keep-alive's
+
+
+def test_a_bad_embedding_keep_alive_is_a_400(client) -> None:
+    model = client.list().models[0].model
+    for call in (lambda: client.embed(model=model, input="a", keep_alive="soon"),
+                 lambda: client.embeddings(model=model, prompt="a", keep_alive="soon")):
+        with pytest.raises(ollama.ResponseError) as err:
+            call()
+        assert err.value.status_code == 400 and "keep_alive" in err.value.error
