@@ -1,7 +1,9 @@
 """The user config file (`config_dir()/config.toml`): defaults for `specd start` and the service.
 
 Only a few flat keys; `SPECD_<KEY>` environment variables override the file
-(e.g. `SPECD_PORT=0 specd start`).  Read with tomllib, written with a tiny writer.
+(e.g. `SPECD_PORT=0 specd start`).  Read with tomllib, written with a tiny writer. A
+list key (a repeatable option of serve's) is an array in the file, and comma-separated
+from `specd config set` and the environment.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ KEYS: dict[str, type] = {
     "keep_alive": str,  # a duration: seconds, or such as "5m" (serve's --keep-alive)
     "history": bool,  # speculation from each user's history (false: serve's --no-history)
     "history_file": str,  # serve's --history-file: a 0600 file under the state dir
+    "upstream": list,  # serve's --upstream NAME=URL, one per model forwarded
+    "upstream_token_file": list,  # serve's --upstream-token-file NAME=PATH (PATH absolute)
 }
+ConfigValue = str | int | bool | list[str]
 _TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
 # parallel sequences `specd serve` starts and `specd fit` plans, unless --slots says
@@ -47,11 +52,13 @@ def config_path() -> Path:
     return config_dir() / "config.toml"
 
 
-def coerce(key: str, value: Any) -> str | int:
+def coerce(key: str, value: Any) -> ConfigValue:
     """`value` (str from the CLI/env, or a TOML value) as the key's type."""
     if key not in KEYS:
         raise ConfigError(f"unknown config key {key!r} (known: {', '.join(KEYS)})")
     typ = KEYS[key]
+    if typ is list:
+        return _list_value(key, value)
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -90,7 +97,33 @@ def coerce(key: str, value: Any) -> str | int:
     return value
 
 
-def read_file(path: Path | None = None) -> dict[str, str | int]:
+def _list_value(key: str, value: Any) -> list[str]:
+    """A list key's entries (from a comma-separated string, or a TOML array), each
+    checked as serve checks it: --upstream's NAME=URL, --upstream-token-file's NAME=PATH
+    with PATH made absolute (the daemon runs in the state dir)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise ConfigError(f"{key} must be a list of strings, not {value!r}")
+    out = [v.strip() for v in items if v.strip()]
+    if key == "upstream":
+        from specd.daemon.serving.upstream import UpstreamSpec
+
+        try:
+            names = [UpstreamSpec.parse(v).name for v in out]
+        except ValueError as exc:
+            raise ConfigError(f"upstream: {exc}") from None
+        if len(set(names)) < len(names):
+            raise ConfigError("upstream: a NAME is given twice")
+    if key == "upstream_token_file":
+        for i, v in enumerate(out):
+            name, sep, path = v.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ConfigError(f"upstream_token_file: {v!r}: expected NAME=PATH")
+            out[i] = f"{name.strip()}={Path(path.strip()).expanduser().absolute()}"
+    return out
+
+
+def read_file(path: Path | None = None) -> dict[str, ConfigValue]:
     """The file's values only (no env overrides); {} when there is no file."""
     path = path or config_path()
     try:
@@ -106,8 +139,8 @@ def read_file(path: Path | None = None) -> dict[str, str | int]:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def env_overrides() -> dict[str, str | int]:
-    out: dict[str, str | int] = {}
+def env_overrides() -> dict[str, ConfigValue]:
+    out: dict[str, ConfigValue] = {}
     for key in KEYS:
         value = os.environ.get(f"SPECD_{key.upper()}")
         if value is not None and value != "":
@@ -118,12 +151,14 @@ def env_overrides() -> dict[str, str | int]:
     return out
 
 
-def load_config(path: Path | None = None) -> dict[str, str | int]:
+def load_config(path: Path | None = None) -> dict[str, ConfigValue]:
     """The file's values with `SPECD_<KEY>` environment overrides applied."""
     return {**read_file(path), **env_overrides()}
 
 
-def _toml_value(value: str | int) -> str:
+def _toml_value(value: ConfigValue) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -133,12 +168,12 @@ def _toml_value(value: str | int) -> str:
     return f'"{escaped}"'
 
 
-def dumps(values: dict[str, str | int]) -> str:
+def dumps(values: dict[str, ConfigValue]) -> str:
     body = "".join(f"{k} = {_toml_value(values[k])}\n" for k in KEYS if k in values)
     return _HEADER + body
 
 
-def write_file(values: dict[str, str | int], path: Path | None = None) -> Path:
+def write_file(values: dict[str, ConfigValue], path: Path | None = None) -> Path:
     path = path or config_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".toml.tmp")
@@ -147,13 +182,15 @@ def write_file(values: dict[str, str | int], path: Path | None = None) -> Path:
     return path
 
 
-def set_value(key: str, value: str | int | None, path: Path | None = None) -> Path:
+def set_value(key: str, value: ConfigValue | None, path: Path | None = None) -> Path:
     """Set (or with value None / "", remove) one key in the file; returns the file's path."""
     values = read_file(path)
     if value is None or value == "":
         if key not in KEYS:
             coerce(key, "")  # raises the unknown-key error
         values.pop(key, None)
+    elif (coerced := coerce(key, value)) == []:  # an empty list: the key removed
+        values.pop(key, None)
     else:
-        values[key] = coerce(key, value)
+        values[key] = coerced
     return write_file(values, path)

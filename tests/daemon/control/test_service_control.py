@@ -132,6 +132,66 @@ def test_start_argv_from_options_and_config(env: dict[str, str], tmp_path: Path,
     assert _argv_for(p.parse_args([]), actions, {"draft": "d"}) == ["--model-draft", "d"]
 
 
+def test_upstreams_in_the_config_reach_serve(env: dict[str, str], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`specd config set upstream` / `upstream_token_file` (comma-separated, checked as
+    serve checks them) round-trip through the file, and `specd start` passes them on as
+    serve's repeated options, which serve reads into its upstreams with their tokens."""
+    from specd.daemon.cli import main as cli_main
+    from specd.daemon.cli import serve as cli_serve
+    from specd.daemon.cli.service import _argv_for, _start_args
+
+    token = tmp_path / "big.token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    r = cli(env, "config", "set", "upstream", "big=http://gpu-box:8000/v1, small=http://h:9")
+    assert r.returncode == 0, r.stderr
+    monkeypatch.chdir(tmp_path)  # a relative PATH is made absolute when set
+    config_mod.set_value("upstream_token_file", "big=big.token")
+    assert config_mod.read_file() == {"upstream": ["big=http://gpu-box:8000/v1",
+                                                   "small=http://h:9"],
+                                      "upstream_token_file": [f"big={token}"]}
+    shown = json.loads(cli(env, "config", "show", "--json").stdout)
+    assert shown["values"]["upstream"] == ["big=http://gpu-box:8000/v1", "small=http://h:9"]
+    monkeypatch.setenv("SPECD_UPSTREAM", "env=http://e:1")  # the environment overrides
+    assert config_mod.load_config()["upstream"] == ["env=http://e:1"]
+    monkeypatch.delenv("SPECD_UPSTREAM")
+
+    p = argparse.ArgumentParser()
+    actions = _start_args(p, cli_main._add_model_args, cli_main._add_sampling_args,
+                          cli_serve.add_serve_args)
+    argv = _argv_for(p.parse_args([]), actions, config_mod.load_config())
+    assert argv == ["--upstream", "big=http://gpu-box:8000/v1", "--upstream",
+                    "small=http://h:9", "--upstream-token-file", f"big={token}"]
+    # an option given to start wins over the config's list
+    given = _argv_for(p.parse_args(["--upstream", "x=http://x:1"]), actions,
+                      config_mod.load_config())
+    assert given[:2] == ["--upstream", "x=http://x:1"] and "big=http://gpu-box:8000/v1" \
+        not in given
+    serve = argparse.ArgumentParser()
+    cli_serve.add_serve_args(serve)
+    specs = cli_serve.upstreams(serve.parse_known_args(argv)[0])
+    assert [(u.name, u.endpoint, u.token) for u in specs] == [
+        ("big", "http://gpu-box:8000/v1/chat/completions", "s3cret"),
+        ("small", "http://h:9/v1/chat/completions", None)]
+
+    for key, value, error in [
+            ("upstream", "big", "expected NAME=URL"),
+            ("upstream", "a=ftp://x", "expected NAME=URL"),
+            ("upstream", "a=http://x,a=http://y", "a NAME is given twice"),
+            ("upstream_token_file", "big", "expected NAME=PATH")]:
+        with pytest.raises(config_mod.ConfigError, match=error):
+            config_mod.set_value(key, value)
+    config_mod.config_path().write_text('upstream = "big=http://x:1"\n')
+    assert config_mod.read_file() == {"upstream": ["big=http://x:1"]}
+    config_mod.config_path().write_text("upstream = [1]\n")
+    with pytest.raises(config_mod.ConfigError, match="must be a list of strings"):
+        config_mod.read_file()
+    config_mod.config_path().write_text('upstream = ["big=http://x:1"]\n')
+    config_mod.set_value("upstream", "")  # removed
+    assert "upstream" not in config_mod.read_file()
+
+
 # -- pid files ----------------------------------------------------------------------------
 @pytest.mark.parametrize("content", ["pytest", "dead", "garbage"])
 def test_stale_pid_file(env: dict[str, str], content: str) -> None:
