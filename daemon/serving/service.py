@@ -66,6 +66,9 @@ class Result:
     stats: SpecStats
     stopping_word: str = ""
     error: str | None = None
+    # the HTTP status a failure is answered with: 500, specd's own; an upstream's failure
+    # after its answer began, 502 (504: it stopped answering)
+    error_status: int = 500
     timings: dict[str, Any] = field(default_factory=dict)
     slot: int | None = None  # the slot that ran it
     # per generated token (the counted ones), where the request asked for logprobs

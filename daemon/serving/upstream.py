@@ -391,6 +391,7 @@ class UpstreamStream:
         resp, name = self._resp, self._client.name
         reader = ChunkReader(name)
         error: str | None = None
+        status = 502  # a failure's, once the answer began
         t_first: float | None = None
         try:
             async for data in self._events(resp):
@@ -401,11 +402,11 @@ class UpstreamStream:
                     t_first = t_first or time.perf_counter()
                     yield Piece(text, [])
         except UpstreamError as exc:
-            error = self._client.scrub(str(exc))
+            error, status = self._client.scrub(str(exc)), exc.status
         except ValueError:
             error = f"upstream {name!r} sent an answer that is not JSON events"
         except TimeoutError:
-            error = f"upstream {name!r} stopped answering"
+            error, status = f"upstream {name!r} stopped answering", 504
         except aiohttp.ClientError as exc:
             if not self._cancelled:
                 error = f"upstream {name!r}: the answer was cut ({type(exc).__name__})"
@@ -416,7 +417,7 @@ class UpstreamStream:
         calls = reader.calls_text() if error is None else ""
         if calls:
             yield Piece(calls, [])
-        yield self._result(reader, error, t_first)
+        yield self._result(reader, error, status, t_first)
 
     async def _events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
         """The data of each event (a whole JSON answer, from a server that does not
@@ -431,7 +432,7 @@ class UpstreamStream:
         for data in parser.close():
             yield data
 
-    def _result(self, reader: ChunkReader, error: str | None,
+    def _result(self, reader: ChunkReader, error: str | None, error_status: int,
                 t_first: float | None) -> Result:
         usage = reader.usage
         prompt_n = int(usage.get("prompt_tokens") or 0)
@@ -447,6 +448,7 @@ class UpstreamStream:
         return Result(text="".join(reader.text), finish_reason=reason,
                       prompt_tokens=prompt_n, completion_tokens=completion_n,
                       cached_tokens=cached, stats=stats, error=error,
+                      error_status=error_status,
                       timings={**llama_timings(stats, prompt_n - cached, completion_n),
                                "total_ms": round((now - self._t0) * 1000, 3)})
 

@@ -104,8 +104,9 @@ NDJSON = Framing("application/x-ndjson", lambda data, event: f"{data}\n".encode(
 
 async def collect(request: web.Request, svc: ServiceFacade, prompt: list[int],
                   choices: list[GenerationParams], **kw: Any) -> list[Result]:
-    """Each choice's whole result (`kw`: Service.submit's options); an error raises, a
-    generation the shutdown cancelled is a 503."""
+    """Each choice's whole result (`kw`: Service.submit's options); an error raises (an
+    upstream's failure with its status), a generation the shutdown cancelled is a
+    503."""
     return list(await asyncio.gather(*(_collect_one(request, svc, prompt, p, **kw)
                                        for p in choices)))
 
@@ -117,6 +118,8 @@ async def _collect_one(request: web.Request, svc: ServiceFacade, prompt: list[in
         if isinstance(ev, Result):
             result = ev
     assert result is not None
+    if result.error and result.error_status != 500:  # an upstream's, with its status
+        raise BadRequest(result.error, status=result.error_status, code="upstream_error")
     if result.error:
         raise RuntimeError(result.error)
     if shutting_down(request, result):
@@ -155,7 +158,8 @@ async def stream_events(request: web.Request, streams: list[TextStream], writer:
                 await send(resp, writer.event(i, ev))
             elif ev.error or shutting_down(request, ev):
                 await send(resp, writer.failing(i))
-                message, code = (ev.error, 500) if ev.error else (SHUTDOWN_MESSAGE, 503)
+                message, code = ((ev.error, ev.error_status) if ev.error
+                                 else (SHUTDOWN_MESSAGE, 503))
                 shaped = getattr(writer, "error", None)  # the dialect's own error events
                 await send(resp, shaped(message, code) if shaped is not None
                            else [framing.error(message, code)])
