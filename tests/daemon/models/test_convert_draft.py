@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
 
 from specd.daemon.models.convert_draft import ConvertError, convert_draft
 from specd.daemon.models.convert_draft.common import tensor_type
@@ -21,6 +20,7 @@ from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.heads import read_head
 
 import tiny_hf_heads as hf
+from gguf_layout import gguf_layout
 from tiny_gguf import write_tiny_gguf
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "heads"
@@ -40,20 +40,6 @@ def _convert(tmp_path: Path, name: str, target: Path, **kw: Any) -> Path:
     return out
 
 
-def _layout(path: Path) -> dict[str, Any]:
-    """A GGUF as GGUFReader sees it: typed keys, tensor infos in order, the data."""
-    r = GGUFReader(path)
-    keys = {}
-    for key, field in r.fields.items():
-        if not key.startswith("GGUF."):
-            keys[key] = ([t.name for t in field.types], field.contents())
-    tensors = [(t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.data_offset))
-               for t in r.tensors]
-    data_start = min(int(t.data_offset) for t in r.tensors) + r.data_offset
-    return {"keys": keys, "order": list(keys), "tensors": tensors,
-            "data": path.read_bytes()[data_start:], "size": path.stat().st_size}
-
-
 @pytest.mark.parametrize("name", list(hf.FIXTURES))
 def test_conversion_is_llama_cpps(tmp_path: Path, target: Path, name: str) -> None:
     """Every key with its GGUF type and value, every tensor's name, type, shape, offset and
@@ -63,7 +49,8 @@ def test_conversion_is_llama_cpps(tmp_path: Path, target: Path, name: str) -> No
     keys, which follows the target GGUF's (this one, written by write_tiny_gguf, lists BOS
     before EOS; llama.cpp's converter writes EOS, padding, BOS, as a target it converted
     does)."""
-    ours, theirs = _layout(_convert(tmp_path, name, target)), _layout(FIXTURES / f"{name}.gguf")
+    ours = gguf_layout(_convert(tmp_path, name, target))
+    theirs = gguf_layout(FIXTURES / f"{name}.gguf")
     assert ours["keys"] == theirs["keys"]
     assert ([k for k in ours["order"] if not k.startswith("tokenizer.ggml.")]
             == [k for k in theirs["order"] if not k.startswith("tokenizer.ggml.")])
