@@ -63,11 +63,14 @@ from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
+from numpy_muse_glimmer import MuseGlimmerReference
 from numpy_reference import ReferenceDFlash, ReferenceEagle3, ReferenceModel
 
 NEAR_TIE = 1e-3  # the float64 reference's top two within this (logits): either may win
 MAX_SKIPPED = 4  # rounds of one side skipped to resynchronise after one near tie
 N_CTX = 256
+# target architectures with their own float64 reference (else numpy_reference's)
+TARGET_REFERENCES: dict[str, type[ReferenceModel]] = {"muse-glimmer": MuseGlimmerReference}
 
 
 @dataclass
@@ -141,7 +144,8 @@ class ReferenceHead:
     ones (else on the reference's own picks)."""
 
     def __init__(self, target: Path, head: Path, params: HeadParams):
-        self.target, self.head, self.params = ReferenceModel(target), head, params
+        reference = TARGET_REFERENCES.get(GGUFFile(target).arch, ReferenceModel)
+        self.target, self.head, self.params = reference(target), head, params
 
     def _features(self, context: list[int]) -> np.ndarray:
         inputs: dict[int, np.ndarray] = {}
