@@ -31,10 +31,11 @@ VISION: dict[str, Any] = {
 }
 
 
-def _values(name: str, shape: tuple[int, ...], seed: int, hidden: int) -> np.ndarray:
+def _values(name: str, shape: tuple[int, ...], seed: int, hidden: int,
+            centred: bool = True) -> np.ndarray:
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     z = rng.standard_normal(shape)
-    if name.endswith("layernorm.weight"):  # centred: the model uses 1 + weight
+    if centred and name.endswith("layernorm.weight"):  # the model uses 1 + weight
         return 0.1 * z
     if len(shape) == 1:
         return 1.0 + 0.1 * z
@@ -61,5 +62,39 @@ def write_checkpoint(folder: Path, *, seed: int = 0, **text: Any) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.from_numpy(_values(name, tuple(p.shape), seed, hidden)))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+ASSISTANT: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"], "block_size": 4,
+    "target_layer_ids": [0, 2], "rope_parameters": {"rope_type": "default",
+                                                    "rope_theta": 10000.0},
+}
+
+
+def write_assistant(folder: Path, target_vocab: int, *, seed: int = 0, **config: Any) -> Path:
+    """A tiny transformers `MuseGlimmerAssistantModel` (the DFlash drafter: `encoder.fc`,
+    `encoder.output_norm_enc`, Exaone4-style layers with per-head q/k norms, Q/K in
+    rotate_half order; its norms are plain weights, drawn around 1) for a target of
+    `target_vocab` tokens (written as vocab_size, so that llama.cpp's converter keeps the
+    target's padding rows), its mask token the last padding row (config: ASSISTANT's keys
+    overridden)."""
+    import torch
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    cfg = MuseGlimmerAssistantConfig(**{**ASSISTANT, "vocab_size": target_vocab,
+                                        "mask_token_id": target_vocab - 1,
+                                        "bos_token_id": 0, "eos_token_id": 2,
+                                        "pad_token_id": None, **config})
+    torch.manual_seed(seed)
+    model = MuseGlimmerAssistantModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(_values(name, tuple(p.shape), seed, cfg.hidden_size,
+                                                 centred=False)))
     model.save_pretrained(folder, safe_serialization=True)
     return folder

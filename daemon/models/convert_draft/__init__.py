@@ -2,12 +2,12 @@
 GGUF llama.cpp's convert_hf_to_gguf.py (build 11434) writes for it, so that specd and
 llama.cpp load it.
 
-Kinds: DFlash, DFlash2 and DSpark (architecture `dflash`, `dflash.py`) and EAGLE-3
-(`eagle3`, `eagle3.py`). Where llama.cpp's converter reads the target model's Hugging
-Face folder (`--target-model-dir`), this reads the target's GGUF (`target.py`): its width,
-depth and vocabulary, and the tokenizer keys every head carries. No torch: the
-checkpoint is read by `safetensors.py`, tensors are encoded by the gguf package as
-llama.cpp encodes them (`common.py`).
+Kinds: DFlash, DFlash2, DSpark and the muse-glimmer drafter (architecture `dflash`,
+`dflash.py`) and EAGLE-3 (`eagle3`, `eagle3.py`). Where llama.cpp's converter reads the
+target model's Hugging Face folder (`--target-model-dir`), this reads the target's GGUF
+(`target.py`): its width, depth and vocabulary, and the tokenizer keys every head carries.
+No torch: the checkpoint is read by `safetensors.py`, tensors are encoded by the gguf
+package as llama.cpp encodes them (`common.py`).
 
 The result is checked by specd's own head reader and against the target before it takes
 the output's name.
@@ -27,7 +27,8 @@ from .common import OUTTYPES, load_checkpoint
 from .errors import ConvertError
 from .target import read_target
 
-ARCHITECTURES = (*dflash.DFLASH_ARCHS, *dflash.DSPARK_ARCHS, *eagle3.EAGLE3_ARCHS)
+DFLASH_KIND_ARCHS = (*dflash.DFLASH_ARCHS, *dflash.DSPARK_ARCHS, *dflash.MUSE_GLIMMER_ARCHS)
+ARCHITECTURES = (*DFLASH_KIND_ARCHS, *eagle3.EAGLE3_ARCHS)
 DEFAULT_OUTTYPE = "f16"  # llama.cpp's default
 
 
@@ -41,7 +42,7 @@ def convert_draft(checkpoint: str | os.PathLike[str], target: str | os.PathLike[
         raise ConvertError(f"unknown --outtype {outtype!r} (one of {', '.join(OUTTYPES)})")
     ck = load_checkpoint(ck_dir.resolve())
     tgt = read_target(target_path)
-    if ck.arch in dflash.DFLASH_ARCHS or ck.arch in dflash.DSPARK_ARCHS:
+    if ck.arch in DFLASH_KIND_ARCHS:
         writer = dflash.convert(ck, tgt, outtype)
     elif ck.arch in eagle3.EAGLE3_ARCHS:
         writer = eagle3.convert(ck, tgt, outtype)

@@ -11,6 +11,12 @@
   [draft vocab, R]), an optional `confidence_head.proj`, and over a reduced vocabulary
   its own `lm_head` and `d2t`. Its config keeps target_layer_ids and mask_token_id at the
   top level, or (speculators exports) `aux_hidden_state_layer_ids`, absolute.
+- The muse-glimmer drafter (transformers' `MuseGlimmerAssistantModel`, llama.cpp's
+  conversion/muse_glimmer.py): `encoder.fc`, `encoder.output_norm_enc`, Exaone4-style
+  layers with q/k norms, `norm`; block_size, mask_token_id and target_layer_ids at the
+  config's top level; a sliding window wherever the config has one and layer_types. Its
+  Q/K stay in transformers' rotate_half order, which is llama.cpp's NeoX rope, the
+  dflash architecture's (the target's own Q/K are un-permuted to NORM rope).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ DFLASH_ARCHS = ("DFlashDraftModel", "DFlash2DraftModel")
 DSPARK_ARCHS = ("Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator",
                 "Lfm2DSparkDraftModel", "LingDSparkModel")
 DEFAULT_BLOCK_SIZE = 16  # llama.cpp's converter writes this where the config has none
+MUSE_GLIMMER_ARCHS = ("MuseGlimmerAssistantModel",)
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 # HF names (with the `model.` prefix the converter adds) -> GGUF names, without suffix
@@ -43,6 +50,8 @@ _GLOBAL = {
     "model.norm": "output_norm",
     "model.fc": "fc",
     "model.hidden_norm": "enc.output_norm",
+    "model.encoder.fc": "fc",
+    "model.encoder.output_norm_enc": "enc.output_norm",
     "model.markov_head.markov_w1": "markov_w1",
     "model.markov_head.markov_w2": "markov_w2",
     "model.confidence_head.proj": "conf_proj",
@@ -84,6 +93,9 @@ def _gguf_name(ck: Checkpoint, name: str, n_layer: int) -> str:
 def _dflash_config(ck: Checkpoint, dspark: bool) -> dict[str, Any]:
     """`dflash_config`, which DSpark configs lack: built from their top-level keys."""
     hp = ck.hp
+    if ck.arch in MUSE_GLIMMER_ARCHS:
+        return {k: hp[k] for k in ("target_layer_ids", "mask_token_id", "block_size")
+                if k in hp}
     if "dflash_config" in hp or not dspark:
         dc = hp.get("dflash_config")
         return dc if isinstance(dc, dict) else {}
@@ -109,7 +121,8 @@ def _check_target(ck: Checkpoint, target: TargetInfo, layers: list[int]) -> None
     if vocab is not None and vocab != target.n_vocab:
         ck.fail(f"vocab_size {vocab} does not fit the target {target.path.name}, whose "
                 f"tokenizer has {target.n_vocab} tokens")
-    fc = ck.tensors.get("fc.weight") or ck.tensors.get("model.fc.weight")
+    fc = next((ck.tensors[n] for n in ("fc.weight", "model.fc.weight", "encoder.fc.weight")
+               if n in ck.tensors), None)
     if fc is None:
         ck.fail("no fc.weight (the projection of the target's hidden states)")
     if fc.shape != (n_embd, len(layers) * target.n_embd):
@@ -182,7 +195,10 @@ def convert(ck: Checkpoint, target: TargetInfo, outtype: str) -> HeadWriter:
         b.add_ids("d2t", absolute_d2t(ck, d2t, n_vocab, draft_vocab))
 
     b.add_general(ck.path)
-    _params(b, ck, target, dc, rope, n_layer, layers)
+    if ck.arch in MUSE_GLIMMER_ARCHS:
+        _muse_glimmer_params(b, ck, dc, rope, n_layer, layers)
+    else:
+        _params(b, ck, target, dc, rope, n_layer, layers)
     if dspark:
         b.w.add_bool(b.key("sample_from_anchor"), ck.config.get(
             "sample_from_anchor", "transformer_layer_config" not in ck.config
@@ -239,3 +255,16 @@ def _params(b: HeadWriter, ck: Checkpoint, target: TargetInfo, dc: dict[str, Any
         w.add_causal_attention(bool(causal))
     if target.uses_mrope:  # the head ropes on the temporal sections only
         w.add_rope_dimension_sections([head_dim // 2, 0, 0, 0])
+
+
+def _muse_glimmer_params(b: HeadWriter, ck: Checkpoint, dc: dict[str, Any],
+                         rope: dict[str, Any], n_layer: int, layers: list[int]) -> None:
+    """MuseGlimmerAssistantModel.set_gguf_parameters: the text-model keys, the block
+    size, the target layers, and the sliding window with its per-layer pattern."""
+    hp, w = ck.hp, b.w
+    b.add_text_params(ck, n_layer, rope)
+    w.add_uint32(b.key("block_size"), int(dc.get("block_size", DEFAULT_BLOCK_SIZE)))
+    w.add_array(b.key("target_layers"), layers)
+    if hp.get("sliding_window") and hp.get("layer_types"):
+        w.add_sliding_window(int(hp["sliding_window"]))
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])

@@ -1,0 +1,155 @@
+"""The muse-glimmer DFlash drafter: a tiny random transformers `MuseGlimmerAssistantModel`
+for a tiny random `MuseGlimmerForConditionalGeneration` target, both converted by
+llama.cpp's own convert_hf_to_gguf.py (build 11434), the head also by `specd
+convert-draft` (from the target's GGUF):
+
+* specd's file is llama.cpp's, key for key and byte for byte; the head's Q/K stay in
+  transformers' rotate_half order (llama.cpp's NeoX rope for a dflash head), where the
+  target's were un-permuted to NORM rope;
+* specd drafts with it on the muse-glimmer target: every draft is the float64
+  reference's (the target's raw token embeddings, without its embedding norm, as
+  llama.cpp's dflash graph reads them), and the greedy text is the target's alone;
+* llama-speculative-simple drafts with the same files, round by round as specd does
+  (tests/support/head_decode_oracle.py).
+
+Skipped without torch and transformers (the converter's and the checkpoints' needs), or
+without llama.cpp's source / binaries, with the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specd.daemon.drafters.registry import HEAD_DRAFTERS
+from specd.daemon.models.convert_draft import convert_draft
+from specd.daemon.models.convert_draft.safetensors import read_checkpoint_tensors
+from specd.daemon.spec.drafter import DraftParams
+from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.text.tokenizer import Tokenizer
+from specd.ort_models.gguf_file import GGUFFile
+from specd.ort_models.graph_builder import BuildOptions
+from specd.ort_models.head_runner import HeadRunner, load_or_build_head
+from specd.ort_models.heads import read_head
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+import llama_cpp_convert
+import llama_cpp_oracle
+from gguf_layout import gguf_layout
+from head_decode_oracle import check_drafts_against_reference, compare_decodes, specd_decode
+from speculation_checks import assert_drafted, decode_all
+
+pytestmark = [pytest.mark.needs_torch, pytest.mark.needs_transformers]
+
+TEXT = "hello world, this is a test"
+# the target's first token after it is whole text (head_decode_oracle's alignment)
+ORACLE_TEXT = "a b c d e f"
+N_TOKENS = 40
+
+
+class Converted:
+    """The checkpoints and their GGUFs."""
+
+    def __init__(self, root: Path):
+        from tiny_hf_muse_glimmer import write_assistant, write_checkpoint
+
+        self.target_dir = write_checkpoint(root / "target-hf", seed=0)
+        self.target = llama_cpp_convert.convert(self.target_dir, root / "target.gguf")
+        n_vocab = GGUFFile(self.target).tensor("token_embd.weight").shape[0]
+        self.head_dir = write_assistant(root / "muse-glimmer-assistant", n_vocab, seed=1)
+        self.theirs = llama_cpp_convert.convert(self.head_dir, root / "theirs.gguf",
+                                                target_model_dir=self.target_dir)
+        self.ours = root / "ours.gguf"
+        convert_draft(self.head_dir, self.target, self.ours, "f32")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Converted:
+    if reason := llama_cpp_convert.missing():
+        pytest.skip(reason)
+    return Converted(tmp_path_factory.mktemp("muse_head"))
+
+
+def test_conversion_is_llama_cpps(converted: Converted) -> None:
+    """Every key with its type and value in llama.cpp's order, every tensor's name, type,
+    shape, offset and bytes: the same file."""
+    ours, theirs = gguf_layout(converted.ours), gguf_layout(converted.theirs)
+    assert ours["keys"] == theirs["keys"]
+    assert ours["order"] == theirs["order"]
+    assert ours["tensors"] == theirs["tensors"]
+    assert ours["data"] == theirs["data"]
+    assert ours["size"] == theirs["size"]
+    head = read_head(GGUFFile(converted.ours))
+    assert (head.kind, head.target_layers, head.block_size, head.rope_interleaved) == (
+        "dflash", (1, 3), 4, False)
+    assert (head.sliding_window, head.sliding_window_pattern) == (8, (True, False))
+    assert not head.has_token_embd and not head.has_output  # the target's are shared
+
+
+def test_q_and_k_keep_transformers_order(converted: Converted) -> None:
+    """The head's Q/K and their norms are the checkpoint's as they are (NeoX rope), where
+    the same converter un-permutes the target's to NORM rope."""
+    ck = read_checkpoint_tensors(converted.head_dir)
+    for hf_name, name in (("q_proj.weight", "attn_q.weight"), ("k_proj.weight", "attn_k.weight"),
+                          ("q_norm.weight", "attn_q_norm.weight")):
+        want = ck[f"layers.1.self_attn.{hf_name}"].read()
+        np.testing.assert_array_equal(_f32(converted.ours, f"blk.1.{name}"), want)
+    target_q = read_checkpoint_tensors(converted.target_dir)[
+        "model.language_model.layers.0.self_attn.q_proj.weight"].read()
+    assert not np.array_equal(_f32(converted.target, "blk.0.attn_q.weight"), target_q)
+
+
+def _f32(path: Path, name: str) -> np.ndarray:
+    """An F32 tensor of a GGUF file, in numpy order."""
+    t = GGUFFile(path).tensor(name)
+    assert t.type_name == "F32"
+    return t.data.view("<f4").reshape(t.shape)
+
+
+def _target_only(target: Path, prompt: list[int], eog: set[int]) -> list[int]:
+    return decode_all(Generation(ModelRunner(load_or_build(target, BuildOptions()), n_ctx=256),
+                                 0, prompt, GenerationParams(max_tokens=N_TOKENS), eog=eog))
+
+
+def test_specd_drafts_the_references_drafts(converted: Converted) -> None:
+    """specd's float32 drafts are the float64 reference's at every round, and greedy
+    decoding with the head drafting keeps the target's own text."""
+    target, head = converted.target, converted.ours
+    tok = Tokenizer.from_metadata(GGUFFile(target).metadata)
+    prompt = tok.encode(TEXT)
+    eog = {t for t in range(tok.vocab_size) if tok.is_eog(t)}
+    tokens, rounds = specd_decode(target, head, prompt, max_tokens=N_TOKENS, n_max=3, eog=eog)
+    assert len(rounds) >= 8 and all(len(r.drafts) == 3 for r in rounds[:-2])
+    ties = check_drafts_against_reference(target, head, prompt + tokens, rounds)
+    assert len(ties) <= 1, ties
+    assert tokens == _target_only(target, prompt, eog)
+
+
+def test_serving_path_keeps_the_target_text(converted: Converted) -> None:
+    """specd's default head build (matrices re-quantized for its kernels): rounds drafted
+    and verified, the greedy text the target's alone."""
+    target, head = converted.target, converted.ours
+    tok = Tokenizer.from_metadata(GGUFFile(target).metadata)
+    prompt = tok.encode(TEXT)
+    eog = {t for t in range(tok.vocab_size) if tok.is_eog(t)}
+    params = read_head(GGUFFile(head))
+    built = load_or_build(target, BuildOptions(hidden_layers=tuple(sorted(set(
+        params.hidden_layers)))))
+    drafter = HEAD_DRAFTERS[params.kind](HeadRunner(load_or_build_head(head, target),
+                                                    n_ctx=256))
+    gen = Generation(ModelRunner(built, n_ctx=256), 0, prompt, GenerationParams(
+        max_tokens=N_TOKENS, draft=DraftParams(n_max=3)), eog=eog, drafter=drafter)
+    assert decode_all(gen) == _target_only(target, prompt, eog)
+    assert_drafted(gen.stats)
+
+
+@pytest.mark.llama_cpp_oracle
+def test_rounds_are_llama_cpps(converted: Converted) -> None:
+    """llama-speculative-simple with llama.cpp's own conversion of the head on the same
+    target: the same rounds, drafts, accepted counts and text as specd's with specd's."""
+    if reason := llama_cpp_oracle.missing("llama-speculative-simple"):
+        pytest.skip(reason)
+    result = compare_decodes(converted.target, converted.theirs, ORACLE_TEXT, n_predict=32, n_max=3)
+    assert result.rounds >= 6 and result.drafts_compared >= 18, result
