@@ -151,6 +151,25 @@ def dflash(root: Path) -> Path:
     return write_checkpoint(root, "dflash", dflash_config(), dflash_tensors())
 
 
+ROPE_PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                 "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def interleave_rope(a: np.ndarray, head_dim: int) -> np.ndarray:
+    """Rows of rotate_half (NeoX) heads, per head the first half then the second, laid
+    out as interleaved-rope pairs (dim i beside dim i + head_dim / 2)."""
+    return np.swapaxes(a.reshape(-1, 2, head_dim // 2, *a.shape[1:]), 1, 2).reshape(a.shape)
+
+
+def dflash_interleaved(root: Path) -> Path:
+    """DFlash trained with interleaved rope (`rope_is_neox_style: false`): dflash's
+    tensors with Q/K and their norms interleaved, which the converter turns back."""
+    tensors = {n: interleave_rope(t, TARGET["head_dim"]) if n.endswith(ROPE_PERMUTED) else t
+               for n, t in dflash_tensors().items()}
+    return write_checkpoint(root, "dflash-interleaved",
+                            {**dflash_config(), "rope_is_neox_style": False}, tensors)
+
+
 def dspark(root: Path) -> Path:
     """DSpark (DFlash + Markov and confidence heads) over a reduced vocabulary with d2t."""
     rng = np.random.default_rng(12)
@@ -272,4 +291,5 @@ FIXTURES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "dflash2": (dflash2, "q8_0"),
     "dspark-vanilla": (dspark_vanilla, "bf16"),
     "eagle3-llama3": (eagle3_llama3, "f32"),
+    "dflash-interleaved": (dflash_interleaved, "f32"),
 }

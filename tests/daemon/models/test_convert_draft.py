@@ -25,7 +25,8 @@ from tiny_gguf import write_tiny_gguf
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "heads"
 KINDS = {"dflash": "dflash", "dspark": "dspark", "eagle3": "eagle3", "dflash2": "dflash2",
-         "dspark-vanilla": "dspark", "eagle3-llama3": "eagle3"}
+         "dspark-vanilla": "dspark", "eagle3-llama3": "eagle3",
+         "dflash-interleaved": "dflash"}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,26 @@ def test_d2t_offsets_become_absolute_ids(tmp_path: Path, target: Path, name: str
     np.testing.assert_array_equal(ids, offsets + np.arange(offsets.size))
     assert np.unique(offsets).size < offsets.size and np.unique(ids).size == ids.size
     assert "t2d" not in GGUFFile(out).tensors
+
+
+def test_interleaved_rope_becomes_neox(tmp_path: Path, target: Path) -> None:
+    """`rope_is_neox_style: false`: Q, K and their norms, stored as interleaved-rope pairs,
+    are written in rotate_half (NeoX) order, the dflash architecture's: the very tensors
+    of the NeoX checkpoint they were interleaved from; the rest as stored."""
+    f = GGUFFile(_convert(tmp_path, "dflash-interleaved", target))
+    neox = hf.dflash_tensors()
+    stored = read_checkpoint_tensors(tmp_path / "checkpoints" / "dflash-interleaved")
+    for i in range(2):
+        for hf_name, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"),
+                              ("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm"),
+                              ("v_proj", "attn_v")):
+            t = f.tensor(f"blk.{i}.{name}.weight")
+            got = t.data.view("<f4").reshape(t.shape)
+            want = neox[f"layers.{i}.self_attn.{hf_name}.weight"]
+            np.testing.assert_array_equal(got, want)
+            if hf_name != "v_proj":  # the path was taken: the stored order differs
+                assert not np.array_equal(
+                    got, stored[f"layers.{i}.self_attn.{hf_name}.weight"].read())
 
 
 def test_dspark_variants(tmp_path: Path, target: Path) -> None:
