@@ -10,7 +10,11 @@ convert-draft` (from the target's GGUF):
   reference's (the target's raw token embeddings, without its embedding norm, as
   llama.cpp's dflash graph reads them), and the greedy text is the target's alone;
 * llama-speculative-simple drafts with the same files, round by round as specd does
-  (tests/support/head_decode_oracle.py).
+  (tests/support/head_decode_oracle.py);
+* transformers' own drafting (its DFlash candidate generator's computation: raw target
+  embeddings, the target's LM head without logit scale or softcap) gives the same logits
+  while the context fits in the head's sliding window; beyond it transformers' sliding
+  layers see one more key (|q - k| <= window, where llama.cpp's rule is q - k < window).
 
 Skipped without torch and transformers (the converter's and the checkpoints' needs), or
 without llama.cpp's source / binaries, with the reason."""
@@ -39,6 +43,8 @@ import llama_cpp_convert
 import llama_cpp_oracle
 from gguf_layout import gguf_layout
 from head_decode_oracle import check_drafts_against_reference, compare_decodes, specd_decode
+from numpy_muse_glimmer import MuseGlimmerReference
+from numpy_reference import ReferenceDFlash
 from speculation_checks import assert_drafted, decode_all
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.needs_transformers]
@@ -143,6 +149,69 @@ def test_serving_path_keeps_the_target_text(converted: Converted) -> None:
         max_tokens=N_TOKENS, draft=DraftParams(n_max=3)), eog=eog, drafter=drafter)
     assert decode_all(gen) == _target_only(target, prompt, eog)
     assert_drafted(gen.stats)
+
+
+def _reference_logits(c: Converted, context: list[int], *, window_extra: int = 0
+                      ) -> np.ndarray:
+    """The float64 reference's logits [block - 1, vocab] for the round drafted after
+    context[-1] (the head's sliding window widened by window_extra)."""
+    params = read_head(GGUFFile(c.ours))
+    target = MuseGlimmerReference(c.target)
+    inputs: dict[int, np.ndarray] = {}
+    target.step(context[:-1], target.new_cache(), inputs)
+    features = np.concatenate([inputs[i] for i in params.target_layers], -1)  # [pos, 2E]
+    ref = ReferenceDFlash(c.ours, target, n_ctx=256)
+    ref.window += window_extra
+    pos = len(context) - 1
+    ref.inject(features, np.arange(pos))
+    assert params.mask_token_id is not None and params.block_size is not None
+    block = [context[-1]] + [params.mask_token_id] * (params.block_size - 1)
+    return ref.block(block, pos)[1:]
+
+
+def _transformers_logits(c: Converted, context: list[int]) -> np.ndarray:
+    """transformers' draft logits [block - 1, vocab] after context[-1], computed as its
+    DFlash candidate generator does (float64)."""
+    import torch
+    from transformers import MuseGlimmerAssistantModel, MuseGlimmerForConditionalGeneration
+    from transformers.cache_utils import DFlashCache
+
+    target = MuseGlimmerForConditionalGeneration.from_pretrained(
+        c.target_dir, dtype=torch.float64).eval()
+    head = MuseGlimmerAssistantModel.from_pretrained(c.head_dir, dtype=torch.float64).eval()
+    cfg, n = head.config, len(context) - 1
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        out = target(input_ids=torch.tensor([context[:-1]]), output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i + 1] for i in cfg.target_layer_ids], -1)
+        norm, embed.embed_norm = embed.embed_norm, torch.nn.Identity()  # raw embeddings
+        noise = embed(torch.tensor([[context[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1)]))
+        embed.embed_norm = norm
+        cache = DFlashCache(config=cfg)
+        cache.activate_past_recording(recurrent_states_to_keep=cfg.block_size)
+        cache.set_previous_accepted_tokens(n)
+        h = head(noise_embeds=noise, context_hidden_states=features,
+                 position_ids=torch.arange(n + cfg.block_size)[None],
+                 attention_mask=torch.ones(1, n + cfg.block_size, dtype=torch.long),
+                 cache=cache).last_hidden_state
+        return target.get_output_embeddings()(h[0, 1:]).numpy()  # [block - 1, vocab]
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_drafts_are_transformers(converted: Converted) -> None:
+    """Within the window (2 context positions + a block of 4 < 8) the converted head
+    computes transformers' logits; with 12 context positions, transformers' logits are
+    those of a window one wider than llama.cpp's (and specd's) reading of the file."""
+    short = [5, 17, 42]
+    assert _rel(_reference_logits(converted, short),
+                _transformers_logits(converted, short)) < 1e-6
+    long = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128, 9]
+    want = _transformers_logits(converted, long)
+    assert _rel(_reference_logits(converted, long, window_extra=1), want) < 1e-6
+    assert _rel(_reference_logits(converted, long), want) > 1e-3
 
 
 @pytest.mark.llama_cpp_oracle
