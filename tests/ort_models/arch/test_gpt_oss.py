@@ -28,6 +28,7 @@ from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
 import tiny_hf_moe
+from logprob_agreement import assert_agrees
 from tiny_moe import ReferenceGptOssModel, write_tiny_gpt_oss, yarn_cos_sin
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None,
@@ -204,34 +205,6 @@ def test_prompt_lookup_is_lossless(oss_file) -> None:
     assert gen.stats.drafted > 0 and gen.stats.accepted > 0, gen.stats.as_dict()
 
 
-def _assert_agrees(path: Path, theirs: list[tuple[int, dict[int, float]]], tol: float
-                   ) -> None:
-    """specd's log probabilities of llama.cpp's likely tokens along its greedy path within
-    `tol`, and specd's target graph's picks where its top two are clearly apart."""
-    tokens = [t for t, _ in theirs]
-    rows = list(range(len(PROMPT) - 1, len(PROMPT) - 1 + len(tokens)))
-    exact = ModelRunner(load_or_build(path, NATIVE_F32), n_ctx=256).forward(
-        0, PROMPT + tokens[:-1], 0, rows)
-    logp = exact - exact.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    compared = 0
-    for i, (_, top) in enumerate(theirs):
-        for tid, lp in top.items():
-            if lp > -5:
-                assert abs(logp[i, tid] - lp) < tol, (i, tid, logp[i, tid], lp)
-                compared += 1
-    assert compared >= len(tokens)
-    picks = ModelRunner(load_or_build(path, build_options("target")), n_ctx=256).forward(
-        0, PROMPT + tokens[:-1], 0, rows)
-    clear = 0
-    for i, token in enumerate(tokens):
-        two = np.sort(picks[i])[-2:]
-        if two[1] - two[0] > min(2 * tol, 1.0):
-            assert int(np.argmax(picks[i])) == token, i
-            clear += 1
-    assert clear >= 2
-
-
 @pytest.mark.llama_cpp_oracle
 @pytest.mark.parametrize("expert_type, weight_type, tol", [
     ("F32", "F32", 0.05), ("MXFP4", "Q8_0", 1.0)])
@@ -245,7 +218,7 @@ def test_logits_along_llama_cpps_greedy_path(oss_file, expert_type: str, weight_
         pytest.skip(reason)
     path = oss_file(expert_type=expert_type, weight_type=weight_type, seed=2)
     theirs = llama_cpp_oracle.greedy_with_logprobs(path, PROMPT, 20)
-    _assert_agrees(path, theirs, tol)
+    assert_agrees(path, PROMPT, theirs, tol)
     if expert_type != "F32":  # int8 activations (both sides, rounded apart) on a model
         return  # this flat: near ties from the first tokens
     ours, margins = llama_cpp_oracle.greedy_with_margins(
@@ -288,7 +261,7 @@ def test_a_converted_checkpoint_decodes_as_llama_cpp_does(converted: Path) -> No
     if reason := llama_cpp_oracle.missing("llama-server"):
         pytest.skip(reason)
     theirs = llama_cpp_oracle.greedy_with_logprobs(converted, PROMPT, 16)
-    _assert_agrees(converted, theirs, 0.05)
+    assert_agrees(converted, PROMPT, theirs, 0.05)
     ours, margins = llama_cpp_oracle.greedy_with_margins(
         ModelRunner(load_or_build(converted, build_options("target")), n_ctx=256), PROMPT, 24)
     greedy = llama_cpp_oracle.greedy_completion(converted, PROMPT, 24)

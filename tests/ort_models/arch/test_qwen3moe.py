@@ -25,6 +25,7 @@ from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
 import tiny_hf_moe
+from logprob_agreement import assert_agrees
 from tiny_moe import ReferenceMoeModel, write_dense_twin, write_tiny_qwen3moe
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None,
@@ -180,33 +181,7 @@ def test_logits_along_llama_cpps_greedy_path(moe_file) -> None:
     for expert_type, tol in (("F32", 0.05), ("Q8_0", 1.0)):
         path = moe_file(expert_type=expert_type, seed=2)
         theirs = llama_cpp_oracle.greedy_with_logprobs(path, PROMPT, 16)
-        _assert_agrees(path, theirs, tol)
-
-
-def _assert_agrees(path: Path, theirs: list[tuple[int, dict[int, float]]], tol: float
-                   ) -> None:
-    tokens = [t for t, _ in theirs]
-    rows = list(range(len(PROMPT) - 1, len(PROMPT) - 1 + len(tokens)))
-    exact = ModelRunner(load_or_build(path, NATIVE_F32), n_ctx=256).forward(
-        0, PROMPT + tokens[:-1], 0, rows)
-    logp = exact - exact.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    compared = 0
-    for i, (_, top) in enumerate(theirs):
-        for tid, lp in top.items():
-            if lp > -5:
-                assert abs(logp[i, tid] - lp) < tol, (i, tid, logp[i, tid], lp)
-                compared += 1
-    assert compared >= len(tokens)
-    picks = ModelRunner(load_or_build(path, build_options("target")), n_ctx=256).forward(
-        0, PROMPT + tokens[:-1], 0, rows)
-    clear = 0
-    for i, token in enumerate(tokens):
-        two = np.sort(picks[i])[-2:]
-        if two[1] - two[0] > min(2 * tol, 1.0):
-            assert int(np.argmax(picks[i])) == token, i
-            clear += 1
-    assert clear >= 2
+        assert_agrees(path, PROMPT, theirs, tol)
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +217,7 @@ def test_a_converted_checkpoint_decodes_as_llama_cpp_does(converted: Path) -> No
     if reason := llama_cpp_oracle.missing("llama-server"):
         pytest.skip(reason)
     theirs = llama_cpp_oracle.greedy_with_logprobs(converted, PROMPT, 16)
-    _assert_agrees(converted, theirs, 0.05)
+    assert_agrees(converted, PROMPT, theirs, 0.05)
     ours, margins = llama_cpp_oracle.greedy_with_margins(
         ModelRunner(load_or_build(converted, build_options("target")), n_ctx=256), PROMPT, 24)
     greedy = llama_cpp_oracle.greedy_completion(converted, PROMPT, 24)

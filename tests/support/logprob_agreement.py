@@ -1,0 +1,47 @@
+"""specd against llama-server's greedy path: specd's log probabilities of llama.cpp's
+likely tokens, and specd's picks where its top two are clearly apart (the check the
+architecture tests with llama.cpp as their oracle share)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from specd.daemon.models.building import build_options
+from specd.ort_models.graph_builder import BuildOptions
+from specd.ort_models.model_cache import load_or_build
+from specd.ort_models.runner import ModelRunner
+
+# specd's kernels with float32 products: what llama.cpp's own products are compared with
+NATIVE_F32 = BuildOptions(kernels="gguf", attention="native")
+
+
+def assert_agrees(path: Path, prompt: list[int], theirs: list[tuple[int, dict[int, float]]],
+                  tol: float, *, n_ctx: int = 256) -> None:
+    """`theirs` (llama_cpp_oracle.greedy_with_logprobs after `prompt`): every likely
+    token's log probability (above -5) within `tol` of specd's float32 graph's, and the
+    serving graph's pick equal to llama.cpp's token wherever its top two are more than
+    min(2 tol, 1) apart (at least twice)."""
+    tokens = [t for t, _ in theirs]
+    rows = list(range(len(prompt) - 1, len(prompt) - 1 + len(tokens)))
+    exact = ModelRunner(load_or_build(path, NATIVE_F32), n_ctx=n_ctx).forward(
+        0, prompt + tokens[:-1], 0, rows)  # [rows, vocab]
+    logp = exact - exact.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    compared = 0
+    for i, (_, top) in enumerate(theirs):
+        for tid, lp in top.items():
+            if lp > -5:
+                assert abs(logp[i, tid] - lp) < tol, (i, tid, logp[i, tid], lp)
+                compared += 1
+    assert compared >= len(tokens)
+    picks = ModelRunner(load_or_build(path, build_options("target")), n_ctx=n_ctx).forward(
+        0, prompt + tokens[:-1], 0, rows)  # [rows, vocab]
+    clear = 0
+    for i, token in enumerate(tokens):
+        two = np.sort(picks[i])[-2:]
+        if two[1] - two[0] > min(2 * tol, 1.0):
+            assert int(np.argmax(picks[i])) == token, i
+            clear += 1
+    assert clear >= 2
