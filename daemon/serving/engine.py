@@ -7,6 +7,7 @@ go through `Engine.start()`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import threading
@@ -47,6 +48,7 @@ from specd.daemon.spec.generation import (
 )
 from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.policy import PolicyMemory
+from specd.daemon.spec.sampling import SamplerVocab
 from specd.daemon.text.chat_formats import chat_format
 from specd.daemon.text.chat_template import render_chat
 from specd.daemon.text.grammar import GrammarState
@@ -488,6 +490,11 @@ class Engine:
     def eog_ids(self) -> set[int]:
         return set(self.tokenizer.eot_ids)
 
+    @functools.cached_property
+    def sampler_vocab(self) -> SamplerVocab:
+        """The vocabulary the infill and DRY samplers read (DRY's breakers cached in it)."""
+        return SamplerVocab.from_tokenizer(self.tokenizer)
+
     def _bos_text(self) -> str:
         tok = self.tokenizer
         return tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
@@ -578,7 +585,7 @@ class Engine:
         return Generation(self.target.runner, seq, prompt, params, eog=self.eog_ids,
                           drafter=self.drafter, reuse=reuse, grammar=grammar,
                           on_prompt_progress=on_prompt_progress, memory=self.policy_memory,
-                          images=images)
+                          images=images, vocab=self.sampler_vocab)
 
     def embed(self, seq: int, tokens: Sequence[int], normalize_p: int = 2) -> np.ndarray:
         """The embedding of `tokens` (Embedder.embed; `seq`: the target's slot, where the

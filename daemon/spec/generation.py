@@ -32,7 +32,13 @@ from specd.ort_models.sampling_op import MAX_LOGPROBS, EmittedLogprobs, SampleSp
 from .batch_policy import Outlook
 from .coupling import CoupledSampler
 from .drafter import Drafter, DraftParams, DraftRequest, Features, Proposal
-from .graph_sampling import BONUS_CANDIDATES, block_result, sample_spec, sparse_q
+from .graph_sampling import (
+    BONUS_CANDIDATES,
+    block_result,
+    runs_in_graph,
+    sample_spec,
+    sparse_q,
+)
 from .logprobs import LogprobRecorder
 from .media import (
     PromptImage,
@@ -56,6 +62,7 @@ from .round import BatchRound, DraftJob
 from .sampling import (
     Sampler,
     SamplerParams,
+    SamplerVocab,
     TokenLogprob,
     derive_seeds,
 )
@@ -206,11 +213,12 @@ class Generation:
                  reuse: int = 0, grammar: GrammarState | None = None,
                  on_prompt_progress: PromptProgress | None = None,
                  memory: PolicyMemory | None = None,
-                 images: Sequence[PromptImage] = ()):
+                 images: Sequence[PromptImage] = (), vocab: SamplerVocab | None = None):
         """on_prompt_progress: told the prompt's progress (called on the caller's thread);
         memory: an adaptive policy starts from the last finished request's of the same
         drafter, and is kept there when this one closes; images: the prompt's images, at
-        their placeholders (media.py), evaluated from their embeddings."""
+        their placeholders (media.py), evaluated from their embeddings; vocab: the
+        target's vocabulary, for a sampler chain with infill or DRY."""
         check_prompt_fits(prompt, target.n_ctx)
         self.images = tuple(images)
         if self.images or any(is_placeholder(t) for t in prompt):
@@ -233,10 +241,11 @@ class Generation:
         self._failed_drafter: Drafter | None = None  # dropped after raising (still ended)
         self.grammar = grammar  # the request's constraint state (advanced on emitted tokens)
         t_seed, d_seed = derive_seeds(params.sampling.seed)
-        self.sampler = Sampler(params.sampling, seed=t_seed)
+        self.sampler = Sampler(params.sampling, seed=t_seed, vocab=vocab)
         # tokens decided in the target's graph (logprobs are computed on the host from
-        # the logits, which then leave the session too)
-        self.in_graph = params.backend_sampling and target.samples
+        # the logits, which then leave the session too), where it runs the request's chain
+        self.in_graph = (params.backend_sampling and target.samples
+                         and runs_in_graph(params.sampling))
         self.coupled = drafter is not None and params.couples_drafts
         self.draft_sampler = self._make_draft_sampler(d_seed)
         self.policy = make_policy(params, drafter)
@@ -270,13 +279,16 @@ class Generation:
             grammar=grammar)
 
     def _make_draft_sampler(self, seed: int) -> Sampler | None:
-        """q's sampler: the draft's top-k at the request's temperature, after the request's
-        logit bias and penalties (over the same emitted tokens as p's), so that q stays
-        near p; drawing the target's uniforms where drafts are coupled (None: greedy)."""
+        """q's sampler: the draft's top-k at the temperature the request's chain applies,
+        after the request's logit bias and penalties (over the same emitted tokens as p's),
+        so that q stays near p; drawing the target's uniforms where drafts are coupled
+        (None: greedy). Verification is against p, the whole chain's distribution, so q
+        need not follow the rest of the chain."""
         sp = self.params.sampling
         if sp.is_greedy:
             return None
-        q = SamplerParams(temperature=sp.temperature, top_k=self.params.draft_top_k, seed=seed,
+        q = SamplerParams(temperature=sp.effective_temperature, top_k=self.params.draft_top_k,
+                          seed=seed,
                           repeat_penalty=sp.repeat_penalty, repeat_last_n=sp.repeat_last_n,
                           presence_penalty=sp.presence_penalty,
                           frequency_penalty=sp.frequency_penalty, logit_bias=sp.logit_bias)

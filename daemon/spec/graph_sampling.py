@@ -16,8 +16,9 @@ Drafters choose their proposals in their graphs through the same specs (drafters
 a draft model's step its token and top-k q, a DFlash or DSpark block one pick per row, an
 EAGLE-3 step its token. The host path stays the reference and the fallback: a DFlash-family
 block under a grammar, DFlash2's lattice walk, drafters that decide acceptance themselves,
-graphs without a sampler, and everything under `--no-backend-sampling` (or a request's
-`"backend_sampling": false`).
+graphs without a sampler, a request whose sampler chain the graph does not run (its order
+is fixed: penalties, top-k, top-p, min-p, temperature; `runs_in_graph`), and everything
+under `--no-backend-sampling` (or a request's `"backend_sampling": false`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from specd.ort_models.sampling_op import (
     SampleSpec,
 )
 
-from .sampling import NoAllowedToken, Sampler, TokenLogprob
+from .sampling import NoAllowedToken, Sampler, SamplerParams, TokenLogprob
 from .verify import DraftProbs, SparseDraftProbs, VerifyResult
 
 # sparse q rows wider than this are verified on the host (a draft without top-k)
@@ -44,6 +45,12 @@ MAX_Q_WIDTH = 64
 # most probable tokens returned of a sampled bonus row: the target's distribution there,
 # which the draft-length policy weighs the draft's guess against
 BONUS_CANDIDATES = 32
+
+
+def runs_in_graph(params: SamplerParams) -> bool:
+    """Whether the graph's sampler runs this chain: its active steps in the graph's order
+    (infill, DRY, typical, XTC and top-n-sigma are the host's alone)."""
+    return params.graph_equivalent() is not None
 
 
 def sample_spec(sampler: Sampler, position: int, vocab: int, *, drafts: Sequence[int] = (),
@@ -55,7 +62,9 @@ def sample_spec(sampler: Sampler, position: int, vocab: int, *, drafts: Sequence
     given, else by the target's own choice) under `grammar`'s masks along the drafts;
     `logprobs`: each emitted token's logprob and the `logprobs` most likely tokens' (-1:
     none); `want_logits`: the rows' logits leave the session too (logprobs on the host)."""
-    p = sampler.params
+    p = sampler.params.graph_equivalent()
+    if p is None:
+        raise ValueError("the graph does not run this sampler chain (runs_in_graph)")
     penalised = (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0
                  or p.frequency_penalty != 0.0)
     masks, stop_after = (None, -1) if grammar is None else grammar_masks(grammar, drafts,

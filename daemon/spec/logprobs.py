@@ -60,11 +60,9 @@ class LogprobRecorder:
     def _logprob(self, row: np.ndarray, token: int, mask: np.ndarray | None,
                  history: list[int]) -> TokenLogprob:
         """A token's logprob: under the target's logits, or (post_sampling) under the
-        distribution it was drawn from, with the penalties over the tokens emitted
-        before it and the grammar's mask."""
+        distribution it was drawn from, with the penalties (and DRY, and XTC's coin) over
+        the tokens emitted before it and the grammar's mask."""
         if not self.post_sampling:
             return token_logprob(row, token, self.k)
-        n = self.sampler.params.repeat_last_n
-        window = history if n < 0 else history[max(len(history) - n, 0):]
-        return post_sampling_logprob(self.sampler, row, token, self.k, history=window,
+        return post_sampling_logprob(self.sampler, row, token, self.k, history=history,
                                      mask=mask)

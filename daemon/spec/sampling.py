@@ -1,8 +1,13 @@
 """Host-side token sampling (pure numpy, float64).
 
-The pipeline follows llama.cpp's default sampler chain::
+The pipeline is llama.cpp's sampler chain (sampler_chain.py: one step per sampler)::
 
-    logit bias -> penalties -> top-k -> top-p -> min-p -> temperature -> draw
+    logit bias -> the chain's steps, in order -> draw
+
+Without a request's ``samplers`` the chain is llama-server's default, of which the steps
+specd's defaults leave on are::
+
+    penalties -> top-k -> top-p -> min-p -> temperature
 
 The penalties (llama.cpp's, over the last ``repeat_last_n`` emitted tokens): each token
 seen there has its logit divided by ``repeat_penalty`` (multiplied where negative), then
@@ -13,12 +18,14 @@ llama.cpp applies temperature *after* the truncation filters, so top-p and min-p
 see the untempered distribution.  ``SamplerParams.temperature_last=False`` moves
 temperature in front of the filters instead (the HF transformers / vLLM order).
 Temperature 0 means greedy: argmax of the penalised logits, ties to the lowest
-token id, no rng draw.
+token id, no rng draw (with an explicit chain: of what the steps before the
+temperature leave; a chain without ``temperature`` samples at temperature 1).
 
 Every non-greedy draw consumes exactly one uniform from the sampler's own PCG64
 generator and inverts the CDF of :meth:`Sampler.probs` in ascending token-id
 order, so a seeded request is reproducible token for token and the verifier can
-reason about how many draws each step takes.
+reason about how many draws each step takes (XTC's coin is a counter-based draw,
+not from that stream: sampler_chain.py).
 
 Constrained generation passes a ``mask`` ([vocab] bool, e.g. ``GrammarState.allowed``):
 disallowed tokens are removed before everything else (as if their logits were -inf), so
@@ -32,14 +39,18 @@ import copy
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from .sampler_chain import DEFAULT_CHAIN, STEPS, Candidates, ChainContext, graph_order, softmax
+from .sampler_vocab import SamplerVocab
 
 __all__ = [
     "NoAllowedToken",
     "Sampler",
     "SamplerParams",
+    "SamplerVocab",
     "TokenLogprob",
     "derive_seeds",
     "mask_logits",
@@ -48,12 +59,6 @@ __all__ = [
     "softmax",
     "token_logprob",
 ]
-
-# top-p without top-k: look at this many of the most likely tokens first and grow
-# the window (8x, then everything) until the nucleus fits, instead of sorting the
-# whole vocabulary up front.
-_TOP_P_FIRST_WINDOW = 1024
-
 
 @dataclass
 class SamplerParams:
@@ -65,6 +70,12 @@ class SamplerParams:
     presence_penalty, frequency_penalty: 0 = off; over the same tokens (module doc).
     logit_bias: token id -> what is added to its logit (-inf: never drawn).
     seed: None = fresh OS entropy.  temperature_last: llama.cpp order (see module doc).
+    samplers: the chain's steps in order (sampler_chain.STEPS names; None: llama-server's
+    default chain, DEFAULT_CHAIN, with temperature_last deciding where the temperature is).
+    typical_p: 1.0 = off.  top_n_sigma: <= 0 = off.  xtc_probability: 0 = off;
+    xtc_threshold: > 0.5 = off.  dry_multiplier: 0 = off; dry_base (>= 1),
+    dry_allowed_length, dry_penalty_last_n (0 = off, -1 = the whole history) and
+    dry_sequence_breakers as llama-server's.
     """
 
     temperature: float = 0.8
@@ -78,10 +89,62 @@ class SamplerParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    samplers: tuple[str, ...] | None = None
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+
+    @property
+    def chain(self) -> tuple[str, ...]:
+        """The steps in the order they run (those off at these settings included)."""
+        if self.samplers is not None:
+            return self.samplers
+        if self.temperature_last:
+            return DEFAULT_CHAIN
+        rest = tuple(s for s in DEFAULT_CHAIN if s != "temperature")
+        at = rest.index("top_k") + 1
+        return rest[:at] + ("temperature",) + rest[at:]
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0 in a chain that has the temperature step (without it the
+        temperature is not applied: llama.cpp samples the chain's output as it is)."""
+        return self.temperature == 0.0 and "temperature" in self.chain
+
+    @property
+    def effective_temperature(self) -> float:
+        """The temperature the chain applies (1.0 where it has no temperature step)."""
+        return self.temperature if "temperature" in self.chain else 1.0
+
+    def graph_equivalent(self) -> SamplerParams | None:
+        """These settings as the graph's sampler runs them (its fixed order: penalties,
+        top-k, top-p, min-p, temperature, or the temperature before top-p), where the
+        chain's active steps fit that order: the steps the chain leaves out switched off.
+        None where they do not (the request samples on the host)."""
+        if self.samplers is None:
+            return self
+        order = graph_order(self.samplers, self)
+        if order is None:
+            return None
+        on = set(order)
+        last_t = "temperature" not in on or order.index("temperature") == len(order) - 1
+        return replace(
+            self, samplers=None,
+            temperature=self.temperature if "temperature" in on else 1.0,
+            temperature_last=last_t,
+            top_k=self.top_k if "top_k" in on else 0,
+            top_p=self.top_p if "top_p" in on else 1.0,
+            min_p=self.min_p if "min_p" in on else 0.0,
+            repeat_penalty=self.repeat_penalty if "penalties" in on else 1.0,
+            presence_penalty=self.presence_penalty if "penalties" in on else 0.0,
+            frequency_penalty=self.frequency_penalty if "penalties" in on else 0.0,
+            typical_p=1.0, top_n_sigma=-1.0, xtc_probability=0.0, dry_multiplier=0.0)
 
     def validate(self) -> SamplerParams:
         """Raise ValueError naming the first out-of-range field; return self when valid."""
@@ -120,7 +183,36 @@ class SamplerParams:
             _check_int("seed", self.seed)
             if self.seed < 0:
                 raise ValueError(f"seed must be a non-negative integer or None, got {self.seed}")
+        self._validate_chain()
         return self
+
+    def _validate_chain(self) -> None:
+        if self.samplers is not None:
+            unknown = [s for s in self.samplers if s not in STEPS]
+            if unknown:
+                raise ValueError(f"unknown sampler {unknown[0]!r} (known: {', '.join(STEPS)})")
+        _check_real("typical_p", self.typical_p)
+        _check_real("top_n_sigma", self.top_n_sigma)
+        _check_real("xtc_probability", self.xtc_probability)
+        if not 0.0 <= self.xtc_probability <= 1.0:
+            raise ValueError(f"xtc_probability must be in [0, 1] (0 = off), "
+                             f"got {self.xtc_probability}")
+        _check_real("xtc_threshold", self.xtc_threshold)
+        if not 0.0 <= self.xtc_threshold <= 1.0:
+            raise ValueError(f"xtc_threshold must be in [0, 1] (> 0.5 = off), "
+                             f"got {self.xtc_threshold}")
+        _check_real("dry_multiplier", self.dry_multiplier)
+        _check_real("dry_base", self.dry_base)
+        _check_int("dry_allowed_length", self.dry_allowed_length)
+        if self.dry_allowed_length < 0:
+            raise ValueError(f"dry_allowed_length must be >= 0, got {self.dry_allowed_length}")
+        _check_int("dry_penalty_last_n", self.dry_penalty_last_n)
+        if self.dry_penalty_last_n < -1:
+            raise ValueError(f"dry_penalty_last_n must be >= -1 (0 = off, -1 = whole "
+                             f"history), got {self.dry_penalty_last_n}")
+        if not self.dry_sequence_breakers or not all(
+                isinstance(b, str) for b in self.dry_sequence_breakers):
+            raise ValueError("dry_sequence_breakers must be a non-empty list of strings")
 
 
 def _check_real(name: str, value: object) -> None:
@@ -143,23 +235,6 @@ def derive_seeds(seed: int | None) -> tuple[int, int]:
     children = np.random.SeedSequence(seed).spawn(2)
     target, draft = (int(child.generate_state(1, np.uint64)[0]) for child in children)
     return target, draft
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Stable softmax over the last axis, float64 out; -inf entries get probability 0.
-
-    The shift by the maximum is taken in float64, exp in float32 (each term within an
-    ulp of float32, ~6e-8 relative; the values are <= 0, so no overflow), the sum and
-    the division in float64. NumPy's float64 exp has no SIMD path on AVX2 CPUs, and this
-    runs once per sampled row over the whole vocabulary.
-    """
-    x = np.asarray(logits, dtype=np.float64)
-    with np.errstate(over="ignore"):  # below float32's range: -inf, probability 0
-        shifted = (x - np.max(x, axis=-1, keepdims=True)).astype(np.float32)  # <= 0
-    np.exp(shifted, out=shifted)
-    e = shifted.astype(np.float64)
-    e /= np.sum(e, axis=-1, keepdims=True)
-    return e
 
 
 @dataclass(frozen=True)
@@ -203,7 +278,7 @@ def post_sampling_logprob(sampler: Sampler, logits: np.ndarray, token: int, k: i
     sampler's own, and its `k` most probable tokens (never one of probability 0; ties by
     lower id). The sampler is left unchanged."""
     view = copy.copy(sampler)  # shares params and rng (not drawn from), its own history
-    view._history = deque((int(t) for t in history), maxlen=sampler._history.maxlen)
+    view._reset_history(history)
     ids, p = view._filtered(logits, mask)  # [m], [m]
     ids = np.arange(p.shape[0]) if ids is None else ids
     at = int(np.searchsorted(ids, token))  # ids ascend
@@ -280,9 +355,10 @@ class Sampler:
     """Sampling state for one request and one model role (target or draft).
 
     Owns the parameters, a PCG64 generator and the recent-token history used by
-    the repetition penalty.  ``history`` seeds that history (llama.cpp feeds the
+    the repetition penalty and DRY.  ``history`` seeds that history (llama.cpp feeds the
     prompt tokens to the penalty sampler too); ``seed`` overrides ``params.seed``
-    (pass the values from :func:`derive_seeds`).
+    (pass the values from :func:`derive_seeds`); ``vocab``: the model's vocabulary, which
+    a chain with ``infill`` or DRY needs (ValueError without it).
     """
 
     def __init__(
@@ -291,21 +367,43 @@ class Sampler:
         *,
         seed: int | None = None,
         history: Iterable[int] = (),
+        vocab: SamplerVocab | None = None,
     ) -> None:
         self.params = params.validate()
         rng_seed = params.seed if seed is None else seed
         self._rng = np.random.Generator(np.random.PCG64(rng_seed))
         # the key of the counter-based draws made for this sampler in a graph (graph_sampling)
+        # and of XTC's coins (sampler_chain)
         self.key = (int(rng_seed) if rng_seed is not None
                     else int(np.random.SeedSequence().generate_state(1, np.uint64)[0]))
-        maxlen = None if params.repeat_last_n < 0 else params.repeat_last_n
-        self._history: deque[int] = deque((int(t) for t in history), maxlen=maxlen)
+        self.vocab = vocab
+        # the chain's steps that do something at these settings, in order
+        self._steps = [(name, STEPS[name]) for name in params.chain
+                       if STEPS[name].active(params)]
+        for name, step in self._steps:
+            if step.needs_vocab and vocab is None:
+                raise ValueError(f"the {name} sampler needs the model's vocabulary")
+        # greedy: the argmax of what the steps before the temperature leave; steps that
+        # keep the most likely token and its logit cannot change it
+        cut = next((i for i, (name, _) in enumerate(self._steps) if name == "temperature"),
+                   len(self._steps))
+        self._greedy_steps = [(n, s) for n, s in self._steps[:cut + 1] if not s.keeps_max]
+        self._reset_history(history)
         # logit_bias as arrays: ids [b] ascending, what is added to their logits [b]
         self._bias_ids = np.array(sorted(params.logit_bias), dtype=np.int64)
         self._bias = np.array([params.logit_bias[int(t)] for t in self._bias_ids],
                               dtype=np.float64)
-        self._penalised = (params.repeat_penalty != 1.0 or params.presence_penalty != 0.0
-                           or params.frequency_penalty != 0.0)
+
+    def _reset_history(self, history: Iterable[int]) -> None:
+        """The recent tokens are `history` (oldest first), the tokens decided so far as
+        many (XTC's coin index)."""
+        p = self.params
+        tokens = [int(t) for t in history]
+        self._history: deque[int] = deque(tokens, maxlen=None if p.repeat_last_n < 0
+                                          else p.repeat_last_n)
+        self._dry_history: deque[int] = deque(
+            tokens, maxlen=None if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n)
+        self._index = len(tokens)
 
     @property
     def is_greedy(self) -> bool:
@@ -317,8 +415,10 @@ class Sampler:
         return list(self._history)
 
     def accept(self, token: int) -> None:
-        """Record an emitted token in the repetition-penalty history."""
+        """Record an emitted token in the penalties' and DRY's history."""
         self._history.append(int(token))
+        self._dry_history.append(int(token))
+        self._index += 1
 
     def uniform(self, position: int | None = None) -> float:
         """Draw one uniform in [0, 1) from this sampler's stream (`position`: the token's
@@ -346,72 +446,50 @@ class Sampler:
         ids, p = self._filtered(logits, mask)
         return (np.arange(p.shape[0]) if ids is None else ids), p
 
-    def penalised_logits(self, logits: np.ndarray) -> np.ndarray:
-        """float64 copy of ``logits`` [vocab] with the logit bias, then the penalties
-        applied (ids past the row's width, a draft's narrower one, are left out)."""
+    def biased_logits(self, logits: np.ndarray) -> np.ndarray:
+        """float64 copy of ``logits`` [vocab] with the logit bias added (ids past the
+        row's width, a draft's narrower one, are left out)."""
         x = np.array(logits, dtype=np.float64)  # [vocab]
         if x.ndim != 1:
             raise ValueError(f"expected one row of logits [vocab], got shape {x.shape}")
         if self._bias_ids.shape[0]:
             n = int(np.searchsorted(self._bias_ids, x.shape[0]))  # ids ascend
             x[self._bias_ids[:n]] += self._bias[:n]
-        if not self._penalised or not self._history:
-            return x
-        seen, counts = np.unique(np.fromiter(self._history, dtype=np.int64),
-                                 return_counts=True)  # [s], [s]
-        inside = (seen >= 0) & (seen < x.shape[0])
-        seen, counts = seen[inside], counts[inside]
-        p = self.params
-        vals = x[seen]
-        if p.repeat_penalty != 1.0:
-            vals = np.where(vals > 0.0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-        x[seen] = vals - (counts * p.frequency_penalty + p.presence_penalty)
         return x
+
+    def penalised_logits(self, logits: np.ndarray) -> np.ndarray:
+        """float64 copy of ``logits`` [vocab] with the logit bias, then the penalties
+        applied (whatever the chain's order)."""
+        c = Candidates(None, self.biased_logits(logits))
+        return STEPS["penalties"].apply(c, self._context()).logits
+
+    def _context(self) -> ChainContext:
+        return ChainContext(self.params, self.vocab, self._history, list(self._dry_history),
+                            self._index, self.key)
 
     def _filtered(
         self, logits: np.ndarray, mask: np.ndarray | None = None
     ) -> tuple[np.ndarray | None, np.ndarray]:
         """(surviving ids ascending [m] or None for all, their probabilities [m])."""
-        x = self.penalised_logits(logits)  # [vocab]
-        if mask is None:
-            return self._filter_values(x)
-        allowed = np.flatnonzero(_check_mask(mask, x.shape[0]))  # [a] ascending ids
-        if allowed.shape[0] == 0:
-            raise NoAllowedToken("the token mask allows no token")
-        if allowed.shape[0] == x.shape[0]:
-            return self._filter_values(x)
-        # the filters see only the allowed tokens; positions map back through `allowed`
-        pos, p = self._filter_values(x[allowed])  # x[allowed] is a fresh copy
-        return (allowed if pos is None else allowed[pos]), p
-
-    def _filter_values(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """The filter chain over x [m] (our own copy, modified): (positions or None, p)."""
-        if self.is_greedy:
-            best = int(np.argmax(x))
-            if x[best] == -np.inf:
-                raise NoAllowedToken("logit_bias leaves no token that may be drawn")
-            return np.array([best]), np.ones(1)
-        temperature = self.params.temperature
-        ids = _top_k_ids(x, self.params.top_k)  # [m] or None
-        vals = x if ids is None else x[ids]  # [m]
-        # the best logit becomes 0 before any division, so that a temperature however
-        # small cannot overflow every value to -inf (softmax is shift-invariant)
-        top = vals.max()
-        if top == -np.inf:
+        x = self.biased_logits(logits)  # [vocab]
+        if mask is None or np.all(_check_mask(mask, x.shape[0])):
+            c = Candidates(None, x)
+        else:
+            allowed = np.flatnonzero(mask)  # [a] ascending ids
+            if allowed.shape[0] == 0:
+                raise NoAllowedToken("the token mask allows no token")
+            # the steps see only the allowed tokens
+            c = Candidates(allowed, x[allowed])
+        if c.logits.max() == -np.inf:
             raise NoAllowedToken("logit_bias leaves no token that may be drawn")
-        vals -= top  # vals is our own copy (penalised_logits copies)
-        if not self.params.temperature_last:
-            with np.errstate(over="ignore"):  # -> -inf: probability 0, as it must be
-                vals /= temperature
-        for keep in (_top_p_keep, _min_p_keep):
-            kept = keep(vals, self.params)  # positions into vals, ascending, or None
-            if kept is not None:
-                ids = kept if ids is None else ids[kept]
-                vals = vals[kept]
-        if self.params.temperature_last:
-            with np.errstate(over="ignore"):
-                vals /= temperature
-        return ids, softmax(vals)
+        ctx = self._context()
+        for _, step in self._greedy_steps if self.is_greedy else self._steps:
+            c = step.apply(c, ctx)
+            if c.greedy:
+                return c.ids, np.ones(1)
+        if c.logits.shape[0] == 0 or c.logits.max() == -np.inf:
+            raise NoAllowedToken("the sampler chain leaves no token that may be drawn")
+        return c.ids, softmax(c.logits)
 
     # -- drawing --------------------------------------------------------------
 
@@ -460,68 +538,3 @@ def _densify(ids: np.ndarray | None, p: np.ndarray, vocab: int) -> np.ndarray:
     out = np.zeros(vocab, dtype=np.float64)  # [vocab]
     out[ids] = p
     return out
-
-
-# -- filters: each returns ascending positions to keep, or None for "all" -------
-
-
-def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray | None:
-    """Ids of the k largest entries of x [vocab], ties at the cut to the lowest ids."""
-    if k <= 0 or k >= x.shape[0]:
-        return None
-    return _top_ids(x, k, kth=_kth_largest(x, k))
-
-
-def _kth_largest(x: np.ndarray, k: int) -> float:
-    """The k-th largest value of x [n] (1 <= k < n) without partitioning all of x.
-
-    Split x into k blocks: the smallest block maximum is a lower bound for the k-th
-    largest value (the k maxima are k entries at or above it), so partitioning only
-    the entries at or above that bound gives the exact answer, usually from a few
-    hundred candidates instead of the whole vocabulary.
-    """
-    n = x.shape[0]
-    bound = x[: n - n % k].reshape(k, -1).max(axis=1).min()
-    cand = x[x >= bound]  # [c >= k]
-    return float(np.partition(cand, cand.shape[0] - k)[cand.shape[0] - k])
-
-
-def _top_ids(x: np.ndarray, k: int, kth: float) -> np.ndarray:
-    """Ascending ids of the k largest entries of x, given kth = the k-th largest value.
-
-    Everything above kth is kept; ties at kth are filled in from the lowest id.
-    """
-    above = np.flatnonzero(x > kth)
-    ties = np.flatnonzero(x == kth)[: k - above.shape[0]]
-    return np.sort(np.concatenate([above, ties]))
-
-
-def _top_p_keep(vals: np.ndarray, params: SamplerParams) -> np.ndarray | None:
-    """Positions of the minimal most-likely set whose probability mass reaches top_p.
-
-    Tokens are taken by descending probability (ties by lower position) and the one
-    that crosses top_p is kept, as llama.cpp does.  Only the largest values are
-    sorted: a window of 1024, then 8x larger, then everything, so a full sort of the
-    vocabulary happens only for flat distributions.
-    """
-    n = vals.shape[0]
-    if params.top_p >= 1.0 or n <= 1:
-        return None
-    p = softmax(vals)  # [m]
-    window = min(n, _TOP_P_FIRST_WINDOW)
-    while True:
-        top = p if window >= n else p[p >= _kth_largest(p, window)]  # [>= window]
-        desc = np.sort(top)[::-1][:window]  # [window] the largest values, descending
-        cut = int(np.searchsorted(np.cumsum(desc), params.top_p, side="left"))
-        if cut < window or window >= n:
-            n_keep = min(cut + 1, window)
-            return None if n_keep >= n else _top_ids(p, n_keep, kth=desc[n_keep - 1])
-        window = window * 8 if window * 8 <= n // 4 else n
-
-
-def _min_p_keep(vals: np.ndarray, params: SamplerParams) -> np.ndarray | None:
-    """Positions whose probability is at least min_p times the largest (max always kept)."""
-    if params.min_p <= 0.0 or vals.shape[0] <= 1:
-        return None
-    # in logit space: p_i >= min_p * p_max  <=>  v_i - v_max >= log(min_p)
-    return np.flatnonzero(vals - np.max(vals) >= math.log(params.min_p))

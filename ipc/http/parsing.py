@@ -14,6 +14,7 @@ from specd.daemon.serving.upstream import OutputFormat
 from specd.daemon.serving.upstream_facade import UpstreamFacade
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import GenerationParams, RequestError
+from specd.daemon.spec.sampler_chain import parse_samplers
 from specd.daemon.spec.sampling import SamplerParams
 from specd.daemon.text.grammar import Grammar, GrammarError
 from specd.daemon.text.infill import DEFAULT_CHUNK_FILE, ExtraChunk, has_fim, infill_tokens
@@ -62,7 +63,8 @@ def generation_params(svc: ServiceFacade, body: dict[str, Any], *, max_key: str
                 body["logit_bias"],
                 lambda text: svc.tokenizer.encode(text, add_bos=False, parse_special=False),
                 svc.tokenizer.vocab_size),
-            seed=None if seed is None or seed < 0 else seed).validate()
+            seed=None if seed is None or seed < 0 else seed,
+            **sampler_chain_settings(body, d.sampling)).validate()
         draft = DraftParams(
             n_max=get(spec, "n_max", int, get(body, "speculative.n_max", int, d.draft.n_max),
                       lo=0, hi=64),
@@ -80,6 +82,48 @@ def generation_params(svc: ServiceFacade, body: dict[str, Any], *, max_key: str
                             ignore_eos=get(body, "ignore_eos", bool, d.ignore_eos),
                             backend_sampling=get(body, "backend_sampling", bool,
                                                  d.backend_sampling))
+
+
+def sampler_chain_settings(body: dict[str, Any], d: SamplerParams) -> dict[str, Any]:
+    """llama-server's sampler chain fields over the daemon's defaults: `samplers` (names or
+    one letter each; an unknown one is a 400 naming it), typical, top-n-sigma, XTC and DRY
+    (a dry_base below 1 means the default, as llama-server reads it)."""
+    samplers = body.get("samplers")
+    if samplers is None:
+        chain = d.samplers
+    elif isinstance(samplers, str | list):
+        try:
+            chain = parse_samplers(samplers)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="samplers") from None
+    else:
+        raise BadRequest(f"'samplers' must be an array of names or a string of letters, "
+                         f"got {type(samplers).__name__}", param="samplers")
+    dynatemp = get(body, "dynatemp_range", float, 0.0)
+    if dynatemp != 0.0:
+        raise BadRequest("'dynatemp_range' (dynamic temperature) is not supported by specd",
+                         param="dynatemp_range")
+    dry_base = get(body, "dry_base", float, d.dry_base)
+    breakers = body.get("dry_sequence_breakers")
+    if breakers is not None and (not isinstance(breakers, list) or not breakers
+                                 or not all(isinstance(b, str) for b in breakers)):
+        raise BadRequest("'dry_sequence_breakers' must be a non-empty array of strings",
+                         param="dry_sequence_breakers")
+    return {
+        "samplers": chain,
+        "typical_p": get(body, "typical_p", float, d.typical_p),
+        "top_n_sigma": get(body, "top_n_sigma", float, d.top_n_sigma),
+        "xtc_probability": get(body, "xtc_probability", float, d.xtc_probability, lo=0, hi=1),
+        "xtc_threshold": get(body, "xtc_threshold", float, d.xtc_threshold, lo=0, hi=1),
+        "dry_multiplier": get(body, "dry_multiplier", float, d.dry_multiplier),
+        "dry_base": d.dry_base if dry_base < 1.0 else dry_base,
+        "dry_allowed_length": get(body, "dry_allowed_length", int, d.dry_allowed_length,
+                                  lo=0, hi=1 << 31),
+        "dry_penalty_last_n": get(body, "dry_penalty_last_n", int, d.dry_penalty_last_n,
+                                  lo=-1, hi=1 << 31),
+        "dry_sequence_breakers": (d.dry_sequence_breakers if breakers is None
+                                  else tuple(breakers)),
+    }
 
 
 def unsupported(body: dict[str, Any], fields: tuple[str, ...]) -> None:
