@@ -383,11 +383,14 @@ class Sampler:
         for name, step in self._steps:
             if step.needs_vocab and vocab is None:
                 raise ValueError(f"the {name} sampler needs the model's vocabulary")
-        # greedy: the argmax of what the steps before the temperature leave; steps that
-        # keep the most likely token and its logit cannot change it
+        # greedy: the argmax of what the steps before the temperature leave; the filters
+        # right before it that keep the most likely token cannot change that argmax
         cut = next((i for i, (name, _) in enumerate(self._steps) if name == "temperature"),
                    len(self._steps))
-        self._greedy_steps = [(n, s) for n, s in self._steps[:cut + 1] if not s.keeps_max]
+        first = cut
+        while first > 0 and self._steps[first - 1][1].keeps_max:
+            first -= 1
+        self._greedy_steps = self._steps[:first] + self._steps[cut:cut + 1]
         self._reset_history(history)
         # logit_bias as arrays: ids [b] ascending, what is added to their logits [b]
         self._bias_ids = np.array(sorted(params.logit_bias), dtype=np.int64)

@@ -9,7 +9,7 @@ import numpy as np
 
 from specd.daemon.spec.drafter import Drafter, DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
-from specd.daemon.spec.sampling import Sampler, SamplerParams
+from specd.daemon.spec.sampling import Sampler, SamplerParams, SamplerVocab
 from specd.daemon.spec.stats import SpecStats
 from specd.ort_models.runner import ModelRunner
 
@@ -18,12 +18,14 @@ from chi_square import chi2_pvalue
 
 def second_token_check(runner: ModelRunner, drafter: Drafter, prompt: Sequence[int],
                        n_runs: int = 3000, temperature: float = 1.5,
-                       **sampling: Any) -> tuple[float, int]:
+                       vocab: SamplerVocab | None = None, **sampling: Any
+                       ) -> tuple[float, int]:
     """Sampled proposals of one token verified by rejection sampling, over seeds 0..n_runs-1:
     the chi-square p-value of the second generated token (the round's: an accepted draft
     or the residual's draw) against the target's own distribution of it, marginal over the
     first (categories expected fewer than 5 times pooled), and how many drafts were
-    accepted. `sampling`: more SamplerParams fields (logit_bias, penalties, ...)."""
+    accepted. `sampling`: more SamplerParams fields (logit_bias, penalties, samplers...);
+    `vocab`: the model's, for a chain with infill or DRY."""
     sp = SamplerParams(temperature=temperature, seed=0, **sampling)
     seconds: list[int] = []
     accepted = 0
@@ -32,17 +34,17 @@ def second_token_check(runner: ModelRunner, drafter: Drafter, prompt: Sequence[i
             max_tokens=3, ignore_eos=True,
             sampling=SamplerParams(temperature=temperature, seed=seed, **sampling),
             draft=DraftParams(n_max=1), draft_top_k=0, coupled=False), eog=set(),
-            drafter=drafter)
+            drafter=drafter, vocab=vocab)
         out = gen.prefill()
         out += gen.step()
         gen.close()
         accepted += gen.stats.accepted
         seconds.append(out[1])
-    first = Sampler(sp).probs(runner.prefill(0, list(prompt)))  # [vocab]
+    first = Sampler(sp, vocab=vocab).probs(runner.prefill(0, list(prompt)))  # [vocab]
     want = np.zeros_like(first)
     for t1 in np.flatnonzero(first):
         # the sampler's penalties see the first token
-        want += first[t1] * Sampler(sp, history=[int(t1)]).probs(
+        want += first[t1] * Sampler(sp, history=[int(t1)], vocab=vocab).probs(
             runner.prefill(0, [*prompt, int(t1)]))
     counts = np.bincount(seconds, minlength=want.shape[0])
     rare = want * n_runs < 5

@@ -68,6 +68,8 @@ CHAINS = [
     pytest.param(("top_k", "top_p", "infill"), dict(top_k=40, top_p=0.9), id="llama.vim"),
     pytest.param(("top_k", "top_p", "infill"), dict(top_k=40, top_p=0.99), id="llama.vscode"),
     pytest.param(("infill",), {}, id="infill"),
+    pytest.param(("top_k", "top_p", "infill", "temperature"),
+                 dict(top_k=40, top_p=0.9, temperature=0.0), id="greedy-infill"),
     pytest.param(("top_k", "infill", "temperature"), dict(top_k=8, temperature=0.7),
                  id="infill-then-temperature"),
     pytest.param(("penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"),
