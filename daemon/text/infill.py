@@ -8,12 +8,14 @@ With a vocabulary that has the repo-level tokens (Qwen2.5-Coder's `<|repo_name|>
     <SEP>{filename 0}\\n{text 0}
     <SEP>{filename 1}\\n{text 1}
     <SEP>filename\\n
-    <PRE>{prefix}<SUF>{suffix}<MID>{prompt}
+    <PRE>{prefix}{prompt}<SUF>{suffix}<MID>
 
 Without a file separator each extra text follows a plain "--- snippet ---" line; without
 a repo token the first line is left out. "myproject" and "filename" are llama.cpp's
 placeholders (its /infill takes neither a project nor the current file's name), kept so
-that editor plugins written against llama.cpp get the prompts they were tuned with.
+that editor plugins written against llama.cpp get the prompts they were tuned with. The
+request's `prompt` (llama.vim: the cursor line's text before the cursor) continues the
+prefix, and the model writes after <MID>, as llama.cpp's format_prompt_infill lays it out.
 
 When the whole does not fit the context less the completion's room, the FIM part keeps
 the end of the prefix and the start of the suffix, and the extra context its newest
@@ -79,6 +81,6 @@ def infill_tokens(tok: Tokenizer, prefix: str, suffix: str, prompt: str,
         pre, over = pre[cut:], over - cut
     if over > 0:
         suf = suf[: max(len(suf) - over, 0)]
-    core = [fim_pre, *pre, fim_suf, *suf, fim_mid, *mid]
+    core = [fim_pre, *pre, *mid, fim_suf, *suf, fim_mid]
     keep = max(room - len(core), 0)
     return (extra[max(len(extra) - keep, 0):] if keep else []) + core

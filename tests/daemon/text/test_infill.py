@@ -20,11 +20,11 @@ CHUNKS = [ExtraChunk("util.py", "x = 1\n"), ExtraChunk("b.py", "y = 2\n")]
 
 def test_repo_level_pattern(tok: Tokenizer) -> None:
     """Qwen2.5-Coder's pattern, as llama.cpp writes it: repo line, one separator line per
-    file, the current file's line, then prefix, suffix, middle and the prompt."""
+    file, the current file's line, then prefix and the prompt, suffix, middle."""
     ids = infill_tokens(tok, "def f():\n    ", "\n", "ret", CHUNKS, n_ctx=512, max_tokens=16)
     assert tok.decode(ids) == (
         "<|repo_name|>myproject\n<|file_sep|>util.py\nx = 1\n<|file_sep|>b.py\ny = 2\n"
-        "<|file_sep|>filename\n<|fim_prefix|>def f():\n    <|fim_suffix|>\n<|fim_middle|>ret")
+        "<|file_sep|>filename\n<|fim_prefix|>def f():\n    ret<|fim_suffix|>\n<|fim_middle|>")
     # no extra files: still the repo and current-file lines
     assert tok.decode(infill_tokens(tok, "a", "b", "", [], n_ctx=512, max_tokens=16)) == (
         "<|repo_name|>myproject\n<|file_sep|>filename\n"
