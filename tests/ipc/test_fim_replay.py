@@ -16,17 +16,23 @@ What is compared, and why it is exact:
   and the two servers' random streams differ. Where every token llama-server emitted was
   the only one the chain left (its post-sampling probability 1, from `n_probs` with
   `post_sampling_probs`), the draw decided nothing and specd must write the same text:
-  those prompts are compared whole. Every prompt must stop before n_predict.
+  those prompts are compared whole.
 - The same chain with `temperature` 0 appended: both take the argmax of what top-k,
-  top-p and the infill sampler leave, with no draw: the text and the stop type must be
-  equal on every prompt (up to a near tie of the two implementations' logits, which
-  these prompts do not have).
+  top-p and the infill sampler leave, with no draw: the tokens must be equal up to
+  llama-server's first near tie, a step whose choice changes when its top-40 logits move
+  by up to 0.05 (llama_sampler_reference.greedy_near_tie: the infill sampler's
+  thresholds make ties of more than the top two), where the two implementations' logits,
+  which differ by rounding, may fall either side; the whole text and the stop type where
+  there is none (the test asserts most prompts have none). The issue's request (no
+  n_indent, empty suffix) meets one: " This" at 0.195 on specd's logits against infill's
+  0.2 threshold, after "main()\n```\n\n".
 - Under prompt lookup (specd's ngram drafter), that greedy text is byte-identical to
   target-only's, and lookup drafts were accepted.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,11 +41,13 @@ import pytest
 from specd.daemon.serving.engine import EngineConfig
 
 import llama_cpp_oracle
+import llama_sampler_reference as ref
 from live_server import live_server_in
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
 N_PREDICT = 128
 N_CTX = 4096
+NEAR = 0.05  # logits this far apart may fall either way in two implementations
 # (prefix, suffix, the cursor line before the cursor, an extra file)
 PROMPTS = [
     ("import sys\n\n\ndef main():\n    print('hello')\n\n\nif __name__ == '__main__':\n",
@@ -53,6 +61,9 @@ PROMPTS = [
      "        ", None),
     ("fn main() {\n    let v = vec![1, 2, 3];\n    for x in &v {\n", "\n    }\n}\n",
      "        ", None),
+    # the issue's: the cursor at the end of an indented line, nothing after it
+    ("import sys\n\n\ndef main():\n    print('hello')\n\n\nif __name__ == '__main__':\n    ",
+     "", "", None),
     ("from util import clamp\n\n\ndef add(a, b):\n    return clamp(a + b)\n\n\n"
      "def mul(a, b):\n    return clamp(a * b)\n\n\ndef sub(a, b):\n",
      "\n\n\ndef div(a, b):\n    return clamp(a / b)\n", "    ",
@@ -99,7 +110,9 @@ def model_path() -> Any:
 
 @pytest.fixture(scope="module")
 def theirs(model_path: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """llama-server's answers to requests (one server for the module)."""
+    """llama-server's answers to requests (one server for the module): the chain as sent
+    with its post-sampling probabilities, the greedy chain with the 40 most likely
+    tokens' (before sampling) at each step."""
     from specd.daemon.benchmark.llama_server import LlamaServer
 
     answers: dict[str, dict[str, Any]] = {}
@@ -107,10 +120,23 @@ def theirs(model_path: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
                      args=["-np", "1", "--no-warmup", "-b", "1024", "-ub", "512"]) as server:
         for shape in (llama_vim, llama_vscode):
             for p in PROMPTS:
-                for body in (shape(*p), _greedy(shape(*p))):
-                    answers[_key(body)] = server.post("/infill", {
-                        **body, "n_probs": 1, "post_sampling_probs": True})
+                body = shape(*p)
+                answers[_key(body)] = server.post("/infill", {
+                    **body, "n_probs": 1, "post_sampling_probs": True})
+                answers[_key(_greedy(body))] = server.post("/infill", {
+                    **_greedy(body), "n_probs": 40, "return_tokens": True})
     return lambda body: answers[_key(body)]
+
+
+@pytest.fixture(scope="module")
+def vocab(model_path: Any) -> ref.Vocab:
+    from specd.daemon.spec.sampling import SamplerVocab
+    from specd.daemon.text.tokenizer import Tokenizer
+    from specd.ort_models.gguf_file import GGUFFile
+
+    tok = Tokenizer.from_metadata(GGUFFile(model_path).metadata)
+    v = SamplerVocab.from_tokenizer(tok)
+    return ref.Vocab(set(v.eog), v.eot, [v.piece(i) for i in range(v.size)])
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +156,21 @@ def _key(body: dict[str, Any]) -> str:
     return json.dumps(body, sort_keys=True)
 
 
+def _until_near_tie(answer: dict[str, Any], body: dict[str, Any], vocab: ref.Vocab) -> int:
+    """How many of llama-server's greedy tokens precede its first near tie (all of them
+    where there is none)."""
+    chain = [*body["samplers"], "temperature"]
+    settings = ref.Settings(temperature=0.0, top_k=body["top_k"], top_p=body["top_p"])
+    probs = list(answer["completion_probabilities"])
+    for i, token in enumerate(answer["tokens"]):
+        # llama-server leaves out the probabilities of a token ending inside a character
+        if probs and probs[0]["id"] == token:
+            top = {c["id"]: math.exp(c["logprob"]) for c in probs.pop(0)["top_logprobs"]}
+            if ref.greedy_near_tie(top, chain, settings, vocab, eps=NEAR):
+                return i
+    return len(answer["tokens"])
+
+
 def _forced(answer: dict[str, Any]) -> bool:
     """Every emitted token was the only one llama-server's chain left."""
     return all(abs(c["top_probs"][0]["prob"] - 1.0) < 1e-6
@@ -139,8 +180,9 @@ def _forced(answer: dict[str, Any]) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fim_completions_stop_where_llama_servers_stop(shape: Callable[..., dict[str, Any]],
-                                                       theirs: Any, ours: Any) -> None:
-    forced = 0
+                                                       theirs: Any, ours: Any,
+                                                       vocab: ref.Vocab) -> None:
+    forced = ties = 0
     differ = []
     for p in PROMPTS:
         # the chain as sent: compared where llama-server's draws had no choice
@@ -149,20 +191,24 @@ def test_fim_completions_stop_where_llama_servers_stop(shape: Callable[..., dict
         status, got = ours.request("POST", "/infill", {**body, "speculative.n_max": 0})
         assert status == 200, got
         assert got["tokens_evaluated"] == want["tokens_evaluated"], p  # the same prompt
-        assert got["tokens_predicted"] < N_PREDICT, (p, got["content"])
         if _forced(want):
             forced += 1
             if (got["content"], got["stop_type"]) != (want["content"], want["stop_type"]):
                 differ.append(("as sent", p[0], got["content"], want["content"]))
-        # greedy over what the chain leaves: equal on every prompt
+        # greedy over what the chain leaves: equal up to a near tie, whole where none
         want = theirs(_greedy(body))
-        status, got = ours.request("POST", "/infill", {**_greedy(body),
+        status, got = ours.request("POST", "/infill", {**_greedy(body), "return_tokens": True,
                                                        "speculative.n_max": 0})
         assert status == 200, got
-        if (got["content"], got["stop_type"]) != (want["content"], want["stop_type"]):
-            differ.append(("greedy", p[0], got["content"], want["content"]))
+        n = _until_near_tie(want, body, vocab)
+        whole = n == len(want["tokens"])
+        ties += not whole
+        if got["tokens"][:n] != want["tokens"][:n] or whole and (
+                got["content"], got["stop_type"]) != (want["content"], want["stop_type"]):
+            differ.append(("greedy", p[0], n, got["content"], want["content"]))
     assert not differ, differ
     assert forced >= 1  # the as-sent comparison compared something
+    assert ties <= 2, ties  # most prompts are compared whole
 
 
 @pytest.mark.slow
@@ -174,6 +220,6 @@ def test_fim_under_prompt_lookup_is_byte_identical(theirs: Any, ours: Any) -> No
         assert status == 200 and alone["speculative"]["drafted"] == 0, alone
         status, got = ours.request("POST", "/infill", body)
         assert status == 200, got
-        assert got["content"] == alone["content"] == theirs(body)["content"], p
+        assert got["content"] == alone["content"], p
         accepted += got["speculative"]["accepted"]
     assert accepted > 0

@@ -206,17 +206,7 @@ def infill(cur: Cur, vocab: Vocab) -> None:
     if 3 * p_eog * len(cur.data) > p_txt:
         cur.data = [t for t in cur.data if t.id in vocab.eog]
         return
-    for a in cur.data:
-        for b in cur.data:
-            if a.logit == -math.inf:
-                break
-            if a is b or b.logit == -math.inf:
-                continue
-            pa, pb = vocab.pieces[a.id], vocab.pieces[b.id]
-            if 0 < len(pa) <= len(pb) and pb[:len(pa)] == pa:
-                dst, src = (b, a) if b.p > a.p else (a, b)
-                dst.p += src.p
-                src.logit, src.p = -math.inf, 0.0
+    _merge_only(cur, vocab)
     kept = [t for t in cur.data if t.p >= 0.2 or t.id in vocab.eog]
     n_text = sum(t.id not in vocab.eog for t in kept)
     if n_text == 0:
@@ -247,3 +237,39 @@ def chain_probs(logits: np.ndarray, chain: Sequence[str], s: Settings,
         if t.logit != -math.inf:
             out[t.id] += math.exp(t.logit - top)
     return out / out.sum()
+
+
+def greedy_near_tie(probs: dict[int, float], chain: Sequence[str], s: Settings,
+                    vocab: Vocab, eps: float = 0.05, trials: int = 24) -> bool:
+    """Whether llama.cpp's greedy choice after `chain` (top-k, top-p, infill...; `s` its
+    settings, with temperature 0) could change if each logit moved by up to `eps`, as two
+    implementations' logits differ by rounding: given the probabilities of the most likely
+    tokens (at least top_k of them), the choice is recomputed under `trials` random moves
+    of that size, over those tokens (the rest are beyond top-k)."""
+    ids = sorted(probs, key=lambda t: (-probs[t], t))[:s.top_k]
+    local = Vocab({i for i, t in enumerate(ids) if t in vocab.eog}, len(ids),
+                  [vocab.pieces[t] for t in ids] + [b""])
+    logits = np.array([math.log(probs[t]) for t in ids] + [-math.inf])  # [k + 1]
+    rng = np.random.default_rng(0)
+    choices = set()
+    for trial in range(trials + 1):
+        moved = logits + (0.0 if trial == 0 else rng.uniform(-eps, eps, logits.shape[0]))
+        choices.add(int(np.argmax(chain_probs(moved, chain, s, local))))
+        if len(choices) > 1:
+            return True
+    return False
+
+
+def _merge_only(cur: Cur, vocab: Vocab) -> None:
+    """infill's pooling of tokens whose text is a prefix of another's, alone."""
+    for a in cur.data:
+        for b in cur.data:
+            if a.logit == -math.inf:
+                break
+            if a is b or b.logit == -math.inf:
+                continue
+            pa, pb = vocab.pieces[a.id], vocab.pieces[b.id]
+            if 0 < len(pa) <= len(pb) and pb[:len(pa)] == pa:
+                dst, src = (b, a) if b.p > a.p else (a, b)
+                dst.p += src.p
+                src.logit, src.p = -math.inf, 0.0
