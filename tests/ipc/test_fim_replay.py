@@ -177,6 +177,7 @@ def _forced(answer: dict[str, Any]) -> bool:
                for c in answer["completion_probabilities"])
 
 
+@pytest.mark.llama_cpp_oracle
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fim_completions_stop_where_llama_servers_stop(shape: Callable[..., dict[str, Any]],
@@ -211,6 +212,7 @@ def test_fim_completions_stop_where_llama_servers_stop(shape: Callable[..., dict
     assert ties <= 2, ties  # most prompts are compared whole
 
 
+@pytest.mark.llama_cpp_oracle
 @pytest.mark.slow
 def test_fim_under_prompt_lookup_is_byte_identical(theirs: Any, ours: Any) -> None:
     accepted = 0
