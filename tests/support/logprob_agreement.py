@@ -45,3 +45,15 @@ def assert_agrees(path: Path, prompt: list[int], theirs: list[tuple[int, dict[in
             assert int(np.argmax(picks[i])) == token, i
             clear += 1
     assert clear >= 2
+
+
+def assert_continuation_agrees(path: Path, prompt: list[int], n: int, *, near: float,
+                               at_least: int = 8) -> None:
+    """specd's serving graph's greedy continuation of `prompt` equals llama-server's for at
+    least `at_least` of `n` tokens, up to specd's first near tie (top two within `near`)."""
+    import llama_cpp_oracle
+
+    ours, margins = llama_cpp_oracle.greedy_with_margins(
+        ModelRunner(load_or_build(path, build_options("target")), n_ctx=256), prompt, n)
+    greedy = llama_cpp_oracle.greedy_completion(path, prompt, n)
+    assert llama_cpp_oracle.agreed_until_near_tie(ours, margins, greedy, near=near) >= at_least
