@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specd.daemon.benchmark.llama_cpp import root as llama_cpp_root
+from specd.daemon.models.store import ModelStoreError, resolve_model
 
-MODELS = Path.home() / ".local" / "share" / "specd" / "models"
-TOKENIZER_GGUF = {"gemma3": "gemma-3-270m.gguf", "qwen25vl": "qwen2.5-coder-0.5b-instruct.gguf"}
+# the catalog models whose tokenizers the tiny checkpoints take (same ids, real vocabularies)
+TOKENIZER_MODEL = {"gemma3": "gemma-3-270m", "qwen25vl": "qwen2.5-coder-0.5b-instruct"}
 SEED = 53
 
 
@@ -54,10 +55,17 @@ def missing() -> str | None:
             return f"{module} is not installed (needed to make tiny VLM checkpoints)"
     if not converter().is_file():
         return f"llama.cpp's converter is not at {converter()}"
-    for name in TOKENIZER_GGUF.values():
-        if not (MODELS / name).is_file():
-            return f"the tokenizer source {MODELS / name} is not there"
+    for name in TOKENIZER_MODEL.values():
+        try:
+            tokenizer_source(name)
+        except ModelStoreError as exc:
+            return f"the tokenizer source {name} could not be had: {exc}"
     return None
+
+
+def tokenizer_source(name: str) -> Path:
+    """Catalog model `name` from the store, downloaded first where it is not there."""
+    return resolve_model(name)
 
 
 def _randomize(model: object, seed: int) -> None:
@@ -139,7 +147,8 @@ def write_checkpoint(family: str, folder: Path) -> None:
     from transformers import AutoTokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
-    AutoTokenizer.from_pretrained(str(MODELS), gguf_file=TOKENIZER_GGUF[family]
+    source = tokenizer_source(TOKENIZER_MODEL[family])
+    AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name
                                   ).save_pretrained(folder)
     BUILDERS[family](folder)
 
@@ -188,7 +197,7 @@ def convert_tiny_vlm(family: str, root: Path, *, text: bool = True) -> TinyVlm:
     if text:
         convert(checkpoint, vlm.text, mmproj=False, outtype="f16")
         if family == "gemma3":
-            take_tokenizer(vlm.text, MODELS / TOKENIZER_GGUF[family])
+            take_tokenizer(vlm.text, tokenizer_source(TOKENIZER_MODEL[family]))
     return vlm
 
 
