@@ -16,7 +16,9 @@ by their sum, sum over the chosen experts of weight * down(silu(gate(h)) * up(h)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
@@ -355,3 +357,17 @@ class ReferenceGptOssModel(ReferenceMoeModel):
         up = w[p + "ffn_up_exps.weight"][e] @ h + w[p + "ffn_up_exps.bias"][e]
         return (w[p + "ffn_down_exps.weight"][e] @ swiglu_oai(gate, up)
                 + w[p + "ffn_down_exps.bias"][e])
+
+
+def file_factory(write: Callable[..., Path], root: Path) -> Callable[..., Path]:
+    """`make(**kw)`: `write(root / "mN.gguf", **kw)`, once per distinct kw (the files are
+    shared by a module's tests: open them read-only)."""
+    made: dict[str, Path] = {}
+
+    def make(**kw: Any) -> Path:
+        key = repr(sorted(kw.items()))
+        if key not in made:
+            made[key] = write(root / f"m{len(made)}.gguf", **kw)
+        return made[key]
+
+    return make

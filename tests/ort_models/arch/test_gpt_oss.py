@@ -28,30 +28,20 @@ from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
 import tiny_hf_moe
-from logprob_agreement import assert_agrees, assert_continuation_agrees
-from tiny_moe import ReferenceGptOssModel, write_tiny_gpt_oss, yarn_cos_sin
+from logprob_agreement import NATIVE_F32, assert_agrees, assert_continuation_agrees
+from tiny_moe import ReferenceGptOssModel, file_factory, write_tiny_gpt_oss, yarn_cos_sin
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None,
                                 reason=f"no specd kernels: {native_ops.unavailable_reason()}")
 
 PROMPT = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]  # longer than the window (8)
-NATIVE_F32 = BuildOptions(kernels="gguf", attention="native")
 EXACT = BuildOptions(kernels="gguf", attention="exact")
 FUSED = BuildOptions(kernels="gguf", attention="fused")
 
 
 @pytest.fixture(scope="module")
 def oss_file(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("gpt_oss")
-    made: dict[str, Path] = {}
-
-    def make(**kw: Any) -> Path:
-        key = repr(sorted(kw.items()))
-        if key not in made:
-            made[key] = write_tiny_gpt_oss(root / f"m{len(made)}.gguf", **kw)
-        return made[key]
-
-    return make
+    return file_factory(write_tiny_gpt_oss, tmp_path_factory.mktemp("gpt_oss"))
 
 
 def test_the_hyper_parameters_are_read(oss_file) -> None:

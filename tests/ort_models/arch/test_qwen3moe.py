@@ -25,8 +25,8 @@ from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
 import tiny_hf_moe
-from logprob_agreement import assert_agrees, assert_continuation_agrees
-from tiny_moe import ReferenceMoeModel, write_dense_twin, write_tiny_qwen3moe
+from logprob_agreement import NATIVE_F32, assert_agrees, assert_continuation_agrees
+from tiny_moe import ReferenceMoeModel, file_factory, write_dense_twin, write_tiny_qwen3moe
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None,
                                 reason=f"no specd kernels: {native_ops.unavailable_reason()}")
@@ -34,21 +34,11 @@ pytestmark = pytest.mark.skipif(native_ops.library() is None,
 PROMPT = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128]
 K_DIMS = {"n_embd": 256, "n_ff_exp": 256}
 # float32 KV cache: the reference comparisons see only the products' rounding
-NATIVE_F32 = BuildOptions(kernels="gguf", attention="native")
 
 
 @pytest.fixture(scope="module")
 def moe_file(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("qwen3moe")
-    made: dict[str, Path] = {}
-
-    def make(**kw: Any) -> Path:
-        key = repr(sorted(kw.items()))
-        if key not in made:
-            made[key] = write_tiny_qwen3moe(root / f"m{len(made)}.gguf", **kw)
-        return made[key]
-
-    return make
+    return file_factory(write_tiny_qwen3moe, tmp_path_factory.mktemp("qwen3moe"))
 
 
 def test_the_experts_hyper_parameters_are_read(moe_file) -> None:
