@@ -4,8 +4,11 @@ otherwise)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,24 +83,52 @@ def speculative_run(target: Path, draft: Path, prompt: str, *, spec_type: str,
            "--spec-draft-p-min", "0", "-p", prompt, "-n", str(n_predict), "--temp", "0",
            "-lv", "5", "-t", str(threads), "-c", "256",
            "-ctk", "f32", "-ctv", "f32", "-ctkd", "f32", "-ctvd", "f32", "-fa", "off"]
-    # its logger sometimes loses the last lines of both streams at exit: run it again
-    # where the closing counts are missing or disagree with the rounds
-    for _ in range(_ATTEMPTS):
-        r = subprocess.run(cmd, capture_output=True, timeout=300)
-        log = (r.stdout + r.stderr).decode("utf-8", errors="replace")
-        if r.returncode != 0:
-            raise RuntimeError(f"llama-speculative-simple exited {r.returncode}: "
-                               f"{log[-2000:]}")
-        run = _parse_run(r.stdout, r.stderr)
-        if (m := _TOTALS.search(log)) and (int(m.group(1)), int(m.group(2))) == (
-                sum(x.accepted + 1 for x in run.rounds), sum(x.n_drafted for x in run.rounds)):
-            return run
-    raise RuntimeError(f"llama-speculative-simple's log ended early {_ATTEMPTS} times: "
-                       f"{log[-2000:]}")
+    env = {**os.environ, "LD_PRELOAD": str(_log_drain())}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        r = subprocess.run(cmd, stdout=out, stderr=err, env=env, timeout=300)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    log = (stdout + stderr).decode("utf-8", errors="replace")
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-speculative-simple exited {r.returncode}: {log[-2000:]}")
+    run = _parse_run(stdout, stderr)
+    m = _TOTALS.search(log)
+    if not m or (int(m.group(1)), int(m.group(2))) != (
+            sum(x.accepted + 1 for x in run.rounds), sum(x.n_drafted for x in run.rounds)):
+        raise RuntimeError("llama-speculative-simple's closing counts are missing or "
+                           f"disagree with its rounds: {log[-2000:]}")
+    return run
 
 
-_ATTEMPTS = 8
 _TOTALS = re.compile(r"n_predict = (\d+)\n.*n_drafted = (\d+)", re.DOTALL)
+
+# llama.cpp's logger writes from a thread that the process leaks at exit, so the lines
+# still queued then are lost; preloaded, this library's destructor drains the queue
+_LOG_DRAIN = b"""
+struct common_log;
+common_log * common_log_main();
+void common_log_pause(common_log * log);
+__attribute__((destructor)) static void drain_log() { common_log_pause(common_log_main()); }
+"""
+
+
+def _log_drain() -> Path:
+    """The log-draining library, built once per llama.cpp build with its C++ compiler."""
+    lib_dir = bin_dir()
+    key = hashlib.sha256(_LOG_DRAIN + str(lib_dir).encode()).hexdigest()[:16]
+    lib = Path(tempfile.gettempdir()) / f"specd-log-drain-{key}.so"
+    if not lib.exists():
+        src = lib.with_suffix(".cpp")
+        src.write_bytes(_LOG_DRAIN)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        r = subprocess.run(["c++", "-shared", "-fPIC", "-o", str(tmp), str(src),
+                            f"-L{lib_dir}", "-lllama-common", f"-Wl,-rpath,{lib_dir}"],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"building the log-draining library failed: {r.stderr[-2000:]}")
+        tmp.replace(lib)
+    return lib
 
 
 def _parse_run(stdout: bytes, stderr: bytes) -> SpeculativeRun:
