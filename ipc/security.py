@@ -9,7 +9,6 @@ import logging
 import os
 import secrets
 import socket
-import stat
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+
+from specd.ort_models.paths import privacy_problem
 
 from .jsonout import json_response
 from .peer import tcp_peer_uid, unix_peer_uid
@@ -115,15 +116,11 @@ def load_or_create_token(path: Path) -> str:
 
 
 def _read_private_token(path: Path) -> str:
-    st = path.stat()
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise TokenFileError(f"the token file {path} belongs to uid {st.st_uid}, not to "
-                             "this user: delete it (a new token is then generated)")
-    mode = stat.S_IMODE(st.st_mode)
-    if os.name == "posix" and mode & 0o077:
-        raise TokenFileError(f"the token file {path} may be read by other users (mode "
-                             f"{mode:04o}): `chmod 600 {path}` if nobody else has read it, "
-                             "else delete it (a new token is then generated)")
+    if problem := privacy_problem(path.stat()):
+        fix = f"`chmod 600 {path}` if nobody else has read it, else " if (
+            problem.chmod_fixes) else ""
+        raise TokenFileError(f"the token file {path} {problem.text}: {fix}delete it (a new "
+                             "token is then generated)")
     token = path.read_text().strip()
     if not token:
         raise TokenFileError(f"the token file {path} is empty: write a token in it or "
@@ -137,13 +134,9 @@ def read_secret_file(path: Path, what: str) -> str:
     message."""
     if not path.is_file():
         raise TokenFileError(f"{what}: no file {path}")
-    st = path.stat()
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise TokenFileError(f"{what}: {path} belongs to uid {st.st_uid}, not to this user")
-    mode = stat.S_IMODE(st.st_mode)
-    if os.name == "posix" and mode & 0o077:
-        raise TokenFileError(f"{what}: {path} may be read by other users (mode "
-                             f"{mode:04o}): `chmod 600 {path}`")
+    if problem := privacy_problem(path.stat()):
+        fix = f": `chmod 600 {path}`" if problem.chmod_fixes else ""
+        raise TokenFileError(f"{what}: {path} {problem.text}{fix}")
     secret = path.read_text().strip()
     if not secret:
         raise TokenFileError(f"{what}: {path} is empty")

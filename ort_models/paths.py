@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
@@ -63,3 +65,24 @@ def exclusive_lock(lock_path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+
+@dataclass(frozen=True)
+class PrivacyProblem:
+    """Why a file is not private to this user, for a message naming the file."""
+
+    text: str  # "belongs to uid N, not to this user" / "may be read or written by ..."
+    chmod_fixes: bool  # the file is this user's: `chmod 600` makes it private
+
+
+def privacy_problem(st: os.stat_result) -> PrivacyProblem | None:
+    """Why a file with status `st` is not private to this user; None where it is. Files
+    holding secrets or prompts are refused on either, never fixed silently."""
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return PrivacyProblem(f"belongs to uid {st.st_uid}, not to this user", False)
+    mode = stat.S_IMODE(st.st_mode)
+    if os.name == "posix" and mode & 0o077:
+        return PrivacyProblem(f"may be read or written by other users (mode {mode:04o})",
+                              True)
+    return None

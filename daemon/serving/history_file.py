@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from specd.daemon.drafters.history import HistoryStore
-from specd.ort_models.paths import state_dir
+from specd.ort_models.paths import privacy_problem, state_dir
 
 SAVE_EVERY_S = 60.0  # a periodic save, at most this often (and one at shutdown)
 _FORMAT = 1
@@ -44,14 +44,10 @@ def checked_path(path: str | Path) -> Path:
         return where
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
         raise HistoryFileError(f"--history-file {where} is not a regular file")
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise HistoryFileError(f"--history-file {where} belongs to uid {st.st_uid}, not to "
-                               "this user")
-    mode = stat.S_IMODE(st.st_mode)
-    if os.name == "posix" and mode & 0o077:
-        raise HistoryFileError(f"--history-file {where} may be read or written by other "
-                               f"users (mode {mode:04o}): delete it, or `chmod 600 {where}` "
-                               "if nobody else has read it")
+    if problem := privacy_problem(st):
+        fix = (f": delete it, or `chmod 600 {where}` if nobody else has read it"
+               if problem.chmod_fixes else "")
+        raise HistoryFileError(f"--history-file {where} {problem.text}{fix}")
     return where
 
 

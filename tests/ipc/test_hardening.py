@@ -409,7 +409,8 @@ def test_token_files_must_be_private_and_not_empty(tmp_path: Path) -> None:
     assert len(token) > 20 and path.stat().st_mode & 0o777 == 0o600
     assert load_or_create_token(path) == token
     path.chmod(0o644)
-    with pytest.raises(TokenFileError, match="may be read by other users .*0644.*chmod 600"):
+    with pytest.raises(TokenFileError,
+                       match="may be read or written by other users .*0644.*chmod 600"):
         load_or_create_token(path)
     path.chmod(0o600)
     path.write_text("\n")
