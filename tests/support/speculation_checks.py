@@ -79,3 +79,28 @@ def decode_all(gen: Generation) -> list[int]:
         out += gen.step()
     gen.close()
     return out
+
+
+def greedy_decode(target: Any, prompt: list[int], drafter: Drafter | None, *,
+                  max_tokens: int, n_max: int = 4, adaptive: bool = False
+                  ) -> tuple[list[int], Generation]:
+    """Greedy decoding of `prompt` on the built `target` (a fresh runner, 256 positions),
+    with `drafter` proposing `n_max` tokens a round, or as the adaptive policy picks
+    (None: target-only): the tokens
+    and the finished Generation (its stats)."""
+    gen = Generation(ModelRunner(target, n_ctx=256), 0, prompt, GenerationParams(
+        max_tokens=max_tokens, ignore_eos=True, adaptive=adaptive,
+        draft=DraftParams(n_max=n_max, probabilistic=False)), eog=set(), drafter=drafter)
+    return decode_all(gen), gen
+
+
+def assert_block_rows_equal_single_steps(built: Any, prompt: list[int], split: int = 3
+                                         ) -> None:
+    """Every row of a block verified after `prompt[:split]` equals the single step at its
+    position, bit for bit (the exactness speculation relies on)."""
+    singles_r = ModelRunner(built, n_ctx=256)
+    singles = np.stack([singles_r.forward(0, [t], i)[0] for i, t in enumerate(prompt)])
+    block_r = ModelRunner(built, n_ctx=256)
+    block_r.forward(0, prompt[:split], 0)
+    block = block_r.forward(0, prompt[split:], split, list(range(len(prompt) - split)))
+    np.testing.assert_array_equal(block, singles[split:])

@@ -26,6 +26,7 @@ from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
 from numpy_reference import ReferenceModel
+from speculation_checks import assert_block_rows_equal_single_steps
 
 # four layers, sliding windows of 5 keys on every other one, their own rope base
 GEMMA3: dict[str, Any] = {"arch": "gemma3", "n_layer": 4, "head_dim": 32, "sliding_window": 5,
@@ -103,12 +104,7 @@ def test_a_verified_row_equals_a_single_step_across_the_window(
     """The target's CPU graph (GgufMatMul, CachedAttention with the window, f16 cache):
     rows of a block past the window's edge equal single steps bit for bit."""
     built = load_or_build(_model(tiny_model_factory, weight_type="Q8_0"), NATIVE)
-    singles_r = ModelRunner(built, n_ctx=256)
-    singles = np.stack([singles_r.forward(0, [t], i)[0] for i, t in enumerate(PROMPT)])
-    block_r = ModelRunner(built, n_ctx=256)
-    block_r.forward(0, PROMPT[:3], 0)
-    block = block_r.forward(0, PROMPT[3:], 3, list(range(len(PROMPT) - 3)))
-    np.testing.assert_array_equal(block, singles[3:])
+    assert_block_rows_equal_single_steps(built, PROMPT)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

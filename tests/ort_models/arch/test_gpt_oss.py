@@ -8,7 +8,6 @@ skip."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,8 +15,6 @@ import pytest
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.models.building import build_options
-from specd.daemon.spec.drafter import Drafter, DraftParams
-from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.ort_models import native_ops
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.arch.rope_scaling import rope_cos_sin
@@ -29,6 +26,7 @@ from specd.ort_models.runner import ModelRunner
 import llama_cpp_oracle
 import tiny_hf_moe
 from logprob_agreement import NATIVE_F32, assert_agrees, assert_continuation_agrees
+from speculation_checks import assert_block_rows_equal_single_steps, greedy_decode
 from tiny_moe import ReferenceGptOssModel, file_factory, write_tiny_gpt_oss, yarn_cos_sin
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None,
@@ -152,23 +150,7 @@ def test_a_verified_row_equals_a_single_step(oss_file) -> None:
     """The target's CPU graph (f16 KV cache, SampleTokens): every row of a block, past the
     sliding window, equals the single step at its position bit for bit."""
     built = load_or_build(oss_file(seed=2), build_options("target"))
-    singles_r = ModelRunner(built, n_ctx=256)
-    singles = np.stack([singles_r.forward(0, [t], i)[0] for i, t in enumerate(PROMPT)])
-    block_r = ModelRunner(built, n_ctx=256)
-    block_r.forward(0, PROMPT[:3], 0)
-    block = block_r.forward(0, PROMPT[3:], 3, list(range(len(PROMPT) - 3)))
-    np.testing.assert_array_equal(block, singles[3:])
-
-
-def _decode(target: Any, prompt: list[int], drafter: Drafter | None, n: int
-            ) -> tuple[list[int], Generation]:
-    gen = Generation(ModelRunner(target, n_ctx=256), 0, prompt, GenerationParams(
-        max_tokens=n, ignore_eos=True, draft=DraftParams(n_max=4, probabilistic=False)),
-        eog=set(), drafter=drafter)
-    out = gen.prefill()
-    while not gen.done:
-        out += gen.step()
-    return out, gen
+    assert_block_rows_equal_single_steps(built, PROMPT)
 
 
 def test_a_draft_model_is_lossless(oss_file) -> None:
@@ -177,9 +159,9 @@ def test_a_draft_model_is_lossless(oss_file) -> None:
     drafted, some drafts accepted and some rejected."""
     target = load_or_build(oss_file(seed=3), build_options("target"))
     draft = load_or_build(oss_file(seed=3, expert_type="Q4_0"), build_options("draft"))
-    want, _ = _decode(target, PROMPT, None, 60)
-    got, gen = _decode(target, PROMPT, DraftModelDrafter(
-        ModelRunner(draft, n_ctx=256, row_block=1, min_rows=1)), 60)
+    want, _ = greedy_decode(target, PROMPT, None, max_tokens=60)
+    got, gen = greedy_decode(target, PROMPT, DraftModelDrafter(
+        ModelRunner(draft, n_ctx=256, row_block=1, min_rows=1)), max_tokens=60)
     assert got == want
     assert gen.stats.rounds > 0 and 0 < gen.stats.accepted < gen.stats.drafted, \
         gen.stats.as_dict()
@@ -189,8 +171,8 @@ def test_prompt_lookup_is_lossless(oss_file) -> None:
     """Prompt lookup on the target's own repetitions (few: a random model with sliding
     windows and sinks seldom loops): byte-identical, drafts accepted."""
     target = load_or_build(oss_file(seed=2), build_options("target"))
-    want, _ = _decode(target, PROMPT, None, 160)
-    got, gen = _decode(target, PROMPT, NgramDrafter(), 160)
+    want, _ = greedy_decode(target, PROMPT, None, max_tokens=160)
+    got, gen = greedy_decode(target, PROMPT, NgramDrafter(), max_tokens=160)
     assert got == want
     assert gen.stats.drafted > 0 and gen.stats.accepted > 0, gen.stats.as_dict()
 

@@ -17,8 +17,8 @@ import pytest
 
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
-from specd.daemon.spec.drafter import Drafter, DraftParams
-from specd.daemon.spec.generation import Generation, GenerationParams
+from specd.daemon.spec.drafter import Drafter
+from specd.daemon.spec.generation import Generation
 from specd.ort_models import native_ops
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFError, GGUFFile
@@ -28,7 +28,11 @@ from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_oracle
 from numpy_muse_glimmer import MuseGlimmerReference
-from speculation_checks import assert_speculated, decode_all
+from speculation_checks import (
+    assert_block_rows_equal_single_steps,
+    assert_speculated,
+    greedy_decode,
+)
 from tiny_muse_glimmer import write_tiny_muse_glimmer
 
 PROMPT = [5, 17, 42, 100, 7, 3, 99, 12, 250, 31, 64, 128, 9, 33]  # longer than the window
@@ -139,12 +143,7 @@ def test_a_verified_row_equals_a_single_step(muse_factory: Callable[..., Path],
     RoPE on the global layers, f16 cache): rows of a block equal single steps bit for
     bit, before and past the window's edge."""
     built = load_or_build(muse_factory(weight_type="Q8_0", seed=1), NATIVE)
-    singles_r = ModelRunner(built, n_ctx=256)
-    singles = np.stack([singles_r.forward(0, [t], i)[0] for i, t in enumerate(PROMPT)])
-    block_r = ModelRunner(built, n_ctx=256)
-    block_r.forward(0, PROMPT[:split], 0)
-    block = block_r.forward(0, PROMPT[split:], split, list(range(len(PROMPT) - split)))
-    np.testing.assert_array_equal(block, singles[split:])
+    assert_block_rows_equal_single_steps(built, PROMPT, split)
 
 
 def _target(factory: Callable[..., Path]) -> Any:
@@ -154,11 +153,7 @@ def _target(factory: Callable[..., Path]) -> Any:
 
 def _decode(target: Any, prompt: list[int], drafter: Drafter | None,
             n_max: int = 4) -> tuple[list[int], Generation]:
-    gen = Generation(ModelRunner(target, n_ctx=256), 0, prompt, GenerationParams(
-        max_tokens=48, ignore_eos=True, adaptive=False,
-        draft=DraftParams(n_max=n_max, probabilistic=False)),
-        eog=set(), drafter=drafter)
-    return decode_all(gen), gen
+    return greedy_decode(target, prompt, drafter, max_tokens=48, n_max=n_max)
 
 
 def test_greedy_with_a_draft_model_is_target_only(muse_factory: Callable[..., Path]

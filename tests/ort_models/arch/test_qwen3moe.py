@@ -14,8 +14,6 @@ import pytest
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.models.building import build_options
-from specd.daemon.spec.drafter import Drafter, DraftParams
-from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.ort_models import native_ops
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFError, GGUFFile
@@ -26,6 +24,7 @@ from specd.ort_models.runner import ModelRunner
 import llama_cpp_oracle
 import tiny_hf_moe
 from logprob_agreement import NATIVE_F32, assert_agrees, assert_continuation_agrees
+from speculation_checks import assert_block_rows_equal_single_steps, greedy_decode
 from tiny_moe import ReferenceMoeModel, file_factory, write_dense_twin, write_tiny_qwen3moe
 
 pytestmark = pytest.mark.skipif(native_ops.library() is None,
@@ -114,23 +113,7 @@ def test_a_verified_row_equals_a_single_step(moe_file, expert_type: str, kw: dic
     tokens wake different experts equals the single step at its position, bit for bit."""
     built = load_or_build(moe_file(expert_type=expert_type, seed=2, **kw),
                           build_options("target"))
-    singles_r = ModelRunner(built, n_ctx=256)
-    singles = np.stack([singles_r.forward(0, [t], i)[0] for i, t in enumerate(PROMPT)])
-    block_r = ModelRunner(built, n_ctx=256)
-    block_r.forward(0, PROMPT[:3], 0)
-    block = block_r.forward(0, PROMPT[3:], 3, list(range(len(PROMPT) - 3)))
-    np.testing.assert_array_equal(block, singles[3:])
-
-
-def _decode(target: Any, prompt: list[int], drafter: Drafter | None, n: int
-            ) -> tuple[list[int], Generation]:
-    gen = Generation(ModelRunner(target, n_ctx=256), 0, prompt, GenerationParams(
-        max_tokens=n, ignore_eos=True, draft=DraftParams(n_max=4, probabilistic=False)),
-        eog=set(), drafter=drafter)
-    out = gen.prefill()
-    while not gen.done:
-        out += gen.step()
-    return out, gen
+    assert_block_rows_equal_single_steps(built, PROMPT)
 
 
 SPREAD = 0.1  # the target's experts: a shared part the dense draft has, and their own
@@ -143,9 +126,9 @@ def test_a_dense_qwen3_draft_is_lossless(moe_file, tmp_path: Path) -> None:
     target = load_or_build(moe_file(seed=3, spread=SPREAD), build_options("target"))
     draft = load_or_build(write_dense_twin(tmp_path / "draft.gguf", spread=SPREAD, seed=3),
                           build_options("draft"))
-    want, _ = _decode(target, PROMPT, None, 60)
-    got, gen = _decode(target, PROMPT, DraftModelDrafter(
-        ModelRunner(draft, n_ctx=256, row_block=1, min_rows=1)), 60)
+    want, _ = greedy_decode(target, PROMPT, None, max_tokens=60)
+    got, gen = greedy_decode(target, PROMPT, DraftModelDrafter(
+        ModelRunner(draft, n_ctx=256, row_block=1, min_rows=1)), max_tokens=60)
     assert got == want
     assert gen.stats.rounds > 0 and 0 < gen.stats.accepted < gen.stats.drafted, \
         gen.stats.as_dict()
@@ -154,8 +137,8 @@ def test_a_dense_qwen3_draft_is_lossless(moe_file, tmp_path: Path) -> None:
 def test_prompt_lookup_is_lossless(moe_file) -> None:
     """Prompt lookup on the target's own repetitions: byte-identical, drafts accepted."""
     target = load_or_build(moe_file(seed=3, spread=SPREAD), build_options("target"))
-    want, _ = _decode(target, PROMPT, None, 160)
-    got, gen = _decode(target, PROMPT, NgramDrafter(), 160)
+    want, _ = greedy_decode(target, PROMPT, None, max_tokens=160)
+    got, gen = greedy_decode(target, PROMPT, NgramDrafter(), max_tokens=160)
     assert got == want
     assert gen.stats.drafted > 0 and gen.stats.accepted > 0, gen.stats.as_dict()
 
