@@ -86,8 +86,7 @@ def greedy_decode(target: Any, prompt: list[int], drafter: Drafter | None, *,
                   ) -> tuple[list[int], Generation]:
     """Greedy decoding of `prompt` on the built `target` (a fresh runner, 256 positions),
     with `drafter` proposing `n_max` tokens a round, or as the adaptive policy picks
-    (None: target-only): the tokens
-    and the finished Generation (its stats)."""
+    (None: target-only): the tokens and the finished Generation (its stats)."""
     gen = Generation(ModelRunner(target, n_ctx=256), 0, prompt, GenerationParams(
         max_tokens=max_tokens, ignore_eos=True, adaptive=adaptive,
         draft=DraftParams(n_max=n_max, probabilistic=False)), eog=set(), drafter=drafter)
