@@ -100,6 +100,43 @@ class Comparison:
     text_tokens: int = 0  # tokens of the text compared (the first one's and llama.cpp's)
 
 
+def text_prompt(target: Path, text: str) -> tuple[list[int], set[int]]:
+    """`text` in the target's tokens, and the target's end-of-generation ids."""
+    tok = Tokenizer.from_metadata(GGUFFile(target).metadata)
+    return tok.encode(text), {t for t in range(tok.vocab_size) if tok.is_eog(t)}
+
+
+def target_only(target: Path, prompt: list[int], eog: set[int], max_tokens: int
+                ) -> list[int]:
+    """The target's own greedy text after `prompt` (default build, no drafter)."""
+    gen = Generation(ModelRunner(load_or_build(target, BuildOptions()), n_ctx=N_CTX), 0,
+                     prompt, GenerationParams(max_tokens=max_tokens), eog=eog)
+    tokens = gen.prefill()
+    while not gen.done:
+        tokens += gen.step()
+    gen.close()
+    return tokens
+
+
+def serving_decode(target: Path, head: Path, prompt: list[int], eog: set[int], *,
+                   max_tokens: int, n_max: int = 3) -> tuple[list[int], Generation]:
+    """Greedy decoding with the head as specd serves it (its default build: matrices
+    re-quantized for specd's kernels), n_max drafts a round: the tokens and the finished
+    Generation (its stats)."""
+    params = read_head(GGUFFile(head))
+    built = load_or_build(target, BuildOptions(hidden_layers=tuple(sorted(set(
+        params.hidden_layers)))))
+    drafter = HEAD_DRAFTERS[params.kind](HeadRunner(load_or_build_head(head, target),
+                                                    n_ctx=N_CTX))
+    gen = Generation(ModelRunner(built, n_ctx=N_CTX), 0, prompt, GenerationParams(
+        max_tokens=max_tokens, draft=DraftParams(n_max=n_max)), eog=eog, drafter=drafter)
+    tokens = gen.prefill()
+    while not gen.done:
+        tokens += gen.step()
+    gen.close()
+    return tokens, gen
+
+
 def specd_decode(target: Path, head: Path, prompt: list[int], *, max_tokens: int, n_max: int,
                  eog: set[int]) -> tuple[list[int], list[SpecdRound]]:
     """specd's greedy decode after `prompt` with the head drafting n_max tokens a round

@@ -12,18 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from specd.daemon.drafters.registry import HEAD_DRAFTERS
-from specd.daemon.spec.drafter import DraftParams
-from specd.daemon.spec.generation import Generation, GenerationParams
-from specd.daemon.text.tokenizer import Tokenizer
-from specd.ort_models.gguf_file import GGUFFile
-from specd.ort_models.graph_builder import BuildOptions
-from specd.ort_models.head_runner import HeadRunner, load_or_build_head
-from specd.ort_models.heads import read_head
-from specd.ort_models.model_cache import load_or_build
-from specd.ort_models.runner import ModelRunner
-
-from head_decode_oracle import check_drafts_against_reference, specd_decode
+from head_decode_oracle import (
+    check_drafts_against_reference,
+    serving_decode,
+    specd_decode,
+    target_only,
+    text_prompt,
+)
 from tiny_gguf import write_tiny_gguf
 from tiny_heads import gemma_features, write_tiny_head
 
@@ -43,25 +38,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target, head
 
 
-def _target_only(target: Path, prompt: list[int], eog: set[int]) -> list[int]:
-    gen = Generation(ModelRunner(load_or_build(target, BuildOptions()), n_ctx=256), 0, prompt,
-                     GenerationParams(max_tokens=N_TOKENS), eog=eog)
-    tokens = gen.prefill()
-    while not gen.done:
-        tokens += gen.step()
-    return tokens
-
-
 def test_a_gemma3_targets_head_drafts_the_references_drafts(pair: tuple[Path, Path]) -> None:
     target, head = pair
-    tok = Tokenizer.from_metadata(GGUFFile(target).metadata)
-    prompt = tok.encode(TEXT)
-    eog = {t for t in range(tok.vocab_size) if tok.is_eog(t)}
+    prompt, eog = text_prompt(target, TEXT)
     tokens, rounds = specd_decode(target, head, prompt, max_tokens=N_TOKENS, n_max=3, eog=eog)
     assert len(rounds) >= 8 and all(len(r.drafts) == 3 for r in rounds[:-2])
     ties = check_drafts_against_reference(target, head, prompt + tokens, rounds)
     assert len(ties) <= 1, ties
-    assert tokens == _target_only(target, prompt, eog)
+    assert tokens == target_only(target, prompt, eog, N_TOKENS)
 
 
 def test_a_gemma3_targets_head_on_specds_kernels_keeps_the_text(pair: tuple[Path, Path]
@@ -69,19 +53,7 @@ def test_a_gemma3_targets_head_on_specds_kernels_keeps_the_text(pair: tuple[Path
     """The serving path: the head's matrices re-quantized to Q4_K where specd's kernels
     run (its drafts then near the reference's, not equal); the text stays the target's."""
     target, head = pair
-    tok = Tokenizer.from_metadata(GGUFFile(target).metadata)
-    prompt = tok.encode(TEXT)
-    eog = {t for t in range(tok.vocab_size) if tok.is_eog(t)}
-    params = read_head(GGUFFile(head))
-    built = load_or_build(target, BuildOptions(hidden_layers=tuple(sorted(set(
-        params.hidden_layers)))))
-    drafter = HEAD_DRAFTERS[params.kind](HeadRunner(load_or_build_head(head, target),
-                                                    n_ctx=256))
-    gen = Generation(ModelRunner(built, n_ctx=256), 0, prompt, GenerationParams(
-        max_tokens=N_TOKENS, draft=DraftParams(n_max=3), adaptive=False), eog=eog,
-        drafter=drafter)
-    tokens = gen.prefill()
-    while not gen.done:
-        tokens += gen.step()
+    prompt, eog = text_prompt(target, TEXT)
+    tokens, gen = serving_decode(target, head, prompt, eog, max_tokens=N_TOKENS)
     assert gen.stats.drafted >= 3 * 8, gen.stats
-    assert tokens == _target_only(target, prompt, eog)
+    assert tokens == target_only(target, prompt, eog, N_TOKENS)

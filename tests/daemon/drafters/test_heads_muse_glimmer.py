@@ -26,26 +26,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specd.daemon.drafters.registry import HEAD_DRAFTERS
 from specd.daemon.models.convert_draft import convert_draft
 from specd.daemon.models.convert_draft.safetensors import read_checkpoint_tensors
-from specd.daemon.spec.drafter import DraftParams
-from specd.daemon.spec.generation import Generation, GenerationParams
-from specd.daemon.text.tokenizer import Tokenizer
 from specd.ort_models.gguf_file import GGUFFile
-from specd.ort_models.graph_builder import BuildOptions
-from specd.ort_models.head_runner import HeadRunner, load_or_build_head
 from specd.ort_models.heads import read_head
-from specd.ort_models.model_cache import load_or_build
-from specd.ort_models.runner import ModelRunner
 
 import llama_cpp_convert
 import llama_cpp_oracle
 from gguf_layout import gguf_layout
-from head_decode_oracle import check_drafts_against_reference, compare_decodes, specd_decode
+from head_decode_oracle import (
+    check_drafts_against_reference,
+    compare_decodes,
+    serving_decode,
+    specd_decode,
+    target_only,
+    text_prompt,
+)
 from numpy_muse_glimmer import MuseGlimmerReference
 from numpy_reference import ReferenceDFlash
-from speculation_checks import assert_drafted, decode_all
+from speculation_checks import assert_drafted
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.needs_transformers]
 
@@ -114,40 +113,25 @@ def _f32(path: Path, name: str) -> np.ndarray:
     return t.data.view("<f4").reshape(t.shape)
 
 
-def _target_only(target: Path, prompt: list[int], eog: set[int]) -> list[int]:
-    return decode_all(Generation(ModelRunner(load_or_build(target, BuildOptions()), n_ctx=256),
-                                 0, prompt, GenerationParams(max_tokens=N_TOKENS), eog=eog))
-
-
 def test_specd_drafts_the_references_drafts(converted: Converted) -> None:
     """specd's float32 drafts are the float64 reference's at every round, and greedy
     decoding with the head drafting keeps the target's own text."""
     target, head = converted.target, converted.ours
-    tok = Tokenizer.from_metadata(GGUFFile(target).metadata)
-    prompt = tok.encode(TEXT)
-    eog = {t for t in range(tok.vocab_size) if tok.is_eog(t)}
+    prompt, eog = text_prompt(target, TEXT)
     tokens, rounds = specd_decode(target, head, prompt, max_tokens=N_TOKENS, n_max=3, eog=eog)
     assert len(rounds) >= 8 and all(len(r.drafts) == 3 for r in rounds[:-2])
     ties = check_drafts_against_reference(target, head, prompt + tokens, rounds)
     assert len(ties) <= 1, ties
-    assert tokens == _target_only(target, prompt, eog)
+    assert tokens == target_only(target, prompt, eog, N_TOKENS)
 
 
 def test_serving_path_keeps_the_target_text(converted: Converted) -> None:
     """specd's default head build (matrices re-quantized for its kernels): rounds drafted
     and verified, the greedy text the target's alone."""
     target, head = converted.target, converted.ours
-    tok = Tokenizer.from_metadata(GGUFFile(target).metadata)
-    prompt = tok.encode(TEXT)
-    eog = {t for t in range(tok.vocab_size) if tok.is_eog(t)}
-    params = read_head(GGUFFile(head))
-    built = load_or_build(target, BuildOptions(hidden_layers=tuple(sorted(set(
-        params.hidden_layers)))))
-    drafter = HEAD_DRAFTERS[params.kind](HeadRunner(load_or_build_head(head, target),
-                                                    n_ctx=256))
-    gen = Generation(ModelRunner(built, n_ctx=256), 0, prompt, GenerationParams(
-        max_tokens=N_TOKENS, draft=DraftParams(n_max=3)), eog=eog, drafter=drafter)
-    assert decode_all(gen) == _target_only(target, prompt, eog)
+    prompt, eog = text_prompt(target, TEXT)
+    tokens, gen = serving_decode(target, head, prompt, eog, max_tokens=N_TOKENS)
+    assert tokens == target_only(target, prompt, eog, N_TOKENS)
     assert_drafted(gen.stats)
 
 
