@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specd.daemon.text.reasoning import REASONING_FORMATS
+
 from .generate import engine_config_from_args
 from .options import build_progress, int_at_least, settle_draft, split_drafter
 
@@ -72,6 +74,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning", choices=["on", "off", "auto"], default="auto",
                    help="on / off: the chat template's enable_thinking, unless a request "
                    "sets it; auto (default): the template's own default")
+    p.add_argument("--reasoning-format", choices=list(REASONING_FORMATS), default="auto",
+                   help="how a reply's <think> reasoning is returned, unless a request's "
+                   "reasoning_format says: none leaves it in the content; deepseek and auto "
+                   "(default) return it apart (reasoning_content, thinking blocks, ...)")
     p.add_argument("--embeddings", action="store_true",
                    help="serve /v1/embeddings and /embeddings from the target's last hidden "
                    "state (its graph then outputs it: built once more)")
@@ -249,6 +255,7 @@ def build_service(args: argparse.Namespace):
     cfg.pooling, cfg.embedding_model = args.pooling, args.embedding_model
     cfg.aliases, cfg.tags = _names(args.alias), _names(args.tags)
     cfg.chat_template, cfg.template_kwargs = chat_template_options(args)
+    cfg.reasoning_format = args.reasoning_format
     cfg.history, cfg.history_file = args.history, args.history_file
     if args.history_tokens is not None:
         cfg.history_tokens = args.history_tokens

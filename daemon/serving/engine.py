@@ -130,6 +130,9 @@ class EngineConfig:
     # chat render gets unless its request sets them (--chat-template-kwargs, --reasoning)
     chat_template: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # how a reply's think tags are read, unless its request says (--reasoning-format:
+    # text/reasoning.py's REASONING_FORMATS)
+    reasoning_format: str = "auto"
     # speculation from each identity's history (drafters/history.py): its bound in tokens
     # per principal, and the 0600 file under the state dir it is kept in (None: memory)
     history: bool = False

@@ -197,6 +197,11 @@ class ServiceFacade:
         return self._service.engine.chat_template or ""
 
     @property
+    def reasoning_format(self) -> str:
+        """How replies' think tags are read by default (--reasoning-format)."""
+        return self._service.engine.cfg.reasoning_format
+
+    @property
     def started(self) -> float:
         """When the service started (Unix time)."""
         return self._service.started

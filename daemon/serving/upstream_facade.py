@@ -75,6 +75,10 @@ class UpstreamFacade(ServiceFacade):
         return ""
 
     @property
+    def reasoning_format(self) -> str:
+        return "auto"  # (no template here: the upstream's replies are read as they come)
+
+    @property
     def takes_images(self) -> bool:
         return False  # the chat is forwarded as text messages
 

@@ -4,7 +4,8 @@ reading of tool_calls.py: a registry from a template's source to the format.
 
 A format names the control tokens its replies are written with (`preserved_tokens`:
 their text stays in the reply, as llama.cpp's server keeps a format's preserved tokens)
-and parses a whole reply into reasoning, content and tool calls.
+and reads a reply into reasoning, content and tool calls, whole (`parse`) or as it
+streams (`stream`, reply_stream.ReplyStream).
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import harmony, muse_glimmer_chat
+from . import harmony, muse_glimmer_chat, reasoning
 from .muse_glimmer_chat import ParsedReply
+from .reply_stream import ReplyStream, ThinkingStream, WholeStream, read_whole
+from .tool_calls import tool_names
+
+Tools = list[dict[str, Any]] | None
 
 
 @dataclass(frozen=True)
@@ -22,14 +27,35 @@ class ChatFormat:
     name: str
     detect: Callable[[str], bool]  # the template's source is this format's
     preserved_tokens: tuple[str, ...]
-    parse: Callable[[str, list[dict[str, Any]] | None], ParsedReply]  # (reply, tools)
+    # (the request's tools, None: no calls taken; the prompt opened the reasoning)
+    stream: Callable[[Tools, bool], ReplyStream]
+    whole: Callable[[str, Tools], ParsedReply] | None = None  # a parser of whole replies
+
+    def parse(self, text: str, tools: Tools, in_thinking: bool = False) -> ParsedReply:
+        """A whole reply's reasoning, content and calls."""
+        if self.whole is not None:
+            return self.whole(text, tools)
+        return read_whole(self.stream(tools, in_thinking), text)
 
 
+def _held(parse: Callable[[str, Tools], ParsedReply]) -> Callable[[Tools, bool], ReplyStream]:
+    """The stream of a format read only whole: its reply held to its end."""
+    return lambda tools, _: WholeStream(lambda text: parse(text, tools))
+
+
+def _thinking(tools: Tools, in_thinking: bool) -> ReplyStream:
+    return ThinkingStream(None if tools is None else tool_names(tools), in_thinking)
+
+
+THINKING = ChatFormat("think-tags", reasoning.is_thinking_template,
+                      reasoning.PRESERVED_TOKENS, _thinking)
 FORMATS = (
     ChatFormat("muse-glimmer", muse_glimmer_chat.is_muse_glimmer_template,
-               muse_glimmer_chat.PRESERVED_TOKENS, muse_glimmer_chat.parse_reply),
+               muse_glimmer_chat.PRESERVED_TOKENS, _held(muse_glimmer_chat.parse_reply),
+               muse_glimmer_chat.parse_reply),
     ChatFormat("harmony", harmony.is_harmony_template, harmony.PRESERVED_TOKENS,
-               harmony.parse_reply),
+               lambda tools, _: harmony.HarmonyStream(tools)),
+    THINKING,
 )
 
 
@@ -38,4 +64,4 @@ def chat_format(template: str | None) -> ChatFormat | None:
     return next((f for f in FORMATS if template and f.detect(template)), None)
 
 
-__all__ = ["FORMATS", "ChatFormat", "ParsedReply", "chat_format"]
+__all__ = ["FORMATS", "THINKING", "ChatFormat", "ParsedReply", "chat_format"]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .muse_glimmer_chat import ParsedReply
+from .reasoning import ReplyDelta, partial_tag
 from .tool_calls import ToolCall, tool_names
 
 CHANNEL, MESSAGE, START, END, CONSTRAIN = (
@@ -54,23 +55,25 @@ class _Message:
     body: str
 
 
+def _message(part: str) -> _Message | None:
+    """The message after one `<|start|>` (its body to `<|end|>` or the reply's end); None
+    while its header has no `<|message|>` yet."""
+    header, sep, rest = part.partition(MESSAGE)
+    if not sep:
+        return None
+    header = _ROLE.sub("", header)
+    channels = header.split(CHANNEL)[1:]
+    channel = channels[-1].split()[0] if channels and channels[-1].split() else ""
+    if CONSTRAIN in channel:
+        channel = channel.split(CONSTRAIN)[0]
+    # the last recipient wins, ignoring a stray "to=assistant"
+    recipients = [r for r in _RECIPIENT.findall(header) if r != "assistant"]
+    return _Message(channel, recipients[-1] if recipients else "", rest.partition(END)[0])
+
+
 def _messages(text: str) -> list[_Message]:
     """The reply's messages, in order; a header without <|message|> yet is left out."""
-    out: list[_Message] = []
-    for part in text.split(START):
-        header, sep, rest = part.partition(MESSAGE)
-        if not sep:
-            continue
-        header = _ROLE.sub("", header)
-        channels = header.split(CHANNEL)[1:]
-        channel = channels[-1].split()[0] if channels and channels[-1].split() else ""
-        if CONSTRAIN in channel:
-            channel = channel.split(CONSTRAIN)[0]
-        # the last recipient wins, ignoring a stray "to=assistant"
-        recipients = [r for r in _RECIPIENT.findall(header) if r != "assistant"]
-        body = rest.partition(END)[0]
-        out.append(_Message(channel, recipients[-1] if recipients else "", body))
-    return out
+    return [m for part in text.split(START) if (m := _message(part)) is not None]
 
 
 def parse_reply(text: str, tools: list[dict[str, Any]] | None) -> ParsedReply:
@@ -99,3 +102,57 @@ def _call(name: str, body: str) -> ToolCall | None:
     except ValueError:
         return None
     return ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
+
+
+# control tokens a streamed body may end in the middle of (held back until told apart)
+_TAGS = (START, END, CHANNEL, MESSAGE, CONSTRAIN, "<|return|>", "<|call|>")
+
+
+class HarmonyStream:
+    """A harmony reply read as it streams (reply_stream.ReplyStream): each message's body
+    passed on as it comes, to the reasoning (analysis) or the content (final, or
+    commentary without a recipient); a body with a recipient is a call, taken whole at
+    the end, as `parse_reply` takes it; `tools`: the request's (None: none offered)."""
+
+    def __init__(self, tools: list[dict[str, Any]] | None):
+        self.tools = tools
+        self.text = ""
+        self.base = 0  # where the message being read starts (after its <|start|>)
+        self.sent = 0  # characters of its body passed on
+
+    def feed(self, piece: str) -> ReplyDelta:
+        self.text += piece
+        out = ReplyDelta()
+        while True:
+            nxt = self.text.find(START, self.base)
+            part = self.text[self.base:] if nxt < 0 else self.text[self.base:nxt]
+            m = _message(part)
+            if m is not None:
+                body = m.body
+                if nxt < 0 and END not in part.partition(MESSAGE)[2]:
+                    body = body[:len(body) - max(partial_tag(body, t) for t in _TAGS)]
+                self._route(m, body[self.sent:], out)
+                self.sent = max(self.sent, len(body))
+            if nxt < 0:
+                return out
+            self.base, self.sent = nxt + len(START), 0
+
+    @staticmethod
+    def _route(m: _Message, text: str, out: ReplyDelta) -> None:
+        if not text or m.recipient:
+            return
+        if m.channel == "analysis":
+            out.reasoning += text
+        else:
+            out.content += text
+
+    def held(self) -> str:
+        return ""
+
+    def finish(self) -> tuple[ReplyDelta, list[ToolCall]]:
+        out = ReplyDelta()
+        m = _message(self.text[self.base:])
+        if m is not None:
+            self._route(m, m.body[self.sent:], out)
+        return out, parse_reply(self.text, self.tools).calls
+

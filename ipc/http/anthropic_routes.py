@@ -18,8 +18,9 @@ from aiohttp import web
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.serving.upstream_facade import UpstreamFacade
-from specd.daemon.text.chat_formats import ParsedReply
-from specd.daemon.text.tool_calls import ToolCall, ToolCallStream
+from specd.daemon.text.reasoning import ReplyDelta
+from specd.daemon.text.reply_stream import ReplyStream
+from specd.daemon.text.tool_calls import ToolCall
 
 from ..jsonout import json_response
 from ..validation import get, json_body, stop_list
@@ -56,7 +57,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     check_fits(svc, prompt, "messages")
     # an upstream's model counts its prompt itself: known once it answers
     reply = _Reply(svc, names=chat.names,
-                   reading=ReplyReading.of(svc.chat_template, chat.tools),
+                   reading=ReplyReading.for_chat(svc, body, chat.tools, prompt),
                    prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
     if not get(body, "stream", bool, False):
         results = await collect(request, svc, prompt, [params], stop=stop, grammar=grammar,
@@ -115,10 +116,10 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
 class _Reply:
     """One request's message, whole or as Anthropic streams it (streaming.EventWriter):
     message_start; each block's content_block_start, its deltas and content_block_stop
-    (thinking first, then text as it comes, then each tool_use with its input as one
-    input_json_delta); message_delta with the stop reason and usage; message_stop. With
-    tool `names`, text that may be a call is held back (ToolCallStream) and the calls come
-    at the end; a reply its chat format reads whole is held to its end."""
+    (thinking and text as they come, each a block of its own, then each tool_use with its
+    input as one input_json_delta); message_delta with the stop reason and usage;
+    message_stop. The reply is read by the template's reader (reply_reading): with tool
+    `names`, text that may be a call is held back and the calls come at the end."""
 
     def __init__(self, svc: ServiceFacade, *, names: set[str] | None, prompt_tokens: int,
                  reading: ReplyReading | None = None):
@@ -126,8 +127,9 @@ class _Reply:
         self.reading = reading or ReplyReading(None, None)
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model = svc.model_name
-        self._tools: ToolCallStream | None = None
-        self._open: int | None = None  # the index of the text block being streamed
+        self._reader: ReplyStream | None = None
+        self._open: int | None = None  # the index of the block being streamed
+        self._open_kind = ""  # its type: "thinking" or "text"
         self._blocks = 0  # blocks started so far
 
     def _message(self, content: list[dict[str, Any]], stop: dict[str, Any],
@@ -153,62 +155,56 @@ class _Reply:
         index, self._blocks = self._blocks, self._blocks + 1
         return index, self._event("content_block_start", index=index, content_block=block)
 
-    def _text(self, text: str) -> list[Any]:
-        """The events carrying `text`: the text block opened first, if it is not."""
+    def _text(self, text: str, kind: str = "text") -> list[Any]:
+        """The events carrying `text` in a block of type `kind` ("text" or "thinking"):
+        the block opened first, if it is not (closing another that is)."""
         if not text:
             return []
         out = []
+        if self._open is not None and self._open_kind != kind:
+            out += self._close_text()
         if self._open is None:
-            self._open, start = self._start({"type": "text", "text": ""})
+            block = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
+            self._open, start = self._start(block)
+            self._open_kind = kind
             out.append(start)
-        return out + [self._event("content_block_delta", index=self._open,
-                                  delta={"type": "text_delta", "text": text})]
+        delta = ({"type": "thinking_delta", "thinking": text} if kind == "thinking"
+                 else {"type": "text_delta", "text": text})
+        return out + [self._event("content_block_delta", index=self._open, delta=delta)]
 
     def _close_text(self) -> list[Any]:
+        """The open block's end (a thinking block's signature, as a signature_delta just
+        before its content_block_stop, as Anthropic streams one)."""
         if self._open is None:
             return []
         index, self._open = self._open, None
-        return [self._event("content_block_stop", index=index)]
+        out = [self._event("content_block_delta", index=index,
+                           delta={"type": "signature_delta", "signature": ""})
+               ] if self._open_kind == "thinking" else []
+        return out + [self._event("content_block_stop", index=index)]
 
-    def _thought(self, reasoning: str) -> list[Any]:
-        """A thinking block as Anthropic streams one: its text as a thinking_delta, its
-        signature as a signature_delta just before its content_block_stop."""
-        block = _thinking("")
-        index, start = self._start(block)
-        return [start,
-                self._event("content_block_delta", index=index,
-                            delta={"type": "thinking_delta", "thinking": reasoning}),
-                self._event("content_block_delta", index=index,
-                            delta={"type": "signature_delta", "signature": block["signature"]}),
-                self._event("content_block_stop", index=index)]
+    def _delta(self, delta: ReplyDelta) -> list[Any]:
+        return self._text(delta.reasoning, "thinking") + self._text(delta.content)
 
     def opening(self) -> list[Any]:
-        held = self.names is None or self.reading.whole
-        self._tools = None if held else ToolCallStream(self.names or set())
+        self._reader = self.reading.stream(self.names)
         start = self._message([], {"stop_reason": None, "stop_sequence": None},
                               {"input_tokens": self.prompt_tokens, "output_tokens": 0})
         return [self._event("message_start", message=start)]
 
     def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
-        if isinstance(ev, ProgressEvent) or self.reading.whole:
-            return []  # (a reply read whole is sent when it is complete)
-        return self._text(ev.text if self._tools is None else self._tools.feed(ev.text))
+        if isinstance(ev, ProgressEvent) or self._reader is None:
+            return []
+        return self._delta(self._reader.feed(ev.text))
 
     def failing(self, index: int) -> list[Any]:
-        return self._text(self._tools.held() if self._tools is not None else "") + (
+        return self._text(self._reader.held() if self._reader is not None else "") + (
             self._close_text())
 
     def finished(self, index: int, result: Result) -> list[Any]:
-        out: list[Any] = []
-        if self.reading.whole:
-            parsed = self.reading.parse(result.text, self.names)
-        else:
-            rest, calls = self._tools.finish() if self._tools is not None else ("", [])
-            parsed = ParsedReply(rest, None, calls)
-        if parsed.reasoning:
-            out += self._thought(parsed.reasoning)
-        out += self._text(parsed.content or "") + self._close_text()
-        for call in parsed.calls:
+        rest, calls = self._reader.finish() if self._reader is not None else (ReplyDelta(), [])
+        out = self._delta(rest) + self._close_text()
+        for call in calls:
             block = _tool_use(call)
             i, start = self._start({**block, "input": {}})
             out += [start,
@@ -216,7 +212,7 @@ class _Reply:
                         "type": "input_json_delta",
                         "partial_json": json.dumps(block["input"], ensure_ascii=False)}),
                     self._event("content_block_stop", index=i)]
-        return out + [self._event("message_delta", delta=_stop(result, bool(parsed.calls)),
+        return out + [self._event("message_delta", delta=_stop(result, bool(calls)),
                                   usage=_usage(result)),
                       self._event("message_stop")]
 

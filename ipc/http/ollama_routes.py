@@ -12,7 +12,8 @@ from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.media import MEDIA_MARKER, PromptImage
-from specd.daemon.text.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from specd.daemon.text.reasoning import ReplyDelta
+from specd.daemon.text.tool_calls import ToolCall
 
 from ..jsonout import json_response
 from ..validation import BadRequest, get, json_body, stop_list, token_list
@@ -34,6 +35,7 @@ from .parsing import (
     infill_prompt,
     prompt_tokens,
 )
+from .reply_reading import ReplyReading
 from .state import off_loop, served
 from .streaming import NDJSON, collect, stream_events, submit_all
 
@@ -66,7 +68,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     chat_in = chat_inputs(chat_body(body))
     prompt, images = await off_loop(request, chat_prompt, svc, chat_in)
     fields, params = await _settings(request, svc, body)
-    reply = OllamaReply(name, chat=True, names=chat_in.names)
+    reply = OllamaReply(name, chat=True, names=chat_in.names,
+                        reading=ReplyReading.for_chat(svc, body, chat_in.tools, prompt))
     return await _answer(request, svc, body, fields, params, prompt, reply, chat_in.forced,
                          keep_alive=alive, images=images)
 
@@ -86,6 +89,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await _loaded(svc, name, alive, chat=False)
     fields, params = await _settings(request, svc, body)
     held: tuple[PromptImage, ...] = ()  # the prompt's images, at their placeholders
+    reading = None  # (a raw prompt, or a fill in the middle, is not a chat's reply)
     if images and (suffix or context):
         raise BadRequest("'images' go with a prompt, not with 'suffix' or 'context'",
                          param="images")
@@ -106,11 +110,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
             {"role": "user", "content": with_images(text, images)}]
         prompt, held = await off_loop(request, chat_prompt, svc,
                                       chat_inputs({"messages": messages}))
+        reading = ReplyReading.for_chat(svc, body, None, prompt)
     if context:  # an earlier answer's `context`: the conversation so far
         prompt = token_list(context, "context", svc.tokenizer.vocab_size) + prompt
     # (a forwarded chat, or one holding images, has no token ids to return)
     reply = OllamaReply(name, chat=False, context=prompt if isinstance(prompt, list)
-                        and not held else None)
+                        and not held else None, reading=reading)
     return await _answer(request, svc, body, fields, params, prompt, reply, keep_alive=alive,
                          images=held)
 
@@ -158,19 +163,24 @@ def _ollama_call(call: ToolCall) -> dict[str, Any]:
 class OllamaReply:
     """One /api/chat or /api/generate answer: whole, or as Ollama's stream of deltas ending
     with a `done` object that carries the counts and durations (streaming.EventWriter).
-    With tool `names`, text that may be a tool call is held back; the calls come whole in
-    one object before the last. `context`: the prompt, returned with the reply's tokens
-    (generate's `context`)."""
+    The reply is read by `reading` (reply_reading; None: its text as it comes): reasoning
+    the template tells apart is the `thinking` field as it is written; with tool `names`,
+    text that may be a tool call is held back and the calls come whole in one object
+    before the last. `context`: the prompt, returned with the reply's tokens (generate's
+    `context`)."""
 
     def __init__(self, model: str, *, chat: bool, names: set[str] | None = None,
-                 context: list[int] | None = None):
+                 context: list[int] | None = None, reading: ReplyReading | None = None):
         self.model, self.chat, self.names, self.context = model, chat, names, context
-        self._tools = None if names is None else ToolCallStream(names)
+        self.reading = reading or ReplyReading(None, None)
+        self._reader = self.reading.stream(names)
 
-    def _piece(self, text: str, done: bool = False) -> dict[str, Any]:
+    def _piece(self, text: str, done: bool = False, thinking: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": timestamp()}
         out.update({"message": {"role": "assistant", "content": text}} if self.chat
                    else {"response": text})
+        if thinking:
+            (out["message"] if self.chat else out)["thinking"] = thinking
         out["done"] = done
         return out
 
@@ -179,9 +189,9 @@ class OllamaReply:
         out["message"]["tool_calls"] = [_ollama_call(c) for c in calls]
         return out
 
-    def _done(self, r: Result, text: str = "") -> dict[str, Any]:
+    def _done(self, r: Result, text: str = "", thinking: str = "") -> dict[str, Any]:
         t = r.timings
-        out = {**self._piece(text, done=True),
+        out = {**self._piece(text, done=True, thinking=thinking),
                "done_reason": "length" if r.finish_reason in ("length", "time_limit")
                else "stop",
                "total_duration": _ns(t.get("total_ms")), "load_duration": 0,
@@ -193,34 +203,33 @@ class OllamaReply:
         return out
 
     def whole(self, r: Result) -> dict[str, Any]:
-        content, calls = parse_tool_calls(r.text, self.names)
-        out = self._done(r, content or "")
-        if calls:
-            out["message"]["tool_calls"] = [_ollama_call(c) for c in calls]
+        parsed = self.reading.parse(r.text, self.names)
+        out = self._done(r, parsed.content or "", parsed.reasoning or "")
+        if parsed.calls:
+            out["message"]["tool_calls"] = [_ollama_call(c) for c in parsed.calls]
         return out
 
     # -- streamed (streaming.EventWriter) -------------------------------------------------
     def opening(self) -> list[Any]:
         return []
 
+    def _delta(self, delta: ReplyDelta) -> list[Any]:
+        return [self._piece(delta.content, thinking=delta.reasoning)] if delta else []
+
     def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
         if isinstance(ev, ProgressEvent):
             return []
-        text = ev.text if self._tools is None else self._tools.feed(ev.text)
-        return [self._piece(text)] if text else []
+        return self._delta(self._reader.feed(ev.text))
 
     def failing(self, index: int) -> list[Any]:
-        held = self._tools.held() if self._tools is not None else ""
+        held = self._reader.held()
         return [self._piece(held)] if held else []
 
     def finished(self, index: int, result: Result) -> list[Any]:
-        out: list[Any] = []
-        if self._tools is not None:
-            rest, calls = self._tools.finish()
-            if rest:
-                out.append(self._piece(rest))
-            if calls:
-                out.append(self._calls(calls))
+        rest, calls = self._reader.finish()
+        out = self._delta(rest)
+        if calls:
+            out.append(self._calls(calls))
         return out + [self._done(result)]
 
     def closing(self) -> list[Any]:

@@ -15,7 +15,8 @@ from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.sampling import TokenLogprob
-from specd.daemon.text.tool_calls import ToolCallStream
+from specd.daemon.text.reasoning import ReplyDelta
+from specd.daemon.text.reply_stream import ReplyStream
 
 from ..jsonout import json_response
 from ..security import IDENTITY, is_own_user
@@ -116,7 +117,7 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
     choices = [params if i == 0 else _nth_choice(params, i) for i in range(n)]
     reply = _Reply(svc, chat=chat, names=names, logprobs=params.logprobs is not None,
                    post=params.post_sampling_probs,
-                   reading=ReplyReading.of(svc.chat_template, tools)
+                   reading=ReplyReading.for_chat(svc, body, tools, prompt)
                    if chat else None)
     if not get(body, "stream", bool, False):
         results = await collect(request, svc, prompt, choices, stop=stop, grammar=grammar,
@@ -132,12 +133,12 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
 
 
 class _ChoiceState:
-    """One streamed choice: tool-call text held back, logprobs not yet sent."""
+    """One streamed choice: its reply's reader (what may be a tool call or a tag held
+    back), logprobs not yet sent."""
 
-    def __init__(self, index: int, names: set[str] | None, whole: bool = False):
+    def __init__(self, index: int, reader: ReplyStream | None):
         self.index = index
-        self.whole = whole  # held to its end: its chat format parses the reply whole
-        self.tools = None if names is None or whole else ToolCallStream(names)
+        self.reader = reader  # (None: a completion's text, passed on as it comes)
         self.logprobs: list[TokenLogprob] = []  # of tokens no chunk has carried yet
         self.texts: list[str] = []
         self.offset = 0  # the text sent so far (completions' text_offset)
@@ -150,7 +151,8 @@ class _Reply:
     Streamed, the usage is sent once: with stream_options.include_usage in OpenAI's own
     last chunk, whose choices are empty, else on the last finishing chunk (where older
     llama.cpp servers put it). With tool `names`, text that may be a tool call is held
-    back, and the calls come whole in one chunk before the finishing one. With
+    back, and the calls come whole in one chunk before the finishing one; reasoning the
+    chat format tells apart comes as `reasoning_content` deltas as it is written. With
     `logprobs`, each chunk carries those of the tokens that came since the choice's last
     chunk (text held back keeps its tokens' logprobs for a later one); `post`: as
     post-sampling probabilities (`openai_logprobs`)."""
@@ -197,7 +199,8 @@ class _Reply:
 
     # -- streamed (streaming.EventWriter) -------------------------------------------------
     def _chunk(self, st: _ChoiceState, delta: str | None,
-               finish: dict[str, str] | None = None, first: bool = False) -> dict[str, Any]:
+               finish: dict[str, str] | None = None, first: bool = False,
+               reasoning: str = "") -> dict[str, Any]:
         c: dict[str, Any] = {"index": st.index, "finish_reason": None, **(finish or {}),
                              "logprobs": None}
         if self.logprobs and st.logprobs and not first:
@@ -208,13 +211,22 @@ class _Reply:
         if self.chat:
             c["delta"] = ({"role": "assistant", "content": delta or ""} if first
                           else ({"content": delta} if delta else {}))
+            if reasoning:
+                c["delta"]["reasoning_content"] = reasoning
         else:
             c["text"] = delta or ""
         return self._head("chat.completion.chunk" if self.chat else "text_completion", [c])
 
+    def _delta(self, st: _ChoiceState, delta: ReplyDelta,
+               timings: dict[str, Any] | None = None) -> list[Any]:
+        """The chunk carrying a reply's delta (none for an empty one)."""
+        if not delta:
+            return []
+        return [{**self._chunk(st, delta.content, reasoning=delta.reasoning), **timed(timings)}]
+
     def opening(self) -> list[Any]:
-        whole = self.reading.whole
-        self._states = [_ChoiceState(i, self.names, whole) for i in range(self.n_streams)]
+        self._states = [_ChoiceState(i, self.reading.stream(self.names) if self.chat else None)
+                        for i in range(self.n_streams)]
         return [self._chunk(st, "", first=True) for st in self._states] if self.chat else []
 
     def event(self, index: int, ev: Piece | ProgressEvent) -> list[Any]:
@@ -224,14 +236,13 @@ class _Reply:
                      **timed(ev.timings)}]
         st.logprobs.extend(ev.logprobs)
         st.texts.extend(ev.texts)
-        if st.whole:  # sent when the reply is complete and parsed
-            return []
-        text = ev.text if st.tools is None else st.tools.feed(ev.text)
-        return [{**self._chunk(st, text), **timed(ev.timings)}] if text else []
+        if st.reader is None:
+            return [{**self._chunk(st, ev.text), **timed(ev.timings)}] if ev.text else []
+        return self._delta(st, st.reader.feed(ev.text), ev.timings)
 
     def failing(self, index: int) -> list[Any]:
         st = self._states[index]
-        held = st.tools.held() if st.tools is not None else ""
+        held = st.reader.held() if st.reader is not None else ""
         return [self._chunk(st, held)] if held else []
 
     def finished(self, index: int, result: Result) -> list[Any]:
@@ -239,24 +250,9 @@ class _Reply:
         self._results.append(result)
         out: list[Any] = []
         finish = _finish(result.finish_reason)
-        if st.whole:
-            parsed = self.reading.parse(result.text, self.names)
-            if parsed.reasoning is not None:
-                thought = self._chunk(st, None)
-                thought["choices"][0]["delta"] = {"reasoning_content": parsed.reasoning}
-                out.append(thought)
-            if parsed.content:
-                out.append(self._chunk(st, parsed.content))
-            if parsed.calls:
-                called = self._chunk(st, None)
-                called["choices"][0]["delta"] = {
-                    "tool_calls": [c.as_openai(k) for k, c in enumerate(parsed.calls)]}
-                out.append(called)
-                finish["finish_reason"] = "tool_calls"
-        elif st.tools is not None:
-            rest, calls = st.tools.finish()
-            if rest:
-                out.append(self._chunk(st, rest))
+        if st.reader is not None:
+            rest, calls = st.reader.finish()
+            out += self._delta(st, rest)
             if calls:
                 called = self._chunk(st, None)
                 called["choices"][0]["delta"] = {

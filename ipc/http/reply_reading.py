@@ -1,38 +1,70 @@
 """How a chat reply's text is read into reasoning, content and tool calls, shared by the
-dialects: by the template's chat format where it has a parser of its own
-(daemon/text/chat_formats.py: the reply is read whole), else by the default tool-call
-reading (content and calls, no reasoning)."""
+dialects, whole or while it streams: by the template's chat format where it has a reader
+of its own (daemon/text/chat_formats.py: think tags, harmony, ...), else by the default
+tool-call reading (content and calls, no reasoning)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from specd.daemon.text.chat_formats import ChatFormat, ParsedReply, chat_format
-from specd.daemon.text.tool_calls import parse_tool_calls
+from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.text.chat_formats import THINKING, ChatFormat, ParsedReply, chat_format
+from specd.daemon.text.reasoning import REASONING_FORMATS, opens_thinking
+from specd.daemon.text.reply_stream import ContentStream, ReplyStream, default_parse
+
+from ..validation import BadRequest, get
+
+# how many of the prompt's last tokens are read for a think tag the template opened
+_PROMPT_TAIL = 16
+
+
+def reasoning_format(svc: ServiceFacade, body: dict[str, Any]) -> str:
+    """The request's `reasoning_format`, else the server's (--reasoning-format)."""
+    fmt = get(body, "reasoning_format", str, svc.reasoning_format)
+    if fmt not in REASONING_FORMATS:
+        raise BadRequest(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}, "
+                         f"got {fmt!r}", param="reasoning_format")
+    return fmt
 
 
 @dataclass
 class ReplyReading:
-    """A chat format with a reply parser of its own (None: the default reading), and the
-    request's tools it reads calls of (None: none offered)."""
+    """A chat format with a reply reader of its own (None: the default reading), the
+    request's tools it reads calls of (None: none offered), and whether the prompt left
+    the reply inside the reasoning."""
 
     fmt: ChatFormat | None
     tools: list[dict[str, Any]] | None
+    in_thinking: bool = False
 
     @classmethod
-    def of(cls, template: str | None, tools: list[dict[str, Any]] | None) -> ReplyReading:
+    def of(cls, template: str | None, tools: list[dict[str, Any]] | None
+           ) -> ReplyReading:
         """The reading of replies written by chat template `template`."""
         return cls(chat_format(template), tools)
 
-    @property
-    def whole(self) -> bool:
-        """Whether a reply is read only once complete (a streamed one is held)."""
-        return self.fmt is not None
+    @classmethod
+    def for_chat(cls, svc: ServiceFacade, body: dict[str, Any],
+                 tools: list[dict[str, Any]] | None, prompt: Any) -> ReplyReading:
+        """The reading of the reply to a chat request `body` whose prompt is `prompt`
+        (token ids; anything else, an upstream's, is not read for an opened tag)."""
+        fmt = chat_format(svc.chat_template)
+        if fmt is THINKING and reasoning_format(svc, body) == "none":
+            return cls(None, tools)  # the tags stay in the content
+        opened = (fmt is THINKING and isinstance(prompt, list) and bool(prompt)
+                  and opens_thinking(svc.tokenizer.decode(prompt[-_PROMPT_TAIL:])))
+        return cls(fmt, tools, opened)
+
+    def stream(self, names: set[str] | None) -> ReplyStream:
+        """A reader of one streamed reply (calls of `names`' tools)."""
+        if self.fmt is not None:
+            return self.fmt.stream(self.tools if names is not None else None, self.in_thinking)
+        return ContentStream(names)
 
     def parse(self, text: str, names: set[str] | None) -> ParsedReply:
         """The reply's reasoning, content and calls (of `names`' tools)."""
         if self.fmt is not None:
-            return self.fmt.parse(text, self.tools if names is not None else None)
-        content, calls = parse_tool_calls(text, names)
-        return ParsedReply(content, None, calls)
+            return self.fmt.parse(text, self.tools if names is not None else None,
+                                  self.in_thinking)
+        return default_parse(text, names)

@@ -9,8 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
-from specd.daemon.text.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from specd.daemon.text.reasoning import ReplyDelta
+from specd.daemon.text.reply_stream import ReplyStream
+from specd.daemon.text.tool_calls import ToolCall
 
+from .reply_reading import ReplyReading
 from .reporting import spec_block
 from .streaming import Named, timed
 
@@ -28,6 +31,13 @@ def _text_part(text: str) -> dict[str, Any]:
 def _message(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [] if text is None else [_text_part(text)]}
+
+
+def _reasoning(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """A reasoning item, its text as one reasoning_text part, as llama-server writes it."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [] if text is None else [{"type": "reasoning_text", "text": text}],
+            "encrypted_content": ""}
 
 
 def _call(item_id: str, call: ToolCall, status: str, arguments: str | None = None
@@ -50,18 +60,23 @@ def usage(r: Result) -> dict[str, Any]:
 class ResponseReply:
     """One response: built whole from a result, or streamed as events (an EventWriter
     of one stream). `echo`: the request's settings the response repeats (instructions,
-    tools, text, ...); `names`: the tools whose calls the reply is read for; `keep`: told
-    the output items once the response is complete, before the client is."""
+    tools, text, ...); `names`: the tools whose calls the reply is read for; `reading`:
+    how (reply_reading: reasoning the template tells apart is a reasoning item before
+    the message); `keep`: told the output items once the response is complete, before
+    the client is."""
 
     def __init__(self, response_id: str, model: str, echo: dict[str, Any], *,
-                 names: set[str] | None,
+                 names: set[str] | None, reading: ReplyReading | None = None,
                  keep: Callable[[list[dict[str, Any]]], None] | None = None):
         self.id, self.model, self.echo, self.names, self.keep = (response_id, model, echo,
                                                                  names, keep)
+        self.reading = reading or ReplyReading(None, None)
         self.created_at = int(time.time())
         self._seq = 0
-        self._tools = None if names is None else ToolCallStream(names)
+        self._reader: ReplyStream = self.reading.stream(names)
         self._output: list[dict[str, Any]] = []  # the items done
+        self._thought: str | None = None  # the id of the reasoning item being streamed
+        self._reasoning = ""  # its text so far
         self._msg: str | None = None  # the id of the message being streamed
         self._text = ""  # its text so far
 
@@ -79,8 +94,11 @@ class ResponseReply:
     # -- whole ----------------------------------------------------------------------------
     def whole(self, r: Result) -> dict[str, Any]:
         status = _status(r)
-        content, calls = parse_tool_calls(r.text, self.names)
-        output = [] if content is None and calls else [
+        parsed = self.reading.parse(r.text, self.names)
+        content, calls = parsed.content, parsed.calls
+        output = [] if parsed.reasoning is None else [
+            _reasoning(new_id("rs"), parsed.reasoning, "completed")]
+        output += [] if content is None and calls else [
             _message(new_id("msg"), content or "", status)]
         output += [_call(new_id("fc"), c, "completed") for c in calls]
         if self.keep is not None:
@@ -102,10 +120,39 @@ class ResponseReply:
             return [self._event("response.in_progress",
                                 response=self.response("in_progress", []),
                                 prompt_progress=ev.as_json(), **timed(ev.timings))]
-        text = ev.text if self._tools is None else self._tools.feed(ev.text)
-        return self._delta(text, ev.timings)
+        return self._delta(self._reader.feed(ev.text), ev.timings)
 
-    def _delta(self, text: str, timings: dict[str, Any] | None = None) -> list[Named]:
+    def _delta(self, delta: ReplyDelta, timings: dict[str, Any] | None = None
+               ) -> list[Named]:
+        return self._thinking(delta.reasoning, timings) + self._text_delta(delta.content,
+                                                                           timings)
+
+    def _thinking(self, text: str, timings: dict[str, Any] | None) -> list[Named]:
+        """The reasoning item's events carrying `text` (the item added first)."""
+        if not text:
+            return []
+        out: list[Named] = []
+        if self._thought is None:
+            self._thought = new_id("rs")
+            out.append(self._event("response.output_item.added", output_index=len(self._output),
+                                   item=_reasoning(self._thought, None, "in_progress")))
+        self._reasoning += text
+        return out + [self._event("response.reasoning_text.delta", item_id=self._thought,
+                                  output_index=len(self._output), content_index=0,
+                                  delta=text, **timed(timings))]
+
+    def _close_thinking(self) -> list[Named]:
+        """The reasoning item's end, before any other item starts."""
+        if self._thought is None or (self._output and self._output[-1]["id"] == self._thought):
+            return []
+        at, text = len(self._output), self._reasoning
+        item = _reasoning(self._thought, text, "completed")
+        self._output.append(item)
+        return [self._event("response.reasoning_text.done", item_id=self._thought,
+                            output_index=at, content_index=0, text=text),
+                self._event("response.output_item.done", output_index=at, item=item)]
+
+    def _text_delta(self, text: str, timings: dict[str, Any] | None = None) -> list[Named]:
         if not text:
             return []
         out = self._open_message()
@@ -118,9 +165,10 @@ class ResponseReply:
     def _open_message(self) -> list[Named]:
         if self._msg is not None:
             return []
+        out = self._close_thinking()
         self._msg = new_id("msg")
         at = len(self._output)
-        return [self._event("response.output_item.added", output_index=at,
+        return out + [self._event("response.output_item.added", output_index=at,
                             item=_message(self._msg, None, "in_progress")),
                 self._event("response.content_part.added", item_id=self._msg,
                             output_index=at, content_index=0, part=_text_part(""))]
@@ -139,19 +187,20 @@ class ResponseReply:
         return out
 
     def _function_call(self, call: ToolCall) -> list[Named]:
+        out = self._close_thinking()
         item_id, at = new_id("fc"), len(self._output)
         item = _call(item_id, call, "completed")
         self._output.append(item)
-        return [self._event("response.output_item.added", output_index=at,
-                            item=_call(item_id, call, "in_progress", "")),
-                self._event("response.function_call_arguments.delta", item_id=item_id,
-                            output_index=at, delta=call.arguments),
-                self._event("response.function_call_arguments.done", item_id=item_id,
-                            output_index=at, name=call.name, arguments=call.arguments),
-                self._event("response.output_item.done", output_index=at, item=item)]
+        return out + [self._event("response.output_item.added", output_index=at,
+                                  item=_call(item_id, call, "in_progress", "")),
+                      self._event("response.function_call_arguments.delta", item_id=item_id,
+                                  output_index=at, delta=call.arguments),
+                      self._event("response.function_call_arguments.done", item_id=item_id,
+                                  output_index=at, name=call.name, arguments=call.arguments),
+                      self._event("response.output_item.done", output_index=at, item=item)]
 
     def failing(self, index: int) -> list[Any]:
-        return self._delta(self._tools.held() if self._tools is not None else "")
+        return self._text_delta(self._reader.held())
 
     def error(self, message: str, code: int) -> list[Any]:
         return [self._event("response.failed",
@@ -159,8 +208,8 @@ class ResponseReply:
 
     def finished(self, index: int, result: Result) -> list[Any]:
         status = _status(result)
-        rest, calls = self._tools.finish() if self._tools is not None else ("", [])
-        out = self._delta(rest)
+        rest, calls = self._reader.finish()
+        out = self._delta(rest) + self._close_thinking()
         if self._msg is not None or not calls:
             out += self._close_message(status)
         for call in calls:

@@ -14,6 +14,7 @@ from ..security import IDENTITY, is_own_user
 from ..validation import BadRequest, get, json_body
 from .chat_inputs import chat_inputs, chat_prompt
 from .parsing import check_fits, check_model, constraint, generation_params, unsupported
+from .reply_reading import ReplyReading
 from .responses_inputs import chat_request, input_items, renamed
 from .responses_output import ResponseReply, new_id
 from .responses_store import RESPONSES
@@ -87,6 +88,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             "tools": body.get("tools") or [], "truncation": "disabled",
             "user": body.get("user")}
     reply = ResponseReply(rid, svc.model_name, echo, names=chat_in.names,
+                          reading=ReplyReading.for_chat(svc, body, chat_in.tools, prompt),
                           keep=kept if keep else None)
     if not get(body, "stream", bool, False):
         [result] = await collect(request, svc, prompt, [params], grammar=grammar,
