@@ -102,3 +102,23 @@ def test_the_template_and_the_vocabulary_are_harmonys(tmp_path) -> None:
                                            ids["<|message|>"], *tok.encode("hi"),
                                            ids["<|return|>"]])
     assert text == "<|channel|>final<|message|>hi"
+
+
+@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize(("reply", "tools", "content", "reasoning", "calls"), CASES)
+def test_streamed_as_llama_server_streams_it(reply: str, tools: list | None, content: str,
+                                             reasoning: str, calls: list, size: int) -> None:
+    """Read a few characters at a time: the reasoning and content deltas add up to the
+    whole reply's, a body passed on as it comes (no more held than a partial control
+    token), the calls at the end."""
+    from specd.daemon.text.harmony import HarmonyStream
+
+    stream = HarmonyStream(tools)
+    deltas = [stream.feed(reply[i:i + size]) for i in range(0, len(reply), size)]
+    rest, got = stream.finish()
+    assert "".join(d.reasoning for d in deltas) + rest.reasoning == reasoning
+    assert "".join(d.content for d in deltas) + rest.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    if len(reasoning) > 4 * size:
+        assert sum(bool(d.reasoning) for d in deltas) > 1
+    assert "<|" not in rest.content + rest.reasoning
