@@ -1,0 +1,151 @@
+"""Reasoning kept apart from the answer on every dialect, whole and streamed, with the
+official clients against a live server: a tiny model with llama.cpp's Qwen3 template
+(the model opens <think> itself) and its DeepSeek-R1 distill template (the prompt opens
+it), the random model's reply shaped by a grammar into reasoning then an answer. The
+reasoning streams as it is written: in more than one delta on every route."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specd.daemon.serving.engine import EngineConfig
+
+import llama_cpp_convert
+from live_server import LiveServer, live_server_in
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+ollama = pytest.importorskip("ollama")
+
+WORDS = r'/[a-z]{3,6}( [a-z]{3,6}){5}/'
+# Qwen3: the model writes the tags; the R1 distill: the prompt opened <think>
+QWEN3_REPLY = f'start: "<think>\\n" {WORDS} "\\n</think>\\n\\n" /[a-z]{{3,6}}/'
+OPENED_REPLY = f'start: {WORDS} "\\n</think>\\n\\n" /[a-z]{{3,6}}/'
+THOUGHT = re.compile(r"[a-z]{3,6}( [a-z]{3,6}){5}")
+ANSWER = re.compile(r"[a-z]{3,6}")
+ASK = [{"role": "user", "content": "hi"}]
+
+
+def _server(tmp_path_factory: pytest.TempPathFactory, factory: Any, name: str
+            ) -> Iterator[LiveServer]:
+    path = llama_cpp_convert.source() / "models" / "templates" / name
+    if not path.is_file():
+        pytest.skip(f"llama.cpp's template {name} is not at {path}")
+    model = factory(arch="qwen2", weight_type="Q8_0", seed=5, context_length=1024)
+    cfg = EngineConfig(target=str(model), spec_type="ngram", n_ctx=512, slots=1,
+                       chat_template=Path(path).read_text())
+    with live_server_in(tmp_path_factory, name.split(".")[0], cfg) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Any
+          ) -> Iterator[LiveServer]:
+    yield from _server(tmp_path_factory, tiny_model_factory, "Qwen-Qwen3-0.6B.jinja")
+
+
+@pytest.fixture(scope="module")
+def r1(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory: Any
+       ) -> Iterator[LiveServer]:
+    yield from _server(tmp_path_factory, tiny_model_factory,
+                       "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+
+
+def _openai(srv: LiveServer) -> Any:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=srv.token or "u",
+                         max_retries=0)
+
+
+def _chat(srv: LiveServer, grammar: str, **kw: Any) -> tuple[Any, list[Any]]:
+    """(the whole message, the streamed chunks' deltas) of one chat request."""
+    client = _openai(srv)
+    ask: dict[str, Any] = {"model": "m", "messages": ASK, "max_tokens": 120,
+                           "temperature": 0}
+    extra = {"grammar": grammar, **kw}
+    whole = client.chat.completions.create(**ask, extra_body=extra).choices[0].message
+    chunks = client.chat.completions.create(**ask, stream=True, extra_body=extra)
+    return whole, [c.choices[0].delta for c in chunks if c.choices]
+
+
+@pytest.mark.parametrize(("which", "grammar"), [("qwen3", QWEN3_REPLY),
+                                                ("r1", OPENED_REPLY)])
+def test_openai_reasoning_content_whole_and_streamed(which: str, grammar: str,
+                                                     request: Any) -> None:
+    whole, deltas = _chat(request.getfixturevalue(which), grammar)
+    thought = whole.model_extra["reasoning_content"]
+    assert THOUGHT.fullmatch(thought) and ANSWER.fullmatch(whole.content), whole
+    pieces = [d.model_extra.get("reasoning_content") for d in deltas]
+    pieces = [p for p in pieces if p]
+    assert len(pieces) > 1 and "".join(pieces) == thought
+    assert "".join(d.content or "" for d in deltas) == whole.content
+
+
+def test_reasoning_format_none_leaves_the_tags_in_the_content(r1: LiveServer) -> None:
+    whole, deltas = _chat(r1, OPENED_REPLY, reasoning_format="none")
+    assert "reasoning_content" not in (whole.model_extra or {})
+    assert "\n</think>\n\n" in whole.content
+    assert "".join(d.content or "" for d in deltas) == whole.content
+    with pytest.raises(openai.BadRequestError, match="reasoning_format"):
+        _chat(r1, OPENED_REPLY, reasoning_format="sometimes")
+
+
+def test_anthropic_thinking_block_whole_and_streamed(qwen3: LiveServer) -> None:
+    client = anthropic.Anthropic(base_url=qwen3.base_url, api_key=qwen3.token or "u",
+                                 max_retries=0)
+    ask: dict[str, Any] = {"model": "m", "max_tokens": 120, "messages": ASK,
+                           "extra_body": {"grammar": QWEN3_REPLY, "temperature": 0}}
+    msg = client.messages.create(**ask)
+    assert [b.type for b in msg.content] == ["thinking", "text"], msg.content
+    assert THOUGHT.fullmatch(msg.content[0].thinking)
+    assert ANSWER.fullmatch(msg.content[1].text)
+    with client.messages.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    thinking = [e.delta.thinking for e in events if e.type == "content_block_delta"
+                and e.delta.type == "thinking_delta"]
+    assert len(thinking) > 1 and "".join(thinking) == msg.content[0].thinking
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+
+
+def test_responses_reasoning_item_whole_and_streamed(qwen3: LiveServer) -> None:
+    client = _openai(qwen3)
+    ask: dict[str, Any] = {"model": "m", "input": "hi", "max_output_tokens": 120,
+                           "temperature": 0, "extra_body": {"grammar": QWEN3_REPLY}}
+    resp = client.responses.create(**ask)
+    assert [o.type for o in resp.output] == ["reasoning", "message"], resp.output
+    thought = resp.output[0].content[0].text
+    assert THOUGHT.fullmatch(thought) and ANSWER.fullmatch(resp.output_text)
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == thought
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == thought
+    assert final.output_text == resp.output_text
+
+
+def test_ollama_thinking_whole_and_streamed(r1: LiveServer) -> None:
+    """The R1 template opens <think> in the prompt: a reply that never closes it (the
+    random model's, without a grammar) is all thinking, streamed as it comes."""
+    headers = {"Authorization": f"Bearer {r1.token}"} if r1.token else None
+    client = ollama.Client(host=r1.base_url, headers=headers)
+    model = client.list().models[0].model  # (as an app picks it)
+    ask: dict[str, Any] = {"model": model, "messages": ASK,
+                           "options": {"num_predict": 24, "temperature": 0}}
+    whole = client.chat(**ask)
+    assert whole.message.thinking and whole.message.content == ""
+    parts = list(client.chat(stream=True, **ask))
+    thinking = [p.message.thinking for p in parts if p.message.thinking]
+    assert len(thinking) > 1 and "".join(thinking) == whole.message.thinking
+    assert "".join(p.message.content for p in parts) == ""
+    generated = client.generate(model=model, prompt="hi",
+                                options={"num_predict": 24, "temperature": 0})
+    assert generated.thinking == whole.message.thinking and generated.response == ""
