@@ -78,6 +78,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="how a reply's <think> reasoning is returned, unless a request's "
                    "reasoning_format says: none leaves it in the content; deepseek and auto "
                    "(default) return it apart (reasoning_content, thinking blocks, ...)")
+    p.add_argument("--reasoning-budget", type=int_at_least(-1), default=-1, metavar="N",
+                   help="tokens a reply may reason for before its think tag is closed for "
+                   "it, unless a request says (thinking_budget_tokens, Anthropic's "
+                   "thinking.budget_tokens): -1 (default) no limit, 0 closed at once")
     p.add_argument("--embeddings", action="store_true",
                    help="serve /v1/embeddings and /embeddings from the target's last hidden "
                    "state (its graph then outputs it: built once more)")
@@ -256,6 +260,7 @@ def build_service(args: argparse.Namespace):
     cfg.aliases, cfg.tags = _names(args.alias), _names(args.tags)
     cfg.chat_template, cfg.template_kwargs = chat_template_options(args)
     cfg.reasoning_format = args.reasoning_format
+    cfg.reasoning_budget = args.reasoning_budget
     cfg.history, cfg.history_file = args.history, args.history_file
     if args.history_tokens is not None:
         cfg.history_tokens = args.history_tokens

@@ -133,6 +133,9 @@ class EngineConfig:
     # how a reply's think tags are read, unless its request says (--reasoning-format:
     # text/reasoning.py's REASONING_FORMATS)
     reasoning_format: str = "auto"
+    # the reasoning's budget in tokens, unless a request's says (--reasoning-budget; -1:
+    # none, 0: the reasoning closed at once)
+    reasoning_budget: int = -1
     # speculation from each identity's history (drafters/history.py): its bound in tokens
     # per principal, and the 0600 file under the state dir it is kept in (None: memory)
     history: bool = False

@@ -202,6 +202,11 @@ class ServiceFacade:
         return self._service.engine.cfg.reasoning_format
 
     @property
+    def reasoning_budget(self) -> int:
+        """The reasoning's budget in tokens by default (--reasoning-budget; -1: none)."""
+        return self._service.engine.cfg.reasoning_budget
+
+    @property
     def started(self) -> float:
         """When the service started (Unix time)."""
         return self._service.started

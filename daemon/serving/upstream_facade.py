@@ -79,6 +79,10 @@ class UpstreamFacade(ServiceFacade):
         return "auto"  # (no template here: the upstream's replies are read as they come)
 
     @property
+    def reasoning_budget(self) -> int:
+        return -1  # (the upstream's own)
+
+    @property
     def takes_images(self) -> bool:
         return False  # the chat is forwarded as text messages
 

@@ -33,7 +33,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
@@ -42,6 +42,7 @@ from llguidance.gbnf_to_lark import any_to_lark, gbnf_to_lark
 from tokenizers import Tokenizer as _Backend
 from tokenizers import normalizers
 
+from .reasoning_budget import BudgetPosition, ReasoningBudget
 from .tokenizer import CONTROL, SPIECE_SPACE, UNKNOWN, UNUSED, USER_DEFINED, Tokenizer
 
 if TYPE_CHECKING:  # a TypedDict of the extension's stub only
@@ -356,12 +357,17 @@ class Grammar:
     n_tokens: int  # the tokenizer's vocabulary size: ids >= this are never allowed
     eog_ids: tuple[int, ...]  # the ids llguidance treats as EOS
     digits: _TokenDigits | None = None  # JSON numbers' digit runs are bounded (if given)
+    budget: ReasoningBudget | None = None  # a reasoning budget kept beside the grammar
 
     def start(self) -> GrammarState:
         """A fresh matcher at the start of the output."""
         with _copy_lock:
             matcher = self._template.deep_copy()
-        return GrammarState(matcher, self.n_tokens, digits=self.digits)
+        return GrammarState(matcher, self.n_tokens, digits=self.digits, budget=self.budget)
+
+    def with_budget(self, budget: ReasoningBudget) -> Grammar:
+        """This constraint with a reasoning budget kept beside it (a copy)."""
+        return replace(self, budget=budget)
 
 
 # --- per-request state ------------------------------------------------------------------------
@@ -376,12 +382,15 @@ class GrammarState:
 
     With ``digits`` (a bounded-numbers grammar) the mask also leaves out tokens that would
     make a run of digits outside JSON strings longer than NUMBER_DIGITS, unless nothing
-    else is allowed (a schema's own bound may need more digits).
+    else is allowed (a schema's own bound may need more digits). With ``budget`` (a
+    reasoning budget, reasoning_budget.py) the mask is the end tag's next token alone
+    while the budget forces it.
     """
 
     def __init__(self, matcher: llg.LLMatcher, n_tokens: int, counted: Sequence[bool] = (),
                  *, digits: _TokenDigits | None = None,
-                 scans: Sequence[_JsonScan] = ()) -> None:
+                 scans: Sequence[_JsonScan] = (), budget: ReasoningBudget | None = None,
+                 positions: Sequence[BudgetPosition] = ()) -> None:
         self._m = matcher
         self._n_tokens = n_tokens
         # one entry per consumed token: did llguidance record it?  (A token consumed once
@@ -391,6 +400,10 @@ class GrammarState:
         self._digits = digits
         # with digits: where the JSON text stands, at the start and after each consumed token
         self._scans: list[_JsonScan] = list(scans) or [_JsonScan()]
+        # with a budget: where the reply stands in it, at the start and after each token
+        self._budget = budget
+        self._positions: list[BudgetPosition] = list(positions) or (
+            [] if budget is None else [budget.begin()])
         self._mask: np.ndarray | None = None  # [n_tokens] bool for the current state
         self._padded: dict[int, np.ndarray] = {}  # n_vocab -> [n_vocab] read-only
 
@@ -421,7 +434,7 @@ class GrammarState:
                 mask = np.unpackbits(bits, bitorder="little")[: self._n_tokens].astype(bool)
                 if self._m.is_error():  # the mask computation itself can hit a limit
                     mask[:] = False
-                mask = self._bound_digits(mask)
+                mask = self._force_budget(self._bound_digits(mask))
             mask.setflags(write=False)
             self._mask = mask
         return self._mask
@@ -434,6 +447,22 @@ class GrammarState:
             return mask
         bounded = mask & (self._digits.lead[: mask.shape[0]] <= NUMBER_DIGITS - scan.run)
         return bounded if bounded.any() else mask
+
+    def _forced(self) -> int | None:
+        """The token the reasoning budget forces next (None: none)."""
+        if self._budget is None:
+            return None
+        return self._positions[-1].forced_token(self._budget)
+
+    def _force_budget(self, mask: np.ndarray) -> np.ndarray:
+        """mask [n_tokens], or the forced token alone while the budget forces one."""
+        forced = self._forced()
+        if forced is None:
+            return mask
+        only = np.zeros_like(mask)
+        if forced < only.shape[0]:
+            only[forced] = True
+        return only
 
     def is_allowed(self, token: int) -> bool:
         token = int(token)
@@ -455,6 +484,8 @@ class GrammarState:
         self._counted.append(counted)
         if self._digits is not None:
             self._scans.append(self._scans[-1].after(self._digits.tokens[token]))
+        if self._budget is not None:
+            self._positions.append(self._positions[-1].after(self._budget, token))
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar would accept in turn (state unchanged)."""
@@ -469,6 +500,13 @@ class GrammarState:
                 if not scan.in_string and self._digits.lead[t] > NUMBER_DIGITS - scan.run:
                     return i
                 scan = scan.after(self._digits.tokens[t])
+        if self._budget is not None:  # and the tokens the budget forces, in turn
+            at = self._positions[-1]
+            for i, t in enumerate(ids[:n_ok]):
+                forced = at.forced_token(self._budget)
+                if forced is not None and forced != t:
+                    return i
+                at = at.after(self._budget, t)
         return n_ok
 
     def rollback(self, n: int) -> None:
@@ -483,12 +521,15 @@ class GrammarState:
         del self._counted[-n:]
         if self._digits is not None:
             del self._scans[-n:]
+        if self._budget is not None:
+            del self._positions[-n:]
         self._changed()
 
     def fork(self) -> GrammarState:
         """An independent copy (same position); advancing it leaves this state alone."""
         other = GrammarState(self._m.deep_copy(), self._n_tokens, self._counted,
-                             digits=self._digits, scans=self._scans)
+                             digits=self._digits, scans=self._scans, budget=self._budget,
+                             positions=self._positions)
         other._mask, other._padded = self._mask, dict(self._padded)  # immutable arrays
         return other
 

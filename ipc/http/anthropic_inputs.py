@@ -41,6 +41,9 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if enable is not None:
         out["chat_template_kwargs"] = {**(kwargs if isinstance(kwargs, dict) else {}),
                                        "enable_thinking": enable}
+    if enable:  # the reasoning's budget, as llama-server passes it on
+        out["thinking_budget_tokens"] = body["thinking"].get("budget_tokens",
+                                                             DEFAULT_THINKING_BUDGET)
     return out
 
 
@@ -50,10 +53,13 @@ THINKING_TYPES: dict[str, bool | None] = {
     "enabled": True, "disabled": False, "adaptive": None, "between_tools": None}
 
 
+# llama-server's budget for {type: enabled} without budget_tokens
+DEFAULT_THINKING_BUDGET = 10000
+
+
 def thinking_switch(thinking: Any) -> bool | None:
     """The template's `enable_thinking` that `thinking` asks for (None: left to the
-    template). `budget_tokens` is checked but not enforced: the reply's length is bounded
-    by max_tokens alone."""
+    template); its `budget_tokens` checked (chat_body passes it on)."""
     if thinking is None:
         return None
     kind = thinking.get("type") if isinstance(thinking, dict) else None

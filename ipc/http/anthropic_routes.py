@@ -47,17 +47,19 @@ async def messages(request: web.Request) -> web.StreamResponse:
     svc = await served(request, body)
     check_model(request, body)
     limit = max_tokens(body)
-    chat = chat_inputs(chat_body(body))
+    translated = chat_body(body)
+    chat = chat_inputs(translated)
     prompt, images = await off_loop(request, chat_prompt, svc, chat)
     params = await off_loop(request, generation_params, svc,
                             sampling_body(body, max_tokens=limit), max_key="max_tokens")
     stop = stop_list(stop_body(body))
     # llama.cpp's own constraint fields (grammar, json_schema, ...) as its routes take them
-    grammar = await constraint(svc, body, chat.forced)
+    reading = ReplyReading.for_chat(svc, body, chat.tools, prompt)
+    grammar = await reading.budgeted(svc, translated,
+                                     await constraint(svc, body, chat.forced))
     check_fits(svc, prompt, "messages")
     # an upstream's model counts its prompt itself: known once it answers
-    reply = _Reply(svc, names=chat.names,
-                   reading=ReplyReading.for_chat(svc, body, chat.tools, prompt),
+    reply = _Reply(svc, names=chat.names, reading=reading,
                    prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
     if not get(body, "stream", bool, False):
         results = await collect(request, svc, prompt, [params], stop=stop, grammar=grammar,

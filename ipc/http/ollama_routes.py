@@ -135,7 +135,9 @@ async def _answer(request: web.Request, svc: ServiceFacade, body: dict[str, Any]
                   ) -> web.StreamResponse:
     """The generation, whole as one JSON object or streamed as NDJSON (Ollama's default);
     the model stays loaded for `keep_alive` once idle after it; `images`: the prompt's."""
-    kw = dict(stop=stop_list(fields), grammar=await constraint(svc, fields, forced),
+    kw = dict(stop=stop_list(fields),
+              grammar=await reply.reading.budgeted(svc, body,
+                                                   await constraint(svc, fields, forced)),
               keep_alive=keep_alive, images=images)
     check_fits(svc, prompt, "messages" if reply.chat else "prompt")
     if not get(body, "stream", bool, True):

@@ -110,15 +110,16 @@ async def _openai(request: web.Request, *, chat: bool) -> web.StreamResponse:
         params.max_tokens = get(body, "max_completion_tokens", int, params.max_tokens, lo=0)
     stop = stop_list(body)
     grammar = await constraint(svc, body, forced)
+    reading = ReplyReading.for_chat(svc, body, tools, prompt) if chat else None
+    if reading is not None:
+        grammar = await reading.budgeted(svc, body, grammar)
     check_fits(svc, prompt, "messages" if chat else "prompt")
     # n choices: n requests on the same prompt (each slot reuses what its cache holds),
     # seeded seed, seed + 1, ... where a seed is given
     n = get(body, "n", int, 1, lo=1, hi=MAX_CHOICES)
     choices = [params if i == 0 else _nth_choice(params, i) for i in range(n)]
     reply = _Reply(svc, chat=chat, names=names, logprobs=params.logprobs is not None,
-                   post=params.post_sampling_probs,
-                   reading=ReplyReading.for_chat(svc, body, tools, prompt)
-                   if chat else None)
+                   post=params.post_sampling_probs, reading=reading)
     if not get(body, "stream", bool, False):
         results = await collect(request, svc, prompt, choices, stop=stop, grammar=grammar,
                                 images=images)

@@ -9,8 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.daemon.serving.facade import ServiceFacade
+from specd.daemon.serving.upstream import OutputFormat
+from specd.daemon.serving.upstream_facade import UpstreamFacade
 from specd.daemon.text.chat_formats import THINKING, ChatFormat, ParsedReply, chat_format
-from specd.daemon.text.reasoning import REASONING_FORMATS, opens_thinking
+from specd.daemon.text.grammar import Grammar
+from specd.daemon.text.reasoning import END, REASONING_FORMATS, START, opens_thinking
+from specd.daemon.text.reasoning_budget import ReasoningBudget
 from specd.daemon.text.reply_stream import ContentStream, ReplyStream, default_parse
 
 from ..validation import BadRequest, get
@@ -26,6 +30,16 @@ def reasoning_format(svc: ServiceFacade, body: dict[str, Any]) -> str:
         raise BadRequest(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}, "
                          f"got {fmt!r}", param="reasoning_format")
     return fmt
+
+
+def reasoning_budget(svc: ServiceFacade, body: dict[str, Any]) -> int:
+    """The request's budget for its reasoning in tokens, llama-server's fields
+    (`reasoning_budget_tokens`, `thinking_budget_tokens`), else the server's
+    (--reasoning-budget); -1: none."""
+    for key in ("reasoning_budget_tokens", "thinking_budget_tokens"):
+        if body.get(key) is not None:
+            return get(body, key, int, -1, lo=-1)
+    return svc.reasoning_budget
 
 
 @dataclass
@@ -68,3 +82,19 @@ class ReplyReading:
             return self.fmt.parse(text, self.tools if names is not None else None,
                                   self.in_thinking)
         return default_parse(text, names)
+
+    async def budgeted(self, svc: ServiceFacade, body: dict[str, Any],
+                       grammar: Grammar | OutputFormat | None
+                       ) -> Grammar | OutputFormat | None:
+        """The request's constraint with its reasoning budget kept beside it (none
+        without think tags, a budget, or a local model; no constraint: any text)."""
+        budget = reasoning_budget(svc, body)
+        if budget < 0 or self.fmt is not THINKING or isinstance(svc, UpstreamFacade) or (
+                isinstance(grammar, OutputFormat)):
+            return grammar
+        tok = svc.tokenizer
+        tags = [tuple(tok.encode(t, add_bos=False, add_eos=False, parse_special=True))
+                for t in (START, END)]
+        base = grammar if grammar is not None else await svc.compile_constraint(
+            "regex", r"(?s:.*)")
+        return base.with_budget(ReasoningBudget(tags[0], tags[1], budget, self.in_thinking))

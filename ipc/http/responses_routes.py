@@ -67,6 +67,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
         grammar = await constraint(svc, chat, chat_in.forced)
     except BadRequest as exc:
         raise renamed(exc) from None
+    reading = ReplyReading.for_chat(svc, body, chat_in.tools, prompt)
+    grammar = await reading.budgeted(svc, body, grammar)
     params = await off_loop(request, generation_params, svc, body, max_key="max_output_tokens")
     check_fits(svc, prompt, "input")
     keep = get(body, "store", bool, True)
@@ -88,7 +90,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             "tools": body.get("tools") or [], "truncation": "disabled",
             "user": body.get("user")}
     reply = ResponseReply(rid, svc.model_name, echo, names=chat_in.names,
-                          reading=ReplyReading.for_chat(svc, body, chat_in.tools, prompt),
+                          reading=reading,
                           keep=kept if keep else None)
     if not get(body, "stream", bool, False):
         [result] = await collect(request, svc, prompt, [params], grammar=grammar,

@@ -149,3 +149,44 @@ def test_ollama_thinking_whole_and_streamed(r1: LiveServer) -> None:
     generated = client.generate(model=model, prompt="hi",
                                 options={"num_predict": 24, "temperature": 0})
     assert generated.thinking == whole.message.thinking and generated.response == ""
+
+
+def _n_tokens(srv: LiveServer, text: str) -> int:
+    status, out = srv.request("POST", "/tokenize", {"content": text})
+    assert status == 200, out
+    return len(out["tokens"])
+
+
+@pytest.mark.parametrize("budget", [4, 12])
+def test_anthropic_budget_tokens_close_the_thinking(r1: LiveServer, budget: int) -> None:
+    """The R1 template opens the reasoning and the random model never closes it: with
+    thinking.budget_tokens the end tag is forced once the budget is spent, and the
+    reply goes on as the answer; without a budget it is all thinking."""
+    client = anthropic.Anthropic(base_url=r1.base_url, api_key=r1.token or "u",
+                                 max_retries=0)
+    ask: dict[str, Any] = {"model": "m", "max_tokens": 40, "messages": ASK,
+                           "extra_body": {"temperature": 0}}
+    assert [b.type for b in client.messages.create(**ask).content] == ["thinking"]
+    # a budget past max_tokens: the same reasoning, never closed
+    free = client.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 99})
+    assert [b.type for b in free.content] == ["thinking"]
+    msg = client.messages.create(**ask, thinking={"type": "enabled",
+                                                  "budget_tokens": budget})
+    assert [b.type for b in msg.content] == ["thinking", "text"], msg.content
+    assert 0 < _n_tokens(r1, msg.content[0].thinking) <= budget
+    assert free.content[0].thinking.startswith(msg.content[0].thinking)
+    with client.messages.stream(**ask, thinking={"type": "enabled",
+                                                 "budget_tokens": budget}) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+
+
+def test_openai_thinking_budget_tokens_zero_closes_at_once(r1: LiveServer) -> None:
+    client = _openai(r1)
+    msg = client.chat.completions.create(
+        model="m", messages=ASK, max_tokens=20, temperature=0,
+        extra_body={"thinking_budget_tokens": 0}).choices[0].message
+    assert "reasoning_content" not in (msg.model_extra or {}) and msg.content
+    with pytest.raises(openai.BadRequestError, match="thinking_budget_tokens"):
+        client.chat.completions.create(model="m", messages=ASK, max_tokens=4,
+                                       extra_body={"thinking_budget_tokens": -2})
