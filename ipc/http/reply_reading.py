@@ -1,7 +1,8 @@
 """How a chat reply's text is read into reasoning, content and tool calls, shared by the
 dialects, whole or while it streams: by the template's chat format where it has a reader
 of its own (daemon/text/chat_formats.py: think tags, harmony, ...), else by the default
-tool-call reading (content and calls, no reasoning)."""
+tool-call reading (content and calls, no reasoning). The request's reasoning budget
+rides on its constraint (`ReplyReading.budgeted`)."""
 
 from __future__ import annotations
 
@@ -53,18 +54,12 @@ class ReplyReading:
     in_thinking: bool = False
 
     @classmethod
-    def of(cls, template: str | None, tools: list[dict[str, Any]] | None
-           ) -> ReplyReading:
-        """The reading of replies written by chat template `template`."""
-        return cls(chat_format(template), tools)
-
-    @classmethod
     def for_chat(cls, svc: ServiceFacade, body: dict[str, Any],
                  tools: list[dict[str, Any]] | None, prompt: Any) -> ReplyReading:
         """The reading of the reply to a chat request `body` whose prompt is `prompt`
         (token ids; anything else, an upstream's, is not read for an opened tag)."""
         fmt = chat_format(svc.chat_template)
-        if fmt is THINKING and reasoning_format(svc, body) == "none":
+        if reasoning_format(svc, body) == "none" and fmt is THINKING:
             return cls(None, tools)  # the tags stay in the content
         opened = (fmt is THINKING and isinstance(prompt, list) and bool(prompt)
                   and opens_thinking(svc.tokenizer.decode(prompt[-_PROMPT_TAIL:])))
