@@ -29,7 +29,8 @@ VALUED = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": 
           "--spec-draft-n-min": "--spec-draft-n-min", "--api-key": "--api-key",
           "--api-key-file": "--api-key-file", "--chat-template-file": "--chat-template-file",
           "--chat-template-kwargs": "--chat-template-kwargs", "--reasoning": "--reasoning",
-          "-rea": "--reasoning",
+          "-rea": "--reasoning", "--reasoning-format": "--reasoning-format",
+          "--reasoning-budget": "--reasoning-budget",
           "--spec-synth-rates": "--spec-synthetic-rates",
           "--spec-synth-len": "--spec-synthetic-mean", "--alias": "--alias", "-a": "--alias",
           "--tags": "--tags", "--batch-size": "-b", "-b": "-b",
@@ -44,7 +45,7 @@ ROUTER_MODELS = {"ggml-org/tinygemma3-GGUF:Q8_0": "gemma-3-270m",
 # llama-server flags that take a value and have no specd counterpart
 DROPPED_VALUED = {"--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ctv", "-fa",
                   "--grp-attn-n", "--grp-attn-w",
-                  "--slot-save-path", "--reasoning-format", "--chat-template", "--mmproj-url",
+                  "--slot-save-path", "--chat-template", "--mmproj-url",
                   "--media-path", "--cache-ram", "--models-dir", "--models-preset",
                   "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json",
                   "--lora", "--model-url"}
