@@ -16,7 +16,7 @@ the role part or after the channel). A body goes to:
 
 * `reasoning_content`: the analysis channel without a recipient;
 * `tool_calls`: a recipient `functions.NAME` naming one of the request's tools, its body
-  the arguments (JSON; one that does not parse leaves the message out);
+  the arguments as written (JSON; one that does not parse leaves the message out);
 * nowhere: any other recipient (builtin tools such as `python` or `container.exec`);
 * `content`: the final and commentary channels (a commentary without a recipient is a
   preamble the user sees).
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .muse_glimmer_chat import ParsedReply
-from .reasoning import ReplyDelta, partial_tag
+from .reasoning import partial_tag
+from .reply_delta import CallDelta, ReplyDelta
 from .tool_calls import ToolCall, tool_names
 
 CHANNEL, MESSAGE, START, END, CONSTRAIN = (
@@ -80,28 +81,12 @@ def parse_reply(text: str, tools: list[dict[str, Any]] | None) -> ParsedReply:
     """A whole reply's content (None: nothing but calls), reasoning (None: none) and calls
     of the request's `tools` (None: none offered, calls are not taken); the module
     docstring says where each message goes."""
-    names = tool_names(tools) if tools is not None else set()
-    content, reasoning, calls = "", "", []
-    for m in _messages(text):
-        if m.recipient:
-            fn = m.recipient.removeprefix("functions.")
-            if m.recipient.startswith("functions.") and fn in names:
-                call = _call(fn, m.body)
-                if call is not None:
-                    calls.append(call)
-        elif m.channel == "analysis":
-            reasoning += m.body
-        else:
-            content += m.body
-    return ParsedReply(content or (None if calls else ""), reasoning or None, calls)
-
-
-def _call(name: str, body: str) -> ToolCall | None:
-    try:
-        args = json.loads(body)
-    except ValueError:
-        return None
-    return ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
+    stream = HarmonyStream(tools)
+    first = stream.feed(text)
+    rest, calls = stream.finish()
+    content = first.content + rest.content
+    return ParsedReply(content or (None if calls else ""),
+                       first.reasoning + rest.reasoning or None, calls)
 
 
 # control tokens a streamed body may end in the middle of (held back until told apart)
@@ -109,16 +94,19 @@ _TAGS = (START, END, CHANNEL, MESSAGE, CONSTRAIN, "<|return|>", "<|call|>")
 
 
 class HarmonyStream:
-    """A harmony reply read as it streams (reply_stream.ReplyStream): each message's body
-    passed on as it comes, to the reasoning (analysis) or the content (final, or
-    commentary without a recipient); a body with a recipient is a call, taken whole at
-    the end, as `parse_reply` takes it; `tools`: the request's (None: none offered)."""
+    """A harmony reply read as it streams (reply_stream.ReplyStream), as llama-server
+    streams it: each message's body passed on as it comes, to the reasoning (analysis),
+    the content (final, or commentary without a recipient) or, addressed to one of the
+    request's `tools` (None: none offered), a call's arguments (its name first); the
+    calls whose arguments parse are the reply's, once it is complete."""
 
     def __init__(self, tools: list[dict[str, Any]] | None):
-        self.tools = tools
+        self.names = tool_names(tools) if tools is not None else set()
         self.text = ""
         self.base = 0  # where the message being read starts (after its <|start|>)
         self.sent = 0  # characters of its body passed on
+        self.calls: list[ToolCall] = []  # the calls begun, their arguments so far
+        self.call: int | None = None  # the index of the message's call (None: not one)
 
     def feed(self, piece: str) -> ReplyDelta:
         self.text += piece
@@ -135,15 +123,24 @@ class HarmonyStream:
                 self.sent = max(self.sent, len(body))
             if nxt < 0:
                 return out
-            self.base, self.sent = nxt + len(START), 0
+            self.base, self.sent, self.call = nxt + len(START), 0, None
 
-    @staticmethod
-    def _route(m: _Message, text: str, out: ReplyDelta) -> None:
-        if not text or m.recipient:
-            return
-        if m.channel == "analysis":
+    def _route(self, m: _Message, text: str, out: ReplyDelta) -> None:
+        if m.recipient:
+            fn = m.recipient.removeprefix("functions.")
+            if not m.recipient.startswith("functions.") or fn not in self.names:
+                return  # a builtin tool's (python, ...): not the client's
+            if self.call is None:  # the call begins: its name and id
+                self.call = len(self.calls)
+                self.calls.append(ToolCall(name=fn, arguments=""))
+                call = self.calls[self.call]
+                out.calls.append(CallDelta(self.call, "", call.name, call.id))
+            if text:
+                self.calls[self.call].arguments += text
+                out.calls.append(CallDelta(self.call, text))
+        elif text and m.channel == "analysis":
             out.reasoning += text
-        else:
+        elif text:
             out.content += text
 
     def held(self) -> str:
@@ -154,5 +151,13 @@ class HarmonyStream:
         m = _message(self.text[self.base:])
         if m is not None:
             self._route(m, m.body[self.sent:], out)
-        return out, parse_reply(self.text, self.tools).calls
+        return out, [c for c in self.calls if _parses(c.arguments)]
 
+
+def _parses(arguments: str) -> bool:
+    """Whether a call's arguments are JSON (a call cut short, or malformed, is left out)."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True

@@ -17,7 +17,7 @@ whitespace that may end the reasoning).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from .reply_delta import ReplyDelta
 
 START, END = "<think>", "</think>"
 PRESERVED_TOKENS = (START, END)
@@ -35,17 +35,6 @@ def opens_thinking(prompt_text: str) -> bool:
     """Whether a rendered prompt leaves the reply inside the reasoning (its generation
     prompt ends with `<think>`, as llama.cpp's parser sees it prefixed to the reply)."""
     return prompt_text.rstrip().endswith(START)
-
-
-@dataclass
-class ReplyDelta:
-    """What one piece of a streamed reply adds to its reasoning and to its content."""
-
-    reasoning: str = ""
-    content: str = ""
-
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content)
 
 
 def partial_tag(text: str, tag: str) -> int:

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .muse_glimmer_chat import ParsedReply
-from .reasoning import ReplyDelta, ThinkSplitter
+from .reasoning import ThinkSplitter
+from .reply_delta import ReplyDelta
 from .tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.serving.upstream_facade import UpstreamFacade
-from specd.daemon.text.reasoning import ReplyDelta
+from specd.daemon.text.reply_delta import ReplyDelta
 from specd.daemon.text.reply_stream import ReplyStream
 from specd.daemon.text.tool_calls import ToolCall
 
@@ -107,11 +107,16 @@ def _thinking(reasoning: str) -> dict[str, Any]:
     return {"type": "thinking", "thinking": reasoning, "signature": ""}
 
 
+def _tool_id(call_id: str) -> str:
+    """A call's id as a tool_use block's."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _tool_use(call: ToolCall) -> dict[str, Any]:
     """A call as a tool_use block: its input an object (arguments that are not one, as
     models rarely write them, under "value")."""
     args = json.loads(call.arguments)
-    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"),
+    return {"type": "tool_use", "id": _tool_id(call.id),
             "name": call.name, "input": args if isinstance(args, dict) else {"value": args}}
 
 
@@ -119,9 +124,10 @@ class _Reply:
     """One request's message, whole or as Anthropic streams it (streaming.EventWriter):
     message_start; each block's content_block_start, its deltas and content_block_stop
     (thinking and text as they come, each a block of its own, then each tool_use with its
-    input as one input_json_delta); message_delta with the stop reason and usage;
-    message_stop. The reply is read by the template's reader (reply_reading): with tool
-    `names`, text that may be a call is held back and the calls come at the end."""
+    input as input_json_delta pieces as the format streams them, else as one);
+    message_delta with the stop reason and usage; message_stop. The reply is read by the
+    template's reader (reply_reading): with tool `names`, text that may be a call is held
+    back and the calls come at the end."""
 
     def __init__(self, svc: ServiceFacade, *, names: set[str] | None, prompt_tokens: int,
                  reading: ReplyReading | None = None):
@@ -131,7 +137,8 @@ class _Reply:
         self.model = svc.model_name
         self._reader: ReplyStream | None = None
         self._open: int | None = None  # the index of the block being streamed
-        self._open_kind = ""  # its type: "thinking" or "text"
+        self._open_kind = ""  # its type: "thinking", "text" or "tool_use"
+        self._streamed: set[str] = set()  # the ids of the calls streamed piece by piece
         self._blocks = 0  # blocks started so far
 
     def _message(self, content: list[dict[str, Any]], stop: dict[str, Any],
@@ -186,7 +193,19 @@ class _Reply:
         return out + [self._event("content_block_stop", index=index)]
 
     def _delta(self, delta: ReplyDelta) -> list[Any]:
-        return self._text(delta.reasoning, "thinking") + self._text(delta.content)
+        out = self._text(delta.reasoning, "thinking") + self._text(delta.content)
+        for c in delta.calls:  # a call streamed: its tool_use block, its input in pieces
+            if c.id is not None and c.name is not None:
+                out += self._close_text()
+                self._streamed.add(c.id)
+                self._open, start = self._start({"type": "tool_use", "id": _tool_id(c.id),
+                                                 "name": c.name, "input": {}})
+                self._open_kind = "tool_use"
+                out.append(start)
+            if c.arguments and self._open is not None:
+                out.append(self._event("content_block_delta", index=self._open, delta={
+                    "type": "input_json_delta", "partial_json": c.arguments}))
+        return out
 
     def opening(self) -> list[Any]:
         self._reader = self.reading.stream(self.names)
@@ -206,7 +225,7 @@ class _Reply:
     def finished(self, index: int, result: Result) -> list[Any]:
         rest, calls = self._reader.finish() if self._reader is not None else (ReplyDelta(), [])
         out = self._delta(rest) + self._close_text()
-        for call in calls:
+        for call in (c for c in calls if c.id not in self._streamed):
             block = _tool_use(call)
             i, start = self._start({**block, "input": {}})
             out += [start,

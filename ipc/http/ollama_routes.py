@@ -12,7 +12,7 @@ from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.media import MEDIA_MARKER, PromptImage
-from specd.daemon.text.reasoning import ReplyDelta
+from specd.daemon.text.reply_delta import ReplyDelta
 from specd.daemon.text.tool_calls import ToolCall
 
 from ..jsonout import json_response

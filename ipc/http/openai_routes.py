@@ -15,7 +15,7 @@ from specd.daemon.serving.service import Piece, ProgressEvent, Result
 from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.sampling import TokenLogprob
-from specd.daemon.text.reasoning import ReplyDelta
+from specd.daemon.text.reply_delta import ReplyDelta
 from specd.daemon.text.reply_stream import ReplyStream
 
 from ..jsonout import json_response
@@ -140,6 +140,7 @@ class _ChoiceState:
     def __init__(self, index: int, reader: ReplyStream | None):
         self.index = index
         self.reader = reader  # (None: a completion's text, passed on as it comes)
+        self.streamed: set[str] = set()  # the ids of the calls streamed piece by piece
         self.logprobs: list[TokenLogprob] = []  # of tokens no chunk has carried yet
         self.texts: list[str] = []
         self.offset = 0  # the text sent so far (completions' text_offset)
@@ -220,10 +221,27 @@ class _Reply:
 
     def _delta(self, st: _ChoiceState, delta: ReplyDelta,
                timings: dict[str, Any] | None = None) -> list[Any]:
-        """The chunk carrying a reply's delta (none for an empty one)."""
-        if not delta:
-            return []
-        return [{**self._chunk(st, delta.content, reasoning=delta.reasoning), **timed(timings)}]
+        """The chunks carrying a reply's delta (none for an empty one): its reasoning and
+        content, then its calls' pieces (a call's id and name first, as OpenAI streams
+        them)."""
+        out = []
+        if delta.reasoning or delta.content:
+            out.append({**self._chunk(st, delta.content, reasoning=delta.reasoning),
+                        **timed(timings)})
+        if delta.calls:
+            pieces = []
+            for c in delta.calls:
+                fn: dict[str, Any] = {"arguments": c.arguments}
+                piece: dict[str, Any] = {"index": c.index, "function": fn}
+                if c.id is not None:
+                    st.streamed.add(c.id)
+                    fn["name"] = c.name
+                    piece.update(id=c.id, type="function")
+                pieces.append(piece)
+            called = self._chunk(st, None)
+            called["choices"][0]["delta"] = {"tool_calls": pieces}
+            out.append(called)
+        return out
 
     def opening(self) -> list[Any]:
         self._states = [_ChoiceState(i, self.reading.stream(self.names) if self.chat else None)
@@ -254,11 +272,12 @@ class _Reply:
         if st.reader is not None:
             rest, calls = st.reader.finish()
             out += self._delta(st, rest)
-            if calls:
+            whole = [c.as_openai(k) for k, c in enumerate(calls) if c.id not in st.streamed]
+            if whole:  # calls not streamed piece by piece: each whole
                 called = self._chunk(st, None)
-                called["choices"][0]["delta"] = {
-                    "tool_calls": [c.as_openai(k) for k, c in enumerate(calls)]}
+                called["choices"][0]["delta"] = {"tool_calls": whole}
                 out.append(called)
+            if calls:
                 finish["finish_reason"] = "tool_calls"
         final = self._chunk(st, None, finish)
         results = self._results

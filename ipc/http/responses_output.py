@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specd.daemon.serving.service import Piece, ProgressEvent, Result
-from specd.daemon.text.reasoning import ReplyDelta
+from specd.daemon.text.reply_delta import ReplyDelta
 from specd.daemon.text.reply_stream import ReplyStream
 from specd.daemon.text.tool_calls import ToolCall
 
@@ -77,6 +77,10 @@ class ResponseReply:
         self._output: list[dict[str, Any]] = []  # the items done
         self._thought: str | None = None  # the id of the reasoning item being streamed
         self._reasoning = ""  # its text so far
+        self._msg_done = False  # the message's item is done
+        self._fc: tuple[str, ToolCall] | None = None  # the streamed call's item id, call
+        self._fc_args = ""  # its arguments so far
+        self._streamed: set[str] = set()  # the ids of the calls streamed piece by piece
         self._msg: str | None = None  # the id of the message being streamed
         self._text = ""  # its text so far
 
@@ -124,8 +128,40 @@ class ResponseReply:
 
     def _delta(self, delta: ReplyDelta, timings: dict[str, Any] | None = None
                ) -> list[Named]:
-        return self._thinking(delta.reasoning, timings) + self._text_delta(delta.content,
-                                                                           timings)
+        out = self._thinking(delta.reasoning, timings) + self._text_delta(delta.content,
+                                                                          timings)
+        for c in delta.calls:  # a call streamed: its item, its arguments in pieces
+            if c.id is not None and c.name is not None:
+                out += self._start_call(ToolCall(c.name, "", c.id))
+            if c.arguments and self._fc is not None:
+                self._fc_args += c.arguments
+                out.append(self._event("response.function_call_arguments.delta",
+                                       item_id=self._fc[0], output_index=len(self._output),
+                                       delta=c.arguments))
+        return out
+
+    def _start_call(self, call: ToolCall) -> list[Named]:
+        """A streamed call's item added (the items before it done)."""
+        out = self._close_thinking() + self._close_call()
+        if self._msg is not None and not self._msg_done:
+            out += self._close_message("completed")
+        self._fc, self._fc_args = (new_id("fc"), call), ""
+        self._streamed.add(call.id)
+        return out + [self._event("response.output_item.added",
+                                  output_index=len(self._output),
+                                  item=_call(self._fc[0], call, "in_progress", ""))]
+
+    def _close_call(self) -> list[Named]:
+        """The streamed call's item done, its arguments as they came."""
+        if self._fc is None:
+            return []
+        (item_id, call), args, at = self._fc, self._fc_args, len(self._output)
+        self._fc = None
+        item = _call(item_id, call, "completed", args)
+        self._output.append(item)
+        return [self._event("response.function_call_arguments.done", item_id=item_id,
+                            output_index=at, name=call.name, arguments=args),
+                self._event("response.output_item.done", output_index=at, item=item)]
 
     def _thinking(self, text: str, timings: dict[str, Any] | None) -> list[Named]:
         """The reasoning item's events carrying `text` (the item added first)."""
@@ -165,13 +201,13 @@ class ResponseReply:
     def _open_message(self) -> list[Named]:
         if self._msg is not None:
             return []
-        out = self._close_thinking()
+        out = self._close_thinking() + self._close_call()
         self._msg = new_id("msg")
         at = len(self._output)
         return out + [self._event("response.output_item.added", output_index=at,
-                            item=_message(self._msg, None, "in_progress")),
-                self._event("response.content_part.added", item_id=self._msg,
-                            output_index=at, content_index=0, part=_text_part(""))]
+                                  item=_message(self._msg, None, "in_progress")),
+                      self._event("response.content_part.added", item_id=self._msg,
+                                  output_index=at, content_index=0, part=_text_part(""))]
 
     def _close_message(self, status: str) -> list[Named]:
         out = self._open_message()
@@ -184,6 +220,7 @@ class ResponseReply:
                             output_index=at, content_index=0, part=_text_part(text)),
                 self._event("response.output_item.done", output_index=at, item=item)]
         self._output.append(item)
+        self._msg_done = True
         return out
 
     def _function_call(self, call: ToolCall) -> list[Named]:
@@ -209,11 +246,13 @@ class ResponseReply:
     def finished(self, index: int, result: Result) -> list[Any]:
         status = _status(result)
         rest, calls = self._reader.finish()
-        out = self._delta(rest) + self._close_thinking()
-        if self._msg is not None or not calls:
+        out = self._delta(rest) + self._close_thinking() + self._close_call()
+        if (self._msg is not None and not self._msg_done) or (
+                not calls and not self._streamed and self._msg is None):
             out += self._close_message(status)
         for call in calls:
-            out += self._function_call(call)
+            if call.id not in self._streamed:
+                out += self._function_call(call)
         if self.keep is not None:
             self.keep(self._output)
         done = self.response(status, self._output, result)

@@ -119,6 +119,15 @@ def test_streamed_as_llama_server_streams_it(reply: str, tools: list | None, con
     assert "".join(d.reasoning for d in deltas) + rest.reasoning == reasoning
     assert "".join(d.content for d in deltas) + rest.content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    # each call streamed: its name and id first, then its arguments piece by piece
+    pieces = [c for d in deltas for c in d.calls] + rest.calls
+    for k, call in enumerate(got):
+        mine = [p for p in pieces if p.index == k]
+        assert (mine[0].name, mine[0].id) == (call.name, call.id)
+        assert all(p.name is None for p in mine[1:])
+        assert "".join(p.arguments for p in mine) == call.arguments
+        if size == 1:
+            assert len(mine) > 2
     if len(reasoning) > 4 * size:
         assert sum(bool(d.reasoning) for d in deltas) > 1
     assert "<|" not in rest.content + rest.reasoning
