@@ -5,7 +5,7 @@ reasoning format does (common/chat.cpp and its tests, tests/test-chat.cpp):
 * the reply's reasoning is the text between the tags, stripped of the whitespace around
   it, and the answer is what follows `</think>`, without the whitespace that opens it;
 * a template may open `<think>` in the prompt (its generation prompt ends with it: the
-  DeepSeek-R1 distills, QwQ, Qwen3 with thinking on in some templates): the reply then
+  DeepSeek-R1 distills, QwQ; or a prefilled reasoning is continued): the reply then
   starts inside the reasoning;
 * a reply that does not open with the tag (after whitespace) is all answer, and reasoning
   the end tag never closes (cut off by max_tokens) is all reasoning.
@@ -32,9 +32,12 @@ def is_thinking_template(template: str) -> bool:
 
 
 def opens_thinking(prompt_text: str) -> bool:
-    """Whether a rendered prompt leaves the reply inside the reasoning (its generation
-    prompt ends with `<think>`, as llama.cpp's parser sees it prefixed to the reply)."""
-    return prompt_text.rstrip().endswith(START)
+    """Whether a rendered prompt (its end at least) leaves the reply inside the
+    reasoning: a `<think>` that no `</think>` follows (its generation prompt ends with
+    one, or an assistant's prefilled reasoning is continued), as llama.cpp's parser sees
+    the generation prompt prefixed to the reply."""
+    at = prompt_text.rfind(START)
+    return at >= 0 and END not in prompt_text[at:]
 
 
 def partial_tag(text: str, tag: str) -> int:

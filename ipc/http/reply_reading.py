@@ -20,8 +20,8 @@ from specd.daemon.text.reply_stream import ContentStream, ReplyStream, default_p
 
 from ..validation import BadRequest, get
 
-# how many of the prompt's last tokens are read for a think tag the template opened
-_PROMPT_TAIL = 16
+# how many of the prompt's last tokens are read for a think tag the prompt left open
+_PROMPT_TAIL = 64
 
 
 def reasoning_format(svc: ServiceFacade, body: dict[str, Any]) -> str:

@@ -112,6 +112,22 @@ def test_llama_cpp_thinking_templates_are_found(name: str, opened: bool) -> None
     assert opens_thinking(prompt) is opened, prompt[-40:]
 
 
+def test_a_continued_reasoning_is_read_as_reasoning() -> None:
+    """test-chat.cpp's continuation cases: the assistant's prefilled reasoning continued
+    (continue_final_message) leaves the reply in the reasoning; a prefilled answer (the
+    reasoning closed before it) leaves it in the content."""
+    template = _template("Qwen-QwQ-32B.jinja")
+    user = {"role": "user", "content": "hi"}
+
+    def prompt(last: str) -> str:
+        return render_chat(template, [user, {"role": "assistant", "content": last}],
+                           add_generation_prompt=False, continue_final_message=True)
+
+    assert opens_thinking(prompt("<think>\nI'm"))
+    assert split_thinking(" thinking\n</think>\n" + HELLO, True) == ("thinking", HELLO)
+    assert not opens_thinking(prompt("<think>I'm thinking</think>Hello, world!"))
+
+
 def test_qwen3_with_thinking_off_closes_the_reasoning_in_the_prompt() -> None:
     """Qwen3's template writes an empty think block with enable_thinking false: the
     reply is all content."""
