@@ -35,6 +35,7 @@ from typing import Any
 from .muse_glimmer_chat import ParsedReply
 from .reasoning import partial_tag
 from .reply_delta import CallDelta, ReplyDelta
+from .reply_stream import read_whole
 from .tool_calls import ToolCall, tool_names
 
 CHANNEL, MESSAGE, START, END, CONSTRAIN = (
@@ -81,12 +82,7 @@ def parse_reply(text: str, tools: list[dict[str, Any]] | None) -> ParsedReply:
     """A whole reply's content (None: nothing but calls), reasoning (None: none) and calls
     of the request's `tools` (None: none offered, calls are not taken); the module
     docstring says where each message goes."""
-    stream = HarmonyStream(tools)
-    first = stream.feed(text)
-    rest, calls = stream.finish()
-    content = first.content + rest.content
-    return ParsedReply(content or (None if calls else ""),
-                       first.reasoning + rest.reasoning or None, calls)
+    return read_whole(HarmonyStream(tools), text)
 
 
 # control tokens a streamed body may end in the middle of (held back until told apart)

@@ -1,5 +1,6 @@
 """A chat reply read while it streams: each piece's reasoning and content passed on as
-soon as they are settled, the tool calls once the reply is complete. One interface for
+soon as they are settled (and a call's pieces, where the format streams them), the tool
+calls once the reply is complete. One interface for
 every chat format (chat_formats.py picks the reader of a template), used by every
 dialect:
 
