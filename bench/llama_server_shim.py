@@ -31,6 +31,7 @@ VALUED = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": 
           "--chat-template-kwargs": "--chat-template-kwargs", "--reasoning": "--reasoning",
           "-rea": "--reasoning", "--reasoning-format": "--reasoning-format",
           "--reasoning-budget": "--reasoning-budget",
+          "--reasoning-budget-message": "--reasoning-budget-message",
           "--spec-synth-rates": "--spec-synthetic-rates",
           "--spec-synth-len": "--spec-synthetic-mean", "--alias": "--alias", "-a": "--alias",
           "--tags": "--tags", "--batch-size": "-b", "-b": "-b",

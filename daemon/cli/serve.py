@@ -82,6 +82,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="tokens a reply may reason for before its think tag is closed for "
                    "it, unless a request says (thinking_budget_tokens, Anthropic's "
                    "thinking.budget_tokens): -1 (default) no limit, 0 closed at once")
+    p.add_argument("--reasoning-budget-message", default="", metavar="TEXT",
+                   help="text written before the think tag a spent budget closes, unless a "
+                   "request's reasoning_budget_message says (default: none)")
     p.add_argument("--embeddings", action="store_true",
                    help="serve /v1/embeddings and /embeddings from the target's last hidden "
                    "state (its graph then outputs it: built once more)")
@@ -261,6 +264,7 @@ def build_service(args: argparse.Namespace):
     cfg.chat_template, cfg.template_kwargs = chat_template_options(args)
     cfg.reasoning_format = args.reasoning_format
     cfg.reasoning_budget = args.reasoning_budget
+    cfg.reasoning_budget_message = args.reasoning_budget_message
     cfg.history, cfg.history_file = args.history, args.history_file
     if args.history_tokens is not None:
         cfg.history_tokens = args.history_tokens

@@ -136,6 +136,7 @@ class EngineConfig:
     # the reasoning's budget in tokens, unless a request's says (--reasoning-budget; -1:
     # none, 0: the reasoning closed at once)
     reasoning_budget: int = -1
+    reasoning_budget_message: str = ""  # forced before the end tag (--reasoning-budget-message)
     # speculation from each identity's history (drafters/history.py): its bound in tokens
     # per principal, and the 0600 file under the state dir it is kept in (None: memory)
     history: bool = False

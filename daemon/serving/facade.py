@@ -207,6 +207,11 @@ class ServiceFacade:
         return self._service.engine.cfg.reasoning_budget
 
     @property
+    def reasoning_budget_message(self) -> str:
+        """The text forced before the end tag once a budget is spent, by default."""
+        return self._service.engine.cfg.reasoning_budget_message
+
+    @property
     def started(self) -> float:
         """When the service started (Unix time)."""
         return self._service.started

@@ -83,6 +83,10 @@ class UpstreamFacade(ServiceFacade):
         return -1  # (the upstream's own)
 
     @property
+    def reasoning_budget_message(self) -> str:
+        return ""
+
+    @property
     def takes_images(self) -> bool:
         return False  # the chat is forwarded as text messages
 

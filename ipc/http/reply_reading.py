@@ -15,7 +15,7 @@ from specd.daemon.serving.upstream_facade import UpstreamFacade
 from specd.daemon.text.chat_formats import THINKING, ChatFormat, ParsedReply, chat_format
 from specd.daemon.text.grammar import Grammar
 from specd.daemon.text.reasoning import END, REASONING_FORMATS, START, opens_thinking
-from specd.daemon.text.reasoning_budget import ReasoningBudget
+from specd.daemon.text.reasoning_budget import ReasoningBudget, partial_utf8_ids
 from specd.daemon.text.reply_stream import ContentStream, ReplyStream, default_parse
 
 from ..validation import BadRequest, get
@@ -88,8 +88,11 @@ class ReplyReading:
                 isinstance(grammar, OutputFormat)):
             return grammar
         tok = svc.tokenizer
-        tags = [tuple(tok.encode(t, add_bos=False, add_eos=False, parse_special=True))
-                for t in (START, END)]
+        message = get(body, "reasoning_budget_message", str, svc.reasoning_budget_message)
+        start, end, said = (tuple(tok.encode(t, add_bos=False, add_eos=False,
+                                             parse_special=True)) if t else ()
+                            for t in (START, END, message))
         base = grammar if grammar is not None else await svc.compile_constraint(
             "regex", r"(?s:.*)")
-        return base.with_budget(ReasoningBudget(tags[0], tags[1], budget, self.in_thinking))
+        return base.with_budget(ReasoningBudget(start, end, budget, self.in_thinking, said,
+                                                partial_utf8_ids(tok)))

@@ -190,3 +190,15 @@ def test_openai_thinking_budget_tokens_zero_closes_at_once(r1: LiveServer) -> No
     with pytest.raises(openai.BadRequestError, match="thinking_budget_tokens"):
         client.chat.completions.create(model="m", messages=ASK, max_tokens=4,
                                        extra_body={"thinking_budget_tokens": -2})
+
+
+def test_the_budget_message_closes_the_reasoning(r1: LiveServer) -> None:
+    """llama-server's reasoning_budget_message: written before the forced end tag, the
+    last words of the reasoning."""
+    msg = _openai(r1).chat.completions.create(
+        model="m", messages=ASK, max_tokens=40, temperature=0,
+        extra_body={"thinking_budget_tokens": 3,
+                    "reasoning_budget_message": " Enough thinking."}).choices[0].message
+    thought = msg.model_extra["reasoning_content"]
+    assert thought.endswith(" Enough thinking.") and msg.content
+    assert _n_tokens(r1, thought.removesuffix(" Enough thinking.")) <= 3

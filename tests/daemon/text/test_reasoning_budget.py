@@ -90,3 +90,40 @@ def test_drafts_see_the_budget(tiny_tok, tags) -> None:
     assert _only(fork, tiny_tok) == tags[1][0] and _only(state, tiny_tok) is None
     fork.rollback(2)
     assert _only(fork, tiny_tok) is None
+
+
+def test_the_message_is_forced_before_the_end_tag(tiny_tok, tags) -> None:
+    message = tuple(tiny_tok.encode(" Enough.", add_bos=False))
+    anything = compile_constraint("regex", r"(?s:.*)", tiny_tok)
+    state = anything.with_budget(ReasoningBudget(*tags, 2, True, message)).start()
+    for t in _free_tokens(tiny_tok, 2):
+        state.consume(t)
+    forced = []
+    for _ in message + tags[1]:
+        forced.append(_only(state, tiny_tok))
+        state.consume(forced[-1])
+    assert tuple(forced) == message + tags[1]
+    assert _only(state, tiny_tok) is None
+
+
+def test_a_character_is_never_cut_in_two(tiny_tok, tags) -> None:
+    """The budget spent on a token that ends inside a UTF-8 character: forcing waits for
+    a token that ends one (llama.cpp's waiting state)."""
+    from specd.daemon.text.reasoning_budget import partial_utf8_ids
+
+    partial = partial_utf8_ids(tiny_tok)
+    lead, cont, last = (next(i for i in range(tiny_tok.vocab_size)
+                             if tiny_tok.token_bytes(i) == b)
+                        for b in (b"\xe2", b"\x82", b"\xac"))  # "€", a byte a token
+    assert {lead, cont, last} <= partial
+    assert not any(tiny_tok.token_bytes(i).isascii() for i in partial)
+    anything = compile_constraint("regex", r"(?s:.*)", tiny_tok)
+    state = anything.with_budget(ReasoningBudget(*tags, 2, True, (), partial)).start()
+    state.consume(_free_tokens(tiny_tok, 1)[0])
+    state.consume(lead)  # the budget is spent inside a character
+    assert _only(state, tiny_tok) is None
+    for t in (cont, last):  # (a lone byte is never whole, as llama.cpp reads a piece)
+        state.consume(t)
+        assert _only(state, tiny_tok) is None
+    state.consume(tiny_tok.encode("a", add_bos=False)[0])  # one that ends whole
+    assert _only(state, tiny_tok) == tags[1][0]
