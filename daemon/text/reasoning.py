@@ -22,8 +22,9 @@ from .reply_delta import ReplyDelta
 START, END = "<think>", "</think>"
 PRESERVED_TOKENS = (START, END)
 # --reasoning-format / a request's reasoning_format: "none" leaves the tags in the content;
-# "deepseek" (and "auto", llama-server's default) puts the reasoning in reasoning_content
-REASONING_FORMATS = ("none", "auto", "deepseek")
+# "deepseek" (and "auto", llama-server's default) puts the reasoning in reasoning_content;
+# "deepseek-legacy" as "deepseek", but a streamed reply keeps its tags in the content
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
 
 
 def is_thinking_template(template: str) -> bool:

@@ -59,7 +59,9 @@ class ReplyReading:
         """The reading of the reply to a chat request `body` whose prompt is `prompt`
         (token ids; anything else, an upstream's, is not read for an opened tag)."""
         fmt = chat_format(svc.chat_template)
-        if reasoning_format(svc, body) == "none" and fmt is THINKING:
+        how = reasoning_format(svc, body)
+        if fmt is THINKING and (how == "none" or how == "deepseek-legacy"
+                                and get(body, "stream", bool, False)):
             return cls(None, tools)  # the tags stay in the content
         opened = (fmt is THINKING and isinstance(prompt, list) and bool(prompt)
                   and opens_thinking(svc.tokenizer.decode(prompt[-_PROMPT_TAIL:])))

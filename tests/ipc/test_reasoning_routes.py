@@ -86,10 +86,15 @@ def test_openai_reasoning_content_whole_and_streamed(which: str, grammar: str,
 
 
 def test_reasoning_format_none_leaves_the_tags_in_the_content(r1: LiveServer) -> None:
+    """none: the tags in the content; deepseek-legacy: apart whole, in the content
+    streamed (llama.cpp's reasoning_in_content); another: a 400."""
     whole, deltas = _chat(r1, OPENED_REPLY, reasoning_format="none")
     assert "reasoning_content" not in (whole.model_extra or {})
     assert "\n</think>\n\n" in whole.content
     assert "".join(d.content or "" for d in deltas) == whole.content
+    legacy, streamed = _chat(r1, OPENED_REPLY, reasoning_format="deepseek-legacy")
+    assert legacy.model_extra["reasoning_content"] and "</think>" not in legacy.content
+    assert "\n</think>\n\n" in "".join(d.content or "" for d in streamed)
     with pytest.raises(openai.BadRequestError, match="reasoning_format"):
         _chat(r1, OPENED_REPLY, reasoning_format="sometimes")
 
