@@ -117,3 +117,35 @@ def test_http_response_format_and_bad_constraints(setup, tmp_path, monkeypatch) 
                                                "json_schema": {"schema": {"type": "nope"}}}})
         assert status == 400, out
         assert srv.request("GET", "/health")[0] == 200
+
+
+@pytest.mark.parametrize("budget", [3, 9])
+def test_a_reasoning_budget_holds_under_speculation(setup, budget) -> None:
+    """A reasoning budget riding on a grammar state (the prompt opened <think>): the end
+    tag comes right after `budget` tokens, and greedy output is the same with a draft
+    model drafting (and accepted) as without one."""
+    from specd.daemon.text.reasoning import END
+    from specd.daemon.text.reasoning_budget import ReasoningBudget, partial_utf8_ids
+
+    target, draft, tok, _ = setup
+    start, end = (tuple(tok.encode(t, add_bos=False)) for t in ("<think>", END))
+    budgeted = compile_constraint("regex", r"(?s:.*)", tok).with_budget(
+        ReasoningBudget(start, end, budget, True, (), partial_utf8_ids(tok)))
+    prompt = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n")
+
+    def run(drafter=None, **kw):
+        gen = Generation(ModelRunner(target, n_ctx=512), 0, prompt,
+                         GenerationParams(max_tokens=40, **kw), eog=set(tok.eot_ids),
+                         drafter=drafter, grammar=budgeted.start())
+        out = gen.prefill()
+        while not gen.done:
+            out += gen.step()
+        return out, gen
+
+    want, _ = run()
+    at = next(i for i in range(len(want)) if tuple(want[i:i + len(end)]) == end)
+    assert budget <= at <= budget + 3  # (a character ended first: at most 3 bytes more)
+    got, g1 = run(DraftModelDrafter(ModelRunner(draft, n_ctx=512)),
+                  draft=DraftParams(n_max=4))
+    assert got == want
+    assert_speculated(g1.stats)
