@@ -36,7 +36,7 @@ import numpy as np
 
 from . import native_ops, sampling_op
 from .arch import HParams
-from .graph_builder import ATTN_BUCKET, EXPERT_IDS, BuildOptions
+from .graph_builder import ATTN_BUCKET, EXPERT_IDS, ROPE_POSITIONS, BuildOptions
 from .kv_cache import KVCache
 from .model_cache import BuiltModel
 from .providers import (
@@ -78,6 +78,10 @@ class Call:
     # projected tokens; `tokens` then only counts them), run by the runner's embeddings
     # graph (`attach_embeddings`)
     embeds: np.ndarray | None = None
+    # [4, len(tokens)] int64: the rows' M-RoPE positions (t, h, w, e) on a model with
+    # them; None: a text row's at its KV position p, (p, p, p, 0). A sequence after an
+    # image gives its text rows' too, shifted from their KV positions (spec/media.py)
+    rope_positions: np.ndarray | None = None
 
 
 @dataclass
@@ -101,6 +105,13 @@ class ContextFull(Exception):
 
 class GraphLoadError(RuntimeError):
     """ONNX Runtime could not load a built graph (its folder is damaged)."""
+
+
+def text_rope_positions(pos: int, n: int, shift: int = 0) -> np.ndarray:
+    """M-RoPE positions [4, n] of n text rows at KV positions pos.. whose rope positions
+    are those plus `shift`: (p, p, p, 0) each, as llama.cpp expands a token's position."""
+    p = np.arange(pos + shift, pos + shift + n, dtype=np.int64)
+    return np.stack([p, p, p, np.zeros_like(p)])
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -256,6 +267,8 @@ class ModelRunner:
         self.embeddings_runner: ModelRunner | None = None
         # the graph decides tokens itself for calls that carry a SampleSpec
         self.samples = "sample_plan" in inputs
+        # every row's four M-RoPE positions come in beside it (qwen2vl)
+        self.takes_rope_positions = ROPE_POSITIONS in inputs
         # per binding, the arrays last bound as the sampler's inputs (kept alive with it)
         self._sampler_inputs: dict[int, dict[str, np.ndarray]] = {}
         self._all = self.session.io_binding() if self.packs_sequences else None
@@ -397,6 +410,7 @@ class ModelRunner:
             if c.sample is not None:
                 self._check_sample(c)
             self._check_embeds(c)
+            self._check_rope_positions(c)
         if self.packs_sequences and len(calls) > 1:
             return self._pass(calls)
         return [self._pass([c])[0] for c in calls]
@@ -421,6 +435,17 @@ class ModelRunner:
             raise ValueError(f"{self.built.folder.name} takes embeddings [{len(call.tokens)}, "
                              f"{self.hp.n_embd}] for a call of {len(call.tokens)} rows, got "
                              f"{None if e is None else list(e.shape)}")
+
+    def _check_rope_positions(self, call: Call) -> None:
+        r = call.rope_positions
+        if r is None:
+            return
+        if not self.takes_rope_positions:
+            raise ValueError(f"{self.built.folder.name} has one rope position per row: a call "
+                             "gives no M-RoPE positions")
+        if np.shape(r) != (4, len(call.tokens)):
+            raise ValueError(f"a call of {len(call.tokens)} rows takes M-RoPE positions "
+                             f"[4, {len(call.tokens)}], got {list(np.shape(r))}")
 
     def _check_sample(self, call: Call) -> None:
         assert call.sample is not None
@@ -486,6 +511,8 @@ class ModelRunner:
             b.bind_cpu_input("attn_len", np.array([attn_len_for(pos + n, self.n_ctx)],
                                                   np.int64))
         b.bind_cpu_input("logits_rows", np.asarray(logits_rows, dtype=np.int64))
+        if self.takes_rope_positions:
+            b.bind_cpu_input(ROPE_POSITIONS, rope_rows(calls, segments))
         b.bind_output("logits", "cpu")
         for name, _ in self._hidden:
             b.bind_output(name, "cpu")
@@ -570,6 +597,22 @@ class ModelRunner:
             i += n
         assert logits is not None
         return logits[0], {layer: np.concatenate(rows) for layer, rows in parts.items()}
+
+
+def rope_rows(calls: Sequence[Call], segments: Sequence[tuple[int, int, int]]
+              ) -> np.ndarray:
+    """The M-RoPE positions [4, rows] of a pass's rows, call after call: a call's own, or
+    its text rows' (text_rope_positions); filler rows continue as text rows after its
+    last KV position (their results are dropped)."""
+    parts = []
+    for call, (_, pos, m) in zip(calls, segments, strict=True):
+        n = len(call.tokens)
+        own = (text_rope_positions(pos, n) if call.rope_positions is None
+               else np.asarray(call.rope_positions, dtype=np.int64))
+        parts.append(own)
+        if m > n:
+            parts.append(text_rope_positions(pos + n, m - n))
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
 
 
 def bound_outputs(b: Any) -> list[Any]:  # an onnxruntime.IOBinding

@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 from specd.ort_models.gguf_file import GGUFError, GGUFFile
 
-from . import gemma3, gpt_oss, llama, muse_glimmer, qwen2, qwen3, qwen3moe
+from . import gemma3, gpt_oss, llama, muse_glimmer, qwen2, qwen2vl, qwen3, qwen3moe
 from .base import HParams, MoeParams
 
 READERS: dict[str, Callable[[GGUFFile], HParams]] = {
@@ -13,6 +13,7 @@ READERS: dict[str, Callable[[GGUFFile], HParams]] = {
     "llama": llama.read_hparams,
     "muse-glimmer": muse_glimmer.read_hparams,
     "qwen2": qwen2.read_hparams,
+    "qwen2vl": qwen2vl.read_hparams,
     "qwen3": qwen3.read_hparams,
     "qwen3moe": qwen3moe.read_hparams,
 }

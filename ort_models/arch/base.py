@@ -73,6 +73,9 @@ class HParams:
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's sum
     ffn_norm: str = "ffn_norm"  # the FFN input norm's tensor stem (gpt-oss:
     # post_attention_norm, read as the norm of the residual after attention)
+    # M-RoPE (qwen2vl): rotary pairs per position section (t, h, w, e), each row having
+    # four positions (graph input `rope_positions`); empty: one position per row
+    rope_sections: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # a tuple however it was given (a meta.json round trip gives a list)
@@ -80,6 +83,7 @@ class HParams:
         if isinstance(self.moe, dict):  # a meta.json round trip gives a dict
             object.__setattr__(self, "moe", MoeParams(**self.moe))
         object.__setattr__(self, "rope_freq_factors", tuple(self.rope_freq_factors))
+        object.__setattr__(self, "rope_sections", tuple(self.rope_sections))
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
@@ -103,6 +107,11 @@ class HParams:
     def rope_base_of(self, layer: int) -> float:
         """`layer`'s rope base."""
         return self.rope_base_swa if self.is_swa(layer) and self.rope_base_swa else self.rope_base
+
+    @property
+    def mrope(self) -> bool:
+        """Whether a row's rotary angles come from four positions (M-RoPE)."""
+        return bool(self.rope_sections)
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """K and V bytes per token per sequence, all layers."""

@@ -8,6 +8,9 @@ inputs
     attn_len     int64 [1]           keys attended: a bucket end >= pos+S (see ATTN_BUCKET);
                                      a runner's filler rows (CUDA) may lie past it
     logits_rows  int64 [R]           rows of the S new tokens whose logits are wanted
+    rope_positions int64 [4, S]      M-RoPE models only (qwen2vl): each row's (t, h, w, e)
+                                     rotary positions (mrope.py); `position` stays the
+                                     KV row the first token goes to
     past_key_i / past_value_i float32 [1, n_kv, kv_len, head_dim]  per layer i (kv_len >= n_ctx)
   attention="native" instead: the rows of several sequences in one call
     segments     int64 [B, 3]        per sequence (slot, pos, rows): its next `rows` rows
@@ -50,6 +53,7 @@ Modules
     linear     products of activations with matrices, stacked where the kinds allow
     norms      RMS norms, the residual add + norm
     mlp        the gated feed-forward block
+    mrope      M-RoPE's per-row rotary tables from the rows' four positions
     attention  the three kinds of attention and the inputs they share
     decoder    the whole graph: inputs, embedding, layers, logits head (build_graph)
     sampling   the token decision after the logits (the SampleTokens node)
@@ -57,7 +61,8 @@ Modules
 
 from .decoder import build_graph
 from .moe import EXPERT_IDS
+from .mrope import ROPE_POSITIONS
 from .options import ATTN_BUCKET, BUILDER_VERSION, BuildOptions, Progress
 
-__all__ = ["ATTN_BUCKET", "BUILDER_VERSION", "EXPERT_IDS", "BuildOptions", "Progress",
-           "build_graph"]
+__all__ = ["ATTN_BUCKET", "BUILDER_VERSION", "EXPERT_IDS", "ROPE_POSITIONS", "BuildOptions",
+           "Progress", "build_graph"]

@@ -16,6 +16,7 @@ from specd.ort_models.onnx_writer import MS, GraphWriter
 
 from .context import BuildContext
 from .linear import grouped_linears, linear, linears, split
+from .mrope import MROPE, mrope_rows
 from .norms import head_norm, rms_norm
 from .options import F16, F32, I64
 from .pending import Activation
@@ -26,7 +27,8 @@ class AttentionInputs:
     """What every layer's attention shares, built once per graph; a kind's tensors are ""
     where the graph uses another kind."""
 
-    pos_ids: str  # [1, S] positions of the new tokens ("" on native attention)
+    pos_ids: str  # [1, S] positions of the new tokens ("" on native attention); M-RoPE:
+    # the rows' indices into their own tables (mrope.py)
     s_len: str  # [1] S
     mask: str = ""  # exact: [S, T] additive causal mask
     mask_swa: str = ""  # exact, sliding-window layers: the causal mask within the window
@@ -83,15 +85,19 @@ def rotary_tables(c: BuildContext) -> None:
     """The rotary tables as initializers: rope.cos / rope.sin, and rope_swa.cos /
     rope_swa.sin where sliding-window layers have a rope base of their own."""
     g, hp = c.g, c.hp
+    if g.has("rope.cos"):  # written already (M-RoPE's tables read them)
+        return
     max_pos = c.options.max_positions or hp.n_ctx_train
     bases = {"rope": hp.rope_base} | {rope_table(hp, i): hp.rope_base_of(i)
-                                       for i in range(hp.n_layer) if hp.uses_rope(i)}
+                                       for i in range(hp.n_layer)
+                                       if hp.uses_rope(i) and not hp.mrope}
     for name, base in bases.items():
         cos, sin = rope_tables(hp, max_pos, base)
         g.weight(f"{name}.cos", cos)
         g.weight(f"{name}.sin", sin)
-    if not all(hp.uses_rope(i) for i in range(hp.n_layer)):
-        # layers without RoPE (specd's attention rotates 0 dims): empty tables [P, 0]
+    if hp.mrope or not all(hp.uses_rope(i) for i in range(hp.n_layer)):
+        # layers without RoPE, or rotated before it (M-RoPE), specd's attention rotates
+        # 0 dims: empty tables [P, 0]
         empty = g.const(np.zeros((max_pos, 0), np.float32), np.float32)
         for part in ("cos", "sin"):
             g.op("Identity", [empty], out=[f"{NOPE}.{part}"])
@@ -104,6 +110,8 @@ def rope_table(hp: HParams, layer: int) -> str:
     """The name of the rotary tables `layer` reads (their .cos and .sin)."""
     if not hp.uses_rope(layer):
         return NOPE
+    if hp.mrope:
+        return MROPE
     return "rope_swa" if hp.rope_base_of(layer) != hp.rope_base else "rope"
 
 
@@ -150,8 +158,9 @@ def attention_inputs(c: BuildContext, ids: str, *, causal: bool = True,
                          f"{c.options.attention!r}")
     if c.options.attention == "native":  # CachedAttention takes `segments`, masks by itself
         rotary_tables(c)
-        return AttentionInputs("", s_len, causal=causal)
-    io = AttentionInputs(rotary_positions(c, s_len), s_len)
+        return AttentionInputs(mrope_rows(c, s_len) if hp.mrope else "", s_len, causal=causal)
+    io = AttentionInputs(mrope_rows(c, s_len) if hp.mrope else rotary_positions(c, s_len),
+                         s_len)
     if c.options.attention == "fused":  # GroupQueryAttention's int32 lengths; it masks itself
         end = g.op("Cast", [g.op("Add", ["position", s_len])], to=TensorProto.INT32)
         io.seqlens_k = g.op("Sub", [end, g.const([1], np.int32)])  # [1]
@@ -189,7 +198,7 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
     if not c.f.has_tensor(names[2]):  # a drafter head's layer without attn_v
         return linear(c, _attention_shared_kv(c, i, h, io, names[:2]),
                       p + "attn_output.weight")
-    if c.options.attention == "native" and not hp.qk_norm:
+    if c.options.attention == "native" and not hp.qk_norm and not hp.mrope:
         # CachedAttention reads q, k and v out of the stacked products, no Split between
         return linear(c, _cached_attention(c, i, grouped_linears(c, h, names), io.causal),
                       p + "attn_output.weight")
@@ -200,13 +209,15 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
         q = head_norm(c, q, hp.n_head, p + "attn_q_norm.weight")
         k = head_norm(c, k, nkv, p + "attn_k_norm.weight")
     if c.options.attention == "native":
+        if hp.mrope:  # each row by its four positions, here: the kernel takes one
+            q, k = (_rotate_rows(c, t, n, io) for t, n in ((q, hp.n_head), (k, nkv)))
         out = _cached_attention(c, i, [(q, names[:1]), (k, names[1:2]), (v, names[2:])],
                                 io.causal)
         return linear(c, gated(c, out, gate), p + "attn_output.weight")
     q3, k3 = (g.op("Unsqueeze", [t, g.const([0])]) for t in (q, k))  # [1, S, *]
     fused = c.options.attention == "fused"
     v3 = g.op("Unsqueeze", [v, g.const([0])]) if fused else ""
-    if fused and hp.rope_dim == hd and hp.uses_rope(i):
+    if fused and hp.rope_dim == hd and hp.uses_rope(i) and not hp.mrope:
         out = _fused_attention(c, i, q3, k3, v3, io, rotary=True)
     else:
         if hp.uses_rope(i):
@@ -218,6 +229,13 @@ def attention(c: BuildContext, i: int, h: Activation, io: AttentionInputs) -> st
         else:
             out = _exact_attention(c, i, q3, k3, v, io)
     return linear(c, gated(c, out, gate), p + "attn_output.weight")
+
+
+def _rotate_rows(c: BuildContext, x: str, n_heads: int, io: AttentionInputs) -> str:
+    """x [S, n_heads*hd] rotated by each row's M-RoPE positions -> [S, n_heads*hd]."""
+    g = c.g
+    x3 = rotate(c, g.op("Unsqueeze", [x, g.const([0])]), io.pos_ids, n_heads, MROPE)
+    return g.op("Squeeze", [x3, g.const([0])])
 
 
 def gated(c: BuildContext, out: str, gate: list[str]) -> str:
@@ -331,7 +349,8 @@ def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[st
         q, k, v = [t for y, group in products for t in split(c, y, group)]
     g, hp = c.g, c.hp
     op = "CachedAttentionF16" if c.options.kv_dtype == "f16" else "CachedAttention"
-    table = rope_table(hp, i)
+    rotary = hp.uses_rope(i) and not hp.mrope  # M-RoPE: rotated before (_rotate_rows)
+    table = rope_table(hp, i) if rotary else NOPE
     optional = ({"packed": packed} if packed else {}) | (
         {"window": hp.sliding_window} if hp.is_swa(i) else {}) | (
         {} if causal else {"causal": 0})
@@ -340,7 +359,7 @@ def _cached_attention(c: BuildContext, i: int, products: list[tuple[str, list[st
                           f"{table}.cos", f"{table}.sin", *sinks], 3, domain=NATIVE,
                      out=[g.fresh("attn"), f"present_key_{i}", f"present_value_{i}"],
                      num_heads=hp.n_head, kv_num_heads=hp.n_head_kv,
-                     scale=hp.attn_scale, rotary_dim=hp.rope_dim if hp.uses_rope(i) else 0,
+                     scale=hp.attn_scale, rotary_dim=hp.rope_dim if rotary else 0,
                      interleaved=int(hp.rope_interleaved), **optional)
     return out
 

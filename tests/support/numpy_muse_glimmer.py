@@ -62,7 +62,9 @@ class MuseGlimmerReference(ReferenceModel):
         self.output_weight = self.weights["output.weight"]
 
     def _layers(self, x: np.ndarray, cache: KVCache, layer_inputs: dict[int, np.ndarray] | None,
-                *, causal: bool) -> np.ndarray:
+                *, causal: bool, rope_positions: np.ndarray | None = None) -> np.ndarray:
+        if rope_positions is not None:
+            raise ValueError("muse-glimmer has one rope position per row, not four")
         start, n_new = cache.length, x.shape[0]
         positions = np.arange(start, start + n_new)
         hd, nh, nkv, w = self.head_dim, self.n_head, self.n_head_kv, self.weights

@@ -25,6 +25,10 @@ Reads the file with `gguf.GGUFReader`, dequantizes every tensor with
   {arch}.final_logit_softcapping is set.
 * rows given as embeddings (`step_embeddings`, an image's): not scaled; not causal where
   asked (each row sees the whole block, a sliding window still counted from the row).
+* qwen2vl: qwen2 with M-RoPE: four positions per row (t, h, w, e; text at KV position p:
+  (p, p, p, 0) unless given), {arch}.rope.dimension_sections [s0, s1, s2, s3]: rotary
+  pair i reads t, h, w or e as i mod (s0+s1+s2+s3) falls below s0, s0+s1, s0+s1+s2 or
+  past them (ggml's mrope cache), NEOX halves; the mask follows the KV order.
 
 Nothing from specd is imported.
 """
@@ -39,7 +43,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-SUPPORTED_ARCHES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHES = ("llama", "qwen2", "qwen2vl", "qwen3", "gemma3")
 
 
 def _field_value(f: Any) -> Any:
@@ -132,7 +136,7 @@ class ReferenceModel:
     """float64 oracle for a GGUF file (see the module docstring for the semantics)."""
 
     arches: tuple[str, ...] = SUPPORTED_ARCHES  # a subclass reads more
-    neox_arches: tuple[str, ...] = ("qwen2", "qwen3", "gemma3")
+    neox_arches: tuple[str, ...] = ("qwen2", "qwen2vl", "qwen3", "gemma3")
     swa_arches: tuple[str, ...] = ("gemma3",)  # read the sliding window
     swa_period = 6  # the sliding-window pattern's period where the file gives none
 
@@ -158,6 +162,9 @@ class ReferenceModel:
         self.eps = float(md[f"{arch}.attention.layer_norm_rms_epsilon"])
         self.rope_base = float(md.get(f"{arch}.rope.freq_base", 10000.0))
         self.neox = arch in self.neox_arches
+        sections = md.get(f"{arch}.rope.dimension_sections")  # M-RoPE (qwen2vl)
+        self.rope_sections: list[int] | None = (
+            [int(x) for x in sections] + [0] * (4 - len(sections)) if sections else None)
         self.vocab_size = int(self.weights["token_embd.weight"].shape[0])
         # gemma3 (as llama.cpp runs it): embeddings times sqrt(n_embd), norms of the
         # attention and FFN outputs, GELU (tanh), sliding-window layers with their own rope
@@ -186,20 +193,24 @@ class ReferenceModel:
         return KVCache()
 
     def step(self, tokens: list[int] | np.ndarray, cache: KVCache,
-             layer_inputs: dict[int, np.ndarray] | None = None) -> np.ndarray:
+             layer_inputs: dict[int, np.ndarray] | None = None,
+             rope_positions: np.ndarray | None = None) -> np.ndarray:
         """Run `tokens` at positions cache.length.., append to `cache`; logits [T, vocab].
         layer_inputs, if given, receives the residual stream entering each layer L [T,
-        n_embd] (L = n_layer: after the last layer, before the final norm)."""
+        n_embd] (L = n_layer: after the last layer, before the final norm).
+        rope_positions [4, T]: M-RoPE's positions of the rows (default: each row's KV
+        position in t, h and w, 0 in e)."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             return np.zeros((0, self.vocab_size), dtype=np.float64)
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError("token id out of range")
         x = self.weights["token_embd.weight"][ids] * self.embed_scale  # [T, n_embd]
-        return self._layers(x, cache, layer_inputs, causal=True)
+        return self._layers(x, cache, layer_inputs, causal=True, rope_positions=rope_positions)
 
     def step_embeddings(self, embeddings: np.ndarray, cache: KVCache, *, causal: bool = True,
-                        layer_inputs: dict[int, np.ndarray] | None = None) -> np.ndarray:
+                        layer_inputs: dict[int, np.ndarray] | None = None,
+                        rope_positions: np.ndarray | None = None) -> np.ndarray:
         """Run rows given as embeddings [T, n_embd] (an image's) at positions
         cache.length.., as llama.cpp decodes an embeddings batch: the rows enter the
         residual stream as they are (gemma's sqrt(n_embd) scales token rows only).
@@ -209,14 +220,21 @@ class ReferenceModel:
         x = np.asarray(embeddings, dtype=np.float64)
         if x.ndim != 2 or x.shape[1] != self.n_embd or not len(x):
             raise ValueError(f"embeddings must be [T >= 1, {self.n_embd}], got {x.shape}")
-        return self._layers(x, cache, layer_inputs, causal=causal)
+        return self._layers(x, cache, layer_inputs, causal=causal, rope_positions=rope_positions)
 
     def _layers(self, x: np.ndarray, cache: KVCache, layer_inputs: dict[int, np.ndarray] | None,
-                *, causal: bool) -> np.ndarray:
+                *, causal: bool, rope_positions: np.ndarray | None = None) -> np.ndarray:
         """The layers and the output head over the new rows x [T, n_embd]."""
         start = cache.length
         n_new = x.shape[0]
         positions = np.arange(start, start + n_new)
+        if rope_positions is None and self.rope_sections is not None:  # text rows
+            rope_positions = np.stack([positions] * 3 + [np.zeros_like(positions)])
+        if rope_positions is not None and self.rope_sections is None:
+            raise ValueError(f"{self.arch} has one rope position per row, not four")
+        if rope_positions is not None and np.shape(rope_positions) != (4, n_new):
+            raise ValueError(f"rope_positions must be [4, {n_new}], got "
+                             f"{list(np.shape(rope_positions))}")
         hd, nh, nkv = self.head_dim, self.n_head, self.n_head_kv
         group = nh // nkv
         scale = 1.0 / np.sqrt(float(hd))
@@ -246,8 +264,12 @@ class ReferenceModel:
                 q = rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
                 k = rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
             base = self.rope_base_swa if self.swa[layer] else self.rope_base
-            q = self.rope(q, positions, base)
-            k = self.rope(k, positions, base)
+            if rope_positions is not None:
+                q = self.mrope(q, rope_positions, base)
+                k = self.mrope(k, rope_positions, base)
+            else:
+                q = self.rope(q, positions, base)
+                k = self.rope(k, positions, base)
             if first:
                 cache.keys.append(k)
                 cache.values.append(v)
@@ -295,6 +317,18 @@ class ReferenceModel:
     def rope(self, x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
         """x [..., T, head_dim] rotated at `positions` (a subclass scales the angles)."""
         return rope(x, positions, self.n_rot, base, self.neox)
+
+    def mrope(self, x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+        """x [..., T, head_dim] rotated by M-RoPE at `positions` [4, T] (t, h, w, e)."""
+        assert self.rope_sections is not None
+        s0, s1, s2, s3 = self.rope_sections
+        half = self.n_rot // 2
+        theta = np.zeros((positions.shape[1], half))  # [T, half]
+        for i in range(half):
+            sector = i % (s0 + s1 + s2 + s3)
+            row = 0 if sector < s0 else 1 if sector < s0 + s1 else 2 if sector < s0 + s1 + s2 else 3
+            theta[:, i] = positions[row].astype(np.float64) * base ** (-2.0 * i / self.n_rot)
+        return rotate(x, np.cos(theta), np.sin(theta), self.n_rot, True)
 
     def feed_forward(self, layer: int, h: np.ndarray) -> np.ndarray:
         """Layer `layer`'s feed-forward output for its normed input h [T, n_embd] (a

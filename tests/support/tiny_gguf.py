@@ -781,3 +781,15 @@ def write_corrupt_variants(directory: str | Path) -> dict[str, Path]:
         d / "missing_tensor.gguf", base, seed=3, perturb=None, drop=("blk.1.ffn_down.weight",)
     )
     return out
+
+
+def write_tiny_qwen2vl(path: str | Path, *, sections: Sequence[int] = (2, 3, 3, 0),
+                       seed: int = 0, weight_type: str = "F32", n_head: int = 4,
+                       n_embd: int = 64, context_length: int = 512) -> Path:
+    """A tiny `qwen2vl` model (Qwen2-VL's text model): qwen2's tensors and tokenizer, and
+    M-RoPE's `rope.dimension_sections` (pairs per position section t, h, w, e)."""
+    cfg = _make_config("qwen2", weight_type, 2, n_embd, n_head, 2, None, 128, None, None,
+                       None, None, "F32", context_length, None, None)
+    return _write(Path(path), cfg, seed=seed, perturb=None, arch_name="qwen2vl",
+                  extra=lambda w: w.add_array("qwen2vl.rope.dimension_sections",
+                                              list(sections)))
