@@ -73,7 +73,8 @@ class ImagePrompter:
             prepared = self.encoder.prepare(data)
         except ImageError as exc:
             raise RequestError(f"image {index + 1}: {exc}") from None
-        chunk = ImageChunk(self.encoder.encode(prepared), digest)  # [n_tokens, n_embd]
+        # [n_tokens, n_embd] on its grid (rows, cols)
+        chunk = ImageChunk(self.encoder.encode(prepared), digest, prepared.grid)
         with self._lock:
             self.encoded += 1
             self._kept[digest] = chunk

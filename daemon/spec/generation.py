@@ -45,6 +45,7 @@ from .media import (
     check_images,
     image_at,
     is_placeholder,
+    mrope_positions,
     next_image_start,
     outside_images,
 )
@@ -122,6 +123,9 @@ def check_prompt_images(target: ModelRunner, prompt: Sequence[int],
             raise RequestError(f"an image's embeddings are {im.embeddings.shape[1]} wide, "
                                f"the model's {target.hp.n_embd}: the projector does not fit "
                                "the model")
+        if target.takes_rope_positions and im.chunk.grid is None:
+            raise RequestError(f"{target.built.gguf_path.name} places an image's tokens on "
+                               "their grid (M-RoPE): an image needs its grid")
         if not _causal_images(target) and im.chunk.n_tokens > emb.max_call_rows:
             raise RequestError(f"an image of {im.chunk.n_tokens} tokens exceeds the "
                                f"{emb.max_call_rows} rows one call evaluates")
@@ -224,6 +228,9 @@ class Generation:
         if self.images or any(is_placeholder(t) for t in prompt):
             check_prompt_images(target, prompt, self.images)
             reuse = outside_images(self.images, reuse)
+        # an M-RoPE target's rows after an image are not at their KV positions: every
+        # call then gives its rows' rope positions (media.mrope_positions)
+        self._mrope_images = bool(self.images) and target.takes_rope_positions
         params.sampling.validate()
         params.draft.validate()
         if drafter is not None and drafter.target_layers:
@@ -374,12 +381,19 @@ class Generation:
             end = image.end if not _causal_images(self.target) else min(end, image.end)
             self._pending = _PrefillChunk(end)
             return Call(self.seq, self.prompt[start:end], start, None, self._layers,
-                        embeds=image.embeddings[start - image.start:end - image.start])
+                        embeds=image.embeddings[start - image.start:end - image.start],
+                        rope_positions=self._rope_positions(start, end))
         end = min(end, next_image_start(self.images, start) or end)
         self._pending = _PrefillChunk(end)
         last = end == len(self.prompt) and self.params.max_tokens > 0
         return Call(self.seq, self.prompt[start:end], start, None, self._layers,
-                    self._spec(len(self.prompt)) if last else None)
+                    self._spec(len(self.prompt)) if last else None,
+                    rope_positions=self._rope_positions(start, end))
+
+    def _rope_positions(self, start: int, end: int) -> np.ndarray | None:
+        """The M-RoPE positions [4, end - start] of KV rows start..end-1 where they are
+        not the runner's default (an M-RoPE target and a prompt with images), else None."""
+        return mrope_positions(self.images, start, end) if self._mrope_images else None
 
     def _complete_prefill(self, chunk: _PrefillChunk, out: CallOutput) -> list[int]:
         """The chunk's KV is in: keep the drafter's features; after the last chunk, start
@@ -516,7 +530,8 @@ class Generation:
         assert self._last is not None
         tokens = [self._last, *proposed.proposal.tokens]
         return Call(self.seq, tokens, self._pos, list(range(len(tokens))), self._layers,
-                    self._round_spec(proposed.proposal))
+                    self._round_spec(proposed.proposal),
+                    rope_positions=self._rope_positions(self._pos, self._pos + len(tokens)))
 
     def complete(self, out: CallOutput) -> list[int]:
         """The step whose call went out (`prefill_call`, `round_call`), finished with the

@@ -12,8 +12,13 @@ to a text id first (`text_ids`), and prompt lookup never proposes one.
 In text, an image's place is the media marker (`MEDIA_MARKER`, llama-server's default):
 the APIs write one per image into the prompt's text, and the engine splits the text there.
 
-Positions are 1-D here: an image of n tokens occupies n positions (llama.cpp's n_pos for
-every projector but M-RoPE's), so a token's position is its index in the list.
+An image of n tokens occupies n KV rows, so a token's KV position is its index in the
+list. Its rotary positions are that index too, except on an M-RoPE model (Qwen-VL's
+qwen2vl): there, as llama.cpp's mtmd, an image starting at rope position p0 places its
+token i (row-major on its grid of `rows` x `cols`) at (t, h, w, e) = (p0, p0 + i // cols,
+p0 + i % cols, 0) and takes max(rows, cols) positions, not n; a text token at rope
+position p is (p, p, p, 0), so the text after an image runs max(rows, cols) - n positions
+behind its KV rows (`mrope_positions`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from specd.ort_models.runner import text_rope_positions
 
 MEDIA_MARKER = "<__media__>"  # where an image goes in a prompt's text (mtmd splits at it)
 # a placeholder's id: minus one minus 60 bits of a hash of the whole digest (never a
@@ -36,6 +43,8 @@ class ImageChunk:
 
     embeddings: np.ndarray  # [n_tokens, n_embd] float32
     digest: str
+    # the tokens' grid (rows, cols), row-major: M-RoPE models place them on it
+    grid: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         e = self.embeddings
@@ -44,6 +53,16 @@ class ImageChunk:
                              f"{list(e.shape)}")
         if not self.digest:
             raise ValueError("an image needs its digest (the sha256 of its file)")
+        if self.grid is not None and self.grid[0] * self.grid[1] != len(e):
+            raise ValueError(f"an image's grid {self.grid[0]} x {self.grid[1]} does not hold "
+                             f"its {len(e)} tokens")
+
+    @property
+    def n_rope_positions(self) -> int:
+        """Rotary positions the image takes on an M-RoPE model: max(rows, cols)."""
+        if self.grid is None:
+            raise ValueError("an image without its token grid cannot be placed by M-RoPE")
+        return max(self.grid)
 
     @property
     def n_tokens(self) -> int:
@@ -155,3 +174,34 @@ def text_ids(tokens: Sequence[int], substitute: int = 0) -> list[int]:
     without the image's embeddings can take, keeping the positions (llama.cpp's draft
     model gets rows of zeros there for the same reason)."""
     return [substitute if t < 0 else t for t in tokens]
+
+
+def mrope_positions(images: Sequence[PromptImage], start: int, end: int) -> np.ndarray:
+    """M-RoPE positions [4, end - start] (t, h, w, e) of the rows at KV positions
+    start..end-1 of a prompt holding `images` (and of its continuation past them): text
+    rows at their KV position less what the images before them saved, image rows on
+    their grid from their start's rope position (the module docstring)."""
+    out = np.empty((4, end - start), dtype=np.int64)
+    shift = 0  # rope position minus KV position, after the images seen so far
+    p = start
+    for im in images:
+        saved = im.chunk.n_rope_positions - im.chunk.n_tokens  # <= 0
+        if im.end <= start:
+            shift += saved
+            continue
+        if im.start >= end:
+            break
+        if p < im.start:  # text before the image
+            out[:, p - start:im.start - start] = text_rope_positions(p, im.start - p, shift)
+            p = im.start
+        _, cols = im.chunk.grid or (1, 1)  # (n_rope_positions: a grid is there)
+        last = min(end, im.end)
+        i = np.arange(p - im.start, last - im.start)
+        p0 = im.start + shift
+        out[:, p - start:last - start] = np.stack(
+            [np.full(len(i), p0), p0 + i // cols, p0 + i % cols, np.zeros(len(i), np.int64)])
+        shift += saved
+        p = last
+    if p < end:
+        out[:, p - start:] = text_rope_positions(p, end - p, shift)
+    return out
