@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.models.building import build_options, image_options
 from specd.daemon.spec.drafter import Drafter, DraftParams
@@ -128,6 +129,20 @@ def test_prompt_lookup_after_an_image(qwen2vl: Path) -> None:
     assert got == want
     assert_drafted(gen.stats)
     assert gen.stats.accepted > 0
+
+
+def test_an_m_rope_draft_model_after_an_image(qwen2vl: Path) -> None:
+    """A qwen2vl draft model (the target's own file, without vision) drafts the text
+    after the image at its KV positions, not yet shifted as the target's: its drafts
+    are accepted less, the output is still the target's alone."""
+    built = load_or_build(qwen2vl, build_options("target"))
+    r = with_embeddings(built)
+    segments = [BEFORE, image(r.hp.n_embd), AFTER]
+    want, _ = generate(r, segments, max_tokens=MAX_TOKENS)
+    draft = DraftModelDrafter(ModelRunner(load_or_build(qwen2vl), n_ctx=512))
+    got, gen = generate(r, segments, draft, draft=DraftParams(n_max=3), max_tokens=MAX_TOKENS)
+    assert got == want
+    assert_drafted(gen.stats)
 
 
 def test_a_reused_prefix_past_an_image_keeps_its_positions(qwen2vl: Path) -> None:
