@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gguf_rewrite import rewrite
 
+from specd.daemon.models.building import build_options
 from specd.ort_models import native_ops
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFError, GGUFFile
@@ -22,6 +23,7 @@ from specd.ort_models.runner import Call, ModelRunner, text_rope_positions
 from specd.ort_models.shared_initializers import same_named
 
 from numpy_reference import ReferenceModel
+from speculation_checks import assert_block_rows_equal_single_steps
 from tiny_gguf import write_tiny_qwen2vl
 
 native = pytest.mark.skipif(native_ops.unavailable_reason() is not None,
@@ -155,6 +157,27 @@ def test_image_grid_rows_match_reference(qwen2vl: Path, options: BuildOptions) -
                                                                     shift))])[0].logits]
     for ours, w in zip(got, want, strict=True):
         _close(ours, w)
+
+
+SERVING = [pytest.param(BuildOptions(), id="exact"),
+           pytest.param(build_options("target"), id="serving")]
+
+
+@pytest.mark.parametrize("options", SERVING)
+def test_block_rows_equal_single_steps(qwen2vl: Path, options: BuildOptions) -> None:
+    """A verified block's rows are the single steps' bit for bit: at KV positions, and
+    shifted (text after an image), as speculation needs."""
+    built = load_or_build(qwen2vl, options)
+    assert_block_rows_equal_single_steps(built, PROMPT)
+    rope = text_rope_positions(0, len(PROMPT), shift=-4)
+    rope[:, :3] = text_rope_positions(0, 3)  # the first three before the "image"
+    singles_r, block_r = (ModelRunner(built, n_ctx=256) for _ in range(2))
+    singles = np.concatenate([singles_r.forward_batch([Call(
+        0, [t], i, rope_positions=rope[:, i:i + 1])])[0].logits for i, t in enumerate(PROMPT)])
+    block_r.forward_batch([Call(0, PROMPT[:3], 0, rope_positions=rope[:, :3])])
+    block = block_r.forward_batch([Call(0, PROMPT[3:], 3, list(range(len(PROMPT) - 3)),
+                                        rope_positions=rope[:, 3:])])[0].logits
+    np.testing.assert_array_equal(block, singles[3:])
 
 
 @native
