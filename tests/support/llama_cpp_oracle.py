@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -173,8 +174,13 @@ def greedy_with_logprobs(model: Path, prompt: list[int], n_predict: int, *, n_pr
             "prompt": prompt, "n_predict": n_predict, "temperature": 0, "top_k": 1,
             "return_tokens": True, "cache_prompt": False, "ignore_eos": True,
             "n_probs": n_probs, "post_sampling_probs": False})
-    # llama-server leaves out the probabilities of a token that ends inside a UTF-8
-    # character; the others come in order, each naming its token
+    return tokens_with_top(out)
+
+
+def tokens_with_top(out: dict[str, Any]) -> list[tuple[int, dict[int, float]]]:
+    """A /completion answer's tokens, each with its position's top log probabilities.
+    llama-server leaves out the probabilities of a token that ends inside a UTF-8
+    character (an empty dict here); the others come in order, each naming its token."""
     probs = list(out.get("completion_probabilities") or [])
     result: list[tuple[int, dict[int, float]]] = []
     for token in (int(t) for t in out["tokens"]):
@@ -189,8 +195,24 @@ def mtmd_greedy(text: Path, mmproj: Path, prompt: str, images: list[bytes], n_pr
                 *, threads: int = 2, n_ctx: int = 512) -> tuple[list[int], list[float]]:
     """llama-server's (--mmproj) greedy tokens after a prompt string holding a media
     marker per image (its /completion's multimodal_data), and each step's top-1 minus
-    top-2 log probability (the logit margin). llama-server's marker is random unless
-    LLAMA_MEDIA_MARKER names one: it is set to specd's (llama-server's old default)."""
+    top-2 log probability (the logit margin)."""
+    steps = mtmd_greedy_with_logprobs(text, mmproj, prompt, images, n_predict, n_probs=2,
+                                      threads=threads, n_ctx=n_ctx)
+    margins = []
+    for _, top in steps:
+        two = sorted(top.values(), reverse=True)
+        margins.append(two[0] - two[1] if len(two) > 1 else float("inf") if two else 0.0)
+    return [t for t, _ in steps], margins
+
+
+def mtmd_greedy_with_logprobs(text: Path, mmproj: Path, prompt: str, images: list[bytes],
+                              n_predict: int, *, n_probs: int = 5, threads: int = 2,
+                              n_ctx: int = 512) -> list[tuple[int, dict[int, float]]]:
+    """llama-server's (--mmproj) greedy decoding after a prompt string holding a media
+    marker per image (its /completion's multimodal_data): each token with the log
+    probabilities of the n_probs most likely at its position (empty where llama-server
+    leaves them out). llama-server's marker is random unless LLAMA_MEDIA_MARKER names
+    one: it is set to specd's (llama-server's old default)."""
     import base64
     import os
 
@@ -213,14 +235,9 @@ def mtmd_greedy(text: Path, mmproj: Path, prompt: str, images: list[bytes], n_pr
             "prompt": {"prompt_string": prompt,
                        "multimodal_data": [base64.b64encode(b).decode() for b in images]},
             "n_predict": n_predict, "temperature": 0, "top_k": 1, "return_tokens": True,
-            "cache_prompt": False, "ignore_eos": True, "n_probs": 2,
+            "cache_prompt": False, "ignore_eos": True, "n_probs": n_probs,
             "post_sampling_probs": False})
-    tokens = [int(t) for t in out["tokens"]]
-    margins = []
-    for p in out.get("completion_probabilities") or []:
-        top = sorted((float(c["logprob"]) for c in p["top_logprobs"]), reverse=True)
-        margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
-    return tokens, margins[:len(tokens)] + [0.0] * (len(tokens) - len(margins))
+    return tokens_with_top(out)
 
 
 def greedy_with_margins(runner: object, prompt: list[int], n: int

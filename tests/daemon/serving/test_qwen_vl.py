@@ -22,7 +22,7 @@ from specd.daemon.spec.generation import GenerationParams
 from specd.daemon.spec.media import MEDIA_MARKER
 from specd.daemon.spec.sampling import SamplerParams
 
-from llama_cpp_oracle import greedy_with_logprobs, missing, mtmd_greedy
+from llama_cpp_oracle import greedy_with_logprobs, missing, mtmd_greedy_with_logprobs
 from logprob_agreement import assert_agrees, assert_continuation_agrees
 from speculation_checks import assert_drafted, decode_all
 
@@ -30,6 +30,7 @@ from speculation_checks import assert_drafted, decode_all
 pytestmark = [pytest.mark.needs_torch, pytest.mark.needs_transformers]
 
 NEAR_TIE = 0.25  # top-two logit margin two implementations' rounding may flip
+LOGPROB_TOL = 0.03  # llama.cpp's f16 products round activations to f16
 # "Describe the picture in a few words, then say it again." in Qwen2.5's ids
 PROMPT = [74785, 279, 6802, 304, 264, 2421, 4244, 11, 1221, 1977, 432, 1549, 13]
 
@@ -67,23 +68,36 @@ def test_text_model_is_llama_servers(vlm: tiny_vlm.TinyVlm) -> None:
 
 @pytest.mark.llama_cpp_oracle
 def test_greedy_after_an_image_is_llama_servers(vlm: tiny_vlm.TinyVlm) -> None:
-    """The same prompt string and image: specd's greedy tokens are llama-server's
-    (--mmproj, its /completion's multimodal_data), parting (if at all) only where
-    llama-server's top two are within NEAR_TIE."""
+    """The same prompt string and image (120 x 80: a grid of 3 rows and 4 columns): specd's
+    greedy tokens are llama-server's (--mmproj, its /completion's multimodal_data),
+    parting (if at all) only where llama-server's top two are within NEAR_TIE, and up to
+    there the likely tokens' log probabilities agree within LOGPROB_TOL (an image's rows
+    placed otherwise, e.g. rows and columns swapped, moves them by more)."""
     if why := missing("llama-server"):
         pytest.skip(why)
     image = png()
     text = f"Describe {MEDIA_MARKER} in words:"
     n = 24
-    theirs, margins = mtmd_greedy(vlm.text, vlm.mmproj, text, [image], n)
+    theirs = mtmd_greedy_with_logprobs(vlm.text, vlm.mmproj, text, [image], n, n_probs=5)
     e = engine(vlm)
     prompt, images = e.image_prompt(text, [image])
     assert [im.chunk.grid for im in images] == [(3, 4)]  # 12 tokens, 4 rope positions
-    got = decode_all(e.start(0, prompt, GenerationParams(max_tokens=n, ignore_eos=True),
-                             images=images))
-    parted = next((i for i, (a, b) in enumerate(zip(got, theirs, strict=True)) if a != b), n)
+    gen = e.start(0, prompt, GenerationParams(max_tokens=n, ignore_eos=True, logprobs=5),
+                  images=images)
+    got = decode_all(gen)
+    margins = [two[0] - two[1] if len(two := sorted(top.values(), reverse=True)) > 1 else 0.0
+               for _, top in theirs]
+    parted = next((i for i, (a, (b, _)) in enumerate(zip(got, theirs, strict=True))
+                   if a != b), n)
     assert parted == n or margins[parted] < NEAR_TIE, (parted, margins, got, theirs)
     assert parted >= 8, (parted, got, theirs)
+    compared = 0
+    for ours, (_, top) in zip(gen.token_logprobs[:parted], theirs, strict=False):
+        for tid, lp in ours.top:
+            if tid in top:
+                assert abs(lp - top[tid]) < LOGPROB_TOL, (tid, lp, top[tid])
+                compared += 1
+    assert compared >= 2 * parted
 
 
 def test_prompt_lookup_after_an_image_is_the_targets(vlm: tiny_vlm.TinyVlm) -> None:
