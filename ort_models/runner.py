@@ -9,6 +9,11 @@ sequences (specd's CachedAttention takes `segments` [B, 3], slot, first position
 and attends each row over its own slot's keys only), else one call after another (ORT's
 own attention, CUDA).
 
+A call's `pos` is where its rows go in the KV cache, and their rotary position too, except
+on an M-RoPE model (qwen2vl): there every row has four rotary positions, the call's own
+(`Call.rope_positions`: an image's grid, the text after it) or (p, p, p, 0) at KV position
+p, bound as the graph input `rope_positions` for all the pass's rows.
+
 Greedy speculation is exact only if every row of a verify call equals, bit for bit, the
 single-token step at its position. The graph computes each row alone, and a block within
 one attention bucket sees the numbers a single step sees (graph_builder's docstring); what
