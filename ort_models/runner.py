@@ -567,13 +567,15 @@ class ModelRunner:
         return int(np.unique(rows + layer).size)
 
     def prefill(self, seq: int, tokens: Sequence[int], pos: int = 0,
-                chunk: int = ATTN_BUCKET) -> np.ndarray:
+                chunk: int = ATTN_BUCKET, rope_positions: np.ndarray | None = None
+                ) -> np.ndarray:
         """Evaluate a prompt in chunks; returns the logits of its last token [vocab].
+        rope_positions [4, len(tokens)]: its rows' M-RoPE positions (Call.rope_positions).
 
         Chunks end on bucket boundaries, so prefill is the same computation whoever
         calls it (with or without speculation).
         """
-        return self._prefill(seq, tokens, pos, chunk, ())[0]
+        return self._prefill(seq, tokens, pos, chunk, (), rope_positions)[0]
 
     def prefill_with_features(self, seq: int, tokens: Sequence[int], pos: int = 0,
                               layers: Sequence[int] | None = None, chunk: int = ATTN_BUCKET
@@ -583,7 +585,8 @@ class ModelRunner:
         return self._prefill(seq, tokens, pos, chunk, self._check_layers(layers))
 
     def _prefill(self, seq: int, tokens: Sequence[int], pos: int, chunk: int,
-                 layers: tuple[int, ...]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+                 layers: tuple[int, ...], rope_positions: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         if not tokens:
             raise ValueError("prefill needs at least one token")
         if pos + len(tokens) > self.n_ctx:
@@ -595,7 +598,10 @@ class ModelRunner:
         while i < len(tokens):
             p = pos + i
             n = min(len(tokens) - i, chunk - (p % chunk))
-            out = self._pass([Call(seq, tokens[i:i + n], p, [n - 1], layers)])[0]
+            rope = None if rope_positions is None else rope_positions[:, i:i + n]
+            call = Call(seq, tokens[i:i + n], p, [n - 1], layers, rope_positions=rope)
+            self._check_rope_positions(call)
+            out = self._pass([call])[0]
             logits = out.logits
             for layer, rows in out.features.items():
                 parts[layer].append(rows)

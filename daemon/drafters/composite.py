@@ -24,6 +24,7 @@ from specd.daemon.spec.drafter import (
     PassObserver,
     Proposal,
 )
+from specd.daemon.spec.media import PromptImage
 from specd.daemon.spec.sampling import Sampler
 
 from .ngram import NgramDrafter
@@ -47,6 +48,10 @@ class CompositeDrafter(Drafter):
     @property
     def _followers(self) -> tuple[Drafter, ...]:
         return (*self.models, self.lookup)
+
+    def place_images(self, seq: int, images: Sequence[PromptImage]) -> None:
+        for source in self._followers:
+            source.place_images(seq, images)
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:

@@ -13,6 +13,11 @@ From the gap on, the draft's cache position of a token is its sequence position 
 `offset`, the tokens left out. Catch-up rows checked against the target's tokens, and
 after a fully accepted round its guess for the bonus token, are free acceptance samples
 for the policy (`DraftEvidence.guess_checks`, `bonus_q`).
+
+An M-RoPE draft (qwen2vl) rotates the prompt's rows as the target does (an image's
+placeholders on its grid, media.mrope_positions) and every later row at its cache position
+plus the shift the prompt's images left (`rope_shift`): the text after an image is where
+the target has it.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from specd.daemon.spec.drafter import DraftEvidence, DraftRequest, Features
-from specd.daemon.spec.media import text_ids
+from specd.daemon.spec.media import PromptImage, mrope_positions, mrope_shift, text_ids
 from specd.daemon.spec.sampling import Sampler
-from specd.ort_models.runner import Call, CallOutput, ModelRunner
+from specd.ort_models.runner import Call, CallOutput, ModelRunner, text_rope_positions
 
 from .model_backed import DraftRun, ModelBackedDrafter
 from .picking import pick_from_block, pick_spec, pick_token
@@ -41,6 +46,9 @@ class _SeqState:
     draft_pos: int | None = None  # cache position of `last` in the draft not yet accepted
     full_run: int = 0  # the last round's drafts, all accepted (0: not all, or none)
     sampler: Sampler | None = None
+    # an M-RoPE draft after the prompt's images: rope position minus cache position of
+    # the rows past the prompt (None: the runner's default, the cache position)
+    rope_shift: int | None = None
 
 
 FORCED_ROWS = 16  # late rows checked against the tokens that followed them (their logits
@@ -58,10 +66,15 @@ class DraftModelDrafter(ModelBackedDrafter[_SeqState, ModelRunner]):
         self.catch_up = catch_up  # None: evaluate every skipped token
         self.vocab_limit = vocab_limit  # the target's vocab size, if smaller
         self._n_vocab = runner.hp.n_vocab  # the draft's own rows
+        self._images: dict[int, tuple[PromptImage, ...]] = {}  # for the next begin, by seq
 
     @property
     def n_ctx(self) -> int:
         return self.runner.n_ctx
+
+    def place_images(self, seq: int, images: Sequence[PromptImage]) -> None:
+        if self.runner.takes_rope_positions:
+            self._images[seq] = tuple(images)
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
@@ -77,8 +90,13 @@ class DraftModelDrafter(ModelBackedDrafter[_SeqState, ModelRunner]):
                 reuse += 1
         st = _SeqState(history=list(prompt), sampler=sampler)
         self._seqs[seq] = st
+        images = self._images.pop(seq, ())
+        rope = None
+        if images:  # an M-RoPE draft: the prompt's rows as the target has them
+            rope = mrope_positions(images, reuse, len(prompt))
+            st.rope_shift = mrope_shift(images)
         if len(prompt) > reuse:
-            self.runner.prefill(seq, self._ids(prompt[reuse:]), reuse)
+            self.runner.prefill(seq, self._ids(prompt[reuse:]), reuse, rope_positions=rope)
         st.n_cached = len(prompt)
 
     def _ids(self, tokens: Sequence[int]) -> list[int]:
@@ -164,18 +182,21 @@ class _Run(DraftRun):
         was drawn) and of the bonus. Else the last row, decided in the graph where it
         samples."""
         d, pending, ids = self.d, self.pending, self.d._ids(self.pending)
+        shift = self.st.rope_shift
+        rope = None if shift is None else text_rope_positions(self.p, len(ids), shift)
         if len(pending) > 1 and self.sampler is None:
             self.kind = "guesses"
             k = min(len(pending) - 1, FORCED_ROWS)
             self.first = len(pending) - 1 - k
-            return Call(self.seq, ids, self.p, list(range(self.first, len(pending))))
+            return Call(self.seq, ids, self.p, list(range(self.first, len(pending))),
+                        rope_positions=rope)
         if len(pending) == 2 and self.full_run and self.grammar is None:
             self.kind = "bonus"
-            return Call(self.seq, ids, self.p, [0, 1])
+            return Call(self.seq, ids, self.p, [0, 1], rope_positions=rope)
         self.kind = "last"
         spec = (pick_spec(self.sampler, self.grammar, self.at, self.params.p_min,
                           d.runner.logits_width) if self.in_graph else None)
-        return Call(self.seq, ids, self.p, sample=spec)
+        return Call(self.seq, ids, self.p, sample=spec, rope_positions=rope)
 
     def take(self, out: CallOutput) -> None:
         d, p_min = self.d, self.params.p_min

@@ -28,6 +28,7 @@ import numpy as np
 
 from specd.daemon.text.grammar import GrammarState
 
+from .media import PromptImage
 from .sampling import Sampler
 from .verify import DraftProbs
 
@@ -166,6 +167,11 @@ class Drafter(ABC):
         holds (a head and a draft model). Each declares its own `catch_up` and
         `one_pass`; sequences drafting with the same source share its passes."""
         return (self,)
+
+    def place_images(self, seq: int, images: Sequence[PromptImage]) -> None:
+        """The images of the prompt the next `begin` of `seq` gives (at its placeholders):
+        a drafter whose model rotates by M-RoPE positions places the text after them as
+        the target does (media.mrope_positions). Called only for prompts with images."""
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:

@@ -445,6 +445,8 @@ class Generation:
                      in self._prompt_features.items()} if self._layers else None)
         self._prompt_features = {}
         try:
+            if self.images:
+                self.drafter.place_images(self.seq, self.images)
             self.drafter.begin(self.seq, self.prompt, self.draft_sampler, features)
         except Exception as exc:
             self._drafter_failed(exc, "starting")

@@ -176,6 +176,11 @@ def text_ids(tokens: Sequence[int], substitute: int = 0) -> list[int]:
     return [substitute if t < 0 else t for t in tokens]
 
 
+def mrope_shift(images: Sequence[PromptImage]) -> int:
+    """Rope position minus KV position of the text after all of `images` (<= 0)."""
+    return sum(im.chunk.n_rope_positions - im.chunk.n_tokens for im in images)
+
+
 def mrope_positions(images: Sequence[PromptImage], start: int, end: int) -> np.ndarray:
     """M-RoPE positions [4, end - start] (t, h, w, e) of the rows at KV positions
     start..end-1 of a prompt holding `images` (and of its continuation past them): text

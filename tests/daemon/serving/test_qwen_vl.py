@@ -4,7 +4,7 @@ tests/support/tiny_vlm.py). The qwen2vl text model's log probabilities and greed
 continuation are llama-server's; an image prompt through specd's engine (its encoder,
 mtmd's M-RoPE grid positions) continues greedily as llama-server --mmproj does, up to
 the first near tie; and prompt lookup after an image leaves that output byte-identical
-while its rounds are drafted. (A draft model or head gets no M-RoPE positions yet.)"""
+while its rounds are drafted. (A drafter head gets no M-RoPE positions yet.)"""
 
 from __future__ import annotations
 

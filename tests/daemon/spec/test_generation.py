@@ -482,9 +482,9 @@ def test_draft_model_reuses_its_cached_prefix(models) -> None:
     calls: list[int] = []
     real_prefill = drafter.runner.prefill
 
-    def counting(seq, tokens, pos=0, chunk=256):
+    def counting(seq, tokens, pos=0, chunk=256, rope_positions=None):
         calls.append(len(tokens))
-        return real_prefill(seq, tokens, pos, chunk)
+        return real_prefill(seq, tokens, pos, chunk, rope_positions)
 
     drafter.runner.prefill = counting  # type: ignore[method-assign]
     longer = PROMPT + first[:8]
@@ -720,9 +720,9 @@ def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> Non
         calls.extend((len(c.tokens), c.pos) for c in batch)
         return forward(batch)
 
-    def spy_prefill(seq, tokens, pos=0, chunk=256):
+    def spy_prefill(seq, tokens, pos=0, chunk=256, rope_positions=None):
         calls.append((len(tokens), pos))
-        return prefill(seq, tokens, pos, chunk)
+        return prefill(seq, tokens, pos, chunk, rope_positions)
 
     n = len(PROMPT)
     drafter.begin(0, PROMPT)

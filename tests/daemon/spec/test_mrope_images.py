@@ -1,8 +1,9 @@
 """Images on an M-RoPE target (qwen2vl, Qwen-VL's text model): an image's tokens at
 their grid positions and the text after it max(rows, cols) past the image's start, as
 llama.cpp's mtmd places them (media.mrope_positions), through Generation's prefill and
-rounds, against the numpy reference; prompt lookup after an image byte-identical to the
-target alone; a reused prefix past an image keeps its positions."""
+rounds, against the numpy reference; prompt lookup and an M-RoPE draft model after an
+image byte-identical to the target alone, the draft placing the text as the target does;
+a reused prefix past an image keeps its positions."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from specd.daemon.drafters.composite import CompositeDrafter
 from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.models.building import build_options, image_options
@@ -132,17 +134,28 @@ def test_prompt_lookup_after_an_image(qwen2vl: Path) -> None:
 
 
 def test_an_m_rope_draft_model_after_an_image(qwen2vl: Path) -> None:
-    """A qwen2vl draft model (the target's own file, without vision) drafts the text
-    after the image at its KV positions, not yet shifted as the target's: its drafts
-    are accepted less, the output is still the target's alone."""
-    built = load_or_build(qwen2vl, build_options("target"))
+    """A qwen2vl draft model (the target's own file, without vision) places the text after
+    the image where the target has it. The image's rows here are token 0's embedding,
+    which the draft reads at the placeholders: its view is the target's, so every draft
+    is accepted (a draft at its KV positions would part from the target after the
+    image); the output is the target's alone."""
+    built = load_or_build(qwen2vl, BuildOptions(accuracy_level=1))
     r = with_embeddings(built)
-    segments = [BEFORE, image(r.hp.n_embd), AFTER]
+    row0 = ReferenceModel(qwen2vl).weights["token_embd.weight"][0].astype(np.float32)
+    n = GRID[0] * GRID[1]
+    segments = [BEFORE, ImageChunk(np.tile(row0, (n, 1)), "0" * 64, GRID), AFTER]
     want, _ = generate(r, segments, max_tokens=MAX_TOKENS)
-    draft = DraftModelDrafter(ModelRunner(load_or_build(qwen2vl), n_ctx=512))
+    draft = DraftModelDrafter(ModelRunner(built, n_ctx=512))
     got, gen = generate(r, segments, draft, draft=DraftParams(n_max=3), max_tokens=MAX_TOKENS)
     assert got == want
     assert_drafted(gen.stats)
+    assert gen.stats.accepted == gen.stats.drafted, gen.stats.as_dict()
+    # beside prompt lookup: the composite hands the draft model the images too
+    both = CompositeDrafter("draft+ngram", [DraftModelDrafter(ModelRunner(built, n_ctx=512))])
+    got, gen = generate(r, segments, both, draft=DraftParams(n_max=3), max_tokens=MAX_TOKENS)
+    assert got == want
+    assert_drafted(gen.stats)  # (its lookup offers are not all accepted)
+    assert gen.stats.accepted > 0
 
 
 def test_a_reused_prefix_past_an_image_keeps_its_positions(qwen2vl: Path) -> None:
