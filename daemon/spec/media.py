@@ -199,7 +199,8 @@ def mrope_positions(images: Sequence[PromptImage], start: int, end: int) -> np.n
         if p < im.start:  # text before the image
             out[:, p - start:im.start - start] = text_rope_positions(p, im.start - p, shift)
             p = im.start
-        _, cols = im.chunk.grid or (1, 1)  # (n_rope_positions: a grid is there)
+        assert im.chunk.grid is not None  # (n_rope_positions checked it)
+        _, cols = im.chunk.grid
         last = min(end, im.end)
         i = np.arange(p - im.start, last - im.start)
         p0 = im.start + shift
