@@ -2,10 +2,15 @@
 
 In a step every decoding sequence's rows go through one target pass, and a draft model's
 steps run for the drafting sequences together, each step a pass: the step lasts the draft
-chain it waits for (the longest draft, at the cost of a pass over the drafting sequences
-per step; one pass for a head that proposes a block) plus the target pass over all its
-rows. Each sequence's own policy prices its rounds at its share of the passes, which is
-not what its draft costs the others. So the step is planned as a whole, to maximise the
+chain it waits for plus the target pass over all its rows. A draft model's chain is a
+first pass over what each drafting sequence's cache lacks (its last token, and after plain
+steps the skipped tokens it catches up on, `Outlook.catch_up`), then a pass per draft
+token over the sequences still drafting, each pass priced at its rows; a head that
+proposes a block runs one pass over the blocks. A catch-up is priced in full in the step
+that pays it: after plain steps at high concurrency, drafting starts again only where
+that step pays too (or a probe, below, caught the sequence up). Each sequence's own
+policy prices its rounds at its share of the passes, which is not what its draft costs
+the others. So the step is planned as a whole, to maximise the
 tokens it emits per second:
 
     rate(L, n) = sum_i E_i(n_i) / (chain(L, drafting) + verify(sum_i (n_i + 1)))
@@ -26,7 +31,7 @@ estimates go on being tested at a bounded cost to the others.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .policy import PROBE_LENGTH, CostLine, RoundPlan
 
@@ -50,6 +55,24 @@ class Outlook:
     one_pass: bool = False
     # E(m) for m = 0..len - 1 tokens of a free lookup offer (none: no offer)
     lookup: Sequence[float] = ()
+    # tokens emitted since the source last ran that it evaluates before drafting (a draft
+    # model's catch-up after plain steps)
+    catch_up: int = 0
+
+
+@dataclass(frozen=True)
+class StepForecast:
+    """What the planner predicted for the step it planned: tokens emitted, and the
+    seconds of its draft chains and of its target pass (for the round's debug log)."""
+
+    tokens: float
+    draft_s: float
+    verify_s: float
+    drafts: tuple[tuple[int, bool], ...]  # each sequence's (n, from the lookup offer)
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_s + self.verify_s
 
 
 @dataclass
@@ -86,10 +109,12 @@ class BatchDraftPlanner:
         self.explore_every = explore_every
         self._idle_steps = 0  # steps in a row planned with no draft
         self._turn = 0  # the sequence whose turn it is to explore
+        self.forecast: StepForecast | None = None  # the last plan's prediction
 
     def plans(self, outlooks: Sequence[Outlook]) -> list[RoundPlan] | None:
         """Each sequence's round this step (None: no plan; each sequence's own policy
         plans its round, as a sequence alone does)."""
+        self.forecast = None
         if len(outlooks) < 2 or self.costs.verify.at(len(outlooks)) is None:
             return None
         if any(o.model[1:] and self.costs.draft_pass(o.drafter, 1) is None for o in outlooks):
@@ -99,6 +124,7 @@ class BatchDraftPlanner:
                  for o, c in zip(outlooks, choices, strict=True)]
         if any(c.n for c in choices):
             self._idle_steps = 0
+            self.forecast = self.forecast_of(outlooks, choices)
             return plans
         self._idle_steps += 1
         drafting = [i for i, o in enumerate(outlooks) if len(o.model) > 1]
@@ -108,6 +134,8 @@ class BatchDraftPlanner:
             i = drafting[self._turn % len(drafting)]
             n = min(PROBE_LENGTH, len(outlooks[i].model) - 1)
             plans[i] = RoundPlan(n, source=outlooks[i].source)
+            choices[i] = _Choice(n)
+        self.forecast = self.forecast_of(outlooks, choices)
         return plans
 
     def plan(self, outlooks: Sequence[Outlook]) -> tuple[list[_Choice], float]:
@@ -121,31 +149,31 @@ class BatchDraftPlanner:
         threshold = best_rate * START_MARGIN
         for chain in range(0, longest + 1):
             rate = best_rate
+            choices = best
             for _ in range(DINKELBACH_ROUNDS):
-                choices = [self._choose(o, chain, rate) for o in outlooks]
-                new_rate = self._rate(outlooks, choices)
+                new = [self._choose(o, chain, rate) for o in outlooks]
+                new_rate = self._rate(outlooks, new)
                 if new_rate <= rate * (1 + 1e-9):
                     break
-                rate = new_rate
+                choices, rate = new, new_rate
             if rate > max(best_rate, threshold):
                 best, best_rate = choices, rate
         return best, best_rate
 
     def _choose(self, o: Outlook, chain: int, rate: float) -> _Choice:
         """The sequence's draft that adds the most tokens beyond what its extra rows and
-        its place in the chain cost at `rate` tokens per second."""
+        its place in the chain cost at `rate` tokens per second (a plain step where none
+        adds any)."""
         per_row = self._verify_slope()
         best, best_gain = _Choice(), 0.0
         for m in range(1, len(o.lookup)):
             gain = _gain(o.lookup[m], rate, per_row * m)
             if gain > best_gain:
                 best, best_gain = _Choice(m, lookup=True), gain
-        if chain:
-            seat = self._seat_cost(o, chain)
-            for n in range(1, min(chain, len(o.model) - 1) + 1):
-                gain = _gain(o.model[n], rate, per_row * n + seat)
-                if gain > best_gain:
-                    best, best_gain = _Choice(n), gain
+        for n in range(1, min(chain, len(o.model) - 1) + 1):
+            gain = _gain(o.model[n], rate, per_row * n + self._seat_cost(o, n))
+            if gain > best_gain:
+                best, best_gain = _Choice(n), gain
         return best
 
     def _may_pay(self, o: Outlook, rate: float) -> bool:
@@ -159,31 +187,45 @@ class BatchDraftPlanner:
 
     def _rate(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice]) -> float:
         """Predicted tokens per second of a step with these choices."""
+        f = self.forecast_of(outlooks, choices)
+        return f.tokens / f.seconds
+
+    def forecast_of(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice]
+                    ) -> StepForecast:
+        """Predicted tokens and seconds of a step with these choices: the target pass over
+        every row, and each draft source's chain for the sequences drafting with it."""
         tokens = 0.0
         rows = 0
-        drafting: dict[int, tuple[Outlook, int, int]] = {}  # drafter -> (one, count, chain)
+        drafting: dict[int, list[tuple[Outlook, int]]] = {}  # drafter -> its drafts
         for o, c in zip(outlooks, choices, strict=True):
-            tokens += (o.lookup if c.lookup else o.model)[c.n]
+            tokens += _expected(o, c)
             rows += c.n + 1
             if c.n and not c.lookup:
-                _, count, chain = drafting.get(id(o.drafter), (o, 0, 0))
-                drafting[id(o.drafter)] = (o, count + 1, max(chain, c.n))
-        seconds = self._verify_cost(rows)
-        for o, count, chain in drafting.values():
-            seconds += self._chain_cost(o, count, chain)
-        return tokens / seconds
+                drafting.setdefault(id(o.drafter), []).append((o, c.n))
+        draft = sum(self._chain_cost(group) for group in drafting.values())
+        return StepForecast(tokens, draft, self._verify_cost(rows),
+                            tuple((c.n, c.lookup) for c in choices))
 
-    def _chain_cost(self, o: Outlook, count: int, chain: int) -> float:
-        """Seconds of `count` sequences' drafts of up to `chain` tokens from o's source: a
-        pass a token of a row each, or one pass of their blocks (a head's)."""
+    def _chain_cost(self, group: Sequence[tuple[Outlook, int]]) -> float:
+        """Seconds of one source's drafts, (outlook, tokens) each: a head's blocks in one
+        pass; a draft model's first pass over every sequence's catch-up and last token,
+        then a pass a token over the sequences still drafting."""
+        o = group[0][0]
         if o.one_pass:
-            return self.costs.draft_pass(o.drafter, count * (chain + 1)) or 0.0
-        return (self.costs.draft_pass(o.drafter, count) or 0.0) * chain
+            return self.costs.draft_pass(o.drafter, sum(n + 1 for _, n in group)) or 0.0
+        seconds = self.costs.draft_pass(o.drafter, sum(1 + g.catch_up for g, _ in group))
+        for step in range(2, max(n for _, n in group) + 1):
+            seconds = (seconds or 0.0) + (self.costs.draft_pass(
+                o.drafter, sum(n >= step for _, n in group)) or 0.0)
+        return seconds or 0.0
 
-    def _seat_cost(self, o: Outlook, chain: int) -> float:
-        """What one more sequence in the draft chain adds to it: its share of the passes'
-        growth with their sequences."""
-        return max(self._chain_cost(o, 2, chain) - self._chain_cost(o, 1, chain), 0.0)
+    def _seat_cost(self, o: Outlook, n: int) -> float:
+        """What the sequence's draft of n tokens adds to a chain that another sequence's
+        draft of n already runs: its rows in each of the passes (its catch-up in the
+        first)."""
+        other = replace(o, catch_up=0)
+        return max(self._chain_cost([(other, n), (o, n)]) - self._chain_cost([(other, n)]),
+                   0.0)
 
     def _verify_cost(self, rows: int) -> float:
         cost = self.costs.verify.at(rows)
@@ -195,6 +237,11 @@ class BatchDraftPlanner:
         line = self.costs.verify
         lo = min(line.at_size) if line.at_size else 1
         return max(self._verify_cost(lo + 8) - self._verify_cost(lo), 0.0) / 8
+
+
+def _expected(o: Outlook, c: _Choice) -> float:
+    """Tokens the sequence is expected to emit with this choice."""
+    return (o.lookup if c.lookup else o.model)[c.n]
 
 
 def _gain(expected: float, rate: float, seconds: float) -> float:

@@ -624,11 +624,11 @@ class Generation:
         seen = self.policy.outlook(limit, offer)
         if seen is None:
             return None
-        model, s, lookup = seen
+        model, s, lookup, catch_up = seen
         source = self.drafter.model_sources[s]
         if not self.drafter.runs_model:
             model = model[:1]
-        return Outlook(model, source, s, source.one_pass, lookup)
+        return Outlook(model, source, s, source.one_pass, lookup, catch_up)
 
     def _draft_job(self, plan: RoundPlan, offer: Proposal | None) -> DraftJob | None:
         """The model draft of n tokens the plan asks for (None: it takes the offer, or

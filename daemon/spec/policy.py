@@ -128,11 +128,12 @@ class DraftPolicy(ABC):
         return False
 
     def outlook(self, limit: int, offer: Proposal | None
-                ) -> tuple[list[float], int, list[float]] | None:
+                ) -> tuple[list[float], int, list[float], int] | None:
         """What the next round could emit, for a step planned with other sequences
         (batch_policy): expected tokens for each model draft length 0..limit from the
-        source it drafts with now, that source, and for each length of the free `offer`
-        (None: the policy keeps no estimates)."""
+        source it drafts with now, that source, for each length of the free `offer`, and
+        the skipped tokens that source evaluates before it drafts (None: the policy keeps
+        no estimates)."""
         return None
 
 
@@ -730,7 +731,7 @@ class AdaptiveDraftLength(DraftPolicy):
         return max(offers, key=lambda o: self.best_offer_rate(o, self.n_max), default=None)
 
     def outlook(self, limit: int, offer: Proposal | None
-                ) -> tuple[list[float], int, list[float]] | None:
+                ) -> tuple[list[float], int, list[float], int] | None:
         if self.rate(0) is None:
             return None  # nothing measured yet: the round's own choice measures
         limit = min(limit, self.n_max)
@@ -746,7 +747,8 @@ class AdaptiveDraftLength(DraftPolicy):
             ev = offer.evidence
             lookup = curve(self._acceptance(max(ev.lookup_match, 1), free=ev.lookup_source),
                            min(len(offer.tokens), limit))
-        return curve(self._models[s].acceptance, limit), s, lookup
+        model = self._models[s]
+        return curve(model.acceptance, limit), s, lookup, model.to_catch_up
 
     def plan(self, limit: int, offer: Proposal | None, runs_model: bool) -> RoundPlan:
         if offer is None:

@@ -37,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -51,6 +52,8 @@ from .policy import RoundPlan
 
 if TYPE_CHECKING:
     from .generation import Generation
+
+log = logging.getLogger("specd.round")
 
 # what a sequence's step gave: the tokens it emitted, or the exception that failed it
 StepResult = list[int] | Exception
@@ -87,7 +90,9 @@ class BatchRound:
         of all within `prefill_budget` tokens; a chunk beyond it waits) or its round."""
         results: list[StepResult] = [[] for _ in gens]
         calls: dict[int, Call] = {}
+        t_plan = time.perf_counter()
         jobs = self._plan(gens, prefill_budget, calls, results)
+        t_propose = time.perf_counter()
         self._propose(gens, jobs, calls, results)
         if not calls:
             return StepReport(results)
@@ -102,10 +107,34 @@ class BatchRound:
                     results[i] = gens[i].complete(out)
                 except Exception as exc:
                     results[i] = exc
+        t_end = time.perf_counter()
         if self.planner is not None and all(calls[i].rows is not None for i in order):
             self.planner.costs.observe_verify(sum(len(calls[i].tokens) for i in order),
-                                              time.perf_counter() - t0)
+                                              t_end - t0)
+            if log.isEnabledFor(logging.DEBUG):
+                self._log_step(gens, calls, results, (t_plan, t_propose, t0, t_end))
         return StepReport(results, len(order))
+
+    def _log_step(self, gens: Sequence[Generation], calls: dict[int, Call],
+                  results: list[StepResult], times: tuple[float, float, float, float]
+                  ) -> None:
+        """The step's plan and the planner's forecast beside what it measured: each
+        sequence's verified drafts and tokens emitted, the phases' seconds."""
+        t_plan, t_propose, t_forward, t_end = times
+        assert self.planner is not None
+        f = self.planner.forecast
+        drafts = " ".join(f"{len(calls[i].tokens) - 1}>{len(r) if isinstance(r, list) else 'x'}"
+                          for i, r in enumerate(results) if i in calls)
+        emitted = sum(len(r) for r in results if isinstance(r, list))
+        plan = " ".join(f"{n}L" if lookup else str(n) for n, lookup in f.drafts) if f else ""
+        predicted = ("own plans" if f is None else
+                     f"plan {plan} "
+                     f"predicted {f.tokens:.2f} tok in {f.draft_s * 1e3:.1f}+"
+                     f"{f.verify_s * 1e3:.1f} ms")
+        log.debug("step of %d: %s; drafted>emitted %s = %d tok in %.1f+%.1f+%.1f ms "
+                  "(plan+propose, forward+verify)", len(gens), predicted, drafts, emitted,
+                  (t_propose - t_plan) * 1e3, (t_forward - t_propose) * 1e3,
+                  (t_end - t_forward) * 1e3)
 
     def _plan(self, gens: Sequence[Generation], prefill_budget: int | None,
               calls: dict[int, Call], results: list[StepResult]) -> dict[int, DraftJob]:
