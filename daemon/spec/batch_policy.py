@@ -31,7 +31,7 @@ estimates go on being tested at a bounded cost to the others.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .policy import PROBE_LENGTH, CostLine, RoundPlan
 
@@ -89,16 +89,30 @@ class StepCosts:
 
     verify: CostLine = field(default_factory=lambda: CostLine(DECAY))
     draft: dict[int, CostLine] = field(default_factory=dict)  # id(drafter) -> its passes
+    # the lines' answers since the last observation ((0, rows): the target pass), as a
+    # plan asks for the same sizes many times
+    _asked: dict[tuple[int, int], float | None] = field(default_factory=dict)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self.verify.add(rows, seconds)
+        self._asked.clear()
 
     def observe_draft(self, drafter: object, rows: int, seconds: float) -> None:
         self.draft.setdefault(id(drafter), CostLine(DECAY)).add(rows, seconds)
+        self._asked.clear()
+
+    def verify_pass(self, rows: int) -> float | None:
+        key = (0, rows)
+        if key not in self._asked:
+            self._asked[key] = self.verify.at(rows)
+        return self._asked[key]
 
     def draft_pass(self, drafter: object, rows: int) -> float | None:
-        line = self.draft.get(id(drafter))
-        return None if line is None else line.at(rows)
+        key = (id(drafter), rows)
+        if key not in self._asked:
+            line = self.draft.get(id(drafter))
+            self._asked[key] = None if line is None else line.at(rows)
+        return self._asked[key]
 
 
 class BatchDraftPlanner:
@@ -115,7 +129,7 @@ class BatchDraftPlanner:
         """Each sequence's round this step (None: no plan; each sequence's own policy
         plans its round, as a sequence alone does)."""
         self.forecast = None
-        if len(outlooks) < 2 or self.costs.verify.at(len(outlooks)) is None:
+        if len(outlooks) < 2 or self.costs.verify_pass(len(outlooks)) is None:
             return None
         if any(o.model[1:] and self.costs.draft_pass(o.drafter, 1) is None for o in outlooks):
             return None  # a draft source not timed yet: its sequences' own choices time it
@@ -223,12 +237,16 @@ class BatchDraftPlanner:
         """What the sequence's draft of n tokens adds to a chain that another sequence's
         draft of n already runs: its rows in each of the passes (its catch-up in the
         first)."""
-        other = replace(o, catch_up=0)
-        return max(self._chain_cost([(other, n), (o, n)]) - self._chain_cost([(other, n)]),
-                   0.0)
+        def grown(rows: int, by: int) -> float:
+            return ((self.costs.draft_pass(o.drafter, rows + by) or 0.0)
+                    - (self.costs.draft_pass(o.drafter, rows) or 0.0))
+
+        if o.one_pass:
+            return max(grown(n + 1, n + 1), 0.0)
+        return max(grown(1, 1 + o.catch_up) + (n - 1) * grown(1, 1), 0.0)
 
     def _verify_cost(self, rows: int) -> float:
-        cost = self.costs.verify.at(rows)
+        cost = self.costs.verify_pass(rows)
         assert cost is not None
         return cost
 
