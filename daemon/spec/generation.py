@@ -616,11 +616,13 @@ class Generation:
         if self.done or not self.prefilled or self._pending is not None:
             return None
         limit = min(self._draft_limit(), dp.n_max)
+        remaining = min(self.params.max_tokens - len(self.tokens),
+                        self.target.n_ctx - self._pos)
         if self.drafter is None or limit <= 0:
-            return Outlook([1.0], None)
+            return Outlook([1.0], None, remaining=remaining)
         offer = self._offer(limit)
         if self.drafter is None:  # it failed offering
-            return Outlook([1.0], None)
+            return Outlook([1.0], None, remaining=remaining)
         seen = self.policy.outlook(limit, offer)
         if seen is None:
             return None
@@ -628,7 +630,7 @@ class Generation:
         source = self.drafter.model_sources[s]
         if not self.drafter.runs_model:
             model = model[:1]
-        return Outlook(model, source, s, source.one_pass, lookup, catch_up)
+        return Outlook(model, source, s, source.one_pass, lookup, catch_up, remaining)
 
     def _draft_job(self, plan: RoundPlan, offer: Proposal | None) -> DraftJob | None:
         """The model draft of n tokens the plan asks for (None: it takes the offer, or

@@ -4,8 +4,9 @@ concurrency, priced by the step's measured pass costs."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
-from specd.daemon.spec.batch_policy import BatchDraftPlanner, Outlook
+from specd.daemon.spec.batch_policy import BatchDraftPlanner, Outlook, _Choice
 
 DRAFT = object()  # a draft runner
 HEAD = object()
@@ -124,3 +125,43 @@ def test_the_quick_no_draft_answer_is_the_full_searchs() -> None:
         p._may_pay = lambda o, rate: True  # type: ignore[method-assign]
         assert p.plan(outlooks) == got
     assert 100 < quick < 900  # both kinds of step were drawn
+
+
+def test_a_catch_up_is_priced_in_the_first_pass() -> None:
+    """After plain steps the draft model first evaluates the tokens it skipped: a first
+    pass of many rows that a draft of one token must pay for in its step."""
+    p = planner((30, 1), (8, 2))
+    steady = caps(p, [Outlook(geometric(0.7, 8), DRAFT)] * 2)
+    assert steady is not None and all(n >= 1 for n in steady)
+    assert caps(p, [Outlook(geometric(0.7, 8), DRAFT, catch_up=16)] * 2) == [0, 0]
+    forecast = p.forecast_of([Outlook(geometric(0.7, 8), DRAFT, catch_up=16)] * 2,
+                             [_Choice(2), _Choice(2)])
+    # passes of 2 + 32 rows, then of 2 rows
+    assert abs(forecast.draft_s - (8 + 2 * 34 + 8 + 2 * 2) / 1e3) < 1e-9
+
+
+def test_drafts_that_would_make_the_batch_end_later_are_dropped() -> None:
+    """Equal requests end with the slowest: drafts for the good sequences that slow the
+    step while the poor one gains nothing are dropped once the remaining tokens are known;
+    a poor sequence with little left may be slowed."""
+    p = planner((30, 3), (4, 0.5))
+    good, poor = Outlook(geometric(0.95, 8), DRAFT), Outlook(geometric(0.2, 8), DRAFT)
+    unknown = caps(p, [poor, good, good, good])
+    assert unknown is not None and unknown[0] == 0 and all(unknown[1:])
+    left = [replace(o, remaining=100) for o in (poor, good, good, good)]
+    assert caps(p, left) == [0, 0, 0, 0]
+    nearly_done = [replace(poor, remaining=10), *left[1:]]
+    planned = caps(p, nearly_done)
+    assert planned is not None and planned[0] == 0 and all(planned[1:])
+
+
+def test_a_sequence_that_would_be_late_drafts_too_where_that_pays() -> None:
+    """A sequence whose own draft makes up for the slower step drafts with the others,
+    where for the batch's rate alone it would verify nothing extra."""
+    p = planner((30, 2), (4, 0.5))
+    good, middling = Outlook(geometric(0.95, 8), DRAFT), Outlook(geometric(0.4, 8), DRAFT)
+    alone = caps(p, [middling, good, good, good])
+    assert alone is not None and alone[0] == 0 and all(alone[1:])
+    left = [replace(o, remaining=100) for o in (middling, good, good, good)]
+    planned = caps(p, left)
+    assert planned is not None and all(planned)
