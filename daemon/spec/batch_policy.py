@@ -6,9 +6,9 @@ chain it waits for plus the target pass over all its rows. A draft model's chain
 first pass over what each drafting sequence's cache lacks (its last token, and after plain
 steps the skipped tokens it catches up on, `Outlook.catch_up`), then a pass per draft
 token over the sequences still drafting, each pass priced at its rows; a head that
-proposes a block runs one pass over the blocks. A catch-up is priced in full in the step
-that pays it: after plain steps at high concurrency, drafting starts again only where
-that step pays too (or a probe, below, caught the sequence up). Each sequence's own
+proposes a block runs one pass over the blocks. A catch-up buys the drafts of every later
+step: a plan is weighed with each catch-up spread over the steps its sequence has left
+(whole where they are unknown), its forecast with the whole. Each sequence's own
 policy prices its rounds at its share of the passes, which is not what its draft costs
 the others. So the step is planned as a whole, to maximise the
 tokens it emits per second:
@@ -78,10 +78,18 @@ class StepForecast:
     draft_s: float
     verify_s: float
     drafts: tuple[tuple[int, bool], ...]  # each sequence's (n, from the lookup offer)
+    # the draft seconds the step is charged: its catch-ups at their share (_catch_up_share)
+    charged_s: float = 0.0
 
     @property
     def seconds(self) -> float:
+        """What the step is predicted to take."""
         return self.draft_s + self.verify_s
+
+    @property
+    def charged(self) -> float:
+        """What the step is charged: the seconds its plan is weighed at."""
+        return self.charged_s + self.verify_s
 
 
 @dataclass
@@ -203,7 +211,7 @@ class BatchDraftPlanner:
         if not known:
             return set()
         last = max(known) * plain
-        seconds = self.forecast_of(outlooks, choices).seconds
+        seconds = self.forecast_of(outlooks, choices).charged
         return {i for i, (o, c) in enumerate(zip(outlooks, choices, strict=True))
                 if o.remaining is not None and o.remaining * seconds > last * _expected(o, c)}
 
@@ -236,12 +244,13 @@ class BatchDraftPlanner:
     def _rate(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice]) -> float:
         """Predicted tokens per second of a step with these choices."""
         f = self.forecast_of(outlooks, choices)
-        return f.tokens / f.seconds
+        return f.tokens / f.charged
 
     def forecast_of(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice]
                     ) -> StepForecast:
         """Predicted tokens and seconds of a step with these choices: the target pass over
-        every row, and each draft source's chain for the sequences drafting with it."""
+        every row, and each draft source's chain for the sequences drafting with it (its
+        catch-ups whole, and at the share the step is charged)."""
         tokens = 0.0
         rows = 0
         drafting: dict[int, list[tuple[Outlook, int]]] = {}  # drafter -> its drafts
@@ -250,34 +259,43 @@ class BatchDraftPlanner:
             rows += c.n + 1
             if c.n and not c.lookup:
                 drafting.setdefault(id(o.drafter), []).append((o, c.n))
-        draft = sum(self._chain_cost(group) for group in drafting.values())
+        draft = charged = 0.0
+        for group in drafting.values():
+            whole, catch_up = self._chain_cost(group)
+            draft += whole
+            charged += whole - catch_up * (1.0 - _catch_up_share(group))
         return StepForecast(tokens, draft, self._verify_cost(rows),
-                            tuple((c.n, c.lookup) for c in choices))
+                            tuple((c.n, c.lookup) for c in choices), charged)
 
-    def _chain_cost(self, group: Sequence[tuple[Outlook, int]]) -> float:
-        """Seconds of one source's drafts, (outlook, tokens) each: a head's blocks in one
-        pass; a draft model's first pass over every sequence's catch-up and last token,
-        then a pass a token over the sequences still drafting."""
+    def _chain_cost(self, group: Sequence[tuple[Outlook, int]]) -> tuple[float, float]:
+        """Seconds of one source's drafts, (outlook, tokens) each, and the part of them its
+        catch-ups add: a head's blocks in one pass; a draft model's first pass over every
+        sequence's catch-up and last token, then a pass a token over the sequences still
+        drafting."""
         o = group[0][0]
         if o.one_pass:
-            return self.costs.draft_pass(o.drafter, sum(n + 1 for _, n in group)) or 0.0
-        seconds = self.costs.draft_pass(o.drafter, sum(1 + g.catch_up for g, _ in group))
+            return self.costs.draft_pass(o.drafter, sum(n + 1 for _, n in group)) or 0.0, 0.0
+        first = self.costs.draft_pass(o.drafter, len(group)) or 0.0
+        caught_up = self.costs.draft_pass(o.drafter, sum(1 + g.catch_up for g, _ in group))
+        catch_up = max((caught_up or 0.0) - first, 0.0)
+        seconds = first + catch_up
         for step in range(2, max(n for _, n in group) + 1):
-            seconds = (seconds or 0.0) + (self.costs.draft_pass(
-                o.drafter, sum(n >= step for _, n in group)) or 0.0)
-        return seconds or 0.0
+            seconds += self.costs.draft_pass(o.drafter,
+                                             sum(n >= step for _, n in group)) or 0.0
+        return seconds, catch_up
 
     def _seat_cost(self, o: Outlook, n: int) -> float:
         """What the sequence's draft of n tokens adds to a chain that another sequence's
         draft of n already runs: its rows in each of the passes (its catch-up in the
-        first)."""
+        first, at the share the step is charged)."""
         def grown(rows: int, by: int) -> float:
             return ((self.costs.draft_pass(o.drafter, rows + by) or 0.0)
                     - (self.costs.draft_pass(o.drafter, rows) or 0.0))
 
         if o.one_pass:
             return max(grown(n + 1, n + 1), 0.0)
-        return max(grown(1, 1 + o.catch_up) + (n - 1) * grown(1, 1), 0.0)
+        catch_up = max(grown(2, o.catch_up), 0.0) * _catch_up_share([(o, n)])
+        return max(grown(1, 1) * n + catch_up, 0.0)
 
     def _verify_cost(self, rows: int) -> float:
         cost = self.costs.verify_pass(rows)
@@ -289,6 +307,19 @@ class BatchDraftPlanner:
         line = self.costs.verify
         lo = min(line.at_size) if line.at_size else 1
         return max(self._verify_cost(lo + 8) - self._verify_cost(lo), 0.0) / 8
+
+
+def _catch_up_share(group: Sequence[tuple[Outlook, int]]) -> float:
+    """The share of the drafting sequences' catch-ups a step is charged: a catch-up buys
+    the drafts of every later step, so each sequence's is spread over the steps it has
+    left at this draft's pace (whole where its remaining tokens are unknown), weighted by
+    its skipped tokens."""
+    skipped = sum(o.catch_up for o, _ in group)
+    if not skipped:
+        return 1.0
+    return sum(o.catch_up * (1.0 if o.remaining is None
+                             else min(1.0, o.model[n] / max(o.remaining, 1)))
+               for o, n in group) / skipped
 
 
 def _expected(o: Outlook, c: _Choice) -> float:

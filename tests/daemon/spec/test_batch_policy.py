@@ -138,6 +138,9 @@ def test_a_catch_up_is_priced_in_the_first_pass() -> None:
                              [_Choice(2), _Choice(2)])
     # passes of 2 + 32 rows, then of 2 rows
     assert abs(forecast.draft_s - (8 + 2 * 34 + 8 + 2 * 2) / 1e3) < 1e-9
+    # a catch-up buys the drafts of the steps left: spread over many, it is worth paying
+    long_ahead = caps(p, [Outlook(geometric(0.7, 8), DRAFT, catch_up=16, remaining=200)] * 2)
+    assert long_ahead is not None and all(n >= 1 for n in long_ahead)
 
 
 def test_drafts_that_would_make_the_batch_end_later_are_dropped() -> None:
