@@ -19,6 +19,9 @@ commit → observe.
               sequences completed here (`Drafter.batched_updates`). Each sequence's policy
               and the step planner learn from what the round cost and brought.
 
+Where the step is planned as a whole, the planner's forecast (tokens, draft and target
+seconds) and what the step measured are logged at debug level (logger `specd.round`).
+
 The Scheduler runs a step for its active slots, `Generation.step()` for one sequence
 alone, the trainer's distillation for its batch of replies: one round for all.
 
