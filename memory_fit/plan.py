@@ -10,9 +10,12 @@ FitError with the bytes needed and free.
 Total per model: weights (none for a drafter that shares the target's weights) + KV
 (kv_bytes_per_token x n_ctx x slots) + workspace(n_ctx) + host (the engine's parsed GGUF
 header, and the tokenizer for the target; CPU only); plus a one-time runtime cost
-(the CUDA context) counted once. While models load one after another the peak is the
-models already loaded (weights + KV) plus the loading one's weights and load overhead;
-the plan takes the larger of that and the steady total.
+(the CUDA context) counted once, and the history index's bound (`history_bytes`: the
+most the daemon user's suffix index may hold, drafters/history.py), a row of host
+memory counted in every configuration where host memory is the device's (CPU). While
+models load one after another the peak is the models already loaded (weights + KV) plus
+the loading one's weights and load overhead; the plan takes the larger of that and the
+steady total.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .probes import MemoryProbe
 ON_FAIL_STEPS = ("fewer_slots", "drop_draft")
 DEFAULT_MARGIN_BYTES = 512 << 20
 DEFAULT_MIN_CTX = 512
+HISTORY_ROW_NAME = "suffix index"  # the history row's name in a plan's table
 
 
 class FitError(Exception):
@@ -37,7 +41,7 @@ class FitError(Exception):
 
 @dataclass(frozen=True)
 class ModelRow:
-    role: str  # "target" / "draft" / "embedding" / "vision"
+    role: str  # "target" / "draft" / "embedding" / "vision" / "history"
     name: str
     weights_bytes: int  # counted: 0 when shared with the target
     kv_bytes_per_token: int  # per sequence
@@ -162,8 +166,8 @@ def _configs(slots: int, has_draft: bool, on_fail: Sequence[str]) -> list[tuple[
 
 
 def _rows(target: ModelCost, second: ModelCost | None, n_ctx: int, slots: int,
-          shares: bool, beside: ModelCost | None = None, vision: ModelCost | None = None
-          ) -> list[ModelRow]:
+          shares: bool, beside: ModelCost | None = None, vision: ModelCost | None = None,
+          history_bytes: int = 0) -> list[ModelRow]:
     rows = [ModelRow("target", target.name, target.weights_bytes, target.kv_bytes_per_token,
                      target.kv_bytes(n_ctx, slots), target.workspace_bytes_at(n_ctx),
                      host_bytes=target.metadata_bytes + target.tokenizer_bytes)]
@@ -181,14 +185,18 @@ def _rows(target: ModelCost, second: ModelCost | None, n_ctx: int, slots: int,
     if vision is not None:  # no cache: its weights and one image's activations
         rows.append(ModelRow("vision", vision.name, vision.weights_bytes, 0, 0,
                              vision.workspace_bytes_at(0), host_bytes=vision.metadata_bytes))
+    if history_bytes > 0:  # the suffix index's arrays at their bound, whatever the context
+        rows.append(ModelRow("history", HISTORY_ROW_NAME, 0, 0, 0, 0,
+                             host_bytes=history_bytes))
     return rows
 
 
 def _load_peak(costs: Sequence[ModelCost], rows: Sequence[ModelRow], runtime: int) -> int:
     """Highest point while the models load in order (headers and tokenizer first, then
-    each session: weights + load overhead, then its KV)."""
+    each session: weights + load overhead, then its KV). The history row (after the
+    models' rows) counts as held from the start: its bound is what it may reach."""
     peak, loaded = 0, runtime + sum(r.host_bytes for r in rows)
-    for cost, row in zip(costs, rows, strict=True):
+    for cost, row in zip(costs, rows[:len(costs)], strict=True):
         extra = cost.load_extra_bytes if row.weights_bytes else 0
         peak = max(peak, loaded + row.weights_bytes + extra)
         loaded += row.weights_bytes + row.kv_bytes
@@ -196,10 +204,10 @@ def _load_peak(costs: Sequence[ModelCost], rows: Sequence[ModelRow], runtime: in
 
 
 def _need(target: ModelCost, other: ModelCost | None, n_ctx: int, slots: int,
-          shares: bool, beside: ModelCost | None = None, vision: ModelCost | None = None
-          ) -> tuple[int, list[ModelRow], int]:
+          shares: bool, beside: ModelCost | None = None, vision: ModelCost | None = None,
+          history_bytes: int = 0) -> tuple[int, list[ModelRow], int]:
     """(peak bytes, rows, load peak) of one candidate; every call recomputes each model."""
-    rows = _rows(target, other, n_ctx, slots, shares, beside, vision)
+    rows = _rows(target, other, n_ctx, slots, shares, beside, vision, history_bytes)
     costs = [c for c in (target, other, beside, vision) if c is not None]
     runtime = max(c.runtime_bytes for c in costs)
     load = _load_peak(costs, rows, runtime)
@@ -224,14 +232,17 @@ def fit(target: ModelCost, second: ModelCost | None = None, *, probe: MemoryProb
         min_ctx: int = DEFAULT_MIN_CTX, max_ctx: int | None = None,
         shares_target_weights: bool = False,
         on_fail: Sequence[str] = ON_FAIL_STEPS, beside: ModelCost | None = None,
-        vision: ModelCost | None = None) -> Plan:
+        vision: ModelCost | None = None, history_bytes: int = 0) -> Plan:
     """The largest context (then the most slots, then the draft) that fits `probe`'s free
     memory minus `margin_bytes`. max_ctx defaults to the models' trained context. `beside`:
     a model always loaded with them, one sequence at the same context (the embedding
     model), whose bytes every configuration counts; `vision`: the vision encoder
-    (vision_cost), counted the same way."""
+    (vision_cost), counted the same way; `history_bytes`: the history index's bound, a
+    row every configuration counts (0: none)."""
     if slots < 1:
         raise ValueError(f"slots must be >= 1, not {slots}")
+    if history_bytes < 0:
+        raise ValueError(f"history_bytes must be >= 0, not {history_bytes}")
     for step in on_fail:
         if step not in ON_FAIL_STEPS:
             raise ValueError(f"unknown on_fail step {step!r} (one of {ON_FAIL_STEPS})")
@@ -248,14 +259,14 @@ def fit(target: ModelCost, second: ModelCost | None = None, *, probe: MemoryProb
         chosen = None
         for n in range(hi, lo - 1, -ATTN_BUCKET):  # largest first; the need grows with n
             total, rows, load = _need(target, other, n, n_slots, shares_target_weights,
-                                      beside, vision)
+                                      beside, vision, history_bytes)
             if total <= budget:
                 chosen = (n, rows, load)
                 break
         what = f"{n_slots} slot{'s' if n_slots > 1 else ''}" + (" + draft" if other else "")
         if chosen is None:
             total = _need(target, other, lo, n_slots, shares_target_weights, beside,
-                          vision)[0]
+                          vision, history_bytes)[0]
             if other is not None:
                 failures.append(f"{what} needs {fmt_bytes(total)} at n_ctx {lo}")
             if smallest_need is None or total < smallest_need[0]:

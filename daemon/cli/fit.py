@@ -15,7 +15,14 @@ from specd.memory_fit.measure import MeasureError
 from specd.memory_fit.plan import DEFAULT_MARGIN_BYTES, DEFAULT_MIN_CTX, FitError
 from specd.memory_fit.probes import ProbeError
 
-from .options import add_draft_build_args, build_progress, draft_files, int_at_least
+from .options import (
+    add_draft_build_args,
+    add_history_args,
+    build_progress,
+    draft_files,
+    history_bound_bytes,
+    int_at_least,
+)
 
 EXIT_OK, EXIT_ERROR = 0, 1
 
@@ -56,6 +63,7 @@ def add_fit_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument("--remeasure", action="store_true", help="ignore cached measurements")
     p.add_argument("--no-fetch", action="store_true", help="never download catalog models")
+    add_history_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_fit)
     return p
@@ -74,7 +82,8 @@ def run_fit(args: argparse.Namespace) -> int:
                              fetch=not args.no_fetch, use_cache=not args.remeasure,
                              build_progress=build_progress, draft_quant=args.draft_quant,
                              draft_vocab=args.draft_vocab,
-                             progress=ProgressBar())
+                             progress=ProgressBar(),
+                             history_bytes=history_bound_bytes(args))
     except (FitError, MeasureError, ProbeError, ModelStoreError, GGUFError, ValueError,
             RuntimeError, OSError) as exc:
         if getattr(args, "verbose", False):

@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from specd.daemon.drafters.history import DEFAULT_MAX_TOKENS, HistoryStore
+from specd.daemon.drafters.suffix_index import MIN_CAPACITY
 from specd.daemon.models.building import DRAFT_QUANTS, DRAFT_VOCAB_ROWS
 
 
@@ -107,3 +109,22 @@ def build_progress(label: str) -> Callable[[int, int, str], None]:
     return report
 
 
+
+
+def add_history_args(p: argparse.ArgumentParser) -> None:
+    """--history / --no-history and --history-tokens (serve's, and fit's to plan for)."""
+    p.add_argument("--history", action=argparse.BooleanOptionalAction, default=True,
+                   help="draft from each user's own earlier requests (their prompts and "
+                   "outputs, kept per user and cache key, never drafting for another); "
+                   "--no-history: off, nothing kept (default on)")
+    p.add_argument("--history-tokens", type=int_at_least(MIN_CAPACITY), default=None,
+                   metavar="N", help="tokens of history kept per user, the oldest dropped "
+                   f"({HistoryStore.bytes_per_token} bytes each at most; default "
+                   f"{DEFAULT_MAX_TOKENS})")
+
+
+def history_bound_bytes(args: argparse.Namespace) -> int:
+    """The most bytes the daemon user's history may hold under `args` (0: --no-history)."""
+    if not args.history:
+        return 0
+    return HistoryStore.bound_bytes(args.history_tokens or DEFAULT_MAX_TOKENS)

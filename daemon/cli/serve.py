@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 from specd.daemon.text.reasoning import REASONING_FORMATS
 
 from .generate import engine_config_from_args
-from .options import build_progress, int_at_least, settle_draft, split_drafter
+from .options import (
+    add_history_args,
+    build_progress,
+    history_bound_bytes,
+    int_at_least,
+    settle_draft,
+    split_drafter,
+)
 
 if TYPE_CHECKING:
     from specd.daemon.control.log_file import LogRotation
@@ -127,13 +134,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "cache. Seconds or a duration such as 5m or 1h (default "
                    f"{DEFAULT_KEEP_ALIVE}, as Ollama's); 0: as soon as idle; negative: "
                    "never. An Ollama request's keep_alive overrides it")
-    p.add_argument("--history", action=argparse.BooleanOptionalAction, default=True,
-                   help="draft from each user's own earlier requests (their prompts and "
-                   "outputs, kept per user and cache key, never drafting for another); "
-                   "--no-history: off, nothing kept (default on)")
-    p.add_argument("--history-tokens", type=int_at_least(1 << 10), default=None,
-                   metavar="N", help="tokens of history kept per user, the oldest dropped "
-                   "(16 bytes each at most; default 4194304)")
+    add_history_args(p)
     p.add_argument("--history-file", default=None, metavar="PATH",
                    help="keep the history across restarts in this file, which must lie "
                    "under the state dir and be readable by you alone (mode 0600); "
@@ -180,7 +181,8 @@ def plan_memory(args: argparse.Namespace) -> dict | None:
                              draft_quant=args.draft_quant, draft_vocab=args.draft_vocab,
                              build_progress=build_progress,
                              progress=ProgressBar(), embedding_model=args.embedding_model,
-                             mmproj=getattr(args, "mmproj", None) or "auto")
+                             mmproj=getattr(args, "mmproj", None) or "auto",
+                             history_bytes=history_bound_bytes(args))
         return plan
 
     also = getattr(args, "also_draft", None)

@@ -50,7 +50,14 @@ from specd.daemon.spec.drafter import (
 )
 from specd.daemon.spec.sampling import Sampler
 
-from .suffix_index import MAX_MATCH, MIN_CAPACITY, Candidates, SuffixIndex, propose
+from .suffix_index import (
+    BYTES_PER_TOKEN,
+    MAX_MATCH,
+    MIN_CAPACITY,
+    Candidates,
+    SuffixIndex,
+    propose,
+)
 
 HISTORY = "history"  # the free source's name (its offers' `lookup_source`)
 DEFAULT_MAX_TOKENS = 1 << 22  # tokens of history per principal (BYTES_PER_TOKEN each)
@@ -71,6 +78,13 @@ def match_key(match: int) -> int:
 class HistoryStore:
     """Each identity's suffix index, bounded per principal (module doc). Thread-safe:
     the scheduler's worker adds and looks up, the HTTP loop clears and saves."""
+
+    bytes_per_token = BYTES_PER_TOKEN  # the most `nbytes` grows by per token of the bound
+
+    @staticmethod
+    def bound_bytes(max_tokens: int = DEFAULT_MAX_TOKENS) -> int:
+        """The most bytes one principal's indices hold (`nbytes_of`) under `max_tokens`."""
+        return BYTES_PER_TOKEN * max_tokens
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS):
         if max_tokens < MIN_CAPACITY:

@@ -136,13 +136,15 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
                draft_vocab: int = DRAFT_VOCAB_ROWS, progress: Any = None,
                embedding_model: str | os.PathLike[str] | None = None,
                also_draft: str | os.PathLike[str] | None = None,
-               mmproj: str | None = None
+               mmproj: str | None = None, history_bytes: int = 0
                ) -> tuple[Plan, list[ModelCost]]:
     """Resolve, build, measure and fit target (+ draft, + an embedding model of its own,
     counted beside them); returns the plan and the costs (the embedding model's last).
     `also_draft`: a second draft file loaded with `draft` (a head beside a draft model),
     planned with it as one draft. `mmproj`: the vision projector as EngineConfig.mmproj
-    names it, its encoder counted beside them (vision_cost)."""
+    names it, its encoder counted beside them (vision_cost). `history_bytes`: the
+    history index's bound, counted where host memory is the device's (CPU; on a GPU it
+    takes none of the device's)."""
     from specd.daemon.models.store import resolve_model
     from specd.memory_fit.vision import vision_cost
 
@@ -181,7 +183,7 @@ def fit_models(target: str | os.PathLike[str], draft: str | os.PathLike[str] | N
     vision = None if mm_path is None else vision_cost(mm_path)
     plan = fit(costs[0], costs[1] if len(costs) > 1 else None, probe=free, slots=slots,
                margin_bytes=margin_bytes, min_ctx=min_ctx, max_ctx=max_ctx, beside=beside,
-               vision=vision)
+               vision=vision, history_bytes=history_bytes if dev == "cpu" else 0)
     return plan, costs + ([beside] if beside is not None else [])
 
 

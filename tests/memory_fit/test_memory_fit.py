@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from specd.daemon.drafters.history import HistoryStore
 from specd.memory_fit import (
     CpuProbe,
     FakeProbe,
@@ -334,6 +335,17 @@ def test_cli_fit(tiny_cost: tuple[Any, ModelCost], capsys: pytest.CaptureFixture
     assert run("--json", "--margin-mb", "16") == 0
     out = json.loads(capsys.readouterr().out)
     assert out["n_ctx"] == 1024 and out["slots"] == 2  # serve's default slots (DEFAULT_SLOTS)
+    # the history index's bound, as serve plans it (default on; 16 bytes a token)
+    history = [m for m in out["models"] if m["role"] == "history"]
+    assert [m["host_bytes"] for m in history] == [16 * (1 << 22)]
+    assert run("--json", "--margin-mb", "16", "--history-tokens", "4096") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [m["host_bytes"] for m in out["models"] if m["role"] == "history"] == [16 * 4096]
+    assert run("--json", "--margin-mb", "16", "--no-history") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(m["role"] != "history" for m in out["models"])
+    assert run("--margin-mb", "16") == 0
+    assert "suffix index" in capsys.readouterr().out
     assert run("-md", str(built.gguf_path), "--slots", "2", "--margin-mb", "16") == 0
     assert "n_ctx 1024" in capsys.readouterr().out
     assert run("--margin-mb", str(10**9)) == 1
@@ -462,7 +474,8 @@ def test_serve_plan_keeps_lookup_and_takes_c_as_the_runner_does(
     assert planned("-c", "100").n_ctx == 256
     capsys.readouterr()
     alone = building.fit_models(gguf, device="cpu", threads=1, max_ctx=1024, margin_bytes=0,
-                                probe=probe(64 * GiB))[0].total_bytes
+                                probe=probe(64 * GiB),
+                                history_bytes=HistoryStore.bound_bytes())[0].total_bytes
     room = alone + DEFAULT_MARGIN_BYTES + (64 << 10)  # the target alone, not with the draft
     monkeypatch.setattr(building, "probe_for", lambda dev: probe(room))
     args = planned("-md", gguf, "-c", "1024")
@@ -489,7 +502,8 @@ def test_serve_plan_falls_back_to_the_next_measured_drafter_that_fits(
 
     def total(draft: str) -> int:
         return building.fit_models(gguf, draft, device="cpu", threads=1, max_ctx=1024,
-                                   margin_bytes=0, probe=probe(64 * GiB))[0].total_bytes
+                                   margin_bytes=0, probe=probe(64 * GiB),
+                                   history_bytes=HistoryStore.bound_bytes())[0].total_bytes
 
     assert total(head) < total(gguf)  # the head fits where the model draft does not
     room = total(head) + DEFAULT_MARGIN_BYTES + (64 << 10)
@@ -500,7 +514,8 @@ def test_serve_plan_falls_back_to_the_next_measured_drafter_that_fits(
     args.draft_fallbacks = (head,)  # as settle_draft sets it from the measured table
     plan = plan_memory(args)
     assert args.draft == head and args.spec_type == "auto"
-    assert plan is not None and [m["role"] for m in plan["models"]] == ["target", "draft"]
+    assert plan is not None and [m["role"] for m in plan["models"]] == [
+        "target", "draft", "history"]
     assert "measured next fastest, does" in capsys.readouterr().err
 
 
@@ -636,3 +651,30 @@ def test_the_vision_encoder_is_counted_beside_the_others() -> None:
     squeezed = fit(TARGET, DRAFT, probe=probe(need_8k + MARGIN + 1000), margin_bytes=MARGIN,
                    vision=big)
     assert squeezed.n_ctx < 8192 and "vision" in squeezed.table()
+
+
+def test_the_history_index_bound_is_counted_in_every_configuration() -> None:
+    """The history index's bound (HistoryStore.bound_bytes) is a row of host memory that
+    every configuration counts: a plan that fits the pair alone gives up context for it,
+    and the table names it."""
+    from specd.daemon.drafters.history import HistoryStore
+
+    bound = HistoryStore.bound_bytes(1 << 22)
+    assert bound == 64 * MiB  # 16 bytes a token
+    plan = fit(TARGET, DRAFT, probe=probe(60 * GiB), slots=2, margin_bytes=MARGIN,
+               history_bytes=bound)
+    t, d, h = plan.rows
+    assert (h.role, h.host_bytes, h.total_bytes) == ("history", bound, bound)
+    assert plan.total_bytes == steady(32768, 2, TARGET, DRAFT) + bound
+    assert "history" in plan.table() and "64.00 MiB" in plan.table()
+    assert plan.as_dict()["models"][2]["host_bytes"] == bound
+    need_8k = steady(8192, 1, TARGET, DRAFT)
+    alone = fit(TARGET, DRAFT, probe=probe(need_8k + MARGIN + 1000), margin_bytes=MARGIN)
+    with_history = fit(TARGET, DRAFT, probe=probe(need_8k + MARGIN + 1000),
+                       margin_bytes=MARGIN, history_bytes=bound)
+    assert alone.n_ctx == 8192 and with_history.n_ctx < 8192
+    assert with_history.total_bytes <= need_8k + 1000
+    # no history: no row
+    assert [r.role for r in fit(TARGET, probe=probe(60 * GiB)).rows] == ["target"]
+    with pytest.raises(ValueError, match="history_bytes"):
+        fit(TARGET, probe=probe(60 * GiB), history_bytes=-1)
