@@ -51,6 +51,10 @@ def head_input_rows(features: Features | None, layers: Sequence[int], n: int) ->
 @dataclass(frozen=True)
 class DraftParams:
     n_max: int = 8  # most tokens drafted per round
+    # most tokens a free offer (prompt lookup, history) drafts per round: making one costs
+    # nothing, so only its verification limits it (the policy prices that); n_max where
+    # that is more (`free_limit`)
+    free_max: int = 32
     n_min: int = 0  # drafts shorter than this are not verified
     p_min: float = 0.0  # stop drafting when the draft's top probability falls below
     # sampled requests: sample drafts from q and verify by rejection sampling (False: the
@@ -67,7 +71,14 @@ class DraftParams:
                              f"n_max={self.n_max}")
         if not 0.0 <= self.p_min <= 1.0:
             raise ValueError(f"p_min must be in [0, 1], got {self.p_min}")
+        if self.free_max < 0:
+            raise ValueError(f"free_max must be >= 0, got {self.free_max}")
         return self
+
+    @property
+    def free_limit(self) -> int:
+        """Most tokens a round may verify of a free offer (0: drafting is off)."""
+        return 0 if self.n_max <= 0 else max(self.n_max, self.free_max)
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,8 @@ def make_policy(params: GenerationParams, drafter: Drafter | None) -> DraftPolic
     if params.adaptive:
         sources = () if drafter is None else tuple(
             SourceTraits(d.one_pass, d.catch_up) for d in drafter.model_sources)
-        return AdaptiveDraftLength(dp.n_max, n_min=dp.n_min, sources=sources)
+        return AdaptiveDraftLength(dp.n_max, n_min=dp.n_min, sources=sources,
+                                   free_max=dp.free_limit)
     return FixedDraftLength(dp.n_max, n_min=dp.n_min)
 
 
@@ -573,15 +574,20 @@ class Generation:
         dp = self.params.draft
         if self.drafter is None or limit <= 0 or dp.n_max <= 0:
             return RoundPlan(0), None
-        offer = self._offer(min(dp.n_max, limit))
+        offer = self._offer(min(self._offer_limit(), limit))
         if self.drafter is None:  # it failed offering
             return RoundPlan(0), None
         return self.policy.plan(limit, offer, self.drafter.runs_model), offer
 
+    def _offer_limit(self) -> int:
+        """Most tokens a round verifies of a free offer (the policy's `offer_limit`)."""
+        return self.policy.offer_limit
+
     def _directed(self, plan: RoundPlan, limit: int) -> tuple[RoundPlan, Proposal | None]:
         """The step's plan for this round, within what it may draft, and the offer it
         takes (if it does)."""
-        n = min(plan.n, limit, self.params.draft.n_max)
+        n = min(plan.n, limit, self._offer_limit() if plan.take_offer
+                else self.params.draft.n_max)
         if self.drafter is None or n <= 0:
             return RoundPlan(0), None
         if not plan.take_offer:
@@ -615,12 +621,13 @@ class Generation:
         dp = self.params.draft
         if self.done or not self.prefilled or self._pending is not None:
             return None
-        limit = min(self._draft_limit(), dp.n_max)
+        room = self._draft_limit()
+        limit = min(room, dp.n_max)
         remaining = min(self.params.max_tokens - len(self.tokens),
                         self.target.n_ctx - self._pos)
         if self.drafter is None or limit <= 0:
             return Outlook([1.0], None, remaining=remaining)
-        offer = self._offer(limit)
+        offer = self._offer(min(room, self._offer_limit()))
         if self.drafter is None:  # it failed offering
             return Outlook([1.0], None, remaining=remaining)
         seen = self.policy.outlook(limit, offer)

@@ -33,6 +33,9 @@ from .verify import acceptance_probability, to_width
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior at each draft position
 DRAFT_COST_RATE = 0.1  # weight of each new draft timing (a ~10-observation memory)
 LOOKUP_PRIOR = 0.5  # acceptance assumed for lookup proposals before any was verified
+# ... for matches up to this long; a longer match (history's, up to 32 tokens) is assumed
+# likelier to go on: 1 - (1 - LOOKUP_PRIOR) * LOOKUP_PRIOR_MATCH / match
+LOOKUP_PRIOR_MATCH = 4
 MIN_EVIDENCE = 8.0  # (discounted) trials at draft position 1 before probes cost budget
 MIN_WEIGHT_AT_SIZE = 3.0  # observations of one pass size before its own mean is used
 PRIOR_VERIFY_SLOPE = 0.15  # relative cost of each extra verified token before a fit
@@ -48,6 +51,12 @@ THIN_PROBE_MARGIN = 0.8
 # observations an estimate carried from an earlier request counts as at most (acceptance
 # per position, each cost line): a new request's own rounds soon outweigh it
 CARRIED_WEIGHT = 4.0
+
+
+def lookup_prior(match: int) -> float:
+    """Acceptance assumed for a free offer continuing a match of `match` tokens before
+    any such offer was verified (LOOKUP_PRIOR_MATCH)."""
+    return 1.0 - (1.0 - LOOKUP_PRIOR) * LOOKUP_PRIOR_MATCH / max(match, LOOKUP_PRIOR_MATCH)
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -114,6 +123,11 @@ class DraftPolicy(ABC):
         """The round's plan, drafting at most `limit` tokens. `offer`: the drafter's free
         proposal (None: it has no free source); `runs_model`: its `draft()` runs a model."""
 
+    @property
+    @abstractmethod
+    def offer_limit(self) -> int:
+        """Most tokens a round verifies of a free offer."""
+
     def pick_offer(self, offers: Sequence[Proposal]) -> Proposal | None:
         """The free offer a round weighs, of those its free sources made (None: it has no
         free source): the longest."""
@@ -131,9 +145,9 @@ class DraftPolicy(ABC):
                 ) -> tuple[list[float], int, list[float], int] | None:
         """What the next round could emit, for a step planned with other sequences
         (batch_policy): expected tokens for each model draft length 0..limit from the
-        source it drafts with now, that source, for each length of the free `offer`, and
-        the skipped tokens that source evaluates before it drafts (None: the policy keeps
-        no estimates)."""
+        source it drafts with now, that source, for each length of the free `offer` up to
+        `offer_limit`, and the skipped tokens that source evaluates before it drafts (None:
+        the policy keeps no estimates)."""
         return None
 
 
@@ -143,6 +157,10 @@ class FixedDraftLength(DraftPolicy):
 
     n_max: int
     n_min: int = 0
+
+    @property
+    def offer_limit(self) -> int:
+        return self.n_max
 
     def plan(self, limit: int, offer: Proposal | None, runs_model: bool) -> RoundPlan:
         n = min(self.n_max, limit)
@@ -284,6 +302,11 @@ class _Acceptance:
             f = _carried_share(earlier.trials[i], weight)
             self.hits[i], self.trials[i] = earlier.hits[i] * f, earlier.trials[i] * f
 
+    @property
+    def thin(self) -> bool:
+        """Too few verified first positions to trust the estimate yet."""
+        return self.trials[0] < MIN_EVIDENCE if self.trials else False
+
     def rates(self) -> list[float]:
         """Estimated conditional acceptance per draft position."""
         out: list[float] = []
@@ -361,7 +384,7 @@ class _ModelSource:
     @property
     def thin(self) -> bool:
         """Too few verified first positions to trust its acceptance yet."""
-        return self.acceptance.trials[0] < MIN_EVIDENCE if self.acceptance.trials else False
+        return self.acceptance.thin
 
     def carry_from(self, earlier: _ModelSource) -> None:
         """Start from `earlier`'s costs, and its acceptance and block line as a few
@@ -389,6 +412,8 @@ class AdaptiveDraftLength(DraftPolicy):
     # the drafter's model sources, each round drafting from the one predicted fastest (a
     # head and a draft model); empty: one source with the traits above
     sources: tuple[SourceTraits, ...] = ()
+    # most tokens a free offer may verify (DraftParams.free_limit; 0: n_max)
+    free_max: int = 0
     _verify: CostLine = field(init=False)
     _experts: ExpertPricing = field(init=False)  # a MoE target's verify, by experts woken
     _drafting_rounds: int = 0
@@ -417,6 +442,7 @@ class AdaptiveDraftLength(DraftPolicy):
                                      CostLine(self.decay)) for t in traits]
         # (free source, match length) -> its offers' acceptance
         self._lookups: dict[tuple[str, int], _Acceptance] = {}
+        self.free_max = max(self.free_max, n)
 
     def _acceptance(self, lookup: int, source: int = 0, free: str = "") -> _Acceptance:
         """Acceptance of model source `source` (lookup 0) or of free source `free`'s offers
@@ -425,13 +451,17 @@ class AdaptiveDraftLength(DraftPolicy):
             return self._models[source].acceptance
         acc = self._lookups.get((free, lookup))
         if acc is None:
-            acc = self._lookups[(free, lookup)] = _Acceptance(max(self.n_max, 0), self.decay,
-                                                              LOOKUP_PRIOR)
+            acc = self._lookups[(free, lookup)] = _Acceptance(self.free_max, self.decay,
+                                                              lookup_prior(lookup))
         return acc
 
     @property
     def n_sources(self) -> int:
         return len(self._models)
+
+    @property
+    def offer_limit(self) -> int:
+        return self.free_max
 
     def carry_from(self, earlier: DraftPolicy) -> bool:
         """Start from what `earlier` (a finished request of the same drafter) learned: its
@@ -701,7 +731,7 @@ class AdaptiveDraftLength(DraftPolicy):
         if offered <= 0 or self.verify_cost(1) is None:
             return n, False
         best_m, best_rate = 0, 0.0
-        for m in range(self.shortest, min(offered, limit, self.n_max) + 1):
+        for m in range(self.shortest, min(offered, limit, self.free_max) + 1):
             r = self.lookup_rate(m, match, free) or 0.0
             if r > best_rate * SWITCH_MARGIN:
                 best_m, best_rate = m, r
@@ -717,7 +747,7 @@ class AdaptiveDraftLength(DraftPolicy):
     def best_offer_rate(self, offer: Proposal, limit: int) -> float:
         """Predicted tokens per second of verifying the offer's best length (0: none)."""
         ev = offer.evidence
-        longest = min(len(offer.tokens), limit, self.n_max)
+        longest = min(len(offer.tokens), limit, self.free_max)
         return max((self.lookup_rate(m, ev.lookup_match, ev.lookup_source) or 0.0
                     for m in range(self.shortest, longest + 1)), default=0.0)
 
@@ -725,10 +755,18 @@ class AdaptiveDraftLength(DraftPolicy):
     def pick_offer(self, offers: Sequence[Proposal]) -> Proposal | None:
         """The free offer predicted fastest at its best length (each free source's
         acceptance per match length kept apart); before the target pass is timed, the
-        longest."""
+        longest. An offer whose source is still thin on evidence at its match length is
+        tried first where it is the longest (ties: the longer match): no model runs for
+        it, and a source never picked would never be learned."""
         if self.verify_cost(1) is None:
             return super().pick_offer(offers)
-        return max(offers, key=lambda o: self.best_offer_rate(o, self.n_max), default=None)
+        made = [o for o in offers if o.tokens]
+        longest = max((len(o.tokens) for o in made), default=0)
+        untried = [o for o in made if len(o.tokens) == longest and self._acceptance(
+            max(o.evidence.lookup_match, 1), free=o.evidence.lookup_source).thin]
+        if untried:
+            return max(untried, key=lambda o: o.evidence.lookup_match)
+        return max(offers, key=lambda o: self.best_offer_rate(o, self.free_max), default=None)
 
     def outlook(self, limit: int, offer: Proposal | None
                 ) -> tuple[list[float], int, list[float], int] | None:
@@ -746,7 +784,7 @@ class AdaptiveDraftLength(DraftPolicy):
         if offer is not None and offer.tokens:
             ev = offer.evidence
             lookup = curve(self._acceptance(max(ev.lookup_match, 1), free=ev.lookup_source),
-                           min(len(offer.tokens), limit))
+                           min(len(offer.tokens), self.free_max))
         model = self._models[s]
         return curve(model.acceptance, limit), s, lookup, model.to_catch_up
 

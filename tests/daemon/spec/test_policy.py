@@ -3,7 +3,12 @@
 import pytest
 
 from specd.daemon.spec.drafter import DraftEvidence, Proposal
-from specd.daemon.spec.policy import AdaptiveDraftLength
+from specd.daemon.spec.policy import (
+    LOOKUP_PRIOR,
+    AdaptiveDraftLength,
+    FixedDraftLength,
+    lookup_prior,
+)
 
 
 def _warm(a: AdaptiveDraftLength, t1: float, slope: float, draft: float) -> None:
@@ -617,3 +622,48 @@ def test_carried_costs_keep_each_pass_size_own_mean() -> None:
         assert b.verify_cost(size) == pytest.approx(a.verify_cost(size))
     b.observe_verify(2, 0.040)  # the new request's own passes soon count
     assert b.verify_cost(2) > 0.032  # type: ignore[operator]
+
+
+def test_a_free_offer_may_verify_more_than_n_max() -> None:
+    """Offers cost nothing to make: the adaptive policy weighs them up to free_max (the
+    model drafts at most n_max), so a long history match that holds is verified whole;
+    a fixed policy drafts n_max from either."""
+    a = AdaptiveDraftLength(n_max=8, free_max=32)
+    assert a.offer_limit == 32 and FixedDraftLength(8).offer_limit == 8
+    assert AdaptiveDraftLength(n_max=8).offer_limit == 8  # no free_max: n_max
+    _warm(a, 0.07, 0.002, 0.035)
+    for _ in range(40):
+        a.observe_acceptance(32, 32, lookup=32, free="history")
+    n, take = a.choose_source(64, 32, 32, free="history")
+    assert take and n > 8, n
+    assert len(a.accept_lookup(32, free="history")) == 32
+
+
+def test_a_source_thin_on_evidence_is_tried_where_its_offer_is_the_longest() -> None:
+    """History's offer, never verified at its match length, is picked over prompt
+    lookup's learned one of the same length (else its acceptance is never learned);
+    a shorter one is weighed by its predicted rate."""
+    a = AdaptiveDraftLength(n_max=8, free_max=16)
+    _warm(a, 0.07, 0.012, 0.035)
+    for _ in range(30):
+        a.observe_acceptance(8, 8, lookup=3)  # prompt lookup's offers hold
+    lookup = Proposal(list(range(8)), evidence=DraftEvidence(lookup_match=3))
+    history = Proposal(list(range(8)), evidence=DraftEvidence(lookup_match=16,
+                                                              lookup_source="history"))
+    short = Proposal(list(range(4)), evidence=DraftEvidence(lookup_match=16,
+                                                            lookup_source="history"))
+    assert a.pick_offer([lookup, history]) is history
+    assert a.pick_offer([lookup, short]) is lookup
+    for _ in range(30):
+        a.observe_acceptance(8, 0, lookup=16, free="history")  # learned: it fails
+    assert a.pick_offer([lookup, history]) is lookup
+
+
+def test_a_longer_match_is_assumed_likelier_to_go_on() -> None:
+    """Before any offer was verified, prompt lookup's matches (up to 4 tokens) start at
+    LOOKUP_PRIOR; a longer match (history's) starts higher."""
+    a = AdaptiveDraftLength(n_max=8)
+    assert a.accept_lookup(2)[0] == a.accept_lookup(4)[0] == LOOKUP_PRIOR
+    assert a.accept_lookup(8, free="history")[0] == pytest.approx(0.75)
+    assert a.accept_lookup(32, free="history")[0] == pytest.approx(0.9375)
+    assert lookup_prior(16) > lookup_prior(8) > lookup_prior(4)
