@@ -79,6 +79,16 @@ def render_metrics(svc: ServiceFacade, window: RateWindow) -> str:
         f"specd_slots_busy {c.busy_slots}",
         "# TYPE specd_slots_total gauge",
         f"specd_slots_total {c.n_slots}",
+        "# HELP specd_history_tokens Tokens the history index holds, every user's.",
+        "# TYPE specd_history_tokens gauge",
+        f"specd_history_tokens {c.history_tokens}",
+        "# HELP specd_history_bytes Bytes of the history index's arrays, every user's.",
+        "# TYPE specd_history_bytes gauge",
+        f"specd_history_bytes {c.history_bytes}",
+        "# HELP specd_history_bound_bytes The most bytes one user's history may take "
+        "(0: history off).",
+        "# TYPE specd_history_bound_bytes gauge",
+        f"specd_history_bound_bytes {c.history_bound_bytes}",
     ]
     return "\n".join(lines + _llamacpp(c, window)) + "\n"
 

@@ -72,6 +72,11 @@ class Counters:
     busy_slots: int
     n_slots: int
     drafter: str | None  # the drafter's name, if the model drafts
+    # the history index (drafters/history.py), every identity's together: tokens held,
+    # bytes of its arrays, and the most one user's may take (0: --no-history)
+    history_tokens: int = 0
+    history_bytes: int = 0
+    history_bound_bytes: int = 0
 
 
 class RequestTracker(Protocol):
@@ -339,13 +344,17 @@ class ServiceFacade:
 
     def counters(self) -> Counters:
         sch = self._service.scheduler
-        drafter = self._service.engine.drafter_name
+        engine = self._service.engine
+        history = engine.history
         return Counters(totals=sch.totals, passes=sch.counts,
                         requests_total=sch.requests_total,
                         requests_failed=sch.requests_failed, queue_length=sch.queue_length,
                         busy_slots=sum(1 for s in sch.slots if s.request is not None),
                         n_slots=len(sch.slots),
-                        drafter=drafter)
+                        drafter=engine.drafter_name, history_tokens=history.n_tokens,
+                        history_bytes=history.nbytes,
+                        history_bound_bytes=(history.bound_bytes(history.max_tokens)
+                                             if engine.cfg.history else 0))
 
     def stop(self) -> None:
         """Stop the schedulers' workers, every local model's (after the last response)."""

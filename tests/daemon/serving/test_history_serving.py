@@ -137,6 +137,26 @@ def test_the_bound_holds_across_requests_and_clear_empties_it(server) -> None:
     assert server.service.engine.history.n_tokens == 0
 
 
+def _metrics(srv: LiveServer) -> dict[str, float]:
+    status, text = srv.request("GET", "/metrics")
+    assert status == 200, text
+    return {name: float(value) for name, _, value in (
+        line.partition(" ") for line in text.splitlines() if line.startswith("specd_history"))}
+
+
+@pytest.mark.real
+def test_metrics_show_the_history_s_size_and_bound(server, plain) -> None:
+    _chat(server, STORY, "metrics")
+    h = server.service.engine.history
+    m = _metrics(server)
+    assert m == {"specd_history_tokens": h.n_tokens, "specd_history_bytes": h.nbytes,
+                 "specd_history_bound_bytes": BOUND * BYTES_PER_TOKEN}
+    assert 0 < m["specd_history_bytes"] <= m["specd_history_bound_bytes"]
+    _chat(plain, STORY, "metrics")
+    assert _metrics(plain) == {"specd_history_tokens": 0, "specd_history_bytes": 0,
+                               "specd_history_bound_bytes": 0}
+
+
 # -- the history file ---------------------------------------------------------------------
 def test_the_history_file_must_be_private_and_under_the_state_dir(tmp_path,
                                                                   monkeypatch) -> None:
