@@ -37,6 +37,10 @@ LOOKUP_PRIOR = 0.5  # acceptance assumed for lookup proposals before any was ver
 # likelier to go on: 1 - (1 - LOOKUP_PRIOR) * LOOKUP_PRIOR_MATCH / match
 LOOKUP_PRIOR_MATCH = 4
 MIN_EVIDENCE = 8.0  # (discounted) trials at draft position 1 before probes cost budget
+# ... before a free source's offer at a match length is weighed by its estimate alone (an
+# offer with fewer is tried where it is the longest); at most CARRIED_WEIGHT, so that
+# what an earlier request learned is not explored again
+FREE_EVIDENCE = 3.0
 MIN_WEIGHT_AT_SIZE = 3.0  # observations of one pass size before its own mean is used
 PRIOR_VERIFY_SLOPE = 0.15  # relative cost of each extra verified token before a fit
 CATCH_UP_PRIOR = 0.2  # a skipped token's catch-up cost, as a share of a drafting call
@@ -302,10 +306,9 @@ class _Acceptance:
             f = _carried_share(earlier.trials[i], weight)
             self.hits[i], self.trials[i] = earlier.hits[i] * f, earlier.trials[i] * f
 
-    @property
-    def thin(self) -> bool:
-        """Too few verified first positions to trust the estimate yet."""
-        return self.trials[0] < MIN_EVIDENCE if self.trials else False
+    def thin(self, evidence: float = MIN_EVIDENCE) -> bool:
+        """Fewer verified first positions than `evidence` (discounted trials)."""
+        return self.trials[0] < evidence if self.trials else False
 
     def rates(self) -> list[float]:
         """Estimated conditional acceptance per draft position."""
@@ -384,7 +387,7 @@ class _ModelSource:
     @property
     def thin(self) -> bool:
         """Too few verified first positions to trust its acceptance yet."""
-        return self.acceptance.thin
+        return self.acceptance.thin()
 
     def carry_from(self, earlier: _ModelSource) -> None:
         """Start from `earlier`'s costs, and its acceptance and block line as a few
@@ -755,15 +758,15 @@ class AdaptiveDraftLength(DraftPolicy):
     def pick_offer(self, offers: Sequence[Proposal]) -> Proposal | None:
         """The free offer predicted fastest at its best length (each free source's
         acceptance per match length kept apart); before the target pass is timed, the
-        longest. An offer whose source is still thin on evidence at its match length is
-        tried first where it is the longest (ties: the longer match): no model runs for
-        it, and a source never picked would never be learned."""
+        longest. An offer whose source has fewer than FREE_EVIDENCE trials at its match
+        length is tried first where it is the longest (ties: the longer match): no model
+        runs for it, and a source never picked would never be learned."""
         if self.verify_cost(1) is None:
             return super().pick_offer(offers)
         made = [o for o in offers if o.tokens]
         longest = max((len(o.tokens) for o in made), default=0)
         untried = [o for o in made if len(o.tokens) == longest and self._acceptance(
-            max(o.evidence.lookup_match, 1), free=o.evidence.lookup_source).thin]
+            max(o.evidence.lookup_match, 1), free=o.evidence.lookup_source).thin(FREE_EVIDENCE)]
         if untried:
             return max(untried, key=lambda o: o.evidence.lookup_match)
         return max(offers, key=lambda o: self.best_offer_rate(o, self.free_max), default=None)

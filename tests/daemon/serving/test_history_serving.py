@@ -21,6 +21,7 @@ from specd.daemon.drafters.suffix_index import BYTES_PER_TOKEN
 from specd.daemon.serving.engine import EngineConfig
 from specd.daemon.serving.history_file import HistoryFile, HistoryFileError, checked_path
 from specd.daemon.spec.drafter import Proposal
+from specd.daemon.spec.generation import GenerationParams
 
 from live_server import LiveServer, live_server_in
 
@@ -39,6 +40,15 @@ def _cfg(**kw: Any) -> EngineConfig:
 def server(tmp_path_factory) -> Iterator[LiveServer]:
     with live_server_in(tmp_path_factory, "history", _cfg(history=True,
                                                           history_tokens=BOUND)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def adaptive(tmp_path_factory) -> Iterator[LiveServer]:
+    """The history daemon with `specd serve`'s adaptive draft length."""
+    with live_server_in(tmp_path_factory, "adaptive", _cfg(
+            history=True, history_tokens=BOUND,
+            defaults=GenerationParams(adaptive=True))) as srv:
         yield srv
 
 
@@ -77,6 +87,24 @@ def test_repeated_work_is_drafted_from_history_byte_identically(server, plain) -
     assert _history_rounds(plain) == (0, 0)
     assert plain.service.engine.history.n_tokens == 0
     assert plain.service.engine.history.nbytes == 0
+
+
+@pytest.mark.real
+def test_a_long_history_match_drafts_past_n_max_byte_identically(adaptive, plain) -> None:
+    """Under the adaptive policy a history offer is verified up to free_max tokens a
+    round, past the model's n_max: repeated work drafts in long rounds, and greedy
+    output stays the target's."""
+    n_max = adaptive.service.engine.cfg.defaults.draft.n_max
+    want = _chat(plain, STORY, "long", max_tokens=160)
+    assert _chat(adaptive, STORY, "long", max_tokens=160) == want
+    before = dict(adaptive.service.scheduler.totals.draft_lengths)
+    rounds, accepted = _history_rounds(adaptive)
+    assert _chat(adaptive, STORY, "long", max_tokens=160) == want
+    after = adaptive.service.scheduler.totals.draft_lengths
+    longer = sum(c - before.get(n, 0) for n, c in after.items() if n > n_max)
+    more_rounds, more_accepted = _history_rounds(adaptive)
+    assert longer > 0 and more_accepted - accepted > 2 * n_max, (after, before)
+    assert more_rounds > rounds
 
 
 @pytest.mark.real
