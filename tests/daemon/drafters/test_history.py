@@ -18,7 +18,7 @@ from specd.daemon.drafters.history import (
 )
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.drafters.registry import DrafterInputs, make_drafter
-from specd.daemon.drafters.suffix_index import BYTES_PER_TOKEN, MIN_CAPACITY
+from specd.daemon.drafters.suffix_index import BYTES_PER_TOKEN, MATCH_FACTOR, MIN_CAPACITY
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.sampling import SamplerParams
@@ -57,7 +57,8 @@ def test_an_identity_drafts_only_from_its_own_history() -> None:
     store.add(ALICE, [1, 2, 3, 4, *secret])
     store.add(cache_identity(ALICE, "k"), [5, 6, 7, 8, 777, 778])
     d = HistoryDrafter(store)
-    assert _offer(d, 0, ALICE, [1, 2, 3, 4]) == secret[:4]  # match of 4: 4 tokens
+    # a match of 4: MATCH_FACTOR times as many tokens
+    assert _offer(d, 0, ALICE, [1, 2, 3, 4]) == secret[:int(MATCH_FACTOR * 4)]
     # Bob's requests, with the same context, any cache key, or none: nothing of Alice's
     for who in (BOB, cache_identity(BOB, "k"), "token", None):
         assert _offer(d, 1, who, [1, 2, 3, 4]) == []
@@ -67,7 +68,7 @@ def test_an_identity_drafts_only_from_its_own_history() -> None:
     assert _offer(d, 0, cache_identity(ALICE, "k"), [1, 2, 3, 4]) == []
     assert _offer(d, 0, cache_identity(ALICE, "k"), [5, 6, 7, 8]) == [777, 778]
     # the request's own tokens draft for it, whoever it is
-    assert _offer(d, 1, BOB, [40, 41, 42, 43, 44, 40, 41, 42]) == [43, 44, 40][:3]
+    assert _offer(d, 1, BOB, [40, 41, 42, 43, 44, 40, 41, 42]) == [43, 44, 40, 41]
 
 
 def test_the_bound_holds_per_principal_under_a_long_stream() -> None:

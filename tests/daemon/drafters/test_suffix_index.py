@@ -7,6 +7,7 @@ import numpy as np
 from specd.daemon.drafters.suffix_index import (
     BYTES_PER_TOKEN,
     KEY_LEN,
+    MATCH_FACTOR,
     MAX_CANDIDATES,
     MIN_PROBABILITY,
     SuffixIndex,
@@ -25,10 +26,13 @@ def test_the_longest_match_wins_over_a_more_frequent_shorter_one() -> None:
     ix.add_document([1, 2, 3, 4, 60, 61, 62, 63])  # ... but (1, 2, 3, 4) matches longer
     got = propose([ix.candidates(np.asarray([1, 2, 3, 4]), 8)], 8)
     assert got.match == 4 and got.tokens == [60, 61, 62, 63][:4]
-    # the shorter tail's continuation is its most frequent one, drafted as long as the match
+    # the shorter tail's continuation is its most frequent one, drafted at most
+    # MATCH_FACTOR times as long as the match (here, as far as the document goes)
     got = propose([ix.candidates(np.asarray([9, 2, 3, 4]), 8)], 8)
-    assert got.match == 3 and got.tokens == [50, 51, 52]
+    assert got.match == 3 and got.tokens == [50, 51, 52, 53][:int(MATCH_FACTOR * 3)]
     assert abs(got.probability - 5 / 6) < 1e-9
+    got = propose([ix.candidates(np.asarray([9, 2, 3, 4]), 8)], 2)  # n_max caps it
+    assert got.tokens == [50, 51]
 
 
 def test_continuations_are_weighted_by_how_often_they_followed() -> None:
@@ -46,11 +50,11 @@ def test_continuations_are_weighted_by_how_often_they_followed() -> None:
 
 
 def test_draft_length_grows_with_the_match() -> None:
-    doc = list(range(100, 140))
+    doc = list(range(100, 160))
     ix = SuffixIndex(256)
     ix.add_document(doc)
     for m in (KEY_LEN, 5, 8, 12):
-        assert _lookup(ix, doc[20 - m:20], 16) == doc[20:20 + m]
+        assert _lookup(ix, doc[20 - m:20], 32) == doc[20:20 + int(MATCH_FACTOR * m)]
 
 
 def test_matches_and_continuations_stay_within_a_document() -> None:
@@ -68,7 +72,7 @@ def test_the_current_request_and_the_history_are_pooled() -> None:
     history.add_document([1, 2, 3, 40, 41])
     current.append([9, 1, 2, 3, 40, 41, 9, 1, 2, 3, 40, 41, 9])
     tail = np.asarray([1, 2, 3])
-    got = propose([history.candidates(tail, 4), current.candidates(tail, 4)], 4)
+    got = propose([history.candidates(tail, 4), current.candidates(tail, 4)], 3)
     assert got.tokens == [40, 41, 9] and got.probability == 2 / 3
 
 
