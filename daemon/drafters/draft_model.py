@@ -4,6 +4,13 @@ Per sequence the drafter keeps the token history and how much of it its cache ho
 Drafting first evaluates whatever the cache lacks (the last token, and after a fully
 accepted round the last draft too) in one call, then one token per step.
 
+`begin` evaluates nothing: the prompt (past the prefix the slot's cache already holds) is
+evaluated at the sequence's first draft, as part of that draft's catch-up, so a request
+pays for it only if it drafts, and only after its first token. Until then the rows are
+pending (`pending_rows`, which the step planner prices as catch-up rows). Pending input
+runs in chunks as the target's prefill does: each within one attention bucket and at most
+the runner's rows per call (a sliding-window ring's limit).
+
 After rounds the target decoded alone (the adaptive controller found drafting did not
 pay), the draft catches up on at most `catch_up` of the tokens it skipped, the latest:
 the older ones are left out of its cache, a gap it never fills. A probe then costs the
@@ -30,7 +37,13 @@ import numpy as np
 from specd.daemon.spec.drafter import DraftEvidence, DraftRequest, Features
 from specd.daemon.spec.media import PromptImage, mrope_positions, mrope_shift, text_ids
 from specd.daemon.spec.sampling import Sampler
-from specd.ort_models.runner import Call, CallOutput, ModelRunner, text_rope_positions
+from specd.ort_models.runner import (
+    Call,
+    CallOutput,
+    ModelRunner,
+    bucket_block_limit,
+    text_rope_positions,
+)
 
 from .model_backed import DraftRun, ModelBackedDrafter
 from .picking import pick_from_block, pick_spec, pick_token
@@ -49,6 +62,10 @@ class _SeqState:
     # an M-RoPE draft after the prompt's images: rope position minus cache position of
     # the rows past the prompt (None: the runner's default, the cache position)
     rope_shift: int | None = None
+    # cache positions [0, prompt_end) hold the prompt, evaluated whole (never a gap) at the
+    # first draft; `images`: the prompt's, placing its rows (an M-RoPE draft)
+    prompt_end: int = 0
+    images: tuple[PromptImage, ...] = ()
 
 
 FORCED_ROWS = 16  # late rows checked against the tokens that followed them (their logits
@@ -78,26 +95,26 @@ class DraftModelDrafter(ModelBackedDrafter[_SeqState, ModelRunner]):
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
-        """Evaluate the prompt on the draft, reusing the prefix its cache already holds."""
+        """Start the sequence on the prompt: the prefix the slot's cache already holds is
+        reused, the rest left pending for the first draft to evaluate."""
         self._ensure_sequence(seq)
         old = self._seqs.get(seq)
         reuse = 0
         if old is not None:
             whole = old.n_cached if old.gap_at is None else min(old.n_cached, old.gap_at)
             cached = old.history[:whole]  # the cache's prefix that matches the history
-            n = min(len(cached), len(prompt) - 1)
+            n = min(len(cached), len(prompt))
             while reuse < n and cached[reuse] == prompt[reuse]:
                 reuse += 1
-        st = _SeqState(history=list(prompt), sampler=sampler)
+        st = _SeqState(history=list(prompt), n_cached=reuse, sampler=sampler,
+                       prompt_end=len(prompt), images=tuple(self._images.pop(seq, ())))
+        if st.images:  # an M-RoPE draft: the prompt's rows as the target has them
+            st.rope_shift = mrope_shift(st.images)
         self._seqs[seq] = st
-        images = self._images.pop(seq, ())
-        rope = None
-        if images:  # an M-RoPE draft: the prompt's rows as the target has them
-            rope = mrope_positions(images, reuse, len(prompt))
-            st.rope_shift = mrope_shift(images)
-        if len(prompt) > reuse:
-            self.runner.prefill(seq, self._ids(prompt[reuse:]), reuse, rope_positions=rope)
-        st.n_cached = len(prompt)
+
+    def pending_rows(self, seq: int) -> int:
+        st = self._seqs.get(seq)
+        return 0 if st is None else max(st.prompt_end - st.n_cached, 0)
 
     def _ids(self, tokens: Sequence[int]) -> list[int]:
         """Token ids as the draft can embed them: a target id past the draft's vocabulary
@@ -146,19 +163,26 @@ class _Run(DraftRun):
         if len(st.history) != pos:
             raise RuntimeError(f"draft history has {len(st.history)} tokens, target at {pos}")
         st.n_cached = min(st.n_cached, pos - st.offset)
-        skipped = pos - st.offset - st.n_cached  # history the cache has not seen
+        # the prompt rows the cache lacks (evaluated whole), then the tokens skipped since
+        start = st.n_cached + st.offset  # history index of the first token the cache lacks
+        self.owed = drafter.pending_rows(r.seq)  # the pending prompt rows not yet run
+        self.prompt_rows = self.owed
+        skipped = pos - start - self.owed
+        left = 0  # skipped tokens left out of the cache, the oldest
         self.full_run, st.full_run = st.full_run, 0
         if drafter.catch_up is not None and skipped > drafter.catch_up:
             if st.gap_at is None:
-                st.gap_at = st.n_cached
-            st.offset += skipped - drafter.catch_up
+                st.gap_at = st.n_cached + self.owed
+            left = skipped - drafter.catch_up
+            st.offset += left
             self.full_run = 0  # the last round's final draft is left out: its guess unchecked
         self.p = st.n_cached  # cache position of the next call's first token
         st.draft_pos = pos - st.offset  # last's cache position
         self.n_max = min(r.n_max, drafter.n_ctx - st.draft_pos - 1)
         st.drafted = self.tokens
         self.done = self.n_max <= 0
-        self.pending = [*st.history[self.p + st.offset:], r.last]  # tokens the cache lacks
+        owed_end = start + self.owed
+        self.pending = [*st.history[start:owed_end], *st.history[owed_end + left:], r.last]
         self.caught_up = len(self.pending) > 2  # after target-only rounds: a small prefill
         self.forced: tuple[tuple[int, bool], ...] = ()
         self.bonus_q: tuple[int, np.ndarray] | None = None
@@ -169,6 +193,7 @@ class _Run(DraftRun):
                          and (drafter.vocab_limit is None
                               or drafter.vocab_limit >= runner.logits_width))
         self.kind = ""  # what the pending call computes (see `call`)
+        self.chunk = 0  # tokens of a "chunk" call
         self.first = 0  # the first output row of a call checking guesses
 
     @property
@@ -177,17 +202,23 @@ class _Run(DraftRun):
         return self.pos + 1 + len(self.tokens)
 
     def call(self) -> Call:
-        """Several pending tokens, greedily: their rows check the draft's earlier guesses.
-        After a fully accepted sampled round: the row of the last draft (where the bonus
-        was drawn) and of the bonus. Else the last row, decided in the graph where it
-        samples."""
-        d, pending, ids = self.d, self.pending, self.d._ids(self.pending)
-        shift = self.st.rope_shift
-        rope = None if shift is None else text_rope_positions(self.p, len(ids), shift)
+        """More pending tokens than one call may hold: the next chunk, its rows only
+        cached. Several pending tokens, greedily: their rows check the draft's earlier
+        guesses (those of generated tokens, not the prompt's). After a fully accepted
+        sampled round: the row of the last draft (where the bonus was drawn) and of the
+        bonus. Else the last row, decided in the graph where it samples."""
+        d = self.d
+        n = min(bucket_block_limit(self.p, d.n_ctx), d.runner.max_call_rows)
+        if len(self.pending) > n:
+            self.kind, self.chunk = "chunk", n
+            return Call(self.seq, d._ids(self.pending[:n]), self.p,
+                        rope_positions=self._rope(n))
+        pending, ids = self.pending, d._ids(self.pending)
+        rope = self._rope(len(ids))
         if len(pending) > 1 and self.sampler is None:
             self.kind = "guesses"
             k = min(len(pending) - 1, FORCED_ROWS)
-            self.first = len(pending) - 1 - k
+            self.first = max(len(pending) - 1 - k, self.owed)
             return Call(self.seq, ids, self.p, list(range(self.first, len(pending))),
                         rope_positions=rope)
         if len(pending) == 2 and self.full_run and self.grammar is None:
@@ -198,8 +229,23 @@ class _Run(DraftRun):
                           d.runner.logits_width) if self.in_graph else None)
         return Call(self.seq, ids, self.p, sample=spec, rope_positions=rope)
 
+    def _rope(self, n: int) -> np.ndarray | None:
+        """The M-RoPE positions [4, n] of the next n pending rows where they are not the
+        cache positions: the prompt's as the target has them (its images on their grid),
+        later rows shifted past the images."""
+        st = self.st
+        if st.images and self.p < st.prompt_end:
+            return mrope_positions(st.images, self.p, self.p + n)
+        return None if st.rope_shift is None else text_rope_positions(self.p, n, st.rope_shift)
+
     def take(self, out: CallOutput) -> None:
         d, p_min = self.d, self.params.p_min
+        if self.kind == "chunk":  # rows cached, nothing drafted yet
+            self.p += self.chunk
+            self.st.n_cached = self.p
+            self.owed = max(self.owed - self.chunk, 0)
+            self.pending = self.pending[self.chunk:]
+            return
         if self.kind == "guesses":
             rows = out.logits  # [k + 1, vocab]
             self._check_guesses(d._logits(rows[:-1]).argmax(axis=-1))
@@ -232,4 +278,5 @@ class _Run(DraftRun):
 
     def evidence(self) -> DraftEvidence:
         return replace(super().evidence(), includes_catch_up=self.caught_up,
+                       prompt_rows=self.prompt_rows,
                        guess_checks=self.forced, bonus_q=self.bonus_q)

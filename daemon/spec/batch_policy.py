@@ -62,8 +62,9 @@ class Outlook:
     one_pass: bool = False
     # E(m) for m = 0..len - 1 tokens of a free lookup offer (none: no offer)
     lookup: Sequence[float] = ()
-    # tokens emitted since the source last ran that it evaluates before drafting (a draft
-    # model's catch-up after plain steps)
+    # rows the source evaluates before drafting: tokens emitted since it last ran (a draft
+    # model's catch-up after plain steps) and the rows it left pending (its prompt, before
+    # its first draft: Drafter.pending_rows)
     catch_up: int = 0
     # most tokens the sequence may still emit (None: not known)
     remaining: int | None = None

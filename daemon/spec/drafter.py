@@ -13,7 +13,8 @@ position `pos`, not yet evaluated by the target):
     drafter.process(seq, emitted, features)            # tokens the sequence grew by
 
 `begin(seq, prompt, sampler, features)` starts a sequence (the prompt is already evaluated
-by the target); `end(seq)` frees it. A proposal carries what verification needs (tokens,
+by the target; a draft model leaves its own pass over it to its first draft,
+`pending_rows`); `end(seq)` frees it. A proposal carries what verification needs (tokens,
 q rows) apart from what the draft-length policy learns from it (`DraftEvidence`).
 """
 
@@ -96,6 +97,9 @@ class DraftEvidence:
     # the call first evaluated tokens skipped while the target decoded alone, so its time
     # is not what a steady round costs
     includes_catch_up: bool = False
+    # rows of the prompt the call evaluated first (a draft model's first draft), so its
+    # time is not what a catch-up of skipped tokens costs either
+    prompt_rows: int = 0
     # (draft position, 0-based; guessed right) for the draft's greedy guesses checked
     # against tokens the target emitted: rows evaluated late are position-0 guesses, and
     # after a round whose n drafts were all accepted the guess for the bonus token is a
@@ -188,6 +192,13 @@ class Drafter(ABC):
               features: Features | None = None) -> None:
         """A new sequence whose prompt the target has evaluated (`features`: the target's
         hidden states of the prompt's tokens, for drafters that declare target layers)."""
+
+    def pending_rows(self, seq: int) -> int:
+        """Rows of the sequence's context the drafter has not evaluated and will before its
+        next draft, beyond the skipped tokens the policy counts (`catch_up`): a draft
+        model's prompt, left for its first draft. The step planner prices them as that
+        draft's catch-up."""
+        return 0
 
     def offer(self, seq: int, last: int, pos: int, n_max: int) -> Proposal | None:
         """A proposal found without running a model (prompt lookup), offered before the

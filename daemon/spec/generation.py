@@ -410,8 +410,8 @@ class Generation:
             return []
         logits = out.logits[0]  # [vocab]
         self._begin_drafter()
-        # the draft's pass over the prompt is prompt processing too (it precedes the first
-        # token), not decoding
+        # what the drafter does with the prompt is prompt processing too (it precedes the
+        # first token), not decoding
         self.stats.prefill_s += time.perf_counter() - t0
         self._pos = len(self.prompt)
         self._t_decode = time.perf_counter()
@@ -637,6 +637,8 @@ class Generation:
         source = self.drafter.model_sources[s]
         if not self.drafter.runs_model:
             model = model[:1]
+        # the source's first pass also runs the rows it left pending (its prompt)
+        catch_up += source.pending_rows(self.seq)
         return Outlook(model, source, s, source.one_pass, lookup, catch_up, remaining)
 
     def _draft_job(self, plan: RoundPlan, offer: Proposal | None) -> DraftJob | None:

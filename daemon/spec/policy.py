@@ -507,11 +507,13 @@ class AdaptiveDraftLength(DraftPolicy):
         self._models[source].observe_draft(seconds, later_steps, n)
 
     def observe_round(self, n_drafted: int, n_emitted: int, seconds: float,
-                      draft_seconds: float, lookup: bool = False, source: int = 0) -> None:
+                      draft_seconds: float, lookup: bool = False, source: int = 0,
+                      prompt_rows: int = 0) -> None:
         """A whole round: `draft_seconds` of its `seconds` were model source `source`'s call
-        (0 when no model ran), which first caught up on the tokens skipped before it; the
-        other sources skipped the round's tokens; `lookup`: the round verified a lookup
-        offer (no model ran)."""
+        (0 when no model ran), which first caught up on the tokens skipped before it (and
+        on `prompt_rows` of the prompt: then what a skipped token costs is not learnt);
+        the other sources skipped the round's tokens; `lookup`: the round verified a
+        lookup offer (no model ran)."""
         self._elapsed += seconds
         rest = max(seconds - draft_seconds - self._last_verify, 0.0)
         if lookup:
@@ -522,7 +524,7 @@ class AdaptiveDraftLength(DraftPolicy):
             self._rest_plain = _ema(self._rest_plain, rest)
         for s, m in enumerate(self._models):
             if draft_seconds > 0 and s == source:
-                if m.to_catch_up >= 2 and m.first is not None:
+                if m.to_catch_up >= 2 and m.first is not None and not prompt_rows:
                     own = m.draft_cost(max(n_drafted, 1)) or 0.0
                     per = max(draft_seconds - own, 0.0) / m.to_catch_up
                     m.catch_up = _ema(m.catch_up, per)
@@ -819,8 +821,9 @@ class AdaptiveDraftLength(DraftPolicy):
                 hit = (float(p[nxt]) if p is not None and nxt < p.shape[0]
                        else float(r.emitted[r.n_accepted] == nxt))
                 self.observe_position(r.n_accepted, hit, r.lookup_match, free=r.lookup_source)
+        prompt_rows = 0 if r.model_call is None else r.model_call.evidence.prompt_rows
         self.observe_round(r.n_drafted, len(r.emitted), r.seconds, r.draft_seconds,
-                           r.lookup_match > 0, source)
+                           r.lookup_match > 0, source, prompt_rows)
 
     def _observe_model_call(self, call: ModelCall, bonus_p: np.ndarray | None) -> None:
         """A model source's call: its cost (when steady) and its free acceptance samples."""

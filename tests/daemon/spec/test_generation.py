@@ -479,20 +479,21 @@ def test_draft_model_reuses_its_cached_prefix(models) -> None:
     target, draft = models
     drafter = draft_drafter(draft)
     first, _ = run(target, drafter, max_tokens=24, ignore_eos=True, draft=DraftParams(n_max=4))
-    calls: list[int] = []
-    real_prefill = drafter.runner.prefill
+    calls: list[tuple[int, int]] = []  # (tokens, pos) of each draft call
+    forward = drafter.runner.forward_batch
 
-    def counting(seq, tokens, pos=0, chunk=256, rope_positions=None):
-        calls.append(len(tokens))
-        return real_prefill(seq, tokens, pos, chunk, rope_positions)
+    def spy(batch):
+        calls.extend((len(c.tokens), c.pos) for c in batch)
+        return forward(batch)
 
-    drafter.runner.prefill = counting  # type: ignore[method-assign]
+    drafter.runner.forward_batch = spy  # type: ignore[method-assign]
     longer = PROMPT + first[:8]
     want, _ = run(target, prompt=longer, max_tokens=24, ignore_eos=True)
     got, gen = run(target, drafter, prompt=longer, max_tokens=24, ignore_eos=True,
                    draft=DraftParams(n_max=4))
     assert got == want
-    assert calls and calls[0] < len(longer)
+    # the prompt was cached whole: the first draft evaluates only the first token
+    assert calls[0] == (1, len(longer))
     assert_speculated(gen.stats)
 
 
@@ -602,16 +603,11 @@ def test_adaptive_never_re_evaluates_the_prompt_on_the_draft(models) -> None:
         starts.extend(c.pos for c in calls)
         return forward(calls)
 
-    begin = drafter.begin
-
-    def begin_then_spy(*args, **kw):
-        begin(*args, **kw)  # evaluates the prompt once
-        drafter.runner.forward_batch = spy
-
-    drafter.begin = begin_then_spy
+    drafter.runner.forward_batch = spy  # type: ignore[method-assign]
     run(target, drafter, max_tokens=48, ignore_eos=True, draft=DraftParams(n_max=4),
         adaptive=True)
-    assert starts and min(starts) >= len(PROMPT)
+    # the first draft evaluates the prompt, once: no later call reaches back into it
+    assert starts[0] == 0 and min(starts[1:]) >= len(PROMPT)
 
 
 def test_catch_up_checks_the_drafters_guesses_against_emitted_tokens(models) -> None:
@@ -730,7 +726,8 @@ def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> Non
     drafter.runner.prefill = spy_prefill  # type: ignore[method-assign]
     drafter.process(0, want[:10])  # ten target-only rounds
     d = drafter.draft(0, want[10], n + 10, 2, DraftParams(n_max=2))
-    assert calls == [(5, n), (1, n + 5)]  # want[6:10] and the last, after the prompt
+    # the prompt (left to the first draft), want[6:10] and the last in one call
+    assert calls == [(n + 5, 0), (1, n + 5)]
     # the four evaluated rows' guesses, checked (wrong or right: the context has a gap)
     assert [i for i, _ in d.evidence.guess_checks] == [0] * 4
     drafter.accept(0, 0)
@@ -740,8 +737,9 @@ def test_a_long_catch_up_evaluates_only_the_latest_skipped_tokens(models) -> Non
     calls.clear()
     drafter.end(0)
     drafter.begin(0, PROMPT + want[:12])
-    assert calls[0] == (12, n)  # the prompt was reused, nothing after the gap
+    assert calls == []  # begin evaluates nothing
     d = drafter.draft(0, want[12], n + 12, 3, DraftParams(n_max=3))
+    assert calls[0] == (13, n)  # the prompt was reused, nothing after the gap
     assert d.tokens == want[13:16]  # the target as its own draft, its context whole again
 
 
