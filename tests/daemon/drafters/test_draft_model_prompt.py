@@ -174,3 +174,21 @@ def test_a_sliding_window_draft_gets_chunks_its_ring_takes(
     assert max(n for n, _ in spied.calls) <= drafter.runner.max_call_rows
     assert sum(n for n, pos in spied.calls if pos < len(LONG)) == len(LONG) + 1
     assert_speculated(gen.stats)
+
+
+def test_the_first_drafts_evidence_names_the_prompt_rows(models: tuple[BuiltModel, BuiltModel]
+                                                         ) -> None:
+    """The policy is told that the first draft's call ran the prompt (its time is no
+    steady draft's, nor a skipped token's catch-up); later drafts ran none."""
+    target, _ = models
+    want = decode_all(_generation(target, None, max_tokens=8))
+    drafter = DraftModelDrafter(ModelRunner(target, n_ctx=1024))  # the target as its draft
+    drafter.begin(0, PROMPT)
+    d = drafter.draft(0, want[0], len(PROMPT), 2, DraftParams(n_max=2))
+    assert d.tokens == want[1:3]
+    assert d.evidence.prompt_rows == len(PROMPT) and d.evidence.includes_catch_up
+    assert d.evidence.guess_checks == ()  # prompt rows check no guesses
+    drafter.accept(0, 2)
+    drafter.process(0, [want[0], *d.tokens])
+    d2 = drafter.draft(0, want[3], len(PROMPT) + 3, 2, DraftParams(n_max=2))
+    assert d2.tokens == want[4:6] and d2.evidence.prompt_rows == 0

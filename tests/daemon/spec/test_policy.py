@@ -92,6 +92,24 @@ def test_probing_stops_when_catching_up_costs_more_than_the_budget() -> None:
     assert spent <= 0.03 * a._elapsed + 0.2
 
 
+def test_a_draft_that_ran_its_prompt_teaches_no_catch_up_cost() -> None:
+    """A draft model's first draft runs the prompt it left pending: that call's time is
+    neither a steady draft's (includes_catch_up) nor a skipped token's catch-up, so
+    neither estimate moves; the skipped tokens are caught up all the same."""
+    a = AdaptiveDraftLength(n_max=8)
+    _warm(a, 0.075, 0.012, 0.02)
+    a.observe_round(0, 1, 0.075, 0.0)
+    a.observe_round(0, 1, 0.075, 0.0)
+    first, before = a.draft_cost(2), a._models[0].catch_up
+    a.observe_round(2, 1, 0.075 + 0.5, 0.5, prompt_rows=300)  # caught up 2 and the prompt
+    assert a._models[0].catch_up == before and a.draft_cost(2) == first
+    assert a._models[0].to_catch_up == 0
+    a.observe_round(0, 1, 0.075, 0.0)
+    a.observe_round(0, 1, 0.075, 0.0)
+    a.observe_round(2, 1, 0.075 + 0.04 + 2 * 0.005, 0.04 + 2 * 0.005)  # caught up 2 only
+    assert a._models[0].catch_up is not None and a._models[0].catch_up != before
+
+
 def test_unlucky_first_rounds_do_not_end_probing() -> None:
     """Two rejections right at the start (code at temperature 0.7 can begin so) leave
     thin evidence: probes go on until position 1 has been tried a few times."""
