@@ -38,11 +38,13 @@ class Spied:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.calls: list[tuple[int, int]] = []
+        self.passes: list[list[int]] = []  # the sequences of each pass
         self.prefills = 0
         forward, prefill = runner.forward_batch, runner.prefill
 
         def forward_batch(calls: Sequence[Call]) -> list[CallOutput]:
             self.calls.extend((len(c.tokens), c.pos) for c in calls)
+            self.passes.append([c.seq for c in calls])
             return forward(calls)
 
         def counted_prefill(*args: Any, **kw: Any) -> np.ndarray:
@@ -192,3 +194,34 @@ def test_the_first_drafts_evidence_names_the_prompt_rows(models: tuple[BuiltMode
     drafter.process(0, [want[0], *d.tokens])
     d2 = drafter.draft(0, want[3], len(PROMPT) + 3, 2, DraftParams(n_max=2))
     assert d2.tokens == want[4:6] and d2.evidence.prompt_rows == 0
+
+
+def test_a_batch_drafts_beside_a_sequence_still_running_its_prompt(
+        models: tuple[BuiltModel, BuiltModel]) -> None:
+    """One proposal call for two sequences: the one whose long prompt is pending runs its
+    chunks in the passes where the other drafts, then drafts itself; each proposal is its
+    solo one (the target as its own draft: the target's tokens)."""
+    from specd.daemon.spec.drafter import DraftRequest
+
+    target, _ = models
+    long_want = decode_all(_generation(target, None, prompt=LONG, max_tokens=6))
+    short_want = decode_all(_generation(target, None, max_tokens=6))
+    drafter = DraftModelDrafter(ModelRunner(target, n_ctx=1024))
+    spied = Spied(drafter.runner)
+    drafter.begin(0, LONG)
+    drafter.begin(1, PROMPT)
+    short_first = drafter.draft(1, short_want[0], len(PROMPT), 1, DraftParams(n_max=1))
+    drafter.accept(1, 1)
+    drafter.process(1, [short_want[0], *short_first.tokens])
+    spied.calls.clear()
+    spied.passes.clear()
+    long_p, short_p = drafter.propose([
+        DraftRequest(0, long_want[0], len(LONG), 4, DraftParams(n_max=4)),
+        DraftRequest(1, short_want[2], len(PROMPT) + 2, 3, DraftParams(n_max=3))])
+    assert long_p.tokens == long_want[1:5] and short_p.tokens == short_want[3:6]
+    assert long_p.evidence.prompt_rows == len(LONG) and short_p.evidence.prompt_rows == 0
+    # passes: the long prompt's first chunk beside the short draft's first step, then its
+    # last chunk with the first token, then draft steps
+    assert spied.passes[:2] == [[0, 1], [0, 1]]
+    assert spied.calls[0] == (ATTN_BUCKET, 0)
+    assert spied.calls[2] == (len(LONG) + 1 - ATTN_BUCKET, ATTN_BUCKET)
