@@ -40,6 +40,7 @@ from specd.daemon.spec.sampling import Sampler
 from specd.ort_models.runner import (
     Call,
     CallOutput,
+    ContextFull,
     ModelRunner,
     bucket_block_limit,
     text_rope_positions,
@@ -96,7 +97,11 @@ class DraftModelDrafter(ModelBackedDrafter[_SeqState, ModelRunner]):
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
         """Start the sequence on the prompt: the prefix the slot's cache already holds is
-        reused, the rest left pending for the first draft to evaluate."""
+        reused, the rest left pending for the first draft to evaluate (ContextFull where
+        it cannot fit the draft's context: the request goes on without the drafter)."""
+        if len(prompt) > self.n_ctx:
+            raise ContextFull(f"prompt of {len(prompt)} tokens does not fit in the draft "
+                              f"model's context of {self.n_ctx} tokens")
         self._ensure_sequence(seq)
         old = self._seqs.get(seq)
         reuse = 0

@@ -225,3 +225,15 @@ def test_a_batch_drafts_beside_a_sequence_still_running_its_prompt(
     assert spied.passes[:2] == [[0, 1], [0, 1]]
     assert spied.calls[0] == (ATTN_BUCKET, 0)
     assert spied.calls[2] == (len(LONG) + 1 - ATTN_BUCKET, ATTN_BUCKET)
+
+
+def test_a_prompt_past_the_drafts_context_is_refused_at_begin(
+        models: tuple[BuiltModel, BuiltModel]) -> None:
+    """Where the prompt cannot fit the draft's context the drafter says so when the
+    sequence starts (Generation then goes on without it), not by never drafting."""
+    from specd.ort_models.runner import ContextFull
+
+    _, draft = models
+    drafter = DraftModelDrafter(ModelRunner(draft, n_ctx=256))
+    with pytest.raises(ContextFull, match="300 tokens does not fit in the draft model's"):
+        drafter.begin(0, LONG)
