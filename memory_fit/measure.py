@@ -283,8 +283,10 @@ def built_from_folder(folder: str | os.PathLike[str]) -> BuiltModel:
     meta = json.loads((folder / META_FILE).read_text())
     opts = dict(meta["options"])
     opts["hidden_layers"] = tuple(opts.get("hidden_layers", ()))
-    return BuiltModel(folder, HParams(**meta["hparams"]), BuildOptions(**opts),
-                      Path(meta["gguf"]), "")
+    # a field an earlier specd of this builder version wrote and this one dropped
+    known = {f.name for f in dataclasses.fields(HParams)}
+    hparams = HParams(**{k: v for k, v in meta["hparams"].items() if k in known})
+    return BuiltModel(folder, hparams, BuildOptions(**opts), Path(meta["gguf"]), "")
 
 
 class _DeviceUsed:

@@ -60,7 +60,7 @@ from .shared_initializers import SharedWeights, add_initializers
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
-HEAD_GRAPHS_VERSION = 10
+HEAD_GRAPHS_VERSION = 11
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None

@@ -59,9 +59,7 @@ class HParams:
     ffn_act: str = "silu"  # gated FFN activation: "silu" or "gelu" (tanh approximation)
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     moe: MoeParams | None = None  # a mixture-of-experts FFN in every layer (None: dense)
-    # rotary angles p * rope_freq_scale * base^(-2i/rope_dim) / rope_freq_factors[i]
-    # (linear rope scaling: 1 / its factor; rope_freqs.weight: one factor per pair)
-    rope_freq_scale: float = 1.0
+    # rope_freqs.weight: one divisor per rotary pair of the angles (a drafter head's)
     rope_freq_factors: tuple[float, ...] = ()
     # muse-glimmer's mechanisms (llama.cpp's src/models/muse-glimmer.cpp)
     embedding_norm: bool = False  # the token embeddings RMS-normed (no weight) first

@@ -87,12 +87,15 @@ def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float) -> tuple[float, fl
     return max(0.0, lo), min(n_dims - 1.0, hi)
 
 
-def rope_cos_sin(scaling: RopeScaling | None, max_pos: int, rope_dim: int, base: float
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def rope_cos_sin(scaling: RopeScaling | None, max_pos: int, rope_dim: int, base: float,
+                 freq_factors: tuple[float, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [max_pos, rope_dim/2] float32 of the rotary angles at positions
-    0 .. max_pos-1 (the module docstring's formula; float64, then rounded)."""
+    0 .. max_pos-1 (the module docstring's formula; float64, then rounded). `freq_factors`:
+    rope_freqs.weight, one divisor per rotary pair of theta_e (as ggml's rope_ext)."""
     i = np.arange(rope_dim // 2, dtype=np.float64)  # [rot/2]
     inv = base ** (-2.0 * i / rope_dim)
+    if freq_factors:
+        inv = inv / np.asarray(freq_factors, np.float64)
     ext = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # [P, rot/2]
     if scaling is None:
         return np.cos(ext).astype(np.float32), np.sin(ext).astype(np.float32)

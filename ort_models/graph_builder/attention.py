@@ -46,15 +46,7 @@ def rope_tables(hp: HParams, max_pos: int, base: float | None = None
     """cos and sin [max_pos, rope_dim/2] float32 of the rotary angles (base: the rope base,
     default the model's), scaled as the model's rope scaling says."""
     base = hp.rope_base if base is None else base
-    if hp.rope_scaling is not None:  # the GGUF's rope.scaling (YaRN, linear)
-        return rope_cos_sin(hp.rope_scaling, max_pos, hp.rope_dim, base)
-    inv = base ** (-np.arange(0, hp.rope_dim, 2, dtype=np.float64) / hp.rope_dim)
-    if hp.rope_freq_factors:  # rope_freqs.weight (a drafter head's)
-        inv = inv / np.asarray(hp.rope_freq_factors, np.float64)
-    if hp.rope_freq_scale != 1.0:  # linear rope scaling (a drafter head's)
-        inv = inv * hp.rope_freq_scale
-    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]  # [P, rot/2]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return rope_cos_sin(hp.rope_scaling, max_pos, hp.rope_dim, base, hp.rope_freq_factors)
 
 
 def rotary_positions(c: BuildContext, s_len: str) -> str:

@@ -36,6 +36,7 @@ import dataclasses
 import numpy as np
 
 from specd.ort_models.arch import HParams
+from specd.ort_models.arch.rope_scaling import RopeScaling
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.heads import HeadParams
 from specd.ort_models.onnx_writer import GraphWriter
@@ -77,8 +78,9 @@ def head_hparams(head: HeadParams, target: HParams) -> HParams:
                    swa_layers=head.sliding_window_pattern,
                    embedding_scale=head.embedding_scale,
                    attention_scale=head.attention_scale, ffn_act=head.hidden_act,
-                   rope_freq_scale=1.0 / head.rope_scaling_factor if (
-                       head.rope_scaling == "linear" and head.rope_scaling_factor) else 1.0,
+                   rope_scaling=RopeScaling("linear", 1.0 / head.rope_scaling_factor,
+                                            head.n_ctx_train) if (
+                       head.rope_scaling == "linear" and head.rope_scaling_factor) else None,
                    rope_freq_factors=head.rope_freq_factors)
 
 
