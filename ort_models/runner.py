@@ -102,6 +102,9 @@ class CallOutput:
     # a mixture-of-experts target: the distinct (layer, expert) pairs the call's rows
     # (filler rows too: they ran) woke in its pass, what its expert reads cost; 0: dense
     experts_woken: int = 0
+    # the call's share, in proportion to its rows, of the distinct pairs its whole pass
+    # woke: summed over the calls of a step, the expert reads its passes made; 0: dense
+    pass_experts_share: float = 0.0
 
 
 class ContextFull(Exception):
@@ -544,6 +547,8 @@ class ModelRunner:
                    if any(s is not None for s in specs) else [None] * len(calls))
         expert_ids = (outs[len(outs) - 1].numpy()  # [rows, L * top_k]
                       if self._expert_ids else None)
+        per_row_experts = (0.0 if expert_ids is None
+                           else self.experts_woken(expert_ids) / len(expert_ids))
         results, start = [], 0
         for call, (_, _, m), first, end, block, want in zip(
                 calls, segments, first_rows, first_rows[1:], sampled, wanted, strict=False):
@@ -553,7 +558,8 @@ class ModelRunner:
                 else np.empty((end - first, 0), dtype=np.float32),
                 {layer: hidden[layer][start:start + n] for layer in call.layers},
                 per_row * m, block,
-                0 if expert_ids is None else self.experts_woken(expert_ids[start:start + m])))
+                0 if expert_ids is None else self.experts_woken(expert_ids[start:start + m]),
+                per_row_experts * m))
             start += m
         return results
 

@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .policy import PROBE_LENGTH, CostLine, RoundPlan
+from .policy import PROBE_LENGTH, CostLine, ExpertPricing, RoundPlan
 
 DECAY = 0.98  # weight kept by older pass timings at each new one
 DINKELBACH_ROUNDS = 4  # iterations of the rate each L's choices are made at
@@ -103,16 +103,22 @@ class _Choice:
 class StepCosts:
     """Measured seconds: the step's target pass (and its verification) against its rows,
     and each draft source's pass against its rows (a steady draft step: one a sequence; a
-    head's block: the block's; a catch-up: the skipped tokens too)."""
+    head's block: the block's; a catch-up: the skipped tokens too). A mixture-of-experts
+    target's pass is priced by the experts its rows wake, once that is fitted: its cost
+    grows with the experts read, which grow ever more slowly with the rows."""
 
     verify: CostLine = field(default_factory=lambda: CostLine(DECAY))
+    experts: ExpertPricing = field(default_factory=lambda: ExpertPricing(DECAY))
     draft: dict[int, CostLine] = field(default_factory=dict)  # id(drafter) -> its passes
     # the lines' answers since the last observation ((0, rows): the target pass), as a
     # plan asks for the same sizes many times
     _asked: dict[tuple[int, int], float | None] = field(default_factory=dict)
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
+    def observe_verify(self, rows: int, seconds: float, experts: float = 0.0) -> None:
+        """A step's target pass: its rows, seconds and (MoE) distinct experts woken."""
         self.verify.add(rows, seconds)
+        if experts > 0:
+            self.experts.add(rows, round(experts), seconds)
         self._asked.clear()
 
     def observe_draft(self, drafter: object, rows: int, seconds: float) -> None:
@@ -122,7 +128,8 @@ class StepCosts:
     def verify_pass(self, rows: int) -> float | None:
         key = (0, rows)
         if key not in self._asked:
-            self._asked[key] = self.verify.at(rows)
+            by_experts = self.experts.verify_cost(rows)
+            self._asked[key] = self.verify.at(rows) if by_experts is None else by_experts
         return self._asked[key]
 
     def draft_pass(self, drafter: object, rows: int) -> float | None:

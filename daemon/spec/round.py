@@ -112,8 +112,9 @@ class BatchRound:
                     results[i] = exc
         t_end = time.perf_counter()
         if self.planner is not None and all(calls[i].rows is not None for i in order):
+            experts = sum(o.pass_experts_share for o in outputs if not isinstance(o, Exception))
             self.planner.costs.observe_verify(sum(len(calls[i].tokens) for i in order),
-                                              t_end - t0)
+                                              t_end - t0, experts)
             if log.isEnabledFor(logging.DEBUG):
                 self._log_step(gens, calls, results, (t_plan, t_propose, t0, t_end))
         return StepReport(results, len(order))

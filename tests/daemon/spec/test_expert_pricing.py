@@ -13,6 +13,7 @@ import pytest
 
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.models.building import build_options
+from specd.daemon.spec.batch_policy import StepCosts
 from specd.daemon.spec.drafter import DraftParams
 from specd.daemon.spec.generation import Generation, GenerationParams
 from specd.daemon.spec.policy import AdaptiveDraftLength
@@ -109,3 +110,35 @@ def test_a_moe_target_reports_its_experts_to_the_policy_and_stays_lossless(
     assert isinstance(gen.policy, AdaptiveDraftLength)
     # a single step wakes top_k experts in each of the file's 2 layers
     assert gen.policy.experts_woken(1) == pytest.approx(2 * 2)
+
+
+def test_the_step_planner_prices_a_packed_pass_by_the_experts_it_wakes(tmp_path: Path
+                                                                        ) -> None:
+    """Two sequences' calls packed in one pass, each pass charged by the experts it woke
+    (the calls' shares summed): the step planner's price of a pass follows the experts
+    its rows are predicted to wake, which grow more slowly than the rows (the sequences'
+    rows choose some of the same experts)."""
+    path = write_tiny_qwen3moe(tmp_path / "p.gguf", expert_type="F32", seed=1,
+                               n_layer=N_LAYER, n_expert=16, n_used=TOP_K)
+    runner = ModelRunner(load_or_build(path, BuildOptions(kernels="gguf", attention="native")),
+                         n_ctx=256, n_seq=2)
+    runner.prefill(0, PROMPT)
+    runner.prefill(1, PROMPT[::-1])
+    costs = StepCosts()
+    woken: dict[int, list[float]] = {}
+    for block in BLOCKS:
+        for s in range(1, 5):
+            outs = runner.forward_batch([Call(0, block[:s], len(PROMPT)),
+                                         Call(1, block[-s:], len(PROMPT))])
+            experts = sum(o.pass_experts_share for o in outs)
+            woken.setdefault(2 * s, []).append(experts)
+            costs.observe_verify(2 * s, BASE + PER_EXPERT * experts, experts)
+    assert costs.experts.verify_cost(2) is not None
+    for rows in (2, 4, 6, 8):
+        predicted = costs.experts.experts(rows)
+        assert predicted is not None
+        assert costs.verify_pass(rows) == pytest.approx(BASE + PER_EXPERT * round(predicted))
+        # the prediction follows what those passes woke (a line through their means)
+        assert min(woken[rows]) - 2 <= predicted <= max(woken[rows]) + 2
+    # the rows' experts grow more slowly than the rows
+    assert (costs.experts.experts(8) or 0.0) < 4 * (costs.experts.experts(2) or 0.0)

@@ -58,3 +58,31 @@ def test_a_dense_graph_has_no_expert_output(tmp_path: Path) -> None:
     r = ModelRunner(load_or_build(path, NATIVE_F32), n_ctx=256)
     assert EXPERT_IDS not in {o.name for o in r.session.get_outputs()}
     assert r.forward_batch([Call(0, PROMPT, 0)])[0].experts_woken == 0
+
+
+def test_a_packed_pass_shares_out_the_experts_it_woke_in_all(tmp_path: Path) -> None:
+    """Two sequences' calls in one pass: each call still counts its own rows' experts,
+    and the calls' shares of the pass add up to the distinct pairs of all their rows (the
+    experts the pass read once for both), fewer than the two counts together where the
+    sequences' rows chose some of the same experts."""
+    path = write_tiny_qwen3moe(tmp_path / "m.gguf", expert_type="F32", seed=1,
+                               n_layer=3, n_expert=16, n_used=2)
+    ref = ReferenceMoeModel(path)
+    r = ModelRunner(load_or_build(path, NATIVE_F32), n_ctx=256, n_seq=4)
+    assert r.packs_sequences
+    a, b = r.forward_batch([Call(0, PROMPT[:6], 0), Call(1, PROMPT[6:], 0)])
+    own = [r.forward_batch([Call(2, PROMPT[:6], 0)])[0].experts_woken,
+           r.forward_batch([Call(3, PROMPT[6:], 0)])[0].experts_woken]
+    assert [a.experts_woken, b.experts_woken] == own
+    first, second = _chosen_alone(ref, PROMPT[:6]), _chosen_alone(ref, PROMPT[6:])
+    union = sum(len(np.unique(np.concatenate([x, y]))) for x, y in zip(first, second,
+                                                                       strict=True))
+    assert a.pass_experts_share + b.pass_experts_share == pytest.approx(union)
+    assert union < sum(own)
+
+
+def _chosen_alone(ref: ReferenceMoeModel, tokens: list[int]) -> list[np.ndarray]:
+    """The reference router's choices for `tokens` as a sequence of their own: per layer,
+    every token's expert ids, flat."""
+    ref.forward(tokens)
+    return [np.stack(ids).ravel() for ids in ref.chosen[-ref.n_layer:]]
