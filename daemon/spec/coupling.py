@@ -32,7 +32,7 @@ class CoupledSampler(Sampler):
     def __init__(self, params: SamplerParams, target: Sampler, *, graph_noise: bool):
         """graph_noise: the target draws in its graph (counter-based uniforms keyed by
         position), else on the host from its PCG64 stream."""
-        super().__init__(params, seed=0)
+        super().__init__(params, seed=0, history=target.history)
         self.target = target
         self.key = target.key  # the graph's draws of a coupled pick are the target's
         self.graph_noise = graph_noise

@@ -249,7 +249,10 @@ class Generation:
         self._failed_drafter: Drafter | None = None  # dropped after raising (still ended)
         self.grammar = grammar  # the request's constraint state (advanced on emitted tokens)
         t_seed, d_seed = derive_seeds(params.sampling.seed)
-        self.sampler = Sampler(params.sampling, seed=t_seed, vocab=vocab)
+        # the penalties and DRY see the prompt's text before the reply, as llama-server's
+        # samplers accept every prompt token (not an image's positions)
+        self.sampler = Sampler(params.sampling, seed=t_seed, vocab=vocab,
+                               history=[t for t in prompt if not is_placeholder(t)])
         # tokens decided in the target's graph (logprobs are computed on the host from
         # the logits, which then leave the session too), where it runs the request's chain
         self.in_graph = (params.backend_sampling and target.samples
@@ -302,7 +305,7 @@ class Generation:
                           frequency_penalty=sp.frequency_penalty, logit_bias=sp.logit_bias)
         if self.coupled:
             return CoupledSampler(q, self.sampler, graph_noise=self.in_graph)
-        return Sampler(q, seed=seed)
+        return Sampler(q, seed=seed, history=self.sampler.history)
 
     @property
     def done(self) -> bool:

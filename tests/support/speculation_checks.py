@@ -40,11 +40,12 @@ def second_token_check(runner: ModelRunner, drafter: Drafter, prompt: Sequence[i
         gen.close()
         accepted += gen.stats.accepted
         seconds.append(out[1])
-    first = Sampler(sp, vocab=vocab).probs(runner.prefill(0, list(prompt)))  # [vocab]
+    # the sampler's penalties see the prompt, then the first token
+    first = Sampler(sp, history=prompt, vocab=vocab).probs(
+        runner.prefill(0, list(prompt)))  # [vocab]
     want = np.zeros_like(first)
     for t1 in np.flatnonzero(first):
-        # the sampler's penalties see the first token
-        want += first[t1] * Sampler(sp, history=[int(t1)], vocab=vocab).probs(
+        want += first[t1] * Sampler(sp, history=[*prompt, int(t1)], vocab=vocab).probs(
             runner.prefill(0, [*prompt, int(t1)]))
     counts = np.bincount(seconds, minlength=want.shape[0])
     rare = want * n_runs < 5

@@ -304,6 +304,23 @@ def test_logit_bias_and_penalties_keep_sampled_speculation_exact(models) -> None
     assert gen.draft_sampler.params.logit_bias == sampling["logit_bias"]
 
 
+def test_the_penalties_see_the_prompt_as_llama_servers_do(models) -> None:
+    """llama-server's samplers accept every prompt token before the reply, so a presence
+    penalty weighs the prompt's tokens too: greedily, a penalty large enough keeps every
+    prompt token out of the reply, while without it the reply repeats one of them."""
+    target, draft = models
+    plain, _ = run(target, max_tokens=16, ignore_eos=True)
+    assert set(plain) & set(PROMPT)  # the unpenalised reply reuses the prompt's tokens
+    penalised = SamplerParams(temperature=0.0, presence_penalty=1e4, repeat_last_n=-1)
+    out, gen = run(target, max_tokens=16, ignore_eos=True, sampling=penalised)
+    assert not set(out) & set(PROMPT), out
+    assert gen.sampler.history[:len(PROMPT)] == PROMPT
+    # drafted, the reply is the same and q's penalties see the prompt as well
+    drafted, gd = run(target, draft_drafter(draft), max_tokens=16, ignore_eos=True,
+                      sampling=penalised, draft=DraftParams(n_max=4))
+    assert drafted == out and gd.stats.rounds > 0
+
+
 def test_logprobs_are_the_targets_with_or_without_a_draft(models) -> None:
     """Each emitted token's logprob and top tokens come from the target's row it was
     decided on: the same whether it came from a prefill, a plain step or a verified
