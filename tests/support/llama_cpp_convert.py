@@ -73,10 +73,12 @@ def write_tokenizer(folder: Path, *, extra_specials: tuple[str, ...] = (),
 
 
 def convert(model: Path, out: Path, *, outtype: str = "f32",
-            target_model_dir: Path | None = None) -> Path:
-    """`model` (a Hugging Face folder) converted by llama.cpp into `out`; RuntimeError with
-    the converter's output where it fails."""
+            target_model_dir: Path | None = None, mmproj: bool = False) -> Path:
+    """`model` (a Hugging Face folder) converted by llama.cpp into `out` (mmproj: its
+    vision projector); RuntimeError with the converter's output where it fails."""
     args = [str(model), "--outtype", outtype, "--outfile", str(out)]
+    if mmproj:
+        args.append("--mmproj")
     if target_model_dir is not None:
         args += ["--target-model-dir", str(target_model_dir)]
     r = subprocess.run([sys.executable, "-c", _RUN, str(source()), *args],

@@ -1,6 +1,10 @@
 """Tiny random Hugging Face muse-glimmer checkpoints (transformers'
 `MuseGlimmerForConditionalGeneration`, a small vision tower beside the text model, as the
-released checkpoints have one), for llama.cpp's converter to turn into GGUF files.
+released checkpoints have one), for llama.cpp's converter to turn into GGUF files: the
+text model, and with `convert_vlm` its vision projector too (`--mmproj`).
+
+The tower: 5 blocks (windowed, windowed, windowed, global, global: every 4th and the last
+attend globally), a 4 × 4 position table (windows of 4 × 4 patches of 14 pixels), merge 2.
 
 Random weights with magnitudes that give a tiny model decided greedy choices: matrices of
 std gain / sqrt(fan_in), the zero-centred layer norms (the converter adds 1) and the final
@@ -9,6 +13,7 @@ norm jittered by 0.1, the output matrix of std 3 / sqrt(hidden). Needs torch.
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 from typing import Any
@@ -25,9 +30,15 @@ TEXT: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 VISION: dict[str, Any] = {
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 5,
     "num_attention_heads": 2, "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4,
     "merge_size": 2, "max_position_embeddings": 16,
+}
+# the image processor's settings the converter reads (mean and std into the mmproj)
+PREPROCESSOR: dict[str, Any] = {
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711], "patch_size": 14,
+    "temporal_patch_size": 2, "merge_size": 2, "max_image_tokens": 4096,
 }
 
 
@@ -54,7 +65,9 @@ def write_checkpoint(folder: Path, *, seed: int = 0, **text: Any) -> Path:
     vocab = -(-n_tokens // 32) * 32
     cfg = MuseGlimmerConfig(
         text_config={**TEXT, **text, "vocab_size": vocab, "eos_token_id": 2, "bos_token_id": 0},
-        vision_config=VISION, out_hidden_size=64, projector_hidden_size=64,
+        vision_config=VISION, projector_hidden_size=64,
+        # the pixel shuffle's width: merge² patches of the tower's
+        out_hidden_size=VISION["hidden_size"] * VISION["merge_size"] ** 2,
         image_token_id=vocab - 1, video_token_id=vocab - 2)
     torch.manual_seed(seed)
     model = MuseGlimmerForConditionalGeneration(cfg).eval()
@@ -63,7 +76,18 @@ def write_checkpoint(folder: Path, *, seed: int = 0, **text: Any) -> Path:
         for name, p in model.named_parameters():
             p.copy_(torch.from_numpy(_values(name, tuple(p.shape), seed, hidden)))
     model.save_pretrained(folder, safe_serialization=True)
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     return folder
+
+
+def convert_vlm(root: Path, *, seed: int = 0) -> tuple[Path, Path]:
+    """root/text.gguf (f16) and root/mmproj.gguf (float32, so that llama.cpp computes the
+    tower in float32 too) from a fresh checkpoint, by llama.cpp's own converter."""
+    from llama_cpp_convert import convert
+
+    checkpoint = write_checkpoint(root / "hf", seed=seed)
+    text = convert(checkpoint, root / "text.gguf", outtype="f16")
+    return text, convert(checkpoint, root / "mmproj.gguf", outtype="f32", mmproj=True)
 
 
 ASSISTANT: dict[str, Any] = {
