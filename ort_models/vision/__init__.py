@@ -3,7 +3,7 @@
 `load_vision_encoder(mmproj_path)` -> a `VisionEncoder`: `prepare(bytes)` decodes and
 preprocesses an image as llama.cpp's mtmd does (`ImageError` on bad input), `encode`
 returns its embeddings [n_tokens, n_embd] for the text model. One module per family
-(`gemma3.py`, `qwen25vl.py`), chosen by `clip.projector_type` (`registry.py`).
+(`gemma3.py`, `qwen25vl.py`, `muse_glimmer.py`), chosen by `clip.projector_type` (`registry.py`).
 """
 
 from .encoder import OrtVisionEncoder, VisionEncoder, load_vision_encoder

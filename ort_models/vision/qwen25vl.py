@@ -29,14 +29,12 @@ from specd.ort_models.gguf_file import GGUFError, GGUFFile
 from .family import EMBEDDINGS, PIXELS, PreparedImage, VisionFamily, vit_layer_shapes
 from .image_input import DecodedImage, normalize, resize, smart_size
 from .mmproj import VisionHParams, read_vision_hparams
-from .vit_graph import VisionGraph
+from .vit_graph import MASKED, VisionGraph
 
 MERGE = 2  # the graph's merge is 2 × 2 whatever the key says (clip.cpp asserts it)
 WINDOW_PIXELS = 112  # llama.cpp's attention window for Qwen2.5-VL
 ROPE_BASE = 10000.0
 MIN_TOKENS, MAX_TOKENS = 8, 4096
-# masked scores: the lowest float, as llama.cpp's window mask (exp gives exactly 0)
-MASKED = float(np.finfo(np.float32).min)
 WINDOW_ORDER, WINDOW_RESTORE = "window_order", "window_restore"
 WINDOW_MASK, ROPE_COS, ROPE_SIN = "window_mask", "rope_cos", "rope_sin"
 

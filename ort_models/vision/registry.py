@@ -7,10 +7,12 @@ from specd.ort_models.gguf_file import GGUFError, GGUFFile
 from .family import VisionFamily
 from .gemma3 import Gemma3Vision
 from .mmproj import projector_type
+from .muse_glimmer import MuseGlimmerVision
 from .qwen25vl import Qwen25VLVision
 
 FAMILIES: dict[str, VisionFamily] = {
-    family.projector: family for family in (Gemma3Vision(), Qwen25VLVision())}
+    family.projector: family
+    for family in (Gemma3Vision(), Qwen25VLVision(), MuseGlimmerVision())}
 
 
 def family_of(f: GGUFFile) -> VisionFamily:

@@ -17,6 +17,8 @@ from specd.ort_models.quant import dense_float32, float_rows, load_matrix
 from .mmproj import VisionHParams
 
 GELU_TANH_OPSET = 20  # Gelu with approximate="tanh"
+# masked scores: the lowest float, as llama.cpp's window masks (exp gives exactly 0)
+MASKED = float(np.finfo(np.float32).min)
 
 
 class VisionGraph:
@@ -42,6 +44,16 @@ class VisionGraph:
 
     def has(self, name: str) -> bool:
         return self.f.has_tensor(name)
+
+    def reorder_rows(self, prefix: str, rows: np.ndarray) -> None:
+        """`{prefix}`'s weight and bias with their output rows taken in `rows` order,
+        stored under the names `linear` reads, so that `linear(x, prefix)` (and `layer`)
+        uses them: a layout change decided at build time costs nothing per image."""
+        wt = f"{prefix}.weight^T"
+        if not self.g.has(wt):
+            self.g.weight(wt, np.ascontiguousarray(self.values(f"{prefix}.weight")[rows].T))
+        if self.has(f"{prefix}.bias"):
+            self.param(f"{prefix}.bias", self.values(f"{prefix}.bias")[rows])
 
     # -- blocks -----------------------------------------------------------------------------
     def linear(self, x: str, prefix: str) -> str:

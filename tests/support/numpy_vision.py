@@ -227,3 +227,95 @@ def qwen25vl_embeddings(f: GGUFFile, pixels: np.ndarray, window_pixels: int = 11
         x = x + linear(f, gate * linear(f, hn, f"{b}.ffn_up"), f"{b}.ffn_down")
     x = rms_norm(x, tensor(f, "v.post_ln.weight"), eps).reshape(-1, e * m * m)
     return linear(f, gelu_tanh(linear(f, x, "mm.0")), "mm.2")
+
+
+# -- muse-glimmer ---------------------------------------------------------------------------
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def bilinear_clamped(table: np.ndarray, height: int, width: int) -> np.ndarray:
+    """table [h, w, C] resampled to [height, width, C] as ggml_interpolate's bilinear mode
+    does: half-pixel centres, coordinates and neighbours clamped to the edges."""
+    h, w, _ = table.shape
+    out = np.empty((height, width, table.shape[2]))
+    for i in range(height):
+        y = (i + 0.5) * h / height - 0.5
+        y0 = min(max(math.floor(y), 0), h - 1)
+        y1 = min(max(math.floor(y) + 1, 0), h - 1)
+        dy = min(max(y - y0, 0.0), 1.0)
+        for j in range(width):
+            x = (j + 0.5) * w / width - 0.5
+            x0 = min(max(math.floor(x), 0), w - 1)
+            x1 = min(max(math.floor(x) + 1, 0), w - 1)
+            dx = min(max(x - x0, 0.0), 1.0)
+            out[i, j] = (table[y0, x0] * (1 - dx) * (1 - dy) + table[y0, x1] * dx * (1 - dy)
+                         + table[y1, x0] * (1 - dx) * dy + table[y1, x1] * dx * dy)
+    return out
+
+
+def _rope_interleaved(x: np.ndarray, cols: np.ndarray, rows: np.ndarray, heads: int
+                      ) -> np.ndarray:
+    """ggml's 2-D rope as clip.cpp's build_rope_2d applies it: per head, the first half
+    rotated by the column, the second by the row, pairs (2i, 2i+1) at base^(-2i/(d/2))."""
+    s, e = x.shape
+    d = e // heads
+    half = d // 2
+    out = x.reshape(s, heads, d).copy()
+    inv = 10000.0 ** (-2.0 * np.arange(half // 2) / half)
+    for offset, pos in ((0, cols + 1), (half, rows + 1)):
+        theta = pos[:, None] * inv[None, :]  # [S, d/4]
+        c, sn = np.cos(theta)[:, None], np.sin(theta)[:, None]
+        a = out[:, :, offset:offset + half:2].copy()
+        b = out[:, :, offset + 1:offset + half:2].copy()
+        out[:, :, offset:offset + half:2] = a * c - b * sn
+        out[:, :, offset + 1:offset + half:2] = a * sn + b * c
+    return out.reshape(s, e)
+
+
+def muse_glimmer_embeddings(f: GGUFFile, pixels: np.ndarray) -> np.ndarray:
+    """clip.cpp's muse-glimmer tower and adapter on normalised pixels [3, H, W]: rows in
+    raster order of the 2 × 2-merged grid. Windows are attended one at a time, in the
+    image's own order (no permutation, no mask)."""
+    md = f.metadata
+    p, heads = md["clip.vision.patch_size"], md["clip.vision.attention.head_count"]
+    eps, n_layer = md["clip.vision.attention.layer_norm_epsilon"], md["clip.vision.block_count"]
+    m = 2
+    _, h, w = pixels.shape
+    gh, gw = h // p, w // p
+    conv = tensor(f, "v.patch_embd.weight")
+    x = patches(pixels.astype(np.float64), p) @ conv.reshape(conv.shape[0], -1).T
+    table = tensor(f, "v.position_embd.weight")
+    side = int(round(math.sqrt(table.shape[0])))
+    x = x + bilinear_clamped(table.reshape(side, side, -1), gh, gw).reshape(gh * gw, -1)
+    x = layer_norm(x, tensor(f, "v.pre_ln.weight"), tensor(f, "v.pre_ln.bias"), eps)
+    rows, cols = np.divmod(np.arange(gh * gw), gw)
+    windows = [((rows // side) == wy) & ((cols // side) == wx)
+               for wy in range(-(-gh // side)) for wx in range(-(-gw // side))]
+    for il in range(n_layer):
+        b = f"v.blk.{il}"
+        hn = layer_norm(x, tensor(f, f"{b}.ln1.weight"), tensor(f, f"{b}.ln1.bias"), eps)
+        q = _rope_interleaved(linear(f, hn, f"{b}.attn_q"), cols, rows, heads)
+        k = _rope_interleaved(linear(f, hn, f"{b}.attn_k"), cols, rows, heads)
+        v = linear(f, hn, f"{b}.attn_v")
+        if il == n_layer - 1 or (il + 1) % 4 == 0:
+            a = attention(q, k, v, heads)
+        else:
+            a = np.empty_like(q)
+            for sel in windows:
+                a[sel] = attention(q[sel], k[sel], v[sel], heads)
+        x = x + linear(f, a, f"{b}.attn_out")
+        hn = layer_norm(x, tensor(f, f"{b}.ln2.weight"), tensor(f, f"{b}.ln2.bias"), eps)
+        x = x + linear(f, gelu_erf(linear(f, hn, f"{b}.ffn_up")), f"{b}.ffn_down")
+    x = layer_norm(x, tensor(f, "v.post_ln.weight"), tensor(f, "v.post_ln.bias"), eps)
+    grid = x.reshape(gh, gw, -1)
+    e = x.shape[1]
+    merged = np.empty((gh // m, gw // m, e * m * m))
+    for oy in range(gh // m):
+        for ox in range(gw // m):
+            group = [grid[oy * m + ry, ox * m + rx] for ry in range(m) for rx in range(m)]
+            merged[oy, ox] = np.stack(group, axis=1).reshape(-1)  # [c * 4 + s]
+    y = gelu_erf(linear(f, merged.reshape(-1, e * m * m), "mm.0"))
+    y = gelu_erf(linear(f, y, "mm.1"))
+    return linear(f, y, "mm.2")

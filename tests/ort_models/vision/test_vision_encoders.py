@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numpy_vision import gemma3_embeddings, qwen25vl_embeddings
+from numpy_vision import gemma3_embeddings, muse_glimmer_embeddings, qwen25vl_embeddings
 from PIL import Image
 
 from specd.ort_models.gguf_file import GGUFFile
@@ -18,7 +18,8 @@ from specd.ort_models.vision import ImageError, load_vision_encoder
 from specd.ort_models.vision.encoder import MODEL_FILE, OrtVisionEncoder
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vision"
-REFERENCES = {"gemma3": gemma3_embeddings, "qwen25vl": qwen25vl_embeddings}
+REFERENCES = {"gemma3": gemma3_embeddings, "qwen25vl": qwen25vl_embeddings,
+              "muse-glimmer": muse_glimmer_embeddings}
 
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
@@ -36,9 +37,11 @@ def encoder(request: pytest.FixtureRequest) -> tuple[str, OrtVisionEncoder]:
     return request.param, load_vision_encoder(FIXTURES / f"{request.param}-mmproj.gguf")
 
 
-# sizes: square, wide, tall, tiny (scaled up), one with partial windows (Qwen: 7 x 11
-# merge groups in windows of 4 x 4)
-@pytest.mark.parametrize("size", [(56, 56), (100, 70), (60, 150), (9, 9), (300, 200)])
+# sizes: square, wide, tall, tiny (scaled up), ones with partial windows (Qwen: 7 x 11
+# merge groups in windows of 4 x 4; muse-glimmer: 14 x 22 and 8 x 34 patches in windows of
+# 4 x 4, its position table resized up and down)
+@pytest.mark.parametrize("size", [(56, 56), (100, 70), (60, 150), (9, 9), (300, 200),
+                                  (500, 120)])
 def test_encoder_equals_numpy_reference(encoder: tuple[str, OrtVisionEncoder],
                                         size: tuple[int, int]) -> None:
     family, enc = encoder

@@ -145,3 +145,54 @@ def test_families_prepare_their_grids() -> None:
     _, qwen, qhp = read_checked(FIXTURES / "qwen25vl-mmproj.gguf")
     img = qwen.prepare(decode_image(encoded(picture(300, 200), "PNG")), qhp)
     assert img.pixels.shape == (3, 196, 308) and img.grid == (7, 11) and img.n_tokens == 77
+
+
+@pytest.mark.parametrize("size", [(100, 70), (300, 200), (40, 90), (9, 9), (500, 120)])
+def test_muse_glimmer_prepares_a_stretched_lanczos_grid(size: tuple[int, int]) -> None:
+    """mtmd's muse-glimmer preprocessor: the grid of 28-pixel cells nearest the aspect
+    ratio, the image stretched onto it (Lanczos, no padding), then normalised."""
+    _, family, hp = read_checked(FIXTURES / "muse-glimmer-mmproj.gguf")
+    rgb = picture(*size)
+    img = family.prepare(decode_image(encoded(rgb, "PNG")), hp)
+    rows, cols = img.grid
+    assert img.n_tokens == rows * cols
+    want = normalize(pillow_resize(rgb, cols * 28, rows * 28, "lanczos"), hp.image_mean,
+                     hp.image_std)
+    assert np.array_equal(img.pixels, want)
+
+
+@pytest.mark.needs_transformers
+def test_muse_glimmer_grid_is_transformers_smart_resize() -> None:
+    """grid_size against transformers' own muse-glimmer smart_resize (an independent
+    implementation) wherever its choice is unique, and the 4096-token cap."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchvision", reason="transformers' muse-glimmer image processor "
+                        "imports torchvision (pip install torchvision)")
+    from transformers.models.muse_glimmer.image_processing_muse_glimmer import smart_resize
+
+    from specd.ort_models.vision.muse_glimmer import grid_size
+
+    rng = np.random.default_rng(0)
+    sizes = [(int(w), int(h)) for w, h in rng.integers(1, 4000, (300, 2))]
+    sizes += [(9, 9), (28, 28), (100, 70), (7000, 50), (50, 7000), (6000, 4000)]
+    compared = 0
+    for w, h in sizes:
+        rows, cols = grid_size(w, h, 28, 4096)
+        assert 1 <= rows * cols <= 4096
+        th, tw = smart_resize(h, w, 28, 4096)
+        cands = {(r, c) for r in (th // 28 - 1, th // 28, th // 28 + 1)
+                 for c in (tw // 28 - 1, tw // 28, tw // 28 + 1)}
+        best = abs(th / tw - h / w)
+        if any(0 < r * c <= 4096 and (r, c) != (th // 28, tw // 28)
+               and abs(r / c - h / w) == best for r, c in cands):
+            continue  # a tie, which mtmd breaks towards more tokens
+        assert (rows * 28, cols * 28) == (th, tw), (w, h)
+        compared += 1
+    assert compared > 250
+
+
+def test_muse_glimmer_grid_ties_go_to_more_tokens() -> None:
+    from specd.ort_models.vision.muse_glimmer import grid_size
+
+    # 42 x 42 pixels: 1.5 cells a side; 1 x 1 and 2 x 2 are both exactly square
+    assert grid_size(42, 42, 28, 4096) == (2, 2)

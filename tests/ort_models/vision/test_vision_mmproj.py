@@ -48,7 +48,8 @@ def test_a_text_model_is_refused_as_mmproj(tiny_model_factory: Callable[..., Pat
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"keys": {"clip.projector_type": "llava9"}},
-     r"no vision encoder for projector type 'llava9' \(supported: gemma3, qwen2.5vl_merger\)"),
+     r"no vision encoder for projector type 'llava9' "
+     r"\(supported: gemma3, muse-glimmer, qwen2.5vl_merger\)"),
     ({"drop_keys": ("clip.has_vision_encoder",)}, r"no vision encoder"),
     ({"drop_keys": ("clip.projector_type",)}, r"names no projector type"),
     ({"drop_tensors": ("v.blk.1.attn_q.weight",)}, r"missing tensor 'v.blk.1.attn_q.weight'"),

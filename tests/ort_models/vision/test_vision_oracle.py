@@ -62,3 +62,35 @@ def test_embeddings_equal_llama_cpps(tiny_vlms: dict[str, tiny_vlm.TinyVlm], fam
     scale = float(np.abs(theirs).max())
     assert scale > 0.1
     assert float(np.abs(ours - theirs).max()) / scale < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def tiny_muse_glimmer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny muse-glimmer (tests/support/tiny_hf_muse_glimmer.py) converted by llama.cpp:
+    its text GGUF and mmproj."""
+    import llama_cpp_convert
+
+    why = missing("llama-mtmd-cli") or llama_cpp_convert.missing()
+    if why:
+        pytest.skip(why)
+    from tiny_hf_muse_glimmer import convert_vlm
+
+    return convert_vlm(tmp_path_factory.mktemp("muse-glimmer-vlm"))
+
+
+# a square grid equal to the 4 x 4 position table, wide and tall ones (the table resized up
+# and down), several windows with partial ones, and the smallest (one token)
+@pytest.mark.parametrize("size", [(56, 56), (100, 70), (300, 200), (40, 90), (500, 120),
+                                  (9, 9)])
+def test_muse_glimmer_embeddings_equal_llama_cpps(tiny_muse_glimmer: tuple[Path, Path],
+                                                  size: tuple[int, int],
+                                                  tmp_path: Path) -> None:
+    text, mmproj = tiny_muse_glimmer
+    image = write_png(tmp_path / "image.png", *size, seed=size[0])
+    theirs = mtmd_image_embeddings(text, mmproj, image, chat_template="chatml").embeddings
+    enc = load_vision_encoder(mmproj)
+    ours = enc.encode(enc.prepare(image.read_bytes()))
+    assert ours.shape == theirs.shape
+    scale = float(np.abs(theirs).max())
+    assert scale > 0.1
+    assert float(np.abs(ours - theirs).max()) / scale < TOLERANCE
