@@ -56,12 +56,14 @@ def _values(name: str, shape: tuple[int, ...], seed: int, hidden: int,
     return gain / np.sqrt(shape[-1]) * z
 
 
-def write_checkpoint(folder: Path, *, seed: int = 0, **text: Any) -> Path:
-    """A checkpoint with its tokenizer in `folder` (text: TEXT's keys overridden)."""
+def write_checkpoint(folder: Path, *, seed: int = 0, specials: tuple[str, ...] = (),
+                     **text: Any) -> Path:
+    """A checkpoint with its tokenizer (`specials` added to its special tokens) in
+    `folder` (text: TEXT's keys overridden)."""
     import torch
     from transformers import MuseGlimmerConfig, MuseGlimmerForConditionalGeneration
 
-    n_tokens = write_tokenizer(folder)
+    n_tokens = write_tokenizer(folder, extra_specials=specials)
     vocab = -(-n_tokens // 32) * 32
     cfg = MuseGlimmerConfig(
         text_config={**TEXT, **text, "vocab_size": vocab, "eos_token_id": 2, "bos_token_id": 0},
@@ -80,12 +82,13 @@ def write_checkpoint(folder: Path, *, seed: int = 0, **text: Any) -> Path:
     return folder
 
 
-def convert_vlm(root: Path, *, seed: int = 0) -> tuple[Path, Path]:
+def convert_vlm(root: Path, *, seed: int = 0, specials: tuple[str, ...] = ()
+                ) -> tuple[Path, Path]:
     """root/text.gguf (f16) and root/mmproj.gguf (float32, so that llama.cpp computes the
     tower in float32 too) from a fresh checkpoint, by llama.cpp's own converter."""
     from llama_cpp_convert import convert
 
-    checkpoint = write_checkpoint(root / "hf", seed=seed)
+    checkpoint = write_checkpoint(root / "hf", seed=seed, specials=specials)
     text = convert(checkpoint, root / "text.gguf", outtype="f16")
     return text, convert(checkpoint, root / "mmproj.gguf", outtype="f32", mmproj=True)
 
