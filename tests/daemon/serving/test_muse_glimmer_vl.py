@@ -135,3 +135,4 @@ def test_a_dflash_head_after_an_image_is_the_targets(vlm: tuple[Path, Path],
     got, stats = _run_after_images(vlm, "draft-dflash", dflash_head)
     assert got == want
     assert_drafted(stats)
+    assert stats.source_calls.get("dflash", 0) > 0, stats.as_dict()  # the head's own rounds
