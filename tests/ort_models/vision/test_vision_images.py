@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -161,15 +162,34 @@ def test_muse_glimmer_prepares_a_stretched_lanczos_grid(size: tuple[int, int]) -
     assert np.array_equal(img.pixels, want)
 
 
+def transformers_smart_resize() -> Any:
+    """transformers' muse-glimmer `smart_resize`, taken from its module's source: the
+    module imports torchvision, which the function does not need."""
+    import ast
+    import importlib.util
+    import itertools
+    import math
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
+        pytest.skip("transformers is not installed")
+    path = (Path(spec.origin).parent / "models" / "muse_glimmer"
+            / "image_processing_muse_glimmer.py")
+    if not path.is_file():
+        pytest.skip(f"this transformers has no muse-glimmer image processor ({path})")
+    tree = ast.parse(path.read_text())
+    fn = next(n for n in tree.body
+              if isinstance(n, ast.FunctionDef) and n.name == "smart_resize")
+    scope: dict[str, Any] = {"math": math, "itertools": itertools}
+    exec(compile(ast.Module([fn], type_ignores=[]), str(path), "exec"), scope)
+    return scope["smart_resize"]
+
+
 @pytest.mark.needs_transformers
 def test_muse_glimmer_grid_is_transformers_smart_resize() -> None:
     """grid_size against transformers' own muse-glimmer smart_resize (an independent
     implementation) wherever its choice is unique, and the 4096-token cap."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("torchvision", reason="transformers' muse-glimmer image processor "
-                        "imports torchvision (pip install torchvision)")
-    from transformers.models.muse_glimmer.image_processing_muse_glimmer import smart_resize
-
+    smart_resize = transformers_smart_resize()
     from specd.ort_models.vision.muse_glimmer import grid_size
 
     rng = np.random.default_rng(0)
