@@ -4,8 +4,9 @@ file bytes, made into the prompt's tokens and image chunks as llama.cpp's mtmd m
 The text is split at each `MEDIA_MARKER`; each text part is tokenized with specials
 parsed, BOS only before the first (where the vocabulary adds one), and each image is
 the projector family's begin text, the image's rows, its end text (gemma3:
-`<start_of_image>` … `<end_of_image>`, Qwen-VL: `<|vision_start|>` … `<|vision_end|>`;
-mtmd.cpp adds nothing else around them). An image is decoded and preprocessed
+`<start_of_image>` … `<end_of_image>`, Qwen-VL: `<|vision_start|>` … `<|vision_end|>`,
+muse-glimmer: `<|image_start|>` … `<|image_end|>`; mtmd.cpp adds nothing else around
+them). An image is decoded and preprocessed
 (`VisionEncoder.prepare`: a bad one is a RequestError naming it) and encoded once per
 distinct file: the last few images' rows are kept by their sha256, so a follow-up about
 the same screenshot costs neither the encoder nor, through the slots' prefix cache
