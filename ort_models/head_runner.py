@@ -18,7 +18,10 @@ A DFlash block graph or an EAGLE-3 step graph on specd's attention (`packs_seque
 runs the calls of several sequences in one pass (`forward_batch`), each row over its own
 slot's cache, so a row's bits are the same whatever shares its pass; elsewhere
 `forward_batch` runs them one after another. DFlash injections beside it likewise
-(`deferred_injections`).
+(`deferred_injections`). A DFlash-family head of an M-RoPE target
+(`takes_rope_positions`) rotates its injected rows and its block at the rope positions
+given (`inject`'s `rope_positions`, `BlockCall.rope_pos`), apart from the cache rows they
+are written at.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .graph_builder.dflash import (
     unsupported,
 )
 from .graph_builder.eagle3 import build_encode_graph, build_pair_graph, build_step_graph
+from .graph_builder.mrope import ROPE_POSITIONS
 from .graph_builder.options import ACCURACY_LEVEL, BuildOptions
 from .heads import HeadParams, read_head
 from .kv_cache import KVCache
@@ -54,13 +58,19 @@ from .model_cache import META_FILE, build_folder, is_complete
 from .onnx_writer import GraphWriter
 from .paths import cache_dir, exclusive_lock
 from .providers import RuntimeChoice, choose_runtime, parse_device, session_providers
-from .runner import bound_outputs, check_call, default_threads, session_options
+from .runner import (
+    bound_outputs,
+    check_call,
+    default_threads,
+    session_options,
+    text_rope_positions,
+)
 from .sampling_op import SampledBlock, SampleSpec
 from .shared_initializers import SharedWeights, add_initializers
 
 # bumped when a head's graphs change (what they compute, or which graphs a kind has), so
 # cached ones are rebuilt; BUILDER_VERSION covers the blocks they share with targets
-HEAD_GRAPHS_VERSION = 11
+HEAD_GRAPHS_VERSION = 12
 
 # graph name -> its builder, per head kind: (head file, head, target file, target, writer,
 # options, progress) -> None
@@ -103,6 +113,9 @@ class BlockCall:
     pos: int
     rows: Sequence[int]
     specs: Sequence[SampleSpec] | None = None
+    # the rope position of the block's first row, its rows at rope_pos.. (a head whose
+    # graph takes them, `takes_rope_positions`; None: pos, where the block is written)
+    rope_pos: int | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +234,10 @@ class HeadRunner:
         block_inputs = ({i.name for i in self.sessions["block"].get_inputs()}
                         if self.packs_blocks else set())
         self._row_anchors = "row_anchors" in block_inputs
+        # a DFlash-family head of an M-RoPE target: its rows rotate at positions given
+        # apart from where they are written (graph_builder/dflash.py head_hparams)
+        self.takes_rope_positions = "block" in self.sessions and any(
+            i.name == ROPE_POSITIONS for i in self.sessions["block"].get_inputs())
         self._block_rows = "block_rows" in block_inputs
         self._cached = [name for name, sess in self.sessions.items()
                         if any(i.name == "past_key_0" for i in sess.get_inputs())
@@ -233,8 +250,9 @@ class HeadRunner:
                             if any(i.name == "positions" for i in sess.get_inputs())}
         self.packs_injections = "inject" in self._row_graphs
         self.packs_pairs = "pair" in self._row_graphs
-        # (graph, seq, its inputs of n rows, pos) per call waiting
-        self._pending: list[tuple[str, int, dict[str, np.ndarray], int]] = []
+        # (graph, seq, its inputs of n rows, pos, the rows' rope positions [n]) per call
+        # waiting
+        self._pending: list[tuple[str, int, dict[str, np.ndarray], int, np.ndarray]] = []
         self._deferring = 0
         self.injections = 0  # inject() and pair() calls
         self.inject_passes = 0  # their session runs (a pass may hold several calls')
@@ -274,13 +292,18 @@ class HeadRunner:
                 self.kv.bind(b, s)
         return seq
 
-    def inject(self, seq: int, features: np.ndarray, pos: int) -> None:
+    def inject(self, seq: int, features: np.ndarray, pos: int,
+               rope_positions: np.ndarray | None = None) -> None:
         """Write the K/V rows of target tokens at positions pos.. from their features
-        [n, L*E_t] (the target layers' hidden states, concatenated in the head's order)."""
+        [n, L*E_t] (the target layers' hidden states, concatenated in the head's order),
+        rotated at `rope_positions` [n] where given (a head whose injection returns its
+        rows; default: pos..)."""
         check_call(pos, features.shape[0], self.n_ctx)
+        if rope_positions is not None and not self.packs_injections:
+            raise ValueError("this head's injection writes its rows at their rope positions")
         self.injections += 1
         if self.packs_injections:
-            self._write_rows("inject", seq, {"features": features}, pos)
+            self._write_rows("inject", seq, {"features": features}, pos, rope_positions)
             return
         b = self._bindings[seq]["inject"]
         b.bind_cpu_input("features", np.ascontiguousarray(features, dtype=np.float32))
@@ -288,15 +311,21 @@ class HeadRunner:
         self.sessions["inject"].run_with_iobinding(b)
         self.inject_passes += 1
 
-    def _write_rows(self, graph: str, seq: int, inputs: dict[str, np.ndarray], pos: int
-                    ) -> None:
-        """A call of a graph returning K/V rows: waiting while `deferred_injections` is
-        open (its inputs copied: the caller may reuse them), else run at once."""
+    def _write_rows(self, graph: str, seq: int, inputs: dict[str, np.ndarray], pos: int,
+                    rope_positions: np.ndarray | None = None) -> None:
+        """A call of a graph returning K/V rows, rotated at `rope_positions` [n] (None:
+        pos..): waiting while `deferred_injections` is open (its inputs copied: the caller
+        may reuse them), else run at once."""
         waits = self._deferring > 0
         copy = np.array if waits else np.asarray
+        n = len(next(iter(inputs.values())))
+        rope = (np.arange(pos, pos + n, dtype=np.int64) if rope_positions is None
+                else np.array(rope_positions, dtype=np.int64))
+        if rope.shape != (n,):
+            raise ValueError(f"{n} rows take {n} rope positions, got {list(rope.shape)}")
         self._pending.append((graph, seq, {
             name: copy(a, dtype=np.int64 if name == "input_ids" else np.float32)
-            for name, a in inputs.items()}, pos))
+            for name, a in inputs.items()}, pos, rope))
         if not waits:
             self.flush_injections()
 
@@ -317,14 +346,14 @@ class HeadRunner:
         """Run the waiting injections and pairs, one pass per graph: each call's K/V rows
         written into its sequence's slot at their positions."""
         pending, self._pending = self._pending, []
-        for graph in dict.fromkeys(name for name, _, _, _ in pending):
-            calls = [(seq, inputs, pos) for name, seq, inputs, pos in pending if name == graph]
+        for graph in dict.fromkeys(name for name, *_ in pending):
+            calls = [(seq, inputs, pos) for name, seq, inputs, pos, _ in pending
+                     if name == graph]
             feed = {name: np.concatenate([inputs[name] for _, inputs, _ in calls])
                     for name in calls[0][1]}  # [S, ...]
             lengths = [len(next(iter(inputs.values()))) for _, inputs, _ in calls]
-            feed["positions"] = np.concatenate([np.arange(pos, pos + n, dtype=np.int64)
-                                                for (_, _, pos), n in zip(calls, lengths,
-                                                                          strict=True)])
+            feed["positions"] = np.concatenate([rope for name, *_, rope in pending
+                                                if name == graph])  # [S]
             names = [f"{kind}_{i}" for i in range(self.hp.n_layer) for kind in ("key", "value")]
             outs = self.sessions[graph].run(names, feed)
             self.inject_passes += 1
@@ -340,11 +369,13 @@ class HeadRunner:
                 start += n
 
     def block(self, seq: int, tokens: Sequence[int], pos: int, rows: Sequence[int],
-              specs: Sequence[SampleSpec] | None = None) -> BlockOutput:
-        """Run the block `tokens` at positions pos.. over the injected context; the logits
-        of `rows` (a DSpark head's Markov chain runs over them in the order given), or with
-        `specs` (one per row, a graph with a sampler) the proposal chosen at each row."""
-        return self._block_pass([BlockCall(seq, tokens, pos, rows, specs)])[0]
+              specs: Sequence[SampleSpec] | None = None, rope_pos: int | None = None
+              ) -> BlockOutput:
+        """Run the block `tokens` at positions pos.. over the injected context (rotated at
+        rope_pos.. where given); the logits of `rows` (a DSpark head's Markov chain runs
+        over them in the order given), or with `specs` (one per row, a graph with a
+        sampler) the proposal chosen at each row."""
+        return self._block_pass([BlockCall(seq, tokens, pos, rows, specs, rope_pos)])[0]
 
     def forward_batch(self, calls: Sequence[Any]) -> list[Any]:
         """The blocks (BlockCall -> BlockOutput) or EAGLE-3 steps (StepCall -> StepOutput)
@@ -381,6 +412,12 @@ class HeadRunner:
                                  "block " + ("" if self.block_samples
                                              else "whose graph has no sampler"))
         b, ids = self._bind_rows("block", calls, self.packs_blocks)
+        if self.takes_rope_positions:  # [4, S]: the rows' rope positions, one each
+            b.bind_cpu_input(ROPE_POSITIONS, np.ascontiguousarray(np.concatenate(
+                [text_rope_positions(c.pos if c.rope_pos is None else c.rope_pos,
+                                     len(c.tokens)) for c in calls], axis=1)))
+        elif any(c.rope_pos is not None for c in calls):
+            raise ValueError("this head's blocks rotate their rows where they are written")
         if self._block_rows:  # DFlash2's convolutions start at each block's first row
             b.bind_cpu_input("block_rows", np.concatenate(
                 [np.arange(len(c.tokens), dtype=np.int64) for c in calls]))  # [S]

@@ -26,7 +26,11 @@ Graph inputs and outputs follow the decoder graph's contract (package docstring)
 on specd's attention (`packs_sequences`) takes `segments` [B, 3] (slot, position, rows)
 instead of `position` and `attn_len`: the blocks of B sequences in one pass, each row
 over its own slot's cache, the caches of every slot bound at once; `logits_rows` index
-the packed rows; its injection graph returns the K/V rows of any sequences' tokens.
+the packed rows; its injection graph returns the K/V rows of any sequences' tokens. A
+head of an M-RoPE target takes its block rows' rope positions apart from where they are
+written (`rope_positions` [4, S], only t read), and its injection returns its rows at
+`positions` [S] however it attends: after an image it skips, its rows are not at their
+rope positions.
 """
 
 from __future__ import annotations
@@ -67,7 +71,12 @@ FEATURE_LIMIT = 65504.0  # non-finite or huge target features are clamped to flo
 
 def head_hparams(head: HeadParams, target: HParams) -> HParams:
     """The head's decoder as HParams, over the target's vocabulary (the DFlash family's
-    Qwen3-style layers have per-head q/k norms; EAGLE-3's llama layer has none)."""
+    Qwen3-style layers have per-head q/k norms; EAGLE-3's llama layer has none). A
+    DFlash-family head of an M-RoPE target rotates its block's rows at positions the
+    runner gives (`rope_positions`, every rotary pair in the t section: one position per
+    row): after an image it skipped, its K/V rows are not at their rope positions
+    (daemon/drafters/dflash.py)."""
+    given = target.mrope and head.kind != "eagle3"
     return HParams(arch="dflash", n_layer=head.n_layer, n_embd=head.n_embd,
                    n_head=head.n_head, n_head_kv=head.n_head_kv, head_dim=head.head_dim,
                    n_ff=head.n_ff, n_vocab=target.n_vocab, n_ctx_train=head.n_ctx_train,
@@ -81,7 +90,8 @@ def head_hparams(head: HeadParams, target: HParams) -> HParams:
                    rope_scaling=RopeScaling("linear", 1.0 / head.rope_scaling_factor,
                                             head.n_ctx_train) if (
                        head.rope_scaling == "linear" and head.rope_scaling_factor) else None,
-                   rope_freq_factors=head.rope_freq_factors)
+                   rope_freq_factors=head.rope_freq_factors,
+                   rope_sections=(head.rope_dim // 2,) if given else ())
 
 
 def packs_sequences(head: HeadParams, kernels: str) -> bool:
@@ -154,7 +164,9 @@ def build_injection_graph(head_file: GGUFFile, head: HeadParams, target: HParams
                      total=head.n_layer + 1)
     width = len(head.target_layers) * head.target_hidden_size
     features = g.input("features", F32, ["S", width])
-    packed = options.attention == "native"  # rows out, the runner writes them (docstring)
+    # rows out, the runner writes them (docstring); so too for an M-RoPE target, whose
+    # head's rows are rotated at positions apart from where they are written
+    packed = options.attention == "native" or c.hp.mrope
     pos_ids = written_rows_positions(c, features, packed)  # [1, S]
     finite = g.op("Where", [g.op("IsNaN", [features]), g.const(0.0, np.float32), features])
     x = g.op("Clip", [finite, g.const(-FEATURE_LIMIT, np.float32),
