@@ -13,6 +13,13 @@ sampling against those rows is exact. p_min stops at a row whose DSpark confiden
 without a confidence head its top probability, is below it. The block's own rows are
 overwritten by the next injection, so nothing needs rolling back.
 
+A head of an M-RoPE target (qwen2vl) follows llama.cpp's rule for media: an image's rows,
+all at one rope position (media.pinned_rows), are not injected, and the head drafts over
+the gap; media whose positions advance (audio) are injected like text. Its cache then
+holds a row per injected token, in order (a position's row is that position less the
+tokens skipped), each rotated at the target's t position, as llama.cpp places them: the
+text at its rope position (media.mrope_positions), the block at the next token's.
+
 The head's two graphs (ort_models/head_runner.py) share one KVCache and, on the CPU, the
 target's token embedding table (ort_models/shared_initializers.py). A draft is one
 `BlockCall`; where the graphs run on specd's attention, the blocks and
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specd.daemon.spec.drafter import DraftParams, DraftRequest, Features, head_input_rows
+from specd.daemon.spec.media import PromptImage, mrope_positions, mrope_shift, pinned_rows
 from specd.daemon.spec.sampling import Sampler
 from specd.daemon.text.grammar import GrammarState
 from specd.ort_models.head_runner import BlockCall, BlockOutput, HeadRunner
@@ -42,8 +50,25 @@ from .picking import Pick, pick_from_block, pick_spec, pick_token
 
 @dataclass
 class _SeqState:
-    injected: int = 0  # positions [0, injected) hold the context's K/V rows
+    injected: int = 0  # cache rows [0, injected) hold the context's K/V rows
     sampler: Sampler | None = None
+    # the sequence's positions without a row (skipped images' tokens): a position past
+    # the prompt has its row at the position less these
+    skipped: int = 0
+    # rope position minus sequence position of the tokens past the prompt's images
+    rope_shift: int = 0
+
+    @property
+    def end(self) -> int:
+        """The sequence position after the context the cache holds."""
+        return self.injected + self.skipped
+
+    def rope(self, pos: int, n: int) -> np.ndarray | None:
+        """The rope positions [n] of the tokens at sequence positions pos.. past the
+        prompt (None: they are pos.., the runner's default)."""
+        if not self.skipped and not self.rope_shift:
+            return None
+        return np.arange(pos + self.rope_shift, pos + self.rope_shift + n, dtype=np.int64)
 
 
 class DFlashDrafter(ModelBackedDrafter[_SeqState, HeadRunner]):
@@ -62,6 +87,12 @@ class DFlashDrafter(ModelBackedDrafter[_SeqState, HeadRunner]):
         # the block's first proposing row: 0 for an anchor-first DSpark block, else 1
         self.first_row = 0 if head.sample_from_anchor else 1
         self.max_drafts = (head.block_size or DEFAULT_BLOCK_SIZE) - self.first_row
+        self._images: dict[int, tuple[PromptImage, ...]] = {}  # for the next begin, by seq
+
+    def place_images(self, seq: int, images: Sequence[PromptImage]) -> None:
+        """An M-RoPE target's images: their pinned rows are skipped (module docstring)."""
+        if self.runner.takes_rope_positions:
+            self._images[seq] = tuple(images)
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
@@ -70,22 +101,38 @@ class DFlashDrafter(ModelBackedDrafter[_SeqState, HeadRunner]):
         self._ensure_sequence(seq)
         n = 0 if features is None else next(iter(features.values())).shape[0]
         start = len(prompt) - n
+        images = self._images.pop(seq, ())
+        skip = pinned_rows(images, 0, len(prompt))  # [len(prompt)]
+        first_row = start - int(skip[:start].sum())  # the row of the features' first token
         old = self._seqs.get(seq)
-        if start > (old.injected if old is not None else 0):
+        if first_row > (old.injected if old is not None else 0):
             raise ValueError(f"the head's cache holds {old.injected if old else 0} context "
-                             f"rows, the prompt's features start at {start}")
-        self._seqs[seq] = _SeqState(injected=start, sampler=sampler)
-        if n:
-            self.process(seq, prompt[start:], features)
+                             f"rows, the prompt's features start at row {first_row}")
+        st = _SeqState(injected=first_row, sampler=sampler, skipped=int(skip.sum()),
+                       rope_shift=mrope_shift(images) if images else 0)
+        self._seqs[seq] = st
+        if not n:
+            return
+        rows = head_input_rows(features, self.target_layers, n)  # [n, L*E]
+        if not images:
+            self.runner.inject(seq, rows, st.injected)
+            st.injected += n
+            return
+        keep = ~skip[start:]  # [n]
+        rope = mrope_positions(images, start, len(prompt))[0]  # [n] t: llama.cpp's pos[0]
+        self.runner.inject(seq, rows[keep], st.injected, rope[keep])
+        st.injected += int(keep.sum())
 
     def start(self, request: DraftRequest) -> DraftRun:
         """The draft as one BlockCall: the blocks of a batch run in one pass of the head."""
         r = request
         st = self._seqs[r.seq]
-        if st.injected != r.pos:
-            raise RuntimeError(f"the head's context ends at {st.injected}, the target at {r.pos}")
-        n = min(r.n_max, self.max_drafts, self.runner.n_ctx - r.pos - self.first_row)
-        return _BlockRun(self, r, n, st.sampler if r.params.probabilistic else None)
+        if st.end != r.pos:
+            raise RuntimeError(f"the head's context ends at {st.end}, the target at {r.pos}")
+        n = min(r.n_max, self.max_drafts, self.runner.n_ctx - st.injected - self.first_row)
+        rope = st.rope(r.pos, 1)
+        return _BlockRun(self, r, n, st.sampler if r.params.probabilistic else None,
+                         st.injected, None if rope is None else int(rope[0]))
 
     def _specs(self, sampler: Sampler | None, grammar: GrammarState | None, pos: int, n: int,
                params: DraftParams) -> list[SampleSpec] | None:
@@ -119,7 +166,7 @@ class DFlashDrafter(ModelBackedDrafter[_SeqState, HeadRunner]):
         """Inject the verified tokens' rows after the context (over the block's rows)."""
         st = self._seqs[seq]
         rows = head_input_rows(features, self.target_layers, len(tokens))  # [n, L*E]
-        self.runner.inject(seq, rows, st.injected)
+        self.runner.inject(seq, rows, st.injected, st.rope(st.end, len(tokens)))
         st.injected += len(tokens)
 
     def batched_updates(self) -> AbstractContextManager[None]:
@@ -157,18 +204,22 @@ class _BlockRun(DraftRun):
     """A head's draft of one sequence: one block, its rows read in order."""
 
     def __init__(self, drafter: DFlashDrafter, r: DraftRequest, n: int,
-                 sampler: Sampler | None):
+                 sampler: Sampler | None, row: int, rope_pos: int | None):
+        """row: the cache row the block starts at; rope_pos: its first row's rope position
+        (None: row)."""
         super().__init__(r.grammar)
         self.d, self.seq, self.pos, self.n, self.params = drafter, r.seq, r.pos, n, r.params
+        self.row, self.rope_pos = row, rope_pos
         self.last = r.last
         self.sampler = sampler  # None: the argmax
         self.done = n <= 0
 
     def call(self) -> BlockCall:
         d, first = self.d, self.d.first_row
-        return BlockCall(self.seq, [self.last] + [d.mask_id] * (self.n + first - 1), self.pos,
+        return BlockCall(self.seq, [self.last] + [d.mask_id] * (self.n + first - 1), self.row,
                          list(range(first, first + self.n)),
-                         d._specs(self.sampler, self.grammar, self.pos, self.n, self.params))
+                         d._specs(self.sampler, self.grammar, self.pos, self.n, self.params),
+                         self.rope_pos)
 
     def take(self, out: BlockOutput) -> None:
         self.d._read(self, out)

@@ -211,3 +211,19 @@ def mrope_positions(images: Sequence[PromptImage], start: int, end: int) -> np.n
     if p < end:
         out[:, p - start:] = text_rope_positions(p, end - p, shift)
     return out
+
+
+def pinned_rows(images: Sequence[PromptImage], start: int, end: int) -> np.ndarray:
+    """Which rows at KV positions start..end-1 belong to a media chunk pinned to one rope
+    position: more than one row, all at the same t position (`mrope_positions`: an
+    M-RoPE image's rows share their start's). llama.cpp's DFlash drafter injects no rows
+    of such a chunk (a windowed draft cache could not free cells for them) and drafts over
+    the gap; a chunk whose rows advance (audio) is injected like text. [end - start] bool."""
+    out = np.zeros(end - start, dtype=bool)
+    for im in images:
+        if im.end <= start or im.start >= end or im.chunk.n_tokens < 2:
+            continue
+        t = mrope_positions((im,), im.start, im.end)[0]  # [n_tokens]
+        if t[0] == t[-1]:
+            out[max(im.start, start) - start:min(im.end, end) - start] = True
+    return out
