@@ -14,9 +14,9 @@ import io
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import tiny_vlm
+from image_files import data_url, png
 from PIL import Image
 
 from specd.daemon.serving.engine import Engine, EngineConfig
@@ -28,17 +28,6 @@ from llama_cpp_oracle import missing, mtmd_greedy
 N_IMAGE = 4  # the tiny gemma3's tokens per image (mm_tokens_per_image)
 BOI, EOI = 255999, 256000  # <start_of_image>, <end_of_image>
 NEAR_TIE = 0.25  # top-two logit margin two implementations' rounding may flip
-
-
-def png(width: int = 100, height: int = 70, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 @pytest.fixture(scope="module")

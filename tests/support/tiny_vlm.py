@@ -25,6 +25,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,15 +162,16 @@ def convert(checkpoint: Path, out: Path, *, mmproj: bool, outtype: str) -> None:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {r.stderr[-2000:]}")
 
 
-def take_tokenizer(path: Path, source: Path) -> None:
-    """`path` rewritten with `source`'s tokenizer.ggml.* keys in place of its own."""
+def take_tokenizer(path: Path, source: Path, keep: Sequence[str] = ()) -> None:
+    """`path` rewritten with `source`'s tokenizer.ggml.* keys in place of its own, but for
+    the keys `keep` names (a head's tokenizer.ggml.mask_token_id)."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     def fields(r: GGUFReader, tokenizer: bool) -> list[tuple[str, object]]:
-        """r's keys: the tokenizer's, or all the others."""
+        """r's keys: the tokenizer's (less those kept), or all the others."""
         return [(name, f) for name, f in r.fields.items() if not name.startswith("GGUF.")
                 and name != "general.architecture"
-                and name.startswith("tokenizer.ggml.") == tokenizer]
+                and (name.startswith("tokenizer.ggml.") and name not in keep) == tokenizer]
 
     r, src = GGUFReader(path), GGUFReader(source)
     tmp = path.with_suffix(".tmp")
