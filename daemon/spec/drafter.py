@@ -186,7 +186,9 @@ class Drafter(ABC):
     def place_images(self, seq: int, images: Sequence[PromptImage]) -> None:
         """The images of the prompt the next `begin` of `seq` gives (at its placeholders):
         a drafter whose model rotates by M-RoPE positions places the text after them as
-        the target does (media.mrope_positions). Called only for prompts with images."""
+        the target does (media.mrope_positions); a DFlash head of an M-RoPE target skips
+        their rows (media.pinned_rows, llama.cpp's rule). Called only for prompts with
+        images."""
 
     def begin(self, seq: int, prompt: Sequence[int], sampler: Sampler | None = None,
               features: Features | None = None) -> None:
