@@ -5,7 +5,8 @@ target's tokenizer (as llama.cpp's converter copies it). The image goes through 
 engine's vision encoder; greedy output is byte-identical to the target alone, the head
 drafted rounds, and its state over the image's positions comes from the image: a DFlash
 or DSpark head's injected K/V rows, an EAGLE-3 head's g rows and pairs, differ between
-two images at the same positions while the rows of the text before them are equal.
+two images at the same positions while the rows of the text before them are equal. On
+the tiny Qwen2.5-VL (M-RoPE) a DFlash head skips the image's rows, as llama.cpp's does.
 Skipped without torch and transformers (to make the checkpoint) or llama.cpp's source."""
 
 from __future__ import annotations
@@ -112,3 +113,30 @@ def test_a_head_after_an_image_keeps_the_targets_output(
     before2, over2 = head_rows(e, kind, image2)
     assert np.array_equal(before, before2)
     assert not np.allclose(over, over2)
+
+
+def test_an_m_rope_head_after_a_real_image_skips_it(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A DFlash head of the tiny Qwen2.5-VL (an M-RoPE target) after a real image through
+    the engine: llama.cpp's rule, the image's rows not injected and the text after it at
+    its rope position (tests/daemon/drafters/test_dflash_mrope_images.py checks the rows
+    against llama.cpp's positions); output the target's alone, rounds drafted."""
+    why = tiny_vlm.missing()
+    if why:
+        pytest.skip(why)
+    vlm = tiny_vlm.cached_tiny_vlm("qwen25vl")
+    head = write_tiny_head(tmp_path_factory.mktemp("qwen25vl") / "dflash.gguf", kind="dflash",
+                           seed=5, target_arch="qwen2", vocab_size=151936, weight_type="F32")
+    tiny_vlm.take_tokenizer(head, vlm.text, keep=["tokenizer.ggml.mask_token_id"])
+    want, _, _ = generate(engine(vlm), 5)
+    e = engine(vlm, "draft-dflash", head)
+    got, stats, (image,) = generate(e, 5)
+    assert got == want
+    assert_drafted(stats)
+    assert e.head is not None and e.head.takes_rope_positions and e.head.block_passes > 0
+    st = e.drafter.model_sources[0]._seqs[0]  # type: ignore[union-attr, attr-defined]
+    chunk = image.chunk
+    assert chunk.grid is not None and chunk.n_tokens > 1
+    assert st.skipped == chunk.n_tokens
+    assert st.rope_shift == max(chunk.grid) - chunk.n_tokens
+    assert st.injected == st.end - chunk.n_tokens
