@@ -20,14 +20,19 @@ from ..security import IDENTITY, cache_identity
 from ..service_view import LiveRequests
 from ..validation import cache_key
 
+# the llama.cpp build whose server API specd follows (its routes, fields and tests)
+LLAMA_CPP_BUILD = 11434
+
 
 def _fingerprint() -> str:
-    """What OpenAI's `system_fingerprint` and llama.cpp's `build_info` say: specd's
-    version."""
+    """What OpenAI's `system_fingerprint` and llama.cpp's `build_info` say, in
+    llama-server's form (`b<build>-<commit>`, which clients read the build number from):
+    the llama.cpp build followed, then specd's version (`b11434-specd-0.1.0`)."""
     try:
-        return "specd-" + importlib.metadata.version("specd")
+        version = "specd-" + importlib.metadata.version("specd")
     except importlib.metadata.PackageNotFoundError:
-        return "specd"
+        version = "specd"
+    return f"b{LLAMA_CPP_BUILD}-{version}"
 
 
 SYSTEM_FINGERPRINT = _fingerprint()

@@ -472,7 +472,9 @@ def test_llama_server_routes_and_fields(tiny_path, tmp_path) -> None:
         assert [m.id for m in client.models.list()] == [srv.service.engine.target.name]
         chat = client.chat.completions.create(model="", max_tokens=3,
                                               messages=[{"role": "user", "content": "hi"}])
-        assert chat.system_fingerprint and chat.system_fingerprint.startswith("specd")
+        # llama-server's form, b<build>-..., with specd's version after the build
+        assert chat.system_fingerprint is not None
+        assert re.fullmatch(r"b\d+-specd(-[\w.+]+)?", chat.system_fingerprint)
         chunks = list(client.chat.completions.create(
             model="", max_tokens=3, stream=True, messages=[{"role": "user", "content": "hi"}]))
         assert all(c.system_fingerprint == chat.system_fingerprint for c in chunks)
