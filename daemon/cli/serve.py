@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from specd.daemon.text.reasoning import REASONING_FORMATS
 
@@ -25,6 +25,7 @@ from .options import (
 
 if TYPE_CHECKING:
     from specd.daemon.control.log_file import LogRotation
+    from specd.daemon.serving.served_models import ServedModel
     from specd.daemon.serving.upstream import UpstreamSpec
 
 
@@ -124,6 +125,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-store-models", action="store_true",
                    help="serve by name only -m's model and --models' (default: every "
                    "model pulled into the store too, each loaded on first use)")
+    p.add_argument("--models-preset", default=None, metavar="FILE",
+                   help="llama-server's model presets: an INI file, one [section] per "
+                   "model name, its keys llama-server's arguments (model or hf-repo, "
+                   "ctx-size, temp, ...; [*]: every section's); each section is a model "
+                   "served by its name. GET /models?reload=1 reads it again")
     p.add_argument("--models-max", type=int_at_least(1), default=1, metavar="N",
                    help="most local models loaded at once (default 1): loading another "
                    "first unloads the one used longest ago, once its requests end")
@@ -144,6 +150,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 DEFAULT_KEEP_ALIVE = "5m"
+log = logging.getLogger("specd.serving")
 
 
 def duration(text: str) -> float:
@@ -225,13 +232,18 @@ def served_models(args: argparse.Namespace, first: Any) -> Any:
 
     base = copy.copy(args)
 
-    def build(ref: str, alias: str | None) -> Any:
+    def build(model: ServedModel) -> Any:
         a = copy.copy(base)
-        a.model, a.draft, a.spec_type, a.alias = ref, None, "auto", alias
+        a.model, a.draft, a.spec_type, a.alias = model.ref, None, "auto", model.alias
         a.start_unloaded = False  # built for a request: it loads now
         # what -m's model alone was given: its drafter, names, template, embedding model
         a.tags = a.chat_template_file = a.embedding_model = None
         a.mmproj = None  # its own projector: the catalog's, or one beside its file
+        if model.preset is not None:
+            apply_preset(a, base, model.preset.flags)
+            if model.draft is not None:
+                a.draft = [model.draft]
+            a.alias = ",".join(filter(None, [model.alias, *model.preset.aliases]))
         settle_draft(a)
         plan_memory(a)
         return build_service(a)
@@ -241,7 +253,48 @@ def served_models(args: argparse.Namespace, first: Any) -> Any:
                           autoload=not args.no_models_autoload)
     if not args.no_store_models:
         served.add_missing(store_targets())
+    if args.models_preset:
+        from .model_presets import read_presets
+
+        path = Path(args.models_preset).expanduser()
+        served.use_presets(lambda: read_presets(path, preset_parser().parse_args))
     return served
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """A parser whose errors are ValueErrors (a preset's flags are not the command
+    line: a bad one is the preset file's error, not a usage message and an exit)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def preset_parser() -> argparse.ArgumentParser:
+    """`specd serve`'s options alone, for a preset's flags."""
+    from .main import _add_model_args, _add_sampling_args
+
+    p = _RaisingParser(prog="preset", add_help=False, exit_on_error=False)
+    _add_model_args(p)
+    _add_sampling_args(p)
+    add_serve_args(p)
+    return p
+
+
+def apply_preset(a: argparse.Namespace, given: argparse.Namespace,
+                 flags: tuple[str, ...]) -> None:
+    """Set on `a` the options a preset's `flags` give, but those the command line
+    (`given`) set itself, which win as llama-server's router's arguments do."""
+    parser = preset_parser()
+    defaults, preset = parser.parse_args([]), parser.parse_args(list(flags))
+    for name, value in vars(preset).items():
+        default = getattr(defaults, name)
+        if value == default:
+            continue
+        if getattr(given, name, default) != default:
+            log.info("preset option %s=%r overridden by the command line's %r", name, value,
+                     getattr(given, name))
+            continue
+        setattr(a, name, value)
 
 
 def store_targets() -> list[str]:

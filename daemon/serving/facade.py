@@ -127,7 +127,16 @@ class ServiceFacade:
         (the first model first; `--models` adds the others, built on their first use)."""
         return [(m.listed_name, None if m.service is None
                  else ServiceFacade(m.service, self._upstreams, self._models))
-                for m in self._models.models]
+                for m in self._models.models if not m.hidden]
+
+    def startup_model_names(self) -> list[str]:
+        """The models their preset loads when the daemon starts (load-on-startup)."""
+        return [m.listed_name for m in self._models.startup_models()]
+
+    def reload_models(self) -> None:
+        """Read the preset file again (--models-preset; nothing without one): blocks
+        while dropped models finish their requests. ValueError where the file is bad."""
+        self._models.reload_presets()
 
     def local_model(self, name: str) -> tuple[str, ServiceFacade | None] | None:
         """The local model `name` names (this one's names included): its listed name and,

@@ -8,6 +8,11 @@ requests finish), so their memory plans never overlap. A built model that unload
 or its keep-alive) reloads from the graph cache when next asked for. With `autoload`
 off, only an explicit load (/models/load) loads a model; a request for one that is not
 loaded is refused.
+
+Models of a preset file (llama-server's `--models-preset`, read by the CLI) are served by
+their section's name, with the options the file gives them; reading the file again
+(`GET /models?reload=1`) drops the models gone from it and those whose options changed
+(once their requests end: the next request builds them anew) and adds the new ones.
 """
 
 from __future__ import annotations
@@ -38,6 +43,26 @@ class ModelNotLoaded(RuntimeError):
     (autoload off)."""
 
 
+@dataclass(frozen=True)
+class ModelPreset:
+    """One model of a preset file: served by `name` (and `aliases`); its model `model`
+    (`by_name`: a name the daemon's models answer to, as llama-server finds an hf-repo in
+    its cache, else taken as a GGUF path or catalog name; None: the model already served
+    by `name`), its draft `draft` likewise; `flags`, the `specd serve` flags it is built
+    with; `dedup`: the served models it names are listed under this name only;
+    `load_on_startup`: loaded when the daemon starts."""
+
+    name: str
+    model: str | None = None
+    by_name: bool = False
+    draft: str | None = None
+    draft_by_name: bool = False
+    aliases: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+    dedup: bool = False
+    load_on_startup: bool = False
+
+
 @dataclass
 class ServedModel:
     """One local model: the name it is given by (a catalog name or a GGUF path, and the
@@ -47,6 +72,10 @@ class ServedModel:
     alias: str | None = None
     service: Service | None = None
     last_used: float = field(default_factory=time.monotonic)
+    preset: ModelPreset | None = None  # the preset section giving its options
+    from_preset: bool = False  # made by a preset section (named by it), not --models
+    draft: str | None = None  # its preset's draft, resolved as its model is
+    hidden: bool = False  # left out of listings (a preset's dedup-cache-models)
 
     @classmethod
     def parse(cls, spec: str) -> ServedModel:
@@ -71,6 +100,9 @@ class ServedModel:
     def answers_to(self) -> frozenset[str]:
         """The names a request may give it by (before it is built: the ref, and a path's
         file name and stem; once built, the target's own names too)."""
+        if self.from_preset:  # its section's name; its model may be served besides
+            assert self.alias is not None and self.preset is not None
+            return frozenset({self.alias, *self.preset.aliases})
         file = Path(self.ref).name
         names = {self.ref, file, file.removesuffix(".gguf")}
         if self.alias is not None:
@@ -91,7 +123,7 @@ class ServedModels:
     model's Service (its memory plan fitted to what is free then); it runs on a thread."""
 
     def __init__(self, first: Service, others: Iterable[str],
-                 build: Callable[[str, str | None], Service] | None, max_loaded: int = 1,
+                 build: Callable[[ServedModel], Service] | None, max_loaded: int = 1,
                  autoload: bool = True):
         if max_loaded < 1:
             raise ValueError("--models-max: at least 1")
@@ -102,14 +134,102 @@ class ServedModels:
         self.autoload = autoload
         self._loading = asyncio.Lock()  # requests waiting for a load, first come first served
         self._room = threading.Lock()  # held by the one engine loading (room_for)
-        seen: dict[str, str] = {}
-        for m in self.models:
-            for name in m.answers_to():
-                if seen.setdefault(name, m.ref) != m.ref:
-                    raise ValueError(f"--models: {name!r} names both {seen[name]} and {m.ref}")
+        self._read_presets: Callable[[], list[ModelPreset]] | None = None
+        self._check_names()
         if len(self.models) > 1 and build is None:
             raise ValueError("more than one model and nothing to build them with")
         self._gate(self.first, first)
+
+    def _check_names(self) -> None:
+        seen: dict[str, ServedModel] = {}
+        for m in self.models:
+            for name in m.answers_to():
+                other = seen.setdefault(name, m)
+                if other is not m and (other.ref != m.ref or m.from_preset
+                                       or other.from_preset):
+                    what = "a preset" if m.from_preset or other.from_preset else "--models"
+                    raise ValueError(f"{what}: {name!r} names both {other.ref} and {m.ref}")
+
+    def use_presets(self, read: Callable[[], list[ModelPreset]]) -> None:
+        """Serve the models `read` gives (a preset file's), now and at each reload."""
+        self._read_presets = read
+        self._apply_presets(read())
+
+    def reload_presets(self) -> None:
+        """Read the preset file again (see the module's docstring); runs on a thread, as
+        it waits for the requests of the models it drops. ValueError where the file is
+        bad (nothing changes then)."""
+        if self._read_presets is not None:
+            self._apply_presets(self._read_presets())
+
+    def startup_models(self) -> list[ServedModel]:
+        """The models their preset loads when the daemon starts (load-on-startup)."""
+        return [m for m in self.models if m.preset is not None and m.preset.load_on_startup]
+
+    def _apply_presets(self, presets: list[ModelPreset]) -> None:
+        """Serve `presets`' models in place of the earlier ones (see reload_presets)."""
+        wanted = {p.name: p for p in presets}
+        keep = [m for m in self.models if not m.from_preset
+                or wanted.get(m.alias or "") == m.preset]
+        base = [m for m in keep if not m.from_preset]
+        made: list[ServedModel] = []
+        attached: dict[int, ModelPreset] = {}
+        for p in presets:
+            same = next((m for m in keep if m.from_preset and m.preset == p), None)
+            if same is not None:
+                made.append(same)
+                continue
+            served = _find_in(base, p.name)
+            if served is not None and p.model is None:  # the served model's options
+                attached[id(served)] = p
+                if served.service is not None:
+                    log.warning("preset [%s]: %s is built already: its options apply once "
+                                "the daemon restarts", p.name, served.listed_name)
+                continue
+            if p.model is None:
+                raise ValueError(f"preset [{p.name}]: no model (model or hf-repo) and no "
+                                 "served model of that name")
+            made.append(ServedModel(self._resolve(base, p.model, p.by_name), p.name,
+                                    preset=p, from_preset=True,
+                                    draft=None if p.draft is None else
+                                    self._resolve(base, p.draft, p.draft_by_name)))
+        hidden = {id(m) for p in presets if p.dedup
+                  for ref, by_name in ((p.model, p.by_name), (p.draft, p.draft_by_name))
+                  if ref is not None and by_name
+                  for m in [_find_in(base, ref)] if m is not None}
+        gone = [m for m in self.models if m.from_preset and m not in made]
+        self._check_names_of([*base, *made])
+        for m in gone:
+            self._retire(m)
+        for m in base:
+            m.preset = attached.get(id(m))
+            m.hidden = id(m) in hidden
+        self.models = [*base, *made]
+
+    def _check_names_of(self, models: list[ServedModel]) -> None:
+        kept, self.models = self.models, models
+        try:
+            self._check_names()
+        finally:
+            self.models = kept
+
+    @staticmethod
+    def _resolve(base: list[ServedModel], ref: str, by_name: bool) -> str:
+        """What a preset's model or draft names: a served model's ref where `by_name` and
+        one answers to it, else `ref` itself (a GGUF path or catalog name)."""
+        found = _find_in(base, ref) if by_name else None
+        return ref if found is None else found.ref
+
+    def _retire(self, model: ServedModel) -> None:
+        """Stop serving `model` (a preset's, dropped or changed): unloaded once its
+        requests end."""
+        log.info("preset model %s dropped (preset file read again)", model.listed_name)
+        if model.service is not None:
+            if model.service.scheduler.release(RELEASE_WAIT_S):
+                model.service.scheduler.stop()
+            else:
+                log.warning("preset model %s still busy: left running until its requests "
+                            "end", model.listed_name)
 
     def add_missing(self, refs: Iterable[str]) -> None:
         """Serve `refs` too, but those a model already answers to."""
@@ -119,11 +239,7 @@ class ServedModels:
 
     def find(self, name: str) -> ServedModel | None:
         """The model `name` (with or without Ollama's ":latest") names, if one does."""
-        for candidate in (name, name.removesuffix(":latest")):
-            for m in self.models:
-                if candidate in m.answers_to():
-                    return m
-        return None
+        return _find_in(self.models, name)
 
     def names(self) -> frozenset[str]:
         """Every name any of the models answers to."""
@@ -160,7 +276,7 @@ class ServedModels:
         with self.room_for(model):
             log.info("building model %s for its first request", model.ref)
             try:
-                service = self._build(model.ref, model.alias)
+                service = self._build(model)
             except Exception as exc:  # a missing file, a plan that does not fit, ...
                 log.exception("model %s could not be built", model.ref)
                 raise ModelUnavailable(
@@ -197,3 +313,17 @@ class ServedModels:
         """Stop every built model's scheduler."""
         for service in self.built():
             service.scheduler.stop()
+
+
+def _find_in(models: list[ServedModel], name: str) -> ServedModel | None:
+    """The model of `models` that `name` names (with or without Ollama's ":latest"; a
+    repo without its tag, `org/repo`, names the model answering to `org/repo:TAG`)."""
+    for candidate in (name, name.removesuffix(":latest")):
+        for m in models:
+            if candidate in m.answers_to():
+                return m
+    if ":" not in name:
+        for m in models:
+            if any(n.startswith(name + ":") for n in m.answers_to()):
+                return m
+    return None

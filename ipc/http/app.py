@@ -4,6 +4,7 @@ closing daemon, and the service's life with the app's."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -111,6 +112,7 @@ def create_app(service: Service, *, allowed_origins: set[str] | None = None,
     app[RATES] = RateWindow()
     app[RESPONSES] = ResponseStore()
     app[PREP] = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="specd-prep")
+    app.on_startup.append(_load_on_startup)
     app.on_shutdown.append(_cancel_generations)
     app.on_cleanup.append(_stop_service)
     r = app.router
@@ -164,6 +166,25 @@ async def _cancel_generations(app: web.Application) -> None:
     """Shutdown: every generation in flight ends now; its client gets an error event
     (or a 503), and requests still arriving are refused."""
     app[LIVE].cancel_all()
+
+
+log = logging.getLogger("specd.http")
+STARTUP_LOADS = web.AppKey("startup_loads", list)
+
+
+async def _load_on_startup(app: web.Application) -> None:
+    """Load the models their preset loads at start (load-on-startup), in the
+    background: the daemon answers meanwhile."""
+    svc = app[SERVICE]
+
+    async def load(name: str) -> None:
+        try:
+            await svc.local_model_ready(name)
+        except (ModelUnavailable, RuntimeError) as exc:
+            log.warning("model %s (load-on-startup) could not load: %s", name, exc)
+
+    app[STARTUP_LOADS] = [asyncio.create_task(load(name))
+                          for name in svc.startup_model_names()]
 
 
 async def _stop_service(app: web.Application) -> None:

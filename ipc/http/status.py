@@ -4,6 +4,7 @@ and /cache/clear, which forgets what the caller's requests left behind."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -51,7 +52,15 @@ def _local_card(svc: ServiceFacade, name: str, facade: ServiceFacade | None) -> 
 
 
 async def models(request: web.Request) -> web.Response:
+    """GET /v1/models and /models; `?reload=1` reads the preset file again first
+    (llama-server's router), a 500 naming the file's error where it is bad."""
     svc = service(request)
+    if request.query.get("reload"):
+        try:
+            await asyncio.to_thread(svc.reload_models)
+        except ValueError as exc:
+            raise BadRequest(f"the models preset could not be read: {exc}",
+                             status=500) from None
     return json_response({"object": "list", "data": [
         *(_local_card(svc, n, f) for n, f in svc.local_models()),
         *(_upstream_card(svc, n) for n in svc.upstream_names)]})
