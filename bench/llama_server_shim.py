@@ -35,7 +35,8 @@ VALUED = {"--port": "--port", "--host": "--host", "--temp": "--temp", "--seed": 
           "--spec-synth-rates": "--spec-synthetic-rates",
           "--spec-synth-len": "--spec-synthetic-mean", "--alias": "--alias", "-a": "--alias",
           "--tags": "--tags", "--batch-size": "-b", "-b": "-b",
-          "--sleep-idle-seconds": "--keep-alive", "--models-max": "--models-max"}
+          "--sleep-idle-seconds": "--keep-alive", "--models-max": "--models-max",
+          "--models-preset": "--models-preset"}
 FLAGS = {"--embedding": "--embeddings", "--embeddings": "--embeddings",
          "--no-models-autoload": "--no-models-autoload"}
 # llama-server's router mode (no model given) serves the models of its cache by name, none
@@ -47,7 +48,7 @@ ROUTER_MODELS = {"ggml-org/tinygemma3-GGUF:Q8_0": "gemma-3-270m",
 DROPPED_VALUED = {"--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ctv", "-fa",
                   "--grp-attn-n", "--grp-attn-w",
                   "--slot-save-path", "--chat-template", "--mmproj-url",
-                  "--media-path", "--cache-ram", "--models-dir", "--models-preset",
+                  "--media-path", "--cache-ram", "--models-dir",
                   "--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json",
                   "--lora", "--model-url"}
 
