@@ -135,6 +135,7 @@ class ServedModels:
         self._loading = asyncio.Lock()  # requests waiting for a load, first come first served
         self._room = threading.Lock()  # held by the one engine loading (room_for)
         self._read_presets: Callable[[], list[ModelPreset]] | None = None
+        self._presets_lock = threading.Lock()  # one reading of the preset file at a time
         self._check_names()
         if len(self.models) > 1 and build is None:
             raise ValueError("more than one model and nothing to build them with")
@@ -167,44 +168,48 @@ class ServedModels:
         return [m for m in self.models if m.preset is not None and m.preset.load_on_startup]
 
     def _apply_presets(self, presets: list[ModelPreset]) -> None:
-        """Serve `presets`' models in place of the earlier ones (see reload_presets)."""
-        wanted = {p.name: p for p in presets}
-        keep = [m for m in self.models if not m.from_preset
-                or wanted.get(m.alias or "") == m.preset]
-        base = [m for m in keep if not m.from_preset]
-        made: list[ServedModel] = []
-        attached: dict[int, ModelPreset] = {}
-        for p in presets:
-            same = next((m for m in keep if m.from_preset and m.preset == p), None)
-            if same is not None:
-                made.append(same)
-                continue
-            served = _find_in(base, p.name)
-            if served is not None and p.model is None:  # the served model's options
-                attached[id(served)] = p
-                if served.service is not None:
-                    log.warning("preset [%s]: %s is built already: its options apply once "
-                                "the daemon restarts", p.name, served.listed_name)
-                continue
-            if p.model is None:
-                raise ValueError(f"preset [{p.name}]: no model (model or hf-repo) and no "
-                                 "served model of that name")
-            made.append(ServedModel(self._resolve(base, p.model, p.by_name), p.name,
-                                    preset=p, from_preset=True,
-                                    draft=None if p.draft is None else
-                                    self._resolve(base, p.draft, p.draft_by_name)))
-        hidden = {id(m) for p in presets if p.dedup
-                  for ref, by_name in ((p.model, p.by_name), (p.draft, p.draft_by_name))
-                  if ref is not None and by_name
-                  for m in [_find_in(base, ref)] if m is not None}
-        gone = [m for m in self.models if m.from_preset and m not in made]
-        self._check_names_of([*base, *made])
-        for m in gone:
-            self._retire(m)
-        for m in base:
-            m.preset = attached.get(id(m))
-            m.hidden = id(m) in hidden
-        self.models = [*base, *made]
+        """Serve `presets`' models in place of the earlier ones (see reload_presets). A
+        section naming a model served already (its name, and no other model) gives that
+        model its options, as llama-server's preset for a model of its cache does."""
+        with self._presets_lock:
+            wanted = {p.name: p for p in presets}
+            keep = [m for m in self.models if not m.from_preset
+                    or wanted.get(m.alias or "") == m.preset]
+            base = [m for m in keep if not m.from_preset]
+            made: list[ServedModel] = []
+            attached: dict[int, tuple[ModelPreset, str | None]] = {}
+            for p in presets:
+                same = next((m for m in keep if m.from_preset and m.preset == p), None)
+                if same is not None:
+                    made.append(same)
+                    continue
+                draft = None if p.draft is None else self._resolve(base, p.draft,
+                                                                   p.draft_by_name)
+                served = _find_in(base, p.name)
+                if served is not None and (p.model is None or served.ref == self._resolve(
+                        base, p.model, p.by_name)):
+                    attached[id(served)] = (p, draft)
+                    if served.service is not None:
+                        log.warning("preset [%s]: %s is built already: its options apply "
+                                    "once the daemon restarts", p.name, served.listed_name)
+                    continue
+                if p.model is None:
+                    raise ValueError(f"preset [{p.name}]: no model (model or hf-repo) and "
+                                     "no served model of that name")
+                made.append(ServedModel(self._resolve(base, p.model, p.by_name), p.name,
+                                        preset=p, from_preset=True, draft=draft))
+            hidden = {id(m) for p in presets if p.dedup
+                      for ref, by_name in ((p.model, p.by_name), (p.draft, p.draft_by_name))
+                      if ref is not None and by_name
+                      for m in [_find_in(base, ref)] if m is not None}
+            gone = [m for m in self.models if m.from_preset and m not in made]
+            self._check_names_of([*base, *made])
+            for m in gone:
+                self._retire(m)
+            for m in base:
+                m.preset, m.draft = attached.get(id(m), (None, None))
+                m.hidden = id(m) in hidden
+            self.models = [*base, *made]
 
     def _check_names_of(self, models: list[ServedModel]) -> None:
         kept, self.models = self.models, models

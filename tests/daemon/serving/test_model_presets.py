@@ -112,7 +112,9 @@ def preset_file(files, tmp_path_factory) -> Path:
         f"[b-short]\nmodel = {files[1]}\nctx-size = 256\n"
         "\n"
         "[b-dedup]\nhf-repo = org/b-model\ndedup-cache-models = 1\n"
-        "n-predict = 7\n")
+        "n-predict = 7\n"
+        "\n"
+        f"[{B_ALIAS.lower()}]\nn-predict = 4\n")  # options for a model served already
     return path
 
 
@@ -157,7 +159,8 @@ def test_presets_are_served_by_name_and_dedup_hides_their_model(router: LiveServ
     status, props = router.request("GET", "/props")
     assert status == 200 and props["role"] == "router"
     assert props["build_info"].startswith("b") and "specd" in props["build_info"]
-    assert _complete(router, B_ALIAS)["model"] == B_ALIAS
+    cached = _complete(router, B_ALIAS)
+    assert cached["model"] == B_ALIAS and len(cached["tokens"]) == 4  # its section's
     short = _complete(router, "b-short")
     assert short["model"] == "b-short" and len(short["tokens"]) == 5  # [*]'s n-predict
     dedup = _complete(router, "b-dedup")
