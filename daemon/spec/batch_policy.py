@@ -19,13 +19,8 @@ over the chain length L and each sequence's n_i <= L (or a lookup's length, whic
 chain): for each L, each sequence keeps the n_i that adds more tokens than its rows and
 its place in the chain cost at the rate found so far (Dinkelbach's iteration of a ratio),
 and the best L wins. A sequence whose draft does not pay at this concurrency verifies
-nothing extra. Where the sequences' remaining tokens are known, a plan must also not delay
-the batch's end: no sequence may, at the plan's pace, finish after the last would at plain
-steps (the sequences it would make late are given drafts of their own where those make up
-for the slower step, else the plan is dropped). A batch of requests ends with its slowest,
-so drafts that speed up the others while the slowest gains nothing are a loss. E_i comes
-from the sequence's own policy (its acceptance estimates); the costs are measured here, a
-pass at a time, at the sizes the step runs.
+nothing extra. E_i comes from the sequence's own policy (its acceptance estimates); the
+costs are measured here, a pass at a time, at the sizes the step runs.
 
 Each sequence's round then drafts as the step's plan says (its policy still learns from
 it). While the plan drafts nothing, every `explore_every` steps one sequence that can
@@ -35,7 +30,6 @@ estimates go on being tested at a bounded cost to the others.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,7 +37,6 @@ from .policy import PROBE_LENGTH, CostLine, ExpertPricing, RoundPlan
 
 DECAY = 0.98  # weight kept by older pass timings at each new one
 DINKELBACH_ROUNDS = 4  # iterations of the rate each L's choices are made at
-REPAIR_ROUNDS = 2  # times the sequences a plan would make last are given drafts too
 START_MARGIN = 1.03  # drafting must be predicted this much faster than no drafting
 
 
@@ -196,40 +189,16 @@ class BatchDraftPlanner:
                 if new_rate <= rate * (1 + 1e-9):
                     break
                 choices, rate = new, new_rate
-            for _ in range(REPAIR_ROUNDS):
-                late = self._late(outlooks, choices, plain)
-                if not late or not any(c.n for c in choices):
-                    break
-                # a sequence the plan would make the last to finish drafts too, where its
-                # own draft can make up for the slower step
-                choices = [self._choose(o, chain, rate, must_draft=True) if i in late else c
-                           for i, (o, c) in enumerate(zip(outlooks, choices, strict=True))]
-                rate = self._rate(outlooks, choices)
-            if rate > max(best_rate, threshold) and not self._late(outlooks, choices, plain):
+            if rate > max(best_rate, threshold):
                 best, best_rate = choices, rate
         return best, best_rate
 
-    def _late(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice],
-              plain: float) -> set[int]:
-        """The sequences that at this step's pace would finish after the last one would at
-        plain steps of `plain` seconds (their remaining tokens over the tokens each step
-        brings them). The batch's requests all end only when its last does: a plan that
-        speeds some sequences up while it delays that one is no gain for the batch."""
-        known = [o.remaining for o in outlooks if o.remaining is not None]
-        if not known:
-            return set()
-        last = max(known) * plain
-        seconds = self.forecast_of(outlooks, choices).charged
-        return {i for i, (o, c) in enumerate(zip(outlooks, choices, strict=True))
-                if o.remaining is not None and o.remaining * seconds > last * _expected(o, c)}
-
-    def _choose(self, o: Outlook, chain: int, rate: float, must_draft: bool = False
-                ) -> _Choice:
+    def _choose(self, o: Outlook, chain: int, rate: float) -> _Choice:
         """The sequence's draft that adds the most tokens beyond what its extra rows and
         its place in the chain cost at `rate` tokens per second (a plain step where none
-        adds any, unless it `must_draft` and can)."""
+        adds any)."""
         per_row = self._verify_slope()
-        best, best_gain = _Choice(), -math.inf if must_draft else 0.0
+        best, best_gain = _Choice(), 0.0
         for m in range(1, len(o.lookup)):
             gain = _gain(o.lookup[m], rate, per_row * m)
             if gain > best_gain:

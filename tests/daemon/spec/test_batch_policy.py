@@ -4,7 +4,6 @@ concurrency, priced by the step's measured pass costs."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 from specd.daemon.spec.batch_policy import BatchDraftPlanner, Outlook, _Choice
 
@@ -141,30 +140,3 @@ def test_a_catch_up_is_priced_in_the_first_pass() -> None:
     # a catch-up buys the drafts of the steps left: spread over many, it is worth paying
     long_ahead = caps(p, [Outlook(geometric(0.7, 8), DRAFT, catch_up=16, remaining=200)] * 2)
     assert long_ahead is not None and all(n >= 1 for n in long_ahead)
-
-
-def test_drafts_that_would_make_the_batch_end_later_are_dropped() -> None:
-    """Equal requests end with the slowest: drafts for the good sequences that slow the
-    step while the poor one gains nothing are dropped once the remaining tokens are known;
-    a poor sequence with little left may be slowed."""
-    p = planner((30, 3), (4, 0.5))
-    good, poor = Outlook(geometric(0.95, 8), DRAFT), Outlook(geometric(0.2, 8), DRAFT)
-    unknown = caps(p, [poor, good, good, good])
-    assert unknown is not None and unknown[0] == 0 and all(unknown[1:])
-    left = [replace(o, remaining=100) for o in (poor, good, good, good)]
-    assert caps(p, left) == [0, 0, 0, 0]
-    nearly_done = [replace(poor, remaining=10), *left[1:]]
-    planned = caps(p, nearly_done)
-    assert planned is not None and planned[0] == 0 and all(planned[1:])
-
-
-def test_a_sequence_that_would_be_late_drafts_too_where_that_pays() -> None:
-    """A sequence whose own draft makes up for the slower step drafts with the others,
-    where for the batch's rate alone it would verify nothing extra."""
-    p = planner((30, 2), (4, 0.5))
-    good, middling = Outlook(geometric(0.95, 8), DRAFT), Outlook(geometric(0.4, 8), DRAFT)
-    alone = caps(p, [middling, good, good, good])
-    assert alone is not None and alone[0] == 0 and all(alone[1:])
-    left = [replace(o, remaining=100) for o in (middling, good, good, good)]
-    planned = caps(p, left)
-    assert planned is not None and all(planned)
