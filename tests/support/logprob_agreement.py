@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from specd.daemon.models.building import build_options
+from specd.daemon.spec.generation import Generation
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.model_cache import load_or_build
 from specd.ort_models.runner import ModelRunner
@@ -58,3 +59,27 @@ def assert_continuation_agrees(path: Path, prompt: list[int], n: int, *, near: f
         ModelRunner(load_or_build(path, build_options("target")), n_ctx=256), prompt, n)
     greedy = llama_cpp_oracle.greedy_completion(path, prompt, n)
     assert llama_cpp_oracle.agreed_until_near_tie(ours, margins, greedy, near=near) >= at_least
+
+
+def assert_generation_agrees(gen: Generation, theirs: list[tuple[int, dict[int, float]]], *,
+                             near_tie: float, tol: float, at_least: int = 8) -> int:
+    """A finished greedy Generation (logprobs=5) against llama.cpp's tokens and top log
+    probabilities (`theirs`): the texts part, if at all, only where llama.cpp's top two
+    are within `near_tie`, after at least `at_least` tokens, and up to there every token
+    both list agrees within `tol` (two a position at least). Returns where they part."""
+    got = gen.tokens
+    n = len(theirs)
+    margins = [two[0] - two[1] if len(two := sorted(top.values(), reverse=True)) > 1 else 0.0
+               for _, top in theirs]
+    parted = next((i for i, (a, (b, _)) in enumerate(zip(got, theirs, strict=False))
+                   if a != b), n)
+    assert parted == n or margins[parted] < near_tie, (parted, margins, got, theirs)
+    assert parted >= at_least, (parted, got, theirs)
+    compared = 0
+    for ours, (_, top) in zip(gen.token_logprobs[:parted], theirs, strict=False):
+        for tid, lp in ours.top:
+            if tid in top:
+                assert abs(lp - top[tid]) < tol, (tid, lp, top[tid])
+                compared += 1
+    assert compared >= 2 * parted
+    return parted

@@ -26,6 +26,7 @@ from specd.daemon.spec.stats import SpecStats
 from specd.ort_models.gguf_file import GGUFFile
 
 from llama_cpp_oracle import missing, mtmd_greedy_with_logprobs
+from logprob_agreement import assert_generation_agrees
 from speculation_checks import assert_drafted, assert_speculated, decode_all
 
 # the checkpoint is made with torch and transformers
@@ -76,20 +77,8 @@ def test_greedy_after_an_image_is_llama_servers(vlm: tuple[Path, Path]) -> None:
     assert [im.chunk.grid for im in images] == [(3, 5)]
     gen = e.start(0, prompt, GenerationParams(max_tokens=n, ignore_eos=True, logprobs=5),
                   images=images)
-    got = decode_all(gen)
-    margins = [two[0] - two[1] if len(two := sorted(top.values(), reverse=True)) > 1 else 0.0
-               for _, top in theirs]
-    parted = next((i for i, (a, (b, _)) in enumerate(zip(got, theirs, strict=True))
-                   if a != b), n)
-    assert parted == n or margins[parted] < NEAR_TIE, (parted, margins, got, theirs)
-    assert parted >= 8, (parted, got, theirs)
-    compared = 0
-    for ours, (_, top) in zip(gen.token_logprobs[:parted], theirs, strict=False):
-        for tid, lp in ours.top:
-            if tid in top:
-                assert abs(lp - top[tid]) < LOGPROB_TOL, (tid, lp, top[tid])
-                compared += 1
-    assert compared >= 2 * parted
+    decode_all(gen)
+    assert_generation_agrees(gen, theirs, near_tie=NEAR_TIE, tol=LOGPROB_TOL)
 
 
 @pytest.fixture(scope="module")
