@@ -14,13 +14,11 @@ import pytest
 
 from specd.daemon.serving.engine import EngineConfig
 
-import llama_cpp_convert
 from live_server import LiveServer, live_server_in
-from tiny_muse_glimmer import write_tiny_muse_glimmer
+from tiny_muse_glimmer import write_chat_model
 
 anthropic = pytest.importorskip("anthropic")
 
-SPECIALS = ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>")
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
                             "required": ["city"]}}
@@ -38,12 +36,7 @@ ASK: dict[str, Any] = {"model": "m", "max_tokens": 200,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    template = llama_cpp_convert.source() / "models" / "templates" / "muse-glimmer.jinja"
-    if not template.is_file():
-        pytest.skip(f"llama.cpp's muse-glimmer template is not at {template}")
-    path = write_tiny_muse_glimmer(tmp_path_factory.mktemp("muse") / "m.gguf",
-                                   weight_type="Q8_0", specials=SPECIALS, context_length=4096,
-                                   chat_template=Path(template).read_text())
+    path = write_chat_model(tmp_path_factory.mktemp("muse") / "m.gguf")
     cfg = EngineConfig(target=str(path), spec_type="none", n_ctx=2048, slots=1)
     with live_server_in(tmp_path_factory, "muse_anthropic", cfg) as srv:
         yield srv

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from specd.daemon.serving.engine import EngineConfig
 
-import llama_cpp_convert
 from live_server import LiveServer, live_server_in
-from tiny_muse_glimmer import write_tiny_muse_glimmer
+from tiny_muse_glimmer import write_chat_model
 
-SPECIALS = ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>")
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -32,12 +29,7 @@ MARKUP = ('<atem:function_calls>\\n<atem:invoke name=\\"get_weather\\">\\n'
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    template = llama_cpp_convert.source() / "models" / "templates" / "muse-glimmer.jinja"
-    if not template.is_file():
-        pytest.skip(f"llama.cpp's muse-glimmer template is not at {template}")
-    path = write_tiny_muse_glimmer(tmp_path_factory.mktemp("muse") / "m.gguf",
-                                   weight_type="Q8_0", specials=SPECIALS, context_length=4096,
-                                   chat_template=Path(template).read_text())
+    path = write_chat_model(tmp_path_factory.mktemp("muse") / "m.gguf")
     cfg = EngineConfig(target=str(path), spec_type="none", n_ctx=2048, slots=1)
     with live_server_in(tmp_path_factory, "muse_chat", cfg) as srv:
         yield srv

@@ -24,13 +24,13 @@ from specd.daemon.spec.media import MEDIA_MARKER
 import llama_cpp_convert
 from live_server import LiveServer, live_server_in
 from llama_cpp_oracle import missing, mtmd_greedy
+from tiny_muse_glimmer import CHAT_SPECIALS, llama_cpp_template
 
 # the checkpoint is made with torch and transformers, the reference is llama-server's
 pytestmark = [pytest.mark.needs_torch, pytest.mark.needs_transformers,
               pytest.mark.llama_cpp_oracle]
 
-SPECIALS = ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>", "<|image_start|>",
-            "<|image_end|>")
+SPECIALS = (*CHAT_SPECIALS, "<|image_start|>", "<|image_end|>")
 NEAR_TIE = 0.25  # top-two logit margin two implementations' rounding may flip
 
 
@@ -51,12 +51,10 @@ def messages(image: bytes) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """The text GGUF, mmproj and llama.cpp's muse-glimmer chat template."""
-    template = llama_cpp_convert.source() / "models" / "templates" / "muse-glimmer.jinja"
     why = missing("llama-server") or llama_cpp_convert.missing()
     if why:
         pytest.skip(why)
-    if not template.is_file():
-        pytest.skip(f"llama.cpp's muse-glimmer template is not at {template}")
+    template = llama_cpp_template()
     from tiny_hf_muse_glimmer import convert_vlm
 
     text, mmproj = convert_vlm(tmp_path_factory.mktemp("muse-vlm"), specials=SPECIALS)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from gguf import GGUFWriter, TokenType
 
+import llama_cpp_convert
 from tiny_gguf import (
     _FILE_TYPES,
     _tensor_data,
@@ -22,6 +24,25 @@ from tiny_gguf import (
 )
 
 ARCH = "muse-glimmer"
+# the chat format's special tokens, as single tokens of the tiny vocabulary
+CHAT_SPECIALS = ("<|start|>", "<|message|>", "<|eom|>", "<|eot|>")
+
+
+def llama_cpp_template() -> Path:
+    """llama.cpp's muse-glimmer chat template (models/templates/muse-glimmer.jinja of
+    the source specd follows); the calling test skips where that source is not there."""
+    path = llama_cpp_convert.source() / "models" / "templates" / "muse-glimmer.jinja"
+    if not path.is_file():
+        pytest.skip(f"llama.cpp's muse-glimmer template is not at {path}")
+    return Path(path)
+
+
+def write_chat_model(path: Path) -> Path:
+    """A tiny Q8_0 muse-glimmer with the chat format's specials and llama.cpp's template,
+    for the chat routes' tests."""
+    return write_tiny_muse_glimmer(path, weight_type="Q8_0", specials=CHAT_SPECIALS,
+                                   context_length=4096,
+                                   chat_template=llama_cpp_template().read_text())
 
 
 def tensor_specs(n_layer: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int,

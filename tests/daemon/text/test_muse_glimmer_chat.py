@@ -6,7 +6,6 @@ source, where it is there) rendered by specd, a rendered tool-calling turn parse
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,7 @@ from specd.daemon.text.muse_glimmer_chat import (
     parse_reply,
 )
 
-import llama_cpp_convert
+from tiny_muse_glimmer import llama_cpp_template
 
 SPECIAL_FUNCTION = [{"type": "function", "function": {
     "name": "special_function", "description": "I'm special",
@@ -101,10 +100,7 @@ def test_an_undeclared_or_unoffered_call_stays_content(tools: object) -> None:
 
 
 def _template() -> str:
-    path = llama_cpp_convert.source() / "models" / "templates" / "muse-glimmer.jinja"
-    if not path.is_file():
-        pytest.skip(f"llama.cpp's muse-glimmer template is not at {path}")
-    return Path(path).read_text()
+    return llama_cpp_template().read_text()
 
 
 def test_the_template_is_recognised_and_renders_its_preamble() -> None:
