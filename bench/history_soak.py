@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specd.daemon.benchmark.llama_server import process_memory
 from specd.daemon.benchmark.serve_process import specd_serve
 
 IDENTITIES = ("alice", "bob")
@@ -41,17 +42,6 @@ ASKS = ["Write a short Python function implementing {}.",
         "List two pitfalls when implementing {}."]
 METRICS = ("specd_history_tokens", "specd_history_bytes", "specd_history_bound_bytes",
            "specd_requests_total", "specd_tokens_generated_total")
-
-
-def rss_of(pid: int) -> int:
-    """The process's resident set (bytes; 0 where /proc does not say)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return 1024 * int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def call(port: int, method: str, path: str, body: Any = None, timeout: float = 300
@@ -134,7 +124,7 @@ def main() -> int:
         while any(c.is_alive() for c in clients):
             m = metrics(server.port)
             sample = {"t": round(time.monotonic() - t0, 1), **m,
-                      "rss": rss_of(server.proc.pid)}
+                      "rss": process_memory(server.proc.pid)[0]}
             series.append(sample)
             bound = m["specd_history_bound_bytes"]
             if not 0 < bound <= 16 * bound_tokens or m["specd_history_bytes"] > bound or (

@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from specd.daemon.benchmark.llama_server import process_memory
 from specd.daemon.benchmark.serve_process import specd_serve
 
 CANARY = {"prompt": "def fibonacci(n):\n", "n_predict": 48, "temperature": 0,
@@ -163,7 +164,7 @@ class Soak:
                 self.health_failures += 1
             if time.monotonic() - last_rss >= 10:
                 last_rss = time.monotonic()
-                rss.append((last_rss - t0, rss_of(pid)))
+                rss.append((last_rss - t0, process_memory(pid)[0]))
             time.sleep(0.5)
 
     def slot_release(self) -> float:
@@ -186,16 +187,6 @@ class Soak:
                 return time.perf_counter() - t0
             time.sleep(0.01)
         return float("inf")
-
-
-def rss_of(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return 1024 * int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def main() -> None:

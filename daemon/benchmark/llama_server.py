@@ -36,6 +36,18 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], ready_s: float) -> boo
     return True
 
 
+def process_memory(pid: int) -> tuple[int, int]:
+    """A process's resident bytes now and at their peak (Linux /proc; 0, 0 elsewhere or
+    where it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0, 0
+    kb = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
+          if line.startswith(("VmRSS:", "VmHWM:"))}
+    return 1024 * kb.get("VmRSS", 0), 1024 * kb.get("VmHWM", 0)
+
+
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     """Terminate a server process; killed if it is still there after `grace_s`."""
     if proc.poll() is None:
@@ -84,13 +96,7 @@ class LlamaServer:
 
     def memory(self) -> tuple[int, int]:
         """The server's resident bytes now and at their peak (Linux /proc; 0, 0 elsewhere)."""
-        try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except OSError:
-            return 0, 0
-        kb = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
-              if line.startswith(("VmRSS:", "VmHWM:"))}
-        return 1024 * kb.get("VmRSS", 0), 1024 * kb.get("VmHWM", 0)
+        return process_memory(self.proc.pid)
 
     def close(self) -> None:
         self._log.close()
