@@ -13,8 +13,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 def rewrite(src: Path, dst: Path, *, keys: dict[str, Any] | None = None,
             drop_keys: tuple[str, ...] = (), drop_tensors: tuple[str, ...] = (),
             tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """A copy of the GGUF `src` with string/int keys set or dropped, tensors dropped or
-    replaced (float32)."""
+    """A copy of the GGUF `src` with string/int/list keys set or dropped, tensors dropped
+    or replaced (float32)."""
     r = GGUFReader(src)
     w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
     keys = dict(keys or {})
@@ -26,6 +26,9 @@ def rewrite(src: Path, dst: Path, *, keys: dict[str, Any] | None = None,
         sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
     for name, value in keys.items():
+        if isinstance(value, list):
+            w.add_array(name, value)
+            continue
         vtype = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT32
         w.add_key_value(name, value, vtype)
     for t in r.tensors:
