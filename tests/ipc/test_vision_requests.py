@@ -32,10 +32,7 @@ NEAR_TIE = 0.25  # top-two logit margin two implementations' rounding may flip
 
 @pytest.fixture(scope="module")
 def vlm() -> tiny_vlm.TinyVlm:
-    why = tiny_vlm.missing()
-    if why:
-        pytest.skip(why)
-    return tiny_vlm.cached_tiny_vlm("gemma3")
+    return tiny_vlm.tiny_vlm_or_skip("gemma3")
 
 
 @pytest.fixture(scope="module")

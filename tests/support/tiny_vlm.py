@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from specd.daemon.benchmark.llama_cpp import root as llama_cpp_root
 from specd.daemon.models.store import ModelStoreError, resolve_model
 
@@ -216,3 +218,12 @@ def cached_tiny_vlm(family: str) -> TinyVlm:
         made.mmproj.replace(vlm.mmproj)
         made.text.replace(vlm.text)
     return vlm
+
+
+def tiny_vlm_or_skip(family: str) -> TinyVlm:
+    """The family's tiny VLM (cached_tiny_vlm); the calling test skips, saying why, where
+    tiny VLMs cannot be made here (missing)."""
+    why = missing()
+    if why:
+        pytest.skip(why)
+    return cached_tiny_vlm(family)

@@ -34,10 +34,7 @@ N_VOCAB = 262144  # the Gemma 3 tokenizer's (a DSpark head's Markov rows are as 
 
 @pytest.fixture(scope="module")
 def vlm() -> tiny_vlm.TinyVlm:
-    why = tiny_vlm.missing()
-    if why:
-        pytest.skip(why)
-    return tiny_vlm.cached_tiny_vlm("gemma3")
+    return tiny_vlm.tiny_vlm_or_skip("gemma3")
 
 
 def head_for(vlm: tiny_vlm.TinyVlm, kind: str, folder: Path) -> Path:
@@ -121,10 +118,7 @@ def test_an_m_rope_head_after_a_real_image_skips_it(
     the engine: llama.cpp's rule, the image's rows not injected and the text after it at
     its rope position (tests/daemon/drafters/test_dflash_mrope_images.py checks the rows
     against llama.cpp's positions); output the target's alone, rounds drafted."""
-    why = tiny_vlm.missing()
-    if why:
-        pytest.skip(why)
-    vlm = tiny_vlm.cached_tiny_vlm("qwen25vl")
+    vlm = tiny_vlm.tiny_vlm_or_skip("qwen25vl")
     head = write_tiny_head(tmp_path_factory.mktemp("qwen25vl") / "dflash.gguf", kind="dflash",
                            seed=5, target_arch="qwen2", vocab_size=151936, weight_type="F32")
     tiny_vlm.take_tokenizer(head, vlm.text, keep=["tokenizer.ggml.mask_token_id"])

@@ -37,10 +37,7 @@ PROMPT = [74785, 279, 6802, 304, 264, 2421, 4244, 11, 1221, 1977, 432, 1549, 13]
 
 @pytest.fixture(scope="module")
 def vlm() -> tiny_vlm.TinyVlm:
-    why = tiny_vlm.missing()
-    if why:
-        pytest.skip(why)
-    return tiny_vlm.cached_tiny_vlm("qwen25vl")
+    return tiny_vlm.tiny_vlm_or_skip("qwen25vl")
 
 
 def png(width: int = 120, height: int = 80, seed: int = 3) -> bytes:
