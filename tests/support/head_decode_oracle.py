@@ -341,6 +341,20 @@ def check_drafts_against_reference(target: Path, head: Path, tokens: list[int],
     return ties
 
 
+def assert_drafts_follow_the_reference(target: Path, head: Path, text: str, max_tokens: int
+                                        ) -> None:
+    """specd's float32 decode of `text` with the head drafting 3 a round: at least 8 full
+    rounds, every draft the float64 reference's (at most one near tie), and the greedy
+    text the target's alone."""
+    prompt, eog = text_prompt(target, text)
+    tokens, rounds = specd_decode(target, head, prompt, max_tokens=max_tokens, n_max=3,
+                                  eog=eog)
+    assert len(rounds) >= 8 and all(len(r.drafts) == 3 for r in rounds[:-2])
+    ties = check_drafts_against_reference(target, head, prompt + tokens, rounds)
+    assert len(ties) <= 1, ties
+    assert tokens == target_only(target, prompt, eog, max_tokens)
+
+
 def compare_decodes(target: Path, head: Path, text: str, *, n_predict: int, n_max: int
                     ) -> Comparison:
     """specd's and llama.cpp's greedy speculative decodes of `text`, compared (module
