@@ -38,17 +38,22 @@ def _only(state, tok) -> int | None:
     return int(allowed[0]) if len(allowed) == 1 else None
 
 
+def _take_forced(state, tok, n: int) -> tuple[int | None, ...]:
+    """The next n tokens, each the only one allowed (None where more are), consumed."""
+    forced = []
+    for _ in range(n):
+        forced.append(_only(state, tok))
+        state.consume(forced[-1])
+    return tuple(forced)
+
+
 @pytest.mark.parametrize("budget", [0, 1, 5])
 def test_the_end_tag_is_forced_once_the_budget_is_spent(tiny_tok, tags, budget: int) -> None:
     state = _state(tiny_tok, tags, budget, opened=True)
     for t in _free_tokens(tiny_tok, budget):
         assert _only(state, tiny_tok) is None  # still free
         state.consume(t)
-    forced = []
-    for _ in tags[1]:
-        forced.append(_only(state, tiny_tok))
-        state.consume(forced[-1])
-    assert tuple(forced) == tags[1]
+    assert _take_forced(state, tiny_tok, len(tags[1])) == tags[1]
     assert _only(state, tiny_tok) is None  # the answer is free
     for t in _free_tokens(tiny_tok, 20, seed=1):
         state.consume(t)
@@ -63,11 +68,7 @@ def test_counting_starts_at_the_start_tag_and_rearms(tiny_tok, tags) -> None:
     for round_ in range(2):  # a reasoning opened, spent, forced closed; then again
         for t in tags[0] + tuple(_free_tokens(tiny_tok, 3, seed=round_)):
             state.consume(t)
-        forced = []
-        for _ in tags[1]:
-            forced.append(_only(state, tiny_tok))
-            state.consume(forced[-1])
-        assert tuple(forced) == tags[1]
+        assert _take_forced(state, tiny_tok, len(tags[1])) == tags[1]
 
 
 def test_a_reasoning_closed_within_the_budget_is_left_alone(tiny_tok, tags) -> None:
@@ -98,11 +99,7 @@ def test_the_message_is_forced_before_the_end_tag(tiny_tok, tags) -> None:
     state = anything.with_budget(ReasoningBudget(*tags, 2, True, message)).start()
     for t in _free_tokens(tiny_tok, 2):
         state.consume(t)
-    forced = []
-    for _ in message + tags[1]:
-        forced.append(_only(state, tiny_tok))
-        state.consume(forced[-1])
-    assert tuple(forced) == message + tags[1]
+    assert _take_forced(state, tiny_tok, len(message + tags[1])) == message + tags[1]
     assert _only(state, tiny_tok) is None
 
 
