@@ -577,19 +577,15 @@ class Generation:
         dp = self.params.draft
         if self.drafter is None or limit <= 0 or dp.n_max <= 0:
             return RoundPlan(0), None
-        offer = self._offer(min(self._offer_limit(), limit))
+        offer = self._offer(min(self.policy.offer_limit, limit))
         if self.drafter is None:  # it failed offering
             return RoundPlan(0), None
         return self.policy.plan(limit, offer, self.drafter.runs_model), offer
 
-    def _offer_limit(self) -> int:
-        """Most tokens a round verifies of a free offer (the policy's `offer_limit`)."""
-        return self.policy.offer_limit
-
     def _directed(self, plan: RoundPlan, limit: int) -> tuple[RoundPlan, Proposal | None]:
         """The step's plan for this round, within what it may draft, and the offer it
         takes (if it does)."""
-        n = min(plan.n, limit, self._offer_limit() if plan.take_offer
+        n = min(plan.n, limit, self.policy.offer_limit if plan.take_offer
                 else self.params.draft.n_max)
         if self.drafter is None or n <= 0:
             return RoundPlan(0), None
@@ -630,7 +626,7 @@ class Generation:
                         self.target.n_ctx - self._pos)
         if self.drafter is None or limit <= 0:
             return Outlook([1.0], None, remaining=remaining)
-        offer = self._offer(min(room, self._offer_limit()))
+        offer = self._offer(min(room, self.policy.offer_limit))
         if self.drafter is None:  # it failed offering
             return Outlook([1.0], None, remaining=remaining)
         seen = self.policy.outlook(limit, offer)
