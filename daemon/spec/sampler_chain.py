@@ -14,7 +14,9 @@ Steps (llama.cpp's ``src/llama-sampler.cpp``, its ``*_apply``):
 - ``penalties``: repeat / frequency / presence penalties over the recent tokens.
 - ``dry``: DRY, a penalty on tokens that would extend a repeated sequence.
 - ``top_n_sigma``: tokens more than n standard deviations below the top logit get -inf.
-- ``top_k``, ``typ_p`` (locally typical), ``top_p``, ``min_p``: filters.
+- ``top_k``, ``typ_p`` (locally typical), ``top_p``, ``min_p``: filters. ``min_keep``
+  (llama.cpp's, 0 or 1: off) is the fewest tokens typical, top-p, min-p and XTC leave
+  (the most likely ones; typical: the most typical); top-k takes none, as in llama.cpp.
 - ``xtc``: with probability ``xtc_probability``, drops every token at or above
   ``xtc_threshold`` but the least likely of them. Its coin for the n-th token a sampler
   decides (n: tokens accepted before it) is the counter-based uniform
@@ -293,16 +295,17 @@ def _typical(c: Candidates, ctx: ChainContext) -> Candidates:
         shifted = np.abs(-logp - entropy)  # [m]
     by_typicality = np.argsort(shifted, kind="stable")  # [m]
     cum = np.cumsum(p[by_typicality])
-    n_keep = min(int(np.searchsorted(cum, ctx.params.typical_p, side="right")) + 1, m)
+    n_keep = min(max(int(np.searchsorted(cum, ctx.params.typical_p, side="right")) + 1,
+                     ctx.params.min_keep), m)
     return c.keep(np.sort(order[by_typicality[:n_keep]]))
 
 
 def _top_p(c: Candidates, ctx: ChainContext) -> Candidates:
-    return c.keep(_top_p_keep(c.logits, ctx.params.top_p))
+    return c.keep(_top_p_keep(c.logits, ctx.params.top_p, ctx.params.min_keep))
 
 
 def _min_p(c: Candidates, ctx: ChainContext) -> Candidates:
-    return c.keep(_min_p_keep(c.logits, ctx.params.min_p))
+    return c.keep(_min_p_keep(c.logits, ctx.params.min_p, ctx.params.min_keep))
 
 
 def _xtc(c: Candidates, ctx: ChainContext) -> Candidates:
@@ -318,7 +321,7 @@ def _xtc(c: Candidates, ctx: ChainContext) -> Candidates:
     p = softmax(c.logits[order])  # [m], descending
     above = int(np.argmin(p >= ctx.params.xtc_threshold)) if not (
         p >= ctx.params.xtc_threshold).all() else m
-    if above < 2:
+    if above < 2 or m - (above - 1) < ctx.params.min_keep:
         return c
     return c.keep(np.sort(order[above - 1:]))
 
@@ -519,8 +522,9 @@ def _top_ids(x: np.ndarray, k: int, kth: float) -> np.ndarray:
     return np.sort(np.concatenate([above, ties]))
 
 
-def _top_p_keep(vals: np.ndarray, top_p: float) -> np.ndarray | None:
-    """Positions of the minimal most-likely set whose probability mass reaches top_p.
+def _top_p_keep(vals: np.ndarray, top_p: float, min_keep: int = 0) -> np.ndarray | None:
+    """Positions of the minimal most-likely set whose probability mass reaches top_p,
+    and at least `min_keep` of them.
 
     Tokens are taken by descending probability (ties by lower position) and the one
     that crosses top_p is kept, as llama.cpp does.  Only the largest values are
@@ -535,16 +539,21 @@ def _top_p_keep(vals: np.ndarray, top_p: float) -> np.ndarray | None:
     while True:
         top = p if window >= n else p[p >= _kth_largest(p, window)]  # [>= window]
         desc = np.sort(top)[::-1][:window]  # [window] the largest values, descending
-        cut = int(np.searchsorted(np.cumsum(desc), top_p, side="left"))
+        cut = max(int(np.searchsorted(np.cumsum(desc), top_p, side="left")), min_keep - 1)
         if cut < window or window >= n:
             n_keep = min(cut + 1, window)
             return None if n_keep >= n else _top_ids(p, n_keep, kth=desc[n_keep - 1])
         window = window * 8 if window * 8 <= n // 4 else n
 
 
-def _min_p_keep(vals: np.ndarray, min_p: float) -> np.ndarray | None:
-    """Positions whose probability is at least min_p times the largest (max always kept)."""
-    if min_p <= 0.0 or vals.shape[0] <= 1:
+def _min_p_keep(vals: np.ndarray, min_p: float, min_keep: int = 0) -> np.ndarray | None:
+    """Positions whose probability is at least min_p times the largest (max always kept);
+    fewer than `min_keep` of them: the `min_keep` most likely (ties to the lower position)."""
+    n = vals.shape[0]
+    if min_p <= 0.0 or n <= 1:
         return None
     # in logit space: p_i >= min_p * p_max  <=>  v_i - v_max >= log(min_p)
-    return np.flatnonzero(vals - np.max(vals) >= math.log(min_p))
+    kept = np.flatnonzero(vals - np.max(vals) >= math.log(min_p))
+    if kept.shape[0] >= min_keep:
+        return kept
+    return None if min_keep >= n else _top_ids(vals, min_keep, kth=_kth_largest(vals, min_keep))

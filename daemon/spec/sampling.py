@@ -75,7 +75,8 @@ class SamplerParams:
     typical_p: 1.0 = off.  top_n_sigma: <= 0 = off.  xtc_probability: 0 = off;
     xtc_threshold: > 0.5 = off.  dry_multiplier: 0 = off; dry_base (>= 1),
     dry_allowed_length, dry_penalty_last_n (0 = off, -1 = the whole history) and
-    dry_sequence_breakers as llama-server's.
+    dry_sequence_breakers as llama-server's.  min_keep: the fewest tokens typical, top-p,
+    min-p and XTC leave (0 or 1 = off; sampler_chain.py).
     """
 
     temperature: float = 0.8
@@ -99,6 +100,7 @@ class SamplerParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = 64
     dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    min_keep: int = 0
 
     @property
     def chain(self) -> tuple[str, ...]:
@@ -126,7 +128,11 @@ class SamplerParams:
         """These settings as the graph's sampler runs them (its fixed order: penalties,
         top-k, top-p, min-p, temperature, or the temperature before top-p), where the
         chain's active steps fit that order: the steps the chain leaves out switched off.
-        None where they do not (the request samples on the host)."""
+        None where they do not, or where min_keep would act on a filter the graph runs
+        (its top-p and min-p have no min_keep): the request samples on the host."""
+        if self.min_keep > 1 and any(name in ("top_p", "min_p") and STEPS[name].active(self)
+                                     for name in self.chain):
+            return None
         if self.samplers is None:
             return self
         order = graph_order(self.samplers, self)
@@ -179,6 +185,9 @@ class SamplerParams:
                     math.isfinite(bias) or bias == -math.inf):
                 raise ValueError(f"logit_bias for token {token} must be a finite number "
                                  f"or -inf, got {bias!r}")
+        _check_int("min_keep", self.min_keep)
+        if self.min_keep < 0:
+            raise ValueError(f"min_keep must be >= 0 (0 = off), got {self.min_keep}")
         if self.seed is not None:
             _check_int("seed", self.seed)
             if self.seed < 0:

@@ -86,8 +86,8 @@ def generation_params(svc: ServiceFacade, body: dict[str, Any], *, max_key: str
 
 def sampler_chain_settings(body: dict[str, Any], d: SamplerParams) -> dict[str, Any]:
     """llama-server's sampler chain fields over the daemon's defaults: `samplers` (names or
-    one letter each; an unknown one is a 400 naming it), typical, top-n-sigma, XTC and DRY
-    (a dry_base below 1 means the default, as llama-server reads it)."""
+    one letter each; an unknown one is a 400 naming it), typical, min_keep, top-n-sigma,
+    XTC and DRY (a dry_base below 1 means the default, as llama-server reads it)."""
     samplers = body.get("samplers")
     if samplers is None:
         chain = d.samplers
@@ -112,6 +112,7 @@ def sampler_chain_settings(body: dict[str, Any], d: SamplerParams) -> dict[str, 
     return {
         "samplers": chain,
         "typical_p": get(body, "typical_p", float, d.typical_p),
+        "min_keep": get(body, "min_keep", int, d.min_keep, lo=0, hi=(1 << 31) - 1),
         "top_n_sigma": get(body, "top_n_sigma", float, d.top_n_sigma),
         "xtc_probability": get(body, "xtc_probability", float, d.xtc_probability, lo=0, hi=1),
         "xtc_threshold": get(body, "xtc_threshold", float, d.xtc_threshold, lo=0, hi=1),

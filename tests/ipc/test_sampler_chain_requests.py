@@ -81,3 +81,42 @@ def test_bad_chain_settings_are_400s_naming_the_field(srv: LiveServer, field: st
     status, out = srv.request("POST", "/completion", {"prompt": "a", "n_predict": 1,
                                                       field: value})
     assert status == 400 and named in out["error"]["message"], out
+
+
+def _post_sampling_widths(srv: LiveServer, route: str, body: dict) -> list[int]:
+    """How many tokens each emitted token's distribution held (post_sampling_probs' entries
+    among the 8 asked for), on `route`."""
+    status, out = srv.request("POST", route, body)
+    assert status == 200, out
+    if route == "/completion":
+        rows = out["completion_probabilities"]
+    else:
+        rows = out["choices"][0]["logprobs"]["content"]
+    return [len(t["top_probs"]) for t in rows]
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/completion", {"prompt": "def add(a, b):", "n_predict": 6, "n_probs": 8}),
+    ("/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 6, "logprobs": 8}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "def add(a, b):"}],
+                              "max_tokens": 6, "logprobs": True, "top_logprobs": 8}),
+])
+def test_min_keep_widens_the_distribution_drawn_from(srv: LiveServer, route: str,
+                                                     body: dict) -> None:
+    """min_p 1 keeps the most likely token alone; with min_keep 4 (llama-server's field) the
+    distribution each token is drawn from holds four, on every route and under speculation
+    (the server drafts by n-gram lookup): the post-sampling probabilities show it."""
+    settings = {**body, "temperature": 1.0, "min_p": 1.0, "seed": 3, "ignore_eos": True,
+                "post_sampling_probs": True}
+    assert _post_sampling_widths(srv, route, settings) == [1] * 6
+    assert _post_sampling_widths(srv, route, {**settings, "min_keep": 4}) == [4] * 6
+    status, out = srv.request("POST", route, {**settings, "min_keep": -1})
+    assert status == 400 and "min_keep" in out["error"]["message"], out
+
+
+def test_min_keep_is_reported(srv: LiveServer) -> None:
+    status, out = srv.request("POST", "/completion", {"prompt": "a", "n_predict": 1,
+                                                      "min_keep": 3})
+    assert status == 200 and out["generation_settings"]["min_keep"] == 3, out
+    status, props = srv.request("GET", "/props")
+    assert props["default_generation_settings"]["params"]["min_keep"] == 0

@@ -52,6 +52,7 @@ class Settings:
     dry_allowed_length: int = 2
     dry_history: Sequence[int] = ()  # DRY's window
     dry_breakers: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+    min_keep: int = 0
 
 
 def _sort(cur: Cur) -> None:
@@ -85,7 +86,7 @@ def top_p(cur: Cur, s: Settings) -> None:
     total = 0.0
     for i, t in enumerate(cur.data):
         total += t.p
-        if total >= s.top_p:
+        if total >= s.top_p and i + 1 >= s.min_keep:
             cur.data = cur.data[:i + 1]
             return
 
@@ -94,8 +95,16 @@ def min_p(cur: Cur, s: Settings) -> None:
     if s.min_p <= 0.0:
         return
     cut = max(t.logit for t in cur.data) + math.log(s.min_p)
-    cur.data = [t for t in cur.data if t.logit >= cut]
-    cur.sorted = False
+    kept = [t for t in cur.data if t.logit >= cut]
+    if len(kept) >= s.min_keep:  # the unsorted path
+        cur.data = kept
+        cur.sorted = False
+        return
+    _sort(cur)  # too few: the sorted path, which keeps min_keep at least
+    i = 1
+    while i < len(cur.data) and not (cur.data[i].logit < cut and i >= s.min_keep):
+        i += 1
+    cur.data = cur.data[:i]
 
 
 def typical(cur: Cur, s: Settings) -> None:
@@ -108,7 +117,7 @@ def typical(cur: Cur, s: Settings) -> None:
     total, last = 0.0, len(order)
     for n, i in enumerate(order):
         total += cur.data[i].p
-        if total > s.typical_p:
+        if total > s.typical_p and (s.min_keep == 0 or n >= s.min_keep - 1):
             last = n + 1
             break
     cur.data = [cur.data[i] for i in order[:last]]
@@ -139,7 +148,7 @@ def xtc(cur: Cur, s: Settings) -> None:
             pos_last = i
         else:
             break
-    if pos_last > 0:
+    if len(cur.data) - pos_last >= s.min_keep and pos_last > 0:
         cur.data = cur.data[pos_last:]
 
 

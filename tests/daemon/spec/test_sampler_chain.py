@@ -60,7 +60,7 @@ def _settings(p: SamplerParams, history: list[int], index: int, key: int) -> ref
         dry_multiplier=p.dry_multiplier, dry_base=p.dry_base,
         dry_allowed_length=p.dry_allowed_length,
         dry_history=history[-p.dry_penalty_last_n:] if p.dry_penalty_last_n > 0 else history,
-        dry_breakers=VOCAB.dry_breakers(p.dry_sequence_breakers))
+        dry_breakers=VOCAB.dry_breakers(p.dry_sequence_breakers), min_keep=p.min_keep)
 
 
 # chains as editors send them and each sampler on its own, with settings that make it act
@@ -84,6 +84,19 @@ CHAINS = [
     pytest.param(("temperature", "min_p", "top_k"), dict(temperature=2.0, min_p=0.1, top_k=5),
                  id="reordered"),
 ]
+# min_keep on each sampler that takes it, at settings where it binds (llama-server's
+# `min_keep`; top-k takes none)
+MIN_KEEP_CHAINS = [
+    pytest.param(("top_p", "temperature"), dict(top_p=0.05, min_keep=5), id="top_p-min_keep"),
+    pytest.param(("min_p", "temperature"), dict(min_p=0.9, min_keep=4), id="min_p-min_keep"),
+    pytest.param(("typ_p",), dict(typical_p=0.1, min_keep=6), id="typical-min_keep"),
+    pytest.param(("xtc",), dict(xtc_probability=1.0, xtc_threshold=0.02, min_keep=44),
+                 id="xtc-min_keep"),
+    pytest.param(("top_k", "typ_p", "top_p", "min_p", "temperature"),
+                 dict(top_k=40, typical_p=0.5, top_p=0.2, min_p=0.5, min_keep=3,
+                      temperature=0.4), id="kypmt-min_keep"),
+]
+CHAINS += MIN_KEEP_CHAINS
 # a history with repetitions (DRY has something to find), ':' (id 45) breaking one
 HISTORY = [5, 6, 7, 9, 5, 6, 7, 45, 12, 5, 6]
 
@@ -104,7 +117,8 @@ def test_each_chain_is_llama_cpps_distribution(chain: tuple[str, ...], settings:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9, err_msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("chain, settings", CHAINS[:3] + CHAINS[4:5] + CHAINS[5:9])
+@pytest.mark.parametrize("chain, settings",
+                         CHAINS[:3] + CHAINS[4:5] + CHAINS[5:9] + MIN_KEEP_CHAINS)
 def test_draws_follow_the_chains_distribution(chain: tuple[str, ...], settings: dict) -> None:
     """Chi-square of 20,000 draws against the reference; a draw from the chain without its
     last sampler is refused (the test can fail)."""
@@ -124,6 +138,31 @@ def test_draws_follow_the_chains_distribution(chain: tuple[str, ...], settings: 
     if not np.allclose(shorter, want):
         with np.errstate(divide="ignore"):
             assert chi2_pvalue(draws, shorter) < FAIL_P
+
+
+@pytest.mark.parametrize("chain, settings", MIN_KEEP_CHAINS)
+def test_min_keep_keeps_at_least_that_many_where_the_filter_keeps_fewer(
+        chain: tuple[str, ...], settings: dict) -> None:
+    """With min_keep the chain leaves at least that many tokens (XTC: it removes none
+    rather than leave fewer); without it, fewer for most rows (the setting binds)."""
+    bound = 0
+    for seed in range(40):
+        logits = _logits(seed, scale=1.0 + seed % 4)
+        with_keep = SamplerParams(samplers=chain, seed=seed, **settings)
+        without = SamplerParams(samplers=chain, seed=seed, **{**settings, "min_keep": 0})
+        kept = int((Sampler(with_keep).probs(logits) > 0).sum())
+        alone = int((Sampler(without).probs(logits) > 0).sum())
+        assert kept >= min(settings["min_keep"], V if chain != ("xtc",) else 0), seed
+        assert kept >= alone, seed
+        bound += kept > alone
+    assert bound >= 20
+
+
+def test_min_keep_is_checked() -> None:
+    with pytest.raises(ValueError, match="min_keep must be >= 0"):
+        SamplerParams(min_keep=-1).validate()
+    with pytest.raises(ValueError, match="min_keep must be an integer"):
+        SamplerParams(min_keep=2.5).validate()  # type: ignore[arg-type]
 
 
 def test_infill_ends_where_the_end_outweighs_the_text() -> None:
@@ -236,6 +275,13 @@ def test_which_chains_the_graph_runs() -> None:
     g = early.graph_equivalent()
     assert g is not None and g.samplers is None and not g.temperature_last
     assert (g.top_k, g.top_p, g.min_p, g.repeat_penalty) == (4, 1.0, 0.1, 1.0)
+    # min_keep on a top-p or min-p the graph would run: the host's (the graph has none);
+    # on steps that are off, or at 0 / 1 (no effect), the graph still decides
+    assert not runs_in_graph(SamplerParams(top_p=0.9, min_keep=3))
+    assert not runs_in_graph(SamplerParams(samplers=("top_k", "min_p"), top_k=4, min_p=0.2,
+                                           min_keep=2))
+    assert runs_in_graph(SamplerParams(samplers=("top_k", "min_p"), top_k=4, min_keep=2))
+    assert runs_in_graph(SamplerParams(top_k=40, top_p=0.9, min_p=0.1, min_keep=1))
     no_t = SamplerParams(samplers=("top_k",), top_k=4, temperature=0.0).graph_equivalent()
     assert no_t is not None and no_t.temperature == 1.0
     for seed in range(5):  # the same distribution as the host's chain

@@ -103,8 +103,24 @@ def test_a_chain_the_graph_runs_decides_there(models: _Models) -> None:
     assert_speculated(gen.stats)
 
 
+def test_min_keep_decides_on_the_host_with_the_target_only_draws(models: _Models) -> None:
+    """min_keep on top-p: the graph's top-p has none, so the request samples on the host
+    (also where the graph samples); seeded, its coupled drafts give the target-only draws,
+    which min_keep changes."""
+    sampling = SamplerParams(top_p=0.2, min_keep=4, temperature=1.0, seed=5)
+    want, alone = models.run(LONG, sampling)
+    assert not alone.in_graph
+    assert want != models.run(LONG, SamplerParams(top_p=0.2, temperature=1.0, seed=5))[0]
+    got, gen = models.run(LONG, sampling, models.draft_drafter())
+    assert gen.coupled and not gen.in_graph
+    assert got == want
+    assert_speculated(gen.stats)
+
+
 @pytest.mark.parametrize("sampling", [
     pytest.param(dict(samplers=VIM, top_k=5, top_p=0.95), id="llama.vim"),
+    pytest.param(dict(samplers=("top_p", "min_p", "temperature"), top_p=0.05, min_p=0.6,
+                      min_keep=4), id="min_keep"),
     pytest.param(dict(samplers=("top_n_sigma", "typ_p", "temperature"), top_n_sigma=1.5,
                       typical_p=0.8), id="sigma-typical"),
 ])
