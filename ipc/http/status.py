@@ -133,7 +133,43 @@ async def clear_cache(request: web.Request) -> web.Response:
 
 
 async def props(request: web.Request) -> web.Response:
+    """GET /props: the first model's, with llama-server's router fields where several are
+    served; there `?model=NAME` answers NAME's own props (as the router's child for it
+    would), loading it unless models load only when asked (`?autoload=` overrides)."""
     svc = service(request)
+    name = request.query.get("model", "")
+    if name and len(svc.local_models()) > 1:
+        return json_response(_props_of(request, await _props_model(request, svc, name)))
+    info = _props_of(request, svc)
+    if len(svc.local_models()) > 1:  # llama-server's router: several models by name
+        most, autoload = svc.loading_rules
+        info.update({"role": "router", "max_instances": most, "models_autoload": autoload})
+    return json_response(info)
+
+
+async def _props_model(request: web.Request, svc: ServiceFacade, name: str) -> ServiceFacade:
+    """The local model /props?model= names, as llama-server's router validates it: a 400
+    where no model answers to `name` or where it is not loaded and may not be loaded."""
+    if name in svc.upstream_names:
+        raise BadRequest(f"model {name!r} is served by an upstream server (--upstream): "
+                         "ask it for its props")
+    found = svc.local_model(name)
+    if found is None:
+        raise BadRequest(f"model '{name}' not found")
+    query = request.query.get("autoload", "")
+    autoload = query in ("true", "1") if query else svc.loading_rules[1]
+    if not autoload:
+        if found[1] is None or not found[1].residency().loaded:
+            raise BadRequest("model is not loaded")
+        return found[1]
+    try:
+        return await svc.local_model_ready(name)
+    except ModelUnavailable as exc:
+        raise BadRequest(str(exc), status=503) from None
+
+
+def _props_of(request: web.Request, svc: ServiceFacade) -> dict[str, Any]:
+    """One model's props, as llama-server reports them (and specd's own fields)."""
     info = svc.describe()
     d = svc.defaults
     tok = svc.tokenizer
@@ -153,10 +189,7 @@ async def props(request: web.Request) -> web.Response:
                      "n_ctx": svc.n_ctx, "params": generation_settings(svc, d),
                      "n_predict": d.max_tokens, "speculative.n_max": d.draft.n_max,
                      "speculative.n_min": d.draft.n_min, "speculative.p_min": d.draft.p_min}})
-    if len(svc.local_models()) > 1:  # llama-server's router: several models by name
-        most, autoload = svc.loading_rules
-        info.update({"role": "router", "max_instances": most, "models_autoload": autoload})
-    return json_response(info)
+    return info
 
 
 async def slots(request: web.Request) -> web.Response:

@@ -243,3 +243,36 @@ def test_start_unloaded_builds_but_holds_no_session(files) -> None:
         assert not service.scheduler.residency().loaded
     finally:
         service.scheduler.stop()
+
+
+def test_props_of_a_named_model_as_llama_servers_router(server: LiveServer, router: LiveServer,
+                                                        files) -> None:
+    """/props?model=NAME answers NAME's own props (loading it where models load on
+    request), without the router's fields; an unknown name, or one not loaded where
+    models load only when asked, is llama-server's 400."""
+    _complete(server, files[1].stem)  # B built (listed by its own name from then on)
+    _complete(server, A)
+    assert _wait_status(server, {A: "loaded", B: "unloaded"})
+    status, props = server.request("GET", f"/props?model={B}")
+    assert status == 200, props
+    assert (props["model_alias"], props["model_path"]) == (B, str(files[1]))
+    assert "role" not in props and props["is_sleeping"] is False
+    assert props["default_generation_settings"]["n_ctx"] == props["n_ctx"] == 512
+    assert _statuses(server)[B] == "loaded"  # loaded to answer, A made room (--models-max 1)
+    status, props_a = server.request("GET", f"/props?model={A}")
+    assert status == 200 and (props_a["model_alias"], props_a["model_path"]) == (
+        A, str(files[0]))
+    status, out = server.request("GET", "/props?model=no-such-model")
+    assert status == 400, out
+    assert (out["error"]["message"], out["error"]["type"]) == (
+        "model 'no-such-model' not found", "invalid_request_error")
+    status, main = server.request("GET", "/props")
+    assert status == 200 and main["role"] == "router"
+    alias = "org/b-model:Q8_0"  # without autoload: not loaded is a 400, until asked to load
+    router.request("POST", "/models/unload", {"model": alias})
+    assert _wait_status(router, {alias: "unloaded"})
+    status, out = router.request("GET", f"/props?model={alias}")
+    assert status == 400 and out["error"]["message"] == "model is not loaded", out
+    status, props = router.request("GET", f"/props?model={alias}&autoload=true")
+    assert status == 200 and props["model_alias"] == alias, props
+    assert _statuses(router)[alias] == "loaded"
