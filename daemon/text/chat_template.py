@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -227,10 +227,18 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    # Unlike jinja's own tojson: no HTML escaping, and json.dumps' options (as transformers).
+    # Unlike jinja's own tojson: no HTML escaping, and json.dumps' options (as transformers);
+    # a filter's generator (`tools | map(attribute='function')`) as the list it yields, as
+    # llama.cpp's template engine writes it.
     return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+        sort_keys=sort_keys, default=_generated_list)
+
+
+def _generated_list(value: Any) -> list[Any]:
+    if isinstance(value, Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _raise_exception(message: str) -> None:

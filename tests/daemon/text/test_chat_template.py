@@ -193,3 +193,15 @@ def test_absurdly_nested_values_are_a_value_error_not_a_recursion_error() -> Non
     for _ in range(MAX_NESTING - 5):
         shallow = {"a": shallow}
     assert "hi" in render_chat(None, [{"role": "user", "content": "hi", "extra": shallow}])
+
+
+def test_tojson_writes_a_filter_chains_generator_as_a_list() -> None:
+    """llama.cpp's DeepSeek-R1 template lists its tools as `tools | map(attribute=
+    'function') | tojson`: jinja's map yields a generator, written as the list."""
+    tools = [{"type": "function", "function": {"name": "f"}},
+             {"type": "function", "function": {"name": "g"}}]
+    out = render_chat("{{ tools | map(attribute='function') | tojson }}",
+                      [{"role": "user", "content": "hi"}], tools=tools)
+    assert out == '[{"name": "f"}, {"name": "g"}]'
+    with pytest.raises(ChatTemplateError, match="not JSON serializable"):
+        render_chat("{{ namespace(a=1) | tojson }}", [{"role": "user", "content": "hi"}])
