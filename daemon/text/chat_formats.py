@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import harmony, muse_glimmer_chat, reasoning
+from . import deepseek_r1, harmony, muse_glimmer_chat, reasoning
 from .muse_glimmer_chat import ParsedReply
-from .reply_stream import ReplyStream, ThinkingStream, WholeStream, read_whole
-from .tool_calls import tool_names
+from .reply_stream import CallReader, ReplyStream, ThinkingStream, WholeStream, read_whole
+from .tool_calls import ToolCallStream, tool_names
 
 Tools = list[dict[str, Any]] | None
 
@@ -30,6 +30,11 @@ class ChatFormat:
     # (the request's tools, None: no calls taken; the prompt opened the reasoning)
     stream: Callable[[Tools, bool], ReplyStream]
     whole: Callable[[str, Tools], ParsedReply] | None = None  # a parser of whole replies
+    # the reply reasons between the think tags (reasoning.py): the request's
+    # reasoning_format and budget apply, and the prompt may open the reasoning
+    thinks: bool = False
+    # the reader of the calls in its answer (read so also where the tags stay content)
+    calls: CallReader = ToolCallStream
 
     def parse(self, text: str, tools: Tools, in_thinking: bool = False) -> ParsedReply:
         """A whole reply's reasoning, content and calls."""
@@ -47,14 +52,24 @@ def _thinking(tools: Tools, in_thinking: bool) -> ReplyStream:
     return ThinkingStream(None if tools is None else tool_names(tools), in_thinking)
 
 
+def _deepseek_r1(tools: Tools, in_thinking: bool) -> ReplyStream:
+    return ThinkingStream(None if tools is None else tool_names(tools), in_thinking,
+                          deepseek_r1.R1CallStream)
+
+
 THINKING = ChatFormat("think-tags", reasoning.is_thinking_template,
-                      reasoning.PRESERVED_TOKENS, _thinking)
+                      reasoning.PRESERVED_TOKENS, _thinking, thinks=True)
+# DeepSeek-R1 (and its distills): think tags, and calls in its own syntax
+DEEPSEEK_R1 = ChatFormat("deepseek-r1", deepseek_r1.is_deepseek_r1_template,
+                         reasoning.PRESERVED_TOKENS + deepseek_r1.PRESERVED_TOKENS,
+                         _deepseek_r1, thinks=True, calls=deepseek_r1.R1CallStream)
 FORMATS = (
     ChatFormat("muse-glimmer", muse_glimmer_chat.is_muse_glimmer_template,
                muse_glimmer_chat.PRESERVED_TOKENS, _held(muse_glimmer_chat.parse_reply),
                muse_glimmer_chat.parse_reply),
     ChatFormat("harmony", harmony.is_harmony_template, harmony.PRESERVED_TOKENS,
                lambda tools, _: harmony.HarmonyStream(tools)),
+    DEEPSEEK_R1,
     THINKING,
 )
 
@@ -64,4 +79,4 @@ def chat_format(template: str | None) -> ChatFormat | None:
     return next((f for f in FORMATS if template and f.detect(template)), None)
 
 
-__all__ = ["FORMATS", "THINKING", "ChatFormat", "ParsedReply", "chat_format"]
+__all__ = ["DEEPSEEK_R1", "FORMATS", "THINKING", "ChatFormat", "ParsedReply", "chat_format"]

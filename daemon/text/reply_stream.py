@@ -4,9 +4,10 @@ calls once the reply is complete. One interface for
 every chat format (chat_formats.py picks the reader of a template), used by every
 dialect:
 
-* `ContentStream`: the default reading: content, and calls in it (tool_calls.py);
-* `ThinkingStream`: reasoning between the think tags (reasoning.py), then the default
-  reading of the answer;
+* `ContentStream`: content, and calls in it, read by a `CallStream` (the default:
+  tool_calls.py's; DeepSeek-R1's syntax: deepseek_r1.py's);
+* `ThinkingStream`: reasoning between the think tags (reasoning.py), then the answer
+  read by a `ContentStream`;
 * `WholeStream`: a format parsed only whole (its reply held to its end);
 * harmony.HarmonyStream: gpt-oss's channels.
 """
@@ -20,6 +21,21 @@ from .muse_glimmer_chat import ParsedReply
 from .reasoning import ThinkSplitter
 from .reply_delta import ReplyDelta
 from .tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+
+
+class CallStream(Protocol):
+    """Content pieces in, content out as soon as it cannot be part of a call; the calls
+    once the reply is complete."""
+
+    def feed(self, piece: str) -> str: ...
+
+    def held(self) -> str: ...
+
+    def finish(self) -> tuple[str, list[ToolCall]]: ...
+
+
+# a reader of calls of the tools named
+CallReader = Callable[[set[str]], CallStream]
 
 
 class ReplyStream(Protocol):
@@ -46,12 +62,12 @@ def read_whole(stream: ReplyStream, text: str) -> ParsedReply:
 
 
 class ContentStream:
-    """The default reading: all content, the calls of tools `names` taken out of it
-    (None: none offered, the reply is content as it comes)."""
+    """All content, the calls of tools `names` taken out of it by `calls` (None: none
+    offered, the reply is content as it comes)."""
 
-    def __init__(self, names: set[str] | None):
+    def __init__(self, names: set[str] | None, calls: CallReader = ToolCallStream):
         self.names = names
-        self.tools = None if names is None else ToolCallStream(names)
+        self.tools = None if names is None else calls(names)
 
     def feed(self, piece: str) -> ReplyDelta:
         return ReplyDelta(content=piece if self.tools is None else self.tools.feed(piece))
@@ -67,12 +83,13 @@ class ContentStream:
 
 
 class ThinkingStream:
-    """Reasoning between the think tags, then the answer read by `ContentStream`;
-    `in_thinking`: the prompt opened the reasoning."""
+    """Reasoning between the think tags, then the answer read by `ContentStream` (its
+    calls by `calls`); `in_thinking`: the prompt opened the reasoning."""
 
-    def __init__(self, names: set[str] | None, in_thinking: bool):
+    def __init__(self, names: set[str] | None, in_thinking: bool,
+                 calls: CallReader = ToolCallStream):
         self.splitter = ThinkSplitter(in_thinking)
-        self.answer = ContentStream(names)
+        self.answer = ContentStream(names, calls)
 
     def feed(self, piece: str) -> ReplyDelta:
         split = self.splitter.feed(piece)
@@ -107,11 +124,15 @@ class WholeStream:
         return ReplyDelta(parsed.reasoning or "", parsed.content or ""), parsed.calls
 
 
-def default_parse(text: str, names: set[str] | None) -> ParsedReply:
-    """The default reading of a whole reply (content and calls, no reasoning)."""
-    content, calls = parse_tool_calls(text, names)
-    return ParsedReply(content, None, calls)
+def default_parse(text: str, names: set[str] | None,
+                  calls: CallReader = ToolCallStream) -> ParsedReply:
+    """A whole reply read without a format (content and calls, no reasoning); calls read
+    by `calls` (the default: tool_calls.py's own parser of whole replies)."""
+    if calls is not ToolCallStream:
+        return read_whole(ContentStream(names, calls), text)
+    content, found = parse_tool_calls(text, names)
+    return ParsedReply(content, None, found)
 
 
-__all__ = ["ContentStream", "ReplyDelta", "ReplyStream", "ThinkingStream", "WholeStream",
-           "default_parse", "read_whole"]
+__all__ = ["CallReader", "CallStream", "ContentStream", "ReplyDelta", "ReplyStream",
+           "ThinkingStream", "WholeStream", "default_parse", "read_whole"]

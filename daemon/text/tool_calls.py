@@ -86,7 +86,7 @@ def _call(obj: Any) -> ToolCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        if _json(args) is _NOT_JSON:
+        if json_value(args) is NOT_JSON:
             return None
         text = args
     elif isinstance(args, dict):
@@ -125,17 +125,17 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-_NOT_JSON = object()
+NOT_JSON = object()
 
 
-def _json(text: str) -> Any:
-    """The JSON value of `text`, or _NOT_JSON: malformed, nested past Python's recursion
+def json_value(text: str) -> Any:
+    """The JSON value of `text`, or NOT_JSON: malformed, nested past Python's recursion
     limit (a model stuck on "[" writes that), or with NaN / Infinity, which strict JSON
     clients cannot read back from the arguments."""
     try:
         return json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError):
-        return _NOT_JSON
+        return NOT_JSON
 
 
 def parse_tool_calls(text: str, names: set[str] | None) -> tuple[str | None, list[ToolCall]]:
@@ -145,8 +145,8 @@ def parse_tool_calls(text: str, names: set[str] | None) -> tuple[str | None, lis
         return text, []
     start = text.find(OPEN)
     if start >= 0:
-        calls = [_call(_json(m.group(1).strip())) for m in _BLOCK.finditer(text, start)]
-        if calls and all(c is not None and _declared(c, names) for c in calls):
+        calls = [_call(json_value(m.group(1).strip())) for m in _BLOCK.finditer(text, start)]
+        if calls and all(c is not None and declared_call(c, names) for c in calls):
             content = text[:start].strip()
             return content or None, [c for c in calls if c is not None]
         return text, []
@@ -154,7 +154,7 @@ def parse_tool_calls(text: str, names: set[str] | None) -> tuple[str | None, lis
     return (None, bare) if bare else (text, [])
 
 
-def _declared(call: ToolCall | None, names: set[str]) -> bool:
+def declared_call(call: ToolCall | None, names: set[str]) -> bool:
     """A call of one of the request's tools: clients look the name up and fail on any
     other (with no names known, any non-empty name)."""
     return call is not None and bool(call.name) and (not names or call.name in names)
@@ -166,10 +166,10 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
     else none."""
     fenced = _FENCED.fullmatch(text)
     body = fenced.group(1) if fenced else text
-    obj = _json(body) if text[:1] in "{[`" and _may_be_call_json(body, names) else _NOT_JSON
+    obj = json_value(body) if text[:1] in "{[`" and _may_be_call_json(body, names) else NOT_JSON
     items = obj if isinstance(obj, list) else [obj]
     calls = [_call(o) for o in items]
-    if not items or not all(c is not None and _declared(c, names) for c in calls):
+    if not items or not all(c is not None and declared_call(c, names) for c in calls):
         return []
     return [c for c in calls if c is not None]
 
@@ -198,7 +198,7 @@ def _may_be_call_json(text: str, names: set[str]) -> bool:
     raw = _JSON_STRING_BODY.match(text, i)
     assert raw is not None  # matches the empty string at least
     if raw.end() < n:  # the name is closed
-        name = _json('"' + raw.group(0) + '"')
+        name = json_value('"' + raw.group(0) + '"')
         return isinstance(name, str) and (not names or name in names)
     if "\\" in raw.group(0) or not names:
         return True  # an escape not yet complete: kept until the name ends

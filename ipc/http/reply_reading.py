@@ -12,11 +12,12 @@ from typing import Any
 from specd.daemon.serving.facade import ServiceFacade
 from specd.daemon.serving.upstream import OutputFormat
 from specd.daemon.serving.upstream_facade import UpstreamFacade
-from specd.daemon.text.chat_formats import THINKING, ChatFormat, ParsedReply, chat_format
+from specd.daemon.text.chat_formats import ChatFormat, ParsedReply, chat_format
 from specd.daemon.text.grammar import Grammar
 from specd.daemon.text.reasoning import END, REASONING_FORMATS, START, opens_thinking
 from specd.daemon.text.reasoning_budget import ReasoningBudget, partial_utf8_ids
-from specd.daemon.text.reply_stream import ContentStream, ReplyStream, default_parse
+from specd.daemon.text.reply_stream import CallReader, ContentStream, ReplyStream, default_parse
+from specd.daemon.text.tool_calls import ToolCallStream
 
 from ..validation import BadRequest, get
 
@@ -46,12 +47,14 @@ def reasoning_budget(svc: ServiceFacade, body: dict[str, Any]) -> int:
 @dataclass
 class ReplyReading:
     """A chat format with a reply reader of its own (None: the default reading), the
-    request's tools it reads calls of (None: none offered), and whether the prompt left
-    the reply inside the reasoning."""
+    request's tools it reads calls of (None: none offered), whether the prompt left
+    the reply inside the reasoning, and the reader of calls without a format (the
+    template's, where its think tags stay content)."""
 
     fmt: ChatFormat | None
     tools: list[dict[str, Any]] | None
     in_thinking: bool = False
+    calls: CallReader = ToolCallStream
 
     @classmethod
     def for_chat(cls, svc: ServiceFacade, body: dict[str, Any],
@@ -60,10 +63,11 @@ class ReplyReading:
         (token ids; anything else, an upstream's, is not read for an opened tag)."""
         fmt = chat_format(svc.chat_template)
         how = reasoning_format(svc, body)
-        if fmt is THINKING and (how == "none" or how == "deepseek-legacy"
-                                and get(body, "stream", bool, False)):
-            return cls(None, tools)  # the tags stay in the content
-        opened = (fmt is THINKING and isinstance(prompt, list) and bool(prompt)
+        thinks = fmt is not None and fmt.thinks
+        if fmt is not None and thinks and (how == "none" or how == "deepseek-legacy"
+                                           and get(body, "stream", bool, False)):
+            return cls(None, tools, calls=fmt.calls)  # the tags stay in the content
+        opened = (thinks and isinstance(prompt, list) and bool(prompt)
                   and opens_thinking(svc.tokenizer.decode(prompt[-_PROMPT_TAIL:])))
         return cls(fmt, tools, opened)
 
@@ -71,14 +75,14 @@ class ReplyReading:
         """A reader of one streamed reply (calls of `names`' tools)."""
         if self.fmt is not None:
             return self.fmt.stream(self.tools if names is not None else None, self.in_thinking)
-        return ContentStream(names)
+        return ContentStream(names, self.calls)
 
     def parse(self, text: str, names: set[str] | None) -> ParsedReply:
         """The reply's reasoning, content and calls (of `names`' tools)."""
         if self.fmt is not None:
             return self.fmt.parse(text, self.tools if names is not None else None,
                                   self.in_thinking)
-        return default_parse(text, names)
+        return default_parse(text, names, self.calls)
 
     async def budgeted(self, svc: ServiceFacade, body: dict[str, Any],
                        grammar: Grammar | OutputFormat | None
@@ -86,8 +90,8 @@ class ReplyReading:
         """The request's constraint with its reasoning budget kept beside it (none
         without think tags, a budget, or a local model; no constraint: any text)."""
         budget = reasoning_budget(svc, body)
-        if budget < 0 or self.fmt is not THINKING or isinstance(svc, UpstreamFacade) or (
-                isinstance(grammar, OutputFormat)):
+        if (budget < 0 or self.fmt is None or not self.fmt.thinks
+                or isinstance(svc, UpstreamFacade) or isinstance(grammar, OutputFormat)):
             return grammar
         tok = svc.tokenizer
         message = get(body, "reasoning_budget_message", str, svc.reasoning_budget_message)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.daemon.text.chat_formats import THINKING, chat_format
+from specd.daemon.text.chat_formats import DEEPSEEK_R1, THINKING, chat_format
 from specd.daemon.text.chat_template import render_chat
 from specd.daemon.text.reasoning import END, ThinkSplitter, opens_thinking, split_thinking
 from specd.daemon.text.reply_stream import ThinkingStream
@@ -106,7 +106,9 @@ THINKING_TEMPLATES = [("Qwen-Qwen3-0.6B.jinja", False), ("Qwen-QwQ-32B.jinja", T
 @pytest.mark.parametrize(("name", "opened"), THINKING_TEMPLATES)
 def test_llama_cpp_thinking_templates_are_found(name: str, opened: bool) -> None:
     template = _template(name)
-    assert chat_format(template) is THINKING
+    # the DeepSeek-R1 templates: think tags and calls in R1's syntax (test_deepseek_r1.py)
+    assert chat_format(template) is (DEEPSEEK_R1 if "r1" in name.lower() else THINKING)
+    assert chat_format(template).thinks
     prompt = render_chat(template, [{"role": "user", "content": "hi"}],
                          enable_thinking=True)
     assert opens_thinking(prompt) is opened, prompt[-40:]
