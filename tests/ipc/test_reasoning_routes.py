@@ -207,3 +207,34 @@ def test_the_budget_message_closes_the_reasoning(r1: LiveServer) -> None:
     thought = msg.model_extra["reasoning_content"]
     assert thought.endswith(" Enough thinking.") and msg.content
     assert _n_tokens(r1, thought.removesuffix(" Enough thinking.")) <= 3
+
+
+# DeepSeek-R1's own call syntax after the reasoning (the prompt opened <think>)
+R1_CALL = ('start: ' + WORDS + ' "\\n</think>\\n\\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'
+           'function<｜tool▁sep｜>get_weather\\n```json\\n{\\"city\\": \\"Paris\\"}\\n```'
+           '<｜tool▁call▁end｜><｜tool▁calls▁end｜>"')
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}
+
+
+def test_r1_tool_calls_whole_and_streamed(r1: LiveServer) -> None:
+    """A reply in R1's call syntax is OpenAI tool_calls (its reasoning apart), whole and
+    streamed, with no text of the section in a delta; without tools it is content."""
+    # (the tiny model's vocabulary spells the section's tokens in many pieces)
+    whole, deltas = _chat(r1, R1_CALL, tools=[WEATHER], max_tokens=400)
+    assert THOUGHT.fullmatch(whole.model_extra["reasoning_content"])
+    assert not whole.content
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+    streamed = [c for d in deltas for c in d.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        ("get_weather", '{"city": "Paris"}')]
+    assert not "".join(d.content or "" for d in deltas)
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == \
+        whole.model_extra["reasoning_content"]
+    # reasoning_format "none": the tags stay in the content, the calls are still read
+    kept, _ = _chat(r1, R1_CALL, tools=[WEATHER], max_tokens=400, reasoning_format="none")
+    assert kept.content.endswith("</think>") and len(kept.tool_calls) == 1
+    plain, _ = _chat(r1, R1_CALL, max_tokens=400)
+    assert "<｜tool▁calls▁begin｜>" in plain.content and not plain.tool_calls
