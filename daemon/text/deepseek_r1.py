@@ -15,6 +15,8 @@ in the spellings R1 distills are known to write (llama.cpp's older parser took t
 
 `R1CallStream` reads a streamed answer: text passes on until the section opens (a tail
 that may be the start of its opening, and space, held back), the calls come at the end.
+It reads the tagged calls (tool_calls.py) too: specd's grammar for tool_choice "required"
+or a named function forces those, whatever the template.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 
-from .tool_calls import NOT_JSON, ToolCall, declared_call, json_value
+from .tool_calls import NOT_JSON, OPEN, ToolCall, declared_call, json_value, parse_tool_calls
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -31,6 +33,10 @@ _BEGINS = (CALLS_BEGIN, "<｜tool_calls_begin｜>", "<｜tool calls begin｜>",
            "<｜tool\\_calls\\_begin｜>", "<｜tool▁calls｜>")
 PRESERVED_TOKENS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 _BEGIN = re.compile("|".join(map(re.escape, _BEGINS)))
+# what opens calls in a stream: R1's section, or the tagged calls specd's own grammar
+# forces for tool_choice "required" or a named function (tool_calls.forced_call_grammar)
+_OPENINGS = (*_BEGINS, OPEN)
+_OPENING = re.compile("|".join(map(re.escape, _OPENINGS)))
 # one call: its opening (optional, as llama.cpp reads it), the type, the name, the fenced JSON
 _CALL = re.compile(r"\s*(?:" + re.escape(CALL_BEGIN) + r")?function" + re.escape(SEP)
                    + r"([^\n]+)\n```json\n(.*?)```\s*" + re.escape(CALL_END), re.S)
@@ -67,17 +73,17 @@ def parse_r1_calls(text: str, names: set[str] | None) -> tuple[str | None, list[
 
 
 def _held_tail(text: str) -> int:
-    """Length of the longest end of `text` that could be the start of a section opening."""
-    longest = max(map(len, _BEGINS))
+    """Length of the longest end of `text` that could be the start of calls' opening."""
+    longest = max(map(len, _OPENINGS))
     for n in range(min(longest - 1, len(text)), 0, -1):
-        if any(b.startswith(text[-n:]) for b in _BEGINS):
+        if any(b.startswith(text[-n:]) for b in _OPENINGS):
             return n
     return 0
 
 
 class R1CallStream:
     """Answer pieces in, content out as soon as it cannot be part of the calls section
-    (reply_stream.CallStream)."""
+    (reply_stream.CallStream); tagged calls (a forced call's) are read too."""
 
     def __init__(self, names: set[str]):
         self.names = names
@@ -88,7 +94,7 @@ class R1CallStream:
     def feed(self, piece: str) -> str:
         """The content this piece lets through ("" while the calls may be forming)."""
         self.text += piece
-        if self.section is None and (m := _BEGIN.search(self.text, self.sent)):
+        if self.section is None and (m := _OPENING.search(self.text, self.sent)):
             self.section = m.start()
         if self.section is not None:
             end = self.section
@@ -108,6 +114,8 @@ class R1CallStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet passed on, calls) once the answer is complete."""
         _, calls = parse_r1_calls(self.text, self.names)
+        if not calls and self.section is not None and self.text.startswith(OPEN, self.section):
+            _, calls = parse_tool_calls(self.text, self.names)
         if calls:
             return "", calls  # what preceded the section has been sent already
         return self.held(), []

@@ -6,6 +6,7 @@ reasoning streams as it is written: in more than one delta on every route."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -238,3 +239,19 @@ def test_r1_tool_calls_whole_and_streamed(r1: LiveServer) -> None:
     assert kept.content.endswith("</think>") and len(kept.tool_calls) == 1
     plain, _ = _chat(r1, R1_CALL, max_tokens=400)
     assert "<｜tool▁calls▁begin｜>" in plain.content and not plain.tool_calls
+
+
+def test_a_forced_call_with_thinking_off_is_read_on_r1(r1: LiveServer) -> None:
+    """A named tool_choice forces specd's tagged calls; with R1's thinking off (its
+    template closes the reasoning in the prompt) the R1 format reads them as calls."""
+    # (no arguments: the random model's would run to max_tokens)
+    now = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    out = _openai(r1).chat.completions.create(
+        model="m", messages=ASK, max_tokens=200, temperature=0, tools=[WEATHER, now],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = out.choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in message.tool_calls or []] == [("get_time", {})], message

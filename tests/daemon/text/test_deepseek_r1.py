@@ -50,6 +50,9 @@ CASES = [
      SPECIAL_CALL.replace("{\"arg1\": 1}", "{arg1: 1}"), []),
     (SPECIAL_CALL[:-40], False, None, SPECIAL_CALL[:-40], []),
     ("</think>Hello, world!\nWhat's up?", True, None, "Hello, world!\nWhat's up?", []),
+    # the tagged call specd's grammar forces for tool_choice "required"
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     False, None, None, [("get_weather", {"city": "Paris"})]),
 ]
 
 
