@@ -48,21 +48,19 @@ def _held(parse: Callable[[str, Tools], ParsedReply]) -> Callable[[Tools, bool],
     return lambda tools, _: WholeStream(lambda text: parse(text, tools))
 
 
-def _thinking(tools: Tools, in_thinking: bool) -> ReplyStream:
-    return ThinkingStream(None if tools is None else tool_names(tools), in_thinking)
-
-
-def _deepseek_r1(tools: Tools, in_thinking: bool) -> ReplyStream:
-    return ThinkingStream(None if tools is None else tool_names(tools), in_thinking,
-                          deepseek_r1.R1CallStream)
+def _thinking(calls: CallReader = ToolCallStream) -> Callable[[Tools, bool], ReplyStream]:
+    """The stream of a format with think tags whose answer's calls `calls` reads."""
+    return lambda tools, in_thinking: ThinkingStream(
+        None if tools is None else tool_names(tools), in_thinking, calls)
 
 
 THINKING = ChatFormat("think-tags", reasoning.is_thinking_template,
-                      reasoning.PRESERVED_TOKENS, _thinking, thinks=True)
+                      reasoning.PRESERVED_TOKENS, _thinking(), thinks=True)
 # DeepSeek-R1 (and its distills): think tags, and calls in its own syntax
 DEEPSEEK_R1 = ChatFormat("deepseek-r1", deepseek_r1.is_deepseek_r1_template,
                          reasoning.PRESERVED_TOKENS + deepseek_r1.PRESERVED_TOKENS,
-                         _deepseek_r1, thinks=True, calls=deepseek_r1.R1CallStream)
+                         _thinking(deepseek_r1.R1CallStream), thinks=True,
+                         calls=deepseek_r1.R1CallStream)
 FORMATS = (
     ChatFormat("muse-glimmer", muse_glimmer_chat.is_muse_glimmer_template,
                muse_glimmer_chat.PRESERVED_TOKENS, _held(muse_glimmer_chat.parse_reply),
