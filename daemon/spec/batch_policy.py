@@ -22,6 +22,17 @@ and the best L wins. A sequence whose draft does not pay at this concurrency ver
 nothing extra. E_i comes from the sequence's own policy (its acceptance estimates); the
 costs are measured here, a pass at a time, at the sizes the step runs.
 
+Where each sequence's remaining tokens are known (its budget: an upper bound where it may
+end sooner), a plan must also not delay the batch's end: `StepCosts.time_to_go` predicts
+when the last sequence is done, the sequences decoding together, each at the pace measured
+for as many as are left (a plain step's where none was measured). A plan whose step
+brings that end nearer, per second it takes, less than a plain step does (one stream's
+long offer verified in a wide pass while the others, as far from done, wait for it) gives
+way to the plan of the search with each sequence's tokens weighed by what a token more of
+it brings to that end (`_token_values`), if that beats plain steps by START_MARGIN, else
+to plain steps. A draft that lets a stream finish, after which the others decode faster,
+is kept.
+
 Each sequence's round then drafts as the step's plan says (its policy still learns from
 it). While the plan drafts nothing, every `explore_every` steps one sequence that can
 draft, in turn, probes PROBE_LENGTH tokens from its source, so that its acceptance
@@ -38,6 +49,7 @@ from .policy import PROBE_LENGTH, CostLine, ExpertPricing, RoundPlan
 DECAY = 0.98  # weight kept by older pass timings at each new one
 DINKELBACH_ROUNDS = 4  # iterations of the rate each L's choices are made at
 START_MARGIN = 1.03  # drafting must be predicted this much faster than no drafting
+PACE_EVIDENCE = 3.0  # discounted steps at a concurrency before its measured pace is used
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,8 @@ class StepCosts:
     verify: CostLine = field(default_factory=lambda: CostLine(DECAY))
     experts: ExpertPricing = field(default_factory=lambda: ExpertPricing(DECAY))
     draft: dict[int, CostLine] = field(default_factory=dict)  # id(drafter) -> its passes
+    # decoding sequences -> [weight, sum of seconds per token each waited] (observe_pace)
+    pace: dict[int, list[float]] = field(default_factory=dict)
     # the lines' answers since the last observation ((0, rows): the target pass), as a
     # plan asks for the same sizes many times
     _asked: dict[tuple[int, int], float | None] = field(default_factory=dict)
@@ -131,6 +145,36 @@ class StepCosts:
             line = self.draft.get(id(drafter))
             self._asked[key] = None if line is None else line.at(rows)
         return self._asked[key]
+
+    def observe_pace(self, active: int, tokens: int, seconds: float) -> None:
+        """A decoding step of `active` sequences emitted `tokens` in `seconds` (its drafts
+        and its target pass)."""
+        if tokens <= 0:
+            return
+        for acc in self.pace.values():
+            acc[0] *= DECAY
+            acc[1] *= DECAY
+        acc = self.pace.setdefault(active, [0.0, 0.0])
+        acc[0] += 1.0
+        acc[1] += seconds * active / tokens
+
+    def seconds_per_token(self, active: int) -> float | None:
+        """Seconds each of `active` sequences decoding together waits for a token: as
+        measured at that many, else a plain step's (None: no pass timed yet)."""
+        acc = self.pace.get(active)
+        if acc is not None and acc[0] >= PACE_EVIDENCE:
+            return acc[1] / acc[0]
+        return self.verify_pass(active)
+
+    def time_to_go(self, remaining: Sequence[float]) -> float:
+        """Predicted seconds until the last of these sequences (tokens each has left) is
+        done: they decode together, each at the pace measured for as many as are left."""
+        left = sorted(r for r in remaining if r > 0)
+        seconds = done = 0.0
+        for j, r in enumerate(left):
+            seconds += (r - done) * (self.seconds_per_token(len(left) - j) or 0.0)
+            done = r
+        return seconds
 
 
 class BatchDraftPlanner:
@@ -172,56 +216,110 @@ class BatchDraftPlanner:
 
     def plan(self, outlooks: Sequence[Outlook]) -> tuple[list[_Choice], float]:
         """The best choices and their predicted tokens per second: plain steps for all
-        unless drafting is predicted START_MARGIN faster."""
+        unless drafting is predicted START_MARGIN faster; where the sequences' remaining
+        tokens are known, a plan that would bring the last of them later to its end than
+        a plain step does gives way to the plan that brings it soonest (module doc)."""
+        ones = [1.0] * len(outlooks)
+        best = self._search(outlooks, ones)
+        remaining = _remaining(outlooks)
+        if remaining is None or not any(c.n for c in best):
+            return best, self._rate(outlooks, best, ones)
+        plain = [_Choice() for _ in outlooks]
+        at_plain = self._sooner(outlooks, plain, remaining)
+        if self._sooner(outlooks, best, remaining) < at_plain:
+            valued = self._search(outlooks, self._token_values(outlooks, remaining))
+            drafts = any(c.n for c in valued)
+            best = valued if drafts and self._sooner(
+                outlooks, valued, remaining) > at_plain * START_MARGIN else plain
+        return best, self._rate(outlooks, best, ones)
+
+    def _search(self, outlooks: Sequence[Outlook], weights: Sequence[float]
+                ) -> list[_Choice]:
+        """The choices of most weighted tokens per second (sum of weight * tokens over
+        the step's seconds): for each chain length, Dinkelbach's iteration of each
+        sequence's choice; plain steps unless drafting is START_MARGIN faster."""
         longest = max(len(o.model) for o in outlooks) - 1
         best = [_Choice() for _ in outlooks]
-        plain = self._verify_cost(len(outlooks))
-        best_rate = len(outlooks) / plain
-        if not any(self._may_pay(o, best_rate) for o in outlooks):
-            return best, best_rate  # no plan that drafts beats plain steps
+        best_rate = self._rate(outlooks, best, weights)
+        if not any(self._may_pay(o, w, best_rate) for o, w in zip(outlooks, weights,
+                                                                    strict=True)):
+            return best  # no plan that drafts beats plain steps
         threshold = best_rate * START_MARGIN
         for chain in range(0, longest + 1):
             rate = best_rate
             choices = best
             for _ in range(DINKELBACH_ROUNDS):
-                new = [self._choose(o, chain, rate) for o in outlooks]
-                new_rate = self._rate(outlooks, new)
+                new = [self._choose(o, w, chain, rate)
+                       for o, w in zip(outlooks, weights, strict=True)]
+                new_rate = self._rate(outlooks, new, weights)
                 if new_rate <= rate * (1 + 1e-9):
                     break
                 choices, rate = new, new_rate
             if rate > max(best_rate, threshold):
                 best, best_rate = choices, rate
-        return best, best_rate
+        return best
 
-    def _choose(self, o: Outlook, chain: int, rate: float) -> _Choice:
-        """The sequence's draft that adds the most tokens beyond what its extra rows and
-        its place in the chain cost at `rate` tokens per second (a plain step where none
-        adds any)."""
+    def _token_values(self, outlooks: Sequence[Outlook], remaining: Sequence[float]
+                      ) -> list[float]:
+        """Seconds sooner the batch's last sequence is done for a token more of each
+        sequence: those within a draft of the most remaining share what a token of each
+        of them brings; one done before them, what its leaving sooner saves the steps
+        after it."""
+        reach = max(max(len(o.model), len(o.lookup)) for o in outlooks) - 1
+        top = max(remaining)
+        last = [r >= top - reach for r in remaining]
+        now = self.costs.time_to_go(remaining)
+        together = now - self.costs.time_to_go(
+            [r - 1 if is_last else r for r, is_last in zip(remaining, last, strict=True)])
+        values = [together / sum(last) if is_last else
+                  now - self.costs.time_to_go([*remaining[:i], r - 1, *remaining[i + 1:]])
+                  for i, (r, is_last) in enumerate(zip(remaining, last, strict=True))]
+        return [max(v, 1e-9) for v in values]
+
+    def _sooner(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice],
+                remaining: Sequence[float]) -> float:
+        """Seconds sooner the last sequence is predicted done, per second the step with
+        these choices takes (plain steps: about 1)."""
+        after = [r - _expected(o, c) for o, c, r in zip(outlooks, choices, remaining,
+                                                          strict=True)]
+        gained = self.costs.time_to_go(remaining) - self.costs.time_to_go(after)
+        return gained / self.forecast_of(outlooks, choices).charged
+
+    def _choose(self, o: Outlook, weight: float, chain: int, rate: float) -> _Choice:
+        """The sequence's draft that adds the most weighted tokens beyond what its extra
+        rows and its place in the chain cost at `rate` (a plain step where none adds
+        any)."""
         per_row = self._verify_slope()
         best, best_gain = _Choice(), 0.0
         for m in range(1, len(o.lookup)):
-            gain = _gain(o.lookup[m], rate, per_row * m)
+            gain = _gain(weight * o.lookup[m], weight, rate, per_row * m)
             if gain > best_gain:
                 best, best_gain = _Choice(m, lookup=True), gain
         for n in range(1, min(chain, len(o.model) - 1) + 1):
-            gain = _gain(o.model[n], rate, per_row * n + self._seat_cost(o, n))
+            gain = _gain(weight * o.model[n], weight, rate,
+                         per_row * n + self._seat_cost(o, n))
             if gain > best_gain:
                 best, best_gain = _Choice(n), gain
         return best
 
-    def _may_pay(self, o: Outlook, rate: float) -> bool:
-        """Whether some draft of the sequence adds tokens at `rate`, each length in the
-        shortest chain that carries it (a longer chain's seat costs more): where none of
-        the sequences' do, every choice at `rate` is a plain step, and so is the plan."""
+    def _may_pay(self, o: Outlook, weight: float, rate: float) -> bool:
+        """Whether some draft of the sequence adds weighted tokens at `rate`, each length
+        in the shortest chain that carries it (a longer chain's seat costs more): where
+        none of the sequences' do, every choice at `rate` is a plain step, and so is the
+        plan."""
         per_row = self._verify_slope()
-        return (any(_gain(o.lookup[m], rate, per_row * m) > 0 for m in range(1, len(o.lookup)))
-                or any(_gain(o.model[n], rate, per_row * n + self._seat_cost(o, n)) > 0
+        return (any(_gain(weight * o.lookup[m], weight, rate, per_row * m) > 0
+                    for m in range(1, len(o.lookup)))
+                or any(_gain(weight * o.model[n], weight, rate,
+                             per_row * n + self._seat_cost(o, n)) > 0
                        for n in range(1, len(o.model))))
 
-    def _rate(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice]) -> float:
-        """Predicted tokens per second of a step with these choices."""
+    def _rate(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice],
+              weights: Sequence[float]) -> float:
+        """Predicted weighted tokens per second of a step with these choices."""
         f = self.forecast_of(outlooks, choices)
-        return f.tokens / f.charged
+        return sum(w * _expected(o, c) for o, c, w in zip(outlooks, choices, weights,
+                                                          strict=True)) / f.charged
 
     def forecast_of(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice]
                     ) -> StepForecast:
@@ -299,12 +397,21 @@ def _catch_up_share(group: Sequence[tuple[Outlook, int]]) -> float:
                for o, n in group) / skipped
 
 
+def _remaining(outlooks: Sequence[Outlook]) -> list[float] | None:
+    """Tokens each sequence has left (one whose budget is unknown: the most any has;
+    None: none is known)."""
+    known = [o.remaining for o in outlooks if o.remaining is not None]
+    if not known:
+        return None
+    return [float(max(known) if o.remaining is None else o.remaining) for o in outlooks]
+
+
 def _expected(o: Outlook, c: _Choice) -> float:
     """Tokens the sequence is expected to emit with this choice."""
     return (o.lookup if c.lookup else o.model)[c.n]
 
 
-def _gain(expected: float, rate: float, seconds: float) -> float:
-    """Tokens a draft adds beyond the plain step's one, less what its `seconds` are worth
-    at `rate` tokens per second."""
-    return expected - 1.0 - rate * seconds
+def _gain(expected: float, plain: float, rate: float, seconds: float) -> float:
+    """(Weighted) tokens a draft adds beyond the plain step's `plain`, less what its
+    `seconds` are worth at `rate`."""
+    return expected - plain - rate * seconds

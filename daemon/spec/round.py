@@ -115,6 +115,9 @@ class BatchRound:
             experts = sum(o.pass_experts_share for o in outputs if not isinstance(o, Exception))
             self.planner.costs.observe_verify(sum(len(calls[i].tokens) for i in order),
                                               t_end - t0, experts)
+            self.planner.costs.observe_pace(
+                len(order), sum(len(r) for r in results if isinstance(r, list)),
+                t_end - t_plan)
             if log.isEnabledFor(logging.DEBUG):
                 self._log_step(gens, calls, results, (t_plan, t_propose, t0, t_end))
         return StepReport(results, len(order))

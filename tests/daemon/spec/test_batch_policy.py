@@ -4,6 +4,7 @@ concurrency, priced by the step's measured pass costs."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from specd.daemon.spec.batch_policy import BatchDraftPlanner, Outlook, _Choice
 
@@ -120,8 +121,8 @@ def test_the_quick_no_draft_answer_is_the_full_searchs() -> None:
                     for _ in range(rng.randint(2, 8))]
         got = p.plan(outlooks)
         plain = len(outlooks) / p._verify_cost(len(outlooks))
-        quick += not any(p._may_pay(o, plain) for o in outlooks)
-        p._may_pay = lambda o, rate: True  # type: ignore[method-assign]
+        quick += not any(p._may_pay(o, 1.0, plain) for o in outlooks)
+        p._may_pay = lambda o, w, rate: True  # type: ignore[method-assign]
         assert p.plan(outlooks) == got
     assert 100 < quick < 900  # both kinds of step were drawn
 
@@ -140,3 +141,51 @@ def test_a_catch_up_is_priced_in_the_first_pass() -> None:
     # a catch-up buys the drafts of the steps left: spread over many, it is worth paying
     long_ahead = caps(p, [Outlook(geometric(0.7, 8), DRAFT, catch_up=16, remaining=200)] * 2)
     assert long_ahead is not None and all(n >= 1 for n in long_ahead)
+
+
+def test_a_long_offer_that_holds_back_the_batchs_end_is_not_verified() -> None:
+    """Four sequences could verify 32-token offers their history makes near-certain, in a
+    pass of many rows; the other four, as far from done, would wait for that pass and
+    emit one token in it. Per second the step emits a little more, but the batch ends
+    with the four that gained nothing, later: plain steps."""
+    p = planner((70, 12), (12, 3))
+    sure = Outlook(geometric(0.1, 8), DRAFT, lookup=geometric(0.999, 32), remaining=128)
+    fresh = Outlook(geometric(0.1, 8), DRAFT, remaining=128)
+    outlooks = [sure] * 4 + [fresh] * 4
+    unaware = [replace(o, remaining=None) for o in outlooks]
+    assert caps(p, unaware) == [32] * 4 + [0] * 4  # tokens per second alone would take them
+    assert caps(p, outlooks) == [0] * 8
+
+
+def test_a_long_offer_pays_where_the_others_then_decode_faster() -> None:
+    """Two streams: one verifies its history's 32 tokens and is soon done, after which
+    the other decodes alone at the pace measured alone, much faster than beside it."""
+    p = planner((70, 12), (12, 3))
+    for _ in range(8):
+        p.costs.observe_pace(1, 3, 0.1)  # alone: 3 tokens a 0.1 s step
+        p.costs.observe_pace(2, 2, 0.082)  # two: a token each a plain step
+    sure = Outlook(geometric(0.1, 8), DRAFT, lookup=geometric(0.999, 32), remaining=40)
+    fresh = Outlook(geometric(0.1, 8), DRAFT, remaining=128)
+    assert caps(p, [sure, fresh]) == [32, 0]
+
+
+def test_the_batchs_end_waits_for_the_last_sequences_only() -> None:
+    """Per second, one sequence's sure 32-token offer emits the most; but two sequences
+    twice as far from done wait for its pass. Their own drafts bring the end nearer."""
+    p = planner((60, 8), (6, 1))
+    near = Outlook(geometric(0.1, 8), DRAFT, lookup=geometric(0.999, 32), remaining=100)
+    far = Outlook(geometric(0.8, 8), DRAFT, remaining=200)
+    assert caps(p, [replace(o, remaining=None) for o in (near, far, far)]) == [32, 0, 0]
+    planned = caps(p, [near, far, far])
+    assert planned is not None and planned[0] == 0 and planned[1] == planned[2] > 0
+
+
+def test_time_to_go_follows_the_pace_measured_at_each_concurrency() -> None:
+    p = BatchDraftPlanner()
+    p.costs.observe_verify(2, 0.05)
+    for _ in range(4):
+        p.costs.observe_pace(1, 2, 0.04)  # 0.02 s a token alone
+        p.costs.observe_pace(2, 2, 0.05)  # 0.05 s a token each, two together
+    # both decode together for 10 tokens, then the longer one alone for 20
+    assert abs(p.costs.time_to_go([10, 30]) - (10 * 0.05 + 20 * 0.02)) < 1e-9
+    assert p.costs.time_to_go([]) == 0.0
