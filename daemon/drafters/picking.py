@@ -67,16 +67,13 @@ def pick_token(row: np.ndarray, sampler: Sampler | None, grammar: GrammarState |
 def pick_spec(sampler: Sampler | None, grammar: GrammarState | None, position: int,
               p_min: float, vocab: int) -> SampleSpec | None:
     """The graph's decision of `pick_token` for the draft token at `position` (None where
-    its q would not fit the candidates a graph returns, a sampler without top-k, or where a
-    coupled sampler's noise is the target's host stream, which a graph cannot draw)."""
+    its q would not fit the candidates a graph returns, or a sampler without top-k)."""
     if sampler is None:
         return sample_spec(_GREEDY, position, vocab, grammar=grammar, stream=DRAFT_STREAM,
                            candidates=1 if p_min > 0 else 0)
     if isinstance(sampler, CoupledSampler):
         # the target's uniform at the position (its key is the target's); no q leaves the
         # graph (the target's own draw decides), only the top probability, for p_min
-        if not sampler.graph_noise:
-            return None
         return sample_spec(sampler, position, vocab, grammar=grammar, stream=TARGET_STREAM,
                            candidates=1)
     k = sampler.params.top_k

@@ -252,7 +252,8 @@ class Generation:
         # the penalties and DRY see the prompt's text before the reply, as llama-server's
         # samplers accept every prompt token (not an image's positions)
         self.sampler = Sampler(params.sampling, seed=t_seed, vocab=vocab,
-                               history=[t for t in prompt if not is_placeholder(t)])
+                               history=[t for t in prompt if not is_placeholder(t)],
+                               position=len(prompt))
         # tokens decided in the target's graph (logprobs are computed on the host from
         # the logits, which then leave the session too), where it runs the request's chain
         self.in_graph = (params.backend_sampling and target.samples
@@ -304,7 +305,7 @@ class Generation:
                           presence_penalty=sp.presence_penalty,
                           frequency_penalty=sp.frequency_penalty, logit_bias=sp.logit_bias)
         if self.coupled:
-            return CoupledSampler(q, self.sampler, graph_noise=self.in_graph)
+            return CoupledSampler(q, self.sampler)
         return Sampler(q, seed=seed, history=self.sampler.history)
 
     @property

@@ -43,6 +43,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from specd.ort_models.sampling_op import TARGET_STREAM
+
+from .philox import philox_uniform
 from .sampler_chain import DEFAULT_CHAIN, STEPS, Candidates, ChainContext, graph_order, softmax
 from .sampler_vocab import SamplerVocab
 
@@ -377,8 +380,14 @@ class Sampler:
         seed: int | None = None,
         history: Iterable[int] = (),
         vocab: SamplerVocab | None = None,
+        position: int | None = None,
     ) -> None:
+        """position: the sequence position of the first token this sampler decides, where
+        its draws are keyed by position as a graph's are (a request's target sampler: its
+        tokens are then the same on the host and in a graph, whatever the drafts); None:
+        its draws are the PCG64 stream's, in order."""
         self.params = params.validate()
+        self.position = position
         rng_seed = params.seed if seed is None else seed
         self._rng = np.random.Generator(np.random.PCG64(rng_seed))
         # the key of the counter-based draws made for this sampler in a graph (graph_sampling)
@@ -431,11 +440,19 @@ class Sampler:
         self._history.append(int(token))
         self._dry_history.append(int(token))
         self._index += 1
+        if self.position is not None:
+            self.position += 1
 
-    def uniform(self, position: int | None = None) -> float:
-        """Draw one uniform in [0, 1) from this sampler's stream (`position`: the token's
-        sequence position, which a coupled draft's sampler keys its noise by)."""
-        return float(self._rng.random())
+    def uniform(self, position: int | None = None, draw: int = 0) -> float:
+        """One uniform in [0, 1). Keyed by position: the graph's counter-based uniform
+        (spec/philox.py) for the token at `position` (default: the next one this sampler
+        decides), `draw` 0 for its coin or plain draw and 1 for a residual draw, as
+        sample_tokens.c draws them. Otherwise the next of its PCG64 stream (`position`,
+        which a coupled draft's sampler keys its noise by, and `draw` unused)."""
+        if self.position is None:
+            return float(self._rng.random())
+        at = self.position if position is None else position
+        return float(philox_uniform(self.key, at, TARGET_STREAM, draw))
 
     def copy(self) -> Sampler:
         """Independent deep copy: same params, history and rng state."""

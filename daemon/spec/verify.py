@@ -215,7 +215,7 @@ def verify_rejection(
             if _stopped(grammar):  # the constraint is complete: end as plain decoding does
                 return VerifyResult(i + 1, tokens, n, accept_probs=tuple(alphas))
             continue
-        correction = sample_from_probs(residual_distribution(p, q), sampler.uniform())
+        correction = sample_from_probs(residual_distribution(p, q), sampler.uniform(draw=1))
         _emit(correction, tokens, sampler, grammar)
         return VerifyResult(i, tokens, n, accept_probs=tuple(alphas))
     return _with_bonus(rows, tokens, sampler, n, grammar, alphas)

@@ -35,26 +35,25 @@ needs_kernels = pytest.mark.skipif(native_ops.library() is None,
                                    reason="specd's kernels are off")
 
 
-def test_host_noise_is_the_targets_next_draws() -> None:
-    target = Sampler(SEEDED, seed=99)
-    target.uniform()
-    coupled = CoupledSampler(SamplerParams(temperature=0.8, top_k=10), target,
-                             graph_noise=False)
+def test_coupled_noise_is_the_targets_draw_at_the_position() -> None:
+    """A coupled draft draws the target's counter-based uniform at each position, on the
+    host as a graph does, in any order; the target's own draw there is the same."""
+    target = Sampler(SEEDED, seed=99, position=40)
+    coupled = CoupledSampler(SamplerParams(temperature=0.8, top_k=10), target)
     coupled.start_round(40)
-    ahead = [coupled.uniform(40 + i) for i in (2, 0, 1)]  # any order: keyed by position
-    want = [target.uniform() for _ in range(3)]
-    assert ahead == [want[2], want[0], want[1]]
+    assert coupled.key == target.key
+    ahead = [coupled.uniform(40 + i) for i in (2, 0, 1)]
+    assert ahead == [float(philox_uniform(target.key, 40 + i, TARGET_STREAM, 0))
+                     for i in (2, 0, 1)]
+    assert target.uniform() == ahead[1]
+    target.accept(5)
+    assert target.uniform() == ahead[2] and target.uniform(draw=1) != ahead[2]
     with pytest.raises(ValueError, match="position"):
         coupled.uniform()
-
-
-def test_graph_noise_is_the_targets_counter_draw() -> None:
-    target = Sampler(SEEDED, seed=99)
-    coupled = CoupledSampler(SamplerParams(temperature=0.8, top_k=10), target,
-                             graph_noise=True)
-    coupled.start_round(7)
-    assert coupled.key == target.key
-    assert coupled.uniform(9) == float(philox_uniform(target.key, 9, TARGET_STREAM, 0))
+    with pytest.raises(ValueError, match="before the round"):
+        coupled.uniform(39)
+    with pytest.raises(ValueError, match="keyed by position"):
+        CoupledSampler(SEEDED, Sampler(SEEDED))
 
 
 def _models(factory: Callable[..., Path], options: BuildOptions
@@ -109,6 +108,23 @@ def test_rejection_sampling_depends_on_the_draft_lengths(
     outs = {tuple(_run(target, draft, draft=DraftParams(n_max=n), coupled=False)[0])
             for n in (1, 3, 6)}
     assert len(outs) > 1
+
+
+@needs_kernels
+def test_a_seeded_request_draws_the_same_tokens_on_the_host_and_in_the_graph(
+        tiny_model_factory: Callable[..., Path]) -> None:
+    """The host draws the graph's counter-based uniforms at each position: a seeded
+    request's text does not depend on where its tokens are decided, drafted or not."""
+    target, draft = _models(tiny_model_factory, GRAPH)
+    in_graph, gen = _run(target, None)
+    assert gen.in_graph
+    on_host, gen = _run(target, None, backend_sampling=False)
+    assert not gen.in_graph
+    assert on_host == in_graph
+    drafted, gen = _run(target, draft, backend_sampling=False, draft=DraftParams(n_max=3))
+    assert not gen.in_graph and gen.coupled
+    assert drafted == in_graph
+    assert_speculated(gen.stats)
 
 
 @needs_kernels
