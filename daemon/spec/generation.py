@@ -164,9 +164,11 @@ class GenerationParams:
 
 
 def make_policy(params: GenerationParams, drafter: Drafter | None) -> DraftPolicy:
-    """The request's draft-length policy: adaptive, or n_max every round."""
+    """The request's draft-length policy: adaptive, or n_max every round (always for a
+    drafter that decides acceptance itself: there is nothing to learn from it, and its
+    configured rates are the point)."""
     dp = params.draft
-    if params.adaptive:
+    if params.adaptive and not (drafter is not None and drafter.decides_acceptance):
         sources = () if drafter is None else tuple(
             SourceTraits(d.one_pass, d.catch_up) for d in drafter.model_sources)
         return AdaptiveDraftLength(dp.n_max, n_min=dp.n_min, sources=sources,
