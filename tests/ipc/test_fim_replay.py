@@ -101,11 +101,7 @@ SHAPES = [pytest.param(llama_vim, id="llama.vim"), pytest.param(llama_vscode, id
 
 @pytest.fixture(scope="module")
 def model_path() -> Any:
-    from conftest import fetched_model
-
-    if reason := llama_cpp_oracle.missing("llama-server"):
-        pytest.skip(reason)
-    return fetched_model(MODEL)
+    return llama_cpp_oracle.served_model(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -44,11 +44,7 @@ def _distribution(answer: dict[str, Any]) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def model_path() -> Any:
-    from conftest import fetched_model
-
-    if reason := llama_cpp_oracle.missing("llama-server"):
-        pytest.skip(reason)
-    return fetched_model(MODEL)
+    return llama_cpp_oracle.served_model(MODEL)
 
 
 @pytest.fixture(scope="module")

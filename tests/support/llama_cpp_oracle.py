@@ -42,6 +42,17 @@ class Round:
         return [c[0][0] for c in self.candidates]
 
 
+def served_model(name: str) -> Path:
+    """The catalog model `name` for a test beside llama-server: skipped where the binary
+    is missing, else fetched (conftest.fetched_model)."""
+    import pytest
+    from conftest import fetched_model
+
+    if reason := missing("llama-server"):
+        pytest.skip(reason)
+    return fetched_model(name)
+
+
 def split_gguf(src: Path, out: Path, *args: str) -> Path:
     """`src` split by llama-gguf-split (`args`: --split-max-tensors N or --split-max-size
     N(M|G)) into `out` as `model-0000i-of-0000n.gguf`; the first part's path."""
