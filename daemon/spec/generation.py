@@ -43,10 +43,10 @@ from .logprobs import LogprobRecorder
 from .media import (
     PromptImage,
     check_images,
+    chunk_end,
     image_at,
     is_placeholder,
     mrope_positions,
-    next_image_start,
     outside_images,
 )
 from .policy import (
@@ -99,7 +99,7 @@ def check_prompt_fits(prompt: Sequence[int], n_ctx: int) -> None:
                            f"holds {n_ctx}: at most {room} prompt tokens fit")
 
 
-def _causal_images(target: ModelRunner) -> bool:
+def causal_images(target: ModelRunner) -> bool:
     """Whether the target's image rows are causal (gemma3's see the whole image)."""
     emb = target.embeddings_runner
     return emb is None or emb.built.options.causal
@@ -126,9 +126,38 @@ def check_prompt_images(target: ModelRunner, prompt: Sequence[int],
         if target.takes_rope_positions and im.chunk.grid is None:
             raise RequestError(f"{target.built.gguf_path.name} places an image's tokens on "
                                "their grid (M-RoPE): an image needs its grid")
-        if not _causal_images(target) and im.chunk.n_tokens > emb.max_call_rows:
+        if not causal_images(target) and im.chunk.n_tokens > emb.max_call_rows:
             raise RequestError(f"an image of {im.chunk.n_tokens} tokens exceeds the "
                                f"{emb.max_call_rows} rows one call evaluates")
+
+
+def prompt_chunk(target: ModelRunner, seq: int, prompt: Sequence[int],
+                 images: Sequence[PromptImage], start: int, end: int,
+                 layers: tuple[int, ...]) -> Call:
+    """The target call evaluating the prompt chunk of sequence `seq` from `start`, ending
+    by `end` and within start's bucket (so prefill is the same computation whoever runs
+    it), an image's rows by themselves from its embeddings (chunk_end), with their
+    M-RoPE positions where the target takes them."""
+    end = chunk_end(images, start, min(end, start - start % ATTN_BUCKET + ATTN_BUCKET),
+                    whole_images=not causal_images(target))
+    image = image_at(images, start)
+    return Call(seq, prompt[start:end], start, None, layers,
+                embeds=None if image is None
+                else image.embeddings[start - image.start:end - image.start],
+                rope_positions=mrope_positions(images, start, end)
+                if images and target.takes_rope_positions else None)
+
+
+def prompt_calls(target: ModelRunner, seq: int, prompt: Sequence[int],
+                 images: Sequence[PromptImage], layers: tuple[int, ...]) -> list[Call]:
+    """The calls evaluating a whole prompt holding `images` from position 0 of `seq`, as
+    a Generation's prefill chunks it with no budget; RequestError unless the target
+    takes these images."""
+    check_prompt_images(target, prompt, images)
+    calls: list[Call] = []
+    while (start := sum(len(c.tokens) for c in calls)) < len(prompt):
+        calls.append(prompt_chunk(target, seq, prompt, images, start, len(prompt), layers))
+    return calls
 
 
 @dataclass
@@ -382,20 +411,13 @@ class Generation:
             cut = start + budget
             boundary = cut - cut % ATTN_BUCKET
             end = boundary if boundary > start else cut
-        end = min(end, start - start % ATTN_BUCKET + ATTN_BUCKET)
-        image = image_at(self.images, start)
-        if image is not None:  # its rows from its embeddings: whole where not causal
-            end = image.end if not _causal_images(self.target) else min(end, image.end)
-            self._pending = _PrefillChunk(end)
-            return Call(self.seq, self.prompt[start:end], start, None, self._layers,
-                        embeds=image.embeddings[start - image.start:end - image.start],
-                        rope_positions=self._rope_positions(start, end))
-        end = min(end, next_image_start(self.images, start) or end)
+        call = prompt_chunk(self.target, self.seq, self.prompt, self.images, start, end,
+                            self._layers)
+        end = start + len(call.tokens)
         self._pending = _PrefillChunk(end)
-        last = end == len(self.prompt) and self.params.max_tokens > 0
-        return Call(self.seq, self.prompt[start:end], start, None, self._layers,
-                    self._spec(len(self.prompt)) if last else None,
-                    rope_positions=self._rope_positions(start, end))
+        if end == len(self.prompt) and self.params.max_tokens > 0 and call.embeds is None:
+            call = replace(call, sample=self._spec(len(self.prompt)))
+        return call
 
     def _rope_positions(self, start: int, end: int) -> np.ndarray | None:
         """The M-RoPE positions [4, end - start] of KV rows start..end-1 where they are

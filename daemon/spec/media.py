@@ -153,6 +153,16 @@ def outside_images(images: Sequence[PromptImage], n: int) -> int:
     return n if im is None or im.start == n else im.start
 
 
+def chunk_end(images: Sequence[PromptImage], start: int, end: int, whole_images: bool) -> int:
+    """Where a prompt chunk from `start`, which would end at `end`, ends: an image's rows
+    in a chunk of their own (the whole image where `whole_images`: its rows see each
+    other, so one call computes them), text up to the next image."""
+    image = image_at(images, start)
+    if image is not None:
+        return image.end if whole_images else min(end, image.end)
+    return min(end, next_image_start(images, start) or end)
+
+
 def text_runs(tokens: Sequence[int]) -> list[list[int] | None]:
     """The prompt as its token runs, None for each image (its run of placeholders)."""
     out: list[list[int] | None] = []

@@ -18,8 +18,19 @@ from specd.daemon.drafters.draft_model import DraftModelDrafter
 from specd.daemon.drafters.eagle3 import Eagle3Drafter
 from specd.daemon.drafters.ngram import NgramDrafter
 from specd.daemon.spec.drafter import Drafter, DraftParams
-from specd.daemon.spec.generation import Generation, GenerationParams, RequestError
-from specd.daemon.spec.media import ImageChunk, assemble, outside_images, placeholder_id
+from specd.daemon.spec.generation import (
+    Generation,
+    GenerationParams,
+    RequestError,
+    prompt_calls,
+)
+from specd.daemon.spec.media import (
+    ImageChunk,
+    assemble,
+    chunk_end,
+    outside_images,
+    placeholder_id,
+)
 from specd.ort_models.gguf_file import GGUFFile
 from specd.ort_models.graph_builder import BuildOptions
 from specd.ort_models.head_runner import HeadRunner, load_or_build_head
@@ -108,6 +119,33 @@ def test_a_reused_prefix_never_cuts_an_image(tiny_model_factory) -> None:
                      eog=set(), reuse=reuse, images=images)
     assert gen.stats.cached_tokens == len(BEFORE)
     assert decode_all(gen) == fresh
+
+
+def test_a_chunk_ends_at_an_image_and_holds_it_whole_where_not_causal() -> None:
+    _, images = assemble([BEFORE, image(8), AFTER])
+    start = len(BEFORE)
+    assert chunk_end(images, 0, 64, whole_images=True) == start  # text stops at the image
+    assert chunk_end(images, start, start + 4, whole_images=False) == start + 4
+    assert chunk_end(images, start, start + 4, whole_images=True) == start + N_IMAGE
+    assert chunk_end(images, start + N_IMAGE, 64, whole_images=True) == 64
+
+
+def test_prompt_calls_evaluate_the_prompt_as_generation_does(tiny_model_factory) -> None:
+    """The calls evaluating a whole prompt (embeddings' path): the prompt's tokens in
+    order, the image's rows as its embeddings in one call (gemma3: not causal), and the
+    last call's logits give Generation's first greedy token."""
+    path = tiny_model_factory(arch="gemma3", weight_type="Q8_0", sliding_window=8,
+                              swa_pattern=2)
+    r = with_embeddings(load_or_build(path), causal=False)
+    img = image(r.hp.n_embd, 4)
+    want, _ = generate(r, [BEFORE, img, AFTER], max_tokens=1)
+    prompt, images = assemble([BEFORE, img, AFTER])
+    calls = prompt_calls(r, 0, prompt, images, ())
+    assert [t for c in calls for t in c.tokens] == prompt
+    [image_call] = [c for c in calls if c.embeds is not None]
+    assert image_call.pos == len(BEFORE) and np.array_equal(image_call.embeds, img.embeddings)
+    last = [r.forward_batch([c])[0] for c in calls][-1]
+    assert int(np.argmax(last.logits[-1])) == want[0]
 
 
 def test_images_are_refused_by_a_model_without_vision(tiny_model_factory) -> None:
