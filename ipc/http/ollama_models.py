@@ -120,6 +120,8 @@ async def show(request: web.Request) -> web.Response:
         capabilities.append("insert")
     if svc.embeddings is not None:
         capabilities.append("embedding")
+    if svc.takes_images:  # a vision projector (--mmproj): Ollama's name for it
+        capabilities.append("vision")
     d = svc.defaults
     s = d.sampling
     # the request defaults, as a Modelfile's PARAMETER lines

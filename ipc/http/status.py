@@ -27,11 +27,26 @@ async def health(request: web.Request) -> web.Response:
 
 def _model_card(svc: ServiceFacade) -> dict[str, Any]:
     """A built local model; its status, loaded or unloaded while idle, as llama-server's
-    router lists a model's."""
+    router lists a model's, and the modalities it takes and gives."""
     loaded = svc.residency().loaded
     return {"id": svc.model_name, "aliases": svc.aliases, "tags": svc.tags,
             "object": "model", "created": int(svc.started), "owned_by": "specd",
-            "status": {"value": "loaded" if loaded else "unloaded"}}
+            "status": {"value": "loaded" if loaded else "unloaded"},
+            "architecture": {
+                "input_modalities": ["text", "image"] if svc.takes_images else ["text"],
+                "output_modalities": ["text"]}}
+
+
+def _capability_entry(name: str, takes_images: bool) -> dict[str, Any]:
+    """A model as llama-server's `models` array lists it beside `data` (its fields, the
+    ones it leaves empty empty too): "completion", and "multimodal" where a vision
+    projector is loaded."""
+    return {"name": name, "model": name, "modified_at": "", "size": "", "digest": "",
+            "type": "model", "description": "", "tags": [""],
+            "capabilities": ["completion", "multimodal"] if takes_images else ["completion"],
+            "parameters": "",
+            "details": {"parent_model": "", "format": "gguf", "family": "",
+                        "families": [""], "parameter_size": "", "quantization_level": ""}}
 
 
 def _unbuilt_card(svc: ServiceFacade, name: str) -> dict[str, Any]:
@@ -52,8 +67,10 @@ def _local_card(svc: ServiceFacade, name: str, facade: ServiceFacade | None) -> 
 
 
 async def models(request: web.Request) -> web.Response:
-    """GET /v1/models and /models; `?reload=1` reads the preset file again first
-    (llama-server's router), a 500 naming the file's error where it is bad."""
+    """GET /v1/models and /models: OpenAI's `data` (llama-server's router's cards) and
+    llama-server's `models` (each model's capabilities); `?reload=1` reads the preset
+    file again first (llama-server's router), a 500 naming the file's error where it is
+    bad."""
     svc = service(request)
     if request.query.get("reload"):
         try:
@@ -61,9 +78,16 @@ async def models(request: web.Request) -> web.Response:
         except ValueError as exc:
             raise BadRequest(f"the models preset could not be read: {exc}",
                              status=500) from None
-    return json_response({"object": "list", "data": [
-        *(_local_card(svc, n, f) for n, f in svc.local_models()),
-        *(_upstream_card(svc, n) for n in svc.upstream_names)]})
+    local = svc.local_models()
+    # a model not built yet is listed without "multimodal": its projector is not read
+    # until it is built
+    return json_response({
+        "models": [*(_capability_entry(n, f is not None and f.takes_images)
+                     for n, f in local),
+                   *(_capability_entry(n, False) for n in svc.upstream_names)],
+        "object": "list",
+        "data": [*(_local_card(svc, n, f) for n, f in local),
+                 *(_upstream_card(svc, n) for n in svc.upstream_names)]})
 
 
 async def model(request: web.Request) -> web.Response:
