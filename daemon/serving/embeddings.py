@@ -11,10 +11,13 @@ p-norm).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from specd.daemon.spec.generation import prompt_calls
+from specd.daemon.spec.media import PromptImage
 from specd.daemon.text.tokenizer import Tokenizer
 from specd.ort_models.arch import read_hparams
 from specd.ort_models.gguf_file import GGUFFile
@@ -103,10 +106,21 @@ class Embedder:
     def n_ctx(self) -> int:
         return self.model.n_ctx
 
-    def embed(self, seq: int, tokens: list[int], normalize_p: int = 2) -> np.ndarray:
+    def embed(self, seq: int, tokens: list[int], normalize_p: int = 2,
+              images: Sequence[PromptImage] = ()) -> np.ndarray:
         """The embedding of `tokens`, evaluated from position 0 of sequence `seq` (its KV
-        then holds them): [E] pooled, or [n_tokens, E] with pooling "none"."""
+        then holds them): [E] pooled, or [n_tokens, E] with pooling "none". `images`: the
+        prompt's images at their placeholders (spec/media.py), their rows evaluated from
+        their embeddings as a generation's prefill evaluates them (RequestError where
+        the model takes none: an embedding model of its own takes none)."""
         h = self.head
-        _, features = self.model.runner.prefill_with_features(seq, tokens, 0, [h.layer])
-        states = output_norm(features[h.layer], h.norm, h.eps)  # [n, E]
+        runner = self.model.runner
+        if images:
+            calls = prompt_calls(runner, seq, tokens, images, (h.layer,))
+            hidden = np.concatenate([  # [n, E]
+                runner.forward_batch([c])[0].features[h.layer] for c in calls])
+        else:
+            _, features = runner.prefill_with_features(seq, tokens, 0, [h.layer])
+            hidden = features[h.layer]  # [n, E]
+        states = output_norm(hidden, h.norm, h.eps)  # [n, E]
         return normalize(pool(states, h.pooling), normalize_p if h.pooling != "none" else -1)

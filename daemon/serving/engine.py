@@ -594,13 +594,14 @@ class Engine:
                           on_prompt_progress=on_prompt_progress, memory=self.policy_memory,
                           images=images, vocab=self.sampler_vocab)
 
-    def embed(self, seq: int, tokens: Sequence[int], normalize_p: int = 2) -> np.ndarray:
-        """The embedding of `tokens` (Embedder.embed; `seq`: the target's slot, where the
-        target embeds, else the embedding model's sequence 0)."""
+    def embed(self, seq: int, tokens: Sequence[int], normalize_p: int = 2,
+              images: Sequence[PromptImage] = ()) -> np.ndarray:
+        """The embedding of `tokens`, holding `images` (Embedder.embed; `seq`: the
+        target's slot, where the target embeds, else the embedding model's sequence 0)."""
         if self.embedder is None:
             raise EngineError("embeddings are off (serve with --embeddings)")
         return self.embedder.embed(seq if not self.embedder.own else 0, list(tokens),
-                                   normalize_p)
+                                   normalize_p, images)
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {

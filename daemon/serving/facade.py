@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -340,8 +340,10 @@ class ServiceFacade:
         return self._service.generate(prompt, params, **kw)
 
     async def embed(self, inputs: list[list[int]], normalize_p: int = 2, *,
-                    keep_alive: float | None = None) -> list[np.ndarray]:
-        return await self._service.embed(inputs, normalize_p, keep_alive=keep_alive)
+                    keep_alive: float | None = None,
+                    images: Sequence[Sequence[PromptImage]] = ()) -> list[np.ndarray]:
+        return await self._service.embed(inputs, normalize_p, keep_alive=keep_alive,
+                                         images=images)
 
     # -- slots and counters ---------------------------------------------------------------
     @property

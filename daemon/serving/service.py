@@ -182,14 +182,22 @@ class Service:
         await asyncio.to_thread(wait)
 
     async def embed(self, inputs: list[list[int]], normalize_p: int = 2, *,
-                    keep_alive: float | None = None) -> list[np.ndarray]:
+                    keep_alive: float | None = None,
+                    images: Sequence[Sequence[PromptImage]] = ()) -> list[np.ndarray]:
         """Each input's embedding (Engine.embed): from the target, computed on the
         scheduler's worker in a slot it takes like a request (QueueFull when the queue is
         full); from an embedding model of its own, on a thread, one request at a time,
-        the models kept loaded meanwhile."""
+        the models kept loaded meanwhile. `images`: each input's images (none: text
+        only), which only the target takes (RequestError for a model of its own)."""
         if not inputs or not all(inputs):
             raise ValueError("nothing to embed")
+        if images and len(images) != len(inputs):
+            raise ValueError(f"{len(images)} inputs' images for {len(inputs)} inputs")
+        held = list(images) or [() for _ in inputs]
         embedder = self.engine.embedder
+        if embedder is not None and embedder.own and any(held):
+            raise RequestError("the embedding model (--embedding-model) takes no images: "
+                               "only the target's vision projector encodes them")
         if embedder is not None and embedder.own:  # a model of its own: no slot to take
             for tokens in inputs:
                 check_prompt_fits(tokens, embedder.n_ctx)
@@ -210,7 +218,8 @@ class Service:
 
         def task(seq: int) -> tuple[object, list[int]]:
             t0 = time.perf_counter()
-            out = [self.engine.embed(seq, tokens, normalize_p) for tokens in inputs]
+            out = [self.engine.embed(seq, tokens, normalize_p, ims)
+                   for tokens, ims in zip(inputs, held, strict=True)]
             self.scheduler.count_prompts([len(t) for t in inputs], time.perf_counter() - t0)
             return out, list(inputs[-1])  # the slot's KV holds the last input
 

@@ -9,11 +9,12 @@ slots and counters stay the local service's.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from specd.daemon.spec.generation import GenerationParams, RequestError
+from specd.daemon.spec.media import PromptImage
 from specd.daemon.text.grammar import Grammar
 from specd.daemon.text.tokenizer import Tokenizer
 
@@ -174,7 +175,8 @@ class UpstreamFacade(ServiceFacade):
             stream.cancel()
 
     async def embed(self, inputs: list[list[int]], normalize_p: int = 2, *,
-                    keep_alive: float | None = None) -> NoReturn:
+                    keep_alive: float | None = None,
+                    images: Sequence[Sequence[PromptImage]] = ()) -> NoReturn:
         self.unsupported("embeddings")
 
     # the upstream's model is loaded and unloaded by the upstream, never by this daemon

@@ -1,6 +1,9 @@
 """Embeddings: OpenAI's /v1/embeddings (one pooled vector per input) and llama.cpp's
 /embeddings (each input's vectors: one pooled, or one per token), over the inputs'
-embedding every dialect shares (`embed_inputs`)."""
+embedding every dialect shares (`embed_inputs`). An input may hold images, as
+llama-server takes them: {prompt_string, multimodal_data} or {"content": [OpenAI parts
+with image_url]} (media_inputs.media_prompt); the target's vision projector encodes
+them and their rows go through the model as a completion's do."""
 
 from __future__ import annotations
 
@@ -11,11 +14,17 @@ import numpy as np
 from aiohttp import web
 
 from specd.daemon.serving.facade import Embeddings, ServiceFacade
+from specd.daemon.spec.media import PromptImage
+from specd.daemon.text.tokenizer import Tokenizer
 
 from ..jsonout import json_response
+from ..security import IDENTITY, is_own_user
 from ..validation import BadRequest, get, json_body
-from .parsing import check_model, prompts
+from .media_inputs import image_prompt, media_prompt
+from .parsing import check_model, check_prompt_bytes, prompt_item_tokens, prompt_items
 from .state import off_loop, served
+
+Prompt = tuple[list[int], tuple[PromptImage, ...]]  # an input's tokens and its images
 
 
 async def embeddings_oai(request: web.Request) -> web.StreamResponse:
@@ -40,22 +49,40 @@ async def embed_inputs(request: web.Request, svc: ServiceFacade, emb: Embeddings
                        field: str, *, normalize: int = 2, truncate: bool = False,
                        keep_alive: float | None = None
                        ) -> tuple[list[list[int]], list[np.ndarray]]:
-    """(each input's tokens, its vectors) for `value` (`prompts`' forms). An input longer
-    than the context is a 400, or with `truncate` cut to what it holds; the model stays
-    loaded for `keep_alive` once idle after it (None: the daemon's --keep-alive)."""
-    tok = emb.tokenizer
-    # an empty text: its start alone (llama.cpp embeds the BOS it adds)
-    start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
-    inputs = [tokens or start
-              for tokens in await off_loop(request, prompts, svc, value, field, tok)]
+    """(each input's tokens, its vectors) for `value` (`prompt_items`' forms, images
+    among them: `read_inputs`). An input longer than the context is a 400, or with
+    `truncate` (text only) cut to what it holds; the model stays loaded for
+    `keep_alive` once idle after it (None: the daemon's --keep-alive)."""
+    read = await off_loop(request, read_inputs, svc, value, field, emb.tokenizer,
+                          is_own_user(request.get(IDENTITY, "")))
+    inputs = [tokens for tokens, _ in read]
     room = emb.n_ctx - 1
-    for i, tokens in enumerate(inputs):
+    for i, (tokens, held) in enumerate(read):
         if len(tokens) > room:
-            if not truncate:
+            if not truncate or held:
                 raise BadRequest(f"input is too large to process: {len(tokens)} tokens, the "
                                  f"context holds {room}", param=field)
             inputs[i] = tokens[:room]
-    return inputs, await svc.embed(inputs, normalize, keep_alive=keep_alive)
+    images = [ims for _, ims in read] if any(ims for _, ims in read) else []
+    return inputs, await svc.embed(inputs, normalize, keep_alive=keep_alive, images=images)
+
+
+def read_inputs(svc: ServiceFacade, value: Any, field: str, tok: Tokenizer,
+                own_user: bool) -> list[Prompt]:
+    """Each input's tokens and images: a text input tokenized by `tok` (an empty one:
+    its start alone, as llama.cpp embeds the BOS it adds), one holding images
+    (media_prompt) made a prompt by the target's vision projector (a 400 for a model
+    without one). Runs the encoder: off the event loop."""
+    start = [tok.bos_id if tok.bos_id is not None else (tok.eos_id or 0)]
+    out: list[Prompt] = []
+    for item in prompt_items(value, field):
+        media = media_prompt(svc, item, field, own_user=own_user)
+        if media is None:
+            out.append((prompt_item_tokens(svc, item, field, tok) or start, ()))
+        else:
+            check_prompt_bytes(svc, media[0], field)
+            out.append(image_prompt(svc, *media, field))
+    return out
 
 
 async def _embed(request: web.Request, *, openai: bool) -> web.Response:

@@ -5,7 +5,8 @@ for the model's vision projector to encode (the marker is where the image's toke
 Each dialect hands its images over as OpenAI image_url parts (`image_part`): Anthropic's
 base64 image blocks, Ollama's `images`, Responses' input_image parts. llama-server's
 `/completion` takes a prompt string holding the markers and `multimodal_data`, a list
-of base64 files (`multimodal_prompt`). `image_prompt` has the service encode them.
+of base64 files (`multimodal_prompt`); an embedding input may be either that or
+{"content": [OpenAI parts]} (`media_prompt`). `image_prompt` has the service encode them.
 
 Where an image may come from:
 - a data URL (`data:image/png;base64,...`), anywhere;
@@ -97,11 +98,7 @@ def chat_images(messages: list[dict[str, Any]], *, own_user: bool
             kind = p.get("type") if isinstance(p, dict) else None
             where = f"messages[{i}].content[{j}]"
             if kind == "image_url":
-                spec = p.get("image_url")
-                url = spec.get("url") if isinstance(spec, dict) else spec
-                if not isinstance(url, str):
-                    raise BadRequest("an image_url part needs image_url.url", param=where)
-                images.append(image_bytes(url, own_user=own_user, param=where))
+                images.append(_part_image(p, own_user=own_user, param=where))
                 text += MEDIA_MARKER
                 last_marker = True
             elif kind == "text" and isinstance(p.get("text"), str):
@@ -112,6 +109,66 @@ def chat_images(messages: list[dict[str, Any]], *, own_user: bool
                                  "(text and image_url parts)", param=where)
         out.append({**m, "content": text})
     return out, images
+
+
+def _part_image(part: dict[str, Any], *, own_user: bool, param: str) -> bytes:
+    """The bytes of the image an image_url content part names."""
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str):
+        raise BadRequest("an image_url part needs image_url.url", param=param)
+    return image_bytes(url, own_user=own_user, param=param)
+
+
+def content_media(parts: list[Any], *, own_user: bool, param: str
+                  ) -> tuple[str, list[bytes]]:
+    """OpenAI content parts as an embedding input takes them (llama-server's
+    tokenize_oai_content_array): the parts' texts joined with nothing between, a media
+    marker in each image_url part's place, and the images' bytes in order."""
+    text, images = "", []
+    for j, p in enumerate(parts):
+        kind = p.get("type") if isinstance(p, dict) else None
+        where = f"{param}.content[{j}]"
+        if kind == "image_url":
+            images.append(_part_image(p, own_user=own_user, param=where))
+            text += MEDIA_MARKER
+        elif kind == "text" and isinstance(p.get("text"), str):
+            text += p["text"]
+        else:
+            raise BadRequest(f"a content part of type {kind!r} is not supported "
+                             "(text and image_url parts)", param=where)
+    return text, images
+
+
+def holds_images(value: Any) -> bool:
+    """Whether an input holds images, as the embeddings routes take one: llama-server's
+    {prompt_string, multimodal_data}, or {"content": [parts]} with image_url parts."""
+    if not isinstance(value, dict):
+        return False
+    parts = value.get("content")
+    return "multimodal_data" in value or isinstance(parts, list) and any(
+        isinstance(p, dict) and p.get("type") == "image_url" for p in parts)
+
+
+def media_prompt(svc: ServiceFacade, value: Any, param: str, *, own_user: bool
+                 ) -> tuple[str, list[bytes]] | None:
+    """An input holding images (holds_images): its text (a media marker per image) and
+    the images' bytes (multimodal_prompt, content_media); None for an input of text
+    only. A 400 where the model takes no images."""
+    if not holds_images(value):
+        return None
+    check_takes_images(svc, param)
+    found = multimodal_prompt(value, param)
+    if found is not None:
+        return found
+    return content_media(value["content"], own_user=own_user, param=param)
+
+
+def check_takes_images(svc: ServiceFacade, param: str) -> None:
+    """A 400 naming `param` where the model has no vision projector."""
+    if not svc.takes_images:
+        raise BadRequest(f"{svc.model_name} takes no images: start it with --mmproj, the "
+                         "vision projector of its family", param=param)
 
 
 def image_part(url: str) -> dict[str, Any]:
@@ -148,9 +205,7 @@ def image_prompt(svc: ServiceFacade, text: str, images: list[bytes], param: str
     """The prompt of `text` (a media marker per image) and the images, encoded by the
     service's vision projector; a 400 naming `param` for a model without one, a bad
     image or a marker count that does not match. Runs the encoder: off the event loop."""
-    if not svc.takes_images:
-        raise BadRequest(f"{svc.model_name} takes no images: start it with --mmproj, the "
-                         "vision projector of its family", param=param)
+    check_takes_images(svc, param)
     try:
         return svc.image_prompt(text, images)
     except RequestError as exc:

@@ -185,48 +185,56 @@ def prompt_tokens(svc: ServiceFacade, value: Any, name: str = "prompt") -> list[
     return token_list(value, name, tok.vocab_size)
 
 
-def prompts(svc: ServiceFacade, value: Any, param: str = "input",
-            tok: Tokenizer | None = None) -> list[list[int]]:
-    """The token ids of each prompt, as llama-server reads `prompt` / `input` / `content`:
-    a text, an array of ids (text among them is tokenized in place), {"prompt_string":
-    text}, {"content": [text parts]}, or an array of those (several prompts). A text
-    may give no tokens. `tok`: the tokenizer (default: the target's)."""
-    tok = tok or svc.tokenizer
-
-    def one(item: Any) -> list[int]:
-        if isinstance(item, dict):
-            if "multimodal_data" in item:
-                raise BadRequest("'multimodal_data' is read by /completion (one prompt), "
-                                 "not here", param=param)
-            if isinstance(item.get("prompt_string"), str):
-                item = item["prompt_string"]
-            elif isinstance(item.get("content"), list) and all(
-                    isinstance(p, dict) and p.get("type") == "text"
-                    and isinstance(p.get("text"), str) for p in item["content"]):
-                item = "".join(p["text"] for p in item["content"])
-            else:
-                raise BadRequest(f"a '{param}' object needs 'prompt_string' or 'content' as "
-                                 "an array of text parts (this model reads text only)",
-                                 param=param)
-        check_prompt_bytes(svc, item, param)
-        if isinstance(item, str):
-            return tok.encode(item, parse_special=True)
-        if isinstance(item, list) and item and all(
-                isinstance(x, int | str) and not isinstance(x, bool) for x in item):
-            ids: list[int] = []
-            for x in item:
-                ids += [x] if isinstance(x, int) else tok.encode(x, add_bos=False)
-            return token_list(ids, param, tok.vocab_size)
-        raise BadRequest(f"'{param}' must be a string, an array of token ids, an object "
-                         "with text, or an array of these", param=param)
-
+def prompt_items(value: Any, param: str = "input") -> list[Any]:
+    """The prompts `value` holds, as llama-server reads `prompt` / `input` / `content`:
+    one (a text, an object, an array of ids with text among them) or an array of
+    those (several prompts)."""
     if isinstance(value, list):
         if not value:
             raise BadRequest(f"the {param} is empty", param=param)
         if any(isinstance(x, int) and not isinstance(x, bool) for x in value):
-            return [one(value)]  # one input of ids (with text among them)
-        return [one(x) for x in value]
-    return [one(value)]
+            return [value]  # one input of ids (with text among them)
+        return list(value)
+    return [value]
+
+
+def prompt_item_tokens(svc: ServiceFacade, item: Any, param: str = "input",
+                  tok: Tokenizer | None = None) -> list[int]:
+    """The token ids of one prompt: a text, an array of ids (text among them is
+    tokenized in place), {"prompt_string": text} or {"content": [text parts]}. A text
+    may give no tokens. `tok`: the tokenizer (default: the target's)."""
+    tok = tok or svc.tokenizer
+    if isinstance(item, dict):
+        if "multimodal_data" in item:
+            raise BadRequest("'multimodal_data' is read by /completion (one prompt) and "
+                             "the embeddings routes, not here", param=param)
+        if isinstance(item.get("prompt_string"), str):
+            item = item["prompt_string"]
+        elif isinstance(item.get("content"), list) and all(
+                isinstance(p, dict) and p.get("type") == "text"
+                and isinstance(p.get("text"), str) for p in item["content"]):
+            item = "".join(p["text"] for p in item["content"])
+        else:
+            raise BadRequest(f"a '{param}' object needs 'prompt_string' or 'content' as "
+                             "an array of text parts (this route reads text only)",
+                             param=param)
+    check_prompt_bytes(svc, item, param)
+    if isinstance(item, str):
+        return tok.encode(item, parse_special=True)
+    if isinstance(item, list) and item and all(
+            isinstance(x, int | str) and not isinstance(x, bool) for x in item):
+        ids: list[int] = []
+        for x in item:
+            ids += [x] if isinstance(x, int) else tok.encode(x, add_bos=False)
+        return token_list(ids, param, tok.vocab_size)
+    raise BadRequest(f"'{param}' must be a string, an array of token ids, an object "
+                     "with text, or an array of these", param=param)
+
+
+def prompts(svc: ServiceFacade, value: Any, param: str = "input",
+            tok: Tokenizer | None = None) -> list[list[int]]:
+    """The token ids of each prompt `value` holds (prompt_items, prompt_item_tokens)."""
+    return [prompt_item_tokens(svc, item, param, tok) for item in prompt_items(value, param)]
 
 
 def infill_prompt(svc: ServiceFacade, body: dict[str, Any], max_tokens: int) -> list[int]:
