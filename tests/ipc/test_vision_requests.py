@@ -238,3 +238,18 @@ def test_speculation_after_an_image_is_the_targets(vlm: tiny_vlm.TinyVlm, spec_t
     got, stats = run(spec_type, str(vlm.text) if draft else None)
     assert got == want
     assert_drafted(stats)
+
+
+def test_chat_input_tokens_count_the_image(server: LiveServer) -> None:
+    """llama-server's test_vision_chat_completion_token_count with a data URL: the
+    count is the image prompt's, the image's tokens and its begin and end among them."""
+    image = png(seed=41)
+    content = [{"type": "text", "text": "What is this:"},
+               {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    status, out = server.request("POST", "/chat/completions/input_tokens",
+                                 {"messages": [{"role": "user", "content": content}]})
+    assert status == 200, out
+    engine = _engine(server)
+    rendered = engine.render_chat([{"role": "user", "content": f"What is this:{MEDIA_MARKER}"}])
+    prompt, _ = engine.image_prompt(rendered, [image])
+    assert out["input_tokens"] == len(prompt) > N_IMAGE + 2
