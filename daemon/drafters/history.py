@@ -120,8 +120,9 @@ class HistoryStore:
 
     # -- changes --------------------------------------------------------------------------
     def add(self, identity: str, tokens: Sequence[int] | np.ndarray) -> None:
-        """A finished request's tokens (prompt and output) join its identity's history."""
-        toks = np.asarray(tokens, np.int32)
+        """A finished request's tokens (prompt and output) join its identity's history
+        (an image's placeholders, 60-bit negative ids, as the index holds them)."""
+        toks = np.asarray(tokens, np.int64)
         if toks.size == 0:
             return
         with self._lock:

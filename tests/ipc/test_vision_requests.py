@@ -253,3 +253,20 @@ def test_chat_input_tokens_count_the_image(server: LiveServer) -> None:
     rendered = engine.render_chat([{"role": "user", "content": f"What is this:{MEDIA_MARKER}"}])
     prompt, _ = engine.image_prompt(rendered, [image])
     assert out["input_tokens"] == len(prompt) > N_IMAGE + 2
+
+
+def test_an_image_request_joins_the_history(vlm: tiny_vlm.TinyVlm,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With history on (specd serve's default), a finished request holding an image
+    joins its caller's history (the image as a separator) and ends; the next is served."""
+    cfg = EngineConfig(target=str(vlm.text), mmproj=str(vlm.mmproj), spec_type="none",
+                       n_ctx=512, fetch=False, history=True)
+    body = {"prompt": {"prompt_string": f"What is this: {MEDIA_MARKER}\n",
+                       "multimodal_data": [base64.b64encode(png(seed=42)).decode()]},
+            "n_predict": 4}
+    with live_server_in(tmp_path_factory, "vision-history", cfg) as srv:
+        status, out = srv.request("POST", "/completion", body)
+        assert status == 200, out
+        assert srv.service.engine.history.n_tokens >= out["tokens_evaluated"] - N_IMAGE
+        status, out = srv.request("POST", "/completion", body)
+        assert status == 200, out

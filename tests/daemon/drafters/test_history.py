@@ -71,6 +71,19 @@ def test_an_identity_drafts_only_from_its_own_history() -> None:
     assert _offer(d, 1, BOB, [40, 41, 42, 43, 44, 40, 41, 42]) == [43, 44, 40, 41]
 
 
+def test_a_request_holding_an_image_joins_the_history() -> None:
+    """A finished request's tokens with an image's placeholders (60-bit negative ids)
+    are kept, the text on each side of the image matching on its own."""
+    from specd.daemon.spec.media import placeholder_id
+
+    store = HistoryStore(1 << 14)
+    store.add(ALICE, [1, 2, 3, 4, 5, 6, *[placeholder_id("cd" * 32)] * 4,
+                      11, 12, 13, 14, 15, 16])
+    d = HistoryDrafter(store)
+    assert _offer(d, 0, ALICE, [1, 2, 3, 4]) == [5, 6]
+    assert _offer(d, 0, ALICE, [11, 12, 13, 14]) == [15, 16]
+
+
 def test_the_bound_holds_per_principal_under_a_long_stream() -> None:
     """Thousands of requests of several identities: each principal's indices stay within
     max_tokens of capacity (BYTES_PER_TOKEN each), whatever the others did."""
