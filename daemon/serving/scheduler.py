@@ -615,7 +615,11 @@ class Scheduler:
                 req.error = req.error or f"internal error: {exc}"
             self.totals.merge(req.gen.stats)
             if req.error is None:
-                self.engine.remember(req.identity, req.gen.all_tokens)
+                try:
+                    self.engine.remember(req.identity, req.gen.all_tokens)
+                except Exception as exc:  # the request fails; it still ends (on_done)
+                    log.error("request %d failed joining the history", req.id, exc_info=exc)
+                    req.error = f"internal error: {exc}"
         self.requests_total += 1
         if req.error:
             self.requests_failed += 1
