@@ -148,7 +148,8 @@ class StepCosts:
 
     def observe_pace(self, active: int, tokens: int, seconds: float) -> None:
         """A decoding step of `active` sequences emitted `tokens` in `seconds` (its drafts
-        and its target pass)."""
+        and its target pass): plain rows and model drafts only, the pace the batch keeps
+        (a free offer's tokens come once)."""
         if tokens <= 0:
             return
         for acc in self.pace.values():

@@ -526,6 +526,14 @@ class Generation:
         return result
 
     @property
+    def verifies_offer(self) -> bool:
+        """The round whose call is out verifies a free offer (lookup, history): tokens
+        that came without a model's draft."""
+        pending = self._pending
+        return (isinstance(pending, _Round) and pending.proposed.model_call is None
+                and bool(pending.proposed.proposal.tokens))
+
+    @property
     def round_planned(self) -> bool:
         """A round is planned and waits for its proposal (`round_call`)."""
         return isinstance(self._pending, _Planned)

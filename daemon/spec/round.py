@@ -100,6 +100,8 @@ class BatchRound:
         if not calls:
             return StepReport(results)
         order = sorted(calls)
+        # a free offer's tokens are a windfall, not the pace the batch keeps
+        steady = not any(gens[i].verifies_offer for i in order)
         t0 = time.perf_counter()
         outputs = forward_each(self.target, [calls[i] for i in order])
         with _batched_updates(gens[i] for i in order):
@@ -115,9 +117,10 @@ class BatchRound:
             experts = sum(o.pass_experts_share for o in outputs if not isinstance(o, Exception))
             self.planner.costs.observe_verify(sum(len(calls[i].tokens) for i in order),
                                               t_end - t0, experts)
-            self.planner.costs.observe_pace(
-                len(order), sum(len(r) for r in results if isinstance(r, list)),
-                t_end - t_plan)
+            if steady:
+                self.planner.costs.observe_pace(
+                    len(order), sum(len(r) for r in results if isinstance(r, list)),
+                    t_end - t_plan)
             if log.isEnabledFor(logging.DEBUG):
                 self._log_step(gens, calls, results, (t_plan, t_propose, t0, t_end))
         return StepReport(results, len(order))

@@ -234,3 +234,31 @@ def test_a_failing_target_call_fails_only_its_sequence(
         g.close()
     assert errors == [(0, "the pass broke")]
     assert out[1:] == want
+
+
+def test_the_batchs_pace_leaves_out_steps_that_verify_free_offers(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A free offer's accepted tokens come once: a step that verifies one does not teach
+    the planner the pace the batch keeps; every other decoding step does."""
+    if engine.spec_type != "ngram":
+        pytest.skip("prompt lookup's offers alone")
+    planner = BatchDraftPlanner()
+    paced: list[int] = []
+    real = planner.costs.observe_pace
+    monkeypatch.setattr(planner.costs, "observe_pace",
+                        lambda active, tokens, seconds: paced.append(tokens)
+                        or real(active, tokens, seconds))
+    offered: list[bool] = []
+    real_forward = engine.target.runner.forward_batch
+    gens = _gens(engine, [STREAMS[0], STREAMS[3]])
+
+    def spy(calls: Any) -> Any:
+        if all(c.rows is not None for c in calls) and len(calls) == len(
+                [g for g in gens if not g.done]):
+            offered.append(any(g.verifies_offer for g in gens if not g.done))
+        return real_forward(calls)
+
+    monkeypatch.setattr(engine.target.runner, "forward_batch", spy)
+    _step_all(engine, gens, planner)
+    assert any(offered) and not all(offered)  # both kinds of step ran
+    assert len(paced) == offered.count(False)
