@@ -187,6 +187,10 @@ class BatchDraftPlanner:
         self._idle_steps = 0  # steps in a row planned with no draft
         self._turn = 0  # the sequence whose turn it is to explore
         self.forecast: StepForecast | None = None  # the last plan's prediction
+        # what a plan asks many times, computed once a plan (the costs do not change
+        # while it searches): each (outlook, n)'s seat cost, the verify slope
+        self._seats: dict[tuple[int, int], float] = {}
+        self._slope: float | None = None
 
     def plans(self, outlooks: Sequence[Outlook]) -> list[RoundPlan] | None:
         """Each sequence's round this step (None: no plan; each sequence's own policy
@@ -220,6 +224,8 @@ class BatchDraftPlanner:
         unless drafting is predicted START_MARGIN faster; where the sequences' remaining
         tokens are known, a plan that would bring the last of them later to its end than
         a plain step does gives way to the plan that brings it soonest (module doc)."""
+        self._seats.clear()
+        self._slope = None
         ones = [1.0] * len(outlooks)
         best = self._search(outlooks, ones)
         remaining = _remaining(outlooks)
@@ -246,6 +252,10 @@ class BatchDraftPlanner:
                                                                     strict=True)):
             return best  # no plan that drafts beats plain steps
         threshold = best_rate * START_MARGIN
+        # a higher rate never lengthens a sequence's choice: no chain longer than the
+        # longest model draft chosen at the plain rate changes anything
+        longest = max(self._choose(o, w, longest, best_rate, offer=False).n
+                      for o, w in zip(outlooks, weights, strict=True))
         for chain in range(0, longest + 1):
             rate = best_rate
             choices = best
@@ -286,13 +296,14 @@ class BatchDraftPlanner:
         gained = self.costs.time_to_go(remaining) - self.costs.time_to_go(after)
         return gained / self.forecast_of(outlooks, choices).charged
 
-    def _choose(self, o: Outlook, weight: float, chain: int, rate: float) -> _Choice:
+    def _choose(self, o: Outlook, weight: float, chain: int, rate: float,
+                offer: bool = True) -> _Choice:
         """The sequence's draft that adds the most weighted tokens beyond what its extra
         rows and its place in the chain cost at `rate` (a plain step where none adds
-        any)."""
+        any; `offer`: its free offer is one of the choices)."""
         per_row = self._verify_slope()
         best, best_gain = _Choice(), 0.0
-        for m in range(1, len(o.lookup)):
+        for m in range(1, len(o.lookup) if offer else 0):
             gain = _gain(weight * o.lookup[m], weight, rate, per_row * m)
             if gain > best_gain:
                 best, best_gain = _Choice(m, lookup=True), gain
@@ -364,6 +375,12 @@ class BatchDraftPlanner:
         """What the sequence's draft of n tokens adds to a chain that another sequence's
         draft of n already runs: its rows in each of the passes (its catch-up in the
         first, at the share the step is charged)."""
+        key = (id(o), n)
+        if key not in self._seats:
+            self._seats[key] = self._seat_cost_of(o, n)
+        return self._seats[key]
+
+    def _seat_cost_of(self, o: Outlook, n: int) -> float:
         def grown(rows: int, by: int) -> float:
             return ((self.costs.draft_pass(o.drafter, rows + by) or 0.0)
                     - (self.costs.draft_pass(o.drafter, rows) or 0.0))
@@ -380,9 +397,11 @@ class BatchDraftPlanner:
 
     def _verify_slope(self) -> float:
         """Seconds a verified row adds to the target pass, near the step's sizes."""
-        line = self.costs.verify
-        lo = min(line.at_size) if line.at_size else 1
-        return max(self._verify_cost(lo + 8) - self._verify_cost(lo), 0.0) / 8
+        if self._slope is None:
+            line = self.costs.verify
+            lo = min(line.at_size) if line.at_size else 1
+            self._slope = max(self._verify_cost(lo + 8) - self._verify_cost(lo), 0.0) / 8
+        return self._slope
 
 
 def _catch_up_share(group: Sequence[tuple[Outlook, int]]) -> float:
