@@ -782,8 +782,14 @@ class AdaptiveDraftLength(DraftPolicy):
 
         def curve(acc: _Acceptance, longest: int) -> list[float]:
             """E(n) for n = 0..longest; a draft below n_min is never verified (E = 1)."""
-            return [1.0 if 0 < n < self.shortest else acc.expected_tokens(n)
-                    for n in range(longest + 1)]
+            out, e, run = [1.0], 1.0, 1.0
+            rates = acc.rates()
+            for n in range(1, longest + 1):
+                if n <= len(rates):
+                    run *= rates[n - 1]
+                    e += run
+                out.append(1.0 if n < self.shortest else e)
+            return out
 
         lookup: list[float] = []
         if offer is not None and offer.tokens:
