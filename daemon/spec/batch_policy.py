@@ -25,13 +25,12 @@ costs are measured here, a pass at a time, at the sizes the step runs.
 Where each sequence's remaining tokens are known (its budget: an upper bound where it may
 end sooner), a plan must also not delay the batch's end: `StepCosts.time_to_go` predicts
 when the last sequence is done, the sequences decoding together, each at the pace measured
-for as many as are left (a plain step's where none was measured). A plan whose step
-brings that end nearer, per second it takes, less than a plain step does (one stream's
-long offer verified in a wide pass while the others, as far from done, wait for it) gives
-way to the plan of the search with each sequence's tokens weighed by what a token more of
-it brings to that end (`_token_values`), if that beats plain steps by START_MARGIN, else
-to plain steps. A draft that lets a stream finish, after which the others decode faster,
-is kept.
+for as many as are left (a plain step's where none was measured). A plan whose step does
+not bring that end END_MARGIN nearer, per second it takes, than a plain step does (one
+stream's long offer verified in a wide pass while the others, as far from done, wait for
+it) gives way to the plan of the search with each sequence's tokens weighed by what a
+token more of it brings to that end (`_token_values`), if that one does, else to plain
+steps. A draft that lets a stream finish, after which the others decode faster, is kept.
 
 Each sequence's round then drafts as the step's plan says (its policy still learns from
 it). While the plan drafts nothing, every `explore_every` steps one sequence that can
@@ -49,6 +48,9 @@ from .policy import PROBE_LENGTH, CostLine, ExpertPricing, RoundPlan
 DECAY = 0.98  # weight kept by older pass timings at each new one
 DINKELBACH_ROUNDS = 4  # iterations of the rate each L's choices are made at
 START_MARGIN = 1.03  # drafting must be predicted this much faster than no drafting
+# where budgets are known, a plan must bring the batch's end this much nearer per second
+# than a plain step does (the end's forecast is rough: a near tie is held to plain steps)
+END_MARGIN = 1.1
 PACE_EVIDENCE = 3.0  # discounted steps at a concurrency before its measured pace is used
 
 
@@ -222,8 +224,9 @@ class BatchDraftPlanner:
     def plan(self, outlooks: Sequence[Outlook]) -> tuple[list[_Choice], float]:
         """The best choices and their predicted tokens per second: plain steps for all
         unless drafting is predicted START_MARGIN faster; where the sequences' remaining
-        tokens are known, a plan that would bring the last of them later to its end than
-        a plain step does gives way to the plan that brings it soonest (module doc)."""
+        tokens are known, a plan that would not bring the last of them END_MARGIN nearer
+        to its end than a plain step does gives way to the plan that brings it soonest,
+        if that one does (module doc)."""
         self._seats.clear()
         self._slope = None
         ones = [1.0] * len(outlooks)
@@ -233,11 +236,11 @@ class BatchDraftPlanner:
             return best, self._rate(outlooks, best, ones)
         plain = [_Choice() for _ in outlooks]
         at_plain = self._sooner(outlooks, plain, remaining)
-        if self._sooner(outlooks, best, remaining) < at_plain:
+        if self._sooner(outlooks, best, remaining) < at_plain * END_MARGIN:
             valued = self._search(outlooks, self._token_values(outlooks, remaining))
             drafts = any(c.n for c in valued)
             best = valued if drafts and self._sooner(
-                outlooks, valued, remaining) > at_plain * START_MARGIN else plain
+                outlooks, valued, remaining) > at_plain * END_MARGIN else plain
         return best, self._rate(outlooks, best, ones)
 
     def _search(self, outlooks: Sequence[Outlook], weights: Sequence[float]
