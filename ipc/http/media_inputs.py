@@ -93,20 +93,9 @@ def chat_images(messages: list[dict[str, Any]], *, own_user: bool
                 isinstance(p, dict) and p.get("type") == "image_url" for p in parts):
             out.append(m)
             continue
-        text, last_marker = "", False
-        for j, p in enumerate(parts):
-            kind = p.get("type") if isinstance(p, dict) else None
-            where = f"messages[{i}].content[{j}]"
-            if kind == "image_url":
-                images.append(_part_image(p, own_user=own_user, param=where))
-                text += MEDIA_MARKER
-                last_marker = True
-            elif kind == "text" and isinstance(p.get("text"), str):
-                text += ("\n" if text and not last_marker else "") + p["text"]
-                last_marker = False
-            else:
-                raise BadRequest(f"a content part of type {kind!r} is not supported "
-                                 "(text and image_url parts)", param=where)
+        text, found = _parts_media(parts, own_user=own_user, param=f"messages[{i}]",
+                                   lines=True)
+        images += found
         out.append({**m, "content": text})
     return out, images
 
@@ -125,15 +114,25 @@ def content_media(parts: list[Any], *, own_user: bool, param: str
     """OpenAI content parts as an embedding input takes them (llama-server's
     tokenize_oai_content_array): the parts' texts joined with nothing between, a media
     marker in each image_url part's place, and the images' bytes in order."""
-    text, images = "", []
+    return _parts_media(parts, own_user=own_user, param=param, lines=False)
+
+
+def _parts_media(parts: list[Any], *, own_user: bool, param: str, lines: bool
+                 ) -> tuple[str, list[bytes]]:
+    """Text and image_url content parts as text with a media marker in each image's
+    place, and the images' bytes in order; `lines`: a text part after another text part
+    starts a new line (a chat message's), else the texts are joined as they are."""
+    text, images, last_marker = "", [], False
     for j, p in enumerate(parts):
         kind = p.get("type") if isinstance(p, dict) else None
         where = f"{param}.content[{j}]"
         if kind == "image_url":
             images.append(_part_image(p, own_user=own_user, param=where))
             text += MEDIA_MARKER
+            last_marker = True
         elif kind == "text" and isinstance(p.get("text"), str):
-            text += p["text"]
+            text += ("\n" if lines and text and not last_marker else "") + p["text"]
+            last_marker = False
         else:
             raise BadRequest(f"a content part of type {kind!r} is not supported "
                              "(text and image_url parts)", param=where)
