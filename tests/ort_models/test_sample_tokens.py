@@ -209,15 +209,13 @@ class PhiloxSampler(Sampler):
 
     def __init__(self, call: OpCall) -> None:
         super().__init__(call.sampler_params(), seed=0, history=call.history)
-        self.call, self.emitted, self.last = call, 0, -1
+        self.call, self.emitted = call, 0
 
     def accept(self, token: int) -> None:
         super().accept(token)
         self.emitted += 1
 
-    def uniform(self, position: int | None = None) -> float:
-        draw = 1 if self.last == self.emitted else 0  # a second uniform at the same row
-        self.last = self.emitted
+    def uniform(self, position: int | None = None, draw: int = 0) -> float:
         c = self.call
         return float(philox_uniform(c.key, c.position + self.emitted, c.stream, draw))
 
