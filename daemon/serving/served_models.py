@@ -136,20 +136,10 @@ class ServedModels:
         self._room = threading.Lock()  # held by the one engine loading (room_for)
         self._read_presets: Callable[[], list[ModelPreset]] | None = None
         self._presets_lock = threading.Lock()  # one reading of the preset file at a time
-        self._check_names()
+        _check_names(self.models)
         if len(self.models) > 1 and build is None:
             raise ValueError("more than one model and nothing to build them with")
         self._gate(self.first, first)
-
-    def _check_names(self) -> None:
-        seen: dict[str, ServedModel] = {}
-        for m in self.models:
-            for name in m.answers_to():
-                other = seen.setdefault(name, m)
-                if other is not m and (other.ref != m.ref or m.from_preset
-                                       or other.from_preset):
-                    what = "a preset" if m.from_preset or other.from_preset else "--models"
-                    raise ValueError(f"{what}: {name!r} names both {other.ref} and {m.ref}")
 
     def use_presets(self, read: Callable[[], list[ModelPreset]]) -> None:
         """Serve the models `read` gives (a preset file's), now and at each reload."""
@@ -203,20 +193,13 @@ class ServedModels:
                       if ref is not None and by_name
                       for m in [_find_in(base, ref)] if m is not None}
             gone = [m for m in self.models if m.from_preset and m not in made]
-            self._check_names_of([*base, *made])
+            _check_names([*base, *made])
             for m in gone:
                 self._retire(m)
             for m in base:
                 m.preset, m.draft = attached.get(id(m), (None, None))
                 m.hidden = id(m) in hidden
             self.models = [*base, *made]
-
-    def _check_names_of(self, models: list[ServedModel]) -> None:
-        kept, self.models = self.models, models
-        try:
-            self._check_names()
-        finally:
-            self.models = kept
 
     @staticmethod
     def _resolve(base: list[ServedModel], ref: str, by_name: bool) -> str:
@@ -318,6 +301,18 @@ class ServedModels:
         """Stop every built model's scheduler."""
         for service in self.built():
             service.scheduler.stop()
+
+
+def _check_names(models: list[ServedModel]) -> None:
+    """ValueError where one name names two models (two refs, or a preset's model and
+    another)."""
+    seen: dict[str, ServedModel] = {}
+    for m in models:
+        for name in m.answers_to():
+            other = seen.setdefault(name, m)
+            if other is not m and (other.ref != m.ref or m.from_preset or other.from_preset):
+                what = "a preset" if m.from_preset or other.from_preset else "--models"
+                raise ValueError(f"{what}: {name!r} names both {other.ref} and {m.ref}")
 
 
 def _find_in(models: list[ServedModel], name: str) -> ServedModel | None:
