@@ -307,12 +307,11 @@ class BatchDraftPlanner:
         per_row = self._verify_slope()
         best, best_gain = _Choice(), 0.0
         for m in range(1, len(o.lookup) if offer else 0):
-            gain = _gain(weight * o.lookup[m], weight, rate, per_row * m)
+            gain = _gain(weight, o.lookup[m], rate, per_row * m)
             if gain > best_gain:
                 best, best_gain = _Choice(m, lookup=True), gain
         for n in range(1, min(chain, len(o.model) - 1) + 1):
-            gain = _gain(weight * o.model[n], weight, rate,
-                         per_row * n + self._seat_cost(o, n))
+            gain = _gain(weight, o.model[n], rate, per_row * n + self._seat_cost(o, n))
             if gain > best_gain:
                 best, best_gain = _Choice(n), gain
         return best
@@ -322,12 +321,7 @@ class BatchDraftPlanner:
         in the shortest chain that carries it (a longer chain's seat costs more): where
         none of the sequences' do, every choice at `rate` is a plain step, and so is the
         plan."""
-        per_row = self._verify_slope()
-        return (any(_gain(weight * o.lookup[m], weight, rate, per_row * m) > 0
-                    for m in range(1, len(o.lookup)))
-                or any(_gain(weight * o.model[n], weight, rate,
-                             per_row * n + self._seat_cost(o, n)) > 0
-                       for n in range(1, len(o.model))))
+        return self._choose(o, weight, len(o.model) - 1, rate).n > 0
 
     def _rate(self, outlooks: Sequence[Outlook], choices: Sequence[_Choice],
               weights: Sequence[float]) -> float:
@@ -434,7 +428,7 @@ def _expected(o: Outlook, c: _Choice) -> float:
     return (o.lookup if c.lookup else o.model)[c.n]
 
 
-def _gain(expected: float, plain: float, rate: float, seconds: float) -> float:
-    """(Weighted) tokens a draft adds beyond the plain step's `plain`, less what its
+def _gain(weight: float, expected: float, rate: float, seconds: float) -> float:
+    """Tokens a draft adds beyond the plain step's one, at `weight` each, less what its
     `seconds` are worth at `rate`."""
-    return expected - plain - rate * seconds
+    return weight * expected - weight - rate * seconds
