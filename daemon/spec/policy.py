@@ -322,11 +322,18 @@ class _Acceptance:
 
     def expected_tokens(self, n: int) -> float:
         """Tokens a round drafting n emits: the accepted drafts and the target's own."""
-        e, run = 1.0, 1.0
-        for a in self.rates()[:n]:
-            run *= a
-            e += run
-        return e
+        return self.expected_curve(n)[n]
+
+    def expected_curve(self, longest: int) -> list[float]:
+        """expected_tokens(n) for n = 0..longest (past the positions kept, no more)."""
+        out, e, run = [1.0], 1.0, 1.0
+        rates = self.rates()
+        for n in range(1, longest + 1):
+            if n <= len(rates):
+                run *= rates[n - 1]
+                e += run
+            out.append(e)
+        return out
 
 
 @dataclass(frozen=True)
@@ -782,14 +789,8 @@ class AdaptiveDraftLength(DraftPolicy):
 
         def curve(acc: _Acceptance, longest: int) -> list[float]:
             """E(n) for n = 0..longest; a draft below n_min is never verified (E = 1)."""
-            out, e, run = [1.0], 1.0, 1.0
-            rates = acc.rates()
-            for n in range(1, longest + 1):
-                if n <= len(rates):
-                    run *= rates[n - 1]
-                    e += run
-                out.append(1.0 if n < self.shortest else e)
-            return out
+            return [1.0 if 0 < n < self.shortest else e
+                    for n, e in enumerate(acc.expected_curve(longest))]
 
         lookup: list[float] = []
         if offer is not None and offer.tokens:
