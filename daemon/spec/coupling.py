@@ -31,7 +31,6 @@ class CoupledSampler(Sampler):
             raise ValueError("coupled drafts need a target sampler whose draws are keyed "
                              "by position")
         super().__init__(params, seed=0, history=target.history)
-        self.target = target
         self.key = target.key  # the graph's draws of a coupled pick are the target's
         self._first = 0  # position of the round's first draft token
 
