@@ -131,6 +131,15 @@ def check_prompt_images(target: ModelRunner, prompt: Sequence[int],
                                f"{emb.max_call_rows} rows one call evaluates")
 
 
+def rope_positions(target: ModelRunner, images: Sequence[PromptImage], start: int,
+                   end: int) -> np.ndarray | None:
+    """The M-RoPE positions [4, end - start] of KV rows start..end-1 where they are not
+    the runner's default, else None: on an M-RoPE target the rows after an image are not
+    at their KV positions, so every call of a prompt with images gives its rows'."""
+    return (mrope_positions(images, start, end)
+            if images and target.takes_rope_positions else None)
+
+
 def prompt_chunk(target: ModelRunner, seq: int, prompt: Sequence[int],
                  images: Sequence[PromptImage], start: int, end: int,
                  layers: tuple[int, ...]) -> Call:
@@ -144,8 +153,7 @@ def prompt_chunk(target: ModelRunner, seq: int, prompt: Sequence[int],
     return Call(seq, prompt[start:end], start, None, layers,
                 embeds=None if image is None
                 else image.embeddings[start - image.start:end - image.start],
-                rope_positions=mrope_positions(images, start, end)
-                if images and target.takes_rope_positions else None)
+                rope_positions=rope_positions(target, images, start, end))
 
 
 def prompt_calls(target: ModelRunner, seq: int, prompt: Sequence[int],
@@ -155,8 +163,10 @@ def prompt_calls(target: ModelRunner, seq: int, prompt: Sequence[int],
     takes these images."""
     check_prompt_images(target, prompt, images)
     calls: list[Call] = []
-    while (start := sum(len(c.tokens) for c in calls)) < len(prompt):
+    start = 0
+    while start < len(prompt):
         calls.append(prompt_chunk(target, seq, prompt, images, start, len(prompt), layers))
+        start += len(calls[-1].tokens)
     return calls
 
 
@@ -260,9 +270,6 @@ class Generation:
         if self.images or any(is_placeholder(t) for t in prompt):
             check_prompt_images(target, prompt, self.images)
             reuse = outside_images(self.images, reuse)
-        # an M-RoPE target's rows after an image are not at their KV positions: every
-        # call then gives its rows' rope positions (media.mrope_positions)
-        self._mrope_images = bool(self.images) and target.takes_rope_positions
         params.sampling.validate()
         params.draft.validate()
         if drafter is not None and drafter.target_layers:
@@ -419,11 +426,6 @@ class Generation:
             call = replace(call, sample=self._spec(len(self.prompt)))
         return call
 
-    def _rope_positions(self, start: int, end: int) -> np.ndarray | None:
-        """The M-RoPE positions [4, end - start] of KV rows start..end-1 where they are
-        not the runner's default (an M-RoPE target and a prompt with images), else None."""
-        return mrope_positions(self.images, start, end) if self._mrope_images else None
-
     def _complete_prefill(self, chunk: _PrefillChunk, out: CallOutput) -> list[int]:
         """The chunk's KV is in: keep the drafter's features; after the last chunk, start
         the drafter and sample the first token from the prompt's last logits."""
@@ -570,7 +572,8 @@ class Generation:
         tokens = [self._last, *proposed.proposal.tokens]
         return Call(self.seq, tokens, self._pos, list(range(len(tokens))), self._layers,
                     self._round_spec(proposed.proposal),
-                    rope_positions=self._rope_positions(self._pos, self._pos + len(tokens)))
+                    rope_positions=rope_positions(self.target, self.images, self._pos,
+                                                  self._pos + len(tokens)))
 
     def complete(self, out: CallOutput) -> list[int]:
         """The step whose call went out (`prefill_call`, `round_call`), finished with the
