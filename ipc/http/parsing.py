@@ -199,7 +199,7 @@ def prompt_items(value: Any, param: str = "input") -> list[Any]:
 
 
 def prompt_item_tokens(svc: ServiceFacade, item: Any, param: str = "input",
-                  tok: Tokenizer | None = None) -> list[int]:
+                       tok: Tokenizer | None = None) -> list[int]:
     """The token ids of one prompt: a text, an array of ids (text among them is
     tokenized in place), {"prompt_string": text} or {"content": [text parts]}. A text
     may give no tokens. `tok`: the tokenizer (default: the target's)."""

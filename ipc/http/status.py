@@ -162,10 +162,11 @@ async def props(request: web.Request) -> web.Response:
     would), loading it unless models load only when asked (`?autoload=` overrides)."""
     svc = service(request)
     name = request.query.get("model", "")
-    if name and len(svc.local_models()) > 1:
+    router = len(svc.local_models()) > 1  # llama-server's router: several models by name
+    if name and router:
         return json_response(_props_of(request, await _props_model(request, svc, name)))
     info = _props_of(request, svc)
-    if len(svc.local_models()) > 1:  # llama-server's router: several models by name
+    if router:
         most, autoload = svc.loading_rules
         info.update({"role": "router", "max_instances": most, "models_autoload": autoload})
     return json_response(info)
