@@ -35,7 +35,9 @@ steps. A draft that lets a stream finish, after which the others decode faster, 
 Each sequence's round then drafts as the step's plan says (its policy still learns from
 it). While the plan drafts nothing, every `explore_every` steps one sequence that can
 draft, in turn, probes PROBE_LENGTH tokens from its source, so that its acceptance
-estimates go on being tested at a bounded cost to the others.
+estimates go on being tested at a bounded cost to the others: a probe whose draft chain
+(its catch-up on skipped tokens included) costs more than PROBE_SHARE of the plain steps
+between probes waits for one that does not.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ START_MARGIN = 1.03  # drafting must be predicted this much faster than no draft
 # than a plain step does (the end's forecast is rough: a near tie is held to plain steps)
 END_MARGIN = 1.1
 PACE_EVIDENCE = 3.0  # discounted steps at a concurrency before its measured pace is used
+# a probe's draft chain may cost at most this share of the plain steps between probes
+PROBE_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -210,16 +214,30 @@ class BatchDraftPlanner:
             self.forecast = self.forecast_of(outlooks, choices)
             return plans
         self._idle_steps += 1
-        drafting = [i for i, o in enumerate(outlooks) if len(o.model) > 1]
-        if self._idle_steps >= self.explore_every and drafting:
-            self._idle_steps = 0
-            self._turn += 1
-            i = drafting[self._turn % len(drafting)]
-            n = min(PROBE_LENGTH, len(outlooks[i].model) - 1)
-            plans[i] = RoundPlan(n, source=outlooks[i].source)
-            choices[i] = _Choice(n)
+        if self._idle_steps >= self.explore_every:
+            probe = self._probe(outlooks)
+            if probe is not None:
+                self._idle_steps = 0
+                i, n = probe
+                plans[i] = RoundPlan(n, source=outlooks[i].source)
+                choices[i] = _Choice(n)
         self.forecast = self.forecast_of(outlooks, choices)
         return plans
+
+    def _probe(self, outlooks: Sequence[Outlook]) -> tuple[int, int] | None:
+        """The next sequence in turn that can draft and whose probe of PROBE_LENGTH tokens
+        (its catch-up included) costs at most PROBE_SHARE of the plain steps between
+        probes, and that length (None: none can; a probe that re-reads a long skipped
+        context costs the others several steps, more than its evidence is worth)."""
+        drafting = [i for i, o in enumerate(outlooks) if len(o.model) > 1]
+        bound = self._verify_cost(len(outlooks)) * self.explore_every * PROBE_SHARE
+        for k in range(1, len(drafting) + 1):
+            i = drafting[(self._turn + k) % len(drafting)]
+            n = min(PROBE_LENGTH, len(outlooks[i].model) - 1)
+            if self._chain_cost([(outlooks[i], n)])[0] <= bound:
+                self._turn += k
+                return i, n
+        return None
 
     def plan(self, outlooks: Sequence[Outlook]) -> tuple[list[_Choice], float]:
         """The best choices and their predicted tokens per second: plain steps for all

@@ -88,11 +88,26 @@ def test_a_head_pays_once_for_its_block() -> None:
 def test_plain_steps_still_probe_a_sequence_now_and_then() -> None:
     """While nothing is drafted, a sequence that can draft probes two tokens every
     explore_every steps, each in turn (a plain row, here the first, never)."""
-    p = planner((30, 6), (12, 3))
+    p = planner((30, 6), (4, 0.5))
     outlooks = [Outlook([1.0], None), *[Outlook(geometric(0.5, 8), DRAFT)] * 2]
     planned = [caps(p, outlooks) for _ in range(2 * p.explore_every)]
     probes = [(i, plan) for i, plan in enumerate(planned) if plan != [0, 0, 0]]
     assert probes == [(p.explore_every - 1, [0, 0, 2]), (2 * p.explore_every - 1, [0, 2, 0])]
+
+
+def test_a_probe_that_would_reread_a_long_context_waits() -> None:
+    """A sequence whose draft model lags by a long context (its prompt, or many plain
+    steps) is not probed while that catch-up costs more than a small share of the plain
+    steps between probes: the one that lags little is probed in its place, and with none
+    such nothing is."""
+    p = planner((30, 6), (4, 0.5))
+    lagging = Outlook(geometric(0.5, 8), DRAFT, catch_up=200)
+    near = Outlook(geometric(0.5, 8), DRAFT, catch_up=3)
+    planned = [caps(p, [lagging, near, lagging]) for _ in range(3 * p.explore_every)]
+    probes = [plan for plan in planned if plan != [0, 0, 0]]
+    assert probes == [[0, 2, 0]] * 3
+    alone = [caps(p, [lagging, lagging]) for _ in range(2 * p.explore_every)]
+    assert all(plan == [0, 0] for plan in alone)
 
 
 def test_a_sequence_that_cannot_draft_is_a_plain_row_of_the_step() -> None:
