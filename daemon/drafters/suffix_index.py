@@ -241,9 +241,14 @@ def propose(found: Sequence[Candidates], n_max: int) -> Continuation:
     longest = int(match.max())
     alive = match == longest
     limit = min(width, max(int(MATCH_FACTOR * longest), 1))
-    tokens: list[int] = []
+    # the leading columns where every occurrence of the longest match goes on with the
+    # same token are taken at once (each one's share is 1: nothing changes)
+    rows = follow[alive, :limit]  # [alive, limit]
+    same = (rows == rows[:1]).all(axis=0) & (rows[0] >= 0)  # [limit]
+    agreed = limit if same.all() else int(np.argmin(same))
+    tokens = [int(t) for t in rows[0, :agreed]]
     probability = 1.0
-    for col in range(limit):
+    for col in range(agreed, limit):
         nxt = follow[alive, col]  # [alive]
         going = nxt[nxt >= 0]
         if going.size == 0:

@@ -10,6 +10,8 @@ from specd.daemon.drafters.suffix_index import (
     MATCH_FACTOR,
     MAX_CANDIDATES,
     MIN_PROBABILITY,
+    Candidates,
+    Continuation,
     SuffixIndex,
     propose,
 )
@@ -143,3 +145,46 @@ def test_an_images_placeholders_end_a_match_and_are_never_proposed() -> None:
     ix.add_document([1, 2, 3, 4, 5, 6, 7, 8, *image, 9, 10, 11, 12, 13, 14, 15, 16])
     assert _lookup(ix, [1, 2, 3, 4, 5]) == [6, 7, 8]
     assert _lookup(ix, [9, 10, 11, 12]) == [13, 14, 15, 16]
+
+
+def _propose_reference(found: list[Candidates], n_max: int) -> Continuation:
+    """The proposal as the module doc defines it, a token at a time over every column."""
+    match = np.concatenate([c.match for c in found])
+    width = min(n_max, min(c.follow.shape[1] for c in found))
+    follow = np.concatenate([c.follow[:, :width] for c in found])
+    longest = int(match.max())
+    alive = match == longest
+    tokens: list[int] = []
+    probability = 1.0
+    for col in range(min(width, max(int(MATCH_FACTOR * longest), 1))):
+        nxt = follow[alive, col]
+        going = nxt[nxt >= 0]
+        if going.size == 0:
+            break
+        values, counts = np.unique(going, return_counts=True)
+        share = probability * counts.max() / nxt.size
+        if share < MIN_PROBABILITY:
+            break
+        probability = float(share)
+        tokens.append(int(values[np.argmax(counts)]))
+        alive &= follow[:, col] == tokens[-1]
+    return Continuation(tokens, longest, probability if tokens else 0.0)
+
+
+def test_a_proposal_is_the_token_at_a_time_definitions() -> None:
+    """Runs where every longest match agrees are taken at once: over random candidates
+    (few distinct tokens, documents ending, pooled indices), the same proposal as the
+    definition's column by column."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        found = []
+        for _ in range(int(rng.integers(1, 3))):
+            m = int(rng.integers(1, 6))
+            follow = rng.integers(0, 3, (m, 12)).astype(np.int32)
+            follow[:, :int(rng.integers(0, 8))] = follow[0, :1] if rng.random() < 0.5 else 1
+            for row in follow:
+                if rng.random() < 0.3:
+                    row[int(rng.integers(0, 12)):] = -1
+            found.append(Candidates(rng.integers(KEY_LEN, KEY_LEN + 3, m), follow))
+        n_max = int(rng.integers(1, 13))
+        assert propose(found, n_max) == _propose_reference(found, n_max)
