@@ -52,6 +52,7 @@ from specd.daemon.text.grammar import Grammar
 from specd.memory_fit.rss import rss_bytes
 
 from .engine import Engine
+from .outbox import Outbox
 
 log = logging.getLogger("specd.scheduler")
 
@@ -174,6 +175,9 @@ class Scheduler:
         if engine.loaded:
             self.round = BatchRound(engine.target.runner, self.planner)
         self._thread = threading.Thread(target=self._run, name="specd-scheduler", daemon=True)
+        # the readers' wake-ups, held while a step is planned (outbox.py)
+        self.outbox = Outbox()
+        self.outbox.worker = self._thread
         self._thread.start()
 
     # -- API (any thread) -----------------------------------------------------------------
@@ -449,8 +453,10 @@ class Scheduler:
                     if wait is not None and wait <= 0:
                         unload = True
                         break
+                    self.outbox.flush()
                     self._lock.wait(wait)
                 if self._stop:
+                    self.outbox.flush()
                     return
             try:
                 if unload:
@@ -543,9 +549,11 @@ class Scheduler:
                 stepping.append(slot)
             self._settle(slot)
         if not stepping:
+            self.outbox.flush()
             return
         assert self.round is not None  # loaded: requests run only then
-        report = self.round.step([self._gen(s) for s in stepping], self.prefill_chunk)
+        report = self.round.step([self._gen(s) for s in stepping], self.prefill_chunk,
+                                 on_planned=self.outbox.flush)
         if report.target_calls:
             self.counts.passes += 1
             self.counts.rows += report.target_calls
@@ -588,6 +596,7 @@ class Scheduler:
     def _run_task(self, slot: Slot, req: Request,
                   task: Callable[[int], tuple[object, list[int]]]) -> None:
         """A task request on its slot: its KV is the task's to overwrite."""
+        self.outbox.flush()  # the streams' last tokens do not wait for the task
         cached: list[int] = []
         if not req.cancelled:
             try:

@@ -290,8 +290,7 @@ class Stream:
             prompt=prompt, params=params, cache_prompt=cache_prompt, grammar=grammar,
             on_tokens=self._on_tokens, keep_alive=keep_alive, images=images,
             on_prompt_progress=self._on_progress if progress else None,
-            on_done=lambda r: self._loop.call_soon_threadsafe(
-                self._events.put_nowait, ("done", r)),
+            on_done=lambda r: self._send(("done", r)),
         )
         svc.scheduler.submit(self.req)
 
@@ -305,12 +304,17 @@ class Stream:
     async def started(self) -> None:
         """(queued already: a local request's failures come in its Result)"""
 
+    def _send(self, event: tuple[str, Any]) -> None:
+        """(worker thread) The event, to the reader: woken once the scheduler's next step
+        is planned (outbox.py)."""
+        self.svc.scheduler.outbox.post(
+            lambda: self._loop.call_soon_threadsafe(self._events.put_nowait, event))
+
     def _on_progress(self, cache: int, processed: int, total: int) -> None:
         """(worker thread) Prompt processing reached `processed` of `total` tokens."""
         ms = int((time.perf_counter() - self._t_submit) * 1000)
-        self._loop.call_soon_threadsafe(self._events.put_nowait, (
-            "progress", ProgressEvent(total, cache, processed, ms,
-                                      self._timings_now(processed - cache))))
+        self._send(("progress", ProgressEvent(total, cache, processed, ms,
+                                              self._timings_now(processed - cache))))
 
     def _timings_now(self, prompt_n: int | None = None) -> dict[str, Any] | None:
         """The request's timings so far, where asked for (on the worker thread, or once
@@ -349,8 +353,7 @@ class Stream:
         logprobs = [] if gen is None or gen.params.logprobs is None else (
             gen.token_logprobs[len(gen.token_logprobs) - len(tokens):][:len(used)])
         if piece or used:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, (
-                "piece", Piece(piece, used, out, logprobs, self._timings_now())))
+            self._send(("piece", Piece(piece, used, out, logprobs, self._timings_now())))
         now = time.monotonic()
         self._t_first = now if self._t_first is None else self._t_first
         if (self._t_max is not None and self._newline and self._matcher.hit is None

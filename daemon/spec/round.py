@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -87,14 +87,17 @@ class BatchRound:
         self.target = target
         self.planner = planner
 
-    def step(self, gens: Sequence[Generation], prefill_budget: int | None = None
-             ) -> StepReport:
+    def step(self, gens: Sequence[Generation], prefill_budget: int | None = None,
+             on_planned: Callable[[], None] | None = None) -> StepReport:
         """One step of each generation (not yet done): its next prompt chunk (the chunks
-        of all within `prefill_budget` tokens; a chunk beyond it waits) or its round."""
+        of all within `prefill_budget` tokens; a chunk beyond it waits) or its round;
+        `on_planned` runs once the step is planned, before its passes."""
         results: list[StepResult] = [[] for _ in gens]
         calls: dict[int, Call] = {}
         t_plan = time.perf_counter()
         jobs = self._plan(gens, prefill_budget, calls, results)
+        if on_planned is not None:
+            on_planned()
         t_propose = time.perf_counter()
         self._propose(gens, jobs, calls, results)
         if not calls:
