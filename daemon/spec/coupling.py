@@ -14,9 +14,6 @@ rejection sampling accepts: its price).
 
 from __future__ import annotations
 
-from specd.ort_models.sampling_op import TARGET_STREAM
-
-from .philox import philox_uniform
 from .sampling import Sampler, SamplerParams
 
 
@@ -30,8 +27,9 @@ class CoupledSampler(Sampler):
         if target.position is None:
             raise ValueError("coupled drafts need a target sampler whose draws are keyed "
                              "by position")
-        super().__init__(params, seed=0, history=target.history)
-        self.key = target.key  # the graph's draws of a coupled pick are the target's
+        # draws keyed by position, with the target's key: the graph's of a coupled pick too
+        super().__init__(params, seed=0, history=target.history, position=target.position)
+        self.key = target.key
         self._first = 0  # position of the round's first draft token
 
     def start_round(self, first: int) -> None:
@@ -46,4 +44,4 @@ class CoupledSampler(Sampler):
         if position < self._first:
             raise ValueError(f"position {position} is before the round's first draft "
                              f"({self._first})")
-        return float(philox_uniform(self.key, position, TARGET_STREAM, 0))
+        return super().uniform(position, draw=0)
