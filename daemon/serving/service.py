@@ -305,8 +305,8 @@ class Stream:
         """(queued already: a local request's failures come in its Result)"""
 
     def _send(self, event: tuple[str, Any]) -> None:
-        """(worker thread) The event, to the reader: woken once the scheduler's next step
-        is planned (outbox.py)."""
+        """The event, to the reader: from the scheduler's worker, woken once its next
+        step is planned (outbox.py); from any other thread, at once."""
         self.svc.scheduler.outbox.post(
             lambda: self._loop.call_soon_threadsafe(self._events.put_nowait, event))
 
